@@ -1,0 +1,206 @@
+//! The Brain: a pure decision table from (state, phase) to the one instruction a step runs.
+//!
+//! The stop ladder is checked in a fixed order: cancellation, then budget admission, then
+//! parse failures, then the completion verdict. Every path that ends a run names exactly one
+//! `StopReason`.
+
+use crate::{AgentState, Phase, StopReason};
+
+/// The one main instruction of a step. A step never chains model → tools → model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Instruction {
+    /// Call the model. With `conclude` the tools are withheld: the budget leaves no room for
+    /// another tool round-trip, so this call must produce the final answer.
+    CallLlm { conclude: bool },
+    /// Run the pending calls of the state's tool checkpoint.
+    CallToolsBatch,
+    Finish(StopReason),
+}
+
+impl Instruction {
+    pub fn name(self) -> &'static str {
+        match self {
+            Instruction::CallLlm { .. } => "call_llm",
+            Instruction::CallToolsBatch => "call_tools_batch",
+            Instruction::Finish(_) => "finish",
+        }
+    }
+}
+
+/// Decides what the step woken by `phase` must do.
+pub fn decide(state: &AgentState, phase: Phase) -> Instruction {
+    if state.cancel_requested || phase == Phase::Cancel {
+        return Instruction::Finish(StopReason::Cancelled);
+    }
+    let pending_tools = state.checkpoint.as_ref().is_some_and(|c| c.has_pending());
+    match phase {
+        Phase::LlmResult => {
+            if state.force_finish {
+                Instruction::Finish(StopReason::BudgetExhausted)
+            } else if pending_tools {
+                Instruction::CallToolsBatch
+            } else {
+                Instruction::Finish(StopReason::Completed)
+            }
+        }
+        Phase::HumanDecided if pending_tools => Instruction::CallToolsBatch,
+        Phase::ToolsBatchResult
+            if state.counters.consecutive_parse_failures
+                >= state.config.limits.max_consecutive_parse_failures =>
+        {
+            Instruction::Finish(StopReason::ParseFailures)
+        }
+        Phase::ToolsBatchResult if completed_by_tool(state) => {
+            Instruction::Finish(StopReason::Completed)
+        }
+        Phase::UserInput | Phase::ToolsBatchResult | Phase::HumanDecided => next_model_call(state),
+        Phase::Cancel => Instruction::Finish(StopReason::Cancelled),
+    }
+}
+
+/// Budget admission for a model call. A model call at step `s` may offer tools only when
+/// steps `s + 1` (the tools) and `s + 2` (a concluding call) still fit under `max_steps`.
+fn next_model_call(state: &AgentState) -> Instruction {
+    let max_steps = state.config.limits.max_steps;
+    if state.force_finish || state.step_index >= max_steps {
+        return Instruction::Finish(StopReason::BudgetExhausted);
+    }
+    let model_step = state.step_index + 1;
+    Instruction::CallLlm { conclude: model_step + 2 > max_steps }
+}
+
+fn completed_by_tool(state: &AgentState) -> bool {
+    let Some(checkpoint) = &state.checkpoint else { return false };
+    checkpoint.calls.iter().any(|progress| {
+        let succeeded = progress.outcome.as_ref().is_some_and(|o| !o.is_error);
+        succeeded && state.config.tool(&progress.call.name).is_some_and(|t| t.completes_run)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        AgentState, Limits, ReplayPolicy, RunConfigSnapshot, RunId, SessionId, ToolCall,
+        ToolCheckpoint, ToolOutcome, ToolSpec,
+    };
+
+    fn state(max_steps: u64) -> AgentState {
+        let config = RunConfigSnapshot {
+            model: "scripted:demo".into(),
+            tools: vec![ToolSpec {
+                name: "done".into(),
+                description: String::new(),
+                parameters: serde_json::json!({"type": "object"}),
+                replay: ReplayPolicy::Safe,
+                completes_run: true,
+            }],
+            limits: Limits { max_steps, ..Limits::default() },
+            ..RunConfigSnapshot::default()
+        };
+        AgentState::new(
+            SessionId::from_suffix("s").unwrap(),
+            RunId::from_suffix("r").unwrap(),
+            config,
+            0,
+        )
+    }
+
+    fn call(name: &str) -> ToolCall {
+        ToolCall { id: "c1".into(), name: name.into(), arguments: serde_json::json!({}) }
+    }
+
+    /// Every combination of the inputs the Brain looks at, with the expected instruction
+    /// computed independently from the written rules.
+    #[test]
+    fn decision_table_is_exhaustive_over_its_inputs() {
+        let phases = [
+            Phase::UserInput,
+            Phase::LlmResult,
+            Phase::ToolsBatchResult,
+            Phase::HumanDecided,
+            Phase::Cancel,
+        ];
+        let mut cases = 0;
+        for phase in phases {
+            for cancel in [false, true] {
+                for force in [false, true] {
+                    for checkpoint in 0..4 {
+                        for parse_failures in [0, 3] {
+                            for step_index in [0, 7, 8, 10] {
+                                let mut s = state(10);
+                                s.cancel_requested = cancel;
+                                s.force_finish = force;
+                                s.step_index = step_index;
+                                s.counters.consecutive_parse_failures = parse_failures;
+                                s.checkpoint = match checkpoint {
+                                    0 => None,
+                                    1 => Some(ToolCheckpoint::new(vec![call("add")])),
+                                    2 => {
+                                        let mut c = ToolCheckpoint::new(vec![call("done")]);
+                                        c.calls[0].outcome = Some(ToolOutcome::ok("ok"));
+                                        Some(c)
+                                    }
+                                    _ => {
+                                        let mut c = ToolCheckpoint::new(vec![call("done")]);
+                                        c.calls[0].outcome = Some(ToolOutcome::error("no"));
+                                        Some(c)
+                                    }
+                                };
+                                let expected = expected(phase, cancel, force, checkpoint, parse_failures, step_index);
+                                assert_eq!(
+                                    decide(&s, phase),
+                                    expected,
+                                    "phase={phase:?} cancel={cancel} force={force} checkpoint={checkpoint} parse_failures={parse_failures} step={step_index}"
+                                );
+                                cases += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(cases, 5 * 2 * 2 * 4 * 2 * 4);
+    }
+
+    fn expected(
+        phase: Phase,
+        cancel: bool,
+        force: bool,
+        checkpoint: u8,
+        parse_failures: u32,
+        step_index: u64,
+    ) -> Instruction {
+        use Instruction::*;
+        if cancel || phase == Phase::Cancel {
+            return Finish(StopReason::Cancelled);
+        }
+        let pending = checkpoint == 1;
+        let model_call = || {
+            if force || step_index >= 10 {
+                Finish(StopReason::BudgetExhausted)
+            } else {
+                CallLlm { conclude: step_index + 3 > 10 }
+            }
+        };
+        match phase {
+            Phase::LlmResult if force => Finish(StopReason::BudgetExhausted),
+            Phase::LlmResult if pending => CallToolsBatch,
+            Phase::LlmResult => Finish(StopReason::Completed),
+            Phase::HumanDecided if pending => CallToolsBatch,
+            Phase::ToolsBatchResult if parse_failures >= 3 => Finish(StopReason::ParseFailures),
+            Phase::ToolsBatchResult if checkpoint == 2 => Finish(StopReason::Completed),
+            _ => model_call(),
+        }
+    }
+
+    #[test]
+    fn a_budget_of_three_steps_leaves_room_for_exactly_one_tool_round_trip() {
+        let mut s = state(3);
+        assert_eq!(decide(&s, Phase::UserInput), Instruction::CallLlm { conclude: false });
+        s.step_index = 2;
+        assert_eq!(decide(&s, Phase::ToolsBatchResult), Instruction::CallLlm { conclude: true });
+        let s = state(1);
+        assert_eq!(decide(&s, Phase::UserInput), Instruction::CallLlm { conclude: true });
+    }
+}

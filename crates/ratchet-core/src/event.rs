@@ -1,0 +1,81 @@
+//! Observation events as the core produces them. The store assigns each a per-session `seq`
+//! when it is written; nothing is published before its transaction commits.
+
+use serde_json::Value;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    RunCreated,
+    RunStatus,
+    StepCommitted,
+    Activity,
+    AssistantDelta,
+    AssistantMessage,
+    ToolCall,
+    ToolResult,
+    ModelError,
+    ReconciliationRequired,
+    RunFinished,
+}
+
+impl EventKind {
+    pub const ALL: [EventKind; 11] = [
+        EventKind::RunCreated,
+        EventKind::RunStatus,
+        EventKind::StepCommitted,
+        EventKind::Activity,
+        EventKind::AssistantDelta,
+        EventKind::AssistantMessage,
+        EventKind::ToolCall,
+        EventKind::ToolResult,
+        EventKind::ModelError,
+        EventKind::ReconciliationRequired,
+        EventKind::RunFinished,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::RunCreated => "run.created",
+            EventKind::RunStatus => "run.status",
+            EventKind::StepCommitted => "step.committed",
+            EventKind::Activity => "activity",
+            EventKind::AssistantDelta => "assistant.delta",
+            EventKind::AssistantMessage => "assistant.message",
+            EventKind::ToolCall => "tool.call",
+            EventKind::ToolResult => "tool.result",
+            EventKind::ModelError => "model.error",
+            EventKind::ReconciliationRequired => "reconciliation.required",
+            EventKind::RunFinished => "run.finished",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<EventKind> {
+        EventKind::ALL.into_iter().find(|k| k.as_str() == text)
+    }
+}
+
+/// An event before the store has given it a `seq`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventDraft {
+    pub kind: EventKind,
+    pub payload: Value,
+}
+
+impl EventDraft {
+    pub fn new(kind: EventKind, payload: Value) -> Self {
+        EventDraft { kind, payload }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn event_kind_names_round_trip() {
+        for kind in EventKind::ALL {
+            assert_eq!(EventKind::parse(kind.as_str()), Some(kind));
+        }
+        assert_eq!(EventKind::parse("nope"), None);
+    }
+}

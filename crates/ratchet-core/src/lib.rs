@@ -1,0 +1,28 @@
+//! The pure domain of Ratchet: ids, run state, status edges, phases, instructions, the Brain
+//! and the functions that turn an executed instruction into the next committed state.
+//!
+//! This crate never performs I/O, never awaits, never reads the clock and never draws random
+//! numbers: time and ids are passed in. Everything that *decides* lives here so that it can be
+//! tested exhaustively without a runtime.
+
+pub mod brain;
+pub mod event;
+pub mod id;
+pub mod message;
+pub mod state;
+pub mod status;
+pub mod step;
+
+pub use brain::{Instruction, decide};
+pub use event::{EventDraft, EventKind};
+pub use id::{IdError, MessageId, RunId, SessionId};
+pub use message::{Message, Origin, Role, ToolCall, ToolOutcome, Visibility};
+pub use state::{
+    AgentState, CallProgress, Counters, HumanRequest, Limits, ReplayPolicy, RunConfigSnapshot,
+    ToolCheckpoint, ToolSpec,
+};
+pub use status::{IllegalEdge, RunStatus, StopReason};
+pub use step::{ModelReply, Phase, StepJob, StepRecord, StepResult, Usage};
+
+/// Milliseconds since the Unix epoch. The core never reads the clock; callers pass this in.
+pub type Millis = i64;

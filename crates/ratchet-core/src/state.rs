@@ -1,0 +1,185 @@
+//! `AgentState`, the single truth of a run, and the frozen configuration it runs under.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::{Millis, RunId, RunStatus, SessionId, StopReason, ToolCall, ToolOutcome};
+
+/// What may happen when a tool call has an intent but no result after a crash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReplayPolicy {
+    /// Read-only or naturally idempotent: simply run it again.
+    Safe,
+    /// Run it again with the same idempotency key; the tool deduplicates.
+    Keyed,
+    /// Never run it again automatically: a human reconciles the unknown outcome.
+    Never,
+}
+
+impl ReplayPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReplayPolicy::Safe => "safe",
+            ReplayPolicy::Keyed => "keyed",
+            ReplayPolicy::Never => "never",
+        }
+    }
+}
+
+/// A tool as frozen into a run's configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolSpec {
+    pub name: String,
+    pub description: String,
+    pub parameters: Value,
+    pub replay: ReplayPolicy,
+    /// A successful call of this tool ends the run as completed.
+    #[serde(default)]
+    pub completes_run: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// Hard cap on committed steps; the last model call before it is made without tools.
+    pub max_steps: u64,
+    pub max_consecutive_parse_failures: u32,
+    /// How many calls of one batch may run at once (1 = serial).
+    pub max_parallel: u32,
+    /// Attempts of one model call before the run fails with `model_error`.
+    pub max_model_attempts: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_steps: 50,
+            max_consecutive_parse_failures: 3,
+            max_parallel: 4,
+            max_model_attempts: 3,
+        }
+    }
+}
+
+/// Everything a run needs to execute, frozen when the run is created and never written again:
+/// `resume` in another process needs nothing else.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RunConfigSnapshot {
+    /// Model spec, for example `scripted:demo` or `scripted:/path/to/script.json`.
+    pub model: String,
+    /// Directory that file tools are confined to.
+    pub workspace: Option<String>,
+    pub system_prompt: String,
+    pub tools: Vec<ToolSpec>,
+    pub limits: Limits,
+}
+
+impl RunConfigSnapshot {
+    pub fn tool(&self, name: &str) -> Option<&ToolSpec> {
+        self.tools.iter().find(|t| t.name == name)
+    }
+}
+
+/// One call of the current batch and, once known, its outcome.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CallProgress {
+    pub call: ToolCall,
+    pub outcome: Option<ToolOutcome>,
+}
+
+/// The tool batch the model asked for, in the model's order. Outcomes are filled in as the
+/// batch runs and are always returned to the model in this order.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ToolCheckpoint {
+    pub calls: Vec<CallProgress>,
+}
+
+impl ToolCheckpoint {
+    pub fn new(calls: Vec<ToolCall>) -> Self {
+        ToolCheckpoint { calls: calls.into_iter().map(|call| CallProgress { call, outcome: None }).collect() }
+    }
+
+    pub fn has_pending(&self) -> bool {
+        self.calls.iter().any(|c| c.outcome.is_none())
+    }
+}
+
+/// A question the run is waiting on a human for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum HumanRequest {
+    /// A `never`-replay tool call was started but its outcome is unknown (the process died):
+    /// an operator must say what happened before the run can go on.
+    Reconciliation {
+        call_index: usize,
+        call_id: String,
+        tool: String,
+        arguments: Value,
+        idempotency_key: String,
+    },
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    pub steps: u64,
+    pub model_calls: u64,
+    pub tool_calls: u64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub consecutive_parse_failures: u32,
+}
+
+/// The state of one run. Only the Coordinator writes it, one committed step at a time.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentState {
+    pub session_id: SessionId,
+    pub run_id: RunId,
+    pub status: RunStatus,
+    /// The last committed step; the next job must be `step_index + 1`.
+    pub step_index: u64,
+    /// Stored once at creation, outside the mutable state; adapters fill it in on load.
+    #[serde(skip)]
+    pub config: RunConfigSnapshot,
+    /// Owned by the store (a cancel request may arrive while a step is in flight); adapters
+    /// fill it in on load and never take it from a committed state.
+    #[serde(skip)]
+    pub cancel_requested: bool,
+    pub stop_reason: Option<StopReason>,
+    /// Set when the step budget is nearly spent: the next model call is made without tools.
+    pub force_finish: bool,
+    pub checkpoint: Option<ToolCheckpoint>,
+    pub pending_human: Option<HumanRequest>,
+    pub counters: Counters,
+    /// The last assistant text, so that a finished run can answer without reading history.
+    pub final_answer: Option<String>,
+    pub created_at: Millis,
+    pub started_at: Option<Millis>,
+    pub finished_at: Option<Millis>,
+}
+
+impl AgentState {
+    pub fn new(
+        session_id: SessionId,
+        run_id: RunId,
+        config: RunConfigSnapshot,
+        now: Millis,
+    ) -> AgentState {
+        AgentState {
+            session_id,
+            run_id,
+            status: RunStatus::Queued,
+            step_index: 0,
+            config,
+            cancel_requested: false,
+            stop_reason: None,
+            force_finish: false,
+            checkpoint: None,
+            pending_human: None,
+            counters: Counters::default(),
+            final_answer: None,
+            created_at: now,
+            started_at: None,
+            finished_at: None,
+        }
+    }
+}

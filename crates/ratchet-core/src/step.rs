@@ -1,0 +1,363 @@
+//! Steps: the job that wakes a run, the result a step commits, and the pure functions that
+//! turn an executed instruction into that result.
+//!
+//! The engine performs the I/O of one instruction and hands its outcome to one of these
+//! functions; they update the state, build the messages and events, and ask the Brain
+//! whether the run goes on (a next job) or ends in this same step.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::{
+    AgentState, EventDraft, EventKind, HumanRequest, Instruction, Message, Millis, RunId,
+    RunStatus, StopReason, ToolCall, ToolCheckpoint, ToolOutcome, decide,
+};
+
+/// Why a job woke its run up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    UserInput,
+    LlmResult,
+    ToolsBatchResult,
+    /// A human answered the run's pending request; the batch goes on from its checkpoint.
+    HumanDecided,
+    Cancel,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 5] =
+        [Phase::UserInput, Phase::LlmResult, Phase::ToolsBatchResult, Phase::HumanDecided, Phase::Cancel];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::UserInput => "user_input",
+            Phase::LlmResult => "llm_result",
+            Phase::ToolsBatchResult => "tools_batch_result",
+            Phase::HumanDecided => "human_decided",
+            Phase::Cancel => "cancel",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Phase> {
+        Phase::ALL.into_iter().find(|p| p.as_str() == text)
+    }
+}
+
+/// One unit of progress to make. `(run_id, step_index)` is its idempotency key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepJob {
+    pub run_id: RunId,
+    pub step_index: u64,
+    pub phase: Phase,
+    /// How many times this job has been claimed (1 on the first claim).
+    pub attempt: u32,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+/// A complete model answer.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelReply {
+    pub text: String,
+    pub tool_calls: Vec<ToolCall>,
+    pub usage: Usage,
+}
+
+/// The row a committed step leaves in the step history.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub index: u64,
+    pub instruction: String,
+    pub started_at: Millis,
+    pub finished_at: Millis,
+    pub summary: Value,
+}
+
+/// Everything one step commits, atomically: the new state, new messages, events, the step's
+/// record and — only while the run is still running — the next job.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepResult {
+    pub state: AgentState,
+    pub messages: Vec<Message>,
+    pub events: Vec<EventDraft>,
+    pub record: StepRecord,
+    pub next: Option<StepJob>,
+}
+
+impl StepResult {
+    /// A cancel request arrived while this step was in flight. The step's work is kept (its
+    /// effects happened), but the run moves to `cancelling` and its next step only finishes.
+    pub fn yield_to_cancel(&mut self) {
+        if self.state.status.is_terminal() || self.state.status == RunStatus::Cancelling {
+            return;
+        }
+        self.state.cancel_requested = true;
+        self.state.pending_human = None;
+        self.state.status = RunStatus::Cancelling;
+        self.events.push(status_event(&self.state));
+        self.next = Some(StepJob {
+            run_id: self.state.run_id.clone(),
+            step_index: self.record.index + 1,
+            phase: Phase::Cancel,
+            attempt: 0,
+        });
+    }
+}
+
+/// Moves a run from `queued` to `running` and returns its first job.
+pub fn start_run(state: &mut AgentState, now: Millis) -> (StepJob, EventDraft) {
+    state.status = RunStatus::Running;
+    state.started_at = Some(now);
+    let job = StepJob {
+        run_id: state.run_id.clone(),
+        step_index: state.step_index + 1,
+        phase: Phase::UserInput,
+        attempt: 0,
+    };
+    (job, status_event(state))
+}
+
+/// The model answered. The answer is committed with the step; tool calls become the next
+/// batch unless the run is concluding.
+pub fn after_model(
+    mut state: AgentState,
+    job: &StepJob,
+    reply: ModelReply,
+    conclude: bool,
+    started_at: Millis,
+    now: Millis,
+) -> StepResult {
+    state.counters.model_calls += 1;
+    state.counters.input_tokens += reply.usage.input_tokens;
+    state.counters.output_tokens += reply.usage.output_tokens;
+    if conclude {
+        state.force_finish = true;
+    }
+    let calls = if state.force_finish { Vec::new() } else { reply.tool_calls };
+    state.checkpoint = (!calls.is_empty()).then(|| ToolCheckpoint::new(calls.clone()));
+    state.final_answer = Some(reply.text.clone());
+    let message = Message::assistant(reply.text, calls);
+    let events = vec![EventDraft::new(
+        EventKind::AssistantMessage,
+        json!({"run_id": state.run_id, "content": message.content, "tool_calls": message.tool_calls}),
+    )];
+    let summary = json!({
+        "tool_calls": message.tool_calls.len(),
+        "conclude": conclude,
+        "input_tokens": reply.usage.input_tokens,
+        "output_tokens": reply.usage.output_tokens,
+    });
+    close_step(
+        state,
+        job,
+        Instruction::CallLlm { conclude },
+        Phase::LlmResult,
+        vec![message],
+        events,
+        summary,
+        started_at,
+        now,
+    )
+}
+
+/// The whole batch has outcomes, given in the checkpoint's order. `invalid_calls` counts
+/// calls rejected before running (unknown tool, arguments failing the schema).
+pub fn after_tools(
+    mut state: AgentState,
+    job: &StepJob,
+    outcomes: Vec<ToolOutcome>,
+    invalid_calls: u32,
+    started_at: Millis,
+    now: Millis,
+) -> StepResult {
+    let mut checkpoint = state.checkpoint.take().unwrap_or_default();
+    let mut messages = Vec::with_capacity(outcomes.len());
+    let mut events = Vec::with_capacity(outcomes.len());
+    for (progress, outcome) in checkpoint.calls.iter_mut().zip(outcomes) {
+        messages.push(Message::tool_result(&progress.call.id, &outcome));
+        events.push(EventDraft::new(
+            EventKind::ToolResult,
+            json!({
+                "run_id": state.run_id,
+                "call_id": progress.call.id,
+                "tool": progress.call.name,
+                "content": outcome.content,
+                "is_error": outcome.is_error,
+            }),
+        ));
+        progress.outcome = Some(outcome);
+    }
+    state.counters.tool_calls += checkpoint.calls.len() as u64;
+    state.counters.consecutive_parse_failures =
+        if invalid_calls > 0 { state.counters.consecutive_parse_failures + 1 } else { 0 };
+    let summary = json!({
+        "calls": checkpoint.calls.iter().map(|p| &p.call.name).collect::<Vec<_>>(),
+        "errors": checkpoint.calls.iter().filter(|p| p.outcome.as_ref().is_some_and(|o| o.is_error)).count(),
+        "invalid": invalid_calls,
+    });
+    state.checkpoint = Some(checkpoint);
+    close_step(
+        state,
+        job,
+        Instruction::CallToolsBatch,
+        Phase::ToolsBatchResult,
+        messages,
+        events,
+        summary,
+        started_at,
+        now,
+    )
+}
+
+/// A `never`-replay call was started before a crash and its outcome is unknown. The outcomes
+/// known so far are kept in the checkpoint; the run waits for a human.
+pub fn await_reconciliation(
+    mut state: AgentState,
+    job: &StepJob,
+    known: Vec<Option<ToolOutcome>>,
+    request: HumanRequest,
+    started_at: Millis,
+    now: Millis,
+) -> StepResult {
+    if let Some(checkpoint) = state.checkpoint.as_mut() {
+        for (progress, outcome) in checkpoint.calls.iter_mut().zip(known) {
+            progress.outcome = outcome;
+        }
+    }
+    state.step_index = job.step_index;
+    state.counters.steps += 1;
+    state.status = RunStatus::WaitingHuman;
+    state.pending_human = Some(request.clone());
+    let events = vec![
+        EventDraft::new(
+            EventKind::ReconciliationRequired,
+            json!({"run_id": state.run_id, "request": request}),
+        ),
+        status_event(&state),
+        step_event(&state, Instruction::CallToolsBatch),
+    ];
+    StepResult {
+        record: StepRecord {
+            index: job.step_index,
+            instruction: Instruction::CallToolsBatch.name().to_owned(),
+            started_at,
+            finished_at: now,
+            summary: json!({"reconciliation": request}),
+        },
+        state,
+        messages: Vec::new(),
+        events,
+        next: None,
+    }
+}
+
+/// A step whose one instruction is to end the run (a cancel, or a model that kept failing).
+pub fn finish_step(
+    mut state: AgentState,
+    job: &StepJob,
+    reason: StopReason,
+    started_at: Millis,
+    now: Millis,
+) -> StepResult {
+    state.step_index = job.step_index;
+    state.counters.steps += 1;
+    let mut events = vec![step_event(&state, Instruction::Finish(reason))];
+    finish_in_place(&mut state, reason, now, &mut events);
+    StepResult {
+        record: StepRecord {
+            index: job.step_index,
+            instruction: Instruction::Finish(reason).name().to_owned(),
+            started_at,
+            finished_at: now,
+            summary: json!({"stop_reason": reason}),
+        },
+        state,
+        messages: Vec::new(),
+        events,
+        next: None,
+    }
+}
+
+/// Ends a run that has no step in flight (queued or waiting) at once, as a cancel does.
+pub fn cancel_idle(state: &mut AgentState, now: Millis) -> Vec<EventDraft> {
+    let mut events = Vec::new();
+    state.cancel_requested = true;
+    state.pending_human = None;
+    finish_in_place(state, StopReason::Cancelled, now, &mut events);
+    events
+}
+
+#[expect(clippy::too_many_arguments, reason = "one call site per instruction, all named")]
+fn close_step(
+    mut state: AgentState,
+    job: &StepJob,
+    instruction: Instruction,
+    outcome: Phase,
+    messages: Vec<Message>,
+    mut events: Vec<EventDraft>,
+    summary: Value,
+    started_at: Millis,
+    now: Millis,
+) -> StepResult {
+    state.step_index = job.step_index;
+    state.counters.steps += 1;
+    events.push(step_event(&state, instruction));
+    let next = match decide(&state, outcome) {
+        Instruction::Finish(reason) => {
+            finish_in_place(&mut state, reason, now, &mut events);
+            None
+        }
+        Instruction::CallLlm { .. } | Instruction::CallToolsBatch => Some(StepJob {
+            run_id: state.run_id.clone(),
+            step_index: job.step_index + 1,
+            phase: outcome,
+            attempt: 0,
+        }),
+    };
+    StepResult {
+        record: StepRecord {
+            index: job.step_index,
+            instruction: instruction.name().to_owned(),
+            started_at,
+            finished_at: now,
+            summary,
+        },
+        state,
+        messages,
+        events,
+        next,
+    }
+}
+
+fn finish_in_place(state: &mut AgentState, reason: StopReason, now: Millis, events: &mut Vec<EventDraft>) {
+    state.status = reason.terminal_status();
+    state.stop_reason = Some(reason);
+    state.finished_at = Some(now);
+    events.push(status_event(state));
+    events.push(EventDraft::new(
+        EventKind::RunFinished,
+        json!({
+            "run_id": state.run_id,
+            "status": state.status,
+            "stop_reason": reason,
+            "steps": state.step_index,
+            "final_answer": state.final_answer,
+        }),
+    ));
+}
+
+fn status_event(state: &AgentState) -> EventDraft {
+    EventDraft::new(EventKind::RunStatus, json!({"run_id": state.run_id, "status": state.status}))
+}
+
+fn step_event(state: &AgentState, instruction: Instruction) -> EventDraft {
+    EventDraft::new(
+        EventKind::StepCommitted,
+        json!({"run_id": state.run_id, "step_index": state.step_index, "instruction": instruction.name()}),
+    )
+}

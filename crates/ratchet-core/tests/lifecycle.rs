@@ -1,0 +1,153 @@
+//! Property tests: drive runs through random model replies, tool outcomes and cancel
+//! requests using only the pure core, and check the run-lifecycle invariants at every step.
+
+use proptest::prelude::*;
+use ratchet_core::step::{after_model, after_tools, finish_step, start_run};
+use ratchet_core::{
+    AgentState, Instruction, Limits, ModelReply, Phase, ReplayPolicy, RunConfigSnapshot, RunId,
+    RunStatus, SessionId, StepJob, StopReason, ToolCall, ToolOutcome, ToolSpec, decide,
+};
+
+#[derive(Debug, Clone)]
+enum Reply {
+    Text,
+    Calls { count: usize, invalid: u32, finishing: bool },
+}
+
+fn reply_strategy() -> impl Strategy<Value = Reply> {
+    prop_oneof![
+        1 => Just(Reply::Text),
+        4 => (1usize..4, 0u32..2, proptest::bool::weighted(0.1))
+            .prop_map(|(count, invalid, finishing)| Reply::Calls { count, invalid, finishing }),
+    ]
+}
+
+fn fresh(max_steps: u64) -> AgentState {
+    let tool = |name: &str, completes_run| ToolSpec {
+        name: name.into(),
+        description: String::new(),
+        parameters: serde_json::json!({"type": "object"}),
+        replay: ReplayPolicy::Safe,
+        completes_run,
+    };
+    let config = RunConfigSnapshot {
+        model: "scripted:demo".into(),
+        tools: vec![tool("add", false), tool("finish_task", true)],
+        limits: Limits { max_steps, ..Limits::default() },
+        ..RunConfigSnapshot::default()
+    };
+    AgentState::new(SessionId::from_suffix("s").unwrap(), RunId::from_suffix("r").unwrap(), config, 0)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn random_runs_keep_the_lifecycle_invariants(
+        replies in proptest::collection::vec(reply_strategy(), 1..40),
+        max_steps in 1u64..30,
+        cancel_at in proptest::option::of(1u64..40),
+    ) {
+        let mut state = fresh(max_steps);
+        let (mut job, _) = start_run(&mut state, 1);
+        let mut replies = replies.into_iter().cycle();
+        let mut now = 1;
+        loop {
+            prop_assert_eq!(job.step_index, state.step_index + 1, "next job is the next step");
+            if cancel_at == Some(job.step_index) {
+                state.cancel_requested = true;
+            }
+            now += 1;
+            let result = match decide(&state, job.phase) {
+                Instruction::CallLlm { conclude } => {
+                    let reply = match replies.next().unwrap() {
+                        Reply::Text => ModelReply { text: "done".into(), ..ModelReply::default() },
+                        Reply::Calls { count, invalid, finishing } => {
+                            let calls = (0..count).map(|i| ToolCall {
+                                id: format!("c{i}"),
+                                name: if finishing && i == 0 { "finish_task".into() } else if (i as u32) < invalid { "nope".into() } else { "add".into() },
+                                arguments: serde_json::json!({}),
+                            }).collect();
+                            ModelReply { text: String::new(), tool_calls: calls, ..ModelReply::default() }
+                        }
+                    };
+                    after_model(state.clone(), &job, reply, conclude, now, now)
+                }
+                Instruction::CallToolsBatch => {
+                    let calls = &state.checkpoint.as_ref().unwrap().calls;
+                    prop_assert!(!state.force_finish, "no tools after force_finish");
+                    let outcomes: Vec<_> = calls.iter().map(|p| if p.call.name == "nope" {
+                        ToolOutcome::error("unknown tool")
+                    } else {
+                        ToolOutcome::ok("5")
+                    }).collect();
+                    let invalid = calls.iter().filter(|p| p.call.name == "nope").count() as u32;
+                    after_tools(state.clone(), &job, outcomes, invalid, now, now)
+                }
+                Instruction::Finish(reason) => finish_step(state.clone(), &job, reason, now, now),
+            };
+            prop_assert_eq!(result.state.step_index, state.step_index + 1);
+            prop_assert_eq!(result.record.index, job.step_index);
+            prop_assert!(state.status.edge(result.state.status).is_ok());
+            prop_assert!(result.state.step_index <= max_steps.max(1) + 1, "budget is a hard cap");
+            let terminal = result.state.status.is_terminal();
+            prop_assert_eq!(terminal, result.state.stop_reason.is_some());
+            prop_assert_eq!(terminal, result.state.finished_at.is_some());
+            prop_assert_eq!(terminal, result.next.is_none(), "a job exactly while not terminal");
+            let finished_events = result.events.iter().filter(|e| e.kind.as_str() == "run.finished").count();
+            prop_assert_eq!(finished_events, usize::from(terminal));
+            state = result.state;
+            match result.next {
+                Some(next) => job = next,
+                None => break,
+            }
+        }
+        let reason = state.stop_reason.unwrap();
+        prop_assert_eq!(state.status, reason.terminal_status());
+        if cancel_at.is_some_and(|at| at <= state.step_index) {
+            prop_assert_eq!(reason, StopReason::Cancelled);
+        }
+        prop_assert!(state.step_index <= max_steps, "steps {} > max {}", state.step_index, max_steps);
+    }
+}
+
+#[test]
+fn a_tool_round_trip_takes_three_steps() {
+    let mut state = fresh(50);
+    let (job, _) = start_run(&mut state, 0);
+    let reply = ModelReply {
+        tool_calls: vec![ToolCall { id: "c0".into(), name: "add".into(), arguments: serde_json::json!({"a": 2, "b": 3}) }],
+        ..ModelReply::default()
+    };
+    let step1 = after_model(state, &job, reply, false, 0, 1);
+    let job2 = step1.next.clone().unwrap();
+    assert_eq!((job2.step_index, job2.phase), (2, Phase::LlmResult));
+    assert_eq!(decide(&step1.state, job2.phase), Instruction::CallToolsBatch);
+    let step2 = after_tools(step1.state, &job2, vec![ToolOutcome::ok("5")], 0, 1, 2);
+    assert_eq!(step2.messages[0].tool_call_id.as_deref(), Some("c0"));
+    let job3: StepJob = step2.next.clone().unwrap();
+    assert_eq!(decide(&step2.state, job3.phase), Instruction::CallLlm { conclude: false });
+    let reply = ModelReply { text: "The sum is 5.".into(), ..ModelReply::default() };
+    let step3 = after_model(step2.state, &job3, reply, false, 2, 3);
+    assert_eq!(step3.next, None);
+    assert_eq!(step3.state.status, RunStatus::Completed);
+    assert_eq!(step3.state.step_index, 3);
+    assert_eq!(step3.state.final_answer.as_deref(), Some("The sum is 5."));
+}
+
+#[test]
+fn a_cancel_during_a_step_keeps_the_work_and_finishes_next() {
+    let mut state = fresh(50);
+    let (job, _) = start_run(&mut state, 0);
+    let reply = ModelReply {
+        tool_calls: vec![ToolCall { id: "c0".into(), name: "add".into(), arguments: serde_json::json!({}) }],
+        ..ModelReply::default()
+    };
+    let mut result = after_model(state, &job, reply, false, 0, 1);
+    result.yield_to_cancel();
+    assert_eq!(result.state.status, RunStatus::Cancelling);
+    assert_eq!(result.messages.len(), 1, "the model's answer is still committed");
+    let next = result.next.clone().unwrap();
+    assert_eq!(next.phase, Phase::Cancel);
+    assert_eq!(decide(&result.state, next.phase), Instruction::Finish(StopReason::Cancelled));
+}
