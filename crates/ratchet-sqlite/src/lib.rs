@@ -1,1 +1,256 @@
-//! placeholder
+//! SQLite adapter of the `Store` port: one file, WAL, `synchronous=FULL` by default.
+//!
+//! One writer thread owns the only write connection and group-commits (see `writer`); reads
+//! use their own connections. Every write transaction starts with `BEGIN IMMEDIATE`, so a
+//! second process on the same file waits on `busy_timeout` instead of failing.
+
+mod ops;
+mod schema;
+mod writer;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use ratchet_core::{
+    AgentState, EventDraft, Message, Millis, RunId, SessionId, StepRecord, StepResult, ToolOutcome,
+};
+use ratchet_store::{
+    CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentRecord, Lease, NewRun,
+    RunSummary, Store, StoredEvent, Submitted,
+};
+use rusqlite::{Connection, OpenFlags};
+
+use writer::{Readers, Writer};
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+pub(crate) fn backend(error: rusqlite::Error) -> Error {
+    Error::Backend(error.to_string())
+}
+
+/// How hard each commit is pushed to disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// fsync on every commit: a committed step survives power loss (the default).
+    Full,
+    /// fsync at WAL checkpoints only: survives a process crash, not a power loss.
+    Normal,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SqliteOptions {
+    pub path: PathBuf,
+    pub durability: Durability,
+}
+
+impl SqliteOptions {
+    /// Parses `sqlite://PATH` or `sqlite:PATH`, with an optional `?synchronous=full|normal`.
+    pub fn from_url(url: &str) -> Result<SqliteOptions> {
+        let bad = |reason: &str| Error::BadUrl { url: url.to_owned(), reason: reason.to_owned() };
+        let rest = url
+            .strip_prefix("sqlite://")
+            .or_else(|| url.strip_prefix("sqlite:"))
+            .ok_or_else(|| bad("expected a url starting with sqlite://"))?;
+        let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+        if path.is_empty() || path == ":memory:" {
+            return Err(bad("expected a file path (an in-memory database cannot be shared by connections)"));
+        }
+        let mut durability = Durability::Full;
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            durability = match pair {
+                "synchronous=full" => Durability::Full,
+                "synchronous=normal" => Durability::Normal,
+                other => return Err(bad(&format!("unknown option {other:?}; expected synchronous=full or synchronous=normal"))),
+            };
+        }
+        Ok(SqliteOptions { path: PathBuf::from(path), durability })
+    }
+}
+
+pub(crate) fn open_connection(path: &Path, read_only: bool) -> Result<Connection> {
+    let flags = if read_only {
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX
+    } else {
+        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX
+    };
+    let conn = Connection::open_with_flags(path, flags)
+        .map_err(|e| Error::Backend(format!("cannot open {}: {e}", path.display())))?;
+    conn.busy_timeout(std::time::Duration::from_secs(10)).map_err(backend)?;
+    conn.set_prepared_statement_cache_capacity(64);
+    Ok(conn)
+}
+
+pub struct SqliteStore {
+    writer: Writer,
+    readers: Arc<Readers>,
+}
+
+impl SqliteStore {
+    pub fn open_url(url: &str) -> Result<SqliteStore> {
+        SqliteStore::open(SqliteOptions::from_url(url)?)
+    }
+
+    pub fn open(options: SqliteOptions) -> Result<SqliteStore> {
+        if let Some(parent) = options.path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            if !parent.is_dir() {
+                return Err(Error::BadUrl {
+                    url: options.path.display().to_string(),
+                    reason: format!("directory {} does not exist", parent.display()),
+                });
+            }
+        }
+        let mut conn = open_connection(&options.path, false)?;
+        let journal: String =
+            conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0)).map_err(backend)?;
+        if !journal.eq_ignore_ascii_case("wal") {
+            return Err(Error::Backend(format!("expected WAL journal mode, SQLite chose {journal}")));
+        }
+        let synchronous = match options.durability {
+            Durability::Full => "FULL",
+            Durability::Normal => "NORMAL",
+        };
+        conn.pragma_update(None, "synchronous", synchronous).map_err(backend)?;
+        conn.pragma_update(None, "foreign_keys", "ON").map_err(backend)?;
+        schema::migrate(&mut conn)?;
+        let writer = Writer::spawn(conn).map_err(|e| Error::Backend(format!("cannot start writer thread: {e}")))?;
+        Ok(SqliteStore { writer, readers: Readers::new(options.path) })
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn create_session(&self, id: &SessionId, now: Millis) -> Result<()> {
+        let id = id.clone();
+        self.writer.write(move |c| ops::create_session(c, &id, now)).await
+    }
+
+    async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted> {
+        self.writer.write(move |c| ops::submit_message(c, new, now)).await
+    }
+
+    async fn claim_next(&self, lease: Lease, now: Millis) -> Result<Option<ClaimedStep>> {
+        self.writer.write(move |c| ops::claim_next(c, &lease, now)).await
+    }
+
+    async fn claim_step(
+        &self,
+        run_id: &RunId,
+        step_index: u64,
+        lease: Lease,
+        now: Millis,
+    ) -> Result<Option<ClaimedStep>> {
+        let run_id = run_id.clone();
+        self.writer.write(move |c| ops::claim_step(c, &run_id, step_index, &lease, now)).await
+    }
+
+    async fn heartbeat(&self, claim: &Claim, expires_at: Millis) -> Result<bool> {
+        let claim = claim.clone();
+        self.writer.write(move |c| ops::heartbeat(c, &claim, expires_at)).await
+    }
+
+    async fn commit_step(
+        &self,
+        claim: &Claim,
+        result: StepResult,
+        continue_with: Option<Lease>,
+        now: Millis,
+    ) -> Result<Commit> {
+        let claim = claim.clone();
+        self.writer.write(move |c| ops::commit_step(c, &claim, result, continue_with, now)).await
+    }
+
+    async fn retry_later(
+        &self,
+        claim: &Claim,
+        available_at: Millis,
+        event: EventDraft,
+        now: Millis,
+    ) -> Result<Option<Vec<StoredEvent>>> {
+        let claim = claim.clone();
+        self.writer.write(move |c| ops::retry_later(c, &claim, available_at, event, now)).await
+    }
+
+    async fn append_events(
+        &self,
+        session_id: &SessionId,
+        run_id: &RunId,
+        events: Vec<EventDraft>,
+        now: Millis,
+    ) -> Result<Vec<StoredEvent>> {
+        let (session_id, run_id) = (session_id.clone(), run_id.clone());
+        self.writer
+            .write(move |c| ops::insert_events(c, &session_id, Some(&run_id), &events, now))
+            .await
+    }
+
+    async fn record_intents(&self, intents: Vec<Intent>, now: Millis) -> Result<()> {
+        self.writer.write(move |c| ops::record_intents(c, &intents, now)).await
+    }
+
+    async fn record_outcome(
+        &self,
+        run_id: &RunId,
+        step_index: u64,
+        slot: u32,
+        outcome: ToolOutcome,
+        now: Millis,
+    ) -> Result<()> {
+        let run_id = run_id.clone();
+        self.writer
+            .write(move |c| ops::record_outcome(c, &run_id, step_index, slot, &outcome, now))
+            .await
+    }
+
+    async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
+        let run_id = run_id.clone();
+        self.readers.read(move |c| ops::intents(c, &run_id, step_index)).await
+    }
+
+    async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
+        let run_id = run_id.clone();
+        self.writer.write(move |c| ops::request_cancel(c, &run_id, now)).await
+    }
+
+    async fn load_state(&self, run_id: &RunId) -> Result<AgentState> {
+        let run_id = run_id.clone();
+        self.readers.read(move |c| ops::load_state(c, &run_id)).await
+    }
+
+    async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
+        let session_id = session_id.clone();
+        self.readers.read(move |c| ops::history(c, &session_id)).await
+    }
+
+    async fn list_runs(&self) -> Result<Vec<RunSummary>> {
+        self.readers.read(ops::list_runs).await
+    }
+
+    async fn steps(&self, run_id: &RunId) -> Result<Vec<StepRecord>> {
+        let run_id = run_id.clone();
+        self.readers.read(move |c| ops::steps(c, &run_id)).await
+    }
+
+    async fn events_after(
+        &self,
+        session_id: &SessionId,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredEvent>> {
+        let session_id = session_id.clone();
+        self.readers.read(move |c| ops::events_after(c, &session_id, after_seq, limit)).await
+    }
+
+    async fn lease_owners(&self) -> Result<Vec<String>> {
+        self.readers.read(ops::lease_owners).await
+    }
+
+    async fn release_leases(&self, owner: &str) -> Result<u64> {
+        let owner = owner.to_owned();
+        self.writer.write(move |c| ops::release_leases(c, &owner)).await
+    }
+
+    async fn runs_with_jobs(&self) -> Result<Vec<RunId>> {
+        self.readers.read(ops::runs_with_jobs).await
+    }
+}

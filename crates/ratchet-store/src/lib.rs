@@ -1,1 +1,261 @@
-//! placeholder
+//! The storage port of the state plane: the one contract every backend (SQLite, PostgreSQL)
+//! implements, and — behind the `testkit` feature — the conformance suite they all must pass.
+//!
+//! Every method that writes is one transaction. The store never decides what a run does
+//! next: decisions come from `ratchet-core`, and the store only checks the fences (step
+//! index, status edge, lease epoch) and writes atomically.
+
+use async_trait::async_trait;
+use ratchet_core::{
+    AgentState, EventDraft, IllegalEdge, Message, MessageId, Millis, RunConfigSnapshot, RunId,
+    RunStatus, SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome,
+};
+use serde::Serialize;
+use serde_json::Value;
+
+#[cfg(feature = "testkit")]
+pub mod conformance;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{kind} {id} not found")]
+    NotFound { kind: &'static str, id: String },
+    #[error("{0}")]
+    Conflict(String),
+    #[error("invalid database url {url:?}: {reason}")]
+    BadUrl { url: String, reason: String },
+    #[error("stored data is corrupt: {0}")]
+    Corrupt(String),
+    #[error("database error: {0}")]
+    Backend(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Who holds a step and until when. `owner` names a worker of a process, so that recovery
+/// can tell the leases of dead processes apart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub owner: String,
+    pub expires_at: Millis,
+}
+
+/// Proof of a claim. `epoch` is the fencing token: it changes on every claim of the job, so
+/// a commit by an earlier holder is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub run_id: RunId,
+    pub step_index: u64,
+    pub epoch: i64,
+}
+
+/// A claimed job with the state it must run against.
+#[derive(Debug, Clone)]
+pub struct ClaimedStep {
+    pub job: StepJob,
+    pub claim: Claim,
+    pub state: AgentState,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StoredEvent {
+    pub session_id: SessionId,
+    pub seq: i64,
+    pub run_id: Option<RunId>,
+    pub kind: String,
+    pub payload: Value,
+    pub created_at: Millis,
+}
+
+/// A user message that starts (or queues) a run.
+#[derive(Debug, Clone)]
+pub struct NewRun {
+    pub session_id: SessionId,
+    pub run_id: RunId,
+    pub message_id: MessageId,
+    pub content: String,
+    pub config: RunConfigSnapshot,
+}
+
+#[derive(Debug, Clone)]
+pub struct Submitted {
+    pub status: RunStatus,
+    pub events: Vec<StoredEvent>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stale {
+    /// The job is gone or was claimed again since (the fencing token no longer matches).
+    LeaseLost,
+    /// The run's committed step is not the one before this job.
+    StepMismatch { committed: u64, job: u64 },
+    Edge(IllegalEdge),
+}
+
+#[derive(Debug, Clone)]
+pub enum Commit {
+    Committed {
+        events: Vec<StoredEvent>,
+        /// The next job, already leased to the committer when it asked to continue.
+        continued: Option<ClaimedStep>,
+        /// Jobs were enqueued that nobody holds (the next queued run of the session started,
+        /// or the committer did not ask to continue): wake the workers.
+        enqueued: bool,
+    },
+    Stale(Stale),
+}
+
+/// A write-ahead record: this effect is about to happen at (run, step, slot).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Intent {
+    pub run_id: RunId,
+    pub step_index: u64,
+    /// The call's position in its batch; model calls use slot 0 of their step.
+    pub slot: u32,
+    pub kind: IntentKind,
+    pub name: String,
+    pub idempotency_key: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IntentKind {
+    Model,
+    Tool,
+}
+
+impl IntentKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IntentKind::Model => "model",
+            IntentKind::Tool => "tool",
+        }
+    }
+}
+
+/// An intent as stored, with its outcome once recorded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IntentRecord {
+    pub slot: u32,
+    pub kind: IntentKind,
+    pub name: String,
+    pub attempts: u32,
+    pub outcome: Option<ToolOutcome>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunSummary {
+    pub run_id: RunId,
+    pub session_id: SessionId,
+    pub status: RunStatus,
+    pub stop_reason: Option<StopReason>,
+    pub step_index: u64,
+    pub created_at: Millis,
+    pub finished_at: Option<Millis>,
+}
+
+#[derive(Debug, Clone)]
+pub enum CancelOutcome {
+    /// The run had no step in flight and is now cancelled.
+    Cancelled { events: Vec<StoredEvent>, enqueued: bool },
+    /// A step may be in flight: the run is `cancelling` and its next step finishes it.
+    Cancelling { events: Vec<StoredEvent> },
+    AlreadyTerminal(RunStatus),
+}
+
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    async fn create_session(&self, id: &SessionId, now: Millis) -> Result<()>;
+
+    /// Inserts the user message and its run in one transaction. The run starts at once
+    /// (its first job enqueued) when the session has no non-terminal run; otherwise it waits
+    /// `queued` until the runs before it end.
+    async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted>;
+
+    /// Claims the oldest available job: never claimed, released for retry, or with an expired
+    /// lease. A reclaim increments the job's attempt and epoch.
+    async fn claim_next(&self, lease: Lease, now: Millis) -> Result<Option<ClaimedStep>>;
+
+    /// Claims one specific job if it is available.
+    async fn claim_step(
+        &self,
+        run_id: &RunId,
+        step_index: u64,
+        lease: Lease,
+        now: Millis,
+    ) -> Result<Option<ClaimedStep>>;
+
+    /// Extends a lease; false when the claim was lost.
+    async fn heartbeat(&self, claim: &Claim, expires_at: Millis) -> Result<bool>;
+
+    /// Commits a step: checks the claim's epoch, that the run's committed step is
+    /// `job.step_index - 1` and the status edge, then writes state, messages, events, the
+    /// step record and the next job in one transaction. A stale commit writes nothing.
+    /// A cancel request recorded meanwhile turns a still-running result into `cancelling`.
+    async fn commit_step(
+        &self,
+        claim: &Claim,
+        result: StepResult,
+        continue_with: Option<Lease>,
+        now: Millis,
+    ) -> Result<Commit>;
+
+    /// Gives a claimed job back to be retried at `available_at` after a failed attempt,
+    /// recording `event`. Returns None when the claim was already lost.
+    async fn retry_later(
+        &self,
+        claim: &Claim,
+        available_at: Millis,
+        event: EventDraft,
+        now: Millis,
+    ) -> Result<Option<Vec<StoredEvent>>>;
+
+    /// Appends events outside a step commit (streamed deltas), returning them with `seq`.
+    async fn append_events(
+        &self,
+        session_id: &SessionId,
+        run_id: &RunId,
+        events: Vec<EventDraft>,
+        now: Millis,
+    ) -> Result<Vec<StoredEvent>>;
+
+    /// Records intents durably before their effects; recording one again counts an attempt.
+    async fn record_intents(&self, intents: Vec<Intent>, now: Millis) -> Result<()>;
+
+    async fn record_outcome(
+        &self,
+        run_id: &RunId,
+        step_index: u64,
+        slot: u32,
+        outcome: ToolOutcome,
+        now: Millis,
+    ) -> Result<()>;
+
+    async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>>;
+
+    async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome>;
+
+    async fn load_state(&self, run_id: &RunId) -> Result<AgentState>;
+
+    /// The session's messages in order, hidden ones included (they feed the model).
+    async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>>;
+
+    async fn list_runs(&self) -> Result<Vec<RunSummary>>;
+
+    async fn steps(&self, run_id: &RunId) -> Result<Vec<StepRecord>>;
+
+    async fn events_after(
+        &self,
+        session_id: &SessionId,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredEvent>>;
+
+    /// Owners of leases currently held, live or not.
+    async fn lease_owners(&self) -> Result<Vec<String>>;
+
+    /// Releases every lease of an owner known to be dead, so its jobs are claimable now.
+    async fn release_leases(&self, owner: &str) -> Result<u64>;
+
+    /// Runs that still have work the workers can do: a job exists for them.
+    async fn runs_with_jobs(&self) -> Result<Vec<RunId>>;
+}

@@ -1,0 +1,703 @@
+//! The transaction bodies. Each function runs inside the writer's transaction (or on a read
+//! connection) and is the whole of one `Store` operation.
+
+use ratchet_core::step::{cancel_idle, start_run};
+use ratchet_core::{
+    AgentState, EventDraft, EventKind, Message, Millis, Phase, RunConfigSnapshot, RunId,
+    RunStatus, SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome,
+};
+use ratchet_store::{
+    CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentKind, IntentRecord, Lease,
+    NewRun, RunSummary, Stale, StoredEvent, Submitted,
+};
+use rusqlite::{Connection, OptionalExtension, params};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+use crate::{Result, backend};
+
+fn to_json(value: &impl Serialize) -> Result<String> {
+    serde_json::to_string(value).map_err(|e| Error::Corrupt(format!("cannot encode: {e}")))
+}
+
+fn from_json<T: DeserializeOwned>(text: &str, what: &str) -> Result<T> {
+    serde_json::from_str(text).map_err(|e| Error::Corrupt(format!("{what}: {e}")))
+}
+
+fn sql_enum<T: DeserializeOwned>(text: &str) -> Result<T> {
+    from_json(&format!("\"{text}\""), "stored enum")
+}
+
+fn sql_str<T: Serialize>(value: &T) -> Result<String> {
+    Ok(to_json(value)?.trim_matches('"').to_owned())
+}
+
+fn run_not_found(run_id: &RunId) -> Error {
+    Error::NotFound { kind: "run", id: run_id.to_string() }
+}
+
+pub(crate) fn create_session(c: &Connection, id: &SessionId, now: Millis) -> Result<()> {
+    let inserted = c
+        .prepare_cached("INSERT OR IGNORE INTO sessions (id, created_at) VALUES (?1, ?2)")
+        .and_then(|mut s| s.execute(params![id.as_str(), now]))
+        .map_err(backend)?;
+    if inserted == 0 {
+        return Err(Error::Conflict(format!("session {id} already exists")));
+    }
+    Ok(())
+}
+
+pub(crate) fn submit_message(c: &Connection, new: NewRun, now: Millis) -> Result<Submitted> {
+    let active: Option<Option<String>> = c
+        .prepare_cached("SELECT active_run_id FROM sessions WHERE id = ?1")
+        .and_then(|mut s| s.query_row([new.session_id.as_str()], |r| r.get(0)).optional())
+        .map_err(backend)?;
+    let Some(active) = active else {
+        return Err(Error::NotFound { kind: "session", id: new.session_id.to_string() });
+    };
+    let input = json!({"message_id": new.message_id, "content": new.content});
+    let state = AgentState::new(new.session_id.clone(), new.run_id.clone(), new.config, now);
+    let (config_json, state_json, input_json) = (to_json(&state.config)?, to_json(&state)?, to_json(&input)?);
+    c.prepare_cached(
+        "INSERT INTO runs (id, session_id, status, step_index, config_json, state_json, input_json, created_at)
+         VALUES (?1, ?2, 'queued', 0, ?3, ?4, ?5, ?6)",
+    )
+    .and_then(|mut s| {
+        s.execute(params![state.run_id.as_str(), state.session_id.as_str(), config_json, state_json, input_json, now])
+    })
+    .map_err(backend)?;
+    let mut drafts = vec![EventDraft::new(
+        EventKind::RunCreated,
+        json!({"run_id": state.run_id, "message_id": new.message_id}),
+    )];
+    let status = if active.is_none() {
+        drafts.extend(start_queued_run(c, state, now)?);
+        RunStatus::Running
+    } else {
+        RunStatus::Queued
+    };
+    let events = insert_events(c, &new.session_id, Some(&new.run_id), &drafts, now)?;
+    Ok(Submitted { status, events })
+}
+
+/// Makes a queued run the session's active run: its user message enters history, its first
+/// job is enqueued.
+fn start_queued_run(c: &Connection, mut state: AgentState, now: Millis) -> Result<Vec<EventDraft>> {
+    let input: String = c
+        .prepare_cached("SELECT input_json FROM runs WHERE id = ?1")
+        .and_then(|mut s| s.query_row([state.run_id.as_str()], |r| r.get(0)))
+        .map_err(backend)?;
+    #[derive(serde::Deserialize)]
+    struct Input {
+        message_id: String,
+        content: String,
+    }
+    let input: Input = from_json(&input, "run input")?;
+    insert_message(c, &input.message_id, &state, &Message::user(input.content), now)?;
+    let (job, event) = start_run(&mut state, now);
+    write_state(c, &state)?;
+    insert_job(c, &job, None, now)?;
+    c.prepare_cached("UPDATE sessions SET active_run_id = ?2 WHERE id = ?1")
+        .and_then(|mut s| s.execute(params![state.session_id.as_str(), state.run_id.as_str()]))
+        .map_err(backend)?;
+    Ok(vec![event])
+}
+
+fn write_state(c: &Connection, state: &AgentState) -> Result<()> {
+    let stop_reason = state.stop_reason.map(|r| r.as_str());
+    let state_json = to_json(state)?;
+    c.prepare_cached(
+        "UPDATE runs SET status = ?2, step_index = ?3, stop_reason = ?4, state_json = ?5, finished_at = ?6
+         WHERE id = ?1",
+    )
+    .and_then(|mut s| {
+        s.execute(params![
+            state.run_id.as_str(),
+            state.status.as_str(),
+            state.step_index as i64,
+            stop_reason,
+            state_json,
+            state.finished_at
+        ])
+    })
+    .map_err(backend)?;
+    Ok(())
+}
+
+fn insert_message(c: &Connection, id: &str, state: &AgentState, message: &Message, now: Millis) -> Result<()> {
+    let tool_calls = if message.tool_calls.is_empty() { None } else { Some(to_json(&message.tool_calls)?) };
+    let (role, visibility, origin) = (sql_str(&message.role)?, sql_str(&message.visibility)?, sql_str(&message.origin)?);
+    c.prepare_cached(
+        "INSERT INTO messages (id, session_id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, created_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+    )
+    .and_then(|mut s| {
+        s.execute(params![
+            id,
+            state.session_id.as_str(),
+            state.run_id.as_str(),
+            role,
+            message.content,
+            tool_calls,
+            message.tool_call_id,
+            visibility,
+            origin,
+            now
+        ])
+    })
+    .map_err(backend)?;
+    Ok(())
+}
+
+fn insert_job(c: &Connection, job: &StepJob, lease: Option<&Lease>, now: Millis) -> Result<i64> {
+    let (attempt, epoch, owner, ready_at) = match lease {
+        Some(lease) => (1, 1, Some(lease.owner.as_str()), lease.expires_at),
+        None => (0, 0, None, now),
+    };
+    c.prepare_cached(
+        "INSERT INTO step_jobs (run_id, step_index, phase, attempt, epoch, lease_owner, ready_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+    )
+    .and_then(|mut s| {
+        s.execute(params![job.run_id.as_str(), job.step_index as i64, job.phase.as_str(), attempt, epoch, owner, ready_at])
+    })
+    .map_err(backend)?;
+    Ok(epoch)
+}
+
+pub(crate) fn insert_events(
+    c: &Connection,
+    session_id: &SessionId,
+    run_id: Option<&RunId>,
+    drafts: &[EventDraft],
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
+    if drafts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let last: i64 = c
+        .prepare_cached("UPDATE sessions SET last_seq = last_seq + ?2 WHERE id = ?1 RETURNING last_seq")
+        .and_then(|mut s| s.query_row(params![session_id.as_str(), drafts.len() as i64], |r| r.get(0)))
+        .optional()
+        .map_err(backend)?
+        .ok_or_else(|| Error::NotFound { kind: "session", id: session_id.to_string() })?;
+    let first = last - drafts.len() as i64 + 1;
+    let mut insert = c
+        .prepare_cached(
+            "INSERT INTO events (session_id, seq, run_id, kind, payload_json, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        )
+        .map_err(backend)?;
+    let mut stored = Vec::with_capacity(drafts.len());
+    for (seq, draft) in (first..).zip(drafts) {
+        let payload = to_json(&draft.payload)?;
+        insert
+            .execute(params![session_id.as_str(), seq, run_id.map(|r| r.as_str()), draft.kind.as_str(), payload, now])
+            .map_err(backend)?;
+        stored.push(StoredEvent {
+            session_id: session_id.clone(),
+            seq,
+            run_id: run_id.cloned(),
+            kind: draft.kind.as_str().to_owned(),
+            payload: draft.payload.clone(),
+            created_at: now,
+        });
+    }
+    Ok(stored)
+}
+
+struct JobRow {
+    step_index: u64,
+    phase: String,
+    attempt: u32,
+    epoch: i64,
+}
+
+fn lease_job(c: &Connection, run_id: &RunId, job: JobRow, lease: &Lease) -> Result<ClaimedStep> {
+    let attempt = job.attempt + 1;
+    let epoch = job.epoch + 1;
+    c.prepare_cached(
+        "UPDATE step_jobs SET attempt = ?3, epoch = ?4, lease_owner = ?5, ready_at = ?6
+         WHERE run_id = ?1 AND step_index = ?2",
+    )
+    .and_then(|mut s| s.execute(params![run_id.as_str(), job.step_index as i64, attempt, epoch, lease.owner, lease.expires_at]))
+    .map_err(backend)?;
+    let phase = Phase::parse(&job.phase).ok_or_else(|| Error::Corrupt(format!("unknown phase {:?}", job.phase)))?;
+    let state = load_state(c, run_id)?;
+    Ok(ClaimedStep {
+        job: StepJob { run_id: run_id.clone(), step_index: job.step_index, phase, attempt },
+        claim: Claim { run_id: run_id.clone(), step_index: job.step_index, epoch },
+        state,
+    })
+}
+
+fn job_row(r: &rusqlite::Row<'_>, offset: usize) -> rusqlite::Result<JobRow> {
+    Ok(JobRow {
+        step_index: r.get::<_, i64>(offset)? as u64,
+        phase: r.get(offset + 1)?,
+        attempt: r.get(offset + 2)?,
+        epoch: r.get(offset + 3)?,
+    })
+}
+
+pub(crate) fn claim_next(c: &Connection, lease: &Lease, now: Millis) -> Result<Option<ClaimedStep>> {
+    let found = c
+        .prepare_cached(
+            "SELECT run_id, step_index, phase, attempt, epoch FROM step_jobs
+             WHERE ready_at <= ?1 ORDER BY ready_at LIMIT 1",
+        )
+        .and_then(|mut s| s.query_row([now], |r| Ok((r.get::<_, String>(0)?, job_row(r, 1)?))).optional())
+        .map_err(backend)?;
+    let Some((run_id, job)) = found else { return Ok(None) };
+    let run_id = RunId::parse(&run_id).map_err(|e| Error::Corrupt(e.to_string()))?;
+    lease_job(c, &run_id, job, lease).map(Some)
+}
+
+pub(crate) fn claim_step(
+    c: &Connection,
+    run_id: &RunId,
+    step_index: u64,
+    lease: &Lease,
+    now: Millis,
+) -> Result<Option<ClaimedStep>> {
+    let found = c
+        .prepare_cached(
+            "SELECT step_index, phase, attempt, epoch FROM step_jobs
+             WHERE run_id = ?1 AND step_index = ?2 AND ready_at <= ?3",
+        )
+        .and_then(|mut s| s.query_row(params![run_id.as_str(), step_index as i64, now], |r| job_row(r, 0)).optional())
+        .map_err(backend)?;
+    match found {
+        Some(job) => lease_job(c, run_id, job, lease).map(Some),
+        None => Ok(None),
+    }
+}
+
+pub(crate) fn heartbeat(c: &Connection, claim: &Claim, expires_at: Millis) -> Result<bool> {
+    let changed = c
+        .prepare_cached("UPDATE step_jobs SET ready_at = ?4 WHERE run_id = ?1 AND step_index = ?2 AND epoch = ?3")
+        .and_then(|mut s| s.execute(params![claim.run_id.as_str(), claim.step_index as i64, claim.epoch, expires_at]))
+        .map_err(backend)?;
+    Ok(changed == 1)
+}
+
+fn claim_holds(c: &Connection, claim: &Claim) -> Result<bool> {
+    let epoch: Option<i64> = c
+        .prepare_cached("SELECT epoch FROM step_jobs WHERE run_id = ?1 AND step_index = ?2")
+        .and_then(|mut s| s.query_row(params![claim.run_id.as_str(), claim.step_index as i64], |r| r.get(0)).optional())
+        .map_err(backend)?;
+    Ok(epoch == Some(claim.epoch))
+}
+
+struct RunRow {
+    session_id: SessionId,
+    status: RunStatus,
+    step_index: u64,
+    cancel_requested: bool,
+}
+
+fn run_row(c: &Connection, run_id: &RunId) -> Result<RunRow> {
+    let row = c
+        .prepare_cached("SELECT session_id, status, step_index, cancel_requested FROM runs WHERE id = ?1")
+        .and_then(|mut s| {
+            s.query_row([run_id.as_str()], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?, r.get::<_, bool>(3)?))
+            })
+            .optional()
+        })
+        .map_err(backend)?
+        .ok_or_else(|| run_not_found(run_id))?;
+    Ok(RunRow {
+        session_id: SessionId::parse(&row.0).map_err(|e| Error::Corrupt(e.to_string()))?,
+        status: RunStatus::parse(&row.1).ok_or_else(|| Error::Corrupt(format!("unknown status {:?}", row.1)))?,
+        step_index: row.2 as u64,
+        cancel_requested: row.3,
+    })
+}
+
+pub(crate) fn commit_step(
+    c: &Connection,
+    claim: &Claim,
+    mut result: StepResult,
+    continue_with: Option<Lease>,
+    now: Millis,
+) -> Result<Commit> {
+    if result.record.index != claim.step_index || result.state.run_id != claim.run_id {
+        return Err(Error::Conflict(format!(
+            "result of {}#{} committed under the claim of {}#{}",
+            result.state.run_id, result.record.index, claim.run_id, claim.step_index
+        )));
+    }
+    if !claim_holds(c, claim)? {
+        return Ok(Commit::Stale(Stale::LeaseLost));
+    }
+    let stored = run_row(c, &claim.run_id)?;
+    if stored.step_index + 1 != claim.step_index {
+        return Ok(Commit::Stale(Stale::StepMismatch { committed: stored.step_index, job: claim.step_index }));
+    }
+    if stored.cancel_requested {
+        result.yield_to_cancel();
+    }
+    if let Err(edge) = stored.status.edge(result.state.status) {
+        return Ok(Commit::Stale(Stale::Edge(edge)));
+    }
+    c.prepare_cached("DELETE FROM step_jobs WHERE run_id = ?1 AND step_index = ?2")
+        .and_then(|mut s| s.execute(params![claim.run_id.as_str(), claim.step_index as i64]))
+        .map_err(backend)?;
+    let state = &result.state;
+    write_state(c, state)?;
+    for (i, message) in result.messages.iter().enumerate() {
+        let id = format!("msg_{}-{}-{}", &state.run_id.as_str()[4..], claim.step_index, i);
+        insert_message(c, &id, state, message, now)?;
+    }
+    let record = &result.record;
+    let summary_json = to_json(&record.summary)?;
+    c.prepare_cached(
+        "INSERT INTO steps (run_id, step_index, instruction, started_at, finished_at, summary_json) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )
+    .and_then(|mut s| {
+        s.execute(params![
+            state.run_id.as_str(),
+            record.index as i64,
+            record.instruction,
+            record.started_at,
+            record.finished_at,
+            summary_json
+        ])
+    })
+    .map_err(backend)?;
+    let mut enqueued = false;
+    let mut continued = None;
+    if let Some(next) = &result.next {
+        let epoch = insert_job(c, next, continue_with.as_ref(), now)?;
+        match continue_with {
+            Some(_) => {
+                let mut next_state = result.state.clone();
+                next_state.cancel_requested = stored.cancel_requested;
+                continued = Some(ClaimedStep {
+                    job: StepJob { attempt: 1, ..next.clone() },
+                    claim: Claim { run_id: next.run_id.clone(), step_index: next.step_index, epoch },
+                    state: next_state,
+                });
+            }
+            None => enqueued = true,
+        }
+    }
+    let mut drafts = result.events;
+    if state.status.is_terminal() {
+        drafts.extend(release_session(c, &stored.session_id, &mut enqueued, now)?);
+    }
+    let events = insert_events(c, &stored.session_id, Some(&claim.run_id), &drafts, now)?;
+    Ok(Commit::Committed { events, continued, enqueued })
+}
+
+/// The session's active run has ended: the oldest queued run (if any) starts now.
+fn release_session(c: &Connection, session_id: &SessionId, enqueued: &mut bool, now: Millis) -> Result<Vec<EventDraft>> {
+    c.prepare_cached("UPDATE sessions SET active_run_id = NULL WHERE id = ?1")
+        .and_then(|mut s| s.execute([session_id.as_str()]))
+        .map_err(backend)?;
+    let next: Option<String> = c
+        .prepare_cached("SELECT id FROM runs WHERE session_id = ?1 AND status = 'queued' ORDER BY rowid LIMIT 1")
+        .and_then(|mut s| s.query_row([session_id.as_str()], |r| r.get(0)).optional())
+        .map_err(backend)?;
+    let Some(next) = next else { return Ok(Vec::new()) };
+    let next = RunId::parse(&next).map_err(|e| Error::Corrupt(e.to_string()))?;
+    let state = load_state(c, &next)?;
+    *enqueued = true;
+    start_queued_run(c, state, now)
+}
+
+pub(crate) fn retry_later(
+    c: &Connection,
+    claim: &Claim,
+    available_at: Millis,
+    event: EventDraft,
+    now: Millis,
+) -> Result<Option<Vec<StoredEvent>>> {
+    if !claim_holds(c, claim)? {
+        return Ok(None);
+    }
+    c.prepare_cached("UPDATE step_jobs SET lease_owner = NULL, ready_at = ?3 WHERE run_id = ?1 AND step_index = ?2")
+        .and_then(|mut s| s.execute(params![claim.run_id.as_str(), claim.step_index as i64, available_at]))
+        .map_err(backend)?;
+    let stored = run_row(c, &claim.run_id)?;
+    insert_events(c, &stored.session_id, Some(&claim.run_id), &[event], now).map(Some)
+}
+
+pub(crate) fn record_intents(c: &Connection, intents: &[Intent], now: Millis) -> Result<()> {
+    let mut insert = c
+        .prepare_cached(
+            "INSERT INTO intents (run_id, step_index, slot, kind, name, idempotency_key, attempts, started_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 1, ?7)
+             ON CONFLICT (run_id, step_index, slot) DO UPDATE SET attempts = attempts + 1, started_at = ?7",
+        )
+        .map_err(backend)?;
+    for intent in intents {
+        insert
+            .execute(params![
+                intent.run_id.as_str(),
+                intent.step_index as i64,
+                intent.slot,
+                intent.kind.as_str(),
+                intent.name,
+                intent.idempotency_key,
+                now
+            ])
+            .map_err(backend)?;
+    }
+    Ok(())
+}
+
+pub(crate) fn record_outcome(
+    c: &Connection,
+    run_id: &RunId,
+    step_index: u64,
+    slot: u32,
+    outcome: &ToolOutcome,
+    now: Millis,
+) -> Result<()> {
+    let outcome_json = to_json(outcome)?;
+    let changed = c
+        .prepare_cached(
+            "UPDATE intents SET outcome_json = ?4, finished_at = ?5 WHERE run_id = ?1 AND step_index = ?2 AND slot = ?3",
+        )
+        .and_then(|mut s| {
+            s.execute(params![
+                run_id.as_str(),
+                step_index as i64,
+                slot,
+                outcome_json,
+                now
+            ])
+        })
+        .map_err(backend)?;
+    if changed == 0 {
+        return Err(Error::Conflict(format!("no intent at {run_id}#{step_index}#{slot} to record an outcome for")));
+    }
+    Ok(())
+}
+
+pub(crate) fn intents(c: &Connection, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
+    let mut stmt = c
+        .prepare_cached(
+            "SELECT slot, kind, name, attempts, outcome_json FROM intents WHERE run_id = ?1 AND step_index = ?2 ORDER BY slot",
+        )
+        .map_err(backend)?;
+    let rows = stmt
+        .query_map(params![run_id.as_str(), step_index as i64], |r| {
+            Ok((r.get::<_, u32>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, u32>(3)?, r.get::<_, Option<String>>(4)?))
+        })
+        .map_err(backend)?;
+    let mut records = Vec::new();
+    for row in rows {
+        let (slot, kind, name, attempts, outcome) = row.map_err(backend)?;
+        let kind = match kind.as_str() {
+            "model" => IntentKind::Model,
+            "tool" => IntentKind::Tool,
+            other => return Err(Error::Corrupt(format!("unknown intent kind {other:?}"))),
+        };
+        let outcome = outcome.map(|o| from_json(&o, "intent outcome")).transpose()?;
+        records.push(IntentRecord { slot, kind, name, attempts, outcome });
+    }
+    Ok(records)
+}
+
+pub(crate) fn request_cancel(c: &Connection, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
+    let stored = run_row(c, run_id)?;
+    let mut state = load_state(c, run_id)?;
+    match stored.status {
+        status if status.is_terminal() => Ok(CancelOutcome::AlreadyTerminal(status)),
+        RunStatus::Running | RunStatus::Cancelling => {
+            c.prepare_cached("UPDATE runs SET cancel_requested = 1 WHERE id = ?1")
+                .and_then(|mut s| s.execute([run_id.as_str()]))
+                .map_err(backend)?;
+            let mut drafts = Vec::new();
+            if stored.status == RunStatus::Running {
+                state.status = RunStatus::Cancelling;
+                write_state(c, &state)?;
+                drafts.push(EventDraft::new(EventKind::RunStatus, json!({"run_id": run_id, "status": state.status})));
+            }
+            let events = insert_events(c, &stored.session_id, Some(run_id), &drafts, now)?;
+            Ok(CancelOutcome::Cancelling { events })
+        }
+        RunStatus::Queued | RunStatus::WaitingHuman | RunStatus::WaitingChildren => {
+            let held_session = stored.status != RunStatus::Queued;
+            let mut drafts = cancel_idle(&mut state, now);
+            c.prepare_cached("UPDATE runs SET cancel_requested = 1 WHERE id = ?1")
+                .and_then(|mut s| s.execute([run_id.as_str()]))
+                .map_err(backend)?;
+            write_state(c, &state)?;
+            c.prepare_cached("DELETE FROM step_jobs WHERE run_id = ?1")
+                .and_then(|mut s| s.execute([run_id.as_str()]))
+                .map_err(backend)?;
+            let mut enqueued = false;
+            if held_session {
+                drafts.extend(release_session(c, &stored.session_id, &mut enqueued, now)?);
+            }
+            let events = insert_events(c, &stored.session_id, Some(run_id), &drafts, now)?;
+            Ok(CancelOutcome::Cancelled { events, enqueued })
+        }
+        RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled => {
+            Ok(CancelOutcome::AlreadyTerminal(stored.status))
+        }
+    }
+}
+
+pub(crate) fn load_state(c: &Connection, run_id: &RunId) -> Result<AgentState> {
+    let (state, config, cancel_requested): (String, String, bool) = c
+        .prepare_cached("SELECT state_json, config_json, cancel_requested FROM runs WHERE id = ?1")
+        .and_then(|mut s| s.query_row([run_id.as_str()], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional())
+        .map_err(backend)?
+        .ok_or_else(|| run_not_found(run_id))?;
+    let mut state: AgentState = from_json(&state, "run state")?;
+    state.config = from_json::<RunConfigSnapshot>(&config, "run config")?;
+    state.cancel_requested = cancel_requested;
+    Ok(state)
+}
+
+pub(crate) fn history(c: &Connection, session_id: &SessionId) -> Result<Vec<Message>> {
+    let mut stmt = c
+        .prepare_cached(
+            "SELECT role, content, tool_calls_json, tool_call_id, visibility, origin FROM messages
+             WHERE session_id = ?1 ORDER BY rowid",
+        )
+        .map_err(backend)?;
+    let rows = stmt
+        .query_map([session_id.as_str()], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, Option<String>>(2)?,
+                r.get::<_, Option<String>>(3)?,
+                r.get::<_, String>(4)?,
+                r.get::<_, String>(5)?,
+            ))
+        })
+        .map_err(backend)?;
+    let mut messages = Vec::new();
+    for row in rows {
+        let (role, content, tool_calls, tool_call_id, visibility, origin) = row.map_err(backend)?;
+        messages.push(Message {
+            role: sql_enum(&role)?,
+            content,
+            tool_calls: tool_calls.map(|t| from_json(&t, "tool calls")).transpose()?.unwrap_or_default(),
+            tool_call_id,
+            visibility: sql_enum(&visibility)?,
+            origin: sql_enum(&origin)?,
+        });
+    }
+    Ok(messages)
+}
+
+pub(crate) fn list_runs(c: &Connection) -> Result<Vec<RunSummary>> {
+    let mut stmt = c
+        .prepare_cached(
+            "SELECT id, session_id, status, stop_reason, step_index, created_at, finished_at FROM runs ORDER BY rowid",
+        )
+        .map_err(backend)?;
+    let rows = stmt
+        .query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, Option<String>>(3)?,
+                r.get::<_, i64>(4)?,
+                r.get::<_, i64>(5)?,
+                r.get::<_, Option<i64>>(6)?,
+            ))
+        })
+        .map_err(backend)?;
+    let mut runs = Vec::new();
+    for row in rows {
+        let (id, session, status, stop_reason, step_index, created_at, finished_at) = row.map_err(backend)?;
+        runs.push(RunSummary {
+            run_id: RunId::parse(&id).map_err(|e| Error::Corrupt(e.to_string()))?,
+            session_id: SessionId::parse(&session).map_err(|e| Error::Corrupt(e.to_string()))?,
+            status: RunStatus::parse(&status).ok_or_else(|| Error::Corrupt(format!("unknown status {status:?}")))?,
+            stop_reason: stop_reason.map(|r| sql_enum::<StopReason>(&r)).transpose()?,
+            step_index: step_index as u64,
+            created_at,
+            finished_at,
+        });
+    }
+    Ok(runs)
+}
+
+pub(crate) fn steps(c: &Connection, run_id: &RunId) -> Result<Vec<StepRecord>> {
+    let mut stmt = c
+        .prepare_cached(
+            "SELECT step_index, instruction, started_at, finished_at, summary_json FROM steps WHERE run_id = ?1 ORDER BY step_index",
+        )
+        .map_err(backend)?;
+    let rows = stmt
+        .query_map([run_id.as_str()], |r| {
+            Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?, r.get::<_, String>(4)?))
+        })
+        .map_err(backend)?;
+    let mut steps = Vec::new();
+    for row in rows {
+        let (index, instruction, started_at, finished_at, summary) = row.map_err(backend)?;
+        steps.push(StepRecord {
+            index: index as u64,
+            instruction,
+            started_at,
+            finished_at,
+            summary: from_json(&summary, "step summary")?,
+        });
+    }
+    Ok(steps)
+}
+
+pub(crate) fn events_after(c: &Connection, session_id: &SessionId, after_seq: i64, limit: u32) -> Result<Vec<StoredEvent>> {
+    let mut stmt = c
+        .prepare_cached(
+            "SELECT seq, run_id, kind, payload_json, created_at FROM events
+             WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
+        )
+        .map_err(backend)?;
+    let rows = stmt
+        .query_map(params![session_id.as_str(), after_seq, limit], |r| {
+            Ok((r.get::<_, i64>(0)?, r.get::<_, Option<String>>(1)?, r.get::<_, String>(2)?, r.get::<_, String>(3)?, r.get::<_, i64>(4)?))
+        })
+        .map_err(backend)?;
+    let mut events = Vec::new();
+    for row in rows {
+        let (seq, run_id, kind, payload, created_at) = row.map_err(backend)?;
+        events.push(StoredEvent {
+            session_id: session_id.clone(),
+            seq,
+            run_id: run_id.map(|r| RunId::parse(&r)).transpose().map_err(|e| Error::Corrupt(e.to_string()))?,
+            kind,
+            payload: from_json(&payload, "event payload")?,
+            created_at,
+        });
+    }
+    Ok(events)
+}
+
+pub(crate) fn lease_owners(c: &Connection) -> Result<Vec<String>> {
+    let mut stmt = c
+        .prepare_cached("SELECT DISTINCT lease_owner FROM step_jobs WHERE lease_owner IS NOT NULL")
+        .map_err(backend)?;
+    let owners = stmt.query_map([], |r| r.get(0)).map_err(backend)?;
+    owners.collect::<rusqlite::Result<_>>().map_err(backend)
+}
+
+pub(crate) fn release_leases(c: &Connection, owner: &str) -> Result<u64> {
+    let released = c
+        .prepare_cached("UPDATE step_jobs SET lease_owner = NULL, ready_at = 0 WHERE lease_owner = ?1")
+        .and_then(|mut s| s.execute([owner]))
+        .map_err(backend)?;
+    Ok(released as u64)
+}
+
+pub(crate) fn runs_with_jobs(c: &Connection) -> Result<Vec<RunId>> {
+    let mut stmt = c.prepare_cached("SELECT DISTINCT run_id FROM step_jobs").map_err(backend)?;
+    let ids = stmt.query_map([], |r| r.get::<_, String>(0)).map_err(backend)?;
+    let mut runs = Vec::new();
+    for id in ids {
+        runs.push(RunId::parse(&id.map_err(backend)?).map_err(|e| Error::Corrupt(e.to_string()))?);
+    }
+    Ok(runs)
+}

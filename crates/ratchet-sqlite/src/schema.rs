@@ -1,0 +1,114 @@
+//! Embedded migrations, applied in order and recorded in `PRAGMA user_version`.
+
+use rusqlite::Connection;
+
+use crate::{Result, backend};
+
+/// Each entry moves the schema from version `i` to `i + 1`. Never edit a released entry:
+/// append a new one.
+const MIGRATIONS: &[&str] = &[r#"
+CREATE TABLE sessions (
+    id            TEXT PRIMARY KEY,
+    created_at    INTEGER NOT NULL,
+    last_seq      INTEGER NOT NULL DEFAULT 0,
+    active_run_id TEXT
+);
+
+CREATE TABLE runs (
+    id               TEXT PRIMARY KEY,
+    session_id       TEXT NOT NULL REFERENCES sessions(id),
+    status           TEXT NOT NULL,
+    step_index       INTEGER NOT NULL,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    stop_reason      TEXT,
+    -- Frozen at creation; no statement ever updates it.
+    config_json      TEXT NOT NULL,
+    state_json       TEXT NOT NULL,
+    -- The user message that starts the run, inserted into history when the run starts.
+    input_json       TEXT NOT NULL,
+    created_at       INTEGER NOT NULL,
+    finished_at      INTEGER
+);
+CREATE INDEX runs_by_session ON runs(session_id, status);
+
+CREATE TABLE messages (
+    id              TEXT PRIMARY KEY,
+    session_id      TEXT NOT NULL,
+    run_id          TEXT NOT NULL,
+    role            TEXT NOT NULL,
+    content         TEXT NOT NULL,
+    tool_calls_json TEXT,
+    tool_call_id    TEXT,
+    visibility      TEXT NOT NULL,
+    origin          TEXT NOT NULL,
+    created_at      INTEGER NOT NULL
+);
+CREATE INDEX messages_by_session ON messages(session_id);
+
+CREATE TABLE steps (
+    run_id       TEXT NOT NULL,
+    step_index   INTEGER NOT NULL,
+    instruction  TEXT NOT NULL,
+    started_at   INTEGER NOT NULL,
+    finished_at  INTEGER NOT NULL,
+    summary_json TEXT NOT NULL,
+    PRIMARY KEY (run_id, step_index)
+) WITHOUT ROWID;
+
+CREATE TABLE events (
+    session_id   TEXT NOT NULL,
+    seq          INTEGER NOT NULL,
+    run_id       TEXT,
+    kind         TEXT NOT NULL,
+    payload_json TEXT NOT NULL,
+    created_at   INTEGER NOT NULL,
+    PRIMARY KEY (session_id, seq)
+) WITHOUT ROWID;
+
+-- The transactional outbox of the execution bus. A job is claimable when `ready_at` has
+-- passed: it is the lease expiry while held, the retry time after a failed attempt.
+CREATE TABLE step_jobs (
+    run_id      TEXT NOT NULL,
+    step_index  INTEGER NOT NULL,
+    phase       TEXT NOT NULL,
+    attempt     INTEGER NOT NULL,
+    epoch       INTEGER NOT NULL,
+    lease_owner TEXT,
+    ready_at    INTEGER NOT NULL,
+    PRIMARY KEY (run_id, step_index)
+) WITHOUT ROWID;
+CREATE INDEX step_jobs_ready ON step_jobs(ready_at);
+
+CREATE TABLE intents (
+    run_id          TEXT NOT NULL,
+    step_index      INTEGER NOT NULL,
+    slot            INTEGER NOT NULL,
+    kind            TEXT NOT NULL,
+    name            TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    attempts        INTEGER NOT NULL,
+    outcome_json    TEXT,
+    started_at      INTEGER NOT NULL,
+    finished_at     INTEGER,
+    PRIMARY KEY (run_id, step_index, slot)
+) WITHOUT ROWID;
+"#];
+
+pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
+    let tx = conn
+        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+        .map_err(backend)?;
+    let version: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(backend)?;
+    let version = usize::try_from(version).unwrap_or(usize::MAX);
+    if version > MIGRATIONS.len() {
+        return Err(ratchet_store::Error::Conflict(format!(
+            "database schema version {version} is newer than this build supports ({}); upgrade ratchet",
+            MIGRATIONS.len()
+        )));
+    }
+    for (index, sql) in MIGRATIONS.iter().enumerate().skip(version) {
+        tx.execute_batch(sql).map_err(backend)?;
+        tx.pragma_update(None, "user_version", (index + 1) as i64).map_err(backend)?;
+    }
+    tx.commit().map_err(backend)
+}
