@@ -1,1 +1,76 @@
-//! placeholder
+//! Models behind one streaming trait, and the model spec parser (`scripted:FILE`,
+//! `scripted:demo`).
+//!
+//! A model never touches the store: it streams text deltas into a channel and returns the
+//! complete reply; the engine records both.
+
+mod scripted;
+
+use async_trait::async_trait;
+use ratchet_core::{Message, ModelReply, RunId, ToolSpec};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+pub use scripted::{DEMO_SCRIPT, Script, ScriptedModel};
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    /// The call failed in a way that may succeed if tried again (HTTP 5xx, timeout).
+    #[error("model call failed (retryable): {0}")]
+    Transient(String),
+    #[error("model call failed: {0}")]
+    Fatal(String),
+    #[error("model call cancelled")]
+    Cancelled,
+    #[error("invalid model spec {spec:?}: {reason}")]
+    Spec { spec: String, reason: String },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything a model call needs. `call_index` counts the run's committed model calls, so a
+/// call redone after a crash carries the same index; `attempt` counts tries of this step.
+#[derive(Debug, Clone)]
+pub struct ModelRequest {
+    pub run_id: RunId,
+    pub call_index: u64,
+    pub attempt: u32,
+    pub system_prompt: String,
+    pub messages: Vec<Message>,
+    /// Empty when the run is concluding: the model must answer without tools.
+    pub tools: Vec<ToolSpec>,
+}
+
+#[async_trait]
+pub trait Model: Send + Sync {
+    /// Streams text deltas into `deltas` as they arrive and returns the complete reply.
+    /// Must return `Error::Cancelled` promptly once `cancel` fires.
+    async fn complete(
+        &self,
+        request: ModelRequest,
+        deltas: mpsc::UnboundedSender<String>,
+        cancel: CancellationToken,
+    ) -> Result<ModelReply>;
+}
+
+/// Parses a model spec. `known_tools` lets a script be checked before any run uses it.
+pub fn from_spec(spec: &str, known_tools: &[&str]) -> Result<std::sync::Arc<dyn Model>> {
+    let bad = |reason: String| Error::Spec { spec: spec.to_owned(), reason };
+    let (kind, arg) = spec
+        .split_once(':')
+        .ok_or_else(|| bad("expected KIND:ARGUMENT, for example scripted:demo or scripted:script.json".into()))?;
+    match kind {
+        "scripted" => {
+            let script = if arg == "demo" {
+                Script::parse(DEMO_SCRIPT).map_err(|e| bad(format!("built-in demo script: {e}")))?
+            } else {
+                let text = std::fs::read_to_string(arg)
+                    .map_err(|e| bad(format!("cannot read script file {arg:?}: {e}")))?;
+                Script::parse(&text).map_err(|e| bad(format!("script file {arg:?}: {e}")))?
+            };
+            script.check_tools(known_tools).map_err(|e| bad(format!("script file {arg:?}: {e}")))?;
+            Ok(std::sync::Arc::new(ScriptedModel::new(script)))
+        }
+        other => Err(bad(format!("unknown model kind {other:?}; expected scripted"))),
+    }
+}

@@ -1,1 +1,146 @@
-//! placeholder
+//! Tools: the `Tool` trait, the registry that validates arguments against each tool's JSON
+//! schema before anything runs, and the built-in tools.
+//!
+//! A tool never writes the store and never decides about replay: it only runs. The engine
+//! records intents and outcomes around it and applies its replay policy after a crash.
+
+mod builtin;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use ratchet_core::{ReplayPolicy, ToolOutcome, ToolSpec};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+pub use builtin::{Add, AppendLine, Now, SleepMs};
+
+/// What a running tool call may know about its surroundings.
+#[derive(Debug, Clone)]
+pub struct ToolContext {
+    /// Directory file tools are confined to; None when the run has no workspace.
+    pub workspace: Option<PathBuf>,
+    /// Deterministic per call (`{run}#{step}#{slot}`): the same after a crash and a retry.
+    pub idempotency_key: String,
+    pub cancel: CancellationToken,
+}
+
+#[async_trait]
+pub trait Tool: Send + Sync {
+    fn name(&self) -> &'static str;
+    fn description(&self) -> &'static str;
+    /// JSON Schema of the arguments object.
+    fn parameters(&self) -> Value;
+    fn replay(&self) -> ReplayPolicy;
+    /// Runs the call with arguments already validated against `parameters`. Failures are
+    /// outcomes the model sees, not errors of the runtime.
+    async fn call(&self, arguments: Value, context: &ToolContext) -> ToolOutcome;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("tool {name:?} has an invalid parameter schema: {reason}")]
+    Schema { name: String, reason: String },
+    #[error("tool {0:?} is registered twice")]
+    Duplicate(String),
+}
+
+struct Entry {
+    tool: Arc<dyn Tool>,
+    validator: jsonschema::Validator,
+}
+
+/// The tools a runtime offers, by name, with their compiled argument validators.
+pub struct Registry {
+    entries: BTreeMap<String, Entry>,
+}
+
+impl Registry {
+    pub fn new(tools: Vec<Arc<dyn Tool>>) -> Result<Registry, Error> {
+        let mut entries = BTreeMap::new();
+        for tool in tools {
+            let name = tool.name().to_owned();
+            let validator = jsonschema::validator_for(&tool.parameters())
+                .map_err(|e| Error::Schema { name: name.clone(), reason: e.to_string() })?;
+            if entries.insert(name.clone(), Entry { tool, validator }).is_some() {
+                return Err(Error::Duplicate(name));
+            }
+        }
+        Ok(Registry { entries })
+    }
+
+    /// The built-in tools: `add`, `now`, `sleep_ms` and `append_line`.
+    pub fn builtin() -> Registry {
+        Registry::new(vec![Arc::new(Add), Arc::new(Now), Arc::new(SleepMs), Arc::new(AppendLine)])
+            .expect("built-in tool schemas are valid and their names unique")
+    }
+
+    pub fn names(&self) -> Vec<&str> {
+        self.entries.keys().map(String::as_str).collect()
+    }
+
+    pub fn specs(&self) -> Vec<ToolSpec> {
+        self.entries
+            .values()
+            .map(|e| ToolSpec {
+                name: e.tool.name().to_owned(),
+                description: e.tool.description().to_owned(),
+                parameters: e.tool.parameters(),
+                replay: e.tool.replay(),
+                completes_run: false,
+            })
+            .collect()
+    }
+
+    /// Checks a call before it runs: the tool must exist and the arguments match its schema.
+    /// The error text is shown to the model so that it can correct itself.
+    pub fn validate(&self, name: &str, arguments: &Value) -> Result<Arc<dyn Tool>, String> {
+        let entry = self.entries.get(name).ok_or_else(|| {
+            format!("unknown tool {name:?}; available tools: {}", self.names().join(", "))
+        })?;
+        let problems: Vec<String> = entry
+            .validator
+            .iter_errors(arguments)
+            .map(|e| {
+                let path = e.instance_path().to_string();
+                if path.is_empty() { e.to_string() } else { format!("{path}: {e}") }
+            })
+            .collect();
+        if problems.is_empty() {
+            Ok(Arc::clone(&entry.tool))
+        } else {
+            Err(format!("invalid arguments for {name}: {}", problems.join("; ")))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn validation_names_the_problem() {
+        let registry = Registry::builtin();
+        assert_eq!(registry.names(), ["add", "append_line", "now", "sleep_ms"]);
+        assert!(registry.validate("add", &json!({"a": 1, "b": 2.5})).is_ok());
+        let err = registry.validate("add", &json!({"a": "one", "b": 2})).err().unwrap();
+        assert!(err.contains("/a") && err.contains("number"), "{err}");
+        let err = registry.validate("add", &json!({"a": 1})).err().unwrap();
+        assert!(err.contains("\"b\" is a required property"), "{err}");
+        let err = registry.validate("add", &json!({"a": 1, "b": 2, "c": 3})).err().unwrap();
+        assert!(err.contains("Additional properties"), "{err}");
+        let err = registry.validate("rm", &json!({})).err().unwrap();
+        assert!(err.contains("unknown tool \"rm\""), "{err}");
+    }
+
+    #[test]
+    fn specs_carry_replay_policies() {
+        let specs = Registry::builtin().specs();
+        let policy = |n: &str| specs.iter().find(|s| s.name == n).unwrap().replay;
+        assert_eq!(policy("append_line"), ReplayPolicy::Never);
+        assert_eq!(policy("add"), ReplayPolicy::Safe);
+    }
+}

@@ -1,0 +1,252 @@
+//! The built-in tools. `append_line` is the one with a side effect that must never happen
+//! twice, which is why its replay policy is `never`.
+
+use std::io::Write;
+use std::path::{Component, Path, PathBuf};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use ratchet_core::{ReplayPolicy, ToolOutcome};
+use serde_json::{Value, json};
+
+use crate::{Tool, ToolContext};
+
+pub struct Add;
+
+#[async_trait]
+impl Tool for Add {
+    fn name(&self) -> &'static str {
+        "add"
+    }
+    fn description(&self) -> &'static str {
+        "Adds two numbers and returns the sum."
+    }
+    fn parameters(&self) -> Value {
+        json!({
+            "type": "object",
+            "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            "required": ["a", "b"],
+            "additionalProperties": false
+        })
+    }
+    fn replay(&self) -> ReplayPolicy {
+        ReplayPolicy::Safe
+    }
+    async fn call(&self, arguments: Value, _: &ToolContext) -> ToolOutcome {
+        match (arguments["a"].as_i64(), arguments["b"].as_i64()) {
+            (Some(a), Some(b)) => match a.checked_add(b) {
+                Some(sum) => ToolOutcome::ok(sum.to_string()),
+                None => ToolOutcome::error(format!("{a} + {b} overflows a 64-bit integer")),
+            },
+            _ => {
+                let (a, b) = (arguments["a"].as_f64().unwrap_or(0.0), arguments["b"].as_f64().unwrap_or(0.0));
+                ToolOutcome::ok((a + b).to_string())
+            }
+        }
+    }
+}
+
+pub struct Now;
+
+#[async_trait]
+impl Tool for Now {
+    fn name(&self) -> &'static str {
+        "now"
+    }
+    fn description(&self) -> &'static str {
+        "Returns the current time as milliseconds since the Unix epoch."
+    }
+    fn parameters(&self) -> Value {
+        json!({"type": "object", "properties": {}, "additionalProperties": false})
+    }
+    fn replay(&self) -> ReplayPolicy {
+        ReplayPolicy::Safe
+    }
+    async fn call(&self, _: Value, _: &ToolContext) -> ToolOutcome {
+        let millis = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        ToolOutcome::ok(json!({"unix_ms": millis}).to_string())
+    }
+}
+
+pub struct SleepMs;
+
+const MAX_SLEEP_MS: u64 = 600_000;
+
+#[async_trait]
+impl Tool for SleepMs {
+    fn name(&self) -> &'static str {
+        "sleep_ms"
+    }
+    fn description(&self) -> &'static str {
+        "Waits the given number of milliseconds (at most 600000)."
+    }
+    fn parameters(&self) -> Value {
+        json!({
+            "type": "object",
+            "properties": {"ms": {"type": "integer", "minimum": 0, "maximum": MAX_SLEEP_MS}},
+            "required": ["ms"],
+            "additionalProperties": false
+        })
+    }
+    fn replay(&self) -> ReplayPolicy {
+        ReplayPolicy::Safe
+    }
+    async fn call(&self, arguments: Value, context: &ToolContext) -> ToolOutcome {
+        let ms = arguments["ms"].as_u64().unwrap_or(0).min(MAX_SLEEP_MS);
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(ms)) => ToolOutcome::ok(format!("slept {ms} ms")),
+            () = context.cancel.cancelled() => ToolOutcome::error("cancelled"),
+        }
+    }
+}
+
+pub struct AppendLine;
+
+#[async_trait]
+impl Tool for AppendLine {
+    fn name(&self) -> &'static str {
+        "append_line"
+    }
+    fn description(&self) -> &'static str {
+        "Appends one line of text to a file in the workspace (created if absent)."
+    }
+    fn parameters(&self) -> Value {
+        json!({
+            "type": "object",
+            "properties": {
+                "path": {"type": "string", "minLength": 1},
+                "line": {"type": "string"}
+            },
+            "required": ["path", "line"],
+            "additionalProperties": false
+        })
+    }
+    fn replay(&self) -> ReplayPolicy {
+        ReplayPolicy::Never
+    }
+    async fn call(&self, arguments: Value, context: &ToolContext) -> ToolOutcome {
+        let (Some(path), Some(line)) = (arguments["path"].as_str(), arguments["line"].as_str()) else {
+            return ToolOutcome::error("expected string arguments `path` and `line`");
+        };
+        if line.contains(['\n', '\r']) {
+            return ToolOutcome::error("`line` must be a single line (no newline characters)");
+        }
+        let Some(workspace) = &context.workspace else {
+            return ToolOutcome::error("this run has no workspace directory; append_line is unavailable");
+        };
+        let target = match confine(workspace, path) {
+            Ok(target) => target,
+            Err(reason) => return ToolOutcome::error(reason),
+        };
+        let line = format!("{line}\n");
+        let written = tokio::task::spawn_blocking(move || -> std::io::Result<PathBuf> {
+            let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&target)?;
+            file.write_all(line.as_bytes())?;
+            file.sync_data()?;
+            Ok(target)
+        })
+        .await;
+        match written {
+            Ok(Ok(_)) => ToolOutcome::ok(format!("appended 1 line to {path}")),
+            Ok(Err(e)) => ToolOutcome::error(format!("cannot append to {path}: {e}")),
+            Err(e) => ToolOutcome::error(format!("append task failed: {e}")),
+        }
+    }
+}
+
+/// Resolves a relative path inside the workspace, refusing absolute paths, `..` and symlinks
+/// that lead outside it.
+fn confine(workspace: &Path, relative: &str) -> Result<PathBuf, String> {
+    let requested = Path::new(relative);
+    for component in requested.components() {
+        match component {
+            Component::Normal(_) | Component::CurDir => {}
+            Component::ParentDir => return Err(format!("path {relative:?} escapes the workspace (`..` is not allowed)")),
+            Component::RootDir | Component::Prefix(_) => {
+                return Err(format!("path {relative:?} is absolute; expected a path relative to the workspace"));
+            }
+        }
+    }
+    let root = workspace
+        .canonicalize()
+        .map_err(|e| format!("workspace {} is not usable: {e}", workspace.display()))?;
+    let target = root.join(requested);
+    let parent = target.parent().ok_or_else(|| format!("path {relative:?} names no file"))?;
+    let parent = parent
+        .canonicalize()
+        .map_err(|e| format!("directory of {relative:?} does not exist in the workspace: {e}"))?;
+    if !parent.starts_with(&root) {
+        return Err(format!("path {relative:?} escapes the workspace through a symbolic link"));
+    }
+    let file_name = target.file_name().ok_or_else(|| format!("path {relative:?} names no file"))?;
+    let resolved = parent.join(file_name);
+    if resolved.is_symlink() {
+        return Err(format!("path {relative:?} is a symbolic link; refusing to follow it"));
+    }
+    Ok(resolved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio_util::sync::CancellationToken;
+
+    fn context(workspace: Option<&Path>) -> ToolContext {
+        ToolContext {
+            workspace: workspace.map(Path::to_path_buf),
+            idempotency_key: "run_x#1#0".into(),
+            cancel: CancellationToken::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn add_sums_integers_and_floats() {
+        let ctx = context(None);
+        assert_eq!(Add.call(json!({"a": 2, "b": 3}), &ctx).await, ToolOutcome::ok("5"));
+        assert_eq!(Add.call(json!({"a": 0.5, "b": 2}), &ctx).await, ToolOutcome::ok("2.5"));
+        assert!(Add.call(json!({"a": i64::MAX, "b": 1}), &ctx).await.is_error);
+    }
+
+    #[tokio::test]
+    async fn append_line_appends_inside_the_workspace() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = context(Some(dir.path()));
+        let outcome = AppendLine.call(json!({"path": "log.txt", "line": "one"}), &ctx).await;
+        assert!(!outcome.is_error, "{outcome:?}");
+        AppendLine.call(json!({"path": "./log.txt", "line": "two"}), &ctx).await;
+        assert_eq!(std::fs::read_to_string(dir.path().join("log.txt")).unwrap(), "one\ntwo\n");
+    }
+
+    #[tokio::test]
+    async fn append_line_refuses_to_escape_the_workspace() {
+        let outer = tempfile::tempdir().unwrap();
+        let workspace = outer.path().join("ws");
+        std::fs::create_dir(&workspace).unwrap();
+        std::os::unix::fs::symlink(outer.path(), workspace.join("out")).unwrap();
+        let ctx = context(Some(&workspace));
+        for (path, expected) in [
+            ("../x.txt", "escapes the workspace"),
+            ("a/../../x.txt", "escapes the workspace"),
+            ("/etc/passwd", "is absolute"),
+            ("out/x.txt", "symbolic link"),
+            ("missing/x.txt", "does not exist"),
+        ] {
+            let outcome = AppendLine.call(json!({"path": path, "line": "x"}), &ctx).await;
+            assert!(outcome.is_error && outcome.content.contains(expected), "{path}: {outcome:?}");
+        }
+        let outcome = AppendLine.call(json!({"path": "x.txt", "line": "a\nb"}), &ctx).await;
+        assert!(outcome.is_error, "{outcome:?}");
+        assert!(!outer.path().join("x.txt").exists(), "nothing written outside the workspace");
+        assert!(std::fs::read_dir(&workspace).unwrap().all(|e| e.unwrap().file_name() == "out"));
+        let outcome = AppendLine.call(json!({"path": "x.txt", "line": "a"}), &context(None)).await;
+        assert!(outcome.content.contains("no workspace"), "{outcome:?}");
+    }
+
+    #[tokio::test]
+    async fn sleep_ms_stops_when_cancelled() {
+        let ctx = context(None);
+        ctx.cancel.cancel();
+        let outcome = SleepMs.call(json!({"ms": 600000}), &ctx).await;
+        assert_eq!(outcome, ToolOutcome::error("cancelled"));
+    }
+}
