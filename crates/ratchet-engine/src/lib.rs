@@ -1,1 +1,66 @@
-//! placeholder
+//! The execution plane and the Coordinator: workers claim step jobs, the engine executes the
+//! one instruction the Brain chose, and the Coordinator commits the result and publishes its
+//! events — in that order, so nothing is observed that is not durable.
+//!
+//! This crate depends on the storage *port* only, never on an adapter.
+
+mod coordinator;
+mod engine;
+mod models;
+mod worker;
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+pub use coordinator::{Coordinator, StartedRun};
+pub use engine::{Engine, StepFailure};
+pub use models::Models;
+pub use worker::{WorkerPool, owner_is_dead_local_process, process_owner};
+
+use ratchet_core::Millis;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Store(#[from] ratchet_store::Error),
+    #[error(transparent)]
+    Model(#[from] ratchet_llm::Error),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Tunables of the worker pool.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// Concurrent steps this process runs.
+    pub workers: usize,
+    /// How long a claim is valid without a heartbeat.
+    pub lease: Duration,
+    /// How often a running step renews its lease.
+    pub heartbeat: Duration,
+    /// How often an idle worker looks for jobs that no wake-up announced (retries coming due,
+    /// expired leases, jobs written by other processes).
+    pub poll: Duration,
+    /// Steps of one run a worker executes back to back before letting other runs in.
+    pub max_streak: u32,
+    /// First delay before a failed model call is tried again; doubles per attempt.
+    pub retry_backoff: Duration,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            workers: 16,
+            lease: Duration::from_secs(15),
+            heartbeat: Duration::from_secs(5),
+            poll: Duration::from_millis(250),
+            max_streak: 64,
+            retry_backoff: Duration::from_millis(200),
+        }
+    }
+}
+
+pub(crate) fn now_ms() -> Millis {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as Millis)
+}

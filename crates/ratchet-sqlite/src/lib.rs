@@ -92,13 +92,13 @@ impl SqliteStore {
     }
 
     pub fn open(options: SqliteOptions) -> Result<SqliteStore> {
-        if let Some(parent) = options.path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            if !parent.is_dir() {
-                return Err(Error::BadUrl {
-                    url: options.path.display().to_string(),
-                    reason: format!("directory {} does not exist", parent.display()),
-                });
-            }
+        if let Some(parent) = options.path.parent().filter(|p| !p.as_os_str().is_empty())
+            && !parent.is_dir()
+        {
+            return Err(Error::BadUrl {
+                url: options.path.display().to_string(),
+                reason: format!("directory {} does not exist", parent.display()),
+            });
         }
         let mut conn = open_connection(&options.path, false)?;
         let journal: String =

@@ -372,27 +372,27 @@ pub(crate) fn commit_step(
         let epoch = insert_job(c, next, continue_with.as_ref(), now)?;
         match continue_with {
             Some(_) => {
-                let mut next_state = result.state.clone();
-                next_state.cancel_requested = stored.cancel_requested;
+                // The state as a claim would load it: the frozen config and the store's
+                // cancel flag, never the ones the result carried.
                 continued = Some(ClaimedStep {
                     job: StepJob { attempt: 1, ..next.clone() },
                     claim: Claim { run_id: next.run_id.clone(), step_index: next.step_index, epoch },
-                    state: next_state,
+                    state: load_state(c, &claim.run_id)?,
                 });
             }
             None => enqueued = true,
         }
     }
-    let mut drafts = result.events;
+    let mut events = insert_events(c, &stored.session_id, Some(&claim.run_id), &result.events, now)?;
     if state.status.is_terminal() {
-        drafts.extend(release_session(c, &stored.session_id, &mut enqueued, now)?);
+        events.extend(release_session(c, &stored.session_id, &mut enqueued, now)?);
     }
-    let events = insert_events(c, &stored.session_id, Some(&claim.run_id), &drafts, now)?;
     Ok(Commit::Committed { events, continued, enqueued })
 }
 
-/// The session's active run has ended: the oldest queued run (if any) starts now.
-fn release_session(c: &Connection, session_id: &SessionId, enqueued: &mut bool, now: Millis) -> Result<Vec<EventDraft>> {
+/// The session's active run has ended: the oldest queued run (if any) starts now. Its events
+/// are stored under its own id, after the events of the run that ended.
+fn release_session(c: &Connection, session_id: &SessionId, enqueued: &mut bool, now: Millis) -> Result<Vec<StoredEvent>> {
     c.prepare_cached("UPDATE sessions SET active_run_id = NULL WHERE id = ?1")
         .and_then(|mut s| s.execute([session_id.as_str()]))
         .map_err(backend)?;
@@ -404,7 +404,8 @@ fn release_session(c: &Connection, session_id: &SessionId, enqueued: &mut bool, 
     let next = RunId::parse(&next).map_err(|e| Error::Corrupt(e.to_string()))?;
     let state = load_state(c, &next)?;
     *enqueued = true;
-    start_queued_run(c, state, now)
+    let drafts = start_queued_run(c, state, now)?;
+    insert_events(c, session_id, Some(&next), &drafts, now)
 }
 
 pub(crate) fn retry_later(
@@ -522,7 +523,7 @@ pub(crate) fn request_cancel(c: &Connection, run_id: &RunId, now: Millis) -> Res
         }
         RunStatus::Queued | RunStatus::WaitingHuman | RunStatus::WaitingChildren => {
             let held_session = stored.status != RunStatus::Queued;
-            let mut drafts = cancel_idle(&mut state, now);
+            let drafts = cancel_idle(&mut state, now);
             c.prepare_cached("UPDATE runs SET cancel_requested = 1 WHERE id = ?1")
                 .and_then(|mut s| s.execute([run_id.as_str()]))
                 .map_err(backend)?;
@@ -530,11 +531,11 @@ pub(crate) fn request_cancel(c: &Connection, run_id: &RunId, now: Millis) -> Res
             c.prepare_cached("DELETE FROM step_jobs WHERE run_id = ?1")
                 .and_then(|mut s| s.execute([run_id.as_str()]))
                 .map_err(backend)?;
+            let mut events = insert_events(c, &stored.session_id, Some(run_id), &drafts, now)?;
             let mut enqueued = false;
             if held_session {
-                drafts.extend(release_session(c, &stored.session_id, &mut enqueued, now)?);
+                events.extend(release_session(c, &stored.session_id, &mut enqueued, now)?);
             }
-            let events = insert_events(c, &stored.session_id, Some(run_id), &drafts, now)?;
             Ok(CancelOutcome::Cancelled { events, enqueued })
         }
         RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled => {

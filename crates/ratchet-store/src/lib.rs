@@ -93,6 +93,10 @@ pub enum Stale {
 }
 
 #[derive(Debug, Clone)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one value per step commit, matched at once by its caller; boxing buys nothing"
+)]
 pub enum Commit {
     Committed {
         events: Vec<StoredEvent>,

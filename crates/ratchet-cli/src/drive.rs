@@ -1,0 +1,205 @@
+//! `ratchet run` and `ratchet resume`: drive runs in this process until they end or wait.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use ratchet_core::{AgentState, Limits, RunConfigSnapshot, RunId, RunStatus};
+use ratchet_engine::PoolConfig;
+use serde::Serialize;
+use tokio::sync::broadcast::error::RecvError;
+
+use crate::runtime::{Runtime, Toolbox, open_store};
+
+const SYSTEM_PROMPT: &str = "You are a helpful assistant. Use the tools when they help.";
+
+/// How often a driver re-reads the store in case it missed a wake-up on the event bus.
+const RECHECK: Duration = Duration::from_millis(200);
+
+pub struct RunArgs {
+    pub db: String,
+    pub model: String,
+    pub workspace: Option<PathBuf>,
+    pub max_steps: u64,
+    pub json: bool,
+    pub message: String,
+}
+
+/// What `run` and `resume` print for each run.
+#[derive(Debug, Serialize)]
+pub struct RunReport {
+    pub session_id: String,
+    pub run_id: String,
+    pub status: RunStatus,
+    pub stop_reason: Option<ratchet_core::StopReason>,
+    pub steps: u64,
+    pub final_answer: Option<String>,
+}
+
+impl RunReport {
+    pub fn of(state: &AgentState) -> RunReport {
+        RunReport {
+            session_id: state.session_id.to_string(),
+            run_id: state.run_id.to_string(),
+            status: state.status,
+            stop_reason: state.stop_reason,
+            steps: state.step_index,
+            final_answer: if state.status.is_terminal() { state.final_answer.clone() } else { None },
+        }
+    }
+
+    pub fn exit_code(&self) -> ExitCode {
+        match self.status {
+            RunStatus::Completed => ExitCode::SUCCESS,
+            RunStatus::WaitingHuman | RunStatus::WaitingChildren => ExitCode::from(2),
+            _ => ExitCode::FAILURE,
+        }
+    }
+}
+
+/// Checks every input before anything is written, and freezes it into the run's config.
+fn run_config(args: &RunArgs, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnapshot> {
+    if args.message.trim().is_empty() {
+        bail!("MESSAGE is empty; expected the text to send to the agent");
+    }
+    if args.max_steps == 0 {
+        bail!("--max-steps must be at least 1");
+    }
+    let workspace = match &args.workspace {
+        Some(dir) => dir.clone(),
+        None => std::env::current_dir().context("cannot read the current directory")?,
+    };
+    let workspace = workspace
+        .canonicalize()
+        .with_context(|| format!("workspace {} is not an existing directory", workspace.display()))?;
+    if !workspace.is_dir() {
+        bail!("workspace {} is not a directory", workspace.display());
+    }
+    let model = match args.model.strip_prefix("scripted:") {
+        Some(path) if path != "demo" => {
+            let absolute = std::path::absolute(path).with_context(|| format!("bad script path {path:?}"))?;
+            format!("scripted:{}", absolute.display())
+        }
+        _ => args.model.clone(),
+    };
+    toolbox.models.resolve(&model)?;
+    Ok(RunConfigSnapshot {
+        model,
+        workspace: Some(workspace.display().to_string()),
+        system_prompt: SYSTEM_PROMPT.to_owned(),
+        tools: toolbox.tools.specs(),
+        limits: Limits { max_steps: args.max_steps, ..Limits::default() },
+    })
+}
+
+pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    // Validate before opening the store, so that bad input never creates a database.
+    let toolbox = Toolbox::new();
+    let config = run_config(&args, &toolbox)?;
+    let runtime = Runtime::new(open_store(&args.db)?, toolbox);
+    let coordinator = &runtime.coordinator;
+    let mut events = coordinator.subscribe();
+    let session = coordinator.create_session().await?;
+    let started = coordinator.submit(&session, args.message.clone(), config).await?;
+    let pool = runtime.start(PoolConfig::default()).await?;
+    let run_id = started.run_id;
+    let mut stderr = std::io::stderr();
+    let state = loop {
+        let event = tokio::select! {
+            event = events.recv() => event,
+            () = tokio::time::sleep(RECHECK) => Err(RecvError::Lagged(0)),
+        };
+        match event {
+            Ok(event) if event.run_id.as_ref() == Some(&run_id) => {
+                show_progress(&mut stderr, &event.kind, &event.payload);
+                if event.kind != "run.status" && event.kind != "run.finished" {
+                    continue;
+                }
+            }
+            Ok(_) => continue,
+            Err(RecvError::Closed) => bail!("the event bus closed while run {run_id} was active"),
+            Err(RecvError::Lagged(_)) => {}
+        }
+        let state = coordinator.store().load_state(&run_id).await?;
+        if state.status.is_terminal() || state.status.is_waiting() {
+            break state;
+        }
+    };
+    pool.shutdown().await;
+    let report = RunReport::of(&state);
+    print_report(&report, args.json, true)?;
+    Ok(report.exit_code())
+}
+
+pub async fn resume(db: &str, json: bool) -> anyhow::Result<ExitCode> {
+    let runtime = Runtime::new(open_store(db)?, Toolbox::new());
+    let store = runtime.coordinator.store();
+    let active: Vec<RunId> = store
+        .list_runs()
+        .await?
+        .into_iter()
+        .filter(|r| matches!(r.status, RunStatus::Running | RunStatus::Cancelling | RunStatus::Queued))
+        .map(|r| r.run_id)
+        .collect();
+    let mut events = runtime.coordinator.subscribe();
+    let pool = runtime.start(PoolConfig::default()).await?;
+    let mut stderr = std::io::stderr();
+    loop {
+        if store.runs_with_jobs().await?.is_empty() {
+            break;
+        }
+        tokio::select! {
+            event = events.recv() => {
+                if let Ok(event) = event {
+                    show_progress(&mut stderr, &event.kind, &event.payload);
+                }
+            }
+            () = tokio::time::sleep(RECHECK) => {}
+        }
+    }
+    pool.shutdown().await;
+    let mut code = ExitCode::SUCCESS;
+    for run_id in active {
+        let report = RunReport::of(&store.load_state(&run_id).await?);
+        if report.status != RunStatus::Completed {
+            code = report.exit_code();
+        }
+        print_report(&report, json, false)?;
+    }
+    Ok(code)
+}
+
+fn show_progress(out: &mut impl Write, kind: &str, payload: &serde_json::Value) {
+    let _ = match kind {
+        "assistant.delta" => write!(out, "{}", payload["text"].as_str().unwrap_or_default()),
+        "assistant.message" => writeln!(out),
+        "tool.result" => writeln!(
+            out,
+            "  [{}] {} -> {}",
+            payload["call_id"].as_str().unwrap_or_default(),
+            payload["tool"].as_str().unwrap_or_default(),
+            payload["content"].as_str().unwrap_or_default()
+        ),
+        "reconciliation.required" => writeln!(out, "  waiting for a human to reconcile {}", payload["request"]),
+        _ => Ok(()),
+    };
+    let _ = out.flush();
+}
+
+fn print_report(report: &RunReport, json: bool, answer_only: bool) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    if json {
+        writeln!(stdout, "{}", serde_json::to_string(report)?)?;
+    } else if answer_only && report.status == RunStatus::Completed {
+        writeln!(stdout, "{}", report.final_answer.as_deref().unwrap_or_default())?;
+    } else {
+        let reason = report.stop_reason.map_or("-".to_owned(), |r| r.to_string());
+        writeln!(stdout, "{} {} ({reason}) after {} steps", report.run_id, report.status, report.steps)?;
+        if let Some(answer) = &report.final_answer {
+            writeln!(stdout, "{answer}")?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,71 @@
+//! `ratchet runs list` and `ratchet runs show`.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use ratchet_core::{HumanRequest, RunId};
+use serde_json::json;
+
+use crate::runtime::open_store;
+
+pub async fn list(db: &str, json: bool) -> anyhow::Result<ExitCode> {
+    let runs = open_store(db)?.list_runs().await?;
+    let mut out = std::io::stdout().lock();
+    if json {
+        writeln!(out, "{}", serde_json::to_string(&runs)?)?;
+    } else {
+        writeln!(out, "{:<38} {:<38} {:<16} {:<17} {:>5}", "RUN", "SESSION", "STATUS", "STOP REASON", "STEPS")?;
+        for run in runs {
+            let reason = run.stop_reason.map_or("-".to_owned(), |r| r.to_string());
+            writeln!(out, "{:<38} {:<38} {:<16} {:<17} {:>5}", run.run_id, run.session_id, run.status, reason, run.step_index)?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode> {
+    let run_id = RunId::parse(run_id)?;
+    let store = open_store(db)?;
+    let state = store.load_state(&run_id).await.with_context(|| format!("cannot show run {run_id}"))?;
+    let steps = store.steps(&run_id).await?;
+    let mut out = std::io::stdout().lock();
+    if json {
+        let body = json!({
+            "run_id": state.run_id,
+            "session_id": state.session_id,
+            "status": state.status,
+            "stop_reason": state.stop_reason,
+            "step_index": state.step_index,
+            "counters": state.counters,
+            "final_answer": state.final_answer,
+            "pending_human": state.pending_human,
+            "steps": steps.iter().map(|s| json!({
+                "index": s.index,
+                "instruction": s.instruction,
+                "duration_ms": s.finished_at - s.started_at,
+                "summary": s.summary,
+            })).collect::<Vec<_>>(),
+        });
+        writeln!(out, "{}", serde_json::to_string_pretty(&body)?)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let reason = state.stop_reason.map_or("-".to_owned(), |r| r.to_string());
+    writeln!(out, "run          {}", state.run_id)?;
+    writeln!(out, "session      {}", state.session_id)?;
+    writeln!(out, "status       {} (stop reason: {reason})", state.status)?;
+    writeln!(out, "step_index   {}", state.step_index)?;
+    writeln!(out, "model        {}", state.config.model)?;
+    if let Some(HumanRequest::Reconciliation { call_index, call_id, tool, arguments, idempotency_key }) = &state.pending_human {
+        writeln!(out, "waiting for   reconciliation of call #{call_index} {call_id}: {tool} {arguments}")?;
+        writeln!(out, "              its outcome is unknown after a crash; idempotency key {idempotency_key}")?;
+    }
+    writeln!(out, "steps")?;
+    for step in steps {
+        writeln!(out, "  {:>4}  {:<17} {:>6} ms  {}", step.index, step.instruction, step.finished_at - step.started_at, step.summary)?;
+    }
+    if let Some(answer) = state.final_answer.filter(|_| state.status.is_terminal()) {
+        writeln!(out, "answer       {answer}")?;
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,53 @@
+//! Assembles a runtime from a database URL: store, models, tools, coordinator and engine.
+
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool, owner_is_dead_local_process};
+use ratchet_sqlite::SqliteStore;
+use ratchet_store::Store;
+use ratchet_tools::Registry;
+
+/// The tools and models a process offers; needs no store, so input can be checked first.
+pub struct Toolbox {
+    pub tools: Arc<Registry>,
+    pub models: Arc<Models>,
+}
+
+impl Toolbox {
+    pub fn new() -> Toolbox {
+        let tools = Arc::new(Registry::builtin());
+        let models = Arc::new(Models::new(tools.names().into_iter().map(str::to_owned).collect()));
+        Toolbox { tools, models }
+    }
+}
+
+pub struct Runtime {
+    pub coordinator: Arc<Coordinator>,
+    engine: Arc<Engine>,
+}
+
+pub fn open_store(url: &str) -> anyhow::Result<Arc<dyn Store>> {
+    if url.starts_with("sqlite:") {
+        let store = SqliteStore::open_url(url).with_context(|| format!("cannot open database {url}"))?;
+        return Ok(Arc::new(store));
+    }
+    bail!("unsupported database url {url:?}: expected sqlite://PATH")
+}
+
+impl Runtime {
+    pub fn new(store: Arc<dyn Store>, toolbox: Toolbox) -> Runtime {
+        let coordinator = Coordinator::new(store);
+        let engine = Arc::new(Engine::new(Arc::clone(&coordinator), toolbox.models, toolbox.tools));
+        Runtime { coordinator, engine }
+    }
+
+    /// Takes over the steps of dead processes, then starts the workers.
+    pub async fn start(&self, config: PoolConfig) -> anyhow::Result<WorkerPool> {
+        self.coordinator
+            .recover(owner_is_dead_local_process)
+            .await
+            .context("recovering the steps of dead processes")?;
+        Ok(WorkerPool::start(Arc::clone(&self.coordinator), Arc::clone(&self.engine), config))
+    }
+}

@@ -1,0 +1,900 @@
+//! The store conformance suite: the behaviour every `Store` backend (SQLite, PostgreSQL, …)
+//! must show, written once against the trait so that backends cannot drift apart.
+//!
+//! Each public function is one test. It takes a fresh, empty store, drives it through the
+//! trait only, and panics with a message naming the broken rule. A backend runs the whole
+//! suite with [`store_conformance_tests!`](crate::store_conformance_tests).
+//!
+//! Time is always passed in explicitly (lease expiry is tested by choosing `now`), so nothing
+//! here sleeps. Step results are built with the pure functions of `ratchet_core::step`, the
+//! same ones the engine uses, so the store is exercised with realistic transitions.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ratchet_core::step::{after_model, after_tools, await_reconciliation, finish_step};
+use ratchet_core::{
+    AgentState, EventDraft, EventKind, HumanRequest, Limits, Message, MessageId, Millis,
+    ModelReply, Phase, ReplayPolicy, Role, RunConfigSnapshot, RunId, RunStatus, SessionId,
+    StepJob, StepRecord, StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, Usage,
+};
+use serde_json::{Value, json};
+
+use crate::{
+    CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentKind, IntentRecord, Lease,
+    NewRun, RunSummary, Stale, Store, StoredEvent, Submitted,
+};
+
+/// Expands to one `#[tokio::test]` per conformance test. `$make` is an expression of a
+/// future resolving to `(store, guard)`: `store` an `Arc` of the backend (fresh and empty),
+/// `guard` anything that must outlive the test (a temp dir, a dropped-on-exit schema; `()`
+/// when nothing). The expression is evaluated once per test. The calling crate needs `tokio`
+/// with the `macros` and `rt-multi-thread` features.
+///
+/// ```ignore
+/// async fn fresh_store() -> (Arc<dyn Store>, TempDir) { … }
+/// ratchet_store::store_conformance_tests!(fresh_store());
+/// ```
+#[macro_export]
+macro_rules! store_conformance_tests {
+    ($make:expr) => {
+        $crate::store_conformance_tests!(@borrowed $make;
+            submit_starts_a_run_or_queues_it_behind_the_active_one,
+            commit_writes_the_step_and_continues_under_lease,
+            stale_and_duplicate_commits_change_nothing,
+            intents_keep_slot_order_attempts_and_outcomes,
+            cancel_of_a_queued_run_is_immediate,
+            cancel_of_a_running_run_goes_through_cancelling,
+            cancel_of_a_waiting_run_frees_the_session,
+            retry_later_delays_the_next_claim,
+            release_leases_frees_a_dead_owners_jobs,
+            missing_and_duplicate_entities_are_errors,
+            config_and_cancel_flag_are_owned_by_the_store,
+        );
+        $crate::store_conformance_tests!(@shared $make;
+            concurrent_claims_of_one_step_have_one_winner,
+            concurrent_commits_of_one_claim_have_one_winner,
+            event_seqs_are_dense_per_session,
+        );
+    };
+    (@borrowed $make:expr; $($name:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let (store, _guard) = $make.await;
+                $crate::conformance::$name(&*store).await;
+            }
+        )+
+    };
+    (@shared $make:expr; $($name:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let (store, _guard) = $make.await;
+                $crate::conformance::$name(store).await;
+            }
+        )+
+    };
+}
+
+/// The clock of every test starts here; later instants are `T0 + …`.
+const T0: Millis = 1_000_000;
+/// The lease length of ordinary claims in this suite.
+const LEASE_MS: Millis = 30_000;
+const OWNER_A: &str = "worker-a";
+const OWNER_B: &str = "worker-b";
+const OWNER_C: &str = "worker-c";
+
+/// Ids are unique across the whole process (and across processes sharing a database), so a
+/// backend whose "fresh" store shares tables with other tests still cannot mix them up.
+fn unique() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    format!("conf-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+fn lease(owner: &str, expires_at: Millis) -> Lease {
+    Lease { owner: owner.to_owned(), expires_at }
+}
+
+fn config() -> RunConfigSnapshot {
+    RunConfigSnapshot { model: "scripted:conformance".into(), ..RunConfigSnapshot::default() }
+}
+
+fn text_reply(text: &str) -> ModelReply {
+    ModelReply { text: text.into(), ..ModelReply::default() }
+}
+
+/// A reply asking for one tool call: the run stays `running` and its next step runs tools.
+fn tool_reply() -> ModelReply {
+    ModelReply {
+        text: "let me look".into(),
+        tool_calls: vec![ToolCall {
+            id: "call-1".into(),
+            name: "lookup".into(),
+            arguments: json!({"q": "answer"}),
+        }],
+        usage: Usage { input_tokens: 12, output_tokens: 5 },
+    }
+}
+
+async fn new_session(store: &dyn Store) -> SessionId {
+    let id = SessionId::from_suffix(&unique()).unwrap();
+    store.create_session(&id, T0).await.unwrap_or_else(|e| panic!("create_session {id}: {e}"));
+    id
+}
+
+async fn submit(
+    store: &dyn Store,
+    session: &SessionId,
+    content: &str,
+    config: RunConfigSnapshot,
+    now: Millis,
+) -> (RunId, Submitted) {
+    let run_id = RunId::from_suffix(&unique()).unwrap();
+    let new = NewRun {
+        session_id: session.clone(),
+        run_id: run_id.clone(),
+        message_id: MessageId::from_suffix(&unique()).unwrap(),
+        content: content.into(),
+        config,
+    };
+    let submitted = store
+        .submit_message(new, now)
+        .await
+        .unwrap_or_else(|e| panic!("submit_message {run_id} to {session}: {e}"));
+    assert_attributed(&submitted.events);
+    (run_id, submitted)
+}
+
+async fn claim(store: &dyn Store, owner: &str, now: Millis) -> ClaimedStep {
+    store
+        .claim_next(lease(owner, now + LEASE_MS), now)
+        .await
+        .unwrap_or_else(|e| panic!("claim_next by {owner} at {now}: {e}"))
+        .unwrap_or_else(|| panic!("claim_next by {owner} at {now}: expected a job, found none"))
+}
+
+async fn assert_nothing_claimable(store: &dyn Store, now: Millis, why: &str) {
+    let found = store.claim_next(lease(OWNER_C, now + LEASE_MS), now).await.unwrap();
+    if let Some(claimed) = found {
+        panic!("{why}, yet claim_next at {now} returned {:?}", claimed.job);
+    }
+}
+
+async fn commit(
+    store: &dyn Store,
+    claim: &Claim,
+    result: StepResult,
+    continue_with: Option<Lease>,
+    now: Millis,
+) -> (Vec<StoredEvent>, Option<ClaimedStep>, bool) {
+    match store.commit_step(claim, result, continue_with, now).await {
+        Ok(Commit::Committed { events, continued, enqueued }) => {
+            assert_attributed(&events);
+            (events, continued, enqueued)
+        }
+        Ok(Commit::Stale(stale)) => {
+            panic!("commit of {}#{} refused as stale: {stale:?}", claim.run_id, claim.step_index)
+        }
+        Err(e) => panic!("commit of {}#{} failed: {e}", claim.run_id, claim.step_index),
+    }
+}
+
+async fn commit_stale(
+    store: &dyn Store,
+    claim: &Claim,
+    result: StepResult,
+    continue_with: Option<Lease>,
+    now: Millis,
+) -> Stale {
+    match store.commit_step(claim, result, continue_with, now).await {
+        Ok(Commit::Stale(stale)) => stale,
+        Ok(Commit::Committed { .. }) => panic!(
+            "commit of {}#{} at epoch {} should have been refused as stale, but was committed",
+            claim.run_id, claim.step_index, claim.epoch
+        ),
+        Err(e) => panic!("commit of {}#{} failed instead of being stale: {e}", claim.run_id, claim.step_index),
+    }
+}
+
+/// Loads a run's state and checks that `list_runs` tells the same story about it.
+async fn load(store: &dyn Store, run: &RunId) -> AgentState {
+    let state = store.load_state(run).await.unwrap_or_else(|e| panic!("load_state {run}: {e}"));
+    let runs = store.list_runs().await.expect("list_runs");
+    let summary = runs
+        .iter()
+        .find(|r| &r.run_id == run)
+        .unwrap_or_else(|| panic!("list_runs does not list {run}"));
+    assert_eq!(
+        (summary.status, summary.stop_reason, summary.step_index, &summary.session_id),
+        (state.status, state.stop_reason, state.step_index, &state.session_id),
+        "list_runs and load_state disagree about {run}"
+    );
+    state
+}
+
+async fn user_messages(store: &dyn Store, session: &SessionId) -> Vec<String> {
+    let history = store.history(session).await.expect("history");
+    history.into_iter().filter(|m| m.role == Role::User).map(|m| m.content).collect()
+}
+
+/// The invariant of sessions: at most one run that is neither queued nor terminal.
+async fn assert_one_active(store: &dyn Store, session: &SessionId) {
+    let runs = store.list_runs().await.expect("list_runs");
+    let active: Vec<&RunId> = runs
+        .iter()
+        .filter(|r| &r.session_id == session)
+        .filter(|r| r.status != RunStatus::Queued && !r.status.is_terminal())
+        .map(|r| &r.run_id)
+        .collect();
+    assert!(active.len() <= 1, "session {session} has several active runs: {active:?}");
+}
+
+/// An event about a run (its payload names the run) is stored under that run, so that a
+/// client following one run sees all of its events, including the start of a queued run
+/// that another run's commit or cancel triggered.
+fn assert_attributed(events: &[StoredEvent]) {
+    for event in events {
+        if let Some(about) = event.payload.get("run_id").and_then(Value::as_str) {
+            assert_eq!(
+                event.run_id.as_ref().map(RunId::as_str),
+                Some(about),
+                "event #{} ({}) is about {about} but stored under {:?}",
+                event.seq,
+                event.kind,
+                event.run_id
+            );
+        }
+    }
+}
+
+fn kinds(events: &[StoredEvent]) -> Vec<&str> {
+    events.iter().map(|e| e.kind.as_str()).collect()
+}
+
+/// Everything a stale commit must leave untouched, as seen through the trait.
+#[derive(Debug, PartialEq)]
+struct Snapshot {
+    state: AgentState,
+    steps: Vec<StepRecord>,
+    history: Vec<Message>,
+    events: Vec<StoredEvent>,
+    runs: Vec<RunSummary>,
+    runs_with_jobs: Vec<RunId>,
+    lease_owners: Vec<String>,
+}
+
+async fn snapshot(store: &dyn Store, run: &RunId, session: &SessionId) -> Snapshot {
+    let mut runs_with_jobs = store.runs_with_jobs().await.unwrap();
+    runs_with_jobs.sort();
+    let mut lease_owners = store.lease_owners().await.unwrap();
+    lease_owners.sort();
+    Snapshot {
+        state: store.load_state(run).await.unwrap(),
+        steps: store.steps(run).await.unwrap(),
+        history: store.history(session).await.unwrap(),
+        events: store.events_after(session, 0, 10_000).await.unwrap(),
+        runs: store.list_runs().await.unwrap(),
+        runs_with_jobs,
+        lease_owners,
+    }
+}
+
+/// A submit on an idle session starts its run; a submit behind an active run waits, with
+/// no job and no message in history, until the active run ends.
+pub async fn submit_starts_a_run_or_queues_it_behind_the_active_one(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (first, submitted) = submit(store, &session, "first question", config(), T0).await;
+    assert_eq!(submitted.status, RunStatus::Running, "a submit on an idle session starts its run");
+    assert!(!submitted.events.is_empty(), "a submit publishes events");
+    assert_eq!(load(store, &first).await.status, RunStatus::Running);
+    assert_eq!(user_messages(store, &session).await, ["first question"]);
+
+    let (second, queued) = submit(store, &session, "second question", config(), T0 + 1).await;
+    assert_eq!(queued.status, RunStatus::Queued, "a submit behind an active run is queued");
+    assert_eq!(load(store, &second).await.status, RunStatus::Queued);
+    assert_eq!(
+        user_messages(store, &session).await,
+        ["first question"],
+        "a queued run's message must not enter history before the run starts"
+    );
+    let early = store.claim_step(&second, 1, lease(OWNER_B, T0 + LEASE_MS), T0 + 1).await.unwrap();
+    assert!(early.is_none(), "a queued run must have no claimable job");
+    assert!(!store.runs_with_jobs().await.unwrap().contains(&second), "a queued run has no job");
+    assert_one_active(store, &session).await;
+
+    let claimed = claim(store, OWNER_A, T0 + 2).await;
+    assert_eq!(
+        claimed.job,
+        StepJob { run_id: first.clone(), step_index: 1, phase: Phase::UserInput, attempt: 1 }
+    );
+    assert_eq!(claimed.state.run_id, first);
+    assert_nothing_claimable(store, T0 + 2, "the only job is leased and the other run is queued")
+        .await;
+
+    let result = after_model(claimed.state, &claimed.job, text_reply("first answer"), false, T0 + 2, T0 + 3);
+    assert_eq!(result.state.status, RunStatus::Completed, "precondition: a text reply completes");
+    let (events, continued, enqueued) = commit(store, &claimed.claim, result, None, T0 + 3).await;
+    assert!(continued.is_none(), "a finished run has no next job");
+    assert!(enqueued, "ending the active run starts the queued one, whose job must wake workers");
+    assert!(
+        events.iter().any(|e| e.run_id.as_ref() == Some(&second) && e.kind == "run.status"),
+        "the start of the queued run is published with the commit, got {:?}",
+        kinds(&events)
+    );
+    assert_eq!(load(store, &first).await.status, RunStatus::Completed);
+    let started = load(store, &second).await;
+    assert_eq!(started.status, RunStatus::Running, "the queued run starts when the active one ends");
+    assert_eq!(started.started_at, Some(T0 + 3));
+    assert_eq!(
+        user_messages(store, &session).await,
+        ["first question", "second question"],
+        "the started run's message enters history after the first run's messages"
+    );
+    let roles: Vec<Role> = store.history(&session).await.unwrap().iter().map(|m| m.role).collect();
+    assert_eq!(roles, [Role::User, Role::Assistant, Role::User]);
+    assert_one_active(store, &session).await;
+
+    let next = claim(store, OWNER_B, T0 + 4).await;
+    assert_eq!(
+        next.job,
+        StepJob { run_id: second.clone(), step_index: 1, phase: Phase::UserInput, attempt: 1 }
+    );
+}
+
+/// A commit writes state, messages, step record, events and next job together; steps are
+/// numbered 1..n; a job continued under lease is the committer's until the lease expires.
+pub async fn commit_writes_the_step_and_continues_under_lease(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (run, _) = submit(store, &session, "what is the answer?", config(), T0).await;
+    let first = claim(store, OWNER_A, T0).await;
+
+    let result = after_model(first.state.clone(), &first.job, tool_reply(), false, T0, T0 + 10);
+    assert_eq!(result.next.as_ref().map(|j| j.phase), Some(Phase::LlmResult), "precondition");
+    let sent = result.clone();
+    let expires = T0 + 10 + LEASE_MS;
+    let (events, continued, enqueued) =
+        commit(store, &first.claim, result, Some(lease(OWNER_A, expires)), T0 + 10).await;
+    assert!(!enqueued, "a job leased to its committer must not wake other workers");
+    let continued = continued.expect("continue_with must return the next job already leased");
+    assert_eq!(
+        continued.job,
+        StepJob { run_id: run.clone(), step_index: 2, phase: Phase::LlmResult, attempt: 1 }
+    );
+    assert_eq!(
+        continued.claim,
+        Claim { run_id: run.clone(), step_index: 2, epoch: continued.claim.epoch }
+    );
+    assert_eq!(continued.state, sent.state, "the continued step runs against the committed state");
+
+    assert_eq!(load(store, &run).await, sent.state, "load_state returns the committed state");
+    assert_eq!(store.steps(&run).await.unwrap(), std::slice::from_ref(&sent.record));
+    let history = store.history(&session).await.unwrap();
+    assert_eq!(history.len(), 1 + sent.messages.len());
+    assert_eq!(history[1..], sent.messages[..], "the step's messages follow the user message");
+    let expected: Vec<(&str, &Value)> =
+        sent.events.iter().map(|e| (e.kind.as_str(), &e.payload)).collect();
+    let written: Vec<(&str, &Value)> = events.iter().map(|e| (e.kind.as_str(), &e.payload)).collect();
+    assert_eq!(written, expected, "the commit publishes exactly the step's events, in order");
+    let stored = store.events_after(&session, 0, 10_000).await.unwrap();
+    assert!(stored.ends_with(&events), "the returned events are the stored ones");
+
+    assert_nothing_claimable(store, expires - 1, "a continued job is leased until it expires").await;
+    let early = store.claim_step(&run, 2, lease(OWNER_B, expires + LEASE_MS), expires - 1).await;
+    assert!(early.unwrap().is_none(), "claim_step must respect the continued lease");
+    let reclaimed = claim(store, OWNER_B, expires).await;
+    assert_eq!(
+        reclaimed.job,
+        StepJob { run_id: run.clone(), step_index: 2, phase: Phase::LlmResult, attempt: 2 },
+        "an expired lease makes the job claimable again, with its attempt incremented"
+    );
+    assert_ne!(reclaimed.claim.epoch, continued.claim.epoch, "a reclaim changes the epoch");
+
+    let tools = after_tools(reclaimed.state, &reclaimed.job, vec![ToolOutcome::ok("42")], 0, expires, expires + 1);
+    let (_, continued, enqueued) = commit(store, &reclaimed.claim, tools, None, expires + 1).await;
+    assert!(continued.is_none(), "without continue_with nothing is leased");
+    assert!(enqueued, "an unleased next job must wake the workers");
+    let third = claim(store, OWNER_A, expires + 2).await;
+    assert_eq!(
+        third.job,
+        StepJob { run_id: run.clone(), step_index: 3, phase: Phase::ToolsBatchResult, attempt: 1 }
+    );
+    let last = after_model(third.state, &third.job, text_reply("42"), false, expires + 2, expires + 3);
+    commit(store, &third.claim, last, None, expires + 3).await;
+
+    let steps = store.steps(&run).await.unwrap();
+    let numbered: Vec<(u64, &str)> = steps.iter().map(|s| (s.index, s.instruction.as_str())).collect();
+    assert_eq!(numbered, [(1, "call_llm"), (2, "call_tools_batch"), (3, "call_llm")]);
+    let state = load(store, &run).await;
+    assert_eq!((state.status, state.stop_reason), (RunStatus::Completed, Some(StopReason::Completed)));
+    assert_eq!((state.step_index, state.finished_at), (3, Some(expires + 3)));
+    let roles: Vec<Role> = store.history(&session).await.unwrap().iter().map(|m| m.role).collect();
+    assert_eq!(roles, [Role::User, Role::Assistant, Role::Tool, Role::Assistant]);
+    assert!(!store.runs_with_jobs().await.unwrap().contains(&run), "a finished run has no job");
+    assert_nothing_claimable(store, expires + 10 * LEASE_MS, "a finished run leaves no job").await;
+}
+
+/// Fencing of claims: of many workers racing for one job, exactly one gets it.
+pub async fn concurrent_claims_of_one_step_have_one_winner(store: Arc<dyn Store>) {
+    let session = new_session(&*store).await;
+    let (run, _) = submit(&*store, &session, "race", config(), T0).await;
+    let racers: Vec<_> = (0..8)
+        .map(|i| {
+            let (store, run) = (Arc::clone(&store), run.clone());
+            let owner = format!("racer-{i}");
+            tokio::spawn(async move {
+                let won = store.claim_step(&run, 1, lease(&owner, T0 + LEASE_MS), T0).await;
+                (owner, won)
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for racer in racers {
+        let (owner, won) = racer.await.expect("claim task panicked");
+        if let Some(claimed) = won.expect("claim_step failed") {
+            winners.push((owner, claimed));
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one racer may claim the job, got {}", winners.len());
+    let (owner, claimed) = &winners[0];
+    assert_eq!(claimed.job.attempt, 1);
+    assert_eq!(store.lease_owners().await.unwrap(), std::slice::from_ref(owner), "only the winner holds a lease");
+}
+
+/// Fencing of commits: a commit under an expired and reclaimed lease, or of a step already
+/// committed, is refused and writes nothing.
+pub async fn stale_and_duplicate_commits_change_nothing(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (run, _) = submit(store, &session, "fence me", config(), T0).await;
+    let old = claim(store, OWNER_A, T0).await;
+    let extended = T0 + LEASE_MS + 100;
+    assert!(store.heartbeat(&old.claim, extended).await.unwrap(), "the holder may extend its lease");
+    assert_nothing_claimable(store, T0 + LEASE_MS, "a heartbeat extends the lease").await;
+    let new = claim(store, OWNER_B, extended).await;
+    assert_eq!(new.job.attempt, 2);
+    assert_ne!(new.claim.epoch, old.claim.epoch, "a reclaim changes the fencing token");
+    assert!(!store.heartbeat(&old.claim, extended + LEASE_MS).await.unwrap(), "a lost claim cannot heartbeat");
+
+    let old_result = after_model(old.state.clone(), &old.job, tool_reply(), false, T0, extended + 1);
+    let before = snapshot(store, &run, &session).await;
+    let stale = commit_stale(store, &old.claim, old_result.clone(), Some(lease(OWNER_A, extended + LEASE_MS)), extended + 1).await;
+    assert_eq!(stale, Stale::LeaseLost);
+    assert_eq!(snapshot(store, &run, &session).await, before, "a stale commit must write nothing");
+
+    let new_result = after_model(new.state.clone(), &new.job, tool_reply(), false, extended, extended + 2);
+    commit(store, &new.claim, new_result.clone(), None, extended + 2).await;
+    let before = snapshot(store, &run, &session).await;
+    let duplicate = commit_stale(store, &new.claim, new_result, None, extended + 3).await;
+    assert_eq!(duplicate, Stale::LeaseLost, "a step commits once");
+    let stale = commit_stale(store, &old.claim, old_result, None, extended + 3).await;
+    assert_eq!(stale, Stale::LeaseLost);
+    assert_eq!(snapshot(store, &run, &session).await, before, "a duplicate commit must write nothing");
+
+    let next = claim(store, OWNER_A, extended + 4).await;
+    assert_eq!((next.job.step_index, next.job.attempt), (2, 1), "the one commit enqueued one job");
+    assert_nothing_claimable(store, extended + 4, "refused commits must not enqueue jobs").await;
+}
+
+/// Of two tasks committing the same claim at once, exactly one commits.
+pub async fn concurrent_commits_of_one_claim_have_one_winner(store: Arc<dyn Store>) {
+    let session = new_session(&*store).await;
+    let (run, _) = submit(&*store, &session, "commit twice", config(), T0).await;
+    let claimed = claim(&*store, OWNER_A, T0).await;
+    let result = after_model(claimed.state, &claimed.job, tool_reply(), false, T0, T0 + 1);
+    let committers: Vec<_> = (0..2)
+        .map(|_| {
+            let (store, claim, result) = (Arc::clone(&store), claimed.claim.clone(), result.clone());
+            tokio::spawn(async move { store.commit_step(&claim, result, None, T0 + 1).await })
+        })
+        .collect();
+    let mut committed = 0;
+    for committer in committers {
+        match committer.await.expect("commit task panicked").expect("commit_step failed") {
+            Commit::Committed { .. } => committed += 1,
+            Commit::Stale(stale) => assert_eq!(stale, Stale::LeaseLost, "the loser's job is gone"),
+        }
+    }
+    assert_eq!(committed, 1, "exactly one of two identical commits may succeed");
+    assert_eq!(store.steps(&run).await.unwrap().len(), 1);
+    assert_eq!(store.history(&session).await.unwrap().len(), 2, "the step's message is written once");
+    let next = claim(&*store, OWNER_B, T0 + 2).await;
+    assert_eq!(next.job.step_index, 2);
+    assert_nothing_claimable(&*store, T0 + 2, "one commit enqueues one next job").await;
+}
+
+/// Event seqs of a session are 1, 2, 3, … across submits, commits and appends, even when
+/// appends race; `events_after` returns exactly the suffix after a seq.
+pub async fn event_seqs_are_dense_per_session(store: Arc<dyn Store>) {
+    let session = new_session(&*store).await;
+    let other = new_session(&*store).await;
+    let mut seen = Vec::new();
+    let (first, submitted) = submit(&*store, &session, "one", config(), T0).await;
+    seen.extend(submitted.events);
+    let (other_run, _) = submit(&*store, &other, "elsewhere", config(), T0).await;
+    let (second, submitted) = submit(&*store, &session, "two", config(), T0 + 1).await;
+    seen.extend(submitted.events);
+    let drafts = |n: usize, run: &RunId| -> Vec<EventDraft> {
+        (0..n)
+            .map(|i| EventDraft::new(EventKind::AssistantDelta, json!({"run_id": run, "delta": i})))
+            .collect()
+    };
+    seen.extend(store.append_events(&session, &first, drafts(3, &first), T0 + 2).await.unwrap());
+    let claimed = claim(&*store, OWNER_A, T0 + 3).await;
+    let done = after_model(claimed.state, &claimed.job, text_reply("done"), false, T0 + 3, T0 + 4);
+    let (events, _, _) = commit(&*store, &claimed.claim, done, None, T0 + 4).await;
+    seen.extend(events);
+
+    let appenders: Vec<_> = (0..4)
+        .map(|_| {
+            let (store, session, run) = (Arc::clone(&store), session.clone(), second.clone());
+            tokio::spawn(async move {
+                let mut stored = Vec::new();
+                for _ in 0..5 {
+                    let batch = drafts(2, &run);
+                    stored.extend(store.append_events(&session, &run, batch, T0 + 5).await.unwrap());
+                }
+                stored
+            })
+        })
+        .collect();
+    for appender in appenders {
+        seen.extend(appender.await.expect("append task panicked"));
+    }
+
+    seen.sort_by_key(|e| e.seq);
+    let seqs: Vec<i64> = seen.iter().map(|e| e.seq).collect();
+    let dense: Vec<i64> = (1..=seen.len() as i64).collect();
+    assert_eq!(seqs, dense, "seqs returned by writes must be 1..n without gaps or duplicates");
+    let all = store.events_after(&session, 0, 10_000).await.unwrap();
+    assert_eq!(all, seen, "events_after(0) returns exactly the events the writes returned");
+    assert_attributed(&all);
+    for after in 0..=all.len() {
+        let suffix = store.events_after(&session, after as i64, 10_000).await.unwrap();
+        assert_eq!(suffix, all[after..], "events_after({after}) must be the suffix after it");
+        let page = store.events_after(&session, after as i64, 3).await.unwrap();
+        assert_eq!(page, all[after..all.len().min(after + 3)], "events_after({after}, 3)");
+    }
+
+    let elsewhere = store.events_after(&other, 0, 10_000).await.unwrap();
+    let seqs: Vec<i64> = elsewhere.iter().map(|e| e.seq).collect();
+    let dense: Vec<i64> = (1..=elsewhere.len() as i64).collect();
+    assert_eq!(seqs, dense, "each session numbers its own events from 1");
+    assert!(elsewhere.iter().all(|e| e.session_id == other && e.run_id.as_ref() == Some(&other_run)));
+}
+
+/// Intents come back in slot order with their outcomes; recording one again counts an
+/// attempt; an outcome needs its intent.
+pub async fn intents_keep_slot_order_attempts_and_outcomes(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (run, _) = submit(store, &session, "do things", config(), T0).await;
+    let intent = |step_index: u64, slot: u32, kind: IntentKind, name: &str| Intent {
+        run_id: run.clone(),
+        step_index,
+        slot,
+        kind,
+        name: name.into(),
+        idempotency_key: format!("{run}-{step_index}-{slot}"),
+    };
+    let record = |slot: u32, kind: IntentKind, name: &str, attempts: u32, outcome: Option<ToolOutcome>| {
+        IntentRecord { slot, kind, name: name.into(), attempts, outcome }
+    };
+    let batch = vec![
+        intent(1, 2, IntentKind::Tool, "write"),
+        intent(1, 0, IntentKind::Model, "model"),
+        intent(1, 1, IntentKind::Tool, "read"),
+    ];
+    store.record_intents(batch, T0).await.unwrap();
+    store.record_intents(vec![intent(2, 0, IntentKind::Model, "model")], T0).await.unwrap();
+    assert_eq!(
+        store.intents(&run, 1).await.unwrap(),
+        [
+            record(0, IntentKind::Model, "model", 1, None),
+            record(1, IntentKind::Tool, "read", 1, None),
+            record(2, IntentKind::Tool, "write", 1, None),
+        ],
+        "intents come back in slot order, whatever the order they were recorded in"
+    );
+
+    store.record_outcome(&run, 1, 1, ToolOutcome::ok("read ok"), T0 + 1).await.unwrap();
+    store.record_outcome(&run, 1, 2, ToolOutcome::error("disk full"), T0 + 1).await.unwrap();
+    store.record_intents(vec![intent(1, 0, IntentKind::Model, "model")], T0 + 2).await.unwrap();
+    let missing = store.record_outcome(&run, 1, 7, ToolOutcome::ok("ghost"), T0 + 3).await;
+    assert!(missing.is_err(), "an outcome without its intent must be refused");
+    let missing = store.record_outcome(&run, 9, 0, ToolOutcome::ok("ghost"), T0 + 3).await;
+    assert!(missing.is_err(), "an outcome for a step without intents must be refused");
+
+    assert_eq!(
+        store.intents(&run, 1).await.unwrap(),
+        [
+            record(0, IntentKind::Model, "model", 2, None),
+            record(1, IntentKind::Tool, "read", 1, Some(ToolOutcome::ok("read ok"))),
+            record(2, IntentKind::Tool, "write", 1, Some(ToolOutcome::error("disk full"))),
+        ]
+    );
+    assert_eq!(store.intents(&run, 2).await.unwrap(), [record(0, IntentKind::Model, "model", 1, None)]);
+    assert!(store.intents(&run, 9).await.unwrap().is_empty());
+}
+
+/// A queued run has nothing in flight: a cancel ends it at once, and it never starts.
+pub async fn cancel_of_a_queued_run_is_immediate(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (first, _) = submit(store, &session, "first", config(), T0).await;
+    let (second, _) = submit(store, &session, "second", config(), T0 + 1).await;
+
+    match store.request_cancel(&second, T0 + 2).await.unwrap() {
+        CancelOutcome::Cancelled { events, enqueued } => {
+            assert!(!enqueued, "cancelling a queued run starts nothing");
+            assert_attributed(&events);
+            assert!(kinds(&events).contains(&"run.finished"), "got {:?}", kinds(&events));
+        }
+        other => panic!("cancel of a queued run: expected Cancelled, got {other:?}"),
+    }
+    let state = load(store, &second).await;
+    assert_eq!((state.status, state.stop_reason), (RunStatus::Cancelled, Some(StopReason::Cancelled)));
+    assert_eq!((state.finished_at, state.cancel_requested), (Some(T0 + 2), true));
+    assert!(!store.runs_with_jobs().await.unwrap().contains(&second));
+    assert_eq!(load(store, &first).await.status, RunStatus::Running, "other runs are untouched");
+
+    let claimed = claim(store, OWNER_A, T0 + 3).await;
+    assert_eq!(claimed.job.run_id, first, "only the active run has a job");
+    let done = after_model(claimed.state, &claimed.job, text_reply("done"), false, T0 + 3, T0 + 4);
+    let (_, _, enqueued) = commit(store, &claimed.claim, done, None, T0 + 4).await;
+    assert!(!enqueued, "a cancelled run must not start when the session frees up");
+    assert_eq!(load(store, &second).await.status, RunStatus::Cancelled);
+    assert_eq!(user_messages(store, &session).await, ["first"], "a run that never started left no message");
+    assert_nothing_claimable(store, T0 + 5, "the cancelled run has no job").await;
+
+    for (run, status) in [(&first, RunStatus::Completed), (&second, RunStatus::Cancelled)] {
+        match store.request_cancel(run, T0 + 6).await.unwrap() {
+            CancelOutcome::AlreadyTerminal(found) => assert_eq!(found, status),
+            other => panic!("cancel of a {status} run: expected AlreadyTerminal, got {other:?}"),
+        }
+    }
+}
+
+/// A running run may have a step in flight: a cancel marks it `cancelling`, the in-flight
+/// step's commit keeps its work but yields to the cancel, and a Cancel step ends the run.
+pub async fn cancel_of_a_running_run_goes_through_cancelling(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (run, _) = submit(store, &session, "long task", config(), T0).await;
+    let in_flight = claim(store, OWNER_A, T0).await;
+
+    match store.request_cancel(&run, T0 + 1).await.unwrap() {
+        CancelOutcome::Cancelling { events } => {
+            assert_attributed(&events);
+            assert!(
+                events.iter().any(|e| e.kind == "run.status" && e.payload["status"] == "cancelling"),
+                "the move to cancelling is published, got {events:?}"
+            );
+        }
+        other => panic!("cancel of a running run: expected Cancelling, got {other:?}"),
+    }
+    let state = load(store, &run).await;
+    assert_eq!((state.status, state.cancel_requested), (RunStatus::Cancelling, true));
+
+    // The in-flight step knows nothing of the cancel: its result still says `running`.
+    let result = after_model(in_flight.state, &in_flight.job, tool_reply(), false, T0, T0 + 2);
+    assert_eq!(result.state.status, RunStatus::Running, "precondition");
+    let mut expected = result.clone();
+    expected.yield_to_cancel();
+    let (_, continued, enqueued) = commit(store, &in_flight.claim, result, None, T0 + 2).await;
+    assert!(continued.is_none() && enqueued);
+    assert_eq!(load(store, &run).await, expected.state, "the commit yields to the cancel");
+    let history = store.history(&session).await.unwrap();
+    assert_eq!(history.last(), expected.messages.last(), "the in-flight step's work is kept");
+
+    let cancel = claim(store, OWNER_B, T0 + 3).await;
+    assert_eq!(
+        cancel.job,
+        StepJob { run_id: run.clone(), step_index: 2, phase: Phase::Cancel, attempt: 1 }
+    );
+    assert!(cancel.state.cancel_requested, "the claimed state carries the cancel request");
+    let finish = finish_step(cancel.state, &cancel.job, StopReason::Cancelled, T0 + 3, T0 + 4);
+    commit(store, &cancel.claim, finish, None, T0 + 4).await;
+    let state = load(store, &run).await;
+    assert_eq!((state.status, state.stop_reason), (RunStatus::Cancelled, Some(StopReason::Cancelled)));
+    match store.request_cancel(&run, T0 + 5).await.unwrap() {
+        CancelOutcome::AlreadyTerminal(status) => assert_eq!(status, RunStatus::Cancelled),
+        other => panic!("cancel of a cancelled run: expected AlreadyTerminal, got {other:?}"),
+    }
+}
+
+/// A run waiting on a human holds its session but has nothing in flight: a cancel ends it
+/// at once and the next queued run starts.
+pub async fn cancel_of_a_waiting_run_frees_the_session(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (first, _) = submit(store, &session, "risky", config(), T0).await;
+    let (second, _) = submit(store, &session, "next", config(), T0 + 1).await;
+    let model = claim(store, OWNER_A, T0 + 2).await;
+    let asked = after_model(model.state, &model.job, tool_reply(), false, T0 + 2, T0 + 3);
+    commit(store, &model.claim, asked, None, T0 + 3).await;
+    let tools = claim(store, OWNER_A, T0 + 4).await;
+    let request = HumanRequest::Reconciliation {
+        call_index: 0,
+        call_id: "call-1".into(),
+        tool: "lookup".into(),
+        arguments: json!({"q": "answer"}),
+        idempotency_key: format!("{first}-2-0"),
+    };
+    let waiting = await_reconciliation(tools.state, &tools.job, vec![None], request.clone(), T0 + 4, T0 + 5);
+    let (_, continued, enqueued) = commit(store, &tools.claim, waiting, None, T0 + 5).await;
+    assert!(continued.is_none() && !enqueued, "a waiting run has no job");
+    let state = load(store, &first).await;
+    assert_eq!((state.status, state.pending_human), (RunStatus::WaitingHuman, Some(request)));
+    assert_eq!(load(store, &second).await.status, RunStatus::Queued, "a waiting run holds its session");
+    assert_nothing_claimable(store, T0 + 10 * LEASE_MS, "neither a waiting nor a queued run has a job")
+        .await;
+    assert_one_active(store, &session).await;
+
+    match store.request_cancel(&first, T0 + 6).await.unwrap() {
+        CancelOutcome::Cancelled { events, enqueued } => {
+            assert!(enqueued, "the queued run starts and its job must wake the workers");
+            assert_attributed(&events);
+        }
+        other => panic!("cancel of a waiting run: expected Cancelled, got {other:?}"),
+    }
+    let state = load(store, &first).await;
+    assert_eq!((state.status, state.stop_reason), (RunStatus::Cancelled, Some(StopReason::Cancelled)));
+    assert_eq!(state.pending_human, None, "a cancelled run waits for no one");
+    assert_eq!(load(store, &second).await.status, RunStatus::Running, "the session is free again");
+    assert_eq!(user_messages(store, &session).await, ["risky", "next"]);
+    assert_one_active(store, &session).await;
+    let next = claim(store, OWNER_B, T0 + 7).await;
+    assert_eq!(
+        next.job,
+        StepJob { run_id: second.clone(), step_index: 1, phase: Phase::UserInput, attempt: 1 }
+    );
+}
+
+/// `retry_later` gives a job back until `available_at`; the next claim is a new attempt. A
+/// claim already lost cannot give anything back.
+pub async fn retry_later_delays_the_next_claim(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (run, _) = submit(store, &session, "flaky model", config(), T0).await;
+    let first = claim(store, OWNER_A, T0).await;
+    let available_at = T0 + 500;
+    let failure = EventDraft::new(EventKind::ModelError, json!({"run_id": run, "error": "rate limited"}));
+    let events = store
+        .retry_later(&first.claim, available_at, failure.clone(), T0 + 10)
+        .await
+        .unwrap()
+        .expect("the holder of a claim may give its job back");
+    assert_eq!(kinds(&events), ["model.error"]);
+    assert_attributed(&events);
+    assert!(store.lease_owners().await.unwrap().is_empty(), "a job given back is held by nobody");
+    assert_nothing_claimable(store, available_at - 1, "a retried job waits for available_at").await;
+
+    let second = claim(store, OWNER_B, available_at).await;
+    assert_eq!(
+        second.job,
+        StepJob { run_id: run.clone(), step_index: 1, phase: Phase::UserInput, attempt: 2 }
+    );
+    assert_ne!(second.claim.epoch, first.claim.epoch);
+    let lost = store.retry_later(&first.claim, available_at, failure, available_at + 1).await.unwrap();
+    assert!(lost.is_none(), "a lost claim cannot give the job back");
+    assert_eq!(store.lease_owners().await.unwrap(), [OWNER_B], "the new holder keeps its lease");
+    assert_nothing_claimable(store, available_at + 1, "the job is still leased to its new holder")
+        .await;
+}
+
+/// A dead owner's leases are released at once, so its jobs need not wait for expiry.
+pub async fn release_leases_frees_a_dead_owners_jobs(store: &dyn Store) {
+    let mut runs = Vec::new();
+    for content in ["one", "two", "three"] {
+        let session = new_session(store).await;
+        runs.push(submit(store, &session, content, config(), T0).await.0);
+    }
+    let far = T0 + 100 * LEASE_MS;
+    let mut held = Vec::new();
+    for owner in [OWNER_A, OWNER_A, OWNER_B] {
+        let claimed = store.claim_next(lease(owner, far), T0).await.unwrap().expect("a job per run");
+        held.push(claimed);
+    }
+    let mut owners = store.lease_owners().await.unwrap();
+    owners.sort();
+    assert_eq!(owners, [OWNER_A, OWNER_B]);
+    assert_nothing_claimable(store, T0 + 1, "every job is leased").await;
+
+    assert_eq!(store.release_leases(OWNER_A).await.unwrap(), 2, "owner A held two jobs");
+    assert_eq!(store.lease_owners().await.unwrap(), [OWNER_B]);
+    let mut freed = Vec::new();
+    for _ in 0..2 {
+        let claimed = claim(store, OWNER_C, T0 + 1).await;
+        assert_eq!(claimed.job.attempt, 2, "a released job is claimed again as a new attempt");
+        freed.push(claimed.job.run_id);
+    }
+    freed.sort();
+    let mut released: Vec<RunId> = held[..2].iter().map(|c| c.job.run_id.clone()).collect();
+    released.sort();
+    assert_eq!(freed, released, "exactly owner A's jobs were released");
+    assert_nothing_claimable(store, T0 + 1, "owner B's job is still leased").await;
+    assert_eq!(store.release_leases("nobody").await.unwrap(), 0);
+
+    let dead = &held[0];
+    let late = after_model(dead.state.clone(), &dead.job, text_reply("late"), false, T0, T0 + 2);
+    let stale = commit_stale(store, &dead.claim, late, None, T0 + 2).await;
+    assert_eq!(stale, Stale::LeaseLost, "a released and reclaimed job fences out its old owner");
+}
+
+/// Unknown runs and sessions are NotFound; a session is created once.
+pub async fn missing_and_duplicate_entities_are_errors(store: &dyn Store) {
+    let ghost_run = RunId::from_suffix(&unique()).unwrap();
+    let ghost_session = SessionId::from_suffix(&unique()).unwrap();
+    match store.load_state(&ghost_run).await {
+        Err(Error::NotFound { .. }) => {}
+        other => panic!("load_state of an unknown run: expected NotFound, got {other:?}"),
+    }
+    match store.request_cancel(&ghost_run, T0).await {
+        Err(Error::NotFound { .. }) => {}
+        other => panic!("request_cancel of an unknown run: expected NotFound, got {other:?}"),
+    }
+    let new = NewRun {
+        session_id: ghost_session.clone(),
+        run_id: ghost_run.clone(),
+        message_id: MessageId::from_suffix(&unique()).unwrap(),
+        content: "hello?".into(),
+        config: config(),
+    };
+    match store.submit_message(new, T0).await {
+        Err(Error::NotFound { .. }) => {}
+        other => panic!("submit to an unknown session: expected NotFound, got {other:?}"),
+    }
+    assert!(store.list_runs().await.unwrap().is_empty(), "a refused submit writes no run");
+    let appended = store.append_events(&ghost_session, &ghost_run, vec![EventDraft::new(EventKind::Activity, json!({}))], T0).await;
+    match appended {
+        Err(Error::NotFound { .. }) => {}
+        other => panic!("append_events to an unknown session: expected NotFound, got {other:?}"),
+    }
+
+    let session = new_session(store).await;
+    match store.create_session(&session, T0 + 1).await {
+        Err(Error::Conflict(_)) => {}
+        other => panic!("create_session twice: expected Conflict, got {other:?}"),
+    }
+    let (_, submitted) = submit(store, &session, "still usable", config(), T0 + 2).await;
+    assert_eq!(submitted.status, RunStatus::Running, "a refused duplicate leaves the session intact");
+}
+
+/// The store owns two parts of the state a step may not change: the run's configuration,
+/// frozen at submit, and the cancel flag. Whatever a committed result carries, loads and
+/// continued claims see the store's values.
+pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
+    let frozen = RunConfigSnapshot {
+        model: "scripted:frozen".into(),
+        workspace: Some("/srv/workspace".into()),
+        system_prompt: "answer briefly".into(),
+        tools: vec![ToolSpec {
+            name: "lookup".into(),
+            description: "looks things up".into(),
+            parameters: json!({"type": "object", "properties": {"q": {"type": "string"}}}),
+            replay: ReplayPolicy::Keyed,
+            completes_run: false,
+        }],
+        limits: Limits { max_steps: 7, ..Limits::default() },
+    };
+    let tampered = RunConfigSnapshot { model: "scripted:tampered".into(), ..RunConfigSnapshot::default() };
+    let session = new_session(store).await;
+    let (run, _) = submit(store, &session, "configured", frozen.clone(), T0).await;
+    assert_eq!(load(store, &run).await.config, frozen);
+    let first = claim(store, OWNER_A, T0).await;
+    assert_eq!(first.state.config, frozen, "a claim runs under the frozen config");
+
+    let mut result = after_model(first.state, &first.job, tool_reply(), false, T0, T0 + 1);
+    result.state.config = tampered.clone();
+    result.state.cancel_requested = true;
+    let (_, continued, _) =
+        commit(store, &first.claim, result, Some(lease(OWNER_A, T0 + 1 + LEASE_MS)), T0 + 1).await;
+    let continued = continued.expect("continued job");
+    assert_eq!(continued.state.config, frozen, "a continued step runs under the frozen config");
+    assert!(!continued.state.cancel_requested, "no cancel was requested of the store");
+    let state = load(store, &run).await;
+    assert_eq!(state.config, frozen, "a commit never changes the frozen config");
+    assert!(!state.cancel_requested, "the cancel flag is never taken from a committed state");
+
+    let mut result = after_tools(continued.state, &continued.job, vec![ToolOutcome::ok("x")], 0, T0 + 1, T0 + 2);
+    result.state.config = tampered;
+    commit(store, &continued.claim, result, None, T0 + 2).await;
+    let third = claim(store, OWNER_B, T0 + 3).await;
+    assert_eq!(third.state.config, frozen, "a claim after commits still sees the frozen config");
+    assert_eq!(load(store, &run).await.config, frozen);
+}
