@@ -55,12 +55,19 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         workspace: None,
         system_prompt: String::new(),
         tools,
-        limits: Limits { max_steps: 2 * args.turns as u64 + 1, ..Limits::default() },
+        // Room for every round-trip without the budget forcing a concluding call.
+        limits: Limits {
+            max_steps: 2 * args.turns as u64 + 3,
+            ..Limits::default()
+        },
     };
     let runtime = Runtime::new(open_store(&db)?, toolbox);
     let coordinator = Arc::clone(&runtime.coordinator);
     let pool = runtime
-        .start(PoolConfig { workers: args.concurrency, ..PoolConfig::default() })
+        .start(PoolConfig {
+            workers: args.concurrency,
+            ..PoolConfig::default()
+        })
         .await?;
 
     let watches: Arc<std::sync::Mutex<HashMap<SessionId, Watch>>> = Arc::default();
@@ -79,11 +86,16 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
                     Err(RecvError::Closed) => break,
                 };
                 let mut watches = watches.lock().expect("bench watch map");
-                let Some(watch) = watches.get_mut(&event.session_id) else { continue };
+                let Some(watch) = watches.get_mut(&event.session_id) else {
+                    continue;
+                };
                 match event.kind.as_str() {
                     "step.committed" => {
                         let now = Instant::now();
-                        latencies.lock().expect("bench latencies").push(now - watch.last);
+                        latencies
+                            .lock()
+                            .expect("bench latencies")
+                            .push(now - watch.last);
                         watch.last = now;
                     }
                     "run.finished" => {
@@ -102,17 +114,24 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     let mut tasks = Vec::with_capacity(args.runs);
     for _ in 0..args.runs {
         let permit = Arc::clone(&permits).acquire_owned().await?;
-        let (coordinator, watches, config) = (Arc::clone(&coordinator), Arc::clone(&watches), config.clone());
+        let (coordinator, watches, config) = (
+            Arc::clone(&coordinator),
+            Arc::clone(&watches),
+            config.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
             let session = coordinator.create_session().await?;
             let (done, finished) = oneshot::channel();
             // Each run has its own session, so the watch is keyed by session and registered
             // before the submit: no event of the run can slip past it.
-            watches
-                .lock()
-                .expect("bench watch map")
-                .insert(session.clone(), Watch { last: Instant::now(), done: Some(done) });
+            watches.lock().expect("bench watch map").insert(
+                session.clone(),
+                Watch {
+                    last: Instant::now(),
+                    done: Some(done),
+                },
+            );
             let run = coordinator.submit(&session, "bench".into(), config).await?;
             let state = match tokio::time::timeout(Duration::from_secs(120), finished).await {
                 Ok(_) => coordinator.store().load_state(&run.run_id).await?,
@@ -125,7 +144,13 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     for task in tasks {
         let state = task.await??;
         if state.status != RunStatus::Completed || state.step_index != 2 * args.turns as u64 + 1 {
-            bail!("run {} ended {} after {} steps; expected completed after {}", state.run_id, state.status, state.step_index, 2 * args.turns + 1);
+            bail!(
+                "run {} ended {} after {} steps; expected completed after {}",
+                state.run_id,
+                state.status,
+                state.step_index,
+                2 * args.turns + 1
+            );
         }
         steps += state.step_index;
     }
@@ -137,7 +162,9 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     latencies.sort();
     let percentile = |p: f64| {
         let index = ((latencies.len() as f64 - 1.0) * p).round() as usize;
-        latencies.get(index).map_or(0.0, |d| d.as_secs_f64() * 1000.0)
+        latencies
+            .get(index)
+            .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
     };
     let report = json!({
         "db": if args.db.is_some() { db.as_str() } else { "sqlite (temporary file, synchronous=full)" },

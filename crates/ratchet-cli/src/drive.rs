@@ -46,7 +46,11 @@ impl RunReport {
             status: state.status,
             stop_reason: state.stop_reason,
             steps: state.step_index,
-            final_answer: if state.status.is_terminal() { state.final_answer.clone() } else { None },
+            final_answer: if state.status.is_terminal() {
+                state.final_answer.clone()
+            } else {
+                None
+            },
         }
     }
 
@@ -71,15 +75,19 @@ fn run_config(args: &RunArgs, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnap
         Some(dir) => dir.clone(),
         None => std::env::current_dir().context("cannot read the current directory")?,
     };
-    let workspace = workspace
-        .canonicalize()
-        .with_context(|| format!("workspace {} is not an existing directory", workspace.display()))?;
+    let workspace = workspace.canonicalize().with_context(|| {
+        format!(
+            "workspace {} is not an existing directory",
+            workspace.display()
+        )
+    })?;
     if !workspace.is_dir() {
         bail!("workspace {} is not a directory", workspace.display());
     }
     let model = match args.model.strip_prefix("scripted:") {
         Some(path) if path != "demo" => {
-            let absolute = std::path::absolute(path).with_context(|| format!("bad script path {path:?}"))?;
+            let absolute =
+                std::path::absolute(path).with_context(|| format!("bad script path {path:?}"))?;
             format!("scripted:{}", absolute.display())
         }
         _ => args.model.clone(),
@@ -90,7 +98,10 @@ fn run_config(args: &RunArgs, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnap
         workspace: Some(workspace.display().to_string()),
         system_prompt: SYSTEM_PROMPT.to_owned(),
         tools: toolbox.tools.specs(),
-        limits: Limits { max_steps: args.max_steps, ..Limits::default() },
+        limits: Limits {
+            max_steps: args.max_steps,
+            ..Limits::default()
+        },
     })
 }
 
@@ -102,7 +113,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let coordinator = &runtime.coordinator;
     let mut events = coordinator.subscribe();
     let session = coordinator.create_session().await?;
-    let started = coordinator.submit(&session, args.message.clone(), config).await?;
+    let started = coordinator
+        .submit(&session, args.message.clone(), config)
+        .await?;
     let pool = runtime.start(PoolConfig::default()).await?;
     let run_id = started.run_id;
     let mut stderr = std::io::stderr();
@@ -140,7 +153,12 @@ pub async fn resume(db: &str, json: bool) -> anyhow::Result<ExitCode> {
         .list_runs()
         .await?
         .into_iter()
-        .filter(|r| matches!(r.status, RunStatus::Running | RunStatus::Cancelling | RunStatus::Queued))
+        .filter(|r| {
+            matches!(
+                r.status,
+                RunStatus::Running | RunStatus::Cancelling | RunStatus::Queued
+            )
+        })
         .map(|r| r.run_id)
         .collect();
     let mut events = runtime.coordinator.subscribe();
@@ -182,7 +200,11 @@ fn show_progress(out: &mut impl Write, kind: &str, payload: &serde_json::Value) 
             payload["tool"].as_str().unwrap_or_default(),
             payload["content"].as_str().unwrap_or_default()
         ),
-        "reconciliation.required" => writeln!(out, "  waiting for a human to reconcile {}", payload["request"]),
+        "reconciliation.required" => writeln!(
+            out,
+            "  waiting for a human to reconcile {}",
+            payload["request"]
+        ),
         _ => Ok(()),
     };
     let _ = out.flush();
@@ -193,10 +215,18 @@ fn print_report(report: &RunReport, json: bool, answer_only: bool) -> anyhow::Re
     if json {
         writeln!(stdout, "{}", serde_json::to_string(report)?)?;
     } else if answer_only && report.status == RunStatus::Completed {
-        writeln!(stdout, "{}", report.final_answer.as_deref().unwrap_or_default())?;
+        writeln!(
+            stdout,
+            "{}",
+            report.final_answer.as_deref().unwrap_or_default()
+        )?;
     } else {
         let reason = report.stop_reason.map_or("-".to_owned(), |r| r.to_string());
-        writeln!(stdout, "{} {} ({reason}) after {} steps", report.run_id, report.status, report.steps)?;
+        writeln!(
+            stdout,
+            "{} {} ({reason}) after {} steps",
+            report.run_id, report.status, report.steps
+        )?;
         if let Some(answer) = &report.final_answer {
             writeln!(stdout, "{answer}")?;
         }

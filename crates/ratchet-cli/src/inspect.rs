@@ -15,10 +15,18 @@ pub async fn list(db: &str, json: bool) -> anyhow::Result<ExitCode> {
     if json {
         writeln!(out, "{}", serde_json::to_string(&runs)?)?;
     } else {
-        writeln!(out, "{:<38} {:<38} {:<16} {:<17} {:>5}", "RUN", "SESSION", "STATUS", "STOP REASON", "STEPS")?;
+        writeln!(
+            out,
+            "{:<38} {:<38} {:<16} {:<17} {:>5}",
+            "RUN", "SESSION", "STATUS", "STOP REASON", "STEPS"
+        )?;
         for run in runs {
             let reason = run.stop_reason.map_or("-".to_owned(), |r| r.to_string());
-            writeln!(out, "{:<38} {:<38} {:<16} {:<17} {:>5}", run.run_id, run.session_id, run.status, reason, run.step_index)?;
+            writeln!(
+                out,
+                "{:<38} {:<38} {:<16} {:<17} {:>5}",
+                run.run_id, run.session_id, run.status, reason, run.step_index
+            )?;
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -27,7 +35,10 @@ pub async fn list(db: &str, json: bool) -> anyhow::Result<ExitCode> {
 pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode> {
     let run_id = RunId::parse(run_id)?;
     let store = open_store(db)?;
-    let state = store.load_state(&run_id).await.with_context(|| format!("cannot show run {run_id}"))?;
+    let state = store
+        .load_state(&run_id)
+        .await
+        .with_context(|| format!("cannot show run {run_id}"))?;
     let steps = store.steps(&run_id).await?;
     let mut out = std::io::stdout().lock();
     if json {
@@ -56,13 +67,33 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
     writeln!(out, "status       {} (stop reason: {reason})", state.status)?;
     writeln!(out, "step_index   {}", state.step_index)?;
     writeln!(out, "model        {}", state.config.model)?;
-    if let Some(HumanRequest::Reconciliation { call_index, call_id, tool, arguments, idempotency_key }) = &state.pending_human {
-        writeln!(out, "waiting for   reconciliation of call #{call_index} {call_id}: {tool} {arguments}")?;
-        writeln!(out, "              its outcome is unknown after a crash; idempotency key {idempotency_key}")?;
+    if let Some(HumanRequest::Reconciliation {
+        call_index,
+        call_id,
+        tool,
+        arguments,
+        idempotency_key,
+    }) = &state.pending_human
+    {
+        writeln!(
+            out,
+            "waiting for   reconciliation of call #{call_index} {call_id}: {tool} {arguments}"
+        )?;
+        writeln!(
+            out,
+            "              its outcome is unknown after a crash; idempotency key {idempotency_key}"
+        )?;
     }
     writeln!(out, "steps")?;
     for step in steps {
-        writeln!(out, "  {:>4}  {:<17} {:>6} ms  {}", step.index, step.instruction, step.finished_at - step.started_at, step.summary)?;
+        writeln!(
+            out,
+            "  {:>4}  {:<17} {:>6} ms  {}",
+            step.index,
+            step.instruction,
+            step.finished_at - step.started_at,
+            step.summary
+        )?;
     }
     if let Some(answer) = state.final_answer.filter(|_| state.status.is_terminal()) {
         writeln!(out, "answer       {answer}")?;

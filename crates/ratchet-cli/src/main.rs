@@ -106,7 +106,11 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(error) => {
             let _ = error.print();
-            return if error.use_stderr() { ExitCode::from(64) } else { ExitCode::SUCCESS };
+            return if error.use_stderr() {
+                ExitCode::from(64)
+            } else {
+                ExitCode::SUCCESS
+            };
         }
     };
     tracing_subscriber::fmt()
@@ -116,7 +120,10 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("error: cannot start the async runtime: {error}");
@@ -134,16 +141,49 @@ fn main() -> ExitCode {
 
 async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Run { db, model, workspace, max_steps, json, message } => {
-            drive::run(drive::RunArgs { db: db.db, model, workspace, max_steps, json, message }).await
+        Command::Run {
+            db,
+            model,
+            workspace,
+            max_steps,
+            json,
+            message,
+        } => {
+            drive::run(drive::RunArgs {
+                db: db.db,
+                model,
+                workspace,
+                max_steps,
+                json,
+                message,
+            })
+            .await
         }
         Command::Resume { db, json } => drive::resume(&db.db, json).await,
-        Command::Runs { command: RunsCommand::List { db, json } } => inspect::list(&db.db, json).await,
-        Command::Runs { command: RunsCommand::Show { run_id, db, json } } => {
-            inspect::show(&db.db, &run_id, json).await
-        }
-        Command::Bench { command: BenchCommand::Steps { db, runs, concurrency, turns, json } } => {
-            bench::steps(bench::StepsArgs { db, runs, concurrency, turns, json }).await
+        Command::Runs {
+            command: RunsCommand::List { db, json },
+        } => inspect::list(&db.db, json).await,
+        Command::Runs {
+            command: RunsCommand::Show { run_id, db, json },
+        } => inspect::show(&db.db, &run_id, json).await,
+        Command::Bench {
+            command:
+                BenchCommand::Steps {
+                    db,
+                    runs,
+                    concurrency,
+                    turns,
+                    json,
+                },
+        } => {
+            bench::steps(bench::StepsArgs {
+                db,
+                runs,
+                concurrency,
+                turns,
+                json,
+            })
+            .await
         }
     }
 }

@@ -3,7 +3,9 @@
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool, owner_is_dead_local_process};
+use ratchet_engine::{
+    Coordinator, Engine, Models, PoolConfig, WorkerPool, owner_is_dead_local_process,
+};
 use ratchet_sqlite::SqliteStore;
 use ratchet_store::Store;
 use ratchet_tools::Registry;
@@ -17,7 +19,9 @@ pub struct Toolbox {
 impl Toolbox {
     pub fn new() -> Toolbox {
         let tools = Arc::new(Registry::builtin());
-        let models = Arc::new(Models::new(tools.names().into_iter().map(str::to_owned).collect()));
+        let models = Arc::new(Models::new(
+            tools.names().into_iter().map(str::to_owned).collect(),
+        ));
         Toolbox { tools, models }
     }
 }
@@ -29,7 +33,8 @@ pub struct Runtime {
 
 pub fn open_store(url: &str) -> anyhow::Result<Arc<dyn Store>> {
     if url.starts_with("sqlite:") {
-        let store = SqliteStore::open_url(url).with_context(|| format!("cannot open database {url}"))?;
+        let store =
+            SqliteStore::open_url(url).with_context(|| format!("cannot open database {url}"))?;
         return Ok(Arc::new(store));
     }
     bail!("unsupported database url {url:?}: expected sqlite://PATH")
@@ -38,8 +43,15 @@ pub fn open_store(url: &str) -> anyhow::Result<Arc<dyn Store>> {
 impl Runtime {
     pub fn new(store: Arc<dyn Store>, toolbox: Toolbox) -> Runtime {
         let coordinator = Coordinator::new(store);
-        let engine = Arc::new(Engine::new(Arc::clone(&coordinator), toolbox.models, toolbox.tools));
-        Runtime { coordinator, engine }
+        let engine = Arc::new(Engine::new(
+            Arc::clone(&coordinator),
+            toolbox.models,
+            toolbox.tools,
+        ));
+        Runtime {
+            coordinator,
+            engine,
+        }
     }
 
     /// Takes over the steps of dead processes, then starts the workers.
@@ -48,6 +60,10 @@ impl Runtime {
             .recover(owner_is_dead_local_process)
             .await
             .context("recovering the steps of dead processes")?;
-        Ok(WorkerPool::start(Arc::clone(&self.coordinator), Arc::clone(&self.engine), config))
+        Ok(WorkerPool::start(
+            Arc::clone(&self.coordinator),
+            Arc::clone(&self.engine),
+            config,
+        ))
     }
 }

@@ -11,7 +11,9 @@ use crate::{AgentState, Phase, StopReason};
 pub enum Instruction {
     /// Call the model. With `conclude` the tools are withheld: the budget leaves no room for
     /// another tool round-trip, so this call must produce the final answer.
-    CallLlm { conclude: bool },
+    CallLlm {
+        conclude: bool,
+    },
     /// Run the pending calls of the state's tool checkpoint.
     CallToolsBatch,
     Finish(StopReason),
@@ -66,14 +68,22 @@ fn next_model_call(state: &AgentState) -> Instruction {
         return Instruction::Finish(StopReason::BudgetExhausted);
     }
     let model_step = state.step_index + 1;
-    Instruction::CallLlm { conclude: model_step + 2 > max_steps }
+    Instruction::CallLlm {
+        conclude: model_step + 2 > max_steps,
+    }
 }
 
 fn completed_by_tool(state: &AgentState) -> bool {
-    let Some(checkpoint) = &state.checkpoint else { return false };
+    let Some(checkpoint) = &state.checkpoint else {
+        return false;
+    };
     checkpoint.calls.iter().any(|progress| {
         let succeeded = progress.outcome.as_ref().is_some_and(|o| !o.is_error);
-        succeeded && state.config.tool(&progress.call.name).is_some_and(|t| t.completes_run)
+        succeeded
+            && state
+                .config
+                .tool(&progress.call.name)
+                .is_some_and(|t| t.completes_run)
     })
 }
 
@@ -95,7 +105,10 @@ mod tests {
                 replay: ReplayPolicy::Safe,
                 completes_run: true,
             }],
-            limits: Limits { max_steps, ..Limits::default() },
+            limits: Limits {
+                max_steps,
+                ..Limits::default()
+            },
             ..RunConfigSnapshot::default()
         };
         AgentState::new(
@@ -107,7 +120,11 @@ mod tests {
     }
 
     fn call(name: &str) -> ToolCall {
-        ToolCall { id: "c1".into(), name: name.into(), arguments: serde_json::json!({}) }
+        ToolCall {
+            id: "c1".into(),
+            name: name.into(),
+            arguments: serde_json::json!({}),
+        }
     }
 
     /// Every combination of the inputs the Brain looks at, with the expected instruction
@@ -147,7 +164,14 @@ mod tests {
                                         Some(c)
                                     }
                                 };
-                                let expected = expected(phase, cancel, force, checkpoint, parse_failures, step_index);
+                                let expected = expected(
+                                    phase,
+                                    cancel,
+                                    force,
+                                    checkpoint,
+                                    parse_failures,
+                                    step_index,
+                                );
                                 assert_eq!(
                                     decide(&s, phase),
                                     expected,
@@ -180,7 +204,9 @@ mod tests {
             if force || step_index >= 10 {
                 Finish(StopReason::BudgetExhausted)
             } else {
-                CallLlm { conclude: step_index + 3 > 10 }
+                CallLlm {
+                    conclude: step_index + 3 > 10,
+                }
             }
         };
         match phase {
@@ -197,10 +223,19 @@ mod tests {
     #[test]
     fn a_budget_of_three_steps_leaves_room_for_exactly_one_tool_round_trip() {
         let mut s = state(3);
-        assert_eq!(decide(&s, Phase::UserInput), Instruction::CallLlm { conclude: false });
+        assert_eq!(
+            decide(&s, Phase::UserInput),
+            Instruction::CallLlm { conclude: false }
+        );
         s.step_index = 2;
-        assert_eq!(decide(&s, Phase::ToolsBatchResult), Instruction::CallLlm { conclude: true });
+        assert_eq!(
+            decide(&s, Phase::ToolsBatchResult),
+            Instruction::CallLlm { conclude: true }
+        );
         let s = state(1);
-        assert_eq!(decide(&s, Phase::UserInput), Instruction::CallLlm { conclude: true });
+        assert_eq!(
+            decide(&s, Phase::UserInput),
+            Instruction::CallLlm { conclude: true }
+        );
     }
 }

@@ -33,11 +33,17 @@ macro_rules! typed_id {
                 let suffix = text.strip_prefix($prefix).unwrap_or("");
                 let valid = !suffix.is_empty()
                     && suffix.len() <= 64
-                    && suffix.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+                    && suffix
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '-');
                 if valid {
                     Ok(Self(text.to_owned()))
                 } else {
-                    Err(IdError { kind: $kind, prefix: $prefix, found: text.to_owned() })
+                    Err(IdError {
+                        kind: $kind,
+                        prefix: $prefix,
+                        found: text.to_owned(),
+                    })
                 }
             }
 

@@ -47,11 +47,17 @@ pub struct ToolOutcome {
 
 impl ToolOutcome {
     pub fn ok(content: impl Into<String>) -> Self {
-        ToolOutcome { content: content.into(), is_error: false }
+        ToolOutcome {
+            content: content.into(),
+            is_error: false,
+        }
     }
 
     pub fn error(content: impl Into<String>) -> Self {
-        ToolOutcome { content: content.into(), is_error: true }
+        ToolOutcome {
+            content: content.into(),
+            is_error: true,
+        }
     }
 }
 

@@ -96,7 +96,15 @@ pub struct ToolCheckpoint {
 
 impl ToolCheckpoint {
     pub fn new(calls: Vec<ToolCall>) -> Self {
-        ToolCheckpoint { calls: calls.into_iter().map(|call| CallProgress { call, outcome: None }).collect() }
+        ToolCheckpoint {
+            calls: calls
+                .into_iter()
+                .map(|call| CallProgress {
+                    call,
+                    outcome: None,
+                })
+                .collect(),
+        }
     }
 
     pub fn has_pending(&self) -> bool {

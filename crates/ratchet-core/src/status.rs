@@ -40,7 +40,10 @@ impl RunStatus {
     ];
 
     pub fn is_terminal(self) -> bool {
-        matches!(self, RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled)
+        matches!(
+            self,
+            RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled
+        )
     }
 
     /// A waiting run holds its session but has no job: it moves only when something outside
@@ -57,7 +60,13 @@ impl RunStatus {
             Queued => matches!(to, Running | Cancelled),
             Running => matches!(
                 to,
-                Running | WaitingHuman | WaitingChildren | Cancelling | Completed | Failed | Cancelled
+                Running
+                    | WaitingHuman
+                    | WaitingChildren
+                    | Cancelling
+                    | Completed
+                    | Failed
+                    | Cancelled
             ),
             WaitingHuman => matches!(to, Running | Cancelled),
             WaitingChildren => matches!(to, Running | Cancelling | Cancelled),
@@ -65,7 +74,11 @@ impl RunStatus {
             Failed => matches!(to, Running),
             Completed | Cancelled => false,
         };
-        if legal { Ok(()) } else { Err(IllegalEdge { from: self, to }) }
+        if legal {
+            Ok(())
+        } else {
+            Err(IllegalEdge { from: self, to })
+        }
     }
 
     pub fn as_str(self) -> &'static str {
@@ -178,7 +191,10 @@ cancelled        ........
     #[test]
     fn every_non_terminal_status_can_be_cancelled() {
         for from in RunStatus::ALL.into_iter().filter(|s| !s.is_terminal()) {
-            assert!(from.edge(RunStatus::Cancelled).is_ok(), "{from} cannot be cancelled");
+            assert!(
+                from.edge(RunStatus::Cancelled).is_ok(),
+                "{from} cannot be cancelled"
+            );
         }
     }
 

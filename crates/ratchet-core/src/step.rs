@@ -26,8 +26,13 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 5] =
-        [Phase::UserInput, Phase::LlmResult, Phase::ToolsBatchResult, Phase::HumanDecided, Phase::Cancel];
+    pub const ALL: [Phase; 5] = [
+        Phase::UserInput,
+        Phase::LlmResult,
+        Phase::ToolsBatchResult,
+        Phase::HumanDecided,
+        Phase::Cancel,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -138,7 +143,11 @@ pub fn after_model(
     if conclude {
         state.force_finish = true;
     }
-    let calls = if state.force_finish { Vec::new() } else { reply.tool_calls };
+    let calls = if state.force_finish {
+        Vec::new()
+    } else {
+        reply.tool_calls
+    };
     state.checkpoint = (!calls.is_empty()).then(|| ToolCheckpoint::new(calls.clone()));
     state.final_answer = Some(reply.text.clone());
     let message = Message::assistant(reply.text, calls);
@@ -193,8 +202,11 @@ pub fn after_tools(
         progress.outcome = Some(outcome);
     }
     state.counters.tool_calls += checkpoint.calls.len() as u64;
-    state.counters.consecutive_parse_failures =
-        if invalid_calls > 0 { state.counters.consecutive_parse_failures + 1 } else { 0 };
+    state.counters.consecutive_parse_failures = if invalid_calls > 0 {
+        state.counters.consecutive_parse_failures + 1
+    } else {
+        0
+    };
     let summary = json!({
         "calls": checkpoint.calls.iter().map(|p| &p.call.name).collect::<Vec<_>>(),
         "errors": checkpoint.calls.iter().filter(|p| p.outcome.as_ref().is_some_and(|o| o.is_error)).count(),
@@ -292,7 +304,10 @@ pub fn cancel_idle(state: &mut AgentState, now: Millis) -> Vec<EventDraft> {
     events
 }
 
-#[expect(clippy::too_many_arguments, reason = "one call site per instruction, all named")]
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one call site per instruction, all named"
+)]
 fn close_step(
     mut state: AgentState,
     job: &StepJob,
@@ -334,7 +349,12 @@ fn close_step(
     }
 }
 
-fn finish_in_place(state: &mut AgentState, reason: StopReason, now: Millis, events: &mut Vec<EventDraft>) {
+fn finish_in_place(
+    state: &mut AgentState,
+    reason: StopReason,
+    now: Millis,
+    events: &mut Vec<EventDraft>,
+) {
     state.status = reason.terminal_status();
     state.stop_reason = Some(reason);
     state.finished_at = Some(now);
@@ -352,7 +372,10 @@ fn finish_in_place(state: &mut AgentState, reason: StopReason, now: Millis, even
 }
 
 fn status_event(state: &AgentState) -> EventDraft {
-    EventDraft::new(EventKind::RunStatus, json!({"run_id": state.run_id, "status": state.status}))
+    EventDraft::new(
+        EventKind::RunStatus,
+        json!({"run_id": state.run_id, "status": state.status}),
+    )
 }
 
 fn step_event(state: &AgentState, instruction: Instruction) -> EventDraft {

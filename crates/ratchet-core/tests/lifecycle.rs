@@ -11,7 +11,11 @@ use ratchet_core::{
 #[derive(Debug, Clone)]
 enum Reply {
     Text,
-    Calls { count: usize, invalid: u32, finishing: bool },
+    Calls {
+        count: usize,
+        invalid: u32,
+        finishing: bool,
+    },
 }
 
 fn reply_strategy() -> impl Strategy<Value = Reply> {
@@ -33,10 +37,18 @@ fn fresh(max_steps: u64) -> AgentState {
     let config = RunConfigSnapshot {
         model: "scripted:demo".into(),
         tools: vec![tool("add", false), tool("finish_task", true)],
-        limits: Limits { max_steps, ..Limits::default() },
+        limits: Limits {
+            max_steps,
+            ..Limits::default()
+        },
         ..RunConfigSnapshot::default()
     };
-    AgentState::new(SessionId::from_suffix("s").unwrap(), RunId::from_suffix("r").unwrap(), config, 0)
+    AgentState::new(
+        SessionId::from_suffix("s").unwrap(),
+        RunId::from_suffix("r").unwrap(),
+        config,
+        0,
+    )
 }
 
 proptest! {
@@ -116,18 +128,31 @@ fn a_tool_round_trip_takes_three_steps() {
     let mut state = fresh(50);
     let (job, _) = start_run(&mut state, 0);
     let reply = ModelReply {
-        tool_calls: vec![ToolCall { id: "c0".into(), name: "add".into(), arguments: serde_json::json!({"a": 2, "b": 3}) }],
+        tool_calls: vec![ToolCall {
+            id: "c0".into(),
+            name: "add".into(),
+            arguments: serde_json::json!({"a": 2, "b": 3}),
+        }],
         ..ModelReply::default()
     };
     let step1 = after_model(state, &job, reply, false, 0, 1);
     let job2 = step1.next.clone().unwrap();
     assert_eq!((job2.step_index, job2.phase), (2, Phase::LlmResult));
-    assert_eq!(decide(&step1.state, job2.phase), Instruction::CallToolsBatch);
+    assert_eq!(
+        decide(&step1.state, job2.phase),
+        Instruction::CallToolsBatch
+    );
     let step2 = after_tools(step1.state, &job2, vec![ToolOutcome::ok("5")], 0, 1, 2);
     assert_eq!(step2.messages[0].tool_call_id.as_deref(), Some("c0"));
     let job3: StepJob = step2.next.clone().unwrap();
-    assert_eq!(decide(&step2.state, job3.phase), Instruction::CallLlm { conclude: false });
-    let reply = ModelReply { text: "The sum is 5.".into(), ..ModelReply::default() };
+    assert_eq!(
+        decide(&step2.state, job3.phase),
+        Instruction::CallLlm { conclude: false }
+    );
+    let reply = ModelReply {
+        text: "The sum is 5.".into(),
+        ..ModelReply::default()
+    };
     let step3 = after_model(step2.state, &job3, reply, false, 2, 3);
     assert_eq!(step3.next, None);
     assert_eq!(step3.state.status, RunStatus::Completed);
@@ -140,14 +165,25 @@ fn a_cancel_during_a_step_keeps_the_work_and_finishes_next() {
     let mut state = fresh(50);
     let (job, _) = start_run(&mut state, 0);
     let reply = ModelReply {
-        tool_calls: vec![ToolCall { id: "c0".into(), name: "add".into(), arguments: serde_json::json!({}) }],
+        tool_calls: vec![ToolCall {
+            id: "c0".into(),
+            name: "add".into(),
+            arguments: serde_json::json!({}),
+        }],
         ..ModelReply::default()
     };
     let mut result = after_model(state, &job, reply, false, 0, 1);
     result.yield_to_cancel();
     assert_eq!(result.state.status, RunStatus::Cancelling);
-    assert_eq!(result.messages.len(), 1, "the model's answer is still committed");
+    assert_eq!(
+        result.messages.len(),
+        1,
+        "the model's answer is still committed"
+    );
     let next = result.next.clone().unwrap();
     assert_eq!(next.phase, Phase::Cancel);
-    assert_eq!(decide(&result.state, next.phase), Instruction::Finish(StopReason::Cancelled));
+    assert_eq!(
+        decide(&result.state, next.phase),
+        Instruction::Finish(StopReason::Cancelled)
+    );
 }

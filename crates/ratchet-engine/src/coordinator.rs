@@ -8,9 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use ratchet_core::{MessageId, RunConfigSnapshot, RunId, RunStatus, SessionId, StepResult};
-use ratchet_store::{
-    CancelOutcome, Claim, ClaimedStep, Commit, Lease, NewRun, Store, StoredEvent,
-};
+use ratchet_store::{CancelOutcome, Claim, ClaimedStep, Commit, Lease, NewRun, Store, StoredEvent};
 use tokio::sync::{Notify, broadcast};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -59,7 +57,8 @@ impl Coordinator {
     }
 
     pub async fn create_session(&self) -> Result<SessionId> {
-        let id = SessionId::from_suffix(&fresh_suffix()).map_err(|e| crate::Error::Invalid(e.to_string()))?;
+        let id = SessionId::from_suffix(&fresh_suffix())
+            .map_err(|e| crate::Error::Invalid(e.to_string()))?;
         self.store.create_session(&id, now_ms()).await?;
         Ok(id)
     }
@@ -87,7 +86,12 @@ impl Coordinator {
         if submitted.status == RunStatus::Running {
             self.wake.notify_one();
         }
-        Ok(StartedRun { session_id: session_id.clone(), run_id, message_id, status: submitted.status })
+        Ok(StartedRun {
+            session_id: session_id.clone(),
+            run_id,
+            message_id,
+            status: submitted.status,
+        })
     }
 
     pub async fn claim_next(&self, lease: Lease) -> Result<Option<ClaimedStep>> {
@@ -104,8 +108,14 @@ impl Coordinator {
         result: StepResult,
         continue_with: Option<Lease>,
     ) -> Result<Commit> {
-        let commit = self.store.commit_step(claim, result, continue_with, now_ms()).await?;
-        if let Commit::Committed { events, enqueued, .. } = &commit {
+        let commit = self
+            .store
+            .commit_step(claim, result, continue_with, now_ms())
+            .await?;
+        if let Commit::Committed {
+            events, enqueued, ..
+        } = &commit
+        {
             self.publish(events.clone());
             if *enqueued {
                 self.wake.notify_one();
@@ -120,7 +130,10 @@ impl Coordinator {
         available_at: ratchet_core::Millis,
         event: ratchet_core::EventDraft,
     ) -> Result<bool> {
-        let events = self.store.retry_later(claim, available_at, event, now_ms()).await?;
+        let events = self
+            .store
+            .retry_later(claim, available_at, event, now_ms())
+            .await?;
         let kept = events.is_some();
         self.publish(events.unwrap_or_default());
         Ok(kept)
@@ -132,7 +145,10 @@ impl Coordinator {
         run_id: &RunId,
         events: Vec<ratchet_core::EventDraft>,
     ) -> Result<()> {
-        let stored = self.store.append_events(session_id, run_id, events, now_ms()).await?;
+        let stored = self
+            .store
+            .append_events(session_id, run_id, events, now_ms())
+            .await?;
         self.publish(stored);
         Ok(())
     }
@@ -150,7 +166,12 @@ impl Coordinator {
             }
             CancelOutcome::Cancelling { events } => {
                 self.publish(events.clone());
-                if let Some(token) = self.in_flight.lock().ok().and_then(|m| m.get(run_id).cloned()) {
+                if let Some(token) = self
+                    .in_flight
+                    .lock()
+                    .ok()
+                    .and_then(|m| m.get(run_id).cloned())
+                {
                     token.cancel();
                 }
             }

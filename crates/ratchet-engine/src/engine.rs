@@ -55,7 +55,11 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(coordinator: Arc<Coordinator>, models: Arc<Models>, tools: Arc<Registry>) -> Engine {
-        Engine { coordinator, models, tools }
+        Engine {
+            coordinator,
+            models,
+            tools,
+        }
     }
 
     pub async fn execute(
@@ -68,7 +72,9 @@ impl Engine {
         let job = &claimed.job;
         match decide(&state, job.phase) {
             Instruction::Finish(reason) => Ok(finish_step(state, job, reason, started, now_ms())),
-            Instruction::CallLlm { conclude } => self.call_model(state, job, conclude, started, cancel).await,
+            Instruction::CallLlm { conclude } => {
+                self.call_model(state, job, conclude, started, cancel).await
+            }
             Instruction::CallToolsBatch => self.run_batch(state, job, started, cancel).await,
         }
     }
@@ -81,7 +87,10 @@ impl Engine {
         started: ratchet_core::Millis,
         cancel: &CancellationToken,
     ) -> Result<StepResult, StepFailure> {
-        let model = self.models.resolve(&state.config.model).map_err(|e| StepFailure::Fatal(e.to_string()))?;
+        let model = self
+            .models
+            .resolve(&state.config.model)
+            .map_err(|e| StepFailure::Fatal(e.to_string()))?;
         let store = self.coordinator.store();
         store
             .record_intents(
@@ -102,7 +111,11 @@ impl Engine {
             attempt: job.attempt,
             system_prompt: state.config.system_prompt.clone(),
             messages: store.history(&state.session_id).await?,
-            tools: if conclude { Vec::new() } else { state.config.tools.clone() },
+            tools: if conclude {
+                Vec::new()
+            } else {
+                state.config.tools.clone()
+            },
         };
         let (deltas, mut incoming) = mpsc::unbounded_channel();
         let completion = model.complete(request, deltas, cancel.clone());
@@ -130,7 +143,9 @@ impl Engine {
         let reply = match reply {
             Ok(reply) => reply,
             Err(ratchet_llm::Error::Cancelled) => return Err(StepFailure::Cancelled),
-            Err(ratchet_llm::Error::Transient(message)) => return Err(StepFailure::Transient(message)),
+            Err(ratchet_llm::Error::Transient(message)) => {
+                return Err(StepFailure::Transient(message));
+            }
             Err(other) => return Err(StepFailure::Fatal(other.to_string())),
         };
         let delta = (!pending.is_empty()).then(|| delta_event(&state, pending));
@@ -155,10 +170,20 @@ impl Engine {
         let calls: Vec<(ToolCall, Option<ToolOutcome>)> = state
             .checkpoint
             .as_ref()
-            .map(|c| c.calls.iter().map(|p| (p.call.clone(), p.outcome.clone())).collect())
+            .map(|c| {
+                c.calls
+                    .iter()
+                    .map(|p| (p.call.clone(), p.outcome.clone()))
+                    .collect()
+            })
             .unwrap_or_default();
         let earlier: HashMap<u32, _> = if job.attempt > 1 {
-            store.intents(&state.run_id, job.step_index).await?.into_iter().map(|r| (r.slot, r)).collect()
+            store
+                .intents(&state.run_id, job.step_index)
+                .await?
+                .into_iter()
+                .map(|r| (r.slot, r))
+                .collect()
         } else {
             HashMap::new()
         };
@@ -168,7 +193,10 @@ impl Engine {
         let mut unknown_outcome = None;
         for (slot, (call, known)) in calls.iter().enumerate() {
             let slot = slot as u32;
-            if let Some(known) = known.clone().or_else(|| earlier.get(&slot).and_then(|r| r.outcome.clone())) {
+            if let Some(known) = known
+                .clone()
+                .or_else(|| earlier.get(&slot).and_then(|r| r.outcome.clone()))
+            {
                 outcomes.push(Some(known));
                 continue;
             }
@@ -176,9 +204,18 @@ impl Engine {
                 None => Err(format!(
                     "unknown tool {:?}; available tools: {}",
                     call.name,
-                    state.config.tools.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", ")
+                    state
+                        .config
+                        .tools
+                        .iter()
+                        .map(|t| t.name.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )),
-                Some(spec) => self.tools.validate(&call.name, &call.arguments).map(|tool| (tool, spec.replay)),
+                Some(spec) => self
+                    .tools
+                    .validate(&call.name, &call.arguments)
+                    .map(|tool| (tool, spec.replay)),
             };
             match checked {
                 Err(message) => {
@@ -204,20 +241,32 @@ impl Engine {
                 arguments: call.arguments.clone(),
                 idempotency_key: idempotency_key(job, slot),
             };
-            return Ok(await_reconciliation(state, job, outcomes, request, started, now_ms()));
+            return Ok(await_reconciliation(
+                state,
+                job,
+                outcomes,
+                request,
+                started,
+                now_ms(),
+            ));
         }
         let workspace = state.config.workspace.as_ref().map(PathBuf::from);
         let parallel = state.config.limits.max_parallel.max(1) as usize;
-        let runs = to_run.into_iter().map(|(slot, tool, call)| {
-            let context = ToolContext {
-                workspace: workspace.clone(),
-                idempotency_key: idempotency_key(job, slot),
-                cancel: cancel.child_token(),
-            };
-            run_call(Arc::clone(store), job.clone(), slot, tool, call, context)
-        }).collect::<Vec<_>>();
-        let finished: Vec<Result<(u32, ToolOutcome), StepFailure>> =
-            stream::iter(runs).buffer_unordered(parallel).collect().await;
+        let runs = to_run
+            .into_iter()
+            .map(|(slot, tool, call)| {
+                let context = ToolContext {
+                    workspace: workspace.clone(),
+                    idempotency_key: idempotency_key(job, slot),
+                    cancel: cancel.child_token(),
+                };
+                run_call(Arc::clone(store), job.clone(), slot, tool, call, context)
+            })
+            .collect::<Vec<_>>();
+        let finished: Vec<Result<(u32, ToolOutcome), StepFailure>> = stream::iter(runs)
+            .buffer_unordered(parallel)
+            .collect()
+            .await;
         for done in finished {
             let (slot, outcome) = done?;
             outcomes[slot as usize] = Some(outcome);
@@ -226,7 +275,14 @@ impl Engine {
             .into_iter()
             .map(|o| o.unwrap_or_else(|| ToolOutcome::error("the call produced no outcome")))
             .collect();
-        Ok(after_tools(state, job, outcomes, invalid, started, now_ms()))
+        Ok(after_tools(
+            state,
+            job,
+            outcomes,
+            invalid,
+            started,
+            now_ms(),
+        ))
     }
 }
 
@@ -256,7 +312,9 @@ async fn run_call(
     if context.cancel.is_cancelled() {
         return Err(StepFailure::Cancelled);
     }
-    store.record_outcome(&job.run_id, job.step_index, slot, outcome.clone(), now_ms()).await?;
+    store
+        .record_outcome(&job.run_id, job.step_index, slot, outcome.clone(), now_ms())
+        .await?;
     Ok((slot, outcome))
 }
 
@@ -266,5 +324,8 @@ fn idempotency_key(job: &StepJob, slot: u32) -> String {
 }
 
 fn delta_event(state: &AgentState, text: String) -> EventDraft {
-    EventDraft::new(EventKind::AssistantDelta, json!({"run_id": state.run_id, "text": text}))
+    EventDraft::new(
+        EventKind::AssistantDelta,
+        json!({"run_id": state.run_id, "text": text}),
+    )
 }

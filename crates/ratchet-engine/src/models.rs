@@ -12,7 +12,10 @@ pub struct Models {
 
 impl Models {
     pub fn new(known_tools: Vec<String>) -> Models {
-        Models { known_tools, cache: Mutex::new(HashMap::new()) }
+        Models {
+            known_tools,
+            cache: Mutex::new(HashMap::new()),
+        }
     }
 
     /// Parses and checks a spec (a scripted model's file is read and its tools checked).

@@ -33,8 +33,11 @@ pub fn owner_is_dead_local_process(owner: &str) -> bool {
     let (Some(host), Some(pid), Some(_)) = (parts.next(), parts.next(), parts.next()) else {
         return false;
     };
-    let this_host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned());
-    let Ok(pid) = pid.parse::<u32>() else { return false };
+    let this_host =
+        std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned());
+    let Ok(pid) = pid.parse::<u32>() else {
+        return false;
+    };
     this_host.is_ok_and(|h| h == host)
         && pid != std::process::id()
         && !std::path::Path::new(&format!("/proc/{pid}")).exists()
@@ -85,7 +88,10 @@ struct Worker {
 
 impl Worker {
     fn lease(&self) -> Lease {
-        Lease { owner: self.owner.clone(), expires_at: now_ms() + self.config.lease.as_millis() as i64 }
+        Lease {
+            owner: self.owner.clone(),
+            expires_at: now_ms() + self.config.lease.as_millis() as i64,
+        }
     }
 
     async fn run(self) {
@@ -130,16 +136,28 @@ impl Worker {
         let continue_with = may_continue.then(|| self.lease());
         let result = match outcome {
             Ok(result) => result,
-            Err(StepFailure::Transient(message)) => return self.retry_or_fail(claimed, message).await,
+            Err(StepFailure::Transient(message)) => {
+                return self.retry_or_fail(claimed, message).await;
+            }
             Err(StepFailure::Fatal(message)) => {
                 tracing::warn!(run = %run_id, %message, "model call failed for good");
-                finish_step(claimed.state.clone(), &claimed.job, StopReason::ModelError, now_ms(), now_ms())
+                finish_step(
+                    claimed.state.clone(),
+                    &claimed.job,
+                    StopReason::ModelError,
+                    now_ms(),
+                    now_ms(),
+                )
             }
             // Only a cancel request cancels a step's token; the store already marked the run
             // `cancelling`, so this step ends it.
-            Err(StepFailure::Cancelled) => {
-                finish_step(claimed.state.clone(), &claimed.job, StopReason::Cancelled, now_ms(), now_ms())
-            }
+            Err(StepFailure::Cancelled) => finish_step(
+                claimed.state.clone(),
+                &claimed.job,
+                StopReason::Cancelled,
+                now_ms(),
+                now_ms(),
+            ),
             Err(StepFailure::Infrastructure(error)) => {
                 tracing::warn!(run = %run_id, %error, "step failed on infrastructure; it will be retried");
                 let _ = self.release(&claimed).await;
@@ -155,7 +173,11 @@ impl Worker {
         result: ratchet_core::StepResult,
         continue_with: Option<Lease>,
     ) -> Option<ClaimedStep> {
-        match self.coordinator.commit(&claimed.claim, result, continue_with).await {
+        match self
+            .coordinator
+            .commit(&claimed.claim, result, continue_with)
+            .await
+        {
             Ok(Commit::Committed { continued, .. }) => continued,
             Ok(Commit::Stale(stale)) => {
                 tracing::info!(run = %claimed.job.run_id, step = claimed.job.step_index, ?stale, "stale commit discarded");
@@ -203,15 +225,30 @@ impl Worker {
             json!({"run_id": claimed.job.run_id, "step_index": claimed.job.step_index, "attempt": attempt, "message": message, "final": attempt >= max}),
         );
         if attempt >= max {
-            let mut result = finish_step(claimed.state.clone(), &claimed.job, StopReason::ModelError, now_ms(), now_ms());
+            let mut result = finish_step(
+                claimed.state.clone(),
+                &claimed.job,
+                StopReason::ModelError,
+                now_ms(),
+                now_ms(),
+            );
             result.events.insert(0, event);
             return self.commit(&claimed, result, None).await;
         }
-        let backoff = self.config.retry_backoff.saturating_mul(1 << (attempt.saturating_sub(1)).min(5));
+        let backoff = self
+            .config
+            .retry_backoff
+            .saturating_mul(1 << (attempt.saturating_sub(1)).min(5));
         let at = now_ms() + backoff.min(Duration::from_secs(30)).as_millis() as i64;
-        match self.coordinator.retry_later(&claimed.claim, at, event).await {
+        match self
+            .coordinator
+            .retry_later(&claimed.claim, at, event)
+            .await
+        {
             Ok(_) => {}
-            Err(error) => tracing::warn!(%error, "could not schedule a retry; the lease will expire"),
+            Err(error) => {
+                tracing::warn!(%error, "could not schedule a retry; the lease will expire")
+            }
         }
         None
     }
@@ -221,6 +258,8 @@ impl Worker {
             EventKind::Activity,
             json!({"run_id": claimed.job.run_id, "activity": "step_released", "step_index": claimed.job.step_index}),
         );
-        self.coordinator.retry_later(&claimed.claim, now_ms(), event).await
+        self.coordinator
+            .retry_later(&claimed.claim, now_ms(), event)
+            .await
     }
 }

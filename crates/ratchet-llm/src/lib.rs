@@ -55,10 +55,13 @@ pub trait Model: Send + Sync {
 
 /// Parses a model spec. `known_tools` lets a script be checked before any run uses it.
 pub fn from_spec(spec: &str, known_tools: &[&str]) -> Result<std::sync::Arc<dyn Model>> {
-    let bad = |reason: String| Error::Spec { spec: spec.to_owned(), reason };
-    let (kind, arg) = spec
-        .split_once(':')
-        .ok_or_else(|| bad("expected KIND:ARGUMENT, for example scripted:demo or scripted:script.json".into()))?;
+    let bad = |reason: String| Error::Spec {
+        spec: spec.to_owned(),
+        reason,
+    };
+    let (kind, arg) = spec.split_once(':').ok_or_else(|| {
+        bad("expected KIND:ARGUMENT, for example scripted:demo or scripted:script.json".into())
+    })?;
     match kind {
         "scripted" => {
             let script = if arg == "demo" {
@@ -68,9 +71,13 @@ pub fn from_spec(spec: &str, known_tools: &[&str]) -> Result<std::sync::Arc<dyn 
                     .map_err(|e| bad(format!("cannot read script file {arg:?}: {e}")))?;
                 Script::parse(&text).map_err(|e| bad(format!("script file {arg:?}: {e}")))?
             };
-            script.check_tools(known_tools).map_err(|e| bad(format!("script file {arg:?}: {e}")))?;
+            script
+                .check_tools(known_tools)
+                .map_err(|e| bad(format!("script file {arg:?}: {e}")))?;
             Ok(std::sync::Arc::new(ScriptedModel::new(script)))
         }
-        other => Err(bad(format!("unknown model kind {other:?}; expected scripted"))),
+        other => Err(bad(format!(
+            "unknown model kind {other:?}; expected scripted"
+        ))),
     }
 }

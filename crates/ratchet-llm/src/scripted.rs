@@ -147,7 +147,11 @@ impl Model for ScriptedModel {
             input_tokens: request.messages.iter().map(|m| words(&m.content)).sum(),
             output_tokens: words(&reply.text),
         };
-        Ok(ModelReply { text: reply.text.clone(), tool_calls, usage })
+        Ok(ModelReply {
+            text: reply.text.clone(),
+            tool_calls,
+            usage,
+        })
     }
 }
 
@@ -191,13 +195,18 @@ mod tests {
         for index in [1, 2, 9] {
             let (reply, streamed) = complete(&model, request(index, 1)).await;
             assert_eq!(reply.unwrap().text, "The sum is 5.");
-            assert_eq!(streamed, "The sum is 5.", "streamed chunks add up to the text");
+            assert_eq!(
+                streamed, "The sum is 5.",
+                "streamed chunks add up to the text"
+            );
         }
     }
 
     #[tokio::test]
     async fn an_error_fails_only_the_first_attempt() {
-        let model = ScriptedModel::new(Script::parse(r#"{"replies": [{"text": "ok", "error": "http_500"}]}"#).unwrap());
+        let model = ScriptedModel::new(
+            Script::parse(r#"{"replies": [{"text": "ok", "error": "http_500"}]}"#).unwrap(),
+        );
         let (first, _) = complete(&model, request(0, 1)).await;
         assert!(matches!(first, Err(Error::Transient(_))), "{first:?}");
         let (second, _) = complete(&model, request(0, 2)).await;
@@ -206,11 +215,17 @@ mod tests {
 
     #[tokio::test]
     async fn a_cancelled_stream_stops() {
-        let model = ScriptedModel::new(Script::parse(r#"{"replies": [{"text": "a b c d", "chunk_delay_ms": 10000}]}"#).unwrap());
+        let model = ScriptedModel::new(
+            Script::parse(r#"{"replies": [{"text": "a b c d", "chunk_delay_ms": 10000}]}"#)
+                .unwrap(),
+        );
         let cancel = CancellationToken::new();
         cancel.cancel();
         let (tx, _rx) = mpsc::unbounded_channel();
-        assert_eq!(model.complete(request(0, 1), tx, cancel).await, Err(Error::Cancelled));
+        assert_eq!(
+            model.complete(request(0, 1), tx, cancel).await,
+            Err(Error::Cancelled)
+        );
     }
 
     #[test]
@@ -219,20 +234,30 @@ mod tests {
             ("{", "EOF"),
             (r#"{"replies": []}"#, "empty"),
             (r#"{"replies": [{}]}"#, "neither"),
-            (r#"{"replies": [{"text": "x", "colour": 1}]}"#, "unknown field"),
-            (r#"{"replies": [{"text": "x", "error": "boom"}]}"#, "unknown variant"),
+            (
+                r#"{"replies": [{"text": "x", "colour": 1}]}"#,
+                "unknown field",
+            ),
+            (
+                r#"{"replies": [{"text": "x", "error": "boom"}]}"#,
+                "unknown variant",
+            ),
         ] {
             let err = Script::parse(text).unwrap_err();
             assert!(err.contains(expected), "{text}: {err}");
         }
-        let script = Script::parse(r#"{"replies": [{"tool_calls": [{"name": "rm_rf"}]}]}"#).unwrap();
+        let script =
+            Script::parse(r#"{"replies": [{"tool_calls": [{"name": "rm_rf"}]}]}"#).unwrap();
         let err = script.check_tools(&["add"]).unwrap_err();
         assert!(err.contains("unknown tool \"rm_rf\""), "{err}");
     }
 
     #[test]
     fn the_demo_script_is_valid() {
-        Script::parse(DEMO_SCRIPT).unwrap().check_tools(&["add"]).unwrap();
+        Script::parse(DEMO_SCRIPT)
+            .unwrap()
+            .check_tools(&["add"])
+            .unwrap();
     }
 
     #[test]
@@ -240,7 +265,9 @@ mod tests {
         assert!(crate::from_spec("scripted:demo", &["add"]).is_ok());
         let err = crate::from_spec("openai:gpt", &[]).err().unwrap();
         assert!(err.to_string().contains("unknown model kind"), "{err}");
-        let err = crate::from_spec("scripted:/no/such/file.json", &[]).err().unwrap();
+        let err = crate::from_spec("scripted:/no/such/file.json", &[])
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("cannot read script file"), "{err}");
         let err = crate::from_spec("demo", &[]).err().unwrap();
         assert!(err.to_string().contains("expected KIND:ARGUMENT"), "{err}");

@@ -47,24 +47,36 @@ pub struct SqliteOptions {
 impl SqliteOptions {
     /// Parses `sqlite://PATH` or `sqlite:PATH`, with an optional `?synchronous=full|normal`.
     pub fn from_url(url: &str) -> Result<SqliteOptions> {
-        let bad = |reason: &str| Error::BadUrl { url: url.to_owned(), reason: reason.to_owned() };
+        let bad = |reason: &str| Error::BadUrl {
+            url: url.to_owned(),
+            reason: reason.to_owned(),
+        };
         let rest = url
             .strip_prefix("sqlite://")
             .or_else(|| url.strip_prefix("sqlite:"))
             .ok_or_else(|| bad("expected a url starting with sqlite://"))?;
         let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
         if path.is_empty() || path == ":memory:" {
-            return Err(bad("expected a file path (an in-memory database cannot be shared by connections)"));
+            return Err(bad(
+                "expected a file path (an in-memory database cannot be shared by connections)",
+            ));
         }
         let mut durability = Durability::Full;
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             durability = match pair {
                 "synchronous=full" => Durability::Full,
                 "synchronous=normal" => Durability::Normal,
-                other => return Err(bad(&format!("unknown option {other:?}; expected synchronous=full or synchronous=normal"))),
+                other => {
+                    return Err(bad(&format!(
+                        "unknown option {other:?}; expected synchronous=full or synchronous=normal"
+                    )));
+                }
             };
         }
-        Ok(SqliteOptions { path: PathBuf::from(path), durability })
+        Ok(SqliteOptions {
+            path: PathBuf::from(path),
+            durability,
+        })
     }
 }
 
@@ -72,11 +84,14 @@ pub(crate) fn open_connection(path: &Path, read_only: bool) -> Result<Connection
     let flags = if read_only {
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX
     } else {
-        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE | OpenFlags::SQLITE_OPEN_NO_MUTEX
+        OpenFlags::SQLITE_OPEN_READ_WRITE
+            | OpenFlags::SQLITE_OPEN_CREATE
+            | OpenFlags::SQLITE_OPEN_NO_MUTEX
     };
     let conn = Connection::open_with_flags(path, flags)
         .map_err(|e| Error::Backend(format!("cannot open {}: {e}", path.display())))?;
-    conn.busy_timeout(std::time::Duration::from_secs(10)).map_err(backend)?;
+    conn.busy_timeout(std::time::Duration::from_secs(10))
+        .map_err(backend)?;
     conn.set_prepared_statement_cache_capacity(64);
     Ok(conn)
 }
@@ -101,20 +116,35 @@ impl SqliteStore {
             });
         }
         let mut conn = open_connection(&options.path, false)?;
-        let journal: String =
-            conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0)).map_err(backend)?;
+        let journal: String = conn
+            .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
+            .map_err(backend)?;
         if !journal.eq_ignore_ascii_case("wal") {
-            return Err(Error::Backend(format!("expected WAL journal mode, SQLite chose {journal}")));
+            return Err(Error::Backend(format!(
+                "expected WAL journal mode, SQLite chose {journal}"
+            )));
         }
         let synchronous = match options.durability {
             Durability::Full => "FULL",
             Durability::Normal => "NORMAL",
         };
-        conn.pragma_update(None, "synchronous", synchronous).map_err(backend)?;
-        conn.pragma_update(None, "foreign_keys", "ON").map_err(backend)?;
+        conn.pragma_update(None, "synchronous", synchronous)
+            .map_err(backend)?;
+        conn.pragma_update(None, "foreign_keys", "ON")
+            .map_err(backend)?;
+        // Each group-committed operation runs in a savepoint; its statement journal stays
+        // in memory instead of a temporary file.
+        conn.pragma_update(None, "temp_store", "MEMORY")
+            .map_err(backend)?;
+        conn.pragma_update(None, "cache_size", -65_536)
+            .map_err(backend)?;
         schema::migrate(&mut conn)?;
-        let writer = Writer::spawn(conn).map_err(|e| Error::Backend(format!("cannot start writer thread: {e}")))?;
-        Ok(SqliteStore { writer, readers: Readers::new(options.path) })
+        let writer = Writer::spawn(conn)
+            .map_err(|e| Error::Backend(format!("cannot start writer thread: {e}")))?;
+        Ok(SqliteStore {
+            writer,
+            readers: Readers::new(options.path),
+        })
     }
 }
 
@@ -122,15 +152,21 @@ impl SqliteStore {
 impl Store for SqliteStore {
     async fn create_session(&self, id: &SessionId, now: Millis) -> Result<()> {
         let id = id.clone();
-        self.writer.write(move |c| ops::create_session(c, &id, now)).await
+        self.writer
+            .write(move |c| ops::create_session(c, &id, now))
+            .await
     }
 
     async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted> {
-        self.writer.write(move |c| ops::submit_message(c, new, now)).await
+        self.writer
+            .write(move |c| ops::submit_message(c, new, now))
+            .await
     }
 
     async fn claim_next(&self, lease: Lease, now: Millis) -> Result<Option<ClaimedStep>> {
-        self.writer.write(move |c| ops::claim_next(c, &lease, now)).await
+        self.writer
+            .write(move |c| ops::claim_next(c, &lease, now))
+            .await
     }
 
     async fn claim_step(
@@ -141,12 +177,16 @@ impl Store for SqliteStore {
         now: Millis,
     ) -> Result<Option<ClaimedStep>> {
         let run_id = run_id.clone();
-        self.writer.write(move |c| ops::claim_step(c, &run_id, step_index, &lease, now)).await
+        self.writer
+            .write(move |c| ops::claim_step(c, &run_id, step_index, &lease, now))
+            .await
     }
 
     async fn heartbeat(&self, claim: &Claim, expires_at: Millis) -> Result<bool> {
         let claim = claim.clone();
-        self.writer.write(move |c| ops::heartbeat(c, &claim, expires_at)).await
+        self.writer
+            .write(move |c| ops::heartbeat(c, &claim, expires_at))
+            .await
     }
 
     async fn commit_step(
@@ -157,7 +197,9 @@ impl Store for SqliteStore {
         now: Millis,
     ) -> Result<Commit> {
         let claim = claim.clone();
-        self.writer.write(move |c| ops::commit_step(c, &claim, result, continue_with, now)).await
+        self.writer
+            .write(move |c| ops::commit_step(c, &claim, result, continue_with, now))
+            .await
     }
 
     async fn retry_later(
@@ -168,7 +210,9 @@ impl Store for SqliteStore {
         now: Millis,
     ) -> Result<Option<Vec<StoredEvent>>> {
         let claim = claim.clone();
-        self.writer.write(move |c| ops::retry_later(c, &claim, available_at, event, now)).await
+        self.writer
+            .write(move |c| ops::retry_later(c, &claim, available_at, event, now))
+            .await
     }
 
     async fn append_events(
@@ -185,7 +229,9 @@ impl Store for SqliteStore {
     }
 
     async fn record_intents(&self, intents: Vec<Intent>, now: Millis) -> Result<()> {
-        self.writer.write(move |c| ops::record_intents(c, &intents, now)).await
+        self.writer
+            .write(move |c| ops::record_intents(c, &intents, now))
+            .await
     }
 
     async fn record_outcome(
@@ -204,22 +250,30 @@ impl Store for SqliteStore {
 
     async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
         let run_id = run_id.clone();
-        self.readers.read(move |c| ops::intents(c, &run_id, step_index)).await
+        self.readers
+            .read(move |c| ops::intents(c, &run_id, step_index))
+            .await
     }
 
     async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
         let run_id = run_id.clone();
-        self.writer.write(move |c| ops::request_cancel(c, &run_id, now)).await
+        self.writer
+            .write(move |c| ops::request_cancel(c, &run_id, now))
+            .await
     }
 
     async fn load_state(&self, run_id: &RunId) -> Result<AgentState> {
         let run_id = run_id.clone();
-        self.readers.read(move |c| ops::load_state(c, &run_id)).await
+        self.readers
+            .read(move |c| ops::load_state(c, &run_id))
+            .await
     }
 
     async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
         let session_id = session_id.clone();
-        self.readers.read(move |c| ops::history(c, &session_id)).await
+        self.readers
+            .read(move |c| ops::history(c, &session_id))
+            .await
     }
 
     async fn list_runs(&self) -> Result<Vec<RunSummary>> {
@@ -238,7 +292,9 @@ impl Store for SqliteStore {
         limit: u32,
     ) -> Result<Vec<StoredEvent>> {
         let session_id = session_id.clone();
-        self.readers.read(move |c| ops::events_after(c, &session_id, after_seq, limit)).await
+        self.readers
+            .read(move |c| ops::events_after(c, &session_id, after_seq, limit))
+            .await
     }
 
     async fn lease_owners(&self) -> Result<Vec<String>> {
@@ -247,7 +303,9 @@ impl Store for SqliteStore {
 
     async fn release_leases(&self, owner: &str) -> Result<u64> {
         let owner = owner.to_owned();
-        self.writer.write(move |c| ops::release_leases(c, &owner)).await
+        self.writer
+            .write(move |c| ops::release_leases(c, &owner))
+            .await
     }
 
     async fn runs_with_jobs(&self) -> Result<Vec<RunId>> {

@@ -3,8 +3,8 @@
 
 use ratchet_core::step::{cancel_idle, start_run};
 use ratchet_core::{
-    AgentState, EventDraft, EventKind, Message, Millis, Phase, RunConfigSnapshot, RunId,
-    RunStatus, SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome,
+    AgentState, EventDraft, EventKind, Message, Millis, Phase, RunConfigSnapshot, RunId, RunStatus,
+    SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome,
 };
 use ratchet_store::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentKind, IntentRecord, Lease,
@@ -34,7 +34,10 @@ fn sql_str<T: Serialize>(value: &T) -> Result<String> {
 }
 
 fn run_not_found(run_id: &RunId) -> Error {
-    Error::NotFound { kind: "run", id: run_id.to_string() }
+    Error::NotFound {
+        kind: "run",
+        id: run_id.to_string(),
+    }
 }
 
 pub(crate) fn create_session(c: &Connection, id: &SessionId, now: Millis) -> Result<()> {
@@ -51,14 +54,21 @@ pub(crate) fn create_session(c: &Connection, id: &SessionId, now: Millis) -> Res
 pub(crate) fn submit_message(c: &Connection, new: NewRun, now: Millis) -> Result<Submitted> {
     let active: Option<Option<String>> = c
         .prepare_cached("SELECT active_run_id FROM sessions WHERE id = ?1")
-        .and_then(|mut s| s.query_row([new.session_id.as_str()], |r| r.get(0)).optional())
+        .and_then(|mut s| {
+            s.query_row([new.session_id.as_str()], |r| r.get(0))
+                .optional()
+        })
         .map_err(backend)?;
     let Some(active) = active else {
-        return Err(Error::NotFound { kind: "session", id: new.session_id.to_string() });
+        return Err(Error::NotFound {
+            kind: "session",
+            id: new.session_id.to_string(),
+        });
     };
     let input = json!({"message_id": new.message_id, "content": new.content});
     let state = AgentState::new(new.session_id.clone(), new.run_id.clone(), new.config, now);
-    let (config_json, state_json, input_json) = (to_json(&state.config)?, to_json(&state)?, to_json(&input)?);
+    let (config_json, state_json, input_json) =
+        (to_json(&state.config)?, to_json(&state)?, to_json(&input)?);
     c.prepare_cached(
         "INSERT INTO runs (id, session_id, status, step_index, config_json, state_json, input_json, created_at)
          VALUES (?1, ?2, 'queued', 0, ?3, ?4, ?5, ?6)",
@@ -94,7 +104,13 @@ fn start_queued_run(c: &Connection, mut state: AgentState, now: Millis) -> Resul
         content: String,
     }
     let input: Input = from_json(&input, "run input")?;
-    insert_message(c, &input.message_id, &state, &Message::user(input.content), now)?;
+    insert_message(
+        c,
+        &input.message_id,
+        &state,
+        &Message::user(input.content),
+        now,
+    )?;
     let (job, event) = start_run(&mut state, now);
     write_state(c, &state)?;
     insert_job(c, &job, None, now)?;
@@ -125,9 +141,23 @@ fn write_state(c: &Connection, state: &AgentState) -> Result<()> {
     Ok(())
 }
 
-fn insert_message(c: &Connection, id: &str, state: &AgentState, message: &Message, now: Millis) -> Result<()> {
-    let tool_calls = if message.tool_calls.is_empty() { None } else { Some(to_json(&message.tool_calls)?) };
-    let (role, visibility, origin) = (sql_str(&message.role)?, sql_str(&message.visibility)?, sql_str(&message.origin)?);
+fn insert_message(
+    c: &Connection,
+    id: &str,
+    state: &AgentState,
+    message: &Message,
+    now: Millis,
+) -> Result<()> {
+    let tool_calls = if message.tool_calls.is_empty() {
+        None
+    } else {
+        Some(to_json(&message.tool_calls)?)
+    };
+    let (role, visibility, origin) = (
+        sql_str(&message.role)?,
+        sql_str(&message.visibility)?,
+        sql_str(&message.origin)?,
+    );
     c.prepare_cached(
         "INSERT INTO messages (id, session_id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, created_at)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
@@ -160,7 +190,15 @@ fn insert_job(c: &Connection, job: &StepJob, lease: Option<&Lease>, now: Millis)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
     )
     .and_then(|mut s| {
-        s.execute(params![job.run_id.as_str(), job.step_index as i64, job.phase.as_str(), attempt, epoch, owner, ready_at])
+        s.execute(params![
+            job.run_id.as_str(),
+            job.step_index as i64,
+            job.phase.as_str(),
+            attempt,
+            epoch,
+            owner,
+            ready_at
+        ])
     })
     .map_err(backend)?;
     Ok(epoch)
@@ -177,11 +215,20 @@ pub(crate) fn insert_events(
         return Ok(Vec::new());
     }
     let last: i64 = c
-        .prepare_cached("UPDATE sessions SET last_seq = last_seq + ?2 WHERE id = ?1 RETURNING last_seq")
-        .and_then(|mut s| s.query_row(params![session_id.as_str(), drafts.len() as i64], |r| r.get(0)))
+        .prepare_cached(
+            "UPDATE sessions SET last_seq = last_seq + ?2 WHERE id = ?1 RETURNING last_seq",
+        )
+        .and_then(|mut s| {
+            s.query_row(params![session_id.as_str(), drafts.len() as i64], |r| {
+                r.get(0)
+            })
+        })
         .optional()
         .map_err(backend)?
-        .ok_or_else(|| Error::NotFound { kind: "session", id: session_id.to_string() })?;
+        .ok_or_else(|| Error::NotFound {
+            kind: "session",
+            id: session_id.to_string(),
+        })?;
     let first = last - drafts.len() as i64 + 1;
     let mut insert = c
         .prepare_cached(
@@ -192,7 +239,14 @@ pub(crate) fn insert_events(
     for (seq, draft) in (first..).zip(drafts) {
         let payload = to_json(&draft.payload)?;
         insert
-            .execute(params![session_id.as_str(), seq, run_id.map(|r| r.as_str()), draft.kind.as_str(), payload, now])
+            .execute(params![
+                session_id.as_str(),
+                seq,
+                run_id.map(|r| r.as_str()),
+                draft.kind.as_str(),
+                payload,
+                now
+            ])
             .map_err(backend)?;
         stored.push(StoredEvent {
             session_id: session_id.clone(),
@@ -220,13 +274,32 @@ fn lease_job(c: &Connection, run_id: &RunId, job: JobRow, lease: &Lease) -> Resu
         "UPDATE step_jobs SET attempt = ?3, epoch = ?4, lease_owner = ?5, ready_at = ?6
          WHERE run_id = ?1 AND step_index = ?2",
     )
-    .and_then(|mut s| s.execute(params![run_id.as_str(), job.step_index as i64, attempt, epoch, lease.owner, lease.expires_at]))
+    .and_then(|mut s| {
+        s.execute(params![
+            run_id.as_str(),
+            job.step_index as i64,
+            attempt,
+            epoch,
+            lease.owner,
+            lease.expires_at
+        ])
+    })
     .map_err(backend)?;
-    let phase = Phase::parse(&job.phase).ok_or_else(|| Error::Corrupt(format!("unknown phase {:?}", job.phase)))?;
+    let phase = Phase::parse(&job.phase)
+        .ok_or_else(|| Error::Corrupt(format!("unknown phase {:?}", job.phase)))?;
     let state = load_state(c, run_id)?;
     Ok(ClaimedStep {
-        job: StepJob { run_id: run_id.clone(), step_index: job.step_index, phase, attempt },
-        claim: Claim { run_id: run_id.clone(), step_index: job.step_index, epoch },
+        job: StepJob {
+            run_id: run_id.clone(),
+            step_index: job.step_index,
+            phase,
+            attempt,
+        },
+        claim: Claim {
+            run_id: run_id.clone(),
+            step_index: job.step_index,
+            epoch,
+        },
         state,
     })
 }
@@ -240,15 +313,24 @@ fn job_row(r: &rusqlite::Row<'_>, offset: usize) -> rusqlite::Result<JobRow> {
     })
 }
 
-pub(crate) fn claim_next(c: &Connection, lease: &Lease, now: Millis) -> Result<Option<ClaimedStep>> {
+pub(crate) fn claim_next(
+    c: &Connection,
+    lease: &Lease,
+    now: Millis,
+) -> Result<Option<ClaimedStep>> {
     let found = c
         .prepare_cached(
             "SELECT run_id, step_index, phase, attempt, epoch FROM step_jobs
              WHERE ready_at <= ?1 ORDER BY ready_at LIMIT 1",
         )
-        .and_then(|mut s| s.query_row([now], |r| Ok((r.get::<_, String>(0)?, job_row(r, 1)?))).optional())
+        .and_then(|mut s| {
+            s.query_row([now], |r| Ok((r.get::<_, String>(0)?, job_row(r, 1)?)))
+                .optional()
+        })
         .map_err(backend)?;
-    let Some((run_id, job)) = found else { return Ok(None) };
+    let Some((run_id, job)) = found else {
+        return Ok(None);
+    };
     let run_id = RunId::parse(&run_id).map_err(|e| Error::Corrupt(e.to_string()))?;
     lease_job(c, &run_id, job, lease).map(Some)
 }
@@ -265,7 +347,12 @@ pub(crate) fn claim_step(
             "SELECT step_index, phase, attempt, epoch FROM step_jobs
              WHERE run_id = ?1 AND step_index = ?2 AND ready_at <= ?3",
         )
-        .and_then(|mut s| s.query_row(params![run_id.as_str(), step_index as i64, now], |r| job_row(r, 0)).optional())
+        .and_then(|mut s| {
+            s.query_row(params![run_id.as_str(), step_index as i64, now], |r| {
+                job_row(r, 0)
+            })
+            .optional()
+        })
         .map_err(backend)?;
     match found {
         Some(job) => lease_job(c, run_id, job, lease).map(Some),
@@ -284,7 +371,13 @@ pub(crate) fn heartbeat(c: &Connection, claim: &Claim, expires_at: Millis) -> Re
 fn claim_holds(c: &Connection, claim: &Claim) -> Result<bool> {
     let epoch: Option<i64> = c
         .prepare_cached("SELECT epoch FROM step_jobs WHERE run_id = ?1 AND step_index = ?2")
-        .and_then(|mut s| s.query_row(params![claim.run_id.as_str(), claim.step_index as i64], |r| r.get(0)).optional())
+        .and_then(|mut s| {
+            s.query_row(
+                params![claim.run_id.as_str(), claim.step_index as i64],
+                |r| r.get(0),
+            )
+            .optional()
+        })
         .map_err(backend)?;
     Ok(epoch == Some(claim.epoch))
 }
@@ -298,10 +391,17 @@ struct RunRow {
 
 fn run_row(c: &Connection, run_id: &RunId) -> Result<RunRow> {
     let row = c
-        .prepare_cached("SELECT session_id, status, step_index, cancel_requested FROM runs WHERE id = ?1")
+        .prepare_cached(
+            "SELECT session_id, status, step_index, cancel_requested FROM runs WHERE id = ?1",
+        )
         .and_then(|mut s| {
             s.query_row([run_id.as_str()], |r| {
-                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?, r.get::<_, bool>(3)?))
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, i64>(2)?,
+                    r.get::<_, bool>(3)?,
+                ))
             })
             .optional()
         })
@@ -309,7 +409,8 @@ fn run_row(c: &Connection, run_id: &RunId) -> Result<RunRow> {
         .ok_or_else(|| run_not_found(run_id))?;
     Ok(RunRow {
         session_id: SessionId::parse(&row.0).map_err(|e| Error::Corrupt(e.to_string()))?,
-        status: RunStatus::parse(&row.1).ok_or_else(|| Error::Corrupt(format!("unknown status {:?}", row.1)))?,
+        status: RunStatus::parse(&row.1)
+            .ok_or_else(|| Error::Corrupt(format!("unknown status {:?}", row.1)))?,
         step_index: row.2 as u64,
         cancel_requested: row.3,
     })
@@ -333,7 +434,10 @@ pub(crate) fn commit_step(
     }
     let stored = run_row(c, &claim.run_id)?;
     if stored.step_index + 1 != claim.step_index {
-        return Ok(Commit::Stale(Stale::StepMismatch { committed: stored.step_index, job: claim.step_index }));
+        return Ok(Commit::Stale(Stale::StepMismatch {
+            committed: stored.step_index,
+            job: claim.step_index,
+        }));
     }
     if stored.cancel_requested {
         result.yield_to_cancel();
@@ -347,7 +451,12 @@ pub(crate) fn commit_step(
     let state = &result.state;
     write_state(c, state)?;
     for (i, message) in result.messages.iter().enumerate() {
-        let id = format!("msg_{}-{}-{}", &state.run_id.as_str()[4..], claim.step_index, i);
+        let id = format!(
+            "msg_{}-{}-{}",
+            &state.run_id.as_str()[4..],
+            claim.step_index,
+            i
+        );
         insert_message(c, &id, state, message, now)?;
     }
     let record = &result.record;
@@ -375,24 +484,46 @@ pub(crate) fn commit_step(
                 // The state as a claim would load it: the frozen config and the store's
                 // cancel flag, never the ones the result carried.
                 continued = Some(ClaimedStep {
-                    job: StepJob { attempt: 1, ..next.clone() },
-                    claim: Claim { run_id: next.run_id.clone(), step_index: next.step_index, epoch },
+                    job: StepJob {
+                        attempt: 1,
+                        ..next.clone()
+                    },
+                    claim: Claim {
+                        run_id: next.run_id.clone(),
+                        step_index: next.step_index,
+                        epoch,
+                    },
                     state: load_state(c, &claim.run_id)?,
                 });
             }
             None => enqueued = true,
         }
     }
-    let mut events = insert_events(c, &stored.session_id, Some(&claim.run_id), &result.events, now)?;
+    let mut events = insert_events(
+        c,
+        &stored.session_id,
+        Some(&claim.run_id),
+        &result.events,
+        now,
+    )?;
     if state.status.is_terminal() {
         events.extend(release_session(c, &stored.session_id, &mut enqueued, now)?);
     }
-    Ok(Commit::Committed { events, continued, enqueued })
+    Ok(Commit::Committed {
+        events,
+        continued,
+        enqueued,
+    })
 }
 
 /// The session's active run has ended: the oldest queued run (if any) starts now. Its events
 /// are stored under its own id, after the events of the run that ended.
-fn release_session(c: &Connection, session_id: &SessionId, enqueued: &mut bool, now: Millis) -> Result<Vec<StoredEvent>> {
+fn release_session(
+    c: &Connection,
+    session_id: &SessionId,
+    enqueued: &mut bool,
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
     c.prepare_cached("UPDATE sessions SET active_run_id = NULL WHERE id = ?1")
         .and_then(|mut s| s.execute([session_id.as_str()]))
         .map_err(backend)?;
@@ -400,7 +531,9 @@ fn release_session(c: &Connection, session_id: &SessionId, enqueued: &mut bool, 
         .prepare_cached("SELECT id FROM runs WHERE session_id = ?1 AND status = 'queued' ORDER BY rowid LIMIT 1")
         .and_then(|mut s| s.query_row([session_id.as_str()], |r| r.get(0)).optional())
         .map_err(backend)?;
-    let Some(next) = next else { return Ok(Vec::new()) };
+    let Some(next) = next else {
+        return Ok(Vec::new());
+    };
     let next = RunId::parse(&next).map_err(|e| Error::Corrupt(e.to_string()))?;
     let state = load_state(c, &next)?;
     *enqueued = true;
@@ -473,12 +606,18 @@ pub(crate) fn record_outcome(
         })
         .map_err(backend)?;
     if changed == 0 {
-        return Err(Error::Conflict(format!("no intent at {run_id}#{step_index}#{slot} to record an outcome for")));
+        return Err(Error::Conflict(format!(
+            "no intent at {run_id}#{step_index}#{slot} to record an outcome for"
+        )));
     }
     Ok(())
 }
 
-pub(crate) fn intents(c: &Connection, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
+pub(crate) fn intents(
+    c: &Connection,
+    run_id: &RunId,
+    step_index: u64,
+) -> Result<Vec<IntentRecord>> {
     let mut stmt = c
         .prepare_cached(
             "SELECT slot, kind, name, attempts, outcome_json FROM intents WHERE run_id = ?1 AND step_index = ?2 ORDER BY slot",
@@ -486,7 +625,13 @@ pub(crate) fn intents(c: &Connection, run_id: &RunId, step_index: u64) -> Result
         .map_err(backend)?;
     let rows = stmt
         .query_map(params![run_id.as_str(), step_index as i64], |r| {
-            Ok((r.get::<_, u32>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?, r.get::<_, u32>(3)?, r.get::<_, Option<String>>(4)?))
+            Ok((
+                r.get::<_, u32>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, u32>(3)?,
+                r.get::<_, Option<String>>(4)?,
+            ))
         })
         .map_err(backend)?;
     let mut records = Vec::new();
@@ -497,8 +642,16 @@ pub(crate) fn intents(c: &Connection, run_id: &RunId, step_index: u64) -> Result
             "tool" => IntentKind::Tool,
             other => return Err(Error::Corrupt(format!("unknown intent kind {other:?}"))),
         };
-        let outcome = outcome.map(|o| from_json(&o, "intent outcome")).transpose()?;
-        records.push(IntentRecord { slot, kind, name, attempts, outcome });
+        let outcome = outcome
+            .map(|o| from_json(&o, "intent outcome"))
+            .transpose()?;
+        records.push(IntentRecord {
+            slot,
+            kind,
+            name,
+            attempts,
+            outcome,
+        });
     }
     Ok(records)
 }
@@ -516,7 +669,10 @@ pub(crate) fn request_cancel(c: &Connection, run_id: &RunId, now: Millis) -> Res
             if stored.status == RunStatus::Running {
                 state.status = RunStatus::Cancelling;
                 write_state(c, &state)?;
-                drafts.push(EventDraft::new(EventKind::RunStatus, json!({"run_id": run_id, "status": state.status})));
+                drafts.push(EventDraft::new(
+                    EventKind::RunStatus,
+                    json!({"run_id": run_id, "status": state.status}),
+                ));
             }
             let events = insert_events(c, &stored.session_id, Some(run_id), &drafts, now)?;
             Ok(CancelOutcome::Cancelling { events })
@@ -547,7 +703,10 @@ pub(crate) fn request_cancel(c: &Connection, run_id: &RunId, now: Millis) -> Res
 pub(crate) fn load_state(c: &Connection, run_id: &RunId) -> Result<AgentState> {
     let (state, config, cancel_requested): (String, String, bool) = c
         .prepare_cached("SELECT state_json, config_json, cancel_requested FROM runs WHERE id = ?1")
-        .and_then(|mut s| s.query_row([run_id.as_str()], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional())
+        .and_then(|mut s| {
+            s.query_row([run_id.as_str()], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                .optional()
+        })
         .map_err(backend)?
         .ok_or_else(|| run_not_found(run_id))?;
     let mut state: AgentState = from_json(&state, "run state")?;
@@ -581,7 +740,10 @@ pub(crate) fn history(c: &Connection, session_id: &SessionId) -> Result<Vec<Mess
         messages.push(Message {
             role: sql_enum(&role)?,
             content,
-            tool_calls: tool_calls.map(|t| from_json(&t, "tool calls")).transpose()?.unwrap_or_default(),
+            tool_calls: tool_calls
+                .map(|t| from_json(&t, "tool calls"))
+                .transpose()?
+                .unwrap_or_default(),
             tool_call_id,
             visibility: sql_enum(&visibility)?,
             origin: sql_enum(&origin)?,
@@ -611,12 +773,16 @@ pub(crate) fn list_runs(c: &Connection) -> Result<Vec<RunSummary>> {
         .map_err(backend)?;
     let mut runs = Vec::new();
     for row in rows {
-        let (id, session, status, stop_reason, step_index, created_at, finished_at) = row.map_err(backend)?;
+        let (id, session, status, stop_reason, step_index, created_at, finished_at) =
+            row.map_err(backend)?;
         runs.push(RunSummary {
             run_id: RunId::parse(&id).map_err(|e| Error::Corrupt(e.to_string()))?,
             session_id: SessionId::parse(&session).map_err(|e| Error::Corrupt(e.to_string()))?,
-            status: RunStatus::parse(&status).ok_or_else(|| Error::Corrupt(format!("unknown status {status:?}")))?,
-            stop_reason: stop_reason.map(|r| sql_enum::<StopReason>(&r)).transpose()?,
+            status: RunStatus::parse(&status)
+                .ok_or_else(|| Error::Corrupt(format!("unknown status {status:?}")))?,
+            stop_reason: stop_reason
+                .map(|r| sql_enum::<StopReason>(&r))
+                .transpose()?,
             step_index: step_index as u64,
             created_at,
             finished_at,
@@ -633,7 +799,13 @@ pub(crate) fn steps(c: &Connection, run_id: &RunId) -> Result<Vec<StepRecord>> {
         .map_err(backend)?;
     let rows = stmt
         .query_map([run_id.as_str()], |r| {
-            Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?, r.get::<_, i64>(3)?, r.get::<_, String>(4)?))
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, i64>(2)?,
+                r.get::<_, i64>(3)?,
+                r.get::<_, String>(4)?,
+            ))
         })
         .map_err(backend)?;
     let mut steps = Vec::new();
@@ -650,7 +822,12 @@ pub(crate) fn steps(c: &Connection, run_id: &RunId) -> Result<Vec<StepRecord>> {
     Ok(steps)
 }
 
-pub(crate) fn events_after(c: &Connection, session_id: &SessionId, after_seq: i64, limit: u32) -> Result<Vec<StoredEvent>> {
+pub(crate) fn events_after(
+    c: &Connection,
+    session_id: &SessionId,
+    after_seq: i64,
+    limit: u32,
+) -> Result<Vec<StoredEvent>> {
     let mut stmt = c
         .prepare_cached(
             "SELECT seq, run_id, kind, payload_json, created_at FROM events
@@ -659,7 +836,13 @@ pub(crate) fn events_after(c: &Connection, session_id: &SessionId, after_seq: i6
         .map_err(backend)?;
     let rows = stmt
         .query_map(params![session_id.as_str(), after_seq, limit], |r| {
-            Ok((r.get::<_, i64>(0)?, r.get::<_, Option<String>>(1)?, r.get::<_, String>(2)?, r.get::<_, String>(3)?, r.get::<_, i64>(4)?))
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, Option<String>>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, String>(3)?,
+                r.get::<_, i64>(4)?,
+            ))
         })
         .map_err(backend)?;
     let mut events = Vec::new();
@@ -668,7 +851,10 @@ pub(crate) fn events_after(c: &Connection, session_id: &SessionId, after_seq: i6
         events.push(StoredEvent {
             session_id: session_id.clone(),
             seq,
-            run_id: run_id.map(|r| RunId::parse(&r)).transpose().map_err(|e| Error::Corrupt(e.to_string()))?,
+            run_id: run_id
+                .map(|r| RunId::parse(&r))
+                .transpose()
+                .map_err(|e| Error::Corrupt(e.to_string()))?,
             kind,
             payload: from_json(&payload, "event payload")?,
             created_at,
@@ -687,15 +873,21 @@ pub(crate) fn lease_owners(c: &Connection) -> Result<Vec<String>> {
 
 pub(crate) fn release_leases(c: &Connection, owner: &str) -> Result<u64> {
     let released = c
-        .prepare_cached("UPDATE step_jobs SET lease_owner = NULL, ready_at = 0 WHERE lease_owner = ?1")
+        .prepare_cached(
+            "UPDATE step_jobs SET lease_owner = NULL, ready_at = 0 WHERE lease_owner = ?1",
+        )
         .and_then(|mut s| s.execute([owner]))
         .map_err(backend)?;
     Ok(released as u64)
 }
 
 pub(crate) fn runs_with_jobs(c: &Connection) -> Result<Vec<RunId>> {
-    let mut stmt = c.prepare_cached("SELECT DISTINCT run_id FROM step_jobs").map_err(backend)?;
-    let ids = stmt.query_map([], |r| r.get::<_, String>(0)).map_err(backend)?;
+    let mut stmt = c
+        .prepare_cached("SELECT DISTINCT run_id FROM step_jobs")
+        .map_err(backend)?;
+    let ids = stmt
+        .query_map([], |r| r.get::<_, String>(0))
+        .map_err(backend)?;
     let mut runs = Vec::new();
     for id in ids {
         runs.push(RunId::parse(&id.map_err(backend)?).map_err(|e| Error::Corrupt(e.to_string()))?);

@@ -98,7 +98,9 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
     let tx = conn
         .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
         .map_err(backend)?;
-    let version: i64 = tx.query_row("PRAGMA user_version", [], |r| r.get(0)).map_err(backend)?;
+    let version: i64 = tx
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .map_err(backend)?;
     let version = usize::try_from(version).unwrap_or(usize::MAX);
     if version > MIGRATIONS.len() {
         return Err(ratchet_store::Error::Conflict(format!(
@@ -108,7 +110,8 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
     }
     for (index, sql) in MIGRATIONS.iter().enumerate().skip(version) {
         tx.execute_batch(sql).map_err(backend)?;
-        tx.pragma_update(None, "user_version", (index + 1) as i64).map_err(backend)?;
+        tx.pragma_update(None, "user_version", (index + 1) as i64)
+            .map_err(backend)?;
     }
     tx.commit().map_err(backend)
 }

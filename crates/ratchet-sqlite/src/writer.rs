@@ -51,13 +51,26 @@ where
 }
 
 fn in_savepoint<R>(conn: &Connection, body: impl FnOnce(&Connection) -> Result<R>) -> Result<R> {
-    conn.prepare_cached("SAVEPOINT op").and_then(|mut s| s.execute([])).map_err(backend)?;
-    let outcome = catch_unwind(AssertUnwindSafe(|| body(conn)))
-        .unwrap_or_else(|_| Err(Error::Backend("a store operation panicked; it was rolled back".into())));
-    let end = if outcome.is_ok() { "RELEASE op" } else { "ROLLBACK TO op" };
-    conn.prepare_cached(end).and_then(|mut s| s.execute([])).map_err(backend)?;
+    conn.prepare_cached("SAVEPOINT op")
+        .and_then(|mut s| s.execute([]))
+        .map_err(backend)?;
+    let outcome = catch_unwind(AssertUnwindSafe(|| body(conn))).unwrap_or_else(|_| {
+        Err(Error::Backend(
+            "a store operation panicked; it was rolled back".into(),
+        ))
+    });
+    let end = if outcome.is_ok() {
+        "RELEASE op"
+    } else {
+        "ROLLBACK TO op"
+    };
+    conn.prepare_cached(end)
+        .and_then(|mut s| s.execute([]))
+        .map_err(backend)?;
     if outcome.is_err() {
-        conn.prepare_cached("RELEASE op").and_then(|mut s| s.execute([])).map_err(backend)?;
+        conn.prepare_cached("RELEASE op")
+            .and_then(|mut s| s.execute([]))
+            .map_err(backend)?;
     }
     outcome
 }
@@ -83,7 +96,11 @@ impl Writer {
         F: FnOnce(&Connection) -> Result<R> + Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
-        let op = Box::new(PendingOp { body: Some(body), result: None, reply });
+        let op = Box::new(PendingOp {
+            body: Some(body),
+            result: None,
+            reply,
+        });
         self.ops
             .send(op)
             .map_err(|_| Error::Backend("the SQLite writer has stopped".into()))?;
@@ -105,17 +122,26 @@ fn write_loop(conn: Connection, inbox: mpsc::Receiver<Box<dyn WriteOp>>) {
         }
         let committed = run_batch(&conn, &mut batch);
         for op in batch.drain(..) {
-            op.finish(committed.as_ref().map(|_| ()).map_err(|e| Error::Backend(e.to_string())));
+            op.finish(
+                committed
+                    .as_ref()
+                    .map(|_| ())
+                    .map_err(|e| Error::Backend(e.to_string())),
+            );
         }
     }
 }
 
 fn run_batch(conn: &Connection, batch: &mut [Box<dyn WriteOp>]) -> Result<()> {
-    conn.prepare_cached("BEGIN IMMEDIATE").and_then(|mut s| s.execute([])).map_err(backend)?;
+    conn.prepare_cached("BEGIN IMMEDIATE")
+        .and_then(|mut s| s.execute([]))
+        .map_err(backend)?;
     for op in batch.iter_mut() {
         op.apply(conn);
     }
-    let committed = conn.prepare_cached("COMMIT").and_then(|mut s| s.execute([]));
+    let committed = conn
+        .prepare_cached("COMMIT")
+        .and_then(|mut s| s.execute([]));
     if let Err(error) = committed {
         let _ = conn.execute_batch("ROLLBACK");
         return Err(backend(error));
@@ -131,7 +157,10 @@ pub(crate) struct Readers {
 
 impl Readers {
     pub(crate) fn new(path: PathBuf) -> Arc<Readers> {
-        Arc::new(Readers { path, idle: Mutex::new(Vec::new()) })
+        Arc::new(Readers {
+            path,
+            idle: Mutex::new(Vec::new()),
+        })
     }
 
     pub(crate) async fn read<R, F>(self: &Arc<Self>, body: F) -> Result<R>

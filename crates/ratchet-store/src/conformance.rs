@@ -15,8 +15,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use ratchet_core::step::{after_model, after_tools, await_reconciliation, finish_step};
 use ratchet_core::{
     AgentState, EventDraft, EventKind, HumanRequest, Limits, Message, MessageId, Millis,
-    ModelReply, Phase, ReplayPolicy, Role, RunConfigSnapshot, RunId, RunStatus, SessionId,
-    StepJob, StepRecord, StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, Usage,
+    ModelReply, Phase, ReplayPolicy, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob,
+    StepRecord, StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, Usage,
 };
 use serde_json::{Value, json};
 
@@ -89,19 +89,32 @@ const OWNER_C: &str = "worker-c";
 /// backend whose "fresh" store shares tables with other tests still cannot mix them up.
 fn unique() -> String {
     static NEXT: AtomicU64 = AtomicU64::new(1);
-    format!("conf-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "conf-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 fn lease(owner: &str, expires_at: Millis) -> Lease {
-    Lease { owner: owner.to_owned(), expires_at }
+    Lease {
+        owner: owner.to_owned(),
+        expires_at,
+    }
 }
 
 fn config() -> RunConfigSnapshot {
-    RunConfigSnapshot { model: "scripted:conformance".into(), ..RunConfigSnapshot::default() }
+    RunConfigSnapshot {
+        model: "scripted:conformance".into(),
+        ..RunConfigSnapshot::default()
+    }
 }
 
 fn text_reply(text: &str) -> ModelReply {
-    ModelReply { text: text.into(), ..ModelReply::default() }
+    ModelReply {
+        text: text.into(),
+        ..ModelReply::default()
+    }
 }
 
 /// A reply asking for one tool call: the run stays `running` and its next step runs tools.
@@ -113,13 +126,19 @@ fn tool_reply() -> ModelReply {
             name: "lookup".into(),
             arguments: json!({"q": "answer"}),
         }],
-        usage: Usage { input_tokens: 12, output_tokens: 5 },
+        usage: Usage {
+            input_tokens: 12,
+            output_tokens: 5,
+        },
     }
 }
 
 async fn new_session(store: &dyn Store) -> SessionId {
     let id = SessionId::from_suffix(&unique()).unwrap();
-    store.create_session(&id, T0).await.unwrap_or_else(|e| panic!("create_session {id}: {e}"));
+    store
+        .create_session(&id, T0)
+        .await
+        .unwrap_or_else(|e| panic!("create_session {id}: {e}"));
     id
 }
 
@@ -155,7 +174,10 @@ async fn claim(store: &dyn Store, owner: &str, now: Millis) -> ClaimedStep {
 }
 
 async fn assert_nothing_claimable(store: &dyn Store, now: Millis, why: &str) {
-    let found = store.claim_next(lease(OWNER_C, now + LEASE_MS), now).await.unwrap();
+    let found = store
+        .claim_next(lease(OWNER_C, now + LEASE_MS), now)
+        .await
+        .unwrap();
     if let Some(claimed) = found {
         panic!("{why}, yet claim_next at {now} returned {:?}", claimed.job);
     }
@@ -169,14 +191,24 @@ async fn commit(
     now: Millis,
 ) -> (Vec<StoredEvent>, Option<ClaimedStep>, bool) {
     match store.commit_step(claim, result, continue_with, now).await {
-        Ok(Commit::Committed { events, continued, enqueued }) => {
+        Ok(Commit::Committed {
+            events,
+            continued,
+            enqueued,
+        }) => {
             assert_attributed(&events);
             (events, continued, enqueued)
         }
         Ok(Commit::Stale(stale)) => {
-            panic!("commit of {}#{} refused as stale: {stale:?}", claim.run_id, claim.step_index)
+            panic!(
+                "commit of {}#{} refused as stale: {stale:?}",
+                claim.run_id, claim.step_index
+            )
         }
-        Err(e) => panic!("commit of {}#{} failed: {e}", claim.run_id, claim.step_index),
+        Err(e) => panic!(
+            "commit of {}#{} failed: {e}",
+            claim.run_id, claim.step_index
+        ),
     }
 }
 
@@ -193,21 +225,37 @@ async fn commit_stale(
             "commit of {}#{} at epoch {} should have been refused as stale, but was committed",
             claim.run_id, claim.step_index, claim.epoch
         ),
-        Err(e) => panic!("commit of {}#{} failed instead of being stale: {e}", claim.run_id, claim.step_index),
+        Err(e) => panic!(
+            "commit of {}#{} failed instead of being stale: {e}",
+            claim.run_id, claim.step_index
+        ),
     }
 }
 
 /// Loads a run's state and checks that `list_runs` tells the same story about it.
 async fn load(store: &dyn Store, run: &RunId) -> AgentState {
-    let state = store.load_state(run).await.unwrap_or_else(|e| panic!("load_state {run}: {e}"));
+    let state = store
+        .load_state(run)
+        .await
+        .unwrap_or_else(|e| panic!("load_state {run}: {e}"));
     let runs = store.list_runs().await.expect("list_runs");
     let summary = runs
         .iter()
         .find(|r| &r.run_id == run)
         .unwrap_or_else(|| panic!("list_runs does not list {run}"));
     assert_eq!(
-        (summary.status, summary.stop_reason, summary.step_index, &summary.session_id),
-        (state.status, state.stop_reason, state.step_index, &state.session_id),
+        (
+            summary.status,
+            summary.stop_reason,
+            summary.step_index,
+            &summary.session_id
+        ),
+        (
+            state.status,
+            state.stop_reason,
+            state.step_index,
+            &state.session_id
+        ),
         "list_runs and load_state disagree about {run}"
     );
     state
@@ -215,7 +263,11 @@ async fn load(store: &dyn Store, run: &RunId) -> AgentState {
 
 async fn user_messages(store: &dyn Store, session: &SessionId) -> Vec<String> {
     let history = store.history(session).await.expect("history");
-    history.into_iter().filter(|m| m.role == Role::User).map(|m| m.content).collect()
+    history
+        .into_iter()
+        .filter(|m| m.role == Role::User)
+        .map(|m| m.content)
+        .collect()
 }
 
 /// The invariant of sessions: at most one run that is neither queued nor terminal.
@@ -227,7 +279,10 @@ async fn assert_one_active(store: &dyn Store, session: &SessionId) {
         .filter(|r| r.status != RunStatus::Queued && !r.status.is_terminal())
         .map(|r| &r.run_id)
         .collect();
-    assert!(active.len() <= 1, "session {session} has several active runs: {active:?}");
+    assert!(
+        active.len() <= 1,
+        "session {session} has several active runs: {active:?}"
+    );
 }
 
 /// An event about a run (its payload names the run) is stored under that run, so that a
@@ -285,60 +340,114 @@ async fn snapshot(store: &dyn Store, run: &RunId, session: &SessionId) -> Snapsh
 pub async fn submit_starts_a_run_or_queues_it_behind_the_active_one(store: &dyn Store) {
     let session = new_session(store).await;
     let (first, submitted) = submit(store, &session, "first question", config(), T0).await;
-    assert_eq!(submitted.status, RunStatus::Running, "a submit on an idle session starts its run");
+    assert_eq!(
+        submitted.status,
+        RunStatus::Running,
+        "a submit on an idle session starts its run"
+    );
     assert!(!submitted.events.is_empty(), "a submit publishes events");
     assert_eq!(load(store, &first).await.status, RunStatus::Running);
     assert_eq!(user_messages(store, &session).await, ["first question"]);
 
     let (second, queued) = submit(store, &session, "second question", config(), T0 + 1).await;
-    assert_eq!(queued.status, RunStatus::Queued, "a submit behind an active run is queued");
+    assert_eq!(
+        queued.status,
+        RunStatus::Queued,
+        "a submit behind an active run is queued"
+    );
     assert_eq!(load(store, &second).await.status, RunStatus::Queued);
     assert_eq!(
         user_messages(store, &session).await,
         ["first question"],
         "a queued run's message must not enter history before the run starts"
     );
-    let early = store.claim_step(&second, 1, lease(OWNER_B, T0 + LEASE_MS), T0 + 1).await.unwrap();
+    let early = store
+        .claim_step(&second, 1, lease(OWNER_B, T0 + LEASE_MS), T0 + 1)
+        .await
+        .unwrap();
     assert!(early.is_none(), "a queued run must have no claimable job");
-    assert!(!store.runs_with_jobs().await.unwrap().contains(&second), "a queued run has no job");
+    assert!(
+        !store.runs_with_jobs().await.unwrap().contains(&second),
+        "a queued run has no job"
+    );
     assert_one_active(store, &session).await;
 
     let claimed = claim(store, OWNER_A, T0 + 2).await;
     assert_eq!(
         claimed.job,
-        StepJob { run_id: first.clone(), step_index: 1, phase: Phase::UserInput, attempt: 1 }
+        StepJob {
+            run_id: first.clone(),
+            step_index: 1,
+            phase: Phase::UserInput,
+            attempt: 1
+        }
     );
     assert_eq!(claimed.state.run_id, first);
-    assert_nothing_claimable(store, T0 + 2, "the only job is leased and the other run is queued")
-        .await;
+    assert_nothing_claimable(
+        store,
+        T0 + 2,
+        "the only job is leased and the other run is queued",
+    )
+    .await;
 
-    let result = after_model(claimed.state, &claimed.job, text_reply("first answer"), false, T0 + 2, T0 + 3);
-    assert_eq!(result.state.status, RunStatus::Completed, "precondition: a text reply completes");
+    let result = after_model(
+        claimed.state,
+        &claimed.job,
+        text_reply("first answer"),
+        false,
+        T0 + 2,
+        T0 + 3,
+    );
+    assert_eq!(
+        result.state.status,
+        RunStatus::Completed,
+        "precondition: a text reply completes"
+    );
     let (events, continued, enqueued) = commit(store, &claimed.claim, result, None, T0 + 3).await;
     assert!(continued.is_none(), "a finished run has no next job");
-    assert!(enqueued, "ending the active run starts the queued one, whose job must wake workers");
     assert!(
-        events.iter().any(|e| e.run_id.as_ref() == Some(&second) && e.kind == "run.status"),
+        enqueued,
+        "ending the active run starts the queued one, whose job must wake workers"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| e.run_id.as_ref() == Some(&second) && e.kind == "run.status"),
         "the start of the queued run is published with the commit, got {:?}",
         kinds(&events)
     );
     assert_eq!(load(store, &first).await.status, RunStatus::Completed);
     let started = load(store, &second).await;
-    assert_eq!(started.status, RunStatus::Running, "the queued run starts when the active one ends");
+    assert_eq!(
+        started.status,
+        RunStatus::Running,
+        "the queued run starts when the active one ends"
+    );
     assert_eq!(started.started_at, Some(T0 + 3));
     assert_eq!(
         user_messages(store, &session).await,
         ["first question", "second question"],
         "the started run's message enters history after the first run's messages"
     );
-    let roles: Vec<Role> = store.history(&session).await.unwrap().iter().map(|m| m.role).collect();
+    let roles: Vec<Role> = store
+        .history(&session)
+        .await
+        .unwrap()
+        .iter()
+        .map(|m| m.role)
+        .collect();
     assert_eq!(roles, [Role::User, Role::Assistant, Role::User]);
     assert_one_active(store, &session).await;
 
     let next = claim(store, OWNER_B, T0 + 4).await;
     assert_eq!(
         next.job,
-        StepJob { run_id: second.clone(), step_index: 1, phase: Phase::UserInput, attempt: 1 }
+        StepJob {
+            run_id: second.clone(),
+            step_index: 1,
+            phase: Phase::UserInput,
+            attempt: 1
+        }
     );
 }
 
@@ -349,69 +458,193 @@ pub async fn commit_writes_the_step_and_continues_under_lease(store: &dyn Store)
     let (run, _) = submit(store, &session, "what is the answer?", config(), T0).await;
     let first = claim(store, OWNER_A, T0).await;
 
-    let result = after_model(first.state.clone(), &first.job, tool_reply(), false, T0, T0 + 10);
-    assert_eq!(result.next.as_ref().map(|j| j.phase), Some(Phase::LlmResult), "precondition");
+    let result = after_model(
+        first.state.clone(),
+        &first.job,
+        tool_reply(),
+        false,
+        T0,
+        T0 + 10,
+    );
+    assert_eq!(
+        result.next.as_ref().map(|j| j.phase),
+        Some(Phase::LlmResult),
+        "precondition"
+    );
     let sent = result.clone();
     let expires = T0 + 10 + LEASE_MS;
-    let (events, continued, enqueued) =
-        commit(store, &first.claim, result, Some(lease(OWNER_A, expires)), T0 + 10).await;
-    assert!(!enqueued, "a job leased to its committer must not wake other workers");
+    let (events, continued, enqueued) = commit(
+        store,
+        &first.claim,
+        result,
+        Some(lease(OWNER_A, expires)),
+        T0 + 10,
+    )
+    .await;
+    assert!(
+        !enqueued,
+        "a job leased to its committer must not wake other workers"
+    );
     let continued = continued.expect("continue_with must return the next job already leased");
     assert_eq!(
         continued.job,
-        StepJob { run_id: run.clone(), step_index: 2, phase: Phase::LlmResult, attempt: 1 }
+        StepJob {
+            run_id: run.clone(),
+            step_index: 2,
+            phase: Phase::LlmResult,
+            attempt: 1
+        }
     );
     assert_eq!(
         continued.claim,
-        Claim { run_id: run.clone(), step_index: 2, epoch: continued.claim.epoch }
+        Claim {
+            run_id: run.clone(),
+            step_index: 2,
+            epoch: continued.claim.epoch
+        }
     );
-    assert_eq!(continued.state, sent.state, "the continued step runs against the committed state");
+    assert_eq!(
+        continued.state, sent.state,
+        "the continued step runs against the committed state"
+    );
 
-    assert_eq!(load(store, &run).await, sent.state, "load_state returns the committed state");
-    assert_eq!(store.steps(&run).await.unwrap(), std::slice::from_ref(&sent.record));
+    assert_eq!(
+        load(store, &run).await,
+        sent.state,
+        "load_state returns the committed state"
+    );
+    assert_eq!(
+        store.steps(&run).await.unwrap(),
+        std::slice::from_ref(&sent.record)
+    );
     let history = store.history(&session).await.unwrap();
     assert_eq!(history.len(), 1 + sent.messages.len());
-    assert_eq!(history[1..], sent.messages[..], "the step's messages follow the user message");
-    let expected: Vec<(&str, &Value)> =
-        sent.events.iter().map(|e| (e.kind.as_str(), &e.payload)).collect();
-    let written: Vec<(&str, &Value)> = events.iter().map(|e| (e.kind.as_str(), &e.payload)).collect();
-    assert_eq!(written, expected, "the commit publishes exactly the step's events, in order");
+    assert_eq!(
+        history[1..],
+        sent.messages[..],
+        "the step's messages follow the user message"
+    );
+    let expected: Vec<(&str, &Value)> = sent
+        .events
+        .iter()
+        .map(|e| (e.kind.as_str(), &e.payload))
+        .collect();
+    let written: Vec<(&str, &Value)> = events
+        .iter()
+        .map(|e| (e.kind.as_str(), &e.payload))
+        .collect();
+    assert_eq!(
+        written, expected,
+        "the commit publishes exactly the step's events, in order"
+    );
     let stored = store.events_after(&session, 0, 10_000).await.unwrap();
-    assert!(stored.ends_with(&events), "the returned events are the stored ones");
+    assert!(
+        stored.ends_with(&events),
+        "the returned events are the stored ones"
+    );
 
-    assert_nothing_claimable(store, expires - 1, "a continued job is leased until it expires").await;
-    let early = store.claim_step(&run, 2, lease(OWNER_B, expires + LEASE_MS), expires - 1).await;
-    assert!(early.unwrap().is_none(), "claim_step must respect the continued lease");
+    assert_nothing_claimable(
+        store,
+        expires - 1,
+        "a continued job is leased until it expires",
+    )
+    .await;
+    let early = store
+        .claim_step(&run, 2, lease(OWNER_B, expires + LEASE_MS), expires - 1)
+        .await;
+    assert!(
+        early.unwrap().is_none(),
+        "claim_step must respect the continued lease"
+    );
     let reclaimed = claim(store, OWNER_B, expires).await;
     assert_eq!(
         reclaimed.job,
-        StepJob { run_id: run.clone(), step_index: 2, phase: Phase::LlmResult, attempt: 2 },
+        StepJob {
+            run_id: run.clone(),
+            step_index: 2,
+            phase: Phase::LlmResult,
+            attempt: 2
+        },
         "an expired lease makes the job claimable again, with its attempt incremented"
     );
-    assert_ne!(reclaimed.claim.epoch, continued.claim.epoch, "a reclaim changes the epoch");
+    assert_ne!(
+        reclaimed.claim.epoch, continued.claim.epoch,
+        "a reclaim changes the epoch"
+    );
 
-    let tools = after_tools(reclaimed.state, &reclaimed.job, vec![ToolOutcome::ok("42")], 0, expires, expires + 1);
+    let tools = after_tools(
+        reclaimed.state,
+        &reclaimed.job,
+        vec![ToolOutcome::ok("42")],
+        0,
+        expires,
+        expires + 1,
+    );
     let (_, continued, enqueued) = commit(store, &reclaimed.claim, tools, None, expires + 1).await;
-    assert!(continued.is_none(), "without continue_with nothing is leased");
+    assert!(
+        continued.is_none(),
+        "without continue_with nothing is leased"
+    );
     assert!(enqueued, "an unleased next job must wake the workers");
     let third = claim(store, OWNER_A, expires + 2).await;
     assert_eq!(
         third.job,
-        StepJob { run_id: run.clone(), step_index: 3, phase: Phase::ToolsBatchResult, attempt: 1 }
+        StepJob {
+            run_id: run.clone(),
+            step_index: 3,
+            phase: Phase::ToolsBatchResult,
+            attempt: 1
+        }
     );
-    let last = after_model(third.state, &third.job, text_reply("42"), false, expires + 2, expires + 3);
+    let last = after_model(
+        third.state,
+        &third.job,
+        text_reply("42"),
+        false,
+        expires + 2,
+        expires + 3,
+    );
     commit(store, &third.claim, last, None, expires + 3).await;
 
     let steps = store.steps(&run).await.unwrap();
-    let numbered: Vec<(u64, &str)> = steps.iter().map(|s| (s.index, s.instruction.as_str())).collect();
-    assert_eq!(numbered, [(1, "call_llm"), (2, "call_tools_batch"), (3, "call_llm")]);
+    let numbered: Vec<(u64, &str)> = steps
+        .iter()
+        .map(|s| (s.index, s.instruction.as_str()))
+        .collect();
+    assert_eq!(
+        numbered,
+        [(1, "call_llm"), (2, "call_tools_batch"), (3, "call_llm")]
+    );
     let state = load(store, &run).await;
-    assert_eq!((state.status, state.stop_reason), (RunStatus::Completed, Some(StopReason::Completed)));
-    assert_eq!((state.step_index, state.finished_at), (3, Some(expires + 3)));
-    let roles: Vec<Role> = store.history(&session).await.unwrap().iter().map(|m| m.role).collect();
-    assert_eq!(roles, [Role::User, Role::Assistant, Role::Tool, Role::Assistant]);
-    assert!(!store.runs_with_jobs().await.unwrap().contains(&run), "a finished run has no job");
-    assert_nothing_claimable(store, expires + 10 * LEASE_MS, "a finished run leaves no job").await;
+    assert_eq!(
+        (state.status, state.stop_reason),
+        (RunStatus::Completed, Some(StopReason::Completed))
+    );
+    assert_eq!(
+        (state.step_index, state.finished_at),
+        (3, Some(expires + 3))
+    );
+    let roles: Vec<Role> = store
+        .history(&session)
+        .await
+        .unwrap()
+        .iter()
+        .map(|m| m.role)
+        .collect();
+    assert_eq!(
+        roles,
+        [Role::User, Role::Assistant, Role::Tool, Role::Assistant]
+    );
+    assert!(
+        !store.runs_with_jobs().await.unwrap().contains(&run),
+        "a finished run has no job"
+    );
+    assert_nothing_claimable(
+        store,
+        expires + 10 * LEASE_MS,
+        "a finished run leaves no job",
+    )
+    .await;
 }
 
 /// Fencing of claims: of many workers racing for one job, exactly one gets it.
@@ -423,7 +656,9 @@ pub async fn concurrent_claims_of_one_step_have_one_winner(store: Arc<dyn Store>
             let (store, run) = (Arc::clone(&store), run.clone());
             let owner = format!("racer-{i}");
             tokio::spawn(async move {
-                let won = store.claim_step(&run, 1, lease(&owner, T0 + LEASE_MS), T0).await;
+                let won = store
+                    .claim_step(&run, 1, lease(&owner, T0 + LEASE_MS), T0)
+                    .await;
                 (owner, won)
             })
         })
@@ -435,10 +670,19 @@ pub async fn concurrent_claims_of_one_step_have_one_winner(store: Arc<dyn Store>
             winners.push((owner, claimed));
         }
     }
-    assert_eq!(winners.len(), 1, "exactly one racer may claim the job, got {}", winners.len());
+    assert_eq!(
+        winners.len(),
+        1,
+        "exactly one racer may claim the job, got {}",
+        winners.len()
+    );
     let (owner, claimed) = &winners[0];
     assert_eq!(claimed.job.attempt, 1);
-    assert_eq!(store.lease_owners().await.unwrap(), std::slice::from_ref(owner), "only the winner holds a lease");
+    assert_eq!(
+        store.lease_owners().await.unwrap(),
+        std::slice::from_ref(owner),
+        "only the winner holds a lease"
+    );
 }
 
 /// Fencing of commits: a commit under an expired and reclaimed lease, or of a step already
@@ -448,30 +692,75 @@ pub async fn stale_and_duplicate_commits_change_nothing(store: &dyn Store) {
     let (run, _) = submit(store, &session, "fence me", config(), T0).await;
     let old = claim(store, OWNER_A, T0).await;
     let extended = T0 + LEASE_MS + 100;
-    assert!(store.heartbeat(&old.claim, extended).await.unwrap(), "the holder may extend its lease");
+    assert!(
+        store.heartbeat(&old.claim, extended).await.unwrap(),
+        "the holder may extend its lease"
+    );
     assert_nothing_claimable(store, T0 + LEASE_MS, "a heartbeat extends the lease").await;
     let new = claim(store, OWNER_B, extended).await;
     assert_eq!(new.job.attempt, 2);
-    assert_ne!(new.claim.epoch, old.claim.epoch, "a reclaim changes the fencing token");
-    assert!(!store.heartbeat(&old.claim, extended + LEASE_MS).await.unwrap(), "a lost claim cannot heartbeat");
+    assert_ne!(
+        new.claim.epoch, old.claim.epoch,
+        "a reclaim changes the fencing token"
+    );
+    assert!(
+        !store
+            .heartbeat(&old.claim, extended + LEASE_MS)
+            .await
+            .unwrap(),
+        "a lost claim cannot heartbeat"
+    );
 
-    let old_result = after_model(old.state.clone(), &old.job, tool_reply(), false, T0, extended + 1);
+    let old_result = after_model(
+        old.state.clone(),
+        &old.job,
+        tool_reply(),
+        false,
+        T0,
+        extended + 1,
+    );
     let before = snapshot(store, &run, &session).await;
-    let stale = commit_stale(store, &old.claim, old_result.clone(), Some(lease(OWNER_A, extended + LEASE_MS)), extended + 1).await;
+    let stale = commit_stale(
+        store,
+        &old.claim,
+        old_result.clone(),
+        Some(lease(OWNER_A, extended + LEASE_MS)),
+        extended + 1,
+    )
+    .await;
     assert_eq!(stale, Stale::LeaseLost);
-    assert_eq!(snapshot(store, &run, &session).await, before, "a stale commit must write nothing");
+    assert_eq!(
+        snapshot(store, &run, &session).await,
+        before,
+        "a stale commit must write nothing"
+    );
 
-    let new_result = after_model(new.state.clone(), &new.job, tool_reply(), false, extended, extended + 2);
+    let new_result = after_model(
+        new.state.clone(),
+        &new.job,
+        tool_reply(),
+        false,
+        extended,
+        extended + 2,
+    );
     commit(store, &new.claim, new_result.clone(), None, extended + 2).await;
     let before = snapshot(store, &run, &session).await;
     let duplicate = commit_stale(store, &new.claim, new_result, None, extended + 3).await;
     assert_eq!(duplicate, Stale::LeaseLost, "a step commits once");
     let stale = commit_stale(store, &old.claim, old_result, None, extended + 3).await;
     assert_eq!(stale, Stale::LeaseLost);
-    assert_eq!(snapshot(store, &run, &session).await, before, "a duplicate commit must write nothing");
+    assert_eq!(
+        snapshot(store, &run, &session).await,
+        before,
+        "a duplicate commit must write nothing"
+    );
 
     let next = claim(store, OWNER_A, extended + 4).await;
-    assert_eq!((next.job.step_index, next.job.attempt), (2, 1), "the one commit enqueued one job");
+    assert_eq!(
+        (next.job.step_index, next.job.attempt),
+        (2, 1),
+        "the one commit enqueued one job"
+    );
     assert_nothing_claimable(store, extended + 4, "refused commits must not enqueue jobs").await;
 }
 
@@ -483,20 +772,32 @@ pub async fn concurrent_commits_of_one_claim_have_one_winner(store: Arc<dyn Stor
     let result = after_model(claimed.state, &claimed.job, tool_reply(), false, T0, T0 + 1);
     let committers: Vec<_> = (0..2)
         .map(|_| {
-            let (store, claim, result) = (Arc::clone(&store), claimed.claim.clone(), result.clone());
+            let (store, claim, result) =
+                (Arc::clone(&store), claimed.claim.clone(), result.clone());
             tokio::spawn(async move { store.commit_step(&claim, result, None, T0 + 1).await })
         })
         .collect();
     let mut committed = 0;
     for committer in committers {
-        match committer.await.expect("commit task panicked").expect("commit_step failed") {
+        match committer
+            .await
+            .expect("commit task panicked")
+            .expect("commit_step failed")
+        {
             Commit::Committed { .. } => committed += 1,
             Commit::Stale(stale) => assert_eq!(stale, Stale::LeaseLost, "the loser's job is gone"),
         }
     }
-    assert_eq!(committed, 1, "exactly one of two identical commits may succeed");
+    assert_eq!(
+        committed, 1,
+        "exactly one of two identical commits may succeed"
+    );
     assert_eq!(store.steps(&run).await.unwrap().len(), 1);
-    assert_eq!(store.history(&session).await.unwrap().len(), 2, "the step's message is written once");
+    assert_eq!(
+        store.history(&session).await.unwrap().len(),
+        2,
+        "the step's message is written once"
+    );
     let next = claim(&*store, OWNER_B, T0 + 2).await;
     assert_eq!(next.job.step_index, 2);
     assert_nothing_claimable(&*store, T0 + 2, "one commit enqueues one next job").await;
@@ -515,12 +816,29 @@ pub async fn event_seqs_are_dense_per_session(store: Arc<dyn Store>) {
     seen.extend(submitted.events);
     let drafts = |n: usize, run: &RunId| -> Vec<EventDraft> {
         (0..n)
-            .map(|i| EventDraft::new(EventKind::AssistantDelta, json!({"run_id": run, "delta": i})))
+            .map(|i| {
+                EventDraft::new(
+                    EventKind::AssistantDelta,
+                    json!({"run_id": run, "delta": i}),
+                )
+            })
             .collect()
     };
-    seen.extend(store.append_events(&session, &first, drafts(3, &first), T0 + 2).await.unwrap());
+    seen.extend(
+        store
+            .append_events(&session, &first, drafts(3, &first), T0 + 2)
+            .await
+            .unwrap(),
+    );
     let claimed = claim(&*store, OWNER_A, T0 + 3).await;
-    let done = after_model(claimed.state, &claimed.job, text_reply("done"), false, T0 + 3, T0 + 4);
+    let done = after_model(
+        claimed.state,
+        &claimed.job,
+        text_reply("done"),
+        false,
+        T0 + 3,
+        T0 + 4,
+    );
     let (events, _, _) = commit(&*store, &claimed.claim, done, None, T0 + 4).await;
     seen.extend(events);
 
@@ -531,7 +849,12 @@ pub async fn event_seqs_are_dense_per_session(store: Arc<dyn Store>) {
                 let mut stored = Vec::new();
                 for _ in 0..5 {
                     let batch = drafts(2, &run);
-                    stored.extend(store.append_events(&session, &run, batch, T0 + 5).await.unwrap());
+                    stored.extend(
+                        store
+                            .append_events(&session, &run, batch, T0 + 5)
+                            .await
+                            .unwrap(),
+                    );
                 }
                 stored
             })
@@ -544,22 +867,43 @@ pub async fn event_seqs_are_dense_per_session(store: Arc<dyn Store>) {
     seen.sort_by_key(|e| e.seq);
     let seqs: Vec<i64> = seen.iter().map(|e| e.seq).collect();
     let dense: Vec<i64> = (1..=seen.len() as i64).collect();
-    assert_eq!(seqs, dense, "seqs returned by writes must be 1..n without gaps or duplicates");
+    assert_eq!(
+        seqs, dense,
+        "seqs returned by writes must be 1..n without gaps or duplicates"
+    );
     let all = store.events_after(&session, 0, 10_000).await.unwrap();
-    assert_eq!(all, seen, "events_after(0) returns exactly the events the writes returned");
+    assert_eq!(
+        all, seen,
+        "events_after(0) returns exactly the events the writes returned"
+    );
     assert_attributed(&all);
     for after in 0..=all.len() {
-        let suffix = store.events_after(&session, after as i64, 10_000).await.unwrap();
-        assert_eq!(suffix, all[after..], "events_after({after}) must be the suffix after it");
+        let suffix = store
+            .events_after(&session, after as i64, 10_000)
+            .await
+            .unwrap();
+        assert_eq!(
+            suffix,
+            all[after..],
+            "events_after({after}) must be the suffix after it"
+        );
         let page = store.events_after(&session, after as i64, 3).await.unwrap();
-        assert_eq!(page, all[after..all.len().min(after + 3)], "events_after({after}, 3)");
+        assert_eq!(
+            page,
+            all[after..all.len().min(after + 3)],
+            "events_after({after}, 3)"
+        );
     }
 
     let elsewhere = store.events_after(&other, 0, 10_000).await.unwrap();
     let seqs: Vec<i64> = elsewhere.iter().map(|e| e.seq).collect();
     let dense: Vec<i64> = (1..=elsewhere.len() as i64).collect();
     assert_eq!(seqs, dense, "each session numbers its own events from 1");
-    assert!(elsewhere.iter().all(|e| e.session_id == other && e.run_id.as_ref() == Some(&other_run)));
+    assert!(
+        elsewhere
+            .iter()
+            .all(|e| e.session_id == other && e.run_id.as_ref() == Some(&other_run))
+    );
 }
 
 /// Intents come back in slot order with their outcomes; recording one again counts an
@@ -575,16 +919,26 @@ pub async fn intents_keep_slot_order_attempts_and_outcomes(store: &dyn Store) {
         name: name.into(),
         idempotency_key: format!("{run}-{step_index}-{slot}"),
     };
-    let record = |slot: u32, kind: IntentKind, name: &str, attempts: u32, outcome: Option<ToolOutcome>| {
-        IntentRecord { slot, kind, name: name.into(), attempts, outcome }
-    };
+    let record =
+        |slot: u32, kind: IntentKind, name: &str, attempts: u32, outcome: Option<ToolOutcome>| {
+            IntentRecord {
+                slot,
+                kind,
+                name: name.into(),
+                attempts,
+                outcome,
+            }
+        };
     let batch = vec![
         intent(1, 2, IntentKind::Tool, "write"),
         intent(1, 0, IntentKind::Model, "model"),
         intent(1, 1, IntentKind::Tool, "read"),
     ];
     store.record_intents(batch, T0).await.unwrap();
-    store.record_intents(vec![intent(2, 0, IntentKind::Model, "model")], T0).await.unwrap();
+    store
+        .record_intents(vec![intent(2, 0, IntentKind::Model, "model")], T0)
+        .await
+        .unwrap();
     assert_eq!(
         store.intents(&run, 1).await.unwrap(),
         [
@@ -595,23 +949,57 @@ pub async fn intents_keep_slot_order_attempts_and_outcomes(store: &dyn Store) {
         "intents come back in slot order, whatever the order they were recorded in"
     );
 
-    store.record_outcome(&run, 1, 1, ToolOutcome::ok("read ok"), T0 + 1).await.unwrap();
-    store.record_outcome(&run, 1, 2, ToolOutcome::error("disk full"), T0 + 1).await.unwrap();
-    store.record_intents(vec![intent(1, 0, IntentKind::Model, "model")], T0 + 2).await.unwrap();
-    let missing = store.record_outcome(&run, 1, 7, ToolOutcome::ok("ghost"), T0 + 3).await;
-    assert!(missing.is_err(), "an outcome without its intent must be refused");
-    let missing = store.record_outcome(&run, 9, 0, ToolOutcome::ok("ghost"), T0 + 3).await;
-    assert!(missing.is_err(), "an outcome for a step without intents must be refused");
+    store
+        .record_outcome(&run, 1, 1, ToolOutcome::ok("read ok"), T0 + 1)
+        .await
+        .unwrap();
+    store
+        .record_outcome(&run, 1, 2, ToolOutcome::error("disk full"), T0 + 1)
+        .await
+        .unwrap();
+    store
+        .record_intents(vec![intent(1, 0, IntentKind::Model, "model")], T0 + 2)
+        .await
+        .unwrap();
+    let missing = store
+        .record_outcome(&run, 1, 7, ToolOutcome::ok("ghost"), T0 + 3)
+        .await;
+    assert!(
+        missing.is_err(),
+        "an outcome without its intent must be refused"
+    );
+    let missing = store
+        .record_outcome(&run, 9, 0, ToolOutcome::ok("ghost"), T0 + 3)
+        .await;
+    assert!(
+        missing.is_err(),
+        "an outcome for a step without intents must be refused"
+    );
 
     assert_eq!(
         store.intents(&run, 1).await.unwrap(),
         [
             record(0, IntentKind::Model, "model", 2, None),
-            record(1, IntentKind::Tool, "read", 1, Some(ToolOutcome::ok("read ok"))),
-            record(2, IntentKind::Tool, "write", 1, Some(ToolOutcome::error("disk full"))),
+            record(
+                1,
+                IntentKind::Tool,
+                "read",
+                1,
+                Some(ToolOutcome::ok("read ok"))
+            ),
+            record(
+                2,
+                IntentKind::Tool,
+                "write",
+                1,
+                Some(ToolOutcome::error("disk full"))
+            ),
         ]
     );
-    assert_eq!(store.intents(&run, 2).await.unwrap(), [record(0, IntentKind::Model, "model", 1, None)]);
+    assert_eq!(
+        store.intents(&run, 2).await.unwrap(),
+        [record(0, IntentKind::Model, "model", 1, None)]
+    );
     assert!(store.intents(&run, 9).await.unwrap().is_empty());
 }
 
@@ -625,26 +1013,81 @@ pub async fn cancel_of_a_queued_run_is_immediate(store: &dyn Store) {
         CancelOutcome::Cancelled { events, enqueued } => {
             assert!(!enqueued, "cancelling a queued run starts nothing");
             assert_attributed(&events);
-            assert!(kinds(&events).contains(&"run.finished"), "got {:?}", kinds(&events));
+            assert!(
+                kinds(&events).contains(&"run.finished"),
+                "got {:?}",
+                kinds(&events)
+            );
         }
         other => panic!("cancel of a queued run: expected Cancelled, got {other:?}"),
     }
     let state = load(store, &second).await;
-    assert_eq!((state.status, state.stop_reason), (RunStatus::Cancelled, Some(StopReason::Cancelled)));
-    assert_eq!((state.finished_at, state.cancel_requested), (Some(T0 + 2), true));
+    assert_eq!(
+        (state.status, state.stop_reason),
+        (RunStatus::Cancelled, Some(StopReason::Cancelled))
+    );
+    assert_eq!(
+        (state.finished_at, state.cancel_requested),
+        (Some(T0 + 2), true)
+    );
     assert!(!store.runs_with_jobs().await.unwrap().contains(&second));
-    assert_eq!(load(store, &first).await.status, RunStatus::Running, "other runs are untouched");
+    assert_eq!(
+        load(store, &first).await.status,
+        RunStatus::Running,
+        "other runs are untouched"
+    );
+    // The session is still held by the first run, so a later submit must still queue.
+    let (third, submitted) = submit(store, &session, "third", config(), T0 + 3).await;
+    assert_eq!(
+        submitted.status,
+        RunStatus::Queued,
+        "cancelling a queued run must not free the session"
+    );
+    assert_one_active(store, &session).await;
 
-    let claimed = claim(store, OWNER_A, T0 + 3).await;
+    let claimed = claim(store, OWNER_A, T0 + 4).await;
     assert_eq!(claimed.job.run_id, first, "only the active run has a job");
-    let done = after_model(claimed.state, &claimed.job, text_reply("done"), false, T0 + 3, T0 + 4);
-    let (_, _, enqueued) = commit(store, &claimed.claim, done, None, T0 + 4).await;
-    assert!(!enqueued, "a cancelled run must not start when the session frees up");
-    assert_eq!(load(store, &second).await.status, RunStatus::Cancelled);
-    assert_eq!(user_messages(store, &session).await, ["first"], "a run that never started left no message");
-    assert_nothing_claimable(store, T0 + 5, "the cancelled run has no job").await;
+    assert_nothing_claimable(
+        store,
+        T0 + 4,
+        "the cancelled and the queued run have no job",
+    )
+    .await;
+    let done = after_model(
+        claimed.state,
+        &claimed.job,
+        text_reply("done"),
+        false,
+        T0 + 4,
+        T0 + 5,
+    );
+    let (_, _, enqueued) = commit(store, &claimed.claim, done, None, T0 + 5).await;
+    assert!(
+        enqueued,
+        "the next queued run starts when the session frees up"
+    );
+    assert_eq!(
+        load(store, &second).await.status,
+        RunStatus::Cancelled,
+        "a cancelled run never starts"
+    );
+    assert_eq!(
+        load(store, &third).await.status,
+        RunStatus::Running,
+        "the cancelled run is skipped"
+    );
+    assert_eq!(
+        user_messages(store, &session).await,
+        ["first", "third"],
+        "a run that never started leaves no message"
+    );
+    let next = claim(store, OWNER_B, T0 + 6).await;
+    assert_eq!(next.job.run_id, third);
 
-    for (run, status) in [(&first, RunStatus::Completed), (&second, RunStatus::Cancelled)] {
+    for (run, status) in [
+        (&first, RunStatus::Completed),
+        (&second, RunStatus::Cancelled),
+    ] {
         match store.request_cancel(run, T0 + 6).await.unwrap() {
             CancelOutcome::AlreadyTerminal(found) => assert_eq!(found, status),
             other => panic!("cancel of a {status} run: expected AlreadyTerminal, got {other:?}"),
@@ -663,36 +1106,73 @@ pub async fn cancel_of_a_running_run_goes_through_cancelling(store: &dyn Store) 
         CancelOutcome::Cancelling { events } => {
             assert_attributed(&events);
             assert!(
-                events.iter().any(|e| e.kind == "run.status" && e.payload["status"] == "cancelling"),
+                events
+                    .iter()
+                    .any(|e| e.kind == "run.status" && e.payload["status"] == "cancelling"),
                 "the move to cancelling is published, got {events:?}"
             );
         }
         other => panic!("cancel of a running run: expected Cancelling, got {other:?}"),
     }
     let state = load(store, &run).await;
-    assert_eq!((state.status, state.cancel_requested), (RunStatus::Cancelling, true));
+    assert_eq!(
+        (state.status, state.cancel_requested),
+        (RunStatus::Cancelling, true)
+    );
 
     // The in-flight step knows nothing of the cancel: its result still says `running`.
-    let result = after_model(in_flight.state, &in_flight.job, tool_reply(), false, T0, T0 + 2);
+    let result = after_model(
+        in_flight.state,
+        &in_flight.job,
+        tool_reply(),
+        false,
+        T0,
+        T0 + 2,
+    );
     assert_eq!(result.state.status, RunStatus::Running, "precondition");
     let mut expected = result.clone();
     expected.yield_to_cancel();
     let (_, continued, enqueued) = commit(store, &in_flight.claim, result, None, T0 + 2).await;
     assert!(continued.is_none() && enqueued);
-    assert_eq!(load(store, &run).await, expected.state, "the commit yields to the cancel");
+    assert_eq!(
+        load(store, &run).await,
+        expected.state,
+        "the commit yields to the cancel"
+    );
     let history = store.history(&session).await.unwrap();
-    assert_eq!(history.last(), expected.messages.last(), "the in-flight step's work is kept");
+    assert_eq!(
+        history.last(),
+        expected.messages.last(),
+        "the in-flight step's work is kept"
+    );
 
     let cancel = claim(store, OWNER_B, T0 + 3).await;
     assert_eq!(
         cancel.job,
-        StepJob { run_id: run.clone(), step_index: 2, phase: Phase::Cancel, attempt: 1 }
+        StepJob {
+            run_id: run.clone(),
+            step_index: 2,
+            phase: Phase::Cancel,
+            attempt: 1
+        }
     );
-    assert!(cancel.state.cancel_requested, "the claimed state carries the cancel request");
-    let finish = finish_step(cancel.state, &cancel.job, StopReason::Cancelled, T0 + 3, T0 + 4);
+    assert!(
+        cancel.state.cancel_requested,
+        "the claimed state carries the cancel request"
+    );
+    let finish = finish_step(
+        cancel.state,
+        &cancel.job,
+        StopReason::Cancelled,
+        T0 + 3,
+        T0 + 4,
+    );
     commit(store, &cancel.claim, finish, None, T0 + 4).await;
     let state = load(store, &run).await;
-    assert_eq!((state.status, state.stop_reason), (RunStatus::Cancelled, Some(StopReason::Cancelled)));
+    assert_eq!(
+        (state.status, state.stop_reason),
+        (RunStatus::Cancelled, Some(StopReason::Cancelled))
+    );
     match store.request_cancel(&run, T0 + 5).await.unwrap() {
         CancelOutcome::AlreadyTerminal(status) => assert_eq!(status, RunStatus::Cancelled),
         other => panic!("cancel of a cancelled run: expected AlreadyTerminal, got {other:?}"),
@@ -716,33 +1196,69 @@ pub async fn cancel_of_a_waiting_run_frees_the_session(store: &dyn Store) {
         arguments: json!({"q": "answer"}),
         idempotency_key: format!("{first}-2-0"),
     };
-    let waiting = await_reconciliation(tools.state, &tools.job, vec![None], request.clone(), T0 + 4, T0 + 5);
+    let waiting = await_reconciliation(
+        tools.state,
+        &tools.job,
+        vec![None],
+        request.clone(),
+        T0 + 4,
+        T0 + 5,
+    );
     let (_, continued, enqueued) = commit(store, &tools.claim, waiting, None, T0 + 5).await;
     assert!(continued.is_none() && !enqueued, "a waiting run has no job");
     let state = load(store, &first).await;
-    assert_eq!((state.status, state.pending_human), (RunStatus::WaitingHuman, Some(request)));
-    assert_eq!(load(store, &second).await.status, RunStatus::Queued, "a waiting run holds its session");
-    assert_nothing_claimable(store, T0 + 10 * LEASE_MS, "neither a waiting nor a queued run has a job")
-        .await;
+    assert_eq!(
+        (state.status, state.pending_human),
+        (RunStatus::WaitingHuman, Some(request))
+    );
+    assert_eq!(
+        load(store, &second).await.status,
+        RunStatus::Queued,
+        "a waiting run holds its session"
+    );
+    assert_nothing_claimable(
+        store,
+        T0 + 10 * LEASE_MS,
+        "neither a waiting nor a queued run has a job",
+    )
+    .await;
     assert_one_active(store, &session).await;
 
     match store.request_cancel(&first, T0 + 6).await.unwrap() {
         CancelOutcome::Cancelled { events, enqueued } => {
-            assert!(enqueued, "the queued run starts and its job must wake the workers");
+            assert!(
+                enqueued,
+                "the queued run starts and its job must wake the workers"
+            );
             assert_attributed(&events);
         }
         other => panic!("cancel of a waiting run: expected Cancelled, got {other:?}"),
     }
     let state = load(store, &first).await;
-    assert_eq!((state.status, state.stop_reason), (RunStatus::Cancelled, Some(StopReason::Cancelled)));
-    assert_eq!(state.pending_human, None, "a cancelled run waits for no one");
-    assert_eq!(load(store, &second).await.status, RunStatus::Running, "the session is free again");
+    assert_eq!(
+        (state.status, state.stop_reason),
+        (RunStatus::Cancelled, Some(StopReason::Cancelled))
+    );
+    assert_eq!(
+        state.pending_human, None,
+        "a cancelled run waits for no one"
+    );
+    assert_eq!(
+        load(store, &second).await.status,
+        RunStatus::Running,
+        "the session is free again"
+    );
     assert_eq!(user_messages(store, &session).await, ["risky", "next"]);
     assert_one_active(store, &session).await;
     let next = claim(store, OWNER_B, T0 + 7).await;
     assert_eq!(
         next.job,
-        StepJob { run_id: second.clone(), step_index: 1, phase: Phase::UserInput, attempt: 1 }
+        StepJob {
+            run_id: second.clone(),
+            step_index: 1,
+            phase: Phase::UserInput,
+            attempt: 1
+        }
     );
 }
 
@@ -753,7 +1269,10 @@ pub async fn retry_later_delays_the_next_claim(store: &dyn Store) {
     let (run, _) = submit(store, &session, "flaky model", config(), T0).await;
     let first = claim(store, OWNER_A, T0).await;
     let available_at = T0 + 500;
-    let failure = EventDraft::new(EventKind::ModelError, json!({"run_id": run, "error": "rate limited"}));
+    let failure = EventDraft::new(
+        EventKind::ModelError,
+        json!({"run_id": run, "error": "rate limited"}),
+    );
     let events = store
         .retry_later(&first.claim, available_at, failure.clone(), T0 + 10)
         .await
@@ -761,20 +1280,44 @@ pub async fn retry_later_delays_the_next_claim(store: &dyn Store) {
         .expect("the holder of a claim may give its job back");
     assert_eq!(kinds(&events), ["model.error"]);
     assert_attributed(&events);
-    assert!(store.lease_owners().await.unwrap().is_empty(), "a job given back is held by nobody");
-    assert_nothing_claimable(store, available_at - 1, "a retried job waits for available_at").await;
+    assert!(
+        store.lease_owners().await.unwrap().is_empty(),
+        "a job given back is held by nobody"
+    );
+    assert_nothing_claimable(
+        store,
+        available_at - 1,
+        "a retried job waits for available_at",
+    )
+    .await;
 
     let second = claim(store, OWNER_B, available_at).await;
     assert_eq!(
         second.job,
-        StepJob { run_id: run.clone(), step_index: 1, phase: Phase::UserInput, attempt: 2 }
+        StepJob {
+            run_id: run.clone(),
+            step_index: 1,
+            phase: Phase::UserInput,
+            attempt: 2
+        }
     );
     assert_ne!(second.claim.epoch, first.claim.epoch);
-    let lost = store.retry_later(&first.claim, available_at, failure, available_at + 1).await.unwrap();
+    let lost = store
+        .retry_later(&first.claim, available_at, failure, available_at + 1)
+        .await
+        .unwrap();
     assert!(lost.is_none(), "a lost claim cannot give the job back");
-    assert_eq!(store.lease_owners().await.unwrap(), [OWNER_B], "the new holder keeps its lease");
-    assert_nothing_claimable(store, available_at + 1, "the job is still leased to its new holder")
-        .await;
+    assert_eq!(
+        store.lease_owners().await.unwrap(),
+        [OWNER_B],
+        "the new holder keeps its lease"
+    );
+    assert_nothing_claimable(
+        store,
+        available_at + 1,
+        "the job is still leased to its new holder",
+    )
+    .await;
 }
 
 /// A dead owner's leases are released at once, so its jobs need not wait for expiry.
@@ -787,7 +1330,11 @@ pub async fn release_leases_frees_a_dead_owners_jobs(store: &dyn Store) {
     let far = T0 + 100 * LEASE_MS;
     let mut held = Vec::new();
     for owner in [OWNER_A, OWNER_A, OWNER_B] {
-        let claimed = store.claim_next(lease(owner, far), T0).await.unwrap().expect("a job per run");
+        let claimed = store
+            .claim_next(lease(owner, far), T0)
+            .await
+            .unwrap()
+            .expect("a job per run");
         held.push(claimed);
     }
     let mut owners = store.lease_owners().await.unwrap();
@@ -795,12 +1342,19 @@ pub async fn release_leases_frees_a_dead_owners_jobs(store: &dyn Store) {
     assert_eq!(owners, [OWNER_A, OWNER_B]);
     assert_nothing_claimable(store, T0 + 1, "every job is leased").await;
 
-    assert_eq!(store.release_leases(OWNER_A).await.unwrap(), 2, "owner A held two jobs");
+    assert_eq!(
+        store.release_leases(OWNER_A).await.unwrap(),
+        2,
+        "owner A held two jobs"
+    );
     assert_eq!(store.lease_owners().await.unwrap(), [OWNER_B]);
     let mut freed = Vec::new();
     for _ in 0..2 {
         let claimed = claim(store, OWNER_C, T0 + 1).await;
-        assert_eq!(claimed.job.attempt, 2, "a released job is claimed again as a new attempt");
+        assert_eq!(
+            claimed.job.attempt, 2,
+            "a released job is claimed again as a new attempt"
+        );
         freed.push(claimed.job.run_id);
     }
     freed.sort();
@@ -811,9 +1365,20 @@ pub async fn release_leases_frees_a_dead_owners_jobs(store: &dyn Store) {
     assert_eq!(store.release_leases("nobody").await.unwrap(), 0);
 
     let dead = &held[0];
-    let late = after_model(dead.state.clone(), &dead.job, text_reply("late"), false, T0, T0 + 2);
+    let late = after_model(
+        dead.state.clone(),
+        &dead.job,
+        text_reply("late"),
+        false,
+        T0,
+        T0 + 2,
+    );
     let stale = commit_stale(store, &dead.claim, late, None, T0 + 2).await;
-    assert_eq!(stale, Stale::LeaseLost, "a released and reclaimed job fences out its old owner");
+    assert_eq!(
+        stale,
+        Stale::LeaseLost,
+        "a released and reclaimed job fences out its old owner"
+    );
 }
 
 /// Unknown runs and sessions are NotFound; a session is created once.
@@ -839,8 +1404,18 @@ pub async fn missing_and_duplicate_entities_are_errors(store: &dyn Store) {
         Err(Error::NotFound { .. }) => {}
         other => panic!("submit to an unknown session: expected NotFound, got {other:?}"),
     }
-    assert!(store.list_runs().await.unwrap().is_empty(), "a refused submit writes no run");
-    let appended = store.append_events(&ghost_session, &ghost_run, vec![EventDraft::new(EventKind::Activity, json!({}))], T0).await;
+    assert!(
+        store.list_runs().await.unwrap().is_empty(),
+        "a refused submit writes no run"
+    );
+    let appended = store
+        .append_events(
+            &ghost_session,
+            &ghost_run,
+            vec![EventDraft::new(EventKind::Activity, json!({}))],
+            T0,
+        )
+        .await;
     match appended {
         Err(Error::NotFound { .. }) => {}
         other => panic!("append_events to an unknown session: expected NotFound, got {other:?}"),
@@ -852,7 +1427,11 @@ pub async fn missing_and_duplicate_entities_are_errors(store: &dyn Store) {
         other => panic!("create_session twice: expected Conflict, got {other:?}"),
     }
     let (_, submitted) = submit(store, &session, "still usable", config(), T0 + 2).await;
-    assert_eq!(submitted.status, RunStatus::Running, "a refused duplicate leaves the session intact");
+    assert_eq!(
+        submitted.status,
+        RunStatus::Running,
+        "a refused duplicate leaves the session intact"
+    );
 }
 
 /// The store owns two parts of the state a step may not change: the run's configuration,
@@ -870,31 +1449,68 @@ pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
             replay: ReplayPolicy::Keyed,
             completes_run: false,
         }],
-        limits: Limits { max_steps: 7, ..Limits::default() },
+        limits: Limits {
+            max_steps: 7,
+            ..Limits::default()
+        },
     };
-    let tampered = RunConfigSnapshot { model: "scripted:tampered".into(), ..RunConfigSnapshot::default() };
+    let tampered = RunConfigSnapshot {
+        model: "scripted:tampered".into(),
+        ..RunConfigSnapshot::default()
+    };
     let session = new_session(store).await;
     let (run, _) = submit(store, &session, "configured", frozen.clone(), T0).await;
     assert_eq!(load(store, &run).await.config, frozen);
     let first = claim(store, OWNER_A, T0).await;
-    assert_eq!(first.state.config, frozen, "a claim runs under the frozen config");
+    assert_eq!(
+        first.state.config, frozen,
+        "a claim runs under the frozen config"
+    );
 
     let mut result = after_model(first.state, &first.job, tool_reply(), false, T0, T0 + 1);
     result.state.config = tampered.clone();
     result.state.cancel_requested = true;
-    let (_, continued, _) =
-        commit(store, &first.claim, result, Some(lease(OWNER_A, T0 + 1 + LEASE_MS)), T0 + 1).await;
+    let (_, continued, _) = commit(
+        store,
+        &first.claim,
+        result,
+        Some(lease(OWNER_A, T0 + 1 + LEASE_MS)),
+        T0 + 1,
+    )
+    .await;
     let continued = continued.expect("continued job");
-    assert_eq!(continued.state.config, frozen, "a continued step runs under the frozen config");
-    assert!(!continued.state.cancel_requested, "no cancel was requested of the store");
+    assert_eq!(
+        continued.state.config, frozen,
+        "a continued step runs under the frozen config"
+    );
+    assert!(
+        !continued.state.cancel_requested,
+        "no cancel was requested of the store"
+    );
     let state = load(store, &run).await;
-    assert_eq!(state.config, frozen, "a commit never changes the frozen config");
-    assert!(!state.cancel_requested, "the cancel flag is never taken from a committed state");
+    assert_eq!(
+        state.config, frozen,
+        "a commit never changes the frozen config"
+    );
+    assert!(
+        !state.cancel_requested,
+        "the cancel flag is never taken from a committed state"
+    );
 
-    let mut result = after_tools(continued.state, &continued.job, vec![ToolOutcome::ok("x")], 0, T0 + 1, T0 + 2);
+    let mut result = after_tools(
+        continued.state,
+        &continued.job,
+        vec![ToolOutcome::ok("x")],
+        0,
+        T0 + 1,
+        T0 + 2,
+    );
     result.state.config = tampered;
     commit(store, &continued.claim, result, None, T0 + 2).await;
     let third = claim(store, OWNER_B, T0 + 3).await;
-    assert_eq!(third.state.config, frozen, "a claim after commits still sees the frozen config");
+    assert_eq!(
+        third.state.config, frozen,
+        "a claim after commits still sees the frozen config"
+    );
     assert_eq!(load(store, &run).await.config, frozen);
 }

@@ -88,7 +88,10 @@ pub enum Stale {
     /// The job is gone or was claimed again since (the fencing token no longer matches).
     LeaseLost,
     /// The run's committed step is not the one before this job.
-    StepMismatch { committed: u64, job: u64 },
+    StepMismatch {
+        committed: u64,
+        job: u64,
+    },
     Edge(IllegalEdge),
 }
 
@@ -160,9 +163,14 @@ pub struct RunSummary {
 #[derive(Debug, Clone)]
 pub enum CancelOutcome {
     /// The run had no step in flight and is now cancelled.
-    Cancelled { events: Vec<StoredEvent>, enqueued: bool },
+    Cancelled {
+        events: Vec<StoredEvent>,
+        enqueued: bool,
+    },
     /// A step may be in flight: the run is `cancelling` and its next step finishes it.
-    Cancelling { events: Vec<StoredEvent> },
+    Cancelling {
+        events: Vec<StoredEvent>,
+    },
     AlreadyTerminal(RunStatus),
 }
 

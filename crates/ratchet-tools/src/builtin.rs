@@ -39,7 +39,10 @@ impl Tool for Add {
                 None => ToolOutcome::error(format!("{a} + {b} overflows a 64-bit integer")),
             },
             _ => {
-                let (a, b) = (arguments["a"].as_f64().unwrap_or(0.0), arguments["b"].as_f64().unwrap_or(0.0));
+                let (a, b) = (
+                    arguments["a"].as_f64().unwrap_or(0.0),
+                    arguments["b"].as_f64().unwrap_or(0.0),
+                );
                 ToolOutcome::ok((a + b).to_string())
             }
         }
@@ -63,7 +66,9 @@ impl Tool for Now {
         ReplayPolicy::Safe
     }
     async fn call(&self, _: Value, _: &ToolContext) -> ToolOutcome {
-        let millis = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        let millis = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
         ToolOutcome::ok(json!({"unix_ms": millis}).to_string())
     }
 }
@@ -125,14 +130,17 @@ impl Tool for AppendLine {
         ReplayPolicy::Never
     }
     async fn call(&self, arguments: Value, context: &ToolContext) -> ToolOutcome {
-        let (Some(path), Some(line)) = (arguments["path"].as_str(), arguments["line"].as_str()) else {
+        let (Some(path), Some(line)) = (arguments["path"].as_str(), arguments["line"].as_str())
+        else {
             return ToolOutcome::error("expected string arguments `path` and `line`");
         };
         if line.contains(['\n', '\r']) {
             return ToolOutcome::error("`line` must be a single line (no newline characters)");
         }
         let Some(workspace) = &context.workspace else {
-            return ToolOutcome::error("this run has no workspace directory; append_line is unavailable");
+            return ToolOutcome::error(
+                "this run has no workspace directory; append_line is unavailable",
+            );
         };
         let target = match confine(workspace, path) {
             Ok(target) => target,
@@ -140,7 +148,10 @@ impl Tool for AppendLine {
         };
         let line = format!("{line}\n");
         let written = tokio::task::spawn_blocking(move || -> std::io::Result<PathBuf> {
-            let mut file = std::fs::OpenOptions::new().create(true).append(true).open(&target)?;
+            let mut file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&target)?;
             file.write_all(line.as_bytes())?;
             file.sync_data()?;
             Ok(target)
@@ -161,9 +172,15 @@ fn confine(workspace: &Path, relative: &str) -> Result<PathBuf, String> {
     for component in requested.components() {
         match component {
             Component::Normal(_) | Component::CurDir => {}
-            Component::ParentDir => return Err(format!("path {relative:?} escapes the workspace (`..` is not allowed)")),
+            Component::ParentDir => {
+                return Err(format!(
+                    "path {relative:?} escapes the workspace (`..` is not allowed)"
+                ));
+            }
             Component::RootDir | Component::Prefix(_) => {
-                return Err(format!("path {relative:?} is absolute; expected a path relative to the workspace"));
+                return Err(format!(
+                    "path {relative:?} is absolute; expected a path relative to the workspace"
+                ));
             }
         }
     }
@@ -171,17 +188,25 @@ fn confine(workspace: &Path, relative: &str) -> Result<PathBuf, String> {
         .canonicalize()
         .map_err(|e| format!("workspace {} is not usable: {e}", workspace.display()))?;
     let target = root.join(requested);
-    let parent = target.parent().ok_or_else(|| format!("path {relative:?} names no file"))?;
+    let parent = target
+        .parent()
+        .ok_or_else(|| format!("path {relative:?} names no file"))?;
     let parent = parent
         .canonicalize()
         .map_err(|e| format!("directory of {relative:?} does not exist in the workspace: {e}"))?;
     if !parent.starts_with(&root) {
-        return Err(format!("path {relative:?} escapes the workspace through a symbolic link"));
+        return Err(format!(
+            "path {relative:?} escapes the workspace through a symbolic link"
+        ));
     }
-    let file_name = target.file_name().ok_or_else(|| format!("path {relative:?} names no file"))?;
+    let file_name = target
+        .file_name()
+        .ok_or_else(|| format!("path {relative:?} names no file"))?;
     let resolved = parent.join(file_name);
     if resolved.is_symlink() {
-        return Err(format!("path {relative:?} is a symbolic link; refusing to follow it"));
+        return Err(format!(
+            "path {relative:?} is a symbolic link; refusing to follow it"
+        ));
     }
     Ok(resolved)
 }
@@ -202,19 +227,36 @@ mod tests {
     #[tokio::test]
     async fn add_sums_integers_and_floats() {
         let ctx = context(None);
-        assert_eq!(Add.call(json!({"a": 2, "b": 3}), &ctx).await, ToolOutcome::ok("5"));
-        assert_eq!(Add.call(json!({"a": 0.5, "b": 2}), &ctx).await, ToolOutcome::ok("2.5"));
-        assert!(Add.call(json!({"a": i64::MAX, "b": 1}), &ctx).await.is_error);
+        assert_eq!(
+            Add.call(json!({"a": 2, "b": 3}), &ctx).await,
+            ToolOutcome::ok("5")
+        );
+        assert_eq!(
+            Add.call(json!({"a": 0.5, "b": 2}), &ctx).await,
+            ToolOutcome::ok("2.5")
+        );
+        assert!(
+            Add.call(json!({"a": i64::MAX, "b": 1}), &ctx)
+                .await
+                .is_error
+        );
     }
 
     #[tokio::test]
     async fn append_line_appends_inside_the_workspace() {
         let dir = tempfile::tempdir().unwrap();
         let ctx = context(Some(dir.path()));
-        let outcome = AppendLine.call(json!({"path": "log.txt", "line": "one"}), &ctx).await;
+        let outcome = AppendLine
+            .call(json!({"path": "log.txt", "line": "one"}), &ctx)
+            .await;
         assert!(!outcome.is_error, "{outcome:?}");
-        AppendLine.call(json!({"path": "./log.txt", "line": "two"}), &ctx).await;
-        assert_eq!(std::fs::read_to_string(dir.path().join("log.txt")).unwrap(), "one\ntwo\n");
+        AppendLine
+            .call(json!({"path": "./log.txt", "line": "two"}), &ctx)
+            .await;
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("log.txt")).unwrap(),
+            "one\ntwo\n"
+        );
     }
 
     #[tokio::test]
@@ -231,14 +273,30 @@ mod tests {
             ("out/x.txt", "symbolic link"),
             ("missing/x.txt", "does not exist"),
         ] {
-            let outcome = AppendLine.call(json!({"path": path, "line": "x"}), &ctx).await;
-            assert!(outcome.is_error && outcome.content.contains(expected), "{path}: {outcome:?}");
+            let outcome = AppendLine
+                .call(json!({"path": path, "line": "x"}), &ctx)
+                .await;
+            assert!(
+                outcome.is_error && outcome.content.contains(expected),
+                "{path}: {outcome:?}"
+            );
         }
-        let outcome = AppendLine.call(json!({"path": "x.txt", "line": "a\nb"}), &ctx).await;
+        let outcome = AppendLine
+            .call(json!({"path": "x.txt", "line": "a\nb"}), &ctx)
+            .await;
         assert!(outcome.is_error, "{outcome:?}");
-        assert!(!outer.path().join("x.txt").exists(), "nothing written outside the workspace");
-        assert!(std::fs::read_dir(&workspace).unwrap().all(|e| e.unwrap().file_name() == "out"));
-        let outcome = AppendLine.call(json!({"path": "x.txt", "line": "a"}), &context(None)).await;
+        assert!(
+            !outer.path().join("x.txt").exists(),
+            "nothing written outside the workspace"
+        );
+        assert!(
+            std::fs::read_dir(&workspace)
+                .unwrap()
+                .all(|e| e.unwrap().file_name() == "out")
+        );
+        let outcome = AppendLine
+            .call(json!({"path": "x.txt", "line": "a"}), &context(None))
+            .await;
         assert!(outcome.content.contains("no workspace"), "{outcome:?}");
     }
 

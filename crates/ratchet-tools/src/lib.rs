@@ -62,9 +62,15 @@ impl Registry {
         let mut entries = BTreeMap::new();
         for tool in tools {
             let name = tool.name().to_owned();
-            let validator = jsonschema::validator_for(&tool.parameters())
-                .map_err(|e| Error::Schema { name: name.clone(), reason: e.to_string() })?;
-            if entries.insert(name.clone(), Entry { tool, validator }).is_some() {
+            let validator =
+                jsonschema::validator_for(&tool.parameters()).map_err(|e| Error::Schema {
+                    name: name.clone(),
+                    reason: e.to_string(),
+                })?;
+            if entries
+                .insert(name.clone(), Entry { tool, validator })
+                .is_some()
+            {
                 return Err(Error::Duplicate(name));
             }
         }
@@ -73,8 +79,13 @@ impl Registry {
 
     /// The built-in tools: `add`, `now`, `sleep_ms` and `append_line`.
     pub fn builtin() -> Registry {
-        Registry::new(vec![Arc::new(Add), Arc::new(Now), Arc::new(SleepMs), Arc::new(AppendLine)])
-            .expect("built-in tool schemas are valid and their names unique")
+        Registry::new(vec![
+            Arc::new(Add),
+            Arc::new(Now),
+            Arc::new(SleepMs),
+            Arc::new(AppendLine),
+        ])
+        .expect("built-in tool schemas are valid and their names unique")
     }
 
     pub fn names(&self) -> Vec<&str> {
@@ -98,20 +109,30 @@ impl Registry {
     /// The error text is shown to the model so that it can correct itself.
     pub fn validate(&self, name: &str, arguments: &Value) -> Result<Arc<dyn Tool>, String> {
         let entry = self.entries.get(name).ok_or_else(|| {
-            format!("unknown tool {name:?}; available tools: {}", self.names().join(", "))
+            format!(
+                "unknown tool {name:?}; available tools: {}",
+                self.names().join(", ")
+            )
         })?;
         let problems: Vec<String> = entry
             .validator
             .iter_errors(arguments)
             .map(|e| {
                 let path = e.instance_path().to_string();
-                if path.is_empty() { e.to_string() } else { format!("{path}: {e}") }
+                if path.is_empty() {
+                    e.to_string()
+                } else {
+                    format!("{path}: {e}")
+                }
             })
             .collect();
         if problems.is_empty() {
             Ok(Arc::clone(&entry.tool))
         } else {
-            Err(format!("invalid arguments for {name}: {}", problems.join("; ")))
+            Err(format!(
+                "invalid arguments for {name}: {}",
+                problems.join("; ")
+            ))
         }
     }
 }
@@ -126,11 +147,17 @@ mod tests {
         let registry = Registry::builtin();
         assert_eq!(registry.names(), ["add", "append_line", "now", "sleep_ms"]);
         assert!(registry.validate("add", &json!({"a": 1, "b": 2.5})).is_ok());
-        let err = registry.validate("add", &json!({"a": "one", "b": 2})).err().unwrap();
+        let err = registry
+            .validate("add", &json!({"a": "one", "b": 2}))
+            .err()
+            .unwrap();
         assert!(err.contains("/a") && err.contains("number"), "{err}");
         let err = registry.validate("add", &json!({"a": 1})).err().unwrap();
         assert!(err.contains("\"b\" is a required property"), "{err}");
-        let err = registry.validate("add", &json!({"a": 1, "b": 2, "c": 3})).err().unwrap();
+        let err = registry
+            .validate("add", &json!({"a": 1, "b": 2, "c": 3}))
+            .err()
+            .unwrap();
         assert!(err.contains("Additional properties"), "{err}");
         let err = registry.validate("rm", &json!({})).err().unwrap();
         assert!(err.contains("unknown tool \"rm\""), "{err}");
