@@ -193,11 +193,17 @@ fn show_progress(out: &mut impl Write, kind: &str, payload: &serde_json::Value) 
     let _ = match kind {
         "assistant.delta" => write!(out, "{}", payload["text"].as_str().unwrap_or_default()),
         "assistant.message" => writeln!(out),
-        "tool.result" => writeln!(
+        "tool.call" => writeln!(
             out,
-            "  [{}] {} -> {}",
+            "  [{}] {} {}",
             payload["call_id"].as_str().unwrap_or_default(),
             payload["tool"].as_str().unwrap_or_default(),
+            payload["arguments"]
+        ),
+        "tool.result" => writeln!(
+            out,
+            "  [{}] -> {}",
+            payload["call_id"].as_str().unwrap_or_default(),
             payload["content"].as_str().unwrap_or_default()
         ),
         "reconciliation.required" => writeln!(

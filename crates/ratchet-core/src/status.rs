@@ -70,7 +70,8 @@ impl RunStatus {
             ),
             WaitingHuman => matches!(to, Running | Cancelled),
             WaitingChildren => matches!(to, Running | Cancelling | Cancelled),
-            Cancelling => matches!(to, Cancelling | Cancelled),
+            // A step in flight when the cancel arrived may still end the run on its own.
+            Cancelling => matches!(to, Cancelling | Completed | Failed | Cancelled),
             Failed => matches!(to, Running),
             Completed | Cancelled => false,
         };
@@ -159,7 +160,7 @@ queued           .X.....X
 running          .XXXXXXX
 waiting_human    .X.....X
 waiting_children .X..X..X
-cancelling       ....X..X
+cancelling       ....XXXX
 completed        ........
 failed           .X......
 cancelled        ........

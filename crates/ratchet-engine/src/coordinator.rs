@@ -153,6 +153,21 @@ impl Coordinator {
         Ok(())
     }
 
+    /// Records write-ahead intents with the events that announce them, in one transaction.
+    pub async fn record_intents(
+        &self,
+        session_id: &SessionId,
+        intents: Vec<ratchet_store::Intent>,
+        events: Vec<ratchet_core::EventDraft>,
+    ) -> Result<()> {
+        let stored = self
+            .store
+            .record_intents(session_id, intents, events, now_ms())
+            .await?;
+        self.publish(stored);
+        Ok(())
+    }
+
     /// Cancels a run: at once when it has no step in flight, otherwise by marking it
     /// `cancelling` and cancelling the step running in this process.
     pub async fn request_cancel(&self, run_id: &RunId) -> Result<CancelOutcome> {

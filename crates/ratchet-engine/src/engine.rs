@@ -11,11 +11,11 @@ use futures::FutureExt;
 use futures::stream::{self, StreamExt};
 use ratchet_core::step::{after_model, after_tools, await_reconciliation, finish_step};
 use ratchet_core::{
-    AgentState, EventDraft, EventKind, HumanRequest, Instruction, ReplayPolicy, StepJob,
+    AgentState, EventDraft, EventKind, HumanRequest, Instruction, ReplayPolicy, SessionId, StepJob,
     StepResult, ToolCall, ToolOutcome, decide,
 };
 use ratchet_llm::ModelRequest;
-use ratchet_store::{ClaimedStep, Intent, IntentKind, Store};
+use ratchet_store::{ClaimedStep, Intent, IntentKind};
 use ratchet_tools::{Registry, Tool, ToolContext};
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -92,18 +92,16 @@ impl Engine {
             .resolve(&state.config.model)
             .map_err(|e| StepFailure::Fatal(e.to_string()))?;
         let store = self.coordinator.store();
-        store
-            .record_intents(
-                vec![Intent {
-                    run_id: state.run_id.clone(),
-                    step_index: job.step_index,
-                    slot: 0,
-                    kind: IntentKind::Model,
-                    name: state.config.model.clone(),
-                    idempotency_key: idempotency_key(job, 0),
-                }],
-                now_ms(),
-            )
+        let intent = Intent {
+            run_id: state.run_id.clone(),
+            step_index: job.step_index,
+            slot: 0,
+            kind: IntentKind::Model,
+            name: state.config.model.clone(),
+            idempotency_key: idempotency_key(job, 0),
+        };
+        self.coordinator
+            .record_intents(&state.session_id, vec![intent], Vec::new())
             .await?;
         let request = ModelRequest {
             run_id: state.run_id.clone(),
@@ -260,7 +258,15 @@ impl Engine {
                     idempotency_key: idempotency_key(job, slot),
                     cancel: cancel.child_token(),
                 };
-                run_call(Arc::clone(store), job.clone(), slot, tool, call, context)
+                run_call(
+                    Arc::clone(&self.coordinator),
+                    state.session_id.clone(),
+                    job.clone(),
+                    slot,
+                    tool,
+                    call,
+                    context,
+                )
             })
             .collect::<Vec<_>>();
         let finished: Vec<Result<(u32, ToolOutcome), StepFailure>> = stream::iter(runs)
@@ -289,7 +295,8 @@ impl Engine {
 /// Records the intent, runs the call, records its outcome. A panicking tool is an error
 /// outcome, never a crashed worker.
 async fn run_call(
-    store: Arc<dyn Store>,
+    coordinator: Arc<Coordinator>,
+    session_id: SessionId,
     job: StepJob,
     slot: u32,
     tool: Arc<dyn Tool>,
@@ -304,7 +311,19 @@ async fn run_call(
         name: call.name.clone(),
         idempotency_key: context.idempotency_key.clone(),
     };
-    store.record_intents(vec![intent], now_ms()).await?;
+    let announce = EventDraft::new(
+        EventKind::ToolCall,
+        json!({
+            "run_id": job.run_id,
+            "step_index": job.step_index,
+            "call_id": call.id,
+            "tool": call.name,
+            "arguments": call.arguments,
+        }),
+    );
+    coordinator
+        .record_intents(&session_id, vec![intent], vec![announce])
+        .await?;
     let outcome = std::panic::AssertUnwindSafe(tool.call(call.arguments, &context))
         .catch_unwind()
         .await
@@ -312,7 +331,8 @@ async fn run_call(
     if context.cancel.is_cancelled() {
         return Err(StepFailure::Cancelled);
     }
-    store
+    coordinator
+        .store()
         .record_outcome(&job.run_id, job.step_index, slot, outcome.clone(), now_ms())
         .await?;
     Ok((slot, outcome))

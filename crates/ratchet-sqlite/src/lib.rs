@@ -228,9 +228,16 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn record_intents(&self, intents: Vec<Intent>, now: Millis) -> Result<()> {
+    async fn record_intents(
+        &self,
+        session_id: &SessionId,
+        intents: Vec<Intent>,
+        events: Vec<EventDraft>,
+        now: Millis,
+    ) -> Result<Vec<StoredEvent>> {
+        let session_id = session_id.clone();
         self.writer
-            .write(move |c| ops::record_intents(c, &intents, now))
+            .write(move |c| ops::record_intents(c, &session_id, &intents, &events, now))
             .await
     }
 

@@ -558,7 +558,13 @@ pub(crate) fn retry_later(
     insert_events(c, &stored.session_id, Some(&claim.run_id), &[event], now).map(Some)
 }
 
-pub(crate) fn record_intents(c: &Connection, intents: &[Intent], now: Millis) -> Result<()> {
+pub(crate) fn record_intents(
+    c: &Connection,
+    session_id: &SessionId,
+    intents: &[Intent],
+    events: &[EventDraft],
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
     let mut insert = c
         .prepare_cached(
             "INSERT INTO intents (run_id, step_index, slot, kind, name, idempotency_key, attempts, started_at)
@@ -579,7 +585,8 @@ pub(crate) fn record_intents(c: &Connection, intents: &[Intent], now: Millis) ->
             ])
             .map_err(backend)?;
     }
-    Ok(())
+    let run_id = intents.first().map(|i| &i.run_id);
+    insert_events(c, session_id, run_id, events, now)
 }
 
 pub(crate) fn record_outcome(

@@ -934,9 +934,33 @@ pub async fn intents_keep_slot_order_attempts_and_outcomes(store: &dyn Store) {
         intent(1, 0, IntentKind::Model, "model"),
         intent(1, 1, IntentKind::Tool, "read"),
     ];
-    store.record_intents(batch, T0).await.unwrap();
+    let announce = EventDraft::new(EventKind::ToolCall, serde_json::json!({"run_id": run}));
+    let announced = store
+        .record_intents(&session, batch, vec![announce], T0)
+        .await
+        .unwrap();
+    assert_eq!(
+        announced.len(),
+        1,
+        "the announcing event is stored with the intents"
+    );
+    assert_eq!(announced[0].kind, "tool.call");
+    assert_eq!(announced[0].run_id.as_ref(), Some(&run));
+    let replayed = store
+        .events_after(&session, announced[0].seq - 1, 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        replayed, announced,
+        "and it is durable like any other event"
+    );
     store
-        .record_intents(vec![intent(2, 0, IntentKind::Model, "model")], T0)
+        .record_intents(
+            &session,
+            vec![intent(2, 0, IntentKind::Model, "model")],
+            Vec::new(),
+            T0,
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -958,7 +982,12 @@ pub async fn intents_keep_slot_order_attempts_and_outcomes(store: &dyn Store) {
         .await
         .unwrap();
     store
-        .record_intents(vec![intent(1, 0, IntentKind::Model, "model")], T0 + 2)
+        .record_intents(
+            &session,
+            vec![intent(1, 0, IntentKind::Model, "model")],
+            Vec::new(),
+            T0 + 2,
+        )
         .await
         .unwrap();
     let missing = store

@@ -230,8 +230,15 @@ pub trait Store: Send + Sync + 'static {
         now: Millis,
     ) -> Result<Vec<StoredEvent>>;
 
-    /// Records intents durably before their effects; recording one again counts an attempt.
-    async fn record_intents(&self, intents: Vec<Intent>, now: Millis) -> Result<()>;
+    /// Records intents durably before their effects, with the events that announce them;
+    /// recording one again counts an attempt.
+    async fn record_intents(
+        &self,
+        session_id: &SessionId,
+        intents: Vec<Intent>,
+        events: Vec<EventDraft>,
+        now: Millis,
+    ) -> Result<Vec<StoredEvent>>;
 
     async fn record_outcome(
         &self,
