@@ -1,0 +1,302 @@
+//! The engine end to end on real SQLite files: worker pools in competition, cancellation of
+//! an in-flight step, model retries, and takeover of a step whose worker vanished.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ratchet_core::{Limits, RunConfigSnapshot, RunId, RunStatus, StopReason};
+use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool};
+use ratchet_sqlite::SqliteStore;
+use ratchet_store::{Lease, Store};
+use ratchet_tools::Registry;
+use serde_json::json;
+
+struct Node {
+    coordinator: Arc<Coordinator>,
+    pool: WorkerPool,
+}
+
+/// One "process": its own store connection (and writer), coordinator and worker pool.
+fn node(db: &str, config: PoolConfig) -> Node {
+    let store: Arc<dyn Store> = Arc::new(SqliteStore::open_url(db).unwrap());
+    let tools = Arc::new(Registry::builtin());
+    let models = Arc::new(Models::new(
+        tools.names().into_iter().map(str::to_owned).collect(),
+    ));
+    let coordinator = Coordinator::new(store);
+    let engine = Arc::new(Engine::new(Arc::clone(&coordinator), models, tools));
+    let pool = WorkerPool::start(Arc::clone(&coordinator), engine, config);
+    Node { coordinator, pool }
+}
+
+fn fast_pool() -> PoolConfig {
+    PoolConfig {
+        workers: 4,
+        poll: Duration::from_millis(10),
+        retry_backoff: Duration::from_millis(10),
+        max_streak: 2,
+        ..PoolConfig::default()
+    }
+}
+
+fn config(script: &std::path::Path) -> RunConfigSnapshot {
+    RunConfigSnapshot {
+        model: format!("scripted:{}", script.display()),
+        workspace: None,
+        system_prompt: String::new(),
+        tools: Registry::builtin().specs(),
+        limits: Limits::default(),
+    }
+}
+
+fn write_script(dir: &std::path::Path, script: serde_json::Value) -> std::path::PathBuf {
+    let path = dir.join("script.json");
+    std::fs::write(&path, script.to_string()).unwrap();
+    path
+}
+
+async fn wait_until_terminal(coordinator: &Coordinator, run: &RunId) -> ratchet_core::AgentState {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut events = coordinator.subscribe();
+    loop {
+        let state = coordinator.store().load_state(run).await.unwrap();
+        if state.status.is_terminal() || state.status.is_waiting() {
+            return state;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "run {run} stuck in {}",
+            state.status
+        );
+        let _ = tokio::time::timeout(Duration::from_millis(50), events.recv()).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_pools_on_one_database_commit_every_step_exactly_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let turns = 4;
+    let mut replies: Vec<_> = (0..turns)
+        .map(|i| json!({"tool_calls": [{"name": "add", "arguments": {"a": i, "b": 1}}]}))
+        .collect();
+    replies.push(json!({"text": "done"}));
+    let script = write_script(dir.path(), json!({"replies": replies}));
+    // Short streaks make the two pools hand runs back and forth through the outbox.
+    let a = node(&db, fast_pool());
+    let b = node(&db, fast_pool());
+    let mut runs = Vec::new();
+    for i in 0..24 {
+        let submitter = if i % 2 == 0 { &a } else { &b };
+        let session = submitter.coordinator.create_session().await.unwrap();
+        let started = submitter
+            .coordinator
+            .submit(&session, format!("run {i}"), config(&script))
+            .await
+            .unwrap();
+        runs.push((session, started.run_id));
+    }
+    for (session, run) in &runs {
+        let state = wait_until_terminal(&a.coordinator, run).await;
+        assert_eq!(state.status, RunStatus::Completed, "{run}");
+        assert_eq!(state.step_index, 2 * turns + 1);
+        let steps = a.coordinator.store().steps(run).await.unwrap();
+        let indexes: Vec<u64> = steps.iter().map(|s| s.index).collect();
+        assert_eq!(
+            indexes,
+            (1..=2 * turns + 1).collect::<Vec<_>>(),
+            "one record per step"
+        );
+        let events = a
+            .coordinator
+            .store()
+            .events_after(session, 0, 10_000)
+            .await
+            .unwrap();
+        let seqs: Vec<i64> = events.iter().map(|e| e.seq).collect();
+        assert_eq!(
+            seqs,
+            (1..=events.len() as i64).collect::<Vec<_>>(),
+            "dense per-session seq"
+        );
+        let committed = events.iter().filter(|e| e.kind == "step.committed").count() as u64;
+        assert_eq!(committed, 2 * turns + 1, "exactly one commit per step");
+        let history = a.coordinator.store().history(session).await.unwrap();
+        assert_eq!(
+            history.len() as u64,
+            1 + 2 * turns + 1,
+            "user + (assistant, tool) per turn + answer"
+        );
+    }
+    a.pool.shutdown().await;
+    b.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_run_stops_its_in_flight_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let script = write_script(
+        dir.path(),
+        json!({"replies": [{"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 600000}}]}, {"text": "never"}]}),
+    );
+    let node = node(&db, fast_pool());
+    let mut events = node.coordinator.subscribe();
+    let session = node.coordinator.create_session().await.unwrap();
+    let run = node
+        .coordinator
+        .submit(&session, "sleep".into(), config(&script))
+        .await
+        .unwrap()
+        .run_id;
+    // Wait for the long tool call to have started.
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(10), events.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if event.kind == "tool.call" {
+            break;
+        }
+    }
+    node.coordinator.request_cancel(&run).await.unwrap();
+    let state = wait_until_terminal(&node.coordinator, &run).await;
+    assert_eq!(state.status, RunStatus::Cancelled);
+    assert_eq!(state.stop_reason, Some(StopReason::Cancelled));
+    assert!(state.finished_at.is_some());
+    let store = node.coordinator.store();
+    assert!(
+        store.runs_with_jobs().await.unwrap().is_empty(),
+        "no job left behind"
+    );
+    let kinds: Vec<String> = store
+        .events_after(&session, 0, 1000)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "run.finished").count(),
+        1,
+        "{kinds:?}"
+    );
+    node.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_model_call_is_retried_then_fails_the_run_when_attempts_run_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let script = write_script(
+        dir.path(),
+        json!({"replies": [{"text": "ok", "error": "http_500"}]}),
+    );
+    let node = node(&db, fast_pool());
+    let session = node.coordinator.create_session().await.unwrap();
+    let run = node
+        .coordinator
+        .submit(&session, "hi".into(), config(&script))
+        .await
+        .unwrap()
+        .run_id;
+    let state = wait_until_terminal(&node.coordinator, &run).await;
+    assert_eq!(
+        state.status,
+        RunStatus::Completed,
+        "the second attempt succeeds"
+    );
+    assert_eq!(state.step_index, 1);
+    let errors = node
+        .coordinator
+        .store()
+        .events_after(&session, 0, 1000)
+        .await
+        .unwrap();
+    let errors: Vec<_> = errors.iter().filter(|e| e.kind == "model.error").collect();
+    assert_eq!(errors.len(), 1);
+    assert_eq!(errors[0].payload["attempt"], 1);
+
+    let mut one_attempt = config(&script);
+    one_attempt.limits.max_model_attempts = 1;
+    let session = node.coordinator.create_session().await.unwrap();
+    let run = node
+        .coordinator
+        .submit(&session, "hi".into(), one_attempt)
+        .await
+        .unwrap()
+        .run_id;
+    let state = wait_until_terminal(&node.coordinator, &run).await;
+    assert_eq!(
+        (state.status, state.stop_reason),
+        (RunStatus::Failed, Some(StopReason::ModelError))
+    );
+    node.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_whose_worker_vanished_is_taken_over_after_its_lease_expires() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let script = write_script(dir.path(), json!({"replies": [{"text": "recovered"}]}));
+    let store: Arc<dyn Store> = Arc::new(SqliteStore::open_url(&db).unwrap());
+    let coordinator = Coordinator::new(Arc::clone(&store));
+    let session = coordinator.create_session().await.unwrap();
+    let run = coordinator
+        .submit(&session, "hi".into(), config(&script))
+        .await
+        .unwrap()
+        .run_id;
+    // A worker claims the first step with a short lease and is never heard from again.
+    let lease = Lease {
+        owner: "gone:1:x".into(),
+        expires_at: now_ms() + 300,
+    };
+    let lost = store.claim_next(lease, now_ms()).await.unwrap().unwrap();
+    assert_eq!(lost.job.attempt, 1);
+    let node = node(&db, fast_pool());
+    let state = wait_until_terminal(&node.coordinator, &run).await;
+    assert_eq!(state.status, RunStatus::Completed);
+    assert_eq!(state.final_answer.as_deref(), Some("recovered"));
+    let intents = node.coordinator.store().intents(&run, 1).await.unwrap();
+    assert_eq!(
+        intents[0].attempts, 1,
+        "the vanished worker never reached the model"
+    );
+    let commit = store
+        .commit_step(
+            &lost.claim,
+            ratchet_core::step::finish_step(
+                lost.state.clone(),
+                &lost.job,
+                StopReason::Cancelled,
+                now_ms(),
+                now_ms(),
+            ),
+            None,
+            now_ms(),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(commit, ratchet_store::Commit::Stale(_)),
+        "the vanished worker's late commit is refused"
+    );
+    assert_eq!(
+        node.coordinator
+            .store()
+            .load_state(&run)
+            .await
+            .unwrap()
+            .status,
+        RunStatus::Completed
+    );
+    node.pool.shutdown().await;
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
