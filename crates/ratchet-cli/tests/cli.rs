@@ -1,0 +1,667 @@
+//! End-to-end tests of the `ratchet` binary: each test runs the real executable against its
+//! own temporary SQLite database and workspace, drives it with scripted models, and checks
+//! what a user sees (exit code, stdout, stderr) and what `ratchet runs` reports afterwards.
+//!
+//! Covered: multi-step runs with a parallel tool batch (JSON and human output), the model
+//! retry path, the step budget, the parse-failure stop, tool errors that must reach the
+//! model instead of failing the CLI (workspace escapes), `runs list`, and bad input of every
+//! kind, which must fail cleanly and leave the database untouched.
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+/// Far longer than any of these runs needs; only a hung binary reaches it.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Runs `ratchet ARGS` in `dir` and returns its output. Kills the process and fails the test
+/// if it outlives `DEADLINE`, so a driver that never notices its run ended cannot hang the
+/// suite. Every invocation, successful or not, must exit without a panic.
+fn ratchet(dir: &Path, args: &[&str]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratchet"))
+        .args(args)
+        .current_dir(dir)
+        // The caller's environment must not change which database or log level is used.
+        .env_remove("RATCHET_DB")
+        .env_remove("RATCHET_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("cannot start the ratchet binary");
+    // Drain both pipes on their own threads so a chatty child never blocks on a full pipe.
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            pipe.read_to_end(&mut bytes).map(|_| bytes)
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("ratchet {args:?} did not exit within {DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let output = Output {
+        status,
+        stdout: stdout.join().unwrap().unwrap(),
+        stderr: stderr.join().unwrap().unwrap(),
+    };
+    assert!(
+        !stderr_of(&output).contains("panicked"),
+        "ratchet {args:?} panicked:\n{}",
+        stderr_of(&output)
+    );
+    output
+}
+
+fn db_url(dir: &Path) -> String {
+    format!("sqlite://{}/r.db", dir.display())
+}
+
+/// Writes `script` to `dir/name` and returns the model spec that uses it.
+fn script(dir: &Path, name: &str, script: &Value) -> String {
+    std::fs::write(dir.join(name), script.to_string()).unwrap();
+    format!("scripted:{name}")
+}
+
+/// `ratchet run` with `dir` as both the database's directory and the workspace.
+fn run(dir: &Path, model: &str, extra: &[&str]) -> Output {
+    let db = db_url(dir);
+    let workspace = dir.display().to_string();
+    let mut args = vec![
+        "run",
+        "--db",
+        &db,
+        "--workspace",
+        &workspace,
+        "--model",
+        model,
+    ];
+    args.extend_from_slice(extra);
+    ratchet(dir, &args)
+}
+
+fn stdout_of(output: &Output) -> String {
+    String::from_utf8(output.stdout.clone()).unwrap()
+}
+
+fn stderr_of(output: &Output) -> String {
+    String::from_utf8(output.stderr.clone()).unwrap()
+}
+
+/// The report of `run --json`: stdout must hold exactly one JSON object with exactly the
+/// documented keys, and nothing else.
+fn report(output: &Output) -> Value {
+    let stdout = stdout_of(output);
+    let values: Vec<Value> = serde_json::Deserializer::from_str(&stdout)
+        .into_iter()
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {stdout:?}"));
+    assert_eq!(
+        values.len(),
+        1,
+        "expected one JSON value on stdout: {stdout:?}"
+    );
+    let mut keys: Vec<&str> = values[0]
+        .as_object()
+        .unwrap_or_else(|| panic!("expected a JSON object: {stdout:?}"))
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "final_answer",
+            "run_id",
+            "session_id",
+            "status",
+            "steps",
+            "stop_reason"
+        ]
+    );
+    values[0].clone()
+}
+
+/// `ratchet runs show RUN --json`, which must succeed.
+fn show(dir: &Path, run_id: &str) -> Value {
+    let output = ratchet(
+        dir,
+        &["runs", "show", run_id, "--db", &db_url(dir), "--json"],
+    );
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+/// `ratchet runs list --json`, which must succeed.
+fn list(dir: &Path) -> Vec<Value> {
+    let output = ratchet(dir, &["runs", "list", "--db", &db_url(dir), "--json"]);
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+fn instructions(shown: &Value) -> Vec<&str> {
+    shown["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["instruction"].as_str().unwrap())
+        .collect()
+}
+
+/// Two tool round-trips, the second a batch of three calls whose first call (a sleep)
+/// finishes last, so completion order differs from call order.
+fn multi_step_script() -> Value {
+    json!({"replies": [
+        {"text": "Adding first.", "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]},
+        {"text": "Now a batch.", "tool_calls": [
+            {"name": "sleep_ms", "arguments": {"ms": 200}},
+            {"name": "add", "arguments": {"a": 3, "b": 4}},
+            {"name": "append_line", "arguments": {"path": "log.txt", "line": "batch line"}}
+        ]},
+        {"text": "The sums are 3 and 7."}
+    ]})
+}
+
+#[test]
+fn a_multi_step_run_reports_one_json_object_and_a_contiguous_step_history() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(dir.path(), "script.json", &multi_step_script());
+    let output = run(dir.path(), &model, &["--json", "add some numbers"]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr_of(&output));
+    let report = report(&output);
+    assert_eq!(report["status"], "completed");
+    assert_eq!(report["stop_reason"], "completed");
+    assert_eq!(report["final_answer"], "The sums are 3 and 7.");
+    assert_eq!(report["steps"], 5);
+
+    let shown = show(dir.path(), report["run_id"].as_str().unwrap());
+    assert_eq!(shown["run_id"], report["run_id"]);
+    assert_eq!(shown["session_id"], report["session_id"]);
+    assert_eq!(shown["status"], "completed");
+    assert_eq!(shown["step_index"], 5);
+    let indices: Vec<u64> = shown["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indices, [1, 2, 3, 4, 5]);
+    assert_eq!(
+        instructions(&shown),
+        [
+            "call_llm",
+            "call_tools_batch",
+            "call_llm",
+            "call_tools_batch",
+            "call_llm"
+        ]
+    );
+    assert_eq!(
+        shown["steps"][3]["summary"],
+        json!({"calls": ["sleep_ms", "add", "append_line"], "errors": 0, "invalid": 0})
+    );
+    assert_eq!(shown["counters"]["tool_calls"], 4);
+    assert_eq!(shown["counters"]["model_calls"], 3);
+
+    // A `never`-replay side effect happens exactly once.
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("log.txt")).unwrap(),
+        "batch line\n"
+    );
+
+    // Results are committed in the model's call order, not the order the calls finished in
+    // (the sleep finished last); the progress stream prints them as committed.
+    let stderr = stderr_of(&output);
+    let position = |needle: &str| {
+        stderr
+            .find(needle)
+            .unwrap_or_else(|| panic!("{needle:?} not in stderr:\n{stderr}"))
+    };
+    let results = [
+        position("[call_1_0] -> slept 200 ms"),
+        position("[call_1_1] -> 7"),
+        position("[call_1_2] -> appended 1 line to log.txt"),
+    ];
+    assert!(results.is_sorted(), "results out of call order:\n{stderr}");
+    position("[call_0_0] -> 3");
+}
+
+#[test]
+fn without_json_the_answer_goes_to_stdout_and_the_stream_to_stderr() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(dir.path(), "script.json", &multi_step_script());
+    let output = run(dir.path(), &model, &["add some numbers"]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr_of(&output));
+    assert_eq!(stdout_of(&output), "The sums are 3 and 7.\n");
+    let stderr = stderr_of(&output);
+    for streamed in [
+        "Adding first.",
+        "Now a batch.",
+        "The sums are 3 and 7.",
+        "[call_0_0] add {\"a\":1,\"b\":2}",
+        "[call_1_1] -> 7",
+    ] {
+        assert!(
+            stderr.contains(streamed),
+            "{streamed:?} not in stderr:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn a_failed_model_call_is_retried_without_costing_a_step() {
+    let replies = |first_error: Option<&str>, second_error: Option<&str>| {
+        let mut first = json!({"text": "Adding.", "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}}]});
+        let mut second = json!({"text": "One and one make 2."});
+        if let Some(error) = first_error {
+            first["error"] = json!(error);
+        }
+        if let Some(error) = second_error {
+            second["error"] = json!(error);
+        }
+        json!({"replies": [first, second]})
+    };
+
+    let clean = tempfile::tempdir().unwrap();
+    let model = script(clean.path(), "script.json", &replies(None, None));
+    let output = run(clean.path(), &model, &["--json", "add"]);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr_of(&output));
+    let clean_report = report(&output);
+    let clean_shown = show(clean.path(), clean_report["run_id"].as_str().unwrap());
+
+    let flaky = tempfile::tempdir().unwrap();
+    let model = script(
+        flaky.path(),
+        "script.json",
+        &replies(Some("http_500"), Some("http_429")),
+    );
+    let started = Instant::now();
+    let output = run(flaky.path(), &model, &["--json", "add"]);
+    let elapsed = started.elapsed();
+    assert_eq!(output.status.code(), Some(0), "{}", stderr_of(&output));
+    let flaky_report = report(&output);
+    assert_eq!(flaky_report["status"], "completed");
+    assert_eq!(flaky_report["final_answer"], "One and one make 2.");
+    assert_eq!(flaky_report["steps"], clean_report["steps"]);
+    let flaky_shown = show(flaky.path(), flaky_report["run_id"].as_str().unwrap());
+    assert_eq!(instructions(&flaky_shown), instructions(&clean_shown));
+    assert_eq!(flaky_shown["counters"]["model_calls"], 2);
+
+    // The CLI does not print retries, so the time is the evidence that both failures really
+    // happened: each failed attempt waits out the pool's backoff before the next one.
+    let backoff = ratchet_engine::PoolConfig::default().retry_backoff;
+    assert!(
+        elapsed >= 2 * backoff,
+        "two retries should take at least {:?}, took {elapsed:?}",
+        2 * backoff
+    );
+}
+
+#[test]
+fn the_step_budget_ends_a_run_that_keeps_calling_tools() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(
+        dir.path(),
+        "script.json",
+        &json!({"replies": [{"text": "Again.", "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}}]}]}),
+    );
+    let output = run(dir.path(), &model, &["--max-steps", "3", "--json", "loop"]);
+    assert_eq!(output.status.code(), Some(1), "{}", stderr_of(&output));
+    let report = report(&output);
+    assert_eq!(report["status"], "failed");
+    assert_eq!(report["stop_reason"], "budget_exhausted");
+    assert!(report["steps"].as_u64().unwrap() <= 3, "{report}");
+
+    let shown = show(dir.path(), report["run_id"].as_str().unwrap());
+    let steps = shown["steps"].as_array().unwrap();
+    assert!(steps.len() <= 3, "{shown}");
+    // The last model call is made without tools so that the run can still conclude.
+    let last = steps.last().unwrap();
+    assert_eq!(last["instruction"], "call_llm");
+    assert_eq!(last["summary"]["conclude"], true);
+    assert_eq!(last["summary"]["tool_calls"], 0);
+}
+
+#[test]
+fn invalid_tool_arguments_end_the_run_after_repeated_parse_failures() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(
+        dir.path(),
+        "script.json",
+        &json!({"replies": [{"tool_calls": [{"name": "add", "arguments": {"a": "x"}}]}]}),
+    );
+    let output = run(dir.path(), &model, &["--json", "add badly"]);
+    assert_eq!(output.status.code(), Some(1), "{}", stderr_of(&output));
+    let report = report(&output);
+    assert_eq!(report["status"], "failed");
+    assert_eq!(report["stop_reason"], "parse_failures");
+
+    let shown = show(dir.path(), report["run_id"].as_str().unwrap());
+    let batches: Vec<&Value> = shown["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["instruction"] == "call_tools_batch")
+        .collect();
+    assert_eq!(batches.len(), 3, "{shown}");
+    for batch in batches {
+        assert_eq!(
+            batch["summary"],
+            json!({"calls": ["add"], "errors": 1, "invalid": 1})
+        );
+    }
+    assert_eq!(shown["counters"]["consecutive_parse_failures"], 3);
+    // The model was told why its call was rejected.
+    assert!(
+        stderr_of(&output).contains("invalid arguments for add"),
+        "{}",
+        stderr_of(&output)
+    );
+}
+
+#[test]
+fn a_tool_escaping_the_workspace_is_an_error_the_model_sees_not_a_cli_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    // The workspace is a subdirectory, so `..` would land in `dir`, where it can be seen.
+    let workspace = dir.path().join("ws");
+    std::fs::create_dir(&workspace).unwrap();
+    let outside = dir.path().join("absolute.txt");
+    let model = script(
+        dir.path(),
+        "script.json",
+        &json!({"replies": [
+            {"text": "Writing.", "tool_calls": [
+                {"name": "append_line", "arguments": {"path": "../escape.txt", "line": "out"}},
+                {"name": "append_line", "arguments": {"path": "inside.txt", "line": "in"}}
+            ]},
+            {"text": "Once more.", "tool_calls": [
+                {"name": "append_line", "arguments": {"path": outside.display().to_string(), "line": "out"}}
+            ]},
+            {"text": "Both escapes were refused."}
+        ]}),
+    );
+    let db = db_url(dir.path());
+    let output = ratchet(
+        dir.path(),
+        &[
+            "run",
+            "--db",
+            &db,
+            "--workspace",
+            workspace.to_str().unwrap(),
+            "--model",
+            &model,
+            "--json",
+            "write files",
+        ],
+    );
+    assert_eq!(output.status.code(), Some(0), "{}", stderr_of(&output));
+    let report = report(&output);
+    assert_eq!(report["status"], "completed");
+    assert_eq!(report["final_answer"], "Both escapes were refused.");
+
+    assert!(!dir.path().join("escape.txt").exists());
+    assert!(!outside.exists());
+    assert_eq!(
+        std::fs::read_to_string(workspace.join("inside.txt")).unwrap(),
+        "in\n"
+    );
+
+    let shown = show(dir.path(), report["run_id"].as_str().unwrap());
+    assert_eq!(
+        shown["steps"][1]["summary"],
+        json!({"calls": ["append_line", "append_line"], "errors": 1, "invalid": 0})
+    );
+    assert_eq!(
+        shown["steps"][3]["summary"],
+        json!({"calls": ["append_line"], "errors": 1, "invalid": 0})
+    );
+    let stderr = stderr_of(&output);
+    for refusal in [
+        "[call_0_0] -> path \"../escape.txt\" escapes the workspace",
+        "[call_1_0] -> path",
+        "is absolute",
+    ] {
+        assert!(
+            stderr.contains(refusal),
+            "{refusal:?} not in stderr:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn runs_list_shows_every_run_with_its_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let answer = script(
+        dir.path(),
+        "answer.json",
+        &json!({"replies": [{"text": "Hello."}]}),
+    );
+    let completed = report(&run(dir.path(), &answer, &["--json", "hi"]));
+    let looping = script(
+        dir.path(),
+        "loop.json",
+        &json!({"replies": [{"tool_calls": [{"name": "now"}]}]}),
+    );
+    let failed = report(&run(
+        dir.path(),
+        &looping,
+        &["--max-steps", "1", "--json", "loop"],
+    ));
+
+    let runs = list(dir.path());
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    for expected in [&completed, &failed] {
+        let listed = runs
+            .iter()
+            .find(|r| r["run_id"] == expected["run_id"])
+            .unwrap_or_else(|| panic!("{} not listed: {runs:?}", expected["run_id"]));
+        assert_eq!(listed["session_id"], expected["session_id"]);
+        assert_eq!(listed["status"], expected["status"]);
+        assert_eq!(listed["stop_reason"], expected["stop_reason"]);
+        assert_eq!(listed["step_index"], expected["steps"]);
+    }
+    assert_eq!(completed["status"], "completed");
+    assert_eq!(failed["status"], "failed");
+}
+
+/// Checks a command that must be refused: exit `code`, `message` on stderr, nothing on
+/// stdout, and no database created in `dir`.
+fn assert_refused(case: &str, dir: &Path, output: &Output, code: i32, message: &str) {
+    let stderr = stderr_of(output);
+    assert_eq!(output.status.code(), Some(code), "{case}: {stderr}");
+    assert!(
+        stderr.contains(message),
+        "{case}: {message:?} not in stderr:\n{stderr}"
+    );
+    assert!(
+        stdout_of(output).is_empty(),
+        "{case}: {}",
+        stdout_of(output)
+    );
+    assert!(
+        !dir.join("r.db").exists(),
+        "{case}: a refused command created the database"
+    );
+}
+
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort_unstable();
+    names
+}
+
+#[test]
+fn bad_run_input_is_refused_before_anything_is_written() {
+    let cases: [(&str, &[&str], &str); 10] = [
+        (
+            "unknown model kind",
+            &["--model", "gpt:4", "hi"],
+            "unknown model kind \"gpt\"",
+        ),
+        (
+            "unreadable script",
+            &["--model", "scripted:/nonexistent.json", "hi"],
+            "cannot read script file \"/nonexistent.json\"",
+        ),
+        (
+            "malformed script",
+            &["--model", "scripted:malformed.json", "hi"],
+            "EOF while parsing",
+        ),
+        (
+            "script calling an unknown tool",
+            &["--model", "scripted:unknown_tool.json", "hi"],
+            "calls unknown tool \"rm_rf\"",
+        ),
+        ("empty message", &[""], "MESSAGE is empty"),
+        ("blank message", &["  \n"], "MESSAGE is empty"),
+        (
+            "zero step budget",
+            &["--max-steps", "0", "hi"],
+            "--max-steps must be at least 1",
+        ),
+        (
+            "missing workspace",
+            &["--workspace", "missing", "hi"],
+            "is not an existing directory",
+        ),
+        (
+            "workspace that is a file",
+            &["--workspace", "file.txt", "hi"],
+            "is not a directory",
+        ),
+        (
+            "unsupported database url",
+            &["--db", "postgres://x", "hi"],
+            "unsupported database url \"postgres://x\"",
+        ),
+    ];
+    for (case, args, message) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("malformed.json"), r#"{"replies": ["#).unwrap();
+        std::fs::write(
+            dir.path().join("unknown_tool.json"),
+            r#"{"replies": [{"tool_calls": [{"name": "rm_rf"}]}]}"#,
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("file.txt"), "").unwrap();
+        let before = entries(dir.path());
+        // Each case changes one input; clap refuses a repeated flag, so a default is only
+        // given when the case does not give that flag itself.
+        let db = db_url(dir.path());
+        let mut full = vec!["run"];
+        for (flag, value) in [
+            ("--db", db.as_str()),
+            ("--workspace", "."),
+            ("--model", "scripted:demo"),
+        ] {
+            if !args.contains(&flag) {
+                full.extend([flag, value]);
+            }
+        }
+        full.extend_from_slice(args);
+        let output = ratchet(dir.path(), &full);
+        assert_refused(case, dir.path(), &output, 1, message);
+        assert_eq!(entries(dir.path()), before, "{case}: files were written");
+    }
+}
+
+#[test]
+fn a_database_in_a_missing_directory_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = ratchet(
+        dir.path(),
+        &[
+            "run",
+            "--db",
+            "sqlite:///nonexistent-dir/x.db",
+            "--workspace",
+            ".",
+            "hi",
+        ],
+    );
+    assert_refused(
+        "run",
+        dir.path(),
+        &output,
+        1,
+        "directory /nonexistent-dir does not exist",
+    );
+    assert!(!Path::new("/nonexistent-dir").exists());
+    let output = ratchet(
+        dir.path(),
+        &["runs", "list", "--db", "sqlite:///nonexistent-dir/x.db"],
+    );
+    assert_refused(
+        "runs list",
+        dir.path(),
+        &output,
+        1,
+        "directory /nonexistent-dir does not exist",
+    );
+    assert!(!Path::new("/nonexistent-dir").exists());
+}
+
+#[test]
+fn an_unknown_flag_is_a_usage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = ratchet(
+        dir.path(),
+        &["run", "--db", &db_url(dir.path()), "--bogus", "hi"],
+    );
+    // 64 is EX_USAGE, which the CLI returns for every argument error clap reports.
+    assert_refused(
+        "--bogus",
+        dir.path(),
+        &output,
+        64,
+        "unexpected argument '--bogus'",
+    );
+}
+
+#[test]
+fn runs_show_refuses_missing_and_malformed_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = db_url(dir.path());
+    let output = ratchet(dir.path(), &["runs", "show", "not-an-id", "--db", &db]);
+    assert_refused(
+        "not-an-id",
+        dir.path(),
+        &output,
+        1,
+        "invalid run id \"not-an-id\"",
+    );
+
+    let existing = report(&run(dir.path(), "scripted:demo", &["--json", "hi"]));
+    let output = ratchet(
+        dir.path(),
+        &["runs", "show", "run_doesnotexist", "--db", &db],
+    );
+    let stderr = stderr_of(&output);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("run run_doesnotexist not found"),
+        "{stderr}"
+    );
+    assert!(stdout_of(&output).is_empty(), "{}", stdout_of(&output));
+    let runs = list(dir.path());
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert_eq!(runs[0]["run_id"], existing["run_id"]);
+}
