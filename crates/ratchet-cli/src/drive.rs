@@ -11,7 +11,7 @@ use ratchet_engine::PoolConfig;
 use serde::Serialize;
 use tokio::sync::broadcast::error::RecvError;
 
-use crate::runtime::{Runtime, Toolbox, open_store};
+use crate::runtime::{Runtime, Toolbox, open_existing_store, open_store};
 
 const SYSTEM_PROMPT: &str = "You are a helpful assistant. Use the tools when they help.";
 
@@ -147,7 +147,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
 }
 
 pub async fn resume(db: &str, json: bool) -> anyhow::Result<ExitCode> {
-    let runtime = Runtime::new(open_store(db)?, Toolbox::new());
+    let runtime = Runtime::new(open_existing_store(db)?, Toolbox::new());
     let store = runtime.coordinator.store();
     let active: Vec<RunId> = store
         .list_runs()
@@ -205,6 +205,17 @@ fn show_progress(out: &mut impl Write, kind: &str, payload: &serde_json::Value) 
             "  [{}] -> {}",
             payload["call_id"].as_str().unwrap_or_default(),
             payload["content"].as_str().unwrap_or_default()
+        ),
+        "model.error" => writeln!(
+            out,
+            "  model call failed (attempt {}): {}{}",
+            payload["attempt"],
+            payload["message"].as_str().unwrap_or_default(),
+            if payload["final"] == true {
+                "; giving up"
+            } else {
+                "; retrying"
+            }
         ),
         "reconciliation.required" => writeln!(
             out,

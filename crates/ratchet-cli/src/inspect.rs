@@ -7,10 +7,10 @@ use anyhow::Context;
 use ratchet_core::{HumanRequest, RunId};
 use serde_json::json;
 
-use crate::runtime::open_store;
+use crate::runtime::open_existing_store;
 
 pub async fn list(db: &str, json: bool) -> anyhow::Result<ExitCode> {
-    let runs = open_store(db)?.list_runs().await?;
+    let runs = open_existing_store(db)?.list_runs().await?;
     let mut out = std::io::stdout().lock();
     if json {
         writeln!(out, "{}", serde_json::to_string(&runs)?)?;
@@ -34,7 +34,7 @@ pub async fn list(db: &str, json: bool) -> anyhow::Result<ExitCode> {
 
 pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode> {
     let run_id = RunId::parse(run_id)?;
-    let store = open_store(db)?;
+    let store = open_existing_store(db)?;
     let state = store
         .load_state(&run_id)
         .await
@@ -95,7 +95,10 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
             step.summary
         )?;
     }
-    if let Some(answer) = state.final_answer.filter(|_| state.status.is_terminal()) {
+    let answer = state
+        .final_answer
+        .filter(|a| state.status.is_terminal() && !a.is_empty());
+    if let Some(answer) = answer {
         writeln!(out, "answer       {answer}")?;
     }
     Ok(ExitCode::SUCCESS)

@@ -6,7 +6,7 @@ use anyhow::{Context, bail};
 use ratchet_engine::{
     Coordinator, Engine, Models, PoolConfig, WorkerPool, owner_is_dead_local_process,
 };
-use ratchet_sqlite::SqliteStore;
+use ratchet_sqlite::{SqliteOptions, SqliteStore};
 use ratchet_store::Store;
 use ratchet_tools::Registry;
 
@@ -38,6 +38,17 @@ pub fn open_store(url: &str) -> anyhow::Result<Arc<dyn Store>> {
         return Ok(Arc::new(store));
     }
     bail!("unsupported database url {url:?}: expected sqlite://PATH")
+}
+
+/// Opens a database that must already exist: reading commands never create one.
+pub fn open_existing_store(url: &str) -> anyhow::Result<Arc<dyn Store>> {
+    if url.starts_with("sqlite:") {
+        let options = SqliteOptions::from_url(url)?;
+        if !options.path.is_file() {
+            bail!("database {} does not exist", options.path.display());
+        }
+    }
+    open_store(url)
 }
 
 impl Runtime {

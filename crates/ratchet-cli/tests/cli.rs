@@ -614,9 +614,23 @@ fn a_database_in_a_missing_directory_is_refused() {
         dir.path(),
         &output,
         1,
-        "directory /nonexistent-dir does not exist",
+        "database /nonexistent-dir/x.db does not exist",
     );
     assert!(!Path::new("/nonexistent-dir").exists());
+}
+
+#[test]
+fn reading_commands_never_create_a_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = db_url(dir.path());
+    for args in [
+        vec!["runs", "list", "--db", &db],
+        vec!["runs", "show", "run_abc", "--db", &db],
+        vec!["resume", "--db", &db],
+    ] {
+        let output = ratchet(dir.path(), &args);
+        assert_refused(&args.join(" "), dir.path(), &output, 1, "does not exist");
+    }
 }
 
 #[test]

@@ -370,9 +370,22 @@ fn a_never_replay_call_with_an_unknown_outcome_waits_for_reconciliation() {
 }
 
 #[test]
-fn resume_of_an_idle_database_does_nothing() {
-    let sandbox = Sandbox::new(&slow_script());
+fn resume_of_an_idle_database_does_nothing_and_of_a_missing_one_fails() {
+    let sandbox = Sandbox::new(&json!({"replies": [{"text": "hello"}]}));
+    let path = Path::new(sandbox.db.trim_start_matches("sqlite://")).to_path_buf();
+    let out = Command::new(BIN)
+        .args(["resume", "--db", &sandbox.db])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("does not exist"),
+        "{out:?}"
+    );
+    assert!(!path.exists(), "resume must not create a database");
+
+    let (mut child, _) = sandbox.start_run();
+    assert!(child.wait().unwrap().success());
     let (code, reports) = sandbox.resume();
-    assert_eq!((code, reports.len()), (Some(0), 0));
-    assert!(Path::new(sandbox.db.trim_start_matches("sqlite://")).exists());
+    assert_eq!((code, reports.len()), (Some(0), 0), "{reports:?}");
 }

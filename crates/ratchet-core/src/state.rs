@@ -1,5 +1,7 @@
 //! `AgentState`, the single truth of a run, and the frozen configuration it runs under.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -147,7 +149,7 @@ pub struct AgentState {
     pub step_index: u64,
     /// Stored once at creation, outside the mutable state; adapters fill it in on load.
     #[serde(skip)]
-    pub config: RunConfigSnapshot,
+    pub config: Arc<RunConfigSnapshot>,
     /// Owned by the store (a cancel request may arrive while a step is in flight); adapters
     /// fill it in on load and never take it from a committed state.
     #[serde(skip)]
@@ -177,7 +179,7 @@ impl AgentState {
             run_id,
             status: RunStatus::Queued,
             step_index: 0,
-            config,
+            config: Arc::new(config),
             cancel_requested: false,
             stop_reason: None,
             force_finish: false,

@@ -13,7 +13,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use ratchet_core::{
-    AgentState, EventDraft, Message, Millis, RunId, SessionId, StepRecord, StepResult, ToolOutcome,
+    AgentState, EventDraft, Message, Millis, RunConfigSnapshot, RunId, SessionId, StepRecord,
+    StepResult, ToolOutcome,
 };
 use ratchet_store::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentRecord, Lease, NewRun,
@@ -96,6 +97,57 @@ pub(crate) fn open_connection(path: &Path, read_only: bool) -> Result<Connection
     Ok(conn)
 }
 
+/// A connection as the store's operations see it, with the cache of run configurations.
+pub(crate) struct Tx<'a> {
+    pub(crate) conn: &'a Connection,
+    pub(crate) configs: &'a Configs,
+}
+
+impl std::ops::Deref for Tx<'_> {
+    type Target = Connection;
+    fn deref(&self) -> &Connection {
+        self.conn
+    }
+}
+
+/// Most run configurations kept parsed; past this the cache starts over.
+const MAX_CACHED_CONFIGS: usize = 4096;
+
+/// Parsed run configurations by run. A configuration never changes after its run is
+/// created, so a cached copy is never stale, whichever process wrote the run; caching spares
+/// every claim and commit from parsing the tool schemas again.
+#[derive(Default)]
+pub(crate) struct Configs {
+    by_run: std::sync::Mutex<std::collections::HashMap<RunId, Arc<RunConfigSnapshot>>>,
+}
+
+impl Configs {
+    pub(crate) fn get_or_load(
+        &self,
+        run_id: &RunId,
+        load: impl FnOnce() -> Result<RunConfigSnapshot>,
+    ) -> Result<Arc<RunConfigSnapshot>> {
+        if let Some(config) = self.by_run.lock().ok().and_then(|m| m.get(run_id).cloned()) {
+            return Ok(config);
+        }
+        let config = Arc::new(load()?);
+        if let Ok(mut by_run) = self.by_run.lock() {
+            if by_run.len() >= MAX_CACHED_CONFIGS {
+                by_run.clear();
+            }
+            by_run.insert(run_id.clone(), Arc::clone(&config));
+        }
+        Ok(config)
+    }
+
+    /// Drops the entry of a run that has ended; it will not be claimed again.
+    pub(crate) fn forget(&self, run_id: &RunId) {
+        if let Ok(mut by_run) = self.by_run.lock() {
+            by_run.remove(run_id);
+        }
+    }
+}
+
 pub struct SqliteStore {
     writer: Writer,
     readers: Arc<Readers>,
@@ -139,11 +191,12 @@ impl SqliteStore {
         conn.pragma_update(None, "cache_size", -65_536)
             .map_err(backend)?;
         schema::migrate(&mut conn)?;
-        let writer = Writer::spawn(conn)
+        let configs = Arc::new(Configs::default());
+        let writer = Writer::spawn(conn, Arc::clone(&configs))
             .map_err(|e| Error::Backend(format!("cannot start writer thread: {e}")))?;
         Ok(SqliteStore {
             writer,
-            readers: Readers::new(options.path),
+            readers: Readers::new(options.path, configs),
         })
     }
 }

@@ -10,12 +10,12 @@ use ratchet_store::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentKind, IntentRecord, Lease,
     NewRun, RunSummary, Stale, StoredEvent, Submitted,
 };
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::{OptionalExtension, params};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
-use crate::{Result, backend};
+use crate::{Result, Tx, backend};
 
 fn to_json(value: &impl Serialize) -> Result<String> {
     serde_json::to_string(value).map_err(|e| Error::Corrupt(format!("cannot encode: {e}")))
@@ -40,7 +40,7 @@ fn run_not_found(run_id: &RunId) -> Error {
     }
 }
 
-pub(crate) fn create_session(c: &Connection, id: &SessionId, now: Millis) -> Result<()> {
+pub(crate) fn create_session(c: &Tx<'_>, id: &SessionId, now: Millis) -> Result<()> {
     let inserted = c
         .prepare_cached("INSERT OR IGNORE INTO sessions (id, created_at) VALUES (?1, ?2)")
         .and_then(|mut s| s.execute(params![id.as_str(), now]))
@@ -51,7 +51,7 @@ pub(crate) fn create_session(c: &Connection, id: &SessionId, now: Millis) -> Res
     Ok(())
 }
 
-pub(crate) fn submit_message(c: &Connection, new: NewRun, now: Millis) -> Result<Submitted> {
+pub(crate) fn submit_message(c: &Tx<'_>, new: NewRun, now: Millis) -> Result<Submitted> {
     let active: Option<Option<String>> = c
         .prepare_cached("SELECT active_run_id FROM sessions WHERE id = ?1")
         .and_then(|mut s| {
@@ -67,8 +67,11 @@ pub(crate) fn submit_message(c: &Connection, new: NewRun, now: Millis) -> Result
     };
     let input = json!({"message_id": new.message_id, "content": new.content});
     let state = AgentState::new(new.session_id.clone(), new.run_id.clone(), new.config, now);
-    let (config_json, state_json, input_json) =
-        (to_json(&state.config)?, to_json(&state)?, to_json(&input)?);
+    let (config_json, state_json, input_json) = (
+        to_json(state.config.as_ref())?,
+        to_json(&state)?,
+        to_json(&input)?,
+    );
     c.prepare_cached(
         "INSERT INTO runs (id, session_id, status, step_index, config_json, state_json, input_json, created_at)
          VALUES (?1, ?2, 'queued', 0, ?3, ?4, ?5, ?6)",
@@ -93,7 +96,7 @@ pub(crate) fn submit_message(c: &Connection, new: NewRun, now: Millis) -> Result
 
 /// Makes a queued run the session's active run: its user message enters history, its first
 /// job is enqueued.
-fn start_queued_run(c: &Connection, mut state: AgentState, now: Millis) -> Result<Vec<EventDraft>> {
+fn start_queued_run(c: &Tx<'_>, mut state: AgentState, now: Millis) -> Result<Vec<EventDraft>> {
     let input: String = c
         .prepare_cached("SELECT input_json FROM runs WHERE id = ?1")
         .and_then(|mut s| s.query_row([state.run_id.as_str()], |r| r.get(0)))
@@ -120,7 +123,7 @@ fn start_queued_run(c: &Connection, mut state: AgentState, now: Millis) -> Resul
     Ok(vec![event])
 }
 
-fn write_state(c: &Connection, state: &AgentState) -> Result<()> {
+fn write_state(c: &Tx<'_>, state: &AgentState) -> Result<()> {
     let stop_reason = state.stop_reason.map(|r| r.as_str());
     let state_json = to_json(state)?;
     c.prepare_cached(
@@ -142,7 +145,7 @@ fn write_state(c: &Connection, state: &AgentState) -> Result<()> {
 }
 
 fn insert_message(
-    c: &Connection,
+    c: &Tx<'_>,
     id: &str,
     state: &AgentState,
     message: &Message,
@@ -180,7 +183,7 @@ fn insert_message(
     Ok(())
 }
 
-fn insert_job(c: &Connection, job: &StepJob, lease: Option<&Lease>, now: Millis) -> Result<i64> {
+fn insert_job(c: &Tx<'_>, job: &StepJob, lease: Option<&Lease>, now: Millis) -> Result<i64> {
     let (attempt, epoch, owner, ready_at) = match lease {
         Some(lease) => (1, 1, Some(lease.owner.as_str()), lease.expires_at),
         None => (0, 0, None, now),
@@ -205,7 +208,7 @@ fn insert_job(c: &Connection, job: &StepJob, lease: Option<&Lease>, now: Millis)
 }
 
 pub(crate) fn insert_events(
-    c: &Connection,
+    c: &Tx<'_>,
     session_id: &SessionId,
     run_id: Option<&RunId>,
     drafts: &[EventDraft],
@@ -267,7 +270,7 @@ struct JobRow {
     epoch: i64,
 }
 
-fn lease_job(c: &Connection, run_id: &RunId, job: JobRow, lease: &Lease) -> Result<ClaimedStep> {
+fn lease_job(c: &Tx<'_>, run_id: &RunId, job: JobRow, lease: &Lease) -> Result<ClaimedStep> {
     let attempt = job.attempt + 1;
     let epoch = job.epoch + 1;
     c.prepare_cached(
@@ -313,11 +316,7 @@ fn job_row(r: &rusqlite::Row<'_>, offset: usize) -> rusqlite::Result<JobRow> {
     })
 }
 
-pub(crate) fn claim_next(
-    c: &Connection,
-    lease: &Lease,
-    now: Millis,
-) -> Result<Option<ClaimedStep>> {
+pub(crate) fn claim_next(c: &Tx<'_>, lease: &Lease, now: Millis) -> Result<Option<ClaimedStep>> {
     let found = c
         .prepare_cached(
             "SELECT run_id, step_index, phase, attempt, epoch FROM step_jobs
@@ -336,7 +335,7 @@ pub(crate) fn claim_next(
 }
 
 pub(crate) fn claim_step(
-    c: &Connection,
+    c: &Tx<'_>,
     run_id: &RunId,
     step_index: u64,
     lease: &Lease,
@@ -360,7 +359,7 @@ pub(crate) fn claim_step(
     }
 }
 
-pub(crate) fn heartbeat(c: &Connection, claim: &Claim, expires_at: Millis) -> Result<bool> {
+pub(crate) fn heartbeat(c: &Tx<'_>, claim: &Claim, expires_at: Millis) -> Result<bool> {
     let changed = c
         .prepare_cached("UPDATE step_jobs SET ready_at = ?4 WHERE run_id = ?1 AND step_index = ?2 AND epoch = ?3")
         .and_then(|mut s| s.execute(params![claim.run_id.as_str(), claim.step_index as i64, claim.epoch, expires_at]))
@@ -368,7 +367,7 @@ pub(crate) fn heartbeat(c: &Connection, claim: &Claim, expires_at: Millis) -> Re
     Ok(changed == 1)
 }
 
-fn claim_holds(c: &Connection, claim: &Claim) -> Result<bool> {
+fn claim_holds(c: &Tx<'_>, claim: &Claim) -> Result<bool> {
     let epoch: Option<i64> = c
         .prepare_cached("SELECT epoch FROM step_jobs WHERE run_id = ?1 AND step_index = ?2")
         .and_then(|mut s| {
@@ -389,7 +388,7 @@ struct RunRow {
     cancel_requested: bool,
 }
 
-fn run_row(c: &Connection, run_id: &RunId) -> Result<RunRow> {
+fn run_row(c: &Tx<'_>, run_id: &RunId) -> Result<RunRow> {
     let row = c
         .prepare_cached(
             "SELECT session_id, status, step_index, cancel_requested FROM runs WHERE id = ?1",
@@ -417,7 +416,7 @@ fn run_row(c: &Connection, run_id: &RunId) -> Result<RunRow> {
 }
 
 pub(crate) fn commit_step(
-    c: &Connection,
+    c: &Tx<'_>,
     claim: &Claim,
     mut result: StepResult,
     continue_with: Option<Lease>,
@@ -493,7 +492,11 @@ pub(crate) fn commit_step(
                         step_index: next.step_index,
                         epoch,
                     },
-                    state: load_state(c, &claim.run_id)?,
+                    state: AgentState {
+                        config: frozen_config(c, &claim.run_id)?,
+                        cancel_requested: stored.cancel_requested,
+                        ..result.state.clone()
+                    },
                 });
             }
             None => enqueued = true,
@@ -507,6 +510,7 @@ pub(crate) fn commit_step(
         now,
     )?;
     if state.status.is_terminal() {
+        c.configs.forget(&claim.run_id);
         events.extend(release_session(c, &stored.session_id, &mut enqueued, now)?);
     }
     Ok(Commit::Committed {
@@ -519,7 +523,7 @@ pub(crate) fn commit_step(
 /// The session's active run has ended: the oldest queued run (if any) starts now. Its events
 /// are stored under its own id, after the events of the run that ended.
 fn release_session(
-    c: &Connection,
+    c: &Tx<'_>,
     session_id: &SessionId,
     enqueued: &mut bool,
     now: Millis,
@@ -542,7 +546,7 @@ fn release_session(
 }
 
 pub(crate) fn retry_later(
-    c: &Connection,
+    c: &Tx<'_>,
     claim: &Claim,
     available_at: Millis,
     event: EventDraft,
@@ -559,7 +563,7 @@ pub(crate) fn retry_later(
 }
 
 pub(crate) fn record_intents(
-    c: &Connection,
+    c: &Tx<'_>,
     session_id: &SessionId,
     intents: &[Intent],
     events: &[EventDraft],
@@ -590,7 +594,7 @@ pub(crate) fn record_intents(
 }
 
 pub(crate) fn record_outcome(
-    c: &Connection,
+    c: &Tx<'_>,
     run_id: &RunId,
     step_index: u64,
     slot: u32,
@@ -620,11 +624,7 @@ pub(crate) fn record_outcome(
     Ok(())
 }
 
-pub(crate) fn intents(
-    c: &Connection,
-    run_id: &RunId,
-    step_index: u64,
-) -> Result<Vec<IntentRecord>> {
+pub(crate) fn intents(c: &Tx<'_>, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
     let mut stmt = c
         .prepare_cached(
             "SELECT slot, kind, name, attempts, outcome_json FROM intents WHERE run_id = ?1 AND step_index = ?2 ORDER BY slot",
@@ -663,7 +663,7 @@ pub(crate) fn intents(
     Ok(records)
 }
 
-pub(crate) fn request_cancel(c: &Connection, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
+pub(crate) fn request_cancel(c: &Tx<'_>, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
     let stored = run_row(c, run_id)?;
     let mut state = load_state(c, run_id)?;
     match stored.status {
@@ -687,6 +687,7 @@ pub(crate) fn request_cancel(c: &Connection, run_id: &RunId, now: Millis) -> Res
         RunStatus::Queued | RunStatus::WaitingHuman | RunStatus::WaitingChildren => {
             let held_session = stored.status != RunStatus::Queued;
             let drafts = cancel_idle(&mut state, now);
+            c.configs.forget(run_id);
             c.prepare_cached("UPDATE runs SET cancel_requested = 1 WHERE id = ?1")
                 .and_then(|mut s| s.execute([run_id.as_str()]))
                 .map_err(backend)?;
@@ -707,22 +708,35 @@ pub(crate) fn request_cancel(c: &Connection, run_id: &RunId, now: Millis) -> Res
     }
 }
 
-pub(crate) fn load_state(c: &Connection, run_id: &RunId) -> Result<AgentState> {
-    let (state, config, cancel_requested): (String, String, bool) = c
-        .prepare_cached("SELECT state_json, config_json, cancel_requested FROM runs WHERE id = ?1")
+pub(crate) fn load_state(c: &Tx<'_>, run_id: &RunId) -> Result<AgentState> {
+    let (state, cancel_requested): (String, bool) = c
+        .prepare_cached("SELECT state_json, cancel_requested FROM runs WHERE id = ?1")
         .and_then(|mut s| {
-            s.query_row([run_id.as_str()], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            s.query_row([run_id.as_str()], |r| Ok((r.get(0)?, r.get(1)?)))
                 .optional()
         })
         .map_err(backend)?
         .ok_or_else(|| run_not_found(run_id))?;
     let mut state: AgentState = from_json(&state, "run state")?;
-    state.config = from_json::<RunConfigSnapshot>(&config, "run config")?;
+    state.config = frozen_config(c, run_id)?;
     state.cancel_requested = cancel_requested;
     Ok(state)
 }
 
-pub(crate) fn history(c: &Connection, session_id: &SessionId) -> Result<Vec<Message>> {
+/// The configuration the run was created with; the only source of `state.config`.
+fn frozen_config(c: &Tx<'_>, run_id: &RunId) -> Result<std::sync::Arc<RunConfigSnapshot>> {
+    c.configs.get_or_load(run_id, || {
+        let config: String = c
+            .prepare_cached("SELECT config_json FROM runs WHERE id = ?1")
+            .and_then(|mut s| s.query_row([run_id.as_str()], |r| r.get(0)))
+            .optional()
+            .map_err(backend)?
+            .ok_or_else(|| run_not_found(run_id))?;
+        from_json::<RunConfigSnapshot>(&config, "run config")
+    })
+}
+
+pub(crate) fn history(c: &Tx<'_>, session_id: &SessionId) -> Result<Vec<Message>> {
     let mut stmt = c
         .prepare_cached(
             "SELECT role, content, tool_calls_json, tool_call_id, visibility, origin FROM messages
@@ -759,7 +773,7 @@ pub(crate) fn history(c: &Connection, session_id: &SessionId) -> Result<Vec<Mess
     Ok(messages)
 }
 
-pub(crate) fn list_runs(c: &Connection) -> Result<Vec<RunSummary>> {
+pub(crate) fn list_runs(c: &Tx<'_>) -> Result<Vec<RunSummary>> {
     let mut stmt = c
         .prepare_cached(
             "SELECT id, session_id, status, stop_reason, step_index, created_at, finished_at FROM runs ORDER BY rowid",
@@ -798,7 +812,7 @@ pub(crate) fn list_runs(c: &Connection) -> Result<Vec<RunSummary>> {
     Ok(runs)
 }
 
-pub(crate) fn steps(c: &Connection, run_id: &RunId) -> Result<Vec<StepRecord>> {
+pub(crate) fn steps(c: &Tx<'_>, run_id: &RunId) -> Result<Vec<StepRecord>> {
     let mut stmt = c
         .prepare_cached(
             "SELECT step_index, instruction, started_at, finished_at, summary_json FROM steps WHERE run_id = ?1 ORDER BY step_index",
@@ -830,7 +844,7 @@ pub(crate) fn steps(c: &Connection, run_id: &RunId) -> Result<Vec<StepRecord>> {
 }
 
 pub(crate) fn events_after(
-    c: &Connection,
+    c: &Tx<'_>,
     session_id: &SessionId,
     after_seq: i64,
     limit: u32,
@@ -870,7 +884,7 @@ pub(crate) fn events_after(
     Ok(events)
 }
 
-pub(crate) fn lease_owners(c: &Connection) -> Result<Vec<String>> {
+pub(crate) fn lease_owners(c: &Tx<'_>) -> Result<Vec<String>> {
     let mut stmt = c
         .prepare_cached("SELECT DISTINCT lease_owner FROM step_jobs WHERE lease_owner IS NOT NULL")
         .map_err(backend)?;
@@ -878,7 +892,7 @@ pub(crate) fn lease_owners(c: &Connection) -> Result<Vec<String>> {
     owners.collect::<rusqlite::Result<_>>().map_err(backend)
 }
 
-pub(crate) fn release_leases(c: &Connection, owner: &str) -> Result<u64> {
+pub(crate) fn release_leases(c: &Tx<'_>, owner: &str) -> Result<u64> {
     let released = c
         .prepare_cached(
             "UPDATE step_jobs SET lease_owner = NULL, ready_at = 0 WHERE lease_owner = ?1",
@@ -888,7 +902,7 @@ pub(crate) fn release_leases(c: &Connection, owner: &str) -> Result<u64> {
     Ok(released as u64)
 }
 
-pub(crate) fn runs_with_jobs(c: &Connection) -> Result<Vec<RunId>> {
+pub(crate) fn runs_with_jobs(c: &Tx<'_>) -> Result<Vec<RunId>> {
     let mut stmt = c
         .prepare_cached("SELECT DISTINCT run_id FROM step_jobs")
         .map_err(backend)?;

@@ -12,14 +12,14 @@ use std::sync::{Arc, Mutex, mpsc};
 use rusqlite::Connection;
 use tokio::sync::oneshot;
 
-use crate::{Result, backend};
+use crate::{Configs, Result, Tx, backend};
 use ratchet_store::Error;
 
 /// Most operations folded into one transaction.
 const MAX_BATCH: usize = 512;
 
 trait WriteOp: Send {
-    fn apply(&mut self, conn: &Connection);
+    fn apply(&mut self, tx: &Tx<'_>);
     fn finish(self: Box<Self>, committed: Result<()>);
 }
 
@@ -32,11 +32,11 @@ struct PendingOp<R, F> {
 impl<R, F> WriteOp for PendingOp<R, F>
 where
     R: Send,
-    F: FnOnce(&Connection) -> Result<R> + Send,
+    F: FnOnce(&Tx<'_>) -> Result<R> + Send,
 {
-    fn apply(&mut self, conn: &Connection) {
+    fn apply(&mut self, tx: &Tx<'_>) {
         let Some(body) = self.body.take() else { return };
-        self.result = Some(in_savepoint(conn, body));
+        self.result = Some(in_savepoint(tx, body));
     }
 
     fn finish(self: Box<Self>, committed: Result<()>) {
@@ -50,11 +50,12 @@ where
     }
 }
 
-fn in_savepoint<R>(conn: &Connection, body: impl FnOnce(&Connection) -> Result<R>) -> Result<R> {
+fn in_savepoint<R>(tx: &Tx<'_>, body: impl FnOnce(&Tx<'_>) -> Result<R>) -> Result<R> {
+    let conn = tx.conn;
     conn.prepare_cached("SAVEPOINT op")
         .and_then(|mut s| s.execute([]))
         .map_err(backend)?;
-    let outcome = catch_unwind(AssertUnwindSafe(|| body(conn))).unwrap_or_else(|_| {
+    let outcome = catch_unwind(AssertUnwindSafe(|| body(tx))).unwrap_or_else(|_| {
         Err(Error::Backend(
             "a store operation panicked; it was rolled back".into(),
         ))
@@ -82,18 +83,26 @@ pub(crate) struct Writer {
 }
 
 impl Writer {
-    pub(crate) fn spawn(conn: Connection) -> std::io::Result<Writer> {
+    pub(crate) fn spawn(conn: Connection, configs: Arc<Configs>) -> std::io::Result<Writer> {
         let (ops, inbox) = mpsc::channel::<Box<dyn WriteOp>>();
         std::thread::Builder::new()
             .name("ratchet-sqlite-writer".into())
-            .spawn(move || write_loop(conn, inbox))?;
+            .spawn(move || {
+                write_loop(
+                    Tx {
+                        conn: &conn,
+                        configs: &configs,
+                    },
+                    inbox,
+                )
+            })?;
         Ok(Writer { ops })
     }
 
     pub(crate) async fn write<R, F>(&self, body: F) -> Result<R>
     where
         R: Send + 'static,
-        F: FnOnce(&Connection) -> Result<R> + Send + 'static,
+        F: FnOnce(&Tx<'_>) -> Result<R> + Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
         let op = Box::new(PendingOp {
@@ -110,7 +119,7 @@ impl Writer {
     }
 }
 
-fn write_loop(conn: Connection, inbox: mpsc::Receiver<Box<dyn WriteOp>>) {
+fn write_loop(tx: Tx<'_>, inbox: mpsc::Receiver<Box<dyn WriteOp>>) {
     let mut batch: Vec<Box<dyn WriteOp>> = Vec::with_capacity(MAX_BATCH);
     while let Ok(first) = inbox.recv() {
         batch.push(first);
@@ -120,7 +129,7 @@ fn write_loop(conn: Connection, inbox: mpsc::Receiver<Box<dyn WriteOp>>) {
                 Err(_) => break,
             }
         }
-        let committed = run_batch(&conn, &mut batch);
+        let committed = run_batch(&tx, &mut batch);
         for op in batch.drain(..) {
             op.finish(
                 committed
@@ -132,12 +141,13 @@ fn write_loop(conn: Connection, inbox: mpsc::Receiver<Box<dyn WriteOp>>) {
     }
 }
 
-fn run_batch(conn: &Connection, batch: &mut [Box<dyn WriteOp>]) -> Result<()> {
+fn run_batch(tx: &Tx<'_>, batch: &mut [Box<dyn WriteOp>]) -> Result<()> {
+    let conn = tx.conn;
     conn.prepare_cached("BEGIN IMMEDIATE")
         .and_then(|mut s| s.execute([]))
         .map_err(backend)?;
     for op in batch.iter_mut() {
-        op.apply(conn);
+        op.apply(tx);
     }
     let committed = conn
         .prepare_cached("COMMIT")
@@ -152,13 +162,15 @@ fn run_batch(conn: &Connection, batch: &mut [Box<dyn WriteOp>]) -> Result<()> {
 /// Read connections, opened on demand and reused. Reads never block the writer (WAL).
 pub(crate) struct Readers {
     path: PathBuf,
+    configs: Arc<Configs>,
     idle: Mutex<Vec<Connection>>,
 }
 
 impl Readers {
-    pub(crate) fn new(path: PathBuf) -> Arc<Readers> {
+    pub(crate) fn new(path: PathBuf, configs: Arc<Configs>) -> Arc<Readers> {
         Arc::new(Readers {
             path,
+            configs,
             idle: Mutex::new(Vec::new()),
         })
     }
@@ -166,7 +178,7 @@ impl Readers {
     pub(crate) async fn read<R, F>(self: &Arc<Self>, body: F) -> Result<R>
     where
         R: Send + 'static,
-        F: FnOnce(&Connection) -> Result<R> + Send + 'static,
+        F: FnOnce(&Tx<'_>) -> Result<R> + Send + 'static,
     {
         let readers = Arc::clone(self);
         tokio::task::spawn_blocking(move || {
@@ -174,8 +186,13 @@ impl Readers {
                 Some(conn) => conn,
                 None => crate::open_connection(&readers.path, true)?,
             };
-            let outcome = catch_unwind(AssertUnwindSafe(|| body(&conn)))
-                .unwrap_or_else(|_| Err(Error::Backend("a store read panicked".into())));
+            let outcome = catch_unwind(AssertUnwindSafe(|| {
+                body(&Tx {
+                    conn: &conn,
+                    configs: &readers.configs,
+                })
+            }))
+            .unwrap_or_else(|_| Err(Error::Backend("a store read panicked".into())));
             readers.idle.lock().map_err(|_| poisoned())?.push(conn);
             outcome
         })

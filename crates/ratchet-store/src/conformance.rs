@@ -1489,15 +1489,15 @@ pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
     };
     let session = new_session(store).await;
     let (run, _) = submit(store, &session, "configured", frozen.clone(), T0).await;
-    assert_eq!(load(store, &run).await.config, frozen);
+    assert_eq!(*load(store, &run).await.config, frozen);
     let first = claim(store, OWNER_A, T0).await;
     assert_eq!(
-        first.state.config, frozen,
+        *first.state.config, frozen,
         "a claim runs under the frozen config"
     );
 
     let mut result = after_model(first.state, &first.job, tool_reply(), false, T0, T0 + 1);
-    result.state.config = tampered.clone();
+    result.state.config = Arc::new(tampered.clone());
     result.state.cancel_requested = true;
     let (_, continued, _) = commit(
         store,
@@ -1509,7 +1509,7 @@ pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
     .await;
     let continued = continued.expect("continued job");
     assert_eq!(
-        continued.state.config, frozen,
+        *continued.state.config, frozen,
         "a continued step runs under the frozen config"
     );
     assert!(
@@ -1518,7 +1518,7 @@ pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
     );
     let state = load(store, &run).await;
     assert_eq!(
-        state.config, frozen,
+        *state.config, frozen,
         "a commit never changes the frozen config"
     );
     assert!(
@@ -1534,12 +1534,12 @@ pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
         T0 + 1,
         T0 + 2,
     );
-    result.state.config = tampered;
+    result.state.config = Arc::new(tampered);
     commit(store, &continued.claim, result, None, T0 + 2).await;
     let third = claim(store, OWNER_B, T0 + 3).await;
     assert_eq!(
-        third.state.config, frozen,
+        *third.state.config, frozen,
         "a claim after commits still sees the frozen config"
     );
-    assert_eq!(load(store, &run).await.config, frozen);
+    assert_eq!(*load(store, &run).await.config, frozen);
 }
