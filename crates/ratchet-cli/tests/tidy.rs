@@ -1,0 +1,162 @@
+//! Tidy checks: the architecture's invariants that a grep can defend, run with the tests.
+//! Each failure message says which rule broke and where.
+
+use std::path::{Path, PathBuf};
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .unwrap()
+        .to_path_buf()
+}
+
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            files.extend(rust_files(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            files.push(path);
+        }
+    }
+    files
+}
+
+fn crates() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(workspace().join("crates"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    names
+}
+
+/// The `[dependencies]` section of a crate's manifest (dev-dependencies excluded).
+fn dependencies(krate: &str) -> Vec<String> {
+    let manifest =
+        std::fs::read_to_string(workspace().join("crates").join(krate).join("Cargo.toml")).unwrap();
+    let mut in_deps = false;
+    let mut deps = Vec::new();
+    for line in manifest.lines() {
+        if line.starts_with('[') {
+            in_deps = line.trim() == "[dependencies]";
+        } else if in_deps && let Some((name, _)) = line.split_once('=') {
+            deps.push(name.trim().trim_end_matches(".workspace").to_owned());
+        }
+    }
+    deps
+}
+
+#[test]
+fn every_module_says_what_it_is_for() {
+    for krate in crates() {
+        for file in rust_files(&workspace().join("crates").join(&krate).join("src")) {
+            let text = std::fs::read_to_string(&file).unwrap();
+            assert!(
+                text.starts_with("//!"),
+                "{} must start with a `//!` module doc",
+                file.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn the_core_does_no_io_no_async_and_reads_no_clock() {
+    let allowed = ["serde", "serde_json", "thiserror"];
+    for dep in dependencies("ratchet-core") {
+        assert!(
+            allowed.contains(&dep.as_str()),
+            "ratchet-core must not depend on {dep}"
+        );
+    }
+    let forbidden = [
+        "tokio",
+        "async fn",
+        "std::fs",
+        "std::net",
+        "std::thread",
+        "SystemTime",
+        "Instant::now",
+        "std::env",
+    ];
+    for file in rust_files(&workspace().join("crates/ratchet-core/src")) {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for word in forbidden {
+            assert!(
+                !text.contains(word),
+                "{} uses {word:?}; the core stays pure",
+                file.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn crates_depend_only_along_the_layers() {
+    let rules: &[(&str, &[&str])] = &[
+        ("ratchet-core", &[]),
+        ("ratchet-store", &["ratchet-core"]),
+        ("ratchet-llm", &["ratchet-core"]),
+        ("ratchet-tools", &["ratchet-core"]),
+        ("ratchet-sqlite", &["ratchet-core", "ratchet-store"]),
+        (
+            "ratchet-engine",
+            &[
+                "ratchet-core",
+                "ratchet-store",
+                "ratchet-llm",
+                "ratchet-tools",
+            ],
+        ),
+    ];
+    for krate in crates() {
+        let Some((_, allowed)) = rules.iter().find(|(name, _)| *name == krate) else {
+            assert_eq!(
+                krate, "ratchet-cli",
+                "new crate {krate}: add its layer to this test and ARCHITECTURE.md"
+            );
+            continue;
+        };
+        for dep in dependencies(&krate)
+            .into_iter()
+            .filter(|d| d.starts_with("ratchet-"))
+        {
+            assert!(
+                allowed.contains(&dep.as_str()),
+                "{krate} must not depend on {dep}"
+            );
+        }
+    }
+}
+
+#[test]
+fn no_statement_rewrites_a_frozen_run_config() {
+    let this_file = Path::new(file!()).file_name().unwrap();
+    for file in rust_files(&workspace().join("crates"))
+        .into_iter()
+        .filter(|f| f.file_name() != Some(this_file))
+    {
+        let text = std::fs::read_to_string(&file).unwrap().to_lowercase();
+        for pattern in ["set config_json", "config_json ="] {
+            assert!(
+                !text.contains(pattern),
+                "{} rewrites config_json; a run's config is frozen",
+                file.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn the_architecture_doc_maps_every_crate() {
+    let doc = std::fs::read_to_string(workspace().join("docs/ARCHITECTURE.md")).unwrap();
+    for krate in crates() {
+        assert!(
+            doc.contains(&format!("`{krate}`")),
+            "docs/ARCHITECTURE.md has no codemap entry for `{krate}`"
+        );
+    }
+}
