@@ -37,6 +37,9 @@ pub enum StepFailure {
     Fatal(String),
     #[error("step cancelled")]
     Cancelled,
+    /// Another worker holds the step now; this one must drop it without a word.
+    #[error("lease lost")]
+    LeaseLost,
     #[error(transparent)]
     Infrastructure(#[from] crate::Error),
 }

@@ -158,6 +158,7 @@ impl Worker {
                 now_ms(),
                 now_ms(),
             ),
+            Err(StepFailure::LeaseLost) => return None,
             Err(StepFailure::Infrastructure(error)) => {
                 tracing::warn!(run = %run_id, %error, "step failed on infrastructure; it will be retried");
                 let _ = self.release(&claimed).await;
@@ -208,7 +209,7 @@ impl Worker {
                         Ok(false) => {
                             tracing::warn!(run = %claimed.job.run_id, "lease lost mid-step; abandoning it");
                             cancel.cancel();
-                            return Err(StepFailure::Transient("lease lost".into()));
+                            return Err(StepFailure::LeaseLost);
                         }
                         Err(error) => tracing::warn!(%error, "heartbeat failed"),
                     }

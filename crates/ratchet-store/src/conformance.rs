@@ -31,7 +31,7 @@ use crate::{
 /// when nothing). The expression is evaluated once per test. The calling crate needs `tokio`
 /// with the `macros` and `rt-multi-thread` features.
 ///
-/// ```ignore
+/// ```text
 /// async fn fresh_store() -> (Arc<dyn Store>, TempDir) { … }
 /// ratchet_store::store_conformance_tests!(fresh_store());
 /// ```
