@@ -116,7 +116,7 @@ fn start_queued_run(c: &Tx<'_>, mut state: AgentState, now: Millis) -> Result<Ve
     )?;
     let (job, event) = start_run(&mut state, now);
     write_state(c, &state)?;
-    insert_job(c, &job, None, now)?;
+    insert_job(c, &job, now)?;
     c.prepare_cached("UPDATE sessions SET active_run_id = ?2 WHERE id = ?1")
         .and_then(|mut s| s.execute(params![state.session_id.as_str(), state.run_id.as_str()]))
         .map_err(backend)?;
@@ -183,11 +183,36 @@ fn insert_message(
     Ok(())
 }
 
-fn insert_job(c: &Tx<'_>, job: &StepJob, lease: Option<&Lease>, now: Millis) -> Result<i64> {
-    let (attempt, epoch, owner, ready_at) = match lease {
-        Some(lease) => (1, 1, Some(lease.owner.as_str()), lease.expires_at),
-        None => (0, 0, None, now),
-    };
+/// How a new job row starts: leased to the committer that continues with it (its first
+/// claim, epoch 1), or free for any worker from `now`.
+struct NewJob<'a> {
+    attempt: u32,
+    epoch: i64,
+    owner: Option<&'a str>,
+    ready_at: Millis,
+}
+
+impl<'a> NewJob<'a> {
+    fn new(lease: Option<&'a Lease>, now: Millis) -> NewJob<'a> {
+        match lease {
+            Some(lease) => NewJob {
+                attempt: 1,
+                epoch: 1,
+                owner: Some(&lease.owner),
+                ready_at: lease.expires_at,
+            },
+            None => NewJob {
+                attempt: 0,
+                epoch: 0,
+                owner: None,
+                ready_at: now,
+            },
+        }
+    }
+}
+
+fn insert_job(c: &Tx<'_>, job: &StepJob, now: Millis) -> Result<()> {
+    let row = NewJob::new(None, now);
     c.prepare_cached(
         "INSERT INTO step_jobs (run_id, step_index, phase, attempt, epoch, lease_owner, ready_at)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
@@ -197,14 +222,50 @@ fn insert_job(c: &Tx<'_>, job: &StepJob, lease: Option<&Lease>, now: Millis) -> 
             job.run_id.as_str(),
             job.step_index as i64,
             job.phase.as_str(),
-            attempt,
-            epoch,
-            owner,
-            ready_at
+            row.attempt,
+            row.epoch,
+            row.owner,
+            row.ready_at
         ])
     })
     .map_err(backend)?;
-    Ok(epoch)
+    Ok(())
+}
+
+/// Moves the claimed job on to `next` (or deletes it) if `claim` still holds it; false when
+/// the claim was lost and nothing was written.
+fn advance_job(
+    c: &Tx<'_>,
+    claim: &Claim,
+    next: Option<&StepJob>,
+    row: &NewJob<'_>,
+) -> Result<bool> {
+    let (run_id, step_index) = (claim.run_id.as_str(), claim.step_index as i64);
+    let changed = match next {
+        None => c
+            .prepare_cached("DELETE FROM step_jobs WHERE run_id = ?1 AND step_index = ?2 AND epoch = ?3")
+            .and_then(|mut s| s.execute(params![run_id, step_index, claim.epoch])),
+        Some(next) => c
+            .prepare_cached(
+                "UPDATE step_jobs SET step_index = ?4, phase = ?5, attempt = ?6, epoch = ?7, lease_owner = ?8, ready_at = ?9
+                 WHERE run_id = ?1 AND step_index = ?2 AND epoch = ?3",
+            )
+            .and_then(|mut s| {
+                s.execute(params![
+                    run_id,
+                    step_index,
+                    claim.epoch,
+                    next.step_index as i64,
+                    next.phase.as_str(),
+                    row.attempt,
+                    row.epoch,
+                    row.owner,
+                    row.ready_at
+                ])
+            }),
+    }
+    .map_err(backend)?;
+    Ok(changed == 1)
 }
 
 pub(crate) fn insert_events(
@@ -428,25 +489,36 @@ pub(crate) fn commit_step(
             result.state.run_id, result.record.index, claim.run_id, claim.step_index
         )));
     }
-    if !claim_holds(c, claim)? {
-        return Ok(Commit::Stale(Stale::LeaseLost));
-    }
     let stored = run_row(c, &claim.run_id)?;
-    if stored.step_index + 1 != claim.step_index {
-        return Ok(Commit::Stale(Stale::StepMismatch {
-            committed: stored.step_index,
-            job: claim.step_index,
-        }));
-    }
     if stored.cancel_requested {
         result.yield_to_cancel();
     }
-    if let Err(edge) = stored.status.edge(result.state.status) {
-        return Ok(Commit::Stale(Stale::Edge(edge)));
+    let refused = if stored.step_index + 1 != claim.step_index {
+        Some(Stale::StepMismatch {
+            committed: stored.step_index,
+            job: claim.step_index,
+        })
+    } else {
+        stored
+            .status
+            .edge(result.state.status)
+            .err()
+            .map(Stale::Edge)
+    };
+    if let Some(refused) = refused {
+        let reason = if claim_holds(c, claim)? {
+            refused
+        } else {
+            Stale::LeaseLost
+        };
+        return Ok(Commit::Stale(reason));
     }
-    c.prepare_cached("DELETE FROM step_jobs WHERE run_id = ?1 AND step_index = ?2")
-        .and_then(|mut s| s.execute(params![claim.run_id.as_str(), claim.step_index as i64]))
-        .map_err(backend)?;
+    // The fence, and the first write: the claimed job becomes the next one (or goes) only
+    // while the claim's epoch still holds it.
+    let next_row = NewJob::new(continue_with.as_ref(), now);
+    if !advance_job(c, claim, result.next.as_ref(), &next_row)? {
+        return Ok(Commit::Stale(Stale::LeaseLost));
+    }
     let state = &result.state;
     write_state(c, state)?;
     for (i, message) in result.messages.iter().enumerate() {
@@ -477,7 +549,6 @@ pub(crate) fn commit_step(
     let mut enqueued = false;
     let mut continued = None;
     if let Some(next) = &result.next {
-        let epoch = insert_job(c, next, continue_with.as_ref(), now)?;
         match continue_with {
             Some(_) => {
                 // The state as a claim would load it: the frozen config and the store's
@@ -490,7 +561,7 @@ pub(crate) fn commit_step(
                     claim: Claim {
                         run_id: next.run_id.clone(),
                         step_index: next.step_index,
-                        epoch,
+                        epoch: next_row.epoch,
                     },
                     state: AgentState {
                         config: frozen_config(c, &claim.run_id)?,
