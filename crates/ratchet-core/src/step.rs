@@ -241,8 +241,15 @@ pub fn await_reconciliation(
             progress.outcome = outcome;
         }
     }
-    state.step_index = job.step_index;
-    state.counters.steps += 1;
+    let summary = json!({"reconciliation": request});
+    let (record, committed) = mark_committed(
+        &mut state,
+        job,
+        Instruction::CallToolsBatch,
+        summary,
+        started_at,
+        now,
+    );
     state.status = RunStatus::WaitingHuman;
     state.pending_human = Some(request.clone());
     let events = vec![
@@ -251,16 +258,10 @@ pub fn await_reconciliation(
             json!({"run_id": state.run_id, "request": request}),
         ),
         status_event(&state),
-        step_event(&state, Instruction::CallToolsBatch),
+        committed,
     ];
     StepResult {
-        record: StepRecord {
-            index: job.step_index,
-            instruction: Instruction::CallToolsBatch.name().to_owned(),
-            started_at,
-            finished_at: now,
-            summary: json!({"reconciliation": request}),
-        },
+        record,
         state,
         messages: Vec::new(),
         events,
@@ -276,18 +277,19 @@ pub fn finish_step(
     started_at: Millis,
     now: Millis,
 ) -> StepResult {
-    state.step_index = job.step_index;
-    state.counters.steps += 1;
-    let mut events = vec![step_event(&state, Instruction::Finish(reason))];
+    let summary = json!({"stop_reason": reason});
+    let (record, committed) = mark_committed(
+        &mut state,
+        job,
+        Instruction::Finish(reason),
+        summary,
+        started_at,
+        now,
+    );
+    let mut events = vec![committed];
     finish_in_place(&mut state, reason, now, &mut events);
     StepResult {
-        record: StepRecord {
-            index: job.step_index,
-            instruction: Instruction::Finish(reason).name().to_owned(),
-            started_at,
-            finished_at: now,
-            summary: json!({"stop_reason": reason}),
-        },
+        record,
         state,
         messages: Vec::new(),
         events,
@@ -319,9 +321,9 @@ fn close_step(
     started_at: Millis,
     now: Millis,
 ) -> StepResult {
-    state.step_index = job.step_index;
-    state.counters.steps += 1;
-    events.push(step_event(&state, instruction));
+    let (record, committed) =
+        mark_committed(&mut state, job, instruction, summary, started_at, now);
+    events.push(committed);
     let next = match decide(&state, outcome) {
         Instruction::Finish(reason) => {
             finish_in_place(&mut state, reason, now, &mut events);
@@ -335,13 +337,7 @@ fn close_step(
         }),
     };
     StepResult {
-        record: StepRecord {
-            index: job.step_index,
-            instruction: instruction.name().to_owned(),
-            started_at,
-            finished_at: now,
-            summary,
-        },
+        record,
         state,
         messages,
         events,
@@ -378,9 +374,27 @@ fn status_event(state: &AgentState) -> EventDraft {
     )
 }
 
-fn step_event(state: &AgentState, instruction: Instruction) -> EventDraft {
-    EventDraft::new(
+/// Counts `job`'s step as committed in the state; returns its record and its event.
+fn mark_committed(
+    state: &mut AgentState,
+    job: &StepJob,
+    instruction: Instruction,
+    summary: Value,
+    started_at: Millis,
+    now: Millis,
+) -> (StepRecord, EventDraft) {
+    state.step_index = job.step_index;
+    state.counters.steps += 1;
+    let event = EventDraft::new(
         EventKind::StepCommitted,
         json!({"run_id": state.run_id, "step_index": state.step_index, "instruction": instruction.name()}),
-    )
+    );
+    let record = StepRecord {
+        index: job.step_index,
+        instruction: instruction.name().to_owned(),
+        started_at,
+        finished_at: now,
+        summary,
+    };
+    (record, event)
 }
