@@ -63,12 +63,10 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     };
     let runtime = Runtime::new(open_store(&db)?, toolbox);
     let coordinator = Arc::clone(&runtime.coordinator);
-    let pool = runtime
-        .start(PoolConfig {
-            workers: args.concurrency,
-            ..PoolConfig::default()
-        })
-        .await?;
+    let pool = runtime.start_workers(PoolConfig {
+        workers: args.concurrency,
+        ..PoolConfig::default()
+    });
 
     let watches: Arc<std::sync::Mutex<HashMap<SessionId, Watch>>> = Arc::default();
     let latencies: Arc<std::sync::Mutex<Vec<Duration>>> = Arc::default();

@@ -116,8 +116,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let started = coordinator
         .submit(&session, args.message.clone(), config)
         .await?;
-    let pool = runtime.start(PoolConfig::default()).await?;
     let run_id = started.run_id;
+    // This process drives its own run only; other runs in the database are `resume`'s job.
+    let pool = runtime.start_workers(PoolConfig {
+        only_run: Some(run_id.clone()),
+        ..PoolConfig::default()
+    });
     let mut stderr = std::io::stderr();
     let state = loop {
         let event = tokio::select! {
@@ -162,7 +166,7 @@ pub async fn resume(db: &str, json: bool) -> anyhow::Result<ExitCode> {
         .map(|r| r.run_id)
         .collect();
     let mut events = runtime.coordinator.subscribe();
-    let pool = runtime.start(PoolConfig::default()).await?;
+    let pool = runtime.recover_and_start(PoolConfig::default()).await?;
     let mut stderr = std::io::stderr();
     loop {
         if store.runs_with_jobs().await?.is_empty() {

@@ -66,15 +66,19 @@ impl Runtime {
     }
 
     /// Takes over the steps of dead processes, then starts the workers.
-    pub async fn start(&self, config: PoolConfig) -> anyhow::Result<WorkerPool> {
+    pub async fn recover_and_start(&self, config: PoolConfig) -> anyhow::Result<WorkerPool> {
         self.coordinator
             .recover(owner_is_dead_local_process)
             .await
             .context("recovering the steps of dead processes")?;
-        Ok(WorkerPool::start(
+        Ok(self.start_workers(config))
+    }
+
+    pub fn start_workers(&self, config: PoolConfig) -> WorkerPool {
+        WorkerPool::start(
             Arc::clone(&self.coordinator),
             Arc::clone(&self.engine),
             config,
-        ))
+        )
     }
 }

@@ -37,8 +37,12 @@ pub fn decide(state: &AgentState, phase: Phase) -> Instruction {
     let pending_tools = state.checkpoint.as_ref().is_some_and(|c| c.has_pending());
     match phase {
         Phase::LlmResult => {
-            if state.force_finish {
+            // A concluding call that still asked for tools was cut short by the budget; one
+            // that answered is simply done.
+            if state.force_finish && pending_tools {
                 Instruction::Finish(StopReason::BudgetExhausted)
+            } else if state.force_finish {
+                Instruction::Finish(StopReason::Completed)
             } else if pending_tools {
                 Instruction::CallToolsBatch
             } else {
@@ -210,7 +214,8 @@ mod tests {
             }
         };
         match phase {
-            Phase::LlmResult if force => Finish(StopReason::BudgetExhausted),
+            Phase::LlmResult if force && pending => Finish(StopReason::BudgetExhausted),
+            Phase::LlmResult if force => Finish(StopReason::Completed),
             Phase::LlmResult if pending => CallToolsBatch,
             Phase::LlmResult => Finish(StopReason::Completed),
             Phase::HumanDecided if pending => CallToolsBatch,

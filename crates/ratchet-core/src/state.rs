@@ -131,7 +131,6 @@ pub enum HumanRequest {
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counters {
-    pub steps: u64,
     pub model_calls: u64,
     pub tool_calls: u64,
     pub input_tokens: u64,

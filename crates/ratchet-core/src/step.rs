@@ -143,14 +143,18 @@ pub fn after_model(
     if conclude {
         state.force_finish = true;
     }
-    let calls = if state.force_finish {
+    // The checkpoint keeps every call the model asked for, so the Brain can tell a conclusion
+    // that still wanted tools (cut short by the budget) from one that simply answered; a
+    // concluding message itself carries no calls, as none will run.
+    let offered = if state.force_finish {
         Vec::new()
     } else {
-        reply.tool_calls
+        reply.tool_calls.clone()
     };
-    state.checkpoint = (!calls.is_empty()).then(|| ToolCheckpoint::new(calls.clone()));
+    state.checkpoint =
+        (!reply.tool_calls.is_empty()).then(|| ToolCheckpoint::new(reply.tool_calls));
     state.final_answer = Some(reply.text.clone());
-    let message = Message::assistant(reply.text, calls);
+    let message = Message::assistant(reply.text, offered);
     let events = vec![EventDraft::new(
         EventKind::AssistantMessage,
         json!({"run_id": state.run_id, "content": message.content, "tool_calls": message.tool_calls}),
@@ -384,7 +388,6 @@ fn mark_committed(
     now: Millis,
 ) -> (StepRecord, EventDraft) {
     state.step_index = job.step_index;
-    state.counters.steps += 1;
     let event = EventDraft::new(
         EventKind::StepCommitted,
         json!({"run_id": state.run_id, "step_index": state.step_index, "instruction": instruction.name()}),

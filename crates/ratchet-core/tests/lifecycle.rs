@@ -187,3 +187,36 @@ fn a_cancel_during_a_step_keeps_the_work_and_finishes_next() {
         Instruction::Finish(StopReason::Cancelled)
     );
 }
+
+#[test]
+fn a_concluding_answer_completes_and_a_concluding_tool_request_exhausts_the_budget() {
+    let mut state = fresh(1);
+    let (job, _) = start_run(&mut state, 0);
+    assert_eq!(
+        decide(&state, job.phase),
+        Instruction::CallLlm { conclude: true }
+    );
+    let answer = ModelReply {
+        text: "42".into(),
+        ..ModelReply::default()
+    };
+    let answered = after_model(state.clone(), &job, answer, true, 0, 1);
+    assert_eq!(answered.state.status, RunStatus::Completed);
+    assert_eq!(answered.state.stop_reason, Some(StopReason::Completed));
+
+    let wants_tools = ModelReply {
+        tool_calls: vec![ToolCall {
+            id: "c0".into(),
+            name: "add".into(),
+            arguments: serde_json::json!({}),
+        }],
+        ..ModelReply::default()
+    };
+    let cut = after_model(state, &job, wants_tools, true, 0, 1);
+    assert_eq!(cut.state.status, RunStatus::Failed);
+    assert_eq!(cut.state.stop_reason, Some(StopReason::BudgetExhausted));
+    assert!(
+        cut.messages[0].tool_calls.is_empty(),
+        "no call is offered to run"
+    );
+}

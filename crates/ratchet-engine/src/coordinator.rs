@@ -94,8 +94,12 @@ impl Coordinator {
         })
     }
 
-    pub async fn claim_next(&self, lease: Lease) -> Result<Option<ClaimedStep>> {
-        Ok(self.store.claim_next(lease, now_ms()).await?)
+    pub async fn claim_next(
+        &self,
+        lease: Lease,
+        run: Option<&RunId>,
+    ) -> Result<Option<ClaimedStep>> {
+        Ok(self.store.claim_next(lease, run, now_ms()).await?)
     }
 
     pub async fn heartbeat(&self, claim: &Claim, lease: &Lease) -> Result<bool> {
@@ -153,27 +157,52 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Records write-ahead intents with the events that announce them, in one transaction.
+    /// Records write-ahead intents of a claimed step with the events that announce them, in
+    /// one transaction; returns each intent's attempt number.
     pub async fn record_intents(
         &self,
-        session_id: &SessionId,
+        claim: &Claim,
         intents: Vec<ratchet_store::Intent>,
         events: Vec<ratchet_core::EventDraft>,
-    ) -> Result<()> {
-        let stored = self
+    ) -> Result<Vec<u32>> {
+        let recorded = self
             .store
-            .record_intents(session_id, intents, events, now_ms())
+            .record_intents(claim, intents, events, now_ms())
             .await?;
-        self.publish(stored);
-        Ok(())
+        self.publish(recorded.events);
+        Ok(recorded.attempts)
+    }
+
+    pub async fn record_outcome(
+        &self,
+        claim: &Claim,
+        slot: u32,
+        outcome: ratchet_core::ToolOutcome,
+    ) -> Result<()> {
+        Ok(self
+            .store
+            .record_outcome(claim, slot, outcome, now_ms())
+            .await?)
     }
 
     /// Cancels a run: at once when it has no step in flight, otherwise by marking it
     /// `cancelling` and cancelling the step running in this process.
     pub async fn request_cancel(&self, run_id: &RunId) -> Result<CancelOutcome> {
-        let outcome = self.store.request_cancel(run_id, now_ms()).await?;
+        // The token goes in first: a worker that claims the run while the store is being
+        // told adopts it, so the cancel cannot fall between its claim and its registration.
+        let (token, registered_here) = self.cancel_token(run_id);
+        let outcome = match self.store.request_cancel(run_id, now_ms()).await {
+            Ok(outcome) => outcome,
+            Err(error) => {
+                if registered_here {
+                    self.forget_token(run_id);
+                }
+                return Err(error.into());
+            }
+        };
         match &outcome {
             CancelOutcome::Cancelled { events, enqueued } => {
+                self.forget_token(run_id);
                 self.publish(events.clone());
                 if *enqueued {
                     self.wake.notify_one();
@@ -181,16 +210,9 @@ impl Coordinator {
             }
             CancelOutcome::Cancelling { events } => {
                 self.publish(events.clone());
-                if let Some(token) = self
-                    .in_flight
-                    .lock()
-                    .ok()
-                    .and_then(|m| m.get(run_id).cloned())
-                {
-                    token.cancel();
-                }
+                token.cancel();
             }
-            CancelOutcome::AlreadyTerminal(_) => {}
+            CancelOutcome::AlreadyTerminal(_) => self.forget_token(run_id),
         }
         Ok(outcome)
     }
@@ -216,18 +238,32 @@ impl Coordinator {
         self.wake.notify_one();
     }
 
-    pub(crate) fn step_started(&self, run_id: &RunId) -> CancellationToken {
-        let token = CancellationToken::new();
-        if let Ok(mut in_flight) = self.in_flight.lock() {
-            in_flight.insert(run_id.clone(), token.clone());
-        }
-        token
+    /// The run's cancellation token for a streak of steps in this process.
+    pub(crate) fn streak_started(&self, run_id: &RunId) -> CancellationToken {
+        self.cancel_token(run_id).0
     }
 
-    pub(crate) fn step_ended(&self, run_id: &RunId) {
-        if let Ok(mut in_flight) = self.in_flight.lock() {
-            in_flight.remove(run_id);
+    pub(crate) fn streak_ended(&self, run_id: &RunId) {
+        self.forget_token(run_id);
+    }
+
+    fn cancel_token(&self, run_id: &RunId) -> (CancellationToken, bool) {
+        let mut tokens = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        match tokens.get(run_id) {
+            Some(token) => (token.clone(), false),
+            None => {
+                let token = CancellationToken::new();
+                tokens.insert(run_id.clone(), token.clone());
+                (token, true)
+            }
         }
+    }
+
+    fn forget_token(&self, run_id: &RunId) {
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(run_id);
     }
 
     fn publish(&self, events: Vec<StoredEvent>) {

@@ -11,11 +11,11 @@ use futures::FutureExt;
 use futures::stream::{self, StreamExt};
 use ratchet_core::step::{after_model, after_tools, await_reconciliation, finish_step};
 use ratchet_core::{
-    AgentState, EventDraft, EventKind, HumanRequest, Instruction, ReplayPolicy, SessionId, StepJob,
-    StepResult, ToolCall, ToolOutcome, decide,
+    AgentState, EventDraft, EventKind, HumanRequest, Instruction, ReplayPolicy, RunConfigSnapshot,
+    StepJob, StepResult, ToolCall, ToolOutcome, decide,
 };
 use ratchet_llm::ModelRequest;
-use ratchet_store::{ClaimedStep, Intent, IntentKind};
+use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, IntentRecord};
 use ratchet_tools::{Registry, Tool, ToolContext};
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -29,9 +29,10 @@ const DELTA_FLUSH: Duration = Duration::from_millis(100);
 /// Why a step produced no result to commit.
 #[derive(Debug, thiserror::Error)]
 pub enum StepFailure {
-    /// Worth another attempt later (a model's HTTP 5xx or timeout).
-    #[error("{0}")]
-    Transient(String),
+    /// Worth another attempt later (a model's HTTP 5xx or timeout). `attempt` is how many
+    /// times this model call has now been tried.
+    #[error("{message}")]
+    Transient { message: String, attempt: u32 },
     /// Will not get better by retrying (the run's model cannot be loaded here).
     #[error("{0}")]
     Fatal(String),
@@ -41,12 +42,24 @@ pub enum StepFailure {
     #[error("lease lost")]
     LeaseLost,
     #[error(transparent)]
-    Infrastructure(#[from] crate::Error),
+    Infrastructure(crate::Error),
 }
 
 impl From<ratchet_store::Error> for StepFailure {
     fn from(error: ratchet_store::Error) -> Self {
-        StepFailure::Infrastructure(error.into())
+        match error {
+            ratchet_store::Error::LeaseLost { .. } => StepFailure::LeaseLost,
+            other => StepFailure::Infrastructure(other.into()),
+        }
+    }
+}
+
+impl From<crate::Error> for StepFailure {
+    fn from(error: crate::Error) -> Self {
+        match error {
+            crate::Error::Store(store) => store.into(),
+            other => StepFailure::Infrastructure(other),
+        }
     }
 }
 
@@ -71,45 +84,51 @@ impl Engine {
         cancel: &CancellationToken,
     ) -> Result<StepResult, StepFailure> {
         let started = now_ms();
-        let state = claimed.state.clone();
-        let job = &claimed.job;
-        match decide(&state, job.phase) {
-            Instruction::Finish(reason) => Ok(finish_step(state, job, reason, started, now_ms())),
+        match decide(&claimed.state, claimed.job.phase) {
+            Instruction::Finish(reason) => Ok(finish_step(
+                claimed.state.clone(),
+                &claimed.job,
+                reason,
+                started,
+                now_ms(),
+            )),
             Instruction::CallLlm { conclude } => {
-                self.call_model(state, job, conclude, started, cancel).await
+                self.call_model(claimed, conclude, started, cancel).await
             }
-            Instruction::CallToolsBatch => self.run_batch(state, job, started, cancel).await,
+            Instruction::CallToolsBatch => self.run_batch(claimed, started, cancel).await,
         }
     }
 
     async fn call_model(
         &self,
-        state: AgentState,
-        job: &StepJob,
+        claimed: &ClaimedStep,
         conclude: bool,
         started: ratchet_core::Millis,
         cancel: &CancellationToken,
     ) -> Result<StepResult, StepFailure> {
+        let (state, job) = (claimed.state.clone(), &claimed.job);
         let model = self
             .models
             .resolve(&state.config.model)
             .map_err(|e| StepFailure::Fatal(e.to_string()))?;
         let store = self.coordinator.store();
         let intent = Intent {
-            run_id: state.run_id.clone(),
-            step_index: job.step_index,
             slot: 0,
             kind: IntentKind::Model,
             name: state.config.model.clone(),
             idempotency_key: idempotency_key(job, 0),
         };
-        self.coordinator
-            .record_intents(&state.session_id, vec![intent], Vec::new())
+        // The intent's attempt count is this model call's: claims lost to crashes or lease
+        // expiry before the call was made do not use up its retries.
+        let attempts = self
+            .coordinator
+            .record_intents(&claimed.claim, vec![intent], Vec::new())
             .await?;
+        let attempt = attempts.first().copied().unwrap_or(1);
         let request = ModelRequest {
             run_id: state.run_id.clone(),
             call_index: state.counters.model_calls,
-            attempt: job.attempt,
+            attempt,
             system_prompt: state.config.system_prompt.clone(),
             messages: store.history(&state.session_id).await?,
             tools: if conclude {
@@ -143,9 +162,14 @@ impl Engine {
         }
         let reply = match reply {
             Ok(reply) => reply,
-            Err(ratchet_llm::Error::Cancelled) => return Err(StepFailure::Cancelled),
+            Err(_) if cancel.is_cancelled() => return Err(StepFailure::Cancelled),
             Err(ratchet_llm::Error::Transient(message)) => {
-                return Err(StepFailure::Transient(message));
+                return Err(StepFailure::Transient { message, attempt });
+            }
+            // The model stopped on its own, not because this run was cancelled: retry it.
+            Err(ratchet_llm::Error::Cancelled) => {
+                let message = "the model call was interrupted".to_owned();
+                return Err(StepFailure::Transient { message, attempt });
             }
             Err(other) => return Err(StepFailure::Fatal(other.to_string())),
         };
@@ -162,12 +186,11 @@ impl Engine {
     /// no outcome is not run again — the run waits for reconciliation instead.
     async fn run_batch(
         &self,
-        state: AgentState,
-        job: &StepJob,
+        claimed: &ClaimedStep,
         started: ratchet_core::Millis,
         cancel: &CancellationToken,
     ) -> Result<StepResult, StepFailure> {
-        let store = self.coordinator.store();
+        let (state, job) = (claimed.state.clone(), &claimed.job);
         let calls: Vec<(ToolCall, Option<ToolOutcome>)> = state
             .checkpoint
             .as_ref()
@@ -178,8 +201,10 @@ impl Engine {
                     .collect()
             })
             .unwrap_or_default();
-        let earlier: HashMap<u32, _> = if job.attempt > 1 {
-            store
+        // Only a step claimed before may have left intents behind.
+        let earlier: HashMap<u32, IntentRecord> = if job.attempt > 1 {
+            self.coordinator
+                .store()
                 .intents(&state.run_id, job.step_index)
                 .await?
                 .into_iter()
@@ -192,42 +217,27 @@ impl Engine {
         let mut to_run = Vec::new();
         let mut invalid = 0;
         let mut unknown_outcome = None;
-        for (slot, (call, known)) in calls.iter().enumerate() {
-            let slot = slot as u32;
+        for (slot, (call, known)) in (0u32..).zip(&calls) {
+            let started_before = earlier.get(&slot);
             if let Some(known) = known
                 .clone()
-                .or_else(|| earlier.get(&slot).and_then(|r| r.outcome.clone()))
+                .or_else(|| started_before.and_then(|r| r.outcome.clone()))
             {
                 outcomes.push(Some(known));
                 continue;
             }
-            let checked = match state.config.tool(&call.name) {
-                None => Err(format!(
-                    "unknown tool {:?}; available tools: {}",
-                    call.name,
-                    state
-                        .config
-                        .tools
-                        .iter()
-                        .map(|t| t.name.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )),
-                Some(spec) => self
-                    .tools
-                    .validate(&call.name, &call.arguments)
-                    .map(|tool| (tool, spec.replay)),
-            };
-            match checked {
+            let replay = state.config.tool(&call.name).map(|spec| spec.replay);
+            if started_before.is_some() && replay == Some(ReplayPolicy::Never) {
+                unknown_outcome.get_or_insert(slot);
+                outcomes.push(None);
+                continue;
+            }
+            match self.check_call(&state.config, call) {
                 Err(message) => {
                     invalid += 1;
                     outcomes.push(Some(ToolOutcome::error(message)));
                 }
-                Ok((_, ReplayPolicy::Never)) if earlier.contains_key(&slot) => {
-                    unknown_outcome.get_or_insert(slot);
-                    outcomes.push(None);
-                }
-                Ok((tool, _)) => {
+                Ok(tool) => {
                     to_run.push((slot, tool, call.clone()));
                     outcomes.push(None);
                 }
@@ -263,8 +273,7 @@ impl Engine {
                 };
                 run_call(
                     Arc::clone(&self.coordinator),
-                    state.session_id.clone(),
-                    job.clone(),
+                    claimed.claim.clone(),
                     slot,
                     tool,
                     call,
@@ -293,22 +302,34 @@ impl Engine {
             now_ms(),
         ))
     }
+
+    /// A call may run when the run's frozen config offers the tool, this process has it, and
+    /// the arguments match its schema. The error text is shown to the model.
+    fn check_call(
+        &self,
+        config: &RunConfigSnapshot,
+        call: &ToolCall,
+    ) -> Result<Arc<dyn Tool>, String> {
+        if config.tool(&call.name).is_none() {
+            let offered: Vec<&str> = config.tools.iter().map(|t| t.name.as_str()).collect();
+            return Err(ratchet_tools::unknown_tool(&call.name, &offered));
+        }
+        self.tools.validate(&call.name, &call.arguments)
+    }
 }
 
 /// Records the intent, runs the call, records its outcome. A panicking tool is an error
-/// outcome, never a crashed worker.
+/// outcome, never a crashed worker. A call that ran has its outcome recorded even when the
+/// step was cancelled meanwhile: the effect happened.
 async fn run_call(
     coordinator: Arc<Coordinator>,
-    session_id: SessionId,
-    job: StepJob,
+    claim: Claim,
     slot: u32,
     tool: Arc<dyn Tool>,
     call: ToolCall,
     context: ToolContext,
 ) -> Result<(u32, ToolOutcome), StepFailure> {
     let intent = Intent {
-        run_id: job.run_id.clone(),
-        step_index: job.step_index,
         slot,
         kind: IntentKind::Tool,
         name: call.name.clone(),
@@ -317,27 +338,26 @@ async fn run_call(
     let announce = EventDraft::new(
         EventKind::ToolCall,
         json!({
-            "run_id": job.run_id,
-            "step_index": job.step_index,
+            "run_id": claim.run_id,
+            "step_index": claim.step_index,
             "call_id": call.id,
             "tool": call.name,
             "arguments": call.arguments,
         }),
     );
     coordinator
-        .record_intents(&session_id, vec![intent], vec![announce])
+        .record_intents(&claim, vec![intent], vec![announce])
         .await?;
     let outcome = std::panic::AssertUnwindSafe(tool.call(call.arguments, &context))
         .catch_unwind()
         .await
         .unwrap_or_else(|_| ToolOutcome::error(format!("tool {} panicked", call.name)));
+    coordinator
+        .record_outcome(&claim, slot, outcome.clone())
+        .await?;
     if context.cancel.is_cancelled() {
         return Err(StepFailure::Cancelled);
     }
-    coordinator
-        .store()
-        .record_outcome(&job.run_id, job.step_index, slot, outcome.clone(), now_ms())
-        .await?;
     Ok((slot, outcome))
 }
 

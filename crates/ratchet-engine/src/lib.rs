@@ -46,6 +46,9 @@ pub struct PoolConfig {
     pub max_streak: u32,
     /// First delay before a failed model call is tried again; doubles per attempt.
     pub retry_backoff: Duration,
+    /// Claim only this run's jobs: a driver for one run (`ratchet run`) leaves every other
+    /// run in the database alone.
+    pub only_run: Option<ratchet_core::RunId>,
 }
 
 impl Default for PoolConfig {
@@ -57,6 +60,7 @@ impl Default for PoolConfig {
             poll: Duration::from_millis(250),
             max_streak: 64,
             retry_backoff: Duration::from_millis(200),
+            only_run: None,
         }
     }
 }

@@ -27,7 +27,8 @@ pub fn process_owner() -> String {
     format!("{host}:{}:{}", std::process::id(), Uuid::now_v7().simple())
 }
 
-/// True when `owner` names a process on this host that no longer runs.
+/// True when `owner` names a process on this host that no longer runs (or is a zombie: it
+/// has exited and only waits to be reaped).
 pub fn owner_is_dead_local_process(owner: &str) -> bool {
     let mut parts = owner.splitn(3, ':');
     let (Some(host), Some(pid), Some(_)) = (parts.next(), parts.next(), parts.next()) else {
@@ -38,9 +39,14 @@ pub fn owner_is_dead_local_process(owner: &str) -> bool {
     let Ok(pid) = pid.parse::<u32>() else {
         return false;
     };
-    this_host.is_ok_and(|h| h == host)
-        && pid != std::process::id()
-        && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    let gone = || match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state is the first field after the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+        Err(_) => true,
+    };
+    this_host.is_ok_and(|h| h == host) && pid != std::process::id() && gone()
 }
 
 pub struct WorkerPool {
@@ -95,8 +101,9 @@ impl Worker {
     }
 
     async fn run(self) {
+        let only = self.config.only_run.as_ref();
         while !self.shutdown.is_cancelled() {
-            match self.coordinator.claim_next(self.lease()).await {
+            match self.coordinator.claim_next(self.lease(), only).await {
                 Ok(Some(claimed)) => {
                     // Another job may be waiting behind this one: pass the wake-up on.
                     self.coordinator.wake_one();
@@ -117,55 +124,62 @@ impl Worker {
         }
     }
 
+    /// Runs a claimed step and then, while this worker is handed them, the run's next ones.
+    /// The run's cancellation token is registered for the whole streak, so a cancel request
+    /// arriving between two steps still reaches the next one.
     async fn run_streak(&self, first: ClaimedStep) {
+        let run_id = first.job.run_id.clone();
+        let cancel = self.coordinator.streak_started(&run_id);
         let mut current = Some(first);
         let mut streak = 0;
         while let Some(claimed) = current.take() {
             streak += 1;
             let may_continue = streak < self.config.max_streak && !self.shutdown.is_cancelled();
-            current = self.run_step(claimed, may_continue).await;
+            current = self.run_step(claimed, &cancel, may_continue).await;
         }
+        self.coordinator.streak_ended(&run_id);
     }
 
     /// Runs one step to its commit; returns the run's next step when this worker holds it.
-    async fn run_step(&self, claimed: ClaimedStep, may_continue: bool) -> Option<ClaimedStep> {
-        let run_id = claimed.job.run_id.clone();
-        let cancel = self.coordinator.step_started(&run_id);
-        let outcome = self.execute_with_heartbeat(&claimed, &cancel).await;
-        self.coordinator.step_ended(&run_id);
-        let continue_with = may_continue.then(|| self.lease());
-        let result = match outcome {
-            Ok(result) => result,
-            Err(StepFailure::Transient(message)) => {
-                return self.retry_or_fail(claimed, message).await;
-            }
-            Err(StepFailure::Fatal(message)) => {
-                tracing::warn!(run = %run_id, %message, "model call failed for good");
-                finish_step(
-                    claimed.state.clone(),
-                    &claimed.job,
-                    StopReason::ModelError,
-                    now_ms(),
-                    now_ms(),
-                )
-            }
-            // Only a cancel request cancels a step's token; the store already marked the run
-            // `cancelling`, so this step ends it.
-            Err(StepFailure::Cancelled) => finish_step(
+    async fn run_step(
+        &self,
+        claimed: ClaimedStep,
+        cancel: &CancellationToken,
+        may_continue: bool,
+    ) -> Option<ClaimedStep> {
+        let outcome = self.execute_with_heartbeat(&claimed, cancel).await;
+        let finish = |reason| {
+            finish_step(
                 claimed.state.clone(),
                 &claimed.job,
-                StopReason::Cancelled,
+                reason,
                 now_ms(),
                 now_ms(),
-            ),
-            Err(StepFailure::LeaseLost) => return None,
+            )
+        };
+        let result = match outcome {
+            Ok(result) => result,
+            Err(StepFailure::Transient { message, attempt }) => {
+                return self.retry_or_fail(&claimed, message, attempt).await;
+            }
+            Err(StepFailure::Fatal(message)) => {
+                tracing::warn!(run = %claimed.job.run_id, %message, "model call failed for good");
+                finish(StopReason::ModelError)
+            }
+            // Only a cancel request cancels a run's token; the store already marked the run
+            // `cancelling`, so this step ends it.
+            Err(StepFailure::Cancelled) => finish(StopReason::Cancelled),
+            Err(StepFailure::LeaseLost) => {
+                tracing::info!(run = %claimed.job.run_id, step = claimed.job.step_index, "lease lost; another worker has the step");
+                return None;
+            }
             Err(StepFailure::Infrastructure(error)) => {
-                tracing::warn!(run = %run_id, %error, "step failed on infrastructure; it will be retried");
-                let _ = self.release(&claimed).await;
+                self.back_off(&claimed, &error.to_string()).await;
                 return None;
             }
         };
-        self.commit(&claimed, result, continue_with).await
+        self.commit(&claimed, result, may_continue.then(|| self.lease()))
+            .await
     }
 
     async fn commit(
@@ -185,7 +199,7 @@ impl Worker {
                 None
             }
             Err(error) => {
-                tracing::warn!(run = %claimed.job.run_id, %error, "commit failed; the job stays for another attempt");
+                self.back_off(claimed, &error.to_string()).await;
                 None
             }
         }
@@ -206,11 +220,7 @@ impl Worker {
                 _ = beat.tick() => {
                     match self.coordinator.heartbeat(&claimed.claim, &self.lease()).await {
                         Ok(true) => {}
-                        Ok(false) => {
-                            tracing::warn!(run = %claimed.job.run_id, "lease lost mid-step; abandoning it");
-                            cancel.cancel();
-                            return Err(StepFailure::LeaseLost);
-                        }
+                        Ok(false) => return Err(StepFailure::LeaseLost),
                         Err(error) => tracing::warn!(%error, "heartbeat failed"),
                     }
                 }
@@ -218,12 +228,24 @@ impl Worker {
         }
     }
 
-    async fn retry_or_fail(&self, claimed: ClaimedStep, message: String) -> Option<ClaimedStep> {
-        let attempt = claimed.job.attempt;
+    /// A failed model call is tried again later, up to the run's `max_model_attempts`;
+    /// then the run fails with `model_error`.
+    async fn retry_or_fail(
+        &self,
+        claimed: &ClaimedStep,
+        message: String,
+        attempt: u32,
+    ) -> Option<ClaimedStep> {
         let max = claimed.state.config.limits.max_model_attempts.max(1);
         let event = EventDraft::new(
             EventKind::ModelError,
-            json!({"run_id": claimed.job.run_id, "step_index": claimed.job.step_index, "attempt": attempt, "message": message, "final": attempt >= max}),
+            json!({
+                "run_id": claimed.job.run_id,
+                "step_index": claimed.job.step_index,
+                "attempt": attempt,
+                "message": message,
+                "final": attempt >= max,
+            }),
         );
         if attempt >= max {
             let mut result = finish_step(
@@ -234,33 +256,49 @@ impl Worker {
                 now_ms(),
             );
             result.events.insert(0, event);
-            return self.commit(&claimed, result, None).await;
+            return self.commit(claimed, result, None).await;
         }
-        let backoff = self
-            .config
-            .retry_backoff
-            .saturating_mul(1 << (attempt.saturating_sub(1)).min(5));
-        let at = now_ms() + backoff.min(Duration::from_secs(30)).as_millis() as i64;
-        match self
+        let at = now_ms() + self.backoff(attempt);
+        if let Err(error) = self
             .coordinator
             .retry_later(&claimed.claim, at, event)
             .await
         {
-            Ok(_) => {}
-            Err(error) => {
-                tracing::warn!(%error, "could not schedule a retry; the lease will expire")
-            }
+            tracing::warn!(%error, "could not schedule a retry; the lease will expire");
         }
         None
     }
 
-    async fn release(&self, claimed: &ClaimedStep) -> crate::Result<bool> {
+    /// The store or the machine failed under the step: give the job back with a growing
+    /// delay (by how often it has been claimed), so a persistent fault does not spin.
+    async fn back_off(&self, claimed: &ClaimedStep, error: &str) {
+        tracing::warn!(run = %claimed.job.run_id, step = claimed.job.step_index, %error, "step failed on infrastructure; it will be retried");
         let event = EventDraft::new(
             EventKind::Activity,
-            json!({"run_id": claimed.job.run_id, "activity": "step_released", "step_index": claimed.job.step_index}),
+            json!({
+                "run_id": claimed.job.run_id,
+                "activity": "step_released",
+                "step_index": claimed.job.step_index,
+                "attempt": claimed.job.attempt,
+                "error": error,
+            }),
         );
-        self.coordinator
-            .retry_later(&claimed.claim, now_ms(), event)
+        let at = now_ms() + self.backoff(claimed.job.attempt);
+        if let Err(error) = self
+            .coordinator
+            .retry_later(&claimed.claim, at, event)
             .await
+        {
+            tracing::warn!(%error, "could not release the step; its lease will expire");
+        }
+    }
+
+    /// `retry_backoff`, doubled per attempt after the first, at most 30 s.
+    fn backoff(&self, attempt: u32) -> i64 {
+        let doubled = self
+            .config
+            .retry_backoff
+            .saturating_mul(1 << attempt.saturating_sub(1).min(10));
+        doubled.min(Duration::from_secs(30)).as_millis() as i64
     }
 }

@@ -252,7 +252,11 @@ async fn a_step_whose_worker_vanished_is_taken_over_after_its_lease_expires() {
         owner: "gone:1:x".into(),
         expires_at: now_ms() + 300,
     };
-    let lost = store.claim_next(lease, now_ms()).await.unwrap().unwrap();
+    let lost = store
+        .claim_next(lease, None, now_ms())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(lost.job.attempt, 1);
     let node = node(&db, fast_pool());
     let state = wait_until_terminal(&node.coordinator, &run).await;

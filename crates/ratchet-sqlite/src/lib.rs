@@ -18,7 +18,7 @@ use ratchet_core::{
 };
 use ratchet_store::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentRecord, Lease, NewRun,
-    RunSummary, Store, StoredEvent, Submitted,
+    RecordedIntents, RunSummary, Store, StoredEvent, Submitted,
 };
 use rusqlite::{Connection, OpenFlags};
 
@@ -216,22 +216,15 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn claim_next(&self, lease: Lease, now: Millis) -> Result<Option<ClaimedStep>> {
-        self.writer
-            .write(move |c| ops::claim_next(c, &lease, now))
-            .await
-    }
-
-    async fn claim_step(
+    async fn claim_next(
         &self,
-        run_id: &RunId,
-        step_index: u64,
         lease: Lease,
+        run: Option<&RunId>,
         now: Millis,
     ) -> Result<Option<ClaimedStep>> {
-        let run_id = run_id.clone();
+        let run = run.cloned();
         self.writer
-            .write(move |c| ops::claim_step(c, &run_id, step_index, &lease, now))
+            .write(move |c| ops::claim_next(c, &lease, run.as_ref(), now))
             .await
     }
 
@@ -283,28 +276,27 @@ impl Store for SqliteStore {
 
     async fn record_intents(
         &self,
-        session_id: &SessionId,
+        claim: &Claim,
         intents: Vec<Intent>,
         events: Vec<EventDraft>,
         now: Millis,
-    ) -> Result<Vec<StoredEvent>> {
-        let session_id = session_id.clone();
+    ) -> Result<RecordedIntents> {
+        let claim = claim.clone();
         self.writer
-            .write(move |c| ops::record_intents(c, &session_id, &intents, &events, now))
+            .write(move |c| ops::record_intents(c, &claim, &intents, &events, now))
             .await
     }
 
     async fn record_outcome(
         &self,
-        run_id: &RunId,
-        step_index: u64,
+        claim: &Claim,
         slot: u32,
         outcome: ToolOutcome,
         now: Millis,
     ) -> Result<()> {
-        let run_id = run_id.clone();
+        let claim = claim.clone();
         self.writer
-            .write(move |c| ops::record_outcome(c, &run_id, step_index, slot, &outcome, now))
+            .write(move |c| ops::record_outcome(c, &claim, slot, &outcome, now))
             .await
     }
 

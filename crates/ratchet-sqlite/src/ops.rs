@@ -8,7 +8,7 @@ use ratchet_core::{
 };
 use ratchet_store::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentKind, IntentRecord, Lease,
-    NewRun, RunSummary, Stale, StoredEvent, Submitted,
+    NewRun, RecordedIntents, RunSummary, Stale, StoredEvent, Submitted,
 };
 use rusqlite::{OptionalExtension, params};
 use serde::Serialize;
@@ -377,47 +377,80 @@ fn job_row(r: &rusqlite::Row<'_>, offset: usize) -> rusqlite::Result<JobRow> {
     })
 }
 
-pub(crate) fn claim_next(c: &Tx<'_>, lease: &Lease, now: Millis) -> Result<Option<ClaimedStep>> {
-    let found = c
-        .prepare_cached(
-            "SELECT run_id, step_index, phase, attempt, epoch FROM step_jobs
-             WHERE ready_at <= ?1 ORDER BY ready_at LIMIT 1",
-        )
-        .and_then(|mut s| {
-            s.query_row([now], |r| Ok((r.get::<_, String>(0)?, job_row(r, 1)?)))
-                .optional()
-        })
-        .map_err(backend)?;
-    let Some((run_id, job)) = found else {
-        return Ok(None);
-    };
-    let run_id = RunId::parse(&run_id).map_err(|e| Error::Corrupt(e.to_string()))?;
-    lease_job(c, &run_id, job, lease).map(Some)
-}
+/// How long a job whose run cannot be loaded is set aside before it is tried again.
+const QUARANTINE_MS: Millis = 60_000;
+/// Most unloadable jobs one claim sets aside before giving up until the next claim.
+const MAX_SET_ASIDE: usize = 16;
 
-pub(crate) fn claim_step(
+pub(crate) fn claim_next(
     c: &Tx<'_>,
-    run_id: &RunId,
-    step_index: u64,
     lease: &Lease,
+    run: Option<&RunId>,
     now: Millis,
 ) -> Result<Option<ClaimedStep>> {
-    let found = c
-        .prepare_cached(
-            "SELECT step_index, phase, attempt, epoch FROM step_jobs
-             WHERE run_id = ?1 AND step_index = ?2 AND ready_at <= ?3",
-        )
-        .and_then(|mut s| {
-            s.query_row(params![run_id.as_str(), step_index as i64, now], |r| {
-                job_row(r, 0)
-            })
-            .optional()
-        })
+    for _ in 0..MAX_SET_ASIDE {
+        let found = match run {
+            None => c
+                .prepare_cached(
+                    "SELECT run_id, step_index, phase, attempt, epoch FROM step_jobs
+                     WHERE ready_at <= ?1 ORDER BY ready_at LIMIT 1",
+                )
+                .and_then(|mut s| {
+                    s.query_row([now], |r| Ok((r.get::<_, String>(0)?, job_row(r, 1)?)))
+                        .optional()
+                }),
+            Some(run) => c
+                .prepare_cached(
+                    "SELECT run_id, step_index, phase, attempt, epoch FROM step_jobs
+                     WHERE run_id = ?1 AND ready_at <= ?2 ORDER BY step_index LIMIT 1",
+                )
+                .and_then(|mut s| {
+                    s.query_row(params![run.as_str(), now], |r| {
+                        Ok((r.get::<_, String>(0)?, job_row(r, 1)?))
+                    })
+                    .optional()
+                }),
+        }
         .map_err(backend)?;
-    match found {
-        Some(job) => lease_job(c, run_id, job, lease).map(Some),
-        None => Ok(None),
+        let Some((run_id, job)) = found else {
+            return Ok(None);
+        };
+        let step_index = job.step_index;
+        statement(c, "SAVEPOINT claim")?;
+        let leased = RunId::parse(&run_id)
+            .map_err(|e| Error::Corrupt(e.to_string()))
+            .and_then(|id| lease_job(c, &id, job, lease));
+        match leased {
+            Ok(claimed) => {
+                statement(c, "RELEASE claim")?;
+                return Ok(Some(claimed));
+            }
+            Err(error) => {
+                statement(c, "ROLLBACK TO claim")?;
+                statement(c, "RELEASE claim")?;
+                if !matches!(error, Error::Corrupt(_) | Error::NotFound { .. }) {
+                    return Err(error);
+                }
+                // One unreadable run must not stop every worker: set its job aside.
+                tracing::error!(run = %run_id, step = step_index, %error, "cannot load the run of a job; setting it aside");
+                c.prepare_cached(
+                    "UPDATE step_jobs SET ready_at = ?3 WHERE run_id = ?1 AND step_index = ?2",
+                )
+                .and_then(|mut s| {
+                    s.execute(params![run_id, step_index as i64, now + QUARANTINE_MS])
+                })
+                .map_err(backend)?;
+            }
+        }
     }
+    Ok(None)
+}
+
+fn statement(c: &Tx<'_>, sql: &str) -> Result<()> {
+    c.prepare_cached(sql)
+        .and_then(|mut s| s.execute([]))
+        .map_err(backend)?;
+    Ok(())
 }
 
 pub(crate) fn heartbeat(c: &Tx<'_>, claim: &Claim, expires_at: Millis) -> Result<bool> {
@@ -633,58 +666,76 @@ pub(crate) fn retry_later(
     insert_events(c, &stored.session_id, Some(&claim.run_id), &[event], now).map(Some)
 }
 
+fn fenced(c: &Tx<'_>, claim: &Claim) -> Result<()> {
+    if claim_holds(c, claim)? {
+        Ok(())
+    } else {
+        Err(Error::LeaseLost {
+            run_id: claim.run_id.clone(),
+            step_index: claim.step_index,
+        })
+    }
+}
+
 pub(crate) fn record_intents(
     c: &Tx<'_>,
-    session_id: &SessionId,
+    claim: &Claim,
     intents: &[Intent],
     events: &[EventDraft],
     now: Millis,
-) -> Result<Vec<StoredEvent>> {
+) -> Result<RecordedIntents> {
+    fenced(c, claim)?;
     let mut insert = c
         .prepare_cached(
             "INSERT INTO intents (run_id, step_index, slot, kind, name, idempotency_key, attempts, started_at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, 1, ?7)
-             ON CONFLICT (run_id, step_index, slot) DO UPDATE SET attempts = attempts + 1, started_at = ?7",
+             ON CONFLICT (run_id, step_index, slot) DO UPDATE SET attempts = attempts + 1, started_at = ?7
+             RETURNING attempts",
         )
         .map_err(backend)?;
+    let mut attempts = Vec::with_capacity(intents.len());
     for intent in intents {
-        insert
-            .execute(params![
-                intent.run_id.as_str(),
-                intent.step_index as i64,
-                intent.slot,
-                intent.kind.as_str(),
-                intent.name,
-                intent.idempotency_key,
-                now
-            ])
+        let count: u32 = insert
+            .query_row(
+                params![
+                    claim.run_id.as_str(),
+                    claim.step_index as i64,
+                    intent.slot,
+                    intent.kind.as_str(),
+                    intent.name,
+                    intent.idempotency_key,
+                    now
+                ],
+                |r| r.get(0),
+            )
             .map_err(backend)?;
+        attempts.push(count);
     }
-    let run_id = intents.first().map(|i| &i.run_id);
-    insert_events(c, session_id, run_id, events, now)
+    let events = if events.is_empty() {
+        Vec::new()
+    } else {
+        let session_id = run_row(c, &claim.run_id)?.session_id;
+        insert_events(c, &session_id, Some(&claim.run_id), events, now)?
+    };
+    Ok(RecordedIntents { events, attempts })
 }
 
 pub(crate) fn record_outcome(
     c: &Tx<'_>,
-    run_id: &RunId,
-    step_index: u64,
+    claim: &Claim,
     slot: u32,
     outcome: &ToolOutcome,
     now: Millis,
 ) -> Result<()> {
+    fenced(c, claim)?;
     let outcome_json = to_json(outcome)?;
+    let (run_id, step_index) = (&claim.run_id, claim.step_index);
     let changed = c
         .prepare_cached(
             "UPDATE intents SET outcome_json = ?4, finished_at = ?5 WHERE run_id = ?1 AND step_index = ?2 AND slot = ?3",
         )
         .and_then(|mut s| {
-            s.execute(params![
-                run_id.as_str(),
-                step_index as i64,
-                slot,
-                outcome_json,
-                now
-            ])
+            s.execute(params![run_id.as_str(), step_index as i64, slot, outcome_json, now])
         })
         .map_err(backend)?;
     if changed == 0 {

@@ -51,29 +51,32 @@ where
 }
 
 fn in_savepoint<R>(tx: &Tx<'_>, body: impl FnOnce(&Tx<'_>) -> Result<R>) -> Result<R> {
-    let conn = tx.conn;
-    conn.prepare_cached("SAVEPOINT op")
-        .and_then(|mut s| s.execute([]))
-        .map_err(backend)?;
+    run(tx, "SAVEPOINT op")?;
     let outcome = catch_unwind(AssertUnwindSafe(|| body(tx))).unwrap_or_else(|_| {
         Err(Error::Backend(
             "a store operation panicked; it was rolled back".into(),
         ))
     });
-    let end = if outcome.is_ok() {
-        "RELEASE op"
-    } else {
-        "ROLLBACK TO op"
-    };
-    conn.prepare_cached(end)
+    if tx.is_autocommit() {
+        // SQLite itself rolled the whole transaction back (disk full, I/O error): there is
+        // no savepoint left to end, and the batch is lost.
+        return outcome;
+    }
+    match outcome {
+        Ok(value) => run(tx, "RELEASE op").map(|()| value),
+        Err(error) => {
+            run(tx, "ROLLBACK TO op")?;
+            run(tx, "RELEASE op")?;
+            Err(error)
+        }
+    }
+}
+
+fn run(tx: &Tx<'_>, sql: &str) -> Result<()> {
+    tx.prepare_cached(sql)
         .and_then(|mut s| s.execute([]))
         .map_err(backend)?;
-    if outcome.is_err() {
-        conn.prepare_cached("RELEASE op")
-            .and_then(|mut s| s.execute([]))
-            .map_err(backend)?;
-    }
-    outcome
+    Ok(())
 }
 
 /// Handle to the writer thread. Dropping every handle ends the thread.
@@ -142,19 +145,20 @@ fn write_loop(tx: Tx<'_>, inbox: mpsc::Receiver<Box<dyn WriteOp>>) {
 }
 
 fn run_batch(tx: &Tx<'_>, batch: &mut [Box<dyn WriteOp>]) -> Result<()> {
-    let conn = tx.conn;
-    conn.prepare_cached("BEGIN IMMEDIATE")
-        .and_then(|mut s| s.execute([]))
-        .map_err(backend)?;
+    run(tx, "BEGIN IMMEDIATE")?;
     for op in batch.iter_mut() {
         op.apply(tx);
+        if tx.is_autocommit() {
+            // The transaction is gone: applying the rest would commit each of them on its
+            // own, behind the callers' backs. Nothing of this batch is durable.
+            return Err(Error::Backend(
+                "SQLite rolled the transaction back; no write of this batch was kept".into(),
+            ));
+        }
     }
-    let committed = conn
-        .prepare_cached("COMMIT")
-        .and_then(|mut s| s.execute([]));
-    if let Err(error) = committed {
-        let _ = conn.execute_batch("ROLLBACK");
-        return Err(backend(error));
+    if let Err(error) = run(tx, "COMMIT") {
+        let _ = tx.execute_batch("ROLLBACK");
+        return Err(error);
     }
     Ok(())
 }
@@ -203,4 +207,75 @@ impl Readers {
 
 fn poisoned() -> Error {
     Error::Backend("reader pool lock poisoned".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// When SQLite rolls a whole batch back by itself (here: the database is full), no write
+    /// of the batch may survive, and every caller hears that it failed.
+    #[tokio::test]
+    async fn a_batch_rolled_back_by_sqlite_keeps_nothing_and_fails_every_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("full.db");
+        let conn = crate::open_connection(&path, false).unwrap();
+        conn.execute_batch("PRAGMA journal_mode = WAL; CREATE TABLE t (v BLOB);")
+            .unwrap();
+        let pages: i64 = conn
+            .query_row("PRAGMA page_count", [], |r| r.get(0))
+            .unwrap();
+        conn.pragma_update(None, "max_page_count", pages + 2)
+            .unwrap();
+        let writer = Writer::spawn(conn, Arc::default()).unwrap();
+
+        let insert = |bytes: usize| {
+            move |tx: &Tx<'_>| {
+                tx.execute("INSERT INTO t (v) VALUES (?1)", [vec![7u8; bytes]])
+                    .map(|_| ())
+                    .map_err(backend)
+            }
+        };
+        // The first write holds the writer so that the next three queue up into one batch.
+        let gate = writer.write(|_: &Tx<'_>| {
+            std::thread::sleep(Duration::from_millis(100));
+            Ok(())
+        });
+        let (gate, small, huge, after) = tokio::join!(
+            gate,
+            async {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                writer.write(insert(10)).await
+            },
+            async {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                writer.write(insert(1_000_000)).await
+            },
+            async {
+                tokio::time::sleep(Duration::from_millis(40)).await;
+                writer.write(insert(10)).await
+            },
+        );
+        gate.unwrap();
+        assert!(huge.is_err(), "the write that filled the disk failed");
+        assert!(
+            small.is_err() && after.is_err(),
+            "{small:?} {after:?}: their batch was lost"
+        );
+        let check = crate::open_connection(&path, true).unwrap();
+        let rows: i64 = check
+            .query_row("SELECT count(*) FROM t", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(
+            rows, 0,
+            "nothing of the lost batch was committed behind the callers' backs"
+        );
+        let next = writer.write(insert(10)).await;
+        assert!(
+            next.is_ok(),
+            "the writer goes on after a lost batch: {next:?}"
+        );
+    }
 }

@@ -50,6 +50,7 @@ macro_rules! store_conformance_tests {
             release_leases_frees_a_dead_owners_jobs,
             missing_and_duplicate_entities_are_errors,
             config_and_cancel_flag_are_owned_by_the_store,
+            a_claim_for_one_run_takes_only_its_jobs,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -167,7 +168,7 @@ async fn submit(
 
 async fn claim(store: &dyn Store, owner: &str, now: Millis) -> ClaimedStep {
     store
-        .claim_next(lease(owner, now + LEASE_MS), now)
+        .claim_next(lease(owner, now + LEASE_MS), None, now)
         .await
         .unwrap_or_else(|e| panic!("claim_next by {owner} at {now}: {e}"))
         .unwrap_or_else(|| panic!("claim_next by {owner} at {now}: expected a job, found none"))
@@ -175,7 +176,7 @@ async fn claim(store: &dyn Store, owner: &str, now: Millis) -> ClaimedStep {
 
 async fn assert_nothing_claimable(store: &dyn Store, now: Millis, why: &str) {
     let found = store
-        .claim_next(lease(OWNER_C, now + LEASE_MS), now)
+        .claim_next(lease(OWNER_C, now + LEASE_MS), None, now)
         .await
         .unwrap();
     if let Some(claimed) = found {
@@ -362,7 +363,7 @@ pub async fn submit_starts_a_run_or_queues_it_behind_the_active_one(store: &dyn 
         "a queued run's message must not enter history before the run starts"
     );
     let early = store
-        .claim_step(&second, 1, lease(OWNER_B, T0 + LEASE_MS), T0 + 1)
+        .claim_next(lease(OWNER_B, T0 + LEASE_MS), Some(&second), T0 + 1)
         .await
         .unwrap();
     assert!(early.is_none(), "a queued run must have no claimable job");
@@ -550,11 +551,11 @@ pub async fn commit_writes_the_step_and_continues_under_lease(store: &dyn Store)
     )
     .await;
     let early = store
-        .claim_step(&run, 2, lease(OWNER_B, expires + LEASE_MS), expires - 1)
+        .claim_next(lease(OWNER_B, expires + LEASE_MS), Some(&run), expires - 1)
         .await;
     assert!(
         early.unwrap().is_none(),
-        "claim_step must respect the continued lease"
+        "a claim of the run's own job must respect the continued lease"
     );
     let reclaimed = claim(store, OWNER_B, expires).await;
     assert_eq!(
@@ -647,7 +648,8 @@ pub async fn commit_writes_the_step_and_continues_under_lease(store: &dyn Store)
     .await;
 }
 
-/// Fencing of claims: of many workers racing for one job, exactly one gets it.
+/// Fencing of claims: of many workers racing for one job — some asking for any job, some for
+/// this run's — exactly one gets it.
 pub async fn concurrent_claims_of_one_step_have_one_winner(store: Arc<dyn Store>) {
     let session = new_session(&*store).await;
     let (run, _) = submit(&*store, &session, "race", config(), T0).await;
@@ -656,8 +658,9 @@ pub async fn concurrent_claims_of_one_step_have_one_winner(store: Arc<dyn Store>
             let (store, run) = (Arc::clone(&store), run.clone());
             let owner = format!("racer-{i}");
             tokio::spawn(async move {
+                let only = (i % 2 == 0).then_some(&run);
                 let won = store
-                    .claim_step(&run, 1, lease(&owner, T0 + LEASE_MS), T0)
+                    .claim_next(lease(&owner, T0 + LEASE_MS), only, T0)
                     .await;
                 (owner, won)
             })
@@ -666,7 +669,7 @@ pub async fn concurrent_claims_of_one_step_have_one_winner(store: Arc<dyn Store>
     let mut winners = Vec::new();
     for racer in racers {
         let (owner, won) = racer.await.expect("claim task panicked");
-        if let Some(claimed) = won.expect("claim_step failed") {
+        if let Some(claimed) = won.expect("claim_next failed") {
             winners.push((owner, claimed));
         }
     }
@@ -682,6 +685,31 @@ pub async fn concurrent_claims_of_one_step_have_one_winner(store: Arc<dyn Store>
         store.lease_owners().await.unwrap(),
         std::slice::from_ref(owner),
         "only the winner holds a lease"
+    );
+}
+
+/// A claim scoped to one run (a driver that must not execute other runs' steps) takes only
+/// that run's job, even when another run's job has waited longer.
+pub async fn a_claim_for_one_run_takes_only_its_jobs(store: &dyn Store) {
+    let older = new_session(store).await;
+    let (older_run, _) = submit(store, &older, "waiting longer", config(), T0).await;
+    let mine = new_session(store).await;
+    let (my_run, _) = submit(store, &mine, "mine", config(), T0 + 1).await;
+    let claimed = store
+        .claim_next(lease(OWNER_A, T0 + 2 + LEASE_MS), Some(&my_run), T0 + 2)
+        .await
+        .unwrap()
+        .expect("my run's job");
+    assert_eq!(claimed.job.run_id, my_run);
+    let nothing = store
+        .claim_next(lease(OWNER_A, T0 + 3 + LEASE_MS), Some(&my_run), T0 + 3)
+        .await
+        .unwrap();
+    assert!(nothing.is_none(), "my run has no other job: {nothing:?}");
+    let other = claim(store, OWNER_B, T0 + 3).await;
+    assert_eq!(
+        other.job.run_id, older_run,
+        "the older job was left for an unscoped claim"
     );
 }
 
@@ -907,17 +935,17 @@ pub async fn event_seqs_are_dense_per_session(store: Arc<dyn Store>) {
 }
 
 /// Intents come back in slot order with their outcomes; recording one again counts an
-/// attempt; an outcome needs its intent.
+/// attempt; an outcome needs its intent; and both are fenced: a claim that was lost can
+/// record neither.
 pub async fn intents_keep_slot_order_attempts_and_outcomes(store: &dyn Store) {
     let session = new_session(store).await;
     let (run, _) = submit(store, &session, "do things", config(), T0).await;
-    let intent = |step_index: u64, slot: u32, kind: IntentKind, name: &str| Intent {
-        run_id: run.clone(),
-        step_index,
+    let first = claim(store, OWNER_A, T0).await;
+    let intent = |slot: u32, kind: IntentKind, name: &str| Intent {
         slot,
         kind,
         name: name.into(),
-        idempotency_key: format!("{run}-{step_index}-{slot}"),
+        idempotency_key: format!("{run}#1#{slot}"),
     };
     let record =
         |slot: u32, kind: IntentKind, name: &str, attempts: u32, outcome: Option<ToolOutcome>| {
@@ -930,15 +958,21 @@ pub async fn intents_keep_slot_order_attempts_and_outcomes(store: &dyn Store) {
             }
         };
     let batch = vec![
-        intent(1, 2, IntentKind::Tool, "write"),
-        intent(1, 0, IntentKind::Model, "model"),
-        intent(1, 1, IntentKind::Tool, "read"),
+        intent(2, IntentKind::Tool, "write"),
+        intent(0, IntentKind::Model, "model"),
+        intent(1, IntentKind::Tool, "read"),
     ];
-    let announce = EventDraft::new(EventKind::ToolCall, serde_json::json!({"run_id": run}));
-    let announced = store
-        .record_intents(&session, batch, vec![announce], T0)
+    let announce = EventDraft::new(EventKind::ToolCall, json!({"run_id": run}));
+    let recorded = store
+        .record_intents(&first.claim, batch, vec![announce], T0)
         .await
         .unwrap();
+    assert_eq!(
+        recorded.attempts,
+        [1, 1, 1],
+        "first attempts, in the order given"
+    );
+    let announced = recorded.events;
     assert_eq!(
         announced.len(),
         1,
@@ -946,6 +980,7 @@ pub async fn intents_keep_slot_order_attempts_and_outcomes(store: &dyn Store) {
     );
     assert_eq!(announced[0].kind, "tool.call");
     assert_eq!(announced[0].run_id.as_ref(), Some(&run));
+    assert_eq!(announced[0].session_id, session);
     let replayed = store
         .events_after(&session, announced[0].seq - 1, 1)
         .await
@@ -954,15 +989,6 @@ pub async fn intents_keep_slot_order_attempts_and_outcomes(store: &dyn Store) {
         replayed, announced,
         "and it is durable like any other event"
     );
-    store
-        .record_intents(
-            &session,
-            vec![intent(2, 0, IntentKind::Model, "model")],
-            Vec::new(),
-            T0,
-        )
-        .await
-        .unwrap();
     assert_eq!(
         store.intents(&run, 1).await.unwrap(),
         [
@@ -974,37 +1000,63 @@ pub async fn intents_keep_slot_order_attempts_and_outcomes(store: &dyn Store) {
     );
 
     store
-        .record_outcome(&run, 1, 1, ToolOutcome::ok("read ok"), T0 + 1)
+        .record_outcome(&first.claim, 1, ToolOutcome::ok("read ok"), T0 + 1)
         .await
         .unwrap();
-    store
-        .record_outcome(&run, 1, 2, ToolOutcome::error("disk full"), T0 + 1)
-        .await
-        .unwrap();
-    store
+    let again = store
         .record_intents(
-            &session,
-            vec![intent(1, 0, IntentKind::Model, "model")],
+            &first.claim,
+            vec![intent(0, IntentKind::Model, "model")],
             Vec::new(),
             T0 + 2,
         )
         .await
         .unwrap();
+    assert_eq!(
+        again.attempts,
+        [2],
+        "recording an intent again counts an attempt"
+    );
+    assert!(again.events.is_empty());
     let missing = store
-        .record_outcome(&run, 1, 7, ToolOutcome::ok("ghost"), T0 + 3)
+        .record_outcome(&first.claim, 7, ToolOutcome::ok("ghost"), T0 + 3)
         .await;
     assert!(
         missing.is_err(),
         "an outcome without its intent must be refused"
     );
-    let missing = store
-        .record_outcome(&run, 9, 0, ToolOutcome::ok("ghost"), T0 + 3)
+
+    // The lease runs out and another worker takes the step over: the first claim is dead.
+    let expired = T0 + LEASE_MS;
+    let second = claim(store, OWNER_B, expired).await;
+    let late_intent = store
+        .record_intents(
+            &first.claim,
+            vec![intent(3, IntentKind::Tool, "late")],
+            Vec::new(),
+            expired,
+        )
         .await;
     assert!(
-        missing.is_err(),
-        "an outcome for a step without intents must be refused"
+        matches!(late_intent, Err(Error::LeaseLost { .. })),
+        "an intent under a lost claim is refused: {late_intent:?}"
     );
-
+    let late_outcome = store
+        .record_outcome(&first.claim, 2, ToolOutcome::ok("late write"), expired)
+        .await;
+    assert!(
+        matches!(late_outcome, Err(Error::LeaseLost { .. })),
+        "an outcome under a lost claim is refused: {late_outcome:?}"
+    );
+    store
+        .record_outcome(
+            &second.claim,
+            2,
+            ToolOutcome::error("disk full"),
+            expired + 1,
+        )
+        .await
+        .unwrap();
     assert_eq!(
         store.intents(&run, 1).await.unwrap(),
         [
@@ -1023,11 +1075,8 @@ pub async fn intents_keep_slot_order_attempts_and_outcomes(store: &dyn Store) {
                 1,
                 Some(ToolOutcome::error("disk full"))
             ),
-        ]
-    );
-    assert_eq!(
-        store.intents(&run, 2).await.unwrap(),
-        [record(0, IntentKind::Model, "model", 1, None)]
+        ],
+        "nothing of the lost claim's late writes was kept"
     );
     assert!(store.intents(&run, 9).await.unwrap().is_empty());
 }
@@ -1360,7 +1409,7 @@ pub async fn release_leases_frees_a_dead_owners_jobs(store: &dyn Store) {
     let mut held = Vec::new();
     for owner in [OWNER_A, OWNER_A, OWNER_B] {
         let claimed = store
-            .claim_next(lease(owner, far), T0)
+            .claim_next(lease(owner, far), None, T0)
             .await
             .unwrap()
             .expect("a job per run");

@@ -22,6 +22,10 @@ pub enum Error {
     NotFound { kind: &'static str, id: String },
     #[error("{0}")]
     Conflict(String),
+    /// The claim no longer holds its step (its lease expired and the job was claimed again,
+    /// or the step was committed): the caller must drop the step without effects.
+    #[error("the claim on {run_id}#{step_index} was lost")]
+    LeaseLost { run_id: RunId, step_index: u64 },
     #[error("invalid database url {url:?}: {reason}")]
     BadUrl { url: String, reason: String },
     #[error("stored data is corrupt: {0}")]
@@ -112,16 +116,22 @@ pub enum Commit {
     Stale(Stale),
 }
 
-/// A write-ahead record: this effect is about to happen at (run, step, slot).
+/// A write-ahead record: this effect of the claimed step is about to happen at `slot`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Intent {
-    pub run_id: RunId,
-    pub step_index: u64,
     /// The call's position in its batch; model calls use slot 0 of their step.
     pub slot: u32,
     pub kind: IntentKind,
     pub name: String,
     pub idempotency_key: String,
+}
+
+/// What recording intents stored: the announcing events, and for each intent (in order) how
+/// many times it has now been recorded — its attempt number.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordedIntents {
+    pub events: Vec<StoredEvent>,
+    pub attempts: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,16 +193,14 @@ pub trait Store: Send + Sync + 'static {
     /// `queued` until the runs before it end.
     async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted>;
 
-    /// Claims the oldest available job: never claimed, released for retry, or with an expired
-    /// lease. A reclaim increments the job's attempt and epoch.
-    async fn claim_next(&self, lease: Lease, now: Millis) -> Result<Option<ClaimedStep>>;
-
-    /// Claims one specific job if it is available.
-    async fn claim_step(
+    /// Claims the oldest available job — of `run` only, when given: never claimed, released
+    /// for retry, or with an expired lease. A reclaim increments the job's attempt and epoch.
+    /// A job whose run cannot be loaded is set aside for a while instead of blocking the
+    /// jobs behind it.
+    async fn claim_next(
         &self,
-        run_id: &RunId,
-        step_index: u64,
         lease: Lease,
+        run: Option<&RunId>,
         now: Millis,
     ) -> Result<Option<ClaimedStep>>;
 
@@ -230,20 +238,21 @@ pub trait Store: Send + Sync + 'static {
         now: Millis,
     ) -> Result<Vec<StoredEvent>>;
 
-    /// Records intents durably before their effects, with the events that announce them;
-    /// recording one again counts an attempt.
+    /// Records intents of the claimed step durably before their effects, with the events that
+    /// announce them; recording one again counts an attempt. Fenced: refused with
+    /// `Error::LeaseLost` once `claim` no longer holds the step.
     async fn record_intents(
         &self,
-        session_id: &SessionId,
+        claim: &Claim,
         intents: Vec<Intent>,
         events: Vec<EventDraft>,
         now: Millis,
-    ) -> Result<Vec<StoredEvent>>;
+    ) -> Result<RecordedIntents>;
 
+    /// Records the outcome of an intent of the claimed step. Fenced like `record_intents`.
     async fn record_outcome(
         &self,
-        run_id: &RunId,
-        step_index: u64,
+        claim: &Claim,
         slot: u32,
         outcome: ToolOutcome,
         now: Millis,

@@ -108,12 +108,10 @@ impl Registry {
     /// Checks a call before it runs: the tool must exist and the arguments match its schema.
     /// The error text is shown to the model so that it can correct itself.
     pub fn validate(&self, name: &str, arguments: &Value) -> Result<Arc<dyn Tool>, String> {
-        let entry = self.entries.get(name).ok_or_else(|| {
-            format!(
-                "unknown tool {name:?}; available tools: {}",
-                self.names().join(", ")
-            )
-        })?;
+        let entry = self
+            .entries
+            .get(name)
+            .ok_or_else(|| unknown_tool(name, &self.names()))?;
         let problems: Vec<String> = entry
             .validator
             .iter_errors(arguments)
@@ -135,6 +133,14 @@ impl Registry {
             ))
         }
     }
+}
+
+/// What the model is told when it calls a tool it was not offered.
+pub fn unknown_tool(name: &str, available: &[&str]) -> String {
+    format!(
+        "unknown tool {name:?}; available tools: {}",
+        available.join(", ")
+    )
 }
 
 #[cfg(test)]

@@ -1,0 +1,66 @@
+//! SQLite-specific behaviour that the backend-neutral conformance suite cannot reach: what
+//! happens when rows on disk are damaged.
+
+use ratchet_core::{MessageId, RunConfigSnapshot, RunId, SessionId};
+use ratchet_sqlite::SqliteStore;
+use ratchet_store::{Lease, NewRun, Store};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_run_cannot_be_loaded_is_set_aside_and_the_rest_go_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r.db");
+    let store = SqliteStore::open_url(&format!("sqlite://{}", path.display())).unwrap();
+    let mut runs = Vec::new();
+    for (i, at) in [(0, 1_000), (1, 2_000)] {
+        let session = SessionId::from_suffix(&format!("s{i}")).unwrap();
+        store.create_session(&session, at).await.unwrap();
+        let run_id = RunId::from_suffix(&format!("r{i}")).unwrap();
+        let new = NewRun {
+            session_id: session,
+            run_id: run_id.clone(),
+            message_id: MessageId::from_suffix(&format!("m{i}")).unwrap(),
+            content: "hi".into(),
+            config: RunConfigSnapshot::default(),
+        };
+        store.submit_message(new, at).await.unwrap();
+        runs.push(run_id);
+    }
+    // Damage the older run's state: its job is first in line.
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute(
+        "UPDATE runs SET state_json = '{\"status\": \"paused\"}' WHERE id = ?1",
+        [runs[0].as_str()],
+    )
+    .unwrap();
+
+    let lease = |at: i64| Lease {
+        owner: "w".into(),
+        expires_at: at + 30_000,
+    };
+    let claimed = store
+        .claim_next(lease(3_000), None, 3_000)
+        .await
+        .unwrap()
+        .expect("a job");
+    assert_eq!(
+        claimed.job.run_id, runs[1],
+        "the healthy run is claimed past the damaged one"
+    );
+    let nothing = store.claim_next(lease(3_001), None, 3_001).await.unwrap();
+    assert!(
+        nothing.is_none(),
+        "the damaged job is set aside for a while: {nothing:?}"
+    );
+    let ready_at: i64 = conn
+        .query_row(
+            "SELECT ready_at FROM step_jobs WHERE run_id = ?1",
+            [runs[0].as_str()],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(ready_at > 3_000, "set aside until {ready_at}");
+    assert!(
+        store.load_state(&runs[0]).await.is_err(),
+        "the damage is reported, not hidden"
+    );
+}
