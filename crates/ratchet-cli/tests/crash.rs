@@ -389,3 +389,56 @@ fn resume_of_an_idle_database_does_nothing_and_of_a_missing_one_fails() {
     let (code, reports) = sandbox.resume();
     assert_eq!((code, reports.len()), (Some(0), 0), "{reports:?}");
 }
+
+/// `ratchet run` drives its own run only: a crashed run in the same database waits for
+/// `resume` instead of being taken over (and its effects replayed) by an unrelated command.
+#[test]
+fn run_leaves_other_runs_in_the_database_alone() {
+    let sandbox = Sandbox::new(&slow_script());
+    let (mut child, progress) = sandbox.start_run();
+    // Killed mid model stream, with no `never` effect in doubt, so that resume completes.
+    wait_for(&progress, "Now adding", &mut child);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let crashed = sandbox.only_run_id();
+    // As if the dead process's lease had run out: the crashed run's job is free for anyone.
+    let db = rusqlite::Connection::open(sandbox.db.trim_start_matches("sqlite://")).unwrap();
+    let freed = db
+        .execute("UPDATE step_jobs SET lease_owner = NULL, ready_at = 0", [])
+        .unwrap();
+    assert_eq!(freed, 1);
+    let before = sandbox.show(&crashed);
+    let lines_before = sandbox.log_lines();
+
+    let out = Command::new(BIN)
+        .args([
+            "run",
+            "--json",
+            "--db",
+            &sandbox.db,
+            "--model",
+            "scripted:demo",
+        ])
+        .arg("--workspace")
+        .arg(&sandbox.workspace)
+        .arg("What is 2 + 3?")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after = sandbox.show(&crashed);
+    assert_eq!(after["status"], "running");
+    assert_eq!(
+        after["step_index"], before["step_index"],
+        "the crashed run was not driven"
+    );
+    assert_eq!(sandbox.log_lines(), lines_before, "no effect was replayed");
+
+    let (code, reports) = sandbox.resume();
+    assert_eq!(code, Some(0), "{reports:?}");
+    assert_eq!(reports[0]["run_id"], crashed.as_str());
+    assert_eq!(sandbox.log_lines(), ["first", "second"]);
+}

@@ -181,6 +181,13 @@ async fn cancelling_a_run_stops_its_in_flight_step() {
         1,
         "{kinds:?}"
     );
+    let intents = store.intents(&run, 2).await.unwrap();
+    assert_eq!(intents.len(), 1);
+    assert_eq!(
+        intents[0].outcome,
+        Some(ratchet_core::ToolOutcome::error("cancelled")),
+        "the interrupted call's outcome is recorded: it did run"
+    );
     node.pool.shutdown().await;
 }
 

@@ -789,7 +789,6 @@ pub(crate) fn request_cancel(c: &Tx<'_>, run_id: &RunId, now: Millis) -> Result<
     let stored = run_row(c, run_id)?;
     let mut state = load_state(c, run_id)?;
     match stored.status {
-        status if status.is_terminal() => Ok(CancelOutcome::AlreadyTerminal(status)),
         RunStatus::Running | RunStatus::Cancelling => {
             c.prepare_cached("UPDATE runs SET cancel_requested = 1 WHERE id = ?1")
                 .and_then(|mut s| s.execute([run_id.as_str()]))
