@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use ratchet_core::{Limits, RunConfigSnapshot, RunStatus, SessionId};
 use ratchet_engine::PoolConfig;
+use ratchet_store::SessionSpec;
 use serde_json::json;
 use tokio::sync::{Semaphore, broadcast::error::RecvError, oneshot};
 
@@ -119,7 +120,7 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         );
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
-            let session = coordinator.create_session().await?;
+            let session = coordinator.create_session(SessionSpec::default()).await?.id;
             let (done, finished) = oneshot::channel();
             // Each run has its own session, so the watch is keyed by session and registered
             // before the submit: no event of the run can slip past it.

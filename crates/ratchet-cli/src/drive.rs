@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use ratchet_core::{AgentState, Limits, RunConfigSnapshot, RunId, RunStatus};
 use ratchet_engine::PoolConfig;
+use ratchet_store::SessionSpec;
 use serde::Serialize;
 use tokio::sync::broadcast::error::RecvError;
 
@@ -112,7 +113,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let runtime = Runtime::new(open_store(&args.db)?, toolbox);
     let coordinator = &runtime.coordinator;
     let mut events = coordinator.subscribe();
-    let session = coordinator.create_session().await?;
+    let session = coordinator.create_session(SessionSpec::default()).await?.id;
     let started = coordinator
         .submit(&session, args.message.clone(), config)
         .await?;

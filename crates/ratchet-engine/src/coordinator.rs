@@ -8,7 +8,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use ratchet_core::{MessageId, RunConfigSnapshot, RunId, RunStatus, SessionId, StepResult};
-use ratchet_store::{CancelOutcome, Claim, ClaimedStep, Commit, Lease, NewRun, Store, StoredEvent};
+use ratchet_store::{
+    CancelOutcome, Claim, ClaimedStep, Commit, Lease, NewRun, Session, SessionSpec, Store,
+    StoredEvent,
+};
 use tokio::sync::{Notify, broadcast};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -56,11 +59,10 @@ impl Coordinator {
         self.events.subscribe()
     }
 
-    pub async fn create_session(&self) -> Result<SessionId> {
+    pub async fn create_session(&self, spec: SessionSpec) -> Result<Session> {
         let id = SessionId::from_suffix(&fresh_suffix())
             .map_err(|e| crate::Error::Invalid(e.to_string()))?;
-        self.store.create_session(&id, now_ms()).await?;
-        Ok(id)
+        Ok(self.store.create_session(&id, spec, now_ms()).await?)
     }
 
     /// Records a user message and its run; the run starts now or queues behind the session's

@@ -7,7 +7,7 @@ use std::time::Duration;
 use ratchet_core::{Limits, RunConfigSnapshot, RunId, RunStatus, StopReason};
 use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool};
 use ratchet_sqlite::SqliteStore;
-use ratchet_store::{Lease, Store};
+use ratchet_store::{Lease, SessionSpec, Store};
 use ratchet_tools::Registry;
 use serde_json::json;
 
@@ -88,7 +88,12 @@ async fn two_pools_on_one_database_commit_every_step_exactly_once() {
     let mut runs = Vec::new();
     for i in 0..24 {
         let submitter = if i % 2 == 0 { &a } else { &b };
-        let session = submitter.coordinator.create_session().await.unwrap();
+        let session = submitter
+            .coordinator
+            .create_session(SessionSpec::default())
+            .await
+            .unwrap()
+            .id;
         let started = submitter
             .coordinator
             .submit(&session, format!("run {i}"), config(&script))
@@ -142,7 +147,12 @@ async fn cancelling_a_run_stops_its_in_flight_step() {
     );
     let node = node(&db, fast_pool());
     let mut events = node.coordinator.subscribe();
-    let session = node.coordinator.create_session().await.unwrap();
+    let session = node
+        .coordinator
+        .create_session(SessionSpec::default())
+        .await
+        .unwrap()
+        .id;
     let run = node
         .coordinator
         .submit(&session, "sleep".into(), config(&script))
@@ -200,7 +210,12 @@ async fn a_failing_model_call_is_retried_then_fails_the_run_when_attempts_run_ou
         json!({"replies": [{"text": "ok", "error": "http_500"}]}),
     );
     let node = node(&db, fast_pool());
-    let session = node.coordinator.create_session().await.unwrap();
+    let session = node
+        .coordinator
+        .create_session(SessionSpec::default())
+        .await
+        .unwrap()
+        .id;
     let run = node
         .coordinator
         .submit(&session, "hi".into(), config(&script))
@@ -226,7 +241,12 @@ async fn a_failing_model_call_is_retried_then_fails_the_run_when_attempts_run_ou
 
     let mut one_attempt = config(&script);
     one_attempt.limits.max_model_attempts = 1;
-    let session = node.coordinator.create_session().await.unwrap();
+    let session = node
+        .coordinator
+        .create_session(SessionSpec::default())
+        .await
+        .unwrap()
+        .id;
     let run = node
         .coordinator
         .submit(&session, "hi".into(), one_attempt)
@@ -248,7 +268,11 @@ async fn a_step_whose_worker_vanished_is_taken_over_after_its_lease_expires() {
     let script = write_script(dir.path(), json!({"replies": [{"text": "recovered"}]}));
     let store: Arc<dyn Store> = Arc::new(SqliteStore::open_url(&db).unwrap());
     let coordinator = Coordinator::new(Arc::clone(&store));
-    let session = coordinator.create_session().await.unwrap();
+    let session = coordinator
+        .create_session(SessionSpec::default())
+        .await
+        .unwrap()
+        .id;
     let run = coordinator
         .submit(&session, "hi".into(), config(&script))
         .await

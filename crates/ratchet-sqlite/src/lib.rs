@@ -18,7 +18,8 @@ use ratchet_core::{
 };
 use ratchet_store::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentRecord, Lease, NewRun,
-    RecordedIntents, RunSummary, Store, StoredEvent, Submitted,
+    RecordedIntents, RunSummary, Session, SessionSpec, Store, StoredEvent, StoredMessage,
+    Submitted,
 };
 use rusqlite::{Connection, OpenFlags};
 
@@ -203,10 +204,68 @@ impl SqliteStore {
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn create_session(&self, id: &SessionId, now: Millis) -> Result<()> {
+    async fn create_session(
+        &self,
+        id: &SessionId,
+        spec: SessionSpec,
+        now: Millis,
+    ) -> Result<Session> {
         let id = id.clone();
         self.writer
-            .write(move |c| ops::create_session(c, &id, now))
+            .write(move |c| ops::create_session(c, &id, spec, now))
+            .await
+    }
+
+    async fn get_session(&self, id: &SessionId) -> Result<Session> {
+        let id = id.clone();
+        self.readers.read(move |c| ops::get_session(c, &id)).await
+    }
+
+    async fn list_sessions(
+        &self,
+        tenant: &str,
+        after: Option<&SessionId>,
+        limit: u32,
+    ) -> Result<Vec<Session>> {
+        let (tenant, after) = (tenant.to_owned(), after.cloned());
+        self.readers
+            .read(move |c| ops::list_sessions(c, &tenant, after.as_ref(), limit))
+            .await
+    }
+
+    async fn visible_messages(
+        &self,
+        session_id: &SessionId,
+        after_position: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredMessage>> {
+        let session_id = session_id.clone();
+        self.readers
+            .read(move |c| ops::visible_messages(c, &session_id, after_position, limit))
+            .await
+    }
+
+    async fn session_runs(
+        &self,
+        session_id: &SessionId,
+        after: Option<&RunId>,
+        limit: u32,
+    ) -> Result<Vec<RunSummary>> {
+        let (session_id, after) = (session_id.clone(), after.cloned());
+        self.readers
+            .read(move |c| ops::session_runs(c, &session_id, after.as_ref(), limit))
+            .await
+    }
+
+    async fn run_events_after(
+        &self,
+        run_id: &RunId,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredEvent>> {
+        let run_id = run_id.clone();
+        self.readers
+            .read(move |c| ops::run_events_after(c, &run_id, after_seq, limit))
             .await
     }
 

@@ -8,7 +8,8 @@ use ratchet_core::{
 };
 use ratchet_store::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentKind, IntentRecord, Lease,
-    NewRun, RecordedIntents, RunSummary, Stale, StoredEvent, Submitted,
+    NewRun, RecordedIntents, RunSummary, Session, SessionSpec, Stale, StoredEvent, StoredMessage,
+    Submitted,
 };
 use rusqlite::{OptionalExtension, params};
 use serde::Serialize;
@@ -40,15 +41,104 @@ fn run_not_found(run_id: &RunId) -> Error {
     }
 }
 
-pub(crate) fn create_session(c: &Tx<'_>, id: &SessionId, now: Millis) -> Result<()> {
+pub(crate) fn create_session(
+    c: &Tx<'_>,
+    id: &SessionId,
+    spec: SessionSpec,
+    now: Millis,
+) -> Result<Session> {
+    let metadata = spec.metadata.as_ref().map(to_json).transpose()?;
     let inserted = c
-        .prepare_cached("INSERT OR IGNORE INTO sessions (id, created_at) VALUES (?1, ?2)")
-        .and_then(|mut s| s.execute(params![id.as_str(), now]))
+        .prepare_cached(
+            "INSERT OR IGNORE INTO sessions (id, created_at, tenant, agent, metadata_json) VALUES (?1, ?2, ?3, ?4, ?5)",
+        )
+        .and_then(|mut s| s.execute(params![id.as_str(), now, spec.tenant, spec.agent, metadata]))
         .map_err(backend)?;
     if inserted == 0 {
         return Err(Error::Conflict(format!("session {id} already exists")));
     }
-    Ok(())
+    Ok(Session {
+        id: id.clone(),
+        tenant: spec.tenant,
+        agent: spec.agent,
+        metadata: spec.metadata,
+        created_at: now,
+        active_run_id: None,
+    })
+}
+
+const SESSION_COLUMNS: &str = "id, tenant, agent, metadata_json, created_at, active_run_id";
+
+type SessionColumns = (
+    String,
+    String,
+    Option<String>,
+    Option<String>,
+    i64,
+    Option<String>,
+);
+
+fn session_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionColumns> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+    ))
+}
+
+fn to_session(row: SessionColumns) -> Result<Session> {
+    let (id, tenant, agent, metadata, created_at, active) = row;
+    let corrupt = |e: ratchet_core::IdError| Error::Corrupt(e.to_string());
+    Ok(Session {
+        id: SessionId::parse(&id).map_err(corrupt)?,
+        tenant,
+        agent,
+        metadata: metadata
+            .map(|m| from_json(&m, "session metadata"))
+            .transpose()?,
+        created_at,
+        active_run_id: active
+            .map(|r| RunId::parse(&r))
+            .transpose()
+            .map_err(corrupt)?,
+    })
+}
+
+pub(crate) fn get_session(c: &Tx<'_>, id: &SessionId) -> Result<Session> {
+    let row = c
+        .prepare_cached(&format!(
+            "SELECT {SESSION_COLUMNS} FROM sessions WHERE id = ?1"
+        ))
+        .and_then(|mut s| s.query_row([id.as_str()], session_row).optional())
+        .map_err(backend)?
+        .ok_or_else(|| Error::NotFound {
+            kind: "session",
+            id: id.to_string(),
+        })?;
+    to_session(row)
+}
+
+pub(crate) fn list_sessions(
+    c: &Tx<'_>,
+    tenant: &str,
+    after: Option<&SessionId>,
+    limit: u32,
+) -> Result<Vec<Session>> {
+    let mut stmt = c
+        .prepare_cached(&format!(
+            "SELECT {SESSION_COLUMNS} FROM sessions WHERE tenant = ?1 AND id > ?2 ORDER BY id LIMIT ?3"
+        ))
+        .map_err(backend)?;
+    let rows = stmt
+        .query_map(
+            params![tenant, after.map_or("", |a| a.as_str()), limit],
+            session_row,
+        )
+        .map_err(backend)?;
+    rows.map(|row| to_session(row.map_err(backend)?)).collect()
 }
 
 pub(crate) fn submit_message(c: &Tx<'_>, new: NewRun, now: Millis) -> Result<Submitted> {
@@ -857,6 +947,79 @@ fn frozen_config(c: &Tx<'_>, run_id: &RunId) -> Result<std::sync::Arc<RunConfigS
     })
 }
 
+pub(crate) fn visible_messages(
+    c: &Tx<'_>,
+    session_id: &SessionId,
+    after_position: i64,
+    limit: u32,
+) -> Result<Vec<StoredMessage>> {
+    let mut stmt = c
+        .prepare_cached(
+            "SELECT rowid, id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, created_at
+             FROM messages WHERE session_id = ?1 AND visibility = 'visible' AND rowid > ?2
+             ORDER BY rowid LIMIT ?3",
+        )
+        .map_err(backend)?;
+    let rows = stmt
+        .query_map(params![session_id.as_str(), after_position, limit], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+                message_columns(r, 3)?,
+                r.get::<_, i64>(9)?,
+            ))
+        })
+        .map_err(backend)?;
+    let mut messages = Vec::new();
+    for row in rows {
+        let (position, id, run_id, columns, created_at) = row.map_err(backend)?;
+        messages.push(StoredMessage {
+            id,
+            run_id: RunId::parse(&run_id).map_err(|e| Error::Corrupt(e.to_string()))?,
+            position,
+            message: to_message(columns)?,
+            created_at,
+        });
+    }
+    Ok(messages)
+}
+
+type MessageColumns = (
+    String,
+    String,
+    Option<String>,
+    Option<String>,
+    String,
+    String,
+);
+
+fn message_columns(r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<MessageColumns> {
+    Ok((
+        r.get(at)?,
+        r.get(at + 1)?,
+        r.get(at + 2)?,
+        r.get(at + 3)?,
+        r.get(at + 4)?,
+        r.get(at + 5)?,
+    ))
+}
+
+fn to_message(columns: MessageColumns) -> Result<Message> {
+    let (role, content, tool_calls, tool_call_id, visibility, origin) = columns;
+    Ok(Message {
+        role: sql_enum(&role)?,
+        content,
+        tool_calls: tool_calls
+            .map(|t| from_json(&t, "tool calls"))
+            .transpose()?
+            .unwrap_or_default(),
+        tool_call_id,
+        visibility: sql_enum(&visibility)?,
+        origin: sql_enum(&origin)?,
+    })
+}
+
 pub(crate) fn history(c: &Tx<'_>, session_id: &SessionId) -> Result<Vec<Message>> {
     let mut stmt = c
         .prepare_cached(
@@ -865,72 +1028,80 @@ pub(crate) fn history(c: &Tx<'_>, session_id: &SessionId) -> Result<Vec<Message>
         )
         .map_err(backend)?;
     let rows = stmt
-        .query_map([session_id.as_str()], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, Option<String>>(2)?,
-                r.get::<_, Option<String>>(3)?,
-                r.get::<_, String>(4)?,
-                r.get::<_, String>(5)?,
-            ))
-        })
+        .query_map([session_id.as_str()], |r| message_columns(r, 0))
         .map_err(backend)?;
-    let mut messages = Vec::new();
-    for row in rows {
-        let (role, content, tool_calls, tool_call_id, visibility, origin) = row.map_err(backend)?;
-        messages.push(Message {
-            role: sql_enum(&role)?,
-            content,
-            tool_calls: tool_calls
-                .map(|t| from_json(&t, "tool calls"))
-                .transpose()?
-                .unwrap_or_default(),
-            tool_call_id,
-            visibility: sql_enum(&visibility)?,
-            origin: sql_enum(&origin)?,
-        });
-    }
-    Ok(messages)
+    rows.map(|row| to_message(row.map_err(backend)?)).collect()
+}
+
+const RUN_COLUMNS: &str =
+    "id, session_id, status, stop_reason, step_index, created_at, finished_at";
+
+type RunColumns = (
+    String,
+    String,
+    String,
+    Option<String>,
+    i64,
+    i64,
+    Option<i64>,
+);
+
+fn run_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<RunColumns> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+    ))
+}
+
+fn to_run_summary(row: RunColumns) -> Result<RunSummary> {
+    let (id, session, status, stop_reason, step_index, created_at, finished_at) = row;
+    Ok(RunSummary {
+        run_id: RunId::parse(&id).map_err(|e| Error::Corrupt(e.to_string()))?,
+        session_id: SessionId::parse(&session).map_err(|e| Error::Corrupt(e.to_string()))?,
+        status: RunStatus::parse(&status)
+            .ok_or_else(|| Error::Corrupt(format!("unknown status {status:?}")))?,
+        stop_reason: stop_reason
+            .map(|r| sql_enum::<StopReason>(&r))
+            .transpose()?,
+        step_index: step_index as u64,
+        created_at,
+        finished_at,
+    })
 }
 
 pub(crate) fn list_runs(c: &Tx<'_>) -> Result<Vec<RunSummary>> {
     let mut stmt = c
-        .prepare_cached(
-            "SELECT id, session_id, status, stop_reason, step_index, created_at, finished_at FROM runs ORDER BY rowid",
-        )
+        .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM runs ORDER BY rowid"))
+        .map_err(backend)?;
+    let rows = stmt.query_map([], run_columns).map_err(backend)?;
+    rows.map(|row| to_run_summary(row.map_err(backend)?))
+        .collect()
+}
+
+pub(crate) fn session_runs(
+    c: &Tx<'_>,
+    session_id: &SessionId,
+    after: Option<&RunId>,
+    limit: u32,
+) -> Result<Vec<RunSummary>> {
+    let mut stmt = c
+        .prepare_cached(&format!(
+            "SELECT {RUN_COLUMNS} FROM runs WHERE session_id = ?1 AND id > ?2 ORDER BY id LIMIT ?3"
+        ))
         .map_err(backend)?;
     let rows = stmt
-        .query_map([], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, String>(2)?,
-                r.get::<_, Option<String>>(3)?,
-                r.get::<_, i64>(4)?,
-                r.get::<_, i64>(5)?,
-                r.get::<_, Option<i64>>(6)?,
-            ))
-        })
+        .query_map(
+            params![session_id.as_str(), after.map_or("", |a| a.as_str()), limit],
+            run_columns,
+        )
         .map_err(backend)?;
-    let mut runs = Vec::new();
-    for row in rows {
-        let (id, session, status, stop_reason, step_index, created_at, finished_at) =
-            row.map_err(backend)?;
-        runs.push(RunSummary {
-            run_id: RunId::parse(&id).map_err(|e| Error::Corrupt(e.to_string()))?,
-            session_id: SessionId::parse(&session).map_err(|e| Error::Corrupt(e.to_string()))?,
-            status: RunStatus::parse(&status)
-                .ok_or_else(|| Error::Corrupt(format!("unknown status {status:?}")))?,
-            stop_reason: stop_reason
-                .map(|r| sql_enum::<StopReason>(&r))
-                .transpose()?,
-            step_index: step_index as u64,
-            created_at,
-            finished_at,
-        });
-    }
-    Ok(runs)
+    rows.map(|row| to_run_summary(row.map_err(backend)?))
+        .collect()
 }
 
 pub(crate) fn steps(c: &Tx<'_>, run_id: &RunId) -> Result<Vec<StepRecord>> {
@@ -964,6 +1135,37 @@ pub(crate) fn steps(c: &Tx<'_>, run_id: &RunId) -> Result<Vec<StepRecord>> {
     Ok(steps)
 }
 
+const EVENT_COLUMNS: &str = "session_id, seq, run_id, kind, payload_json, created_at";
+
+type EventColumns = (String, i64, Option<String>, String, String, i64);
+
+fn event_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<EventColumns> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+    ))
+}
+
+fn to_event(row: EventColumns) -> Result<StoredEvent> {
+    let (session, seq, run_id, kind, payload, created_at) = row;
+    let corrupt = |e: ratchet_core::IdError| Error::Corrupt(e.to_string());
+    Ok(StoredEvent {
+        session_id: SessionId::parse(&session).map_err(corrupt)?,
+        seq,
+        run_id: run_id
+            .map(|r| RunId::parse(&r))
+            .transpose()
+            .map_err(corrupt)?,
+        kind,
+        payload: from_json(&payload, "event payload")?,
+        created_at,
+    })
+}
+
 pub(crate) fn events_after(
     c: &Tx<'_>,
     session_id: &SessionId,
@@ -971,38 +1173,34 @@ pub(crate) fn events_after(
     limit: u32,
 ) -> Result<Vec<StoredEvent>> {
     let mut stmt = c
-        .prepare_cached(
-            "SELECT seq, run_id, kind, payload_json, created_at FROM events
-             WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3",
-        )
+        .prepare_cached(&format!(
+            "SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3"
+        ))
         .map_err(backend)?;
     let rows = stmt
-        .query_map(params![session_id.as_str(), after_seq, limit], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                r.get::<_, Option<String>>(1)?,
-                r.get::<_, String>(2)?,
-                r.get::<_, String>(3)?,
-                r.get::<_, i64>(4)?,
-            ))
-        })
+        .query_map(
+            params![session_id.as_str(), after_seq, limit],
+            event_columns,
+        )
         .map_err(backend)?;
-    let mut events = Vec::new();
-    for row in rows {
-        let (seq, run_id, kind, payload, created_at) = row.map_err(backend)?;
-        events.push(StoredEvent {
-            session_id: session_id.clone(),
-            seq,
-            run_id: run_id
-                .map(|r| RunId::parse(&r))
-                .transpose()
-                .map_err(|e| Error::Corrupt(e.to_string()))?,
-            kind,
-            payload: from_json(&payload, "event payload")?,
-            created_at,
-        });
-    }
-    Ok(events)
+    rows.map(|row| to_event(row.map_err(backend)?)).collect()
+}
+
+pub(crate) fn run_events_after(
+    c: &Tx<'_>,
+    run_id: &RunId,
+    after_seq: i64,
+    limit: u32,
+) -> Result<Vec<StoredEvent>> {
+    let mut stmt = c
+        .prepare_cached(&format!(
+            "SELECT {EVENT_COLUMNS} FROM events WHERE run_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3"
+        ))
+        .map_err(backend)?;
+    let rows = stmt
+        .query_map(params![run_id.as_str(), after_seq, limit], event_columns)
+        .map_err(backend)?;
+    rows.map(|row| to_event(row.map_err(backend)?)).collect()
 }
 
 pub(crate) fn lease_owners(c: &Tx<'_>) -> Result<Vec<String>> {

@@ -6,7 +6,8 @@ use crate::{Result, backend};
 
 /// Each entry moves the schema from version `i` to `i + 1`. Never edit a released entry:
 /// append a new one.
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE sessions (
     id            TEXT PRIMARY KEY,
     created_at    INTEGER NOT NULL,
@@ -92,7 +93,16 @@ CREATE TABLE intents (
     finished_at     INTEGER,
     PRIMARY KEY (run_id, step_index, slot)
 ) WITHOUT ROWID;
-"#];
+"#,
+    r#"
+ALTER TABLE sessions ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default';
+ALTER TABLE sessions ADD COLUMN agent TEXT;
+ALTER TABLE sessions ADD COLUMN metadata_json TEXT;
+CREATE INDEX sessions_by_tenant ON sessions(tenant, id);
+CREATE INDEX runs_by_session_id ON runs(session_id, id);
+CREATE INDEX events_by_run ON events(run_id, seq);
+"#,
+];
 
 pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
     let tx = conn

@@ -3,7 +3,7 @@
 
 use ratchet_core::{MessageId, RunConfigSnapshot, RunId, SessionId};
 use ratchet_sqlite::SqliteStore;
-use ratchet_store::{Lease, NewRun, Store};
+use ratchet_store::{Lease, NewRun, SessionSpec, Store};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_whose_run_cannot_be_loaded_is_set_aside_and_the_rest_go_on() {
@@ -13,7 +13,10 @@ async fn a_job_whose_run_cannot_be_loaded_is_set_aside_and_the_rest_go_on() {
     let mut runs = Vec::new();
     for (i, at) in [(0, 1_000), (1, 2_000)] {
         let session = SessionId::from_suffix(&format!("s{i}")).unwrap();
-        store.create_session(&session, at).await.unwrap();
+        store
+            .create_session(&session, SessionSpec::default(), at)
+            .await
+            .unwrap();
         let run_id = RunId::from_suffix(&format!("r{i}")).unwrap();
         let new = NewRun {
             session_id: session,

@@ -16,13 +16,13 @@ use ratchet_core::step::{after_model, after_tools, await_reconciliation, finish_
 use ratchet_core::{
     AgentState, EventDraft, EventKind, HumanRequest, Limits, Message, MessageId, Millis,
     ModelReply, Phase, ReplayPolicy, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob,
-    StepRecord, StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, Usage,
+    StepRecord, StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, Usage, Visibility,
 };
 use serde_json::{Value, json};
 
 use crate::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentKind, IntentRecord, Lease,
-    NewRun, RunSummary, Stale, Store, StoredEvent, Submitted,
+    NewRun, RunSummary, Session, SessionSpec, Stale, Store, StoredEvent, Submitted,
 };
 
 /// Expands to one `#[tokio::test]` per conformance test. `$make` is an expression of a
@@ -51,6 +51,8 @@ macro_rules! store_conformance_tests {
             missing_and_duplicate_entities_are_errors,
             config_and_cancel_flag_are_owned_by_the_store,
             a_claim_for_one_run_takes_only_its_jobs,
+            sessions_are_listed_per_tenant_in_pages,
+            client_reads_show_visible_messages_runs_and_run_events,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -137,7 +139,7 @@ fn tool_reply() -> ModelReply {
 async fn new_session(store: &dyn Store) -> SessionId {
     let id = SessionId::from_suffix(&unique()).unwrap();
     store
-        .create_session(&id, T0)
+        .create_session(&id, SessionSpec::default(), T0)
         .await
         .unwrap_or_else(|e| panic!("create_session {id}: {e}"));
     id
@@ -686,6 +688,156 @@ pub async fn concurrent_claims_of_one_step_have_one_winner(store: Arc<dyn Store>
         std::slice::from_ref(owner),
         "only the winner holds a lease"
     );
+}
+
+/// Sessions belong to a tenant: a listing shows only that tenant's, in id order, a page at a
+/// time after a cursor; a session keeps its agent and metadata.
+pub async fn sessions_are_listed_per_tenant_in_pages(store: &dyn Store) {
+    let prefix = unique();
+    let spec = |tenant: &str, i: usize| SessionSpec {
+        tenant: tenant.into(),
+        agent: Some(format!("agent-{i}")),
+        metadata: Some(json!({"n": i})),
+    };
+    let mut acme = Vec::new();
+    for i in 0..5 {
+        let id = SessionId::from_suffix(&format!("{prefix}-a{i:03}")).unwrap();
+        let created = store
+            .create_session(&id, spec("acme", i), T0 + i as i64)
+            .await
+            .unwrap();
+        assert_eq!(
+            (created.tenant.as_str(), created.active_run_id.as_ref()),
+            ("acme", None)
+        );
+        acme.push(id);
+    }
+    for i in 0..2 {
+        let id = SessionId::from_suffix(&format!("{prefix}-g{i:03}")).unwrap();
+        store
+            .create_session(&id, spec("globex", i), T0)
+            .await
+            .unwrap();
+    }
+    let first = store.list_sessions("acme", None, 2).await.unwrap();
+    let ids = |page: &[Session]| page.iter().map(|s| s.id.clone()).collect::<Vec<_>>();
+    assert_eq!(ids(&first), acme[..2]);
+    let second = store
+        .list_sessions("acme", Some(&acme[1]), 2)
+        .await
+        .unwrap();
+    assert_eq!(ids(&second), acme[2..4]);
+    let last = store
+        .list_sessions("acme", Some(&acme[3]), 2)
+        .await
+        .unwrap();
+    assert_eq!(ids(&last), acme[4..]);
+    assert!(
+        store
+            .list_sessions("acme", Some(&acme[4]), 2)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        store.list_sessions("globex", None, 10).await.unwrap().len(),
+        2
+    );
+    assert!(
+        store
+            .list_sessions("initech", None, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    let third = store.get_session(&acme[3]).await.unwrap();
+    assert_eq!(third.tenant, "acme");
+    assert_eq!(third.agent.as_deref(), Some("agent-3"));
+    assert_eq!(third.metadata, Some(json!({"n": 3})));
+    assert_eq!(third.created_at, T0 + 3);
+    let (run, _) = submit(store, &acme[3], "hello", config(), T0 + 10).await;
+    assert_eq!(
+        store.get_session(&acme[3]).await.unwrap().active_run_id,
+        Some(run)
+    );
+    let missing = SessionId::from_suffix(&format!("{prefix}-none")).unwrap();
+    assert!(matches!(
+        store.get_session(&missing).await,
+        Err(Error::NotFound { .. })
+    ));
+}
+
+/// What a client reads back: visible messages in order (never hidden ones) with a position
+/// cursor, a session's runs in id order, and one run's events only.
+pub async fn client_reads_show_visible_messages_runs_and_run_events(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (run, _) = submit(store, &session, "first", config(), T0).await;
+    let first = claim(store, OWNER_A, T0).await;
+    let mut result = after_model(
+        first.state,
+        &first.job,
+        text_reply("answer"),
+        false,
+        T0,
+        T0 + 1,
+    );
+    result.messages.push(Message {
+        visibility: Visibility::Hidden,
+        ..Message::user("a hidden trigger")
+    });
+    commit(store, &first.claim, result, None, T0 + 1).await;
+    let (second_run, _) = submit(store, &session, "second", config(), T0 + 2).await;
+
+    let messages = store.visible_messages(&session, 0, 100).await.unwrap();
+    let texts: Vec<&str> = messages
+        .iter()
+        .map(|m| m.message.content.as_str())
+        .collect();
+    assert_eq!(
+        texts,
+        ["first", "answer", "second"],
+        "hidden messages never reach a client"
+    );
+    assert!(messages.windows(2).all(|w| w[0].position < w[1].position));
+    assert_eq!(messages[0].run_id, run);
+    assert_eq!(messages[2].run_id, second_run);
+    let rest = store
+        .visible_messages(&session, messages[0].position, 1)
+        .await
+        .unwrap();
+    assert_eq!(rest.len(), 1);
+    assert_eq!(rest[0].message.content, "answer");
+    assert_eq!(
+        store.history(&session).await.unwrap().len(),
+        4,
+        "the model's history keeps the hidden message"
+    );
+
+    let runs = store.session_runs(&session, None, 10).await.unwrap();
+    let ids: Vec<&RunId> = runs.iter().map(|r| &r.run_id).collect();
+    let mut expected = vec![&run, &second_run];
+    expected.sort();
+    assert_eq!(ids, expected);
+    let after_first = store
+        .session_runs(&session, Some(expected[0]), 10)
+        .await
+        .unwrap();
+    assert_eq!(after_first.len(), 1);
+
+    let all = store.events_after(&session, 0, 1000).await.unwrap();
+    let of_run = store.run_events_after(&run, 0, 1000).await.unwrap();
+    let expected: Vec<&StoredEvent> = all
+        .iter()
+        .filter(|e| e.run_id.as_ref() == Some(&run))
+        .collect();
+    assert_eq!(of_run.iter().collect::<Vec<_>>(), expected);
+    assert!(!of_run.is_empty() && of_run.len() < all.len());
+    let tail = store
+        .run_events_after(&run, of_run[0].seq, 1000)
+        .await
+        .unwrap();
+    assert_eq!(tail, of_run[1..]);
 }
 
 /// A claim scoped to one run (a driver that must not execute other runs' steps) takes only
@@ -1500,7 +1652,10 @@ pub async fn missing_and_duplicate_entities_are_errors(store: &dyn Store) {
     }
 
     let session = new_session(store).await;
-    match store.create_session(&session, T0 + 1).await {
+    match store
+        .create_session(&session, SessionSpec::default(), T0 + 1)
+        .await
+    {
         Err(Error::Conflict(_)) => {}
         other => panic!("create_session twice: expected Conflict, got {other:?}"),
     }

@@ -71,6 +71,50 @@ pub struct StoredEvent {
     pub created_at: Millis,
 }
 
+/// The tenant of sessions created without authentication (a server with no tokens, the CLI).
+pub const DEFAULT_TENANT: &str = "default";
+
+/// What a new session is created with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionSpec {
+    /// Whose session it is: only requests of this tenant can see it.
+    pub tenant: String,
+    pub agent: Option<String>,
+    pub metadata: Option<Value>,
+}
+
+impl Default for SessionSpec {
+    fn default() -> Self {
+        SessionSpec {
+            tenant: DEFAULT_TENANT.to_owned(),
+            agent: None,
+            metadata: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Session {
+    pub id: SessionId,
+    pub tenant: String,
+    pub agent: Option<String>,
+    pub metadata: Option<Value>,
+    pub created_at: Millis,
+    /// The session's one non-terminal, non-queued run, if any.
+    pub active_run_id: Option<RunId>,
+}
+
+/// A message as stored: its id, run and place in the session (`position`, increasing; the
+/// cursor of message listings).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredMessage {
+    pub id: String,
+    pub run_id: RunId,
+    pub position: i64,
+    pub message: Message,
+    pub created_at: Millis,
+}
+
 /// A user message that starts (or queues) a run.
 #[derive(Debug, Clone)]
 pub struct NewRun {
@@ -186,7 +230,47 @@ pub enum CancelOutcome {
 
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
-    async fn create_session(&self, id: &SessionId, now: Millis) -> Result<()>;
+    async fn create_session(
+        &self,
+        id: &SessionId,
+        spec: SessionSpec,
+        now: Millis,
+    ) -> Result<Session>;
+
+    async fn get_session(&self, id: &SessionId) -> Result<Session>;
+
+    /// A tenant's sessions in id order (ids are time-ordered), after `after` when given.
+    async fn list_sessions(
+        &self,
+        tenant: &str,
+        after: Option<&SessionId>,
+        limit: u32,
+    ) -> Result<Vec<Session>>;
+
+    /// A session's visible messages (hidden ones never leave the store this way), in order,
+    /// after `after_position`.
+    async fn visible_messages(
+        &self,
+        session_id: &SessionId,
+        after_position: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredMessage>>;
+
+    /// A session's runs in id order, after `after` when given.
+    async fn session_runs(
+        &self,
+        session_id: &SessionId,
+        after: Option<&RunId>,
+        limit: u32,
+    ) -> Result<Vec<RunSummary>>;
+
+    /// One run's events after `after_seq`, in order.
+    async fn run_events_after(
+        &self,
+        run_id: &RunId,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredEvent>>;
 
     /// Inserts the user message and its run in one transaction. The run starts at once
     /// (its first job enqueued) when the session has no non-terminal run; otherwise it waits
