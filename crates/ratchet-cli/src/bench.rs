@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use ratchet_core::{Limits, RunConfigSnapshot, RunStatus, SessionId};
-use ratchet_engine::PoolConfig;
+use ratchet_engine::{Multitask, PoolConfig};
 use ratchet_store::SessionSpec;
 use serde_json::json;
 use tokio::sync::{Semaphore, broadcast::error::RecvError, oneshot};
@@ -131,7 +131,9 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
                     done: Some(done),
                 },
             );
-            let run = coordinator.submit(&session, "bench".into(), config).await?;
+            let run = coordinator
+                .submit(&session, "bench".into(), config, Multitask::Enqueue)
+                .await?;
             let state = match tokio::time::timeout(Duration::from_secs(120), finished).await {
                 Ok(_) => coordinator.store().load_state(&run.run_id).await?,
                 Err(_) => bail!("run {} did not finish within 120 s", run.run_id),

@@ -5,16 +5,14 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{Context, bail};
-use ratchet_core::{AgentState, Limits, RunConfigSnapshot, RunId, RunStatus};
-use ratchet_engine::PoolConfig;
+use anyhow::bail;
+use ratchet_core::{AgentState, RunConfigSnapshot, RunId, RunStatus};
+use ratchet_engine::{Multitask, PoolConfig};
 use ratchet_store::SessionSpec;
 use serde::Serialize;
 use tokio::sync::broadcast::error::RecvError;
 
 use crate::runtime::{Runtime, Toolbox, open_existing_store, open_store};
-
-const SYSTEM_PROMPT: &str = "You are a helpful assistant. Use the tools when they help.";
 
 /// How often a driver re-reads the store in case it missed a wake-up on the event bus.
 const RECHECK: Duration = Duration::from_millis(200);
@@ -69,41 +67,7 @@ fn run_config(args: &RunArgs, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnap
     if args.message.trim().is_empty() {
         bail!("MESSAGE is empty; expected the text to send to the agent");
     }
-    if args.max_steps == 0 {
-        bail!("--max-steps must be at least 1");
-    }
-    let workspace = match &args.workspace {
-        Some(dir) => dir.clone(),
-        None => std::env::current_dir().context("cannot read the current directory")?,
-    };
-    let workspace = workspace.canonicalize().with_context(|| {
-        format!(
-            "workspace {} is not an existing directory",
-            workspace.display()
-        )
-    })?;
-    if !workspace.is_dir() {
-        bail!("workspace {} is not a directory", workspace.display());
-    }
-    let model = match args.model.strip_prefix("scripted:") {
-        Some(path) if path != "demo" => {
-            let absolute =
-                std::path::absolute(path).with_context(|| format!("bad script path {path:?}"))?;
-            format!("scripted:{}", absolute.display())
-        }
-        _ => args.model.clone(),
-    };
-    toolbox.models.resolve(&model)?;
-    Ok(RunConfigSnapshot {
-        model,
-        workspace: Some(workspace.display().to_string()),
-        system_prompt: SYSTEM_PROMPT.to_owned(),
-        tools: toolbox.tools.specs(),
-        limits: Limits {
-            max_steps: args.max_steps,
-            ..Limits::default()
-        },
-    })
+    toolbox.run_template(&args.model, args.workspace.as_deref(), args.max_steps)
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
@@ -115,7 +79,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut events = coordinator.subscribe();
     let session = coordinator.create_session(SessionSpec::default()).await?.id;
     let started = coordinator
-        .submit(&session, args.message.clone(), config)
+        .submit(&session, args.message.clone(), config, Multitask::Enqueue)
         .await?;
     let run_id = started.run_id;
     // This process drives its own run only; other runs in the database are `resume`'s job.

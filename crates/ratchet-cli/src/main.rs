@@ -5,6 +5,7 @@ mod bench;
 mod drive;
 mod inspect;
 mod runtime;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -44,6 +45,24 @@ enum Command {
         #[arg(long)]
         json: bool,
         message: String,
+    },
+    /// Serve the HTTP API and run the workers (SIGTERM or Ctrl-C stops it gracefully).
+    Serve {
+        /// Configuration file (TOML); `RATCHET_*` variables and flags override it.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Database URL (default sqlite://ratchet.db).
+        #[arg(long)]
+        db: Option<String>,
+        /// Address to listen on (default 127.0.0.1:7700).
+        #[arg(long)]
+        listen: Option<String>,
+        /// Model spec new runs are frozen with (default scripted:demo).
+        #[arg(long)]
+        model: Option<String>,
+        /// Directory file tools may write in (default: the current directory).
+        #[arg(long)]
+        workspace: Option<PathBuf>,
     },
     /// Recover every active run in the database and drive them until none is running.
     Resume {
@@ -156,6 +175,22 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 max_steps,
                 json,
                 message,
+            })
+            .await
+        }
+        Command::Serve {
+            config,
+            db,
+            listen,
+            model,
+            workspace,
+        } => {
+            serve::serve(serve::ServeArgs {
+                config,
+                db,
+                listen,
+                model,
+                workspace,
             })
             .await
         }

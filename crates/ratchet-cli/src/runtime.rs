@@ -1,8 +1,10 @@
 //! Assembles a runtime from a database URL: store, models, tools, coordinator and engine.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
+use ratchet_core::{Limits, RunConfigSnapshot};
 use ratchet_engine::{
     Coordinator, Engine, Models, PoolConfig, WorkerPool, owner_is_dead_local_process,
 };
@@ -16,7 +18,54 @@ pub struct Toolbox {
     pub models: Arc<Models>,
 }
 
+const SYSTEM_PROMPT: &str = "You are a helpful assistant. Use the tools when they help.";
+
 impl Toolbox {
+    /// Checks a model spec, workspace and budget and freezes them into the configuration
+    /// new runs start with. A scripted model's file is read and checked now.
+    pub fn run_template(
+        &self,
+        model: &str,
+        workspace: Option<&Path>,
+        max_steps: u64,
+    ) -> anyhow::Result<RunConfigSnapshot> {
+        if max_steps == 0 {
+            bail!("--max-steps must be at least 1");
+        }
+        let workspace = match workspace {
+            Some(dir) => dir.to_path_buf(),
+            None => std::env::current_dir().context("cannot read the current directory")?,
+        };
+        let workspace = workspace.canonicalize().with_context(|| {
+            format!(
+                "workspace {} is not an existing directory",
+                workspace.display()
+            )
+        })?;
+        if !workspace.is_dir() {
+            bail!("workspace {} is not a directory", workspace.display());
+        }
+        let model = match model.strip_prefix("scripted:") {
+            Some(path) if path != "demo" => {
+                let absolute = std::path::absolute(path)
+                    .with_context(|| format!("bad script path {path:?}"))?;
+                format!("scripted:{}", absolute.display())
+            }
+            _ => model.to_owned(),
+        };
+        self.models.resolve(&model)?;
+        Ok(RunConfigSnapshot {
+            model,
+            workspace: Some(workspace.display().to_string()),
+            system_prompt: SYSTEM_PROMPT.to_owned(),
+            tools: self.tools.specs(),
+            limits: Limits {
+                max_steps,
+                ..Limits::default()
+            },
+        })
+    }
+
     pub fn new() -> Toolbox {
         let tools = Arc::new(Registry::builtin());
         let models = Arc::new(Models::new(

@@ -111,6 +111,10 @@ fn crates_depend_only_along_the_layers() {
                 "ratchet-tools",
             ],
         ),
+        (
+            "ratchet-server",
+            &["ratchet-core", "ratchet-store", "ratchet-engine"],
+        ),
     ];
     for krate in crates() {
         let Some((_, allowed)) = rules.iter().find(|(name, _)| *name == krate) else {

@@ -21,6 +21,16 @@ use crate::{Result, now_ms};
 /// Live events; a subscriber that falls this far behind is told it lagged and replays.
 const EVENT_BUFFER: usize = 8192;
 
+/// What a message does when its session already has an active run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Multitask {
+    /// Queue a run that starts when the runs before it have ended.
+    #[default]
+    Enqueue,
+    /// Refuse the message.
+    Reject,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StartedRun {
     pub session_id: SessionId,
@@ -65,13 +75,14 @@ impl Coordinator {
         Ok(self.store.create_session(&id, spec, now_ms()).await?)
     }
 
-    /// Records a user message and its run; the run starts now or queues behind the session's
-    /// active run.
+    /// Records a user message and its run; the run starts now, or — following `multitask` —
+    /// queues behind the session's active run or is refused.
     pub async fn submit(
         &self,
         session_id: &SessionId,
         content: String,
         config: RunConfigSnapshot,
+        multitask: Multitask,
     ) -> Result<StartedRun> {
         let invalid = |e: ratchet_core::IdError| crate::Error::Invalid(e.to_string());
         let run_id = RunId::from_suffix(&fresh_suffix()).map_err(invalid)?;
@@ -82,6 +93,7 @@ impl Coordinator {
             message_id: message_id.clone(),
             content,
             config,
+            reject_if_busy: multitask == Multitask::Reject,
         };
         let submitted = self.store.submit_message(new, now_ms()).await?;
         self.publish(submitted.events);

@@ -11,7 +11,7 @@ mod worker;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-pub use coordinator::{Coordinator, StartedRun};
+pub use coordinator::{Coordinator, Multitask, StartedRun};
 pub use engine::{Engine, StepFailure};
 pub use models::Models;
 pub use worker::{WorkerPool, owner_is_dead_local_process, process_owner};

@@ -188,12 +188,19 @@ impl Worker {
         result: ratchet_core::StepResult,
         continue_with: Option<Lease>,
     ) -> Option<ClaimedStep> {
+        let instruction = result.record.instruction.clone();
+        let seconds = (result.record.finished_at - result.record.started_at) as f64 / 1000.0;
         match self
             .coordinator
             .commit(&claimed.claim, result, continue_with)
             .await
         {
-            Ok(Commit::Committed { continued, .. }) => continued,
+            Ok(Commit::Committed { continued, .. }) => {
+                metrics::counter!("ratchet_steps_committed_total").increment(1);
+                metrics::histogram!("ratchet_step_duration_seconds", "instruction" => instruction)
+                    .record(seconds);
+                continued
+            }
             Ok(Commit::Stale(stale)) => {
                 tracing::info!(run = %claimed.job.run_id, step = claimed.job.step_index, ?stale, "stale commit discarded");
                 None

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ratchet_core::{Limits, RunConfigSnapshot, RunId, RunStatus, StopReason};
-use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool};
+use ratchet_engine::{Coordinator, Engine, Models, Multitask, PoolConfig, WorkerPool};
 use ratchet_sqlite::SqliteStore;
 use ratchet_store::{Lease, SessionSpec, Store};
 use ratchet_tools::Registry;
@@ -96,7 +96,12 @@ async fn two_pools_on_one_database_commit_every_step_exactly_once() {
             .id;
         let started = submitter
             .coordinator
-            .submit(&session, format!("run {i}"), config(&script))
+            .submit(
+                &session,
+                format!("run {i}"),
+                config(&script),
+                Multitask::Enqueue,
+            )
             .await
             .unwrap();
         runs.push((session, started.run_id));
@@ -155,7 +160,12 @@ async fn cancelling_a_run_stops_its_in_flight_step() {
         .id;
     let run = node
         .coordinator
-        .submit(&session, "sleep".into(), config(&script))
+        .submit(
+            &session,
+            "sleep".into(),
+            config(&script),
+            Multitask::Enqueue,
+        )
         .await
         .unwrap()
         .run_id;
@@ -218,7 +228,7 @@ async fn a_failing_model_call_is_retried_then_fails_the_run_when_attempts_run_ou
         .id;
     let run = node
         .coordinator
-        .submit(&session, "hi".into(), config(&script))
+        .submit(&session, "hi".into(), config(&script), Multitask::Enqueue)
         .await
         .unwrap()
         .run_id;
@@ -249,7 +259,7 @@ async fn a_failing_model_call_is_retried_then_fails_the_run_when_attempts_run_ou
         .id;
     let run = node
         .coordinator
-        .submit(&session, "hi".into(), one_attempt)
+        .submit(&session, "hi".into(), one_attempt, Multitask::Enqueue)
         .await
         .unwrap()
         .run_id;
@@ -274,7 +284,7 @@ async fn a_step_whose_worker_vanished_is_taken_over_after_its_lease_expires() {
         .unwrap()
         .id;
     let run = coordinator
-        .submit(&session, "hi".into(), config(&script))
+        .submit(&session, "hi".into(), config(&script), Multitask::Enqueue)
         .await
         .unwrap()
         .run_id;

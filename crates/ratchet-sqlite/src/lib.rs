@@ -18,8 +18,8 @@ use ratchet_core::{
 };
 use ratchet_store::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentRecord, Lease, NewRun,
-    RecordedIntents, RunSummary, Session, SessionSpec, Store, StoredEvent, StoredMessage,
-    Submitted,
+    RecordedIntents, RunSummary, Session, SessionSpec, Store, StoreStats, StoredEvent,
+    StoredMessage, Submitted,
 };
 use rusqlite::{Connection, OpenFlags};
 
@@ -417,6 +417,10 @@ impl Store for SqliteStore {
         self.writer
             .write(move |c| ops::release_leases(c, &owner))
             .await
+    }
+
+    async fn stats(&self, now: Millis) -> Result<StoreStats> {
+        self.readers.read(move |c| ops::stats(c, now)).await
     }
 
     async fn runs_with_jobs(&self) -> Result<Vec<RunId>> {

@@ -8,8 +8,8 @@ use ratchet_core::{
 };
 use ratchet_store::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentKind, IntentRecord, Lease,
-    NewRun, RecordedIntents, RunSummary, Session, SessionSpec, Stale, StoredEvent, StoredMessage,
-    Submitted,
+    NewRun, RecordedIntents, RunSummary, Session, SessionSpec, Stale, StoreStats, StoredEvent,
+    StoredMessage, Submitted,
 };
 use rusqlite::{OptionalExtension, params};
 use serde::Serialize;
@@ -155,6 +155,12 @@ pub(crate) fn submit_message(c: &Tx<'_>, new: NewRun, now: Millis) -> Result<Sub
             id: new.session_id.to_string(),
         });
     };
+    if let Some(active) = active.as_ref().filter(|_| new.reject_if_busy) {
+        return Err(Error::Conflict(format!(
+            "session {} has an active run ({active}); send with multitask \"enqueue\" to queue behind it",
+            new.session_id
+        )));
+    }
     let input = json!({"message_id": new.message_id, "content": new.content});
     let state = AgentState::new(new.session_id.clone(), new.run_id.clone(), new.config, now);
     let (config_json, state_json, input_json) = (
@@ -1233,4 +1239,31 @@ pub(crate) fn runs_with_jobs(c: &Tx<'_>) -> Result<Vec<RunId>> {
         runs.push(RunId::parse(&id.map_err(backend)?).map_err(|e| Error::Corrupt(e.to_string()))?);
     }
     Ok(runs)
+}
+
+pub(crate) fn stats(c: &Tx<'_>, now: Millis) -> Result<StoreStats> {
+    let mut stmt = c
+        .prepare_cached("SELECT status, count(*) FROM runs GROUP BY status")
+        .map_err(backend)?;
+    let rows = stmt
+        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
+        .map_err(backend)?;
+    let mut runs_by_status = Vec::new();
+    for row in rows {
+        let (status, count) = row.map_err(backend)?;
+        let status = RunStatus::parse(&status)
+            .ok_or_else(|| Error::Corrupt(format!("unknown status {status:?}")))?;
+        runs_by_status.push((status, count as u64));
+    }
+    let (ready, held): (i64, i64) = c
+        .prepare_cached(
+            "SELECT count(*) FILTER (WHERE ready_at <= ?1), count(*) FILTER (WHERE ready_at > ?1) FROM step_jobs",
+        )
+        .and_then(|mut s| s.query_row([now], |r| Ok((r.get(0)?, r.get(1)?))))
+        .map_err(backend)?;
+    Ok(StoreStats {
+        runs_by_status,
+        ready_jobs: ready as u64,
+        held_jobs: held as u64,
+    })
 }

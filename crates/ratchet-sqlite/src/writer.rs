@@ -132,6 +132,7 @@ fn write_loop(tx: Tx<'_>, inbox: mpsc::Receiver<Box<dyn WriteOp>>) {
                 Err(_) => break,
             }
         }
+        metrics::histogram!("ratchet_store_commit_batch_size").record(batch.len() as f64);
         let committed = run_batch(&tx, &mut batch);
         for op in batch.drain(..) {
             op.finish(

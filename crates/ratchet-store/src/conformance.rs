@@ -159,6 +159,7 @@ async fn submit(
         message_id: MessageId::from_suffix(&unique()).unwrap(),
         content: content.into(),
         config,
+        reject_if_busy: false,
     };
     let submitted = store
         .submit_message(new, now)
@@ -351,6 +352,24 @@ pub async fn submit_starts_a_run_or_queues_it_behind_the_active_one(store: &dyn 
     assert!(!submitted.events.is_empty(), "a submit publishes events");
     assert_eq!(load(store, &first).await.status, RunStatus::Running);
     assert_eq!(user_messages(store, &session).await, ["first question"]);
+
+    let refused = NewRun {
+        session_id: session.clone(),
+        run_id: RunId::from_suffix(&unique()).unwrap(),
+        message_id: MessageId::from_suffix(&unique()).unwrap(),
+        content: "not now".into(),
+        config: config(),
+        reject_if_busy: true,
+    };
+    match store.submit_message(refused, T0 + 1).await {
+        Err(Error::Conflict(message)) => assert!(message.contains("active run"), "{message}"),
+        other => panic!("a busy session must refuse when asked to: {other:?}"),
+    }
+    assert_eq!(
+        user_messages(store, &session).await,
+        ["first question"],
+        "a refused message leaves nothing behind"
+    );
 
     let (second, queued) = submit(store, &session, "second question", config(), T0 + 1).await;
     assert_eq!(
@@ -1629,6 +1648,7 @@ pub async fn missing_and_duplicate_entities_are_errors(store: &dyn Store) {
         message_id: MessageId::from_suffix(&unique()).unwrap(),
         content: "hello?".into(),
         config: config(),
+        reject_if_busy: false,
     };
     match store.submit_message(new, T0).await {
         Err(Error::NotFound { .. }) => {}

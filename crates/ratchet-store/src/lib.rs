@@ -123,6 +123,8 @@ pub struct NewRun {
     pub message_id: MessageId,
     pub content: String,
     pub config: RunConfigSnapshot,
+    /// Refuse (with `Error::Conflict`) instead of queueing when the session has an active run.
+    pub reject_if_busy: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -212,6 +214,16 @@ pub struct RunSummary {
     pub step_index: u64,
     pub created_at: Millis,
     pub finished_at: Option<Millis>,
+}
+
+/// Counts for monitoring.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StoreStats {
+    pub runs_by_status: Vec<(RunStatus, u64)>,
+    /// Jobs any worker could claim now.
+    pub ready_jobs: u64,
+    /// Jobs held under a lease or waiting for a retry.
+    pub held_jobs: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -370,4 +382,6 @@ pub trait Store: Send + Sync + 'static {
 
     /// Runs that still have work the workers can do: a job exists for them.
     async fn runs_with_jobs(&self) -> Result<Vec<RunId>>;
+
+    async fn stats(&self, now: Millis) -> Result<StoreStats>;
 }

@@ -1,0 +1,308 @@
+//! Wire types: what the API accepts and returns. They are converted from core and store
+//! types here, so the API stays stable while the core changes.
+
+use ratchet_core::{AgentState, Millis, StepRecord};
+use ratchet_store::{RunSummary, Session, StoredEvent, StoredMessage};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::ToSchema;
+
+/// Largest request body accepted, in bytes.
+pub const MAX_BODY_BYTES: usize = 1 << 20;
+/// Default and largest page of every listing.
+pub const DEFAULT_PAGE: u32 = 50;
+pub const MAX_PAGE: u32 = 200;
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// Stable machine-readable code: `bad_request`, `invalid_request`, `unauthorized`,
+    /// `not_found`, `conflict`, `payload_too_large`, `unsupported_media_type`, `internal`.
+    pub code: String,
+    pub message: String,
+}
+
+/// Every listing: a page of items and the cursor of the next page (absent on the last).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Page<T> {
+    pub items: Vec<T>,
+    pub next_cursor: Option<String>,
+}
+
+impl<T> Page<T> {
+    /// A full page may have a successor; its cursor is the last item's.
+    pub fn new(items: Vec<T>, limit: u32, cursor_of: impl Fn(&T) -> String) -> Page<T> {
+        let last = items.last().map(cursor_of);
+        Page::with_last_cursor(items, limit, last)
+    }
+
+    /// `last` is the cursor of the last item, for items that do not carry their own.
+    pub fn with_last_cursor(items: Vec<T>, limit: u32, last: Option<String>) -> Page<T> {
+        let next_cursor = last.filter(|_| items.len() as u32 == limit);
+        Page { items, next_cursor }
+    }
+}
+
+#[derive(Debug, Deserialize, ToSchema, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct PageQuery {
+    /// The `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+    /// Items per page, 1–200 (default 50).
+    pub limit: Option<u32>,
+}
+
+impl PageQuery {
+    pub fn limit(&self) -> Result<u32, crate::ApiError> {
+        match self.limit {
+            None => Ok(DEFAULT_PAGE),
+            Some(limit @ 1..=MAX_PAGE) => Ok(limit),
+            Some(other) => Err(crate::ApiError::bad_request(format!(
+                "limit must be between 1 and {MAX_PAGE}, found {other}"
+            ))),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSession {
+    /// The agent that answers in this session; only `default` exists for now.
+    pub agent: Option<String>,
+    /// Free-form JSON object kept with the session.
+    pub metadata: Option<serde_json::Map<String, Value>>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SessionView {
+    pub id: String,
+    pub created_at: Millis,
+    pub agent: Option<String>,
+    pub metadata: Option<Value>,
+    /// The run currently holding the session, if any.
+    pub active_run_id: Option<String>,
+}
+
+impl From<Session> for SessionView {
+    fn from(session: Session) -> SessionView {
+        SessionView {
+            id: session.id.to_string(),
+            created_at: session.created_at,
+            agent: session.agent,
+            metadata: session.metadata,
+            active_run_id: session.active_run_id.map(|r| r.to_string()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Multitask {
+    /// Queue behind the session's active run (the default).
+    #[default]
+    Enqueue,
+    /// Answer 409 while the session has an active run.
+    Reject,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SendMessage {
+    pub content: String,
+    pub multitask: Option<Multitask>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct MessageAccepted {
+    pub message_id: String,
+    pub run_id: String,
+    /// `running` when the run started at once, `queued` behind the session's active run.
+    pub run_status: String,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct MessageView {
+    pub id: String,
+    pub run_id: String,
+    /// `user`, `assistant` or `tool`.
+    pub role: String,
+    pub content: String,
+    /// `user`, `agent`, `continuation` or `steer`.
+    pub origin: String,
+    /// Always `visible`: hidden messages are never listed.
+    pub visibility: String,
+    #[schema(value_type = Vec<Object>)]
+    pub tool_calls: Vec<Value>,
+    pub tool_call_id: Option<String>,
+    pub created_at: Millis,
+}
+
+fn name_of(value: &impl Serialize) -> String {
+    serde_json::to_value(value)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+impl From<StoredMessage> for MessageView {
+    fn from(stored: StoredMessage) -> MessageView {
+        let message = stored.message;
+        MessageView {
+            id: stored.id,
+            run_id: stored.run_id.to_string(),
+            role: name_of(&message.role),
+            content: message.content,
+            origin: name_of(&message.origin),
+            visibility: name_of(&message.visibility),
+            tool_calls: message
+                .tool_calls
+                .iter()
+                .filter_map(|c| serde_json::to_value(c).ok())
+                .collect(),
+            tool_call_id: message.tool_call_id,
+            created_at: stored.created_at,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct UsageView {
+    pub model_calls: u64,
+    pub tool_calls: u64,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RunView {
+    pub id: String,
+    pub session_id: String,
+    /// `queued`, `running`, `waiting_human`, `waiting_children`, `cancelling`, `completed`,
+    /// `failed` or `cancelled`.
+    pub status: String,
+    pub stop_reason: Option<String>,
+    /// The last committed step (steps are numbered from 1).
+    pub step_index: u64,
+    pub usage: UsageView,
+    /// What the run waits on a human for, if anything.
+    #[schema(value_type = Option<Object>)]
+    pub pending_human: Option<Value>,
+    pub final_answer: Option<String>,
+    pub created_at: Millis,
+    pub started_at: Option<Millis>,
+    pub finished_at: Option<Millis>,
+}
+
+impl From<AgentState> for RunView {
+    fn from(state: AgentState) -> RunView {
+        RunView {
+            id: state.run_id.to_string(),
+            session_id: state.session_id.to_string(),
+            status: state.status.to_string(),
+            stop_reason: state.stop_reason.map(|r| r.to_string()),
+            step_index: state.step_index,
+            usage: UsageView {
+                model_calls: state.counters.model_calls,
+                tool_calls: state.counters.tool_calls,
+                input_tokens: state.counters.input_tokens,
+                output_tokens: state.counters.output_tokens,
+            },
+            pending_human: state
+                .pending_human
+                .and_then(|h| serde_json::to_value(h).ok()),
+            final_answer: state.final_answer.filter(|_| state.status.is_terminal()),
+            created_at: state.created_at,
+            started_at: state.started_at,
+            finished_at: state.finished_at,
+        }
+    }
+}
+
+/// A run as listed: its state without usage details.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RunSummaryView {
+    pub id: String,
+    pub session_id: String,
+    pub status: String,
+    pub stop_reason: Option<String>,
+    pub step_index: u64,
+    pub created_at: Millis,
+    pub finished_at: Option<Millis>,
+}
+
+impl From<RunSummary> for RunSummaryView {
+    fn from(run: RunSummary) -> RunSummaryView {
+        RunSummaryView {
+            id: run.run_id.to_string(),
+            session_id: run.session_id.to_string(),
+            status: run.status.to_string(),
+            stop_reason: run.stop_reason.map(|r| r.to_string()),
+            step_index: run.step_index,
+            created_at: run.created_at,
+            finished_at: run.finished_at,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StepView {
+    pub index: u64,
+    /// `call_llm`, `call_tools_batch` or `finish`.
+    pub instruction: String,
+    pub started_at: Millis,
+    pub finished_at: Millis,
+    pub duration_ms: i64,
+    #[schema(value_type = Object)]
+    pub summary: Value,
+}
+
+impl From<StepRecord> for StepView {
+    fn from(step: StepRecord) -> StepView {
+        StepView {
+            index: step.index,
+            instruction: step.instruction,
+            started_at: step.started_at,
+            finished_at: step.finished_at,
+            duration_ms: step.finished_at - step.started_at,
+            summary: step.summary,
+        }
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CancelView {
+    pub run_id: String,
+    /// `cancelled` when the run ended at once, `cancelling` while its step winds down, or the
+    /// terminal status it already had.
+    pub status: String,
+}
+
+/// The `data` of every server-sent event (its `id` is `seq`, its `event` is `kind`).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct EventView {
+    /// Per-session, gap-free and increasing: resume with `Last-Event-ID` or `?after=`.
+    pub seq: i64,
+    pub session_id: String,
+    pub run_id: Option<String>,
+    pub kind: String,
+    #[schema(value_type = Object)]
+    pub payload: Value,
+    pub created_at: Millis,
+}
+
+impl From<&StoredEvent> for EventView {
+    fn from(event: &StoredEvent) -> EventView {
+        EventView {
+            seq: event.seq,
+            session_id: event.session_id.to_string(),
+            run_id: event.run_id.as_ref().map(|r| r.to_string()),
+            kind: event.kind.clone(),
+            payload: event.payload.clone(),
+            created_at: event.created_at,
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! `ratchet.toml`: the server's configuration file, with `RATCHET_*` environment overrides.
+//! Unknown keys are errors, so a typo never silently falls back to a default.
+
+use std::collections::HashMap;
+
+use serde::Deserialize;
+
+use crate::auth::Tokens;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {reason}")]
+    Read { path: String, reason: String },
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Address to listen on (default `127.0.0.1:7700`).
+    pub listen: Option<String>,
+    /// Database URL (default `sqlite://ratchet.db`).
+    pub db: Option<String>,
+    /// Model spec every new run is frozen with (default `scripted:demo`).
+    pub model: Option<String>,
+    /// Directory file tools may write in (default: the working directory).
+    pub workspace: Option<String>,
+    /// Step budget of every new run (default 50).
+    pub max_steps: Option<u64>,
+    #[serde(default)]
+    pub tokens: Vec<TokenConfig>,
+}
+
+/// One accepted bearer token: its SHA-256 (`ratchet` never stores the token itself) or the
+/// name of an environment variable holding it.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenConfig {
+    pub tenant: String,
+    pub sha256: Option<String>,
+    pub env: Option<String>,
+}
+
+impl Config {
+    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Invalid(e.to_string()))
+    }
+
+    pub fn load(path: &str) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
+        Config::from_toml(&text)
+    }
+
+    /// `RATCHET_LISTEN`, `RATCHET_DB`, `RATCHET_MODEL`, `RATCHET_WORKSPACE` and
+    /// `RATCHET_MAX_STEPS` override the file.
+    pub fn with_env(mut self, env: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        for (key, slot) in [
+            ("RATCHET_LISTEN", &mut self.listen),
+            ("RATCHET_DB", &mut self.db),
+            ("RATCHET_MODEL", &mut self.model),
+            ("RATCHET_WORKSPACE", &mut self.workspace),
+        ] {
+            if let Some(value) = env(key) {
+                *slot = Some(value);
+            }
+        }
+        if let Some(value) = env("RATCHET_MAX_STEPS") {
+            let steps = value.parse().map_err(|_| {
+                ConfigError::Invalid(format!(
+                    "RATCHET_MAX_STEPS must be a positive integer, found {value:?}"
+                ))
+            })?;
+            self.max_steps = Some(steps);
+        }
+        Ok(self)
+    }
+
+    /// The accepted tokens, reading `env` tokens from the environment now.
+    pub fn tokens(&self, env: impl Fn(&str) -> Option<String>) -> Result<Tokens, ConfigError> {
+        let mut by_hash = HashMap::new();
+        for (i, token) in self.tokens.iter().enumerate() {
+            if token.tenant.trim().is_empty() {
+                return Err(ConfigError::Invalid(format!(
+                    "tokens[{i}]: tenant is empty"
+                )));
+            }
+            let hash = match (&token.sha256, &token.env) {
+                (Some(hash), None) => {
+                    let valid = hash.len() == 64 && hash.chars().all(|c| c.is_ascii_hexdigit());
+                    if !valid {
+                        return Err(ConfigError::Invalid(format!(
+                            "tokens[{i}]: sha256 must be 64 hex digits, found {hash:?}"
+                        )));
+                    }
+                    hash.to_ascii_lowercase()
+                }
+                (None, Some(var)) => {
+                    let value = env(var).filter(|v| !v.is_empty()).ok_or_else(|| {
+                        ConfigError::Invalid(format!(
+                            "tokens[{i}]: environment variable {var} is not set"
+                        ))
+                    })?;
+                    crate::hash_token(&value)
+                }
+                _ => {
+                    return Err(ConfigError::Invalid(format!(
+                        "tokens[{i}]: give exactly one of `sha256` or `env`"
+                    )));
+                }
+            };
+            if by_hash.insert(hash, token.tenant.clone()).is_some() {
+                return Err(ConfigError::Invalid(format!(
+                    "tokens[{i}]: the same token is configured twice"
+                )));
+            }
+        }
+        Ok(Tokens::new(by_hash))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_with_env_overrides_and_tokens() {
+        let config = Config::from_toml(
+            r#"
+            listen = "0.0.0.0:8080"
+            model = "scripted:demo"
+            [[tokens]]
+            tenant = "acme"
+            env = "ACME_TOKEN"
+            [[tokens]]
+            tenant = "globex"
+            sha256 = "2BB80D537B1DA3E38BD30361AA855686BDE0EACD7162FEF6A25FE97BF527A25B"
+            "#,
+        )
+        .unwrap();
+        let env = |key: &str| match key {
+            "RATCHET_LISTEN" => Some("127.0.0.1:9000".to_owned()),
+            "ACME_TOKEN" => Some("acme-secret".to_owned()),
+            _ => None,
+        };
+        let config = config.with_env(env).unwrap();
+        assert_eq!(config.listen.as_deref(), Some("127.0.0.1:9000"));
+        assert_eq!(config.model.as_deref(), Some("scripted:demo"));
+        let tokens = config.tokens(env).unwrap();
+        assert!(!tokens.is_empty());
+    }
+
+    #[test]
+    fn mistakes_are_named() {
+        let unknown = Config::from_toml("listn = \"x\"").unwrap_err();
+        assert!(
+            unknown.to_string().contains("unknown field `listn`"),
+            "{unknown}"
+        );
+        let both =
+            Config::from_toml("[[tokens]]\ntenant = \"a\"\nsha256 = \"00\"\nenv = \"X\"").unwrap();
+        assert!(
+            both.tokens(|_| None)
+                .unwrap_err()
+                .to_string()
+                .contains("exactly one")
+        );
+        let short = Config::from_toml("[[tokens]]\ntenant = \"a\"\nsha256 = \"00\"").unwrap();
+        assert!(
+            short
+                .tokens(|_| None)
+                .unwrap_err()
+                .to_string()
+                .contains("64 hex digits")
+        );
+        let unset = Config::from_toml("[[tokens]]\ntenant = \"a\"\nenv = \"NOPE\"").unwrap();
+        assert!(
+            unset
+                .tokens(|_| None)
+                .unwrap_err()
+                .to_string()
+                .contains("NOPE is not set")
+        );
+        let steps =
+            Config::default().with_env(|k| (k == "RATCHET_MAX_STEPS").then(|| "many".into()));
+        assert!(steps.unwrap_err().to_string().contains("RATCHET_MAX_STEPS"));
+    }
+}

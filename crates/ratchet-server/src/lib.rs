@@ -1,0 +1,86 @@
+//! The HTTP + SSE server: the JSON API under `/v1`, event streams that resume without a gap
+//! or a duplicate, tenants by bearer token, the OpenAPI document, health and metrics.
+//!
+//! Handlers only translate: wire types in, calls on the Coordinator and the store, wire
+//! types out. They never decide what a run does and never write the store directly.
+
+mod api;
+mod auth;
+mod config;
+mod error;
+mod metrics;
+mod routes;
+mod sse;
+
+use std::sync::Arc;
+
+use axum::Router;
+use ratchet_core::RunConfigSnapshot;
+use ratchet_engine::Coordinator;
+use tokio_util::sync::CancellationToken;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+
+pub use auth::{Tokens, hash_token};
+pub use config::{Config, ConfigError, TokenConfig};
+pub use error::ApiError;
+
+/// Everything a request handler can reach.
+#[derive(Clone)]
+pub struct AppState {
+    pub coordinator: Arc<Coordinator>,
+    /// The configuration every new run is frozen with.
+    pub run_template: Arc<RunConfigSnapshot>,
+    pub tokens: Arc<Tokens>,
+    /// Cancelled when the server shuts down: event streams end cleanly.
+    pub shutdown: CancellationToken,
+    pub metrics: metrics::Metrics,
+}
+
+impl AppState {
+    pub fn new(
+        coordinator: Arc<Coordinator>,
+        run_template: RunConfigSnapshot,
+        tokens: Tokens,
+        shutdown: CancellationToken,
+    ) -> AppState {
+        AppState {
+            coordinator,
+            run_template: Arc::new(run_template),
+            tokens: Arc::new(tokens),
+            shutdown,
+            metrics: metrics::Metrics::install(),
+        }
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "Ratchet", description = "A durable runtime for LLM agents."),
+    components(schemas(api::ErrorBody))
+)]
+struct ApiDoc;
+
+/// The whole HTTP surface, ready to serve (or to test without a socket).
+pub fn app(state: AppState) -> Router {
+    let (router, openapi) = OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .merge(routes::router())
+        .merge(sse::router())
+        .split_for_parts();
+    let openapi = Arc::new(openapi);
+    router
+        .route(
+            "/openapi.json",
+            axum::routing::get(move || {
+                let openapi = Arc::clone(&openapi);
+                async move { axum::Json(openapi.as_ref().clone()) }
+            }),
+        )
+        .merge(metrics::router())
+        .fallback(error::not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY_BYTES))
+        .layer(tower_http::catch_panic::CatchPanicLayer::custom(
+            error::panicked,
+        ))
+        .with_state(state)
+}

@@ -1,0 +1,300 @@
+//! The JSON endpoints under `/v1`: sessions, messages, runs, steps and cancellation.
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use ratchet_core::{AgentState, RunId, SessionId};
+use ratchet_engine::Multitask as EngineMultitask;
+use ratchet_store::{Session, SessionSpec};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::api::{
+    CancelView, CreateSession, ErrorBody, MessageAccepted, MessageView, Multitask, Page, PageQuery,
+    RunSummaryView, RunView, SendMessage, SessionView, StepView,
+};
+use crate::auth::Tenant;
+use crate::error::{ApiJson, ApiPath, ApiQuery};
+use crate::{ApiError, AppState};
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(create_session, list_sessions))
+        .routes(routes!(get_session))
+        .routes(routes!(send_message, list_messages))
+        .routes(routes!(list_session_runs))
+        .routes(routes!(get_run))
+        .routes(routes!(list_steps))
+        .routes(routes!(cancel_run))
+}
+
+pub(crate) fn parse_session_id(text: &str) -> Result<SessionId, ApiError> {
+    SessionId::parse(text).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+pub(crate) fn parse_run_id(text: &str) -> Result<RunId, ApiError> {
+    RunId::parse(text).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// The session, if it exists and belongs to the tenant; another tenant's session answers
+/// exactly as a missing one does.
+pub(crate) async fn tenant_session(
+    state: &AppState,
+    tenant: &Tenant,
+    id: &SessionId,
+) -> Result<Session, ApiError> {
+    match state.coordinator.store().get_session(id).await {
+        Ok(session) if session.tenant == tenant.0 => Ok(session),
+        Ok(_) | Err(ratchet_store::Error::NotFound { .. }) => {
+            Err(ApiError::not_found(format!("no session {id}")))
+        }
+        Err(other) => Err(other.into()),
+    }
+}
+
+pub(crate) async fn tenant_run(
+    state: &AppState,
+    tenant: &Tenant,
+    id: &RunId,
+) -> Result<AgentState, ApiError> {
+    let missing = || ApiError::not_found(format!("no run {id}"));
+    let run = match state.coordinator.store().load_state(id).await {
+        Ok(run) => run,
+        Err(ratchet_store::Error::NotFound { .. }) => return Err(missing()),
+        Err(other) => return Err(other.into()),
+    };
+    tenant_session(state, tenant, &run.session_id)
+        .await
+        .map_err(|_| missing())?;
+    Ok(run)
+}
+
+#[utoipa::path(
+    post, path = "/v1/sessions", tag = "sessions",
+    request_body = CreateSession,
+    responses(
+        (status = 201, body = SessionView),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn create_session(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiJson(body): ApiJson<CreateSession>,
+) -> Result<(StatusCode, axum::Json<SessionView>), ApiError> {
+    if let Some(agent) = body.agent.as_deref().filter(|a| *a != "default") {
+        return Err(ApiError::unprocessable(format!(
+            "unknown agent {agent:?}; available agents: default"
+        )));
+    }
+    let spec = SessionSpec {
+        tenant: tenant.0,
+        agent: body.agent,
+        metadata: body.metadata.map(serde_json::Value::Object),
+    };
+    let session = state.coordinator.create_session(spec).await?;
+    Ok((StatusCode::CREATED, axum::Json(session.into())))
+}
+
+#[utoipa::path(
+    get, path = "/v1/sessions", tag = "sessions",
+    params(PageQuery),
+    responses((status = 200, body = Page<SessionView>), (status = "4XX", body = ErrorBody)),
+)]
+async fn list_sessions(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiQuery(query): ApiQuery<PageQuery>,
+) -> Result<axum::Json<Page<SessionView>>, ApiError> {
+    let limit = query.limit()?;
+    let after = query.cursor.as_deref().map(parse_session_id).transpose()?;
+    let sessions = state
+        .coordinator
+        .store()
+        .list_sessions(&tenant.0, after.as_ref(), limit)
+        .await?;
+    let items = sessions.into_iter().map(SessionView::from).collect();
+    Ok(axum::Json(Page::new(items, limit, |s: &SessionView| {
+        s.id.clone()
+    })))
+}
+
+#[utoipa::path(
+    get, path = "/v1/sessions/{id}", tag = "sessions",
+    params(("id" = String, Path, description = "Session id (`ses_…`)")),
+    responses((status = 200, body = SessionView), (status = "4XX", body = ErrorBody)),
+)]
+async fn get_session(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+) -> Result<axum::Json<SessionView>, ApiError> {
+    let id = parse_session_id(&id)?;
+    Ok(axum::Json(
+        tenant_session(&state, &tenant, &id).await?.into(),
+    ))
+}
+
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/messages", tag = "messages",
+    params(("id" = String, Path, description = "Session id (`ses_…`)")),
+    request_body = SendMessage,
+    responses(
+        (status = 202, body = MessageAccepted),
+        (status = 409, body = ErrorBody, description = "`multitask: reject` while a run is active"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn send_message(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<SendMessage>,
+) -> Result<(StatusCode, axum::Json<MessageAccepted>), ApiError> {
+    let id = parse_session_id(&id)?;
+    if body.content.trim().is_empty() {
+        return Err(ApiError::unprocessable(
+            "content is empty; expected the message text",
+        ));
+    }
+    tenant_session(&state, &tenant, &id).await?;
+    let multitask = match body.multitask.unwrap_or_default() {
+        Multitask::Enqueue => EngineMultitask::Enqueue,
+        Multitask::Reject => EngineMultitask::Reject,
+    };
+    let config = state.run_template.as_ref().clone();
+    let started = state
+        .coordinator
+        .submit(&id, body.content, config, multitask)
+        .await?;
+    let accepted = MessageAccepted {
+        message_id: started.message_id.to_string(),
+        run_id: started.run_id.to_string(),
+        run_status: started.status.to_string(),
+    };
+    Ok((StatusCode::ACCEPTED, axum::Json(accepted)))
+}
+
+#[utoipa::path(
+    get, path = "/v1/sessions/{id}/messages", tag = "messages",
+    params(("id" = String, Path, description = "Session id (`ses_…`)"), PageQuery),
+    responses((status = 200, body = Page<MessageView>), (status = "4XX", body = ErrorBody)),
+)]
+async fn list_messages(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<PageQuery>,
+) -> Result<axum::Json<Page<MessageView>>, ApiError> {
+    let id = parse_session_id(&id)?;
+    let limit = query.limit()?;
+    let after = match query.cursor.as_deref() {
+        None => 0,
+        Some(cursor) => cursor
+            .parse::<i64>()
+            .map_err(|_| ApiError::bad_request(format!("invalid cursor {cursor:?}")))?,
+    };
+    tenant_session(&state, &tenant, &id).await?;
+    let messages = state
+        .coordinator
+        .store()
+        .visible_messages(&id, after, limit)
+        .await?;
+    let last = messages.last().map(|m| m.position.to_string());
+    let items = messages.into_iter().map(MessageView::from).collect();
+    Ok(axum::Json(Page::with_last_cursor(items, limit, last)))
+}
+
+#[utoipa::path(
+    get, path = "/v1/sessions/{id}/runs", tag = "runs",
+    params(("id" = String, Path, description = "Session id (`ses_…`)"), PageQuery),
+    responses((status = 200, body = Page<RunSummaryView>), (status = "4XX", body = ErrorBody)),
+)]
+async fn list_session_runs(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<PageQuery>,
+) -> Result<axum::Json<Page<RunSummaryView>>, ApiError> {
+    let id = parse_session_id(&id)?;
+    let limit = query.limit()?;
+    let after = query.cursor.as_deref().map(parse_run_id).transpose()?;
+    tenant_session(&state, &tenant, &id).await?;
+    let runs = state
+        .coordinator
+        .store()
+        .session_runs(&id, after.as_ref(), limit)
+        .await?;
+    let items = runs.into_iter().map(RunSummaryView::from).collect();
+    Ok(axum::Json(Page::new(items, limit, |r: &RunSummaryView| {
+        r.id.clone()
+    })))
+}
+
+#[utoipa::path(
+    get, path = "/v1/runs/{id}", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    responses((status = 200, body = RunView), (status = "4XX", body = ErrorBody)),
+)]
+async fn get_run(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+) -> Result<axum::Json<RunView>, ApiError> {
+    let id = parse_run_id(&id)?;
+    Ok(axum::Json(tenant_run(&state, &tenant, &id).await?.into()))
+}
+
+#[utoipa::path(
+    get, path = "/v1/runs/{id}/steps", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)"), PageQuery),
+    responses((status = 200, body = Page<StepView>), (status = "4XX", body = ErrorBody)),
+)]
+async fn list_steps(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<PageQuery>,
+) -> Result<axum::Json<Page<StepView>>, ApiError> {
+    let id = parse_run_id(&id)?;
+    let limit = query.limit()?;
+    let after = match query.cursor.as_deref() {
+        None => 0,
+        Some(cursor) => cursor
+            .parse::<u64>()
+            .map_err(|_| ApiError::bad_request(format!("invalid cursor {cursor:?}")))?,
+    };
+    tenant_run(&state, &tenant, &id).await?;
+    let steps = state.coordinator.store().steps(&id).await?;
+    let items: Vec<StepView> = steps
+        .into_iter()
+        .filter(|s| s.index > after)
+        .take(limit as usize)
+        .map(StepView::from)
+        .collect();
+    Ok(axum::Json(Page::new(items, limit, |s: &StepView| {
+        s.index.to_string()
+    })))
+}
+
+#[utoipa::path(
+    post, path = "/v1/runs/{id}/cancel", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    responses((status = 200, body = CancelView), (status = "4XX", body = ErrorBody)),
+)]
+async fn cancel_run(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+) -> Result<axum::Json<CancelView>, ApiError> {
+    let id = parse_run_id(&id)?;
+    tenant_run(&state, &tenant, &id).await?;
+    let status = match state.coordinator.request_cancel(&id).await? {
+        ratchet_store::CancelOutcome::Cancelled { .. } => "cancelled".to_owned(),
+        ratchet_store::CancelOutcome::Cancelling { .. } => "cancelling".to_owned(),
+        ratchet_store::CancelOutcome::AlreadyTerminal(status) => status.to_string(),
+    };
+    Ok(axum::Json(CancelView {
+        run_id: id.to_string(),
+        status,
+    }))
+}

@@ -1,0 +1,277 @@
+//! Event streams over Server-Sent Events: `/v1/sessions/{id}/events` and
+//! `/v1/runs/{id}/events`.
+//!
+//! A stream subscribes to the live bus first, then replays the stored backlog after the
+//! client's cursor (`Last-Event-ID` or `?after=`), then follows live events. Per-session `seq`
+//! is gap-free, so the stream knows exactly what it has seen: a live event that is not the
+//! next `seq` (events of one session can be published out of order by concurrent writers),
+//! or a lagged subscription, sends it back to the store to fill the gap. Nothing is sent
+//! twice, nothing is skipped, and order is always `seq` order.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use futures::Stream;
+use ratchet_core::{RunId, SessionId};
+use ratchet_store::StoredEvent;
+use serde::Deserialize;
+use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::mpsc;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::api::{ErrorBody, EventView};
+use crate::auth::Tenant;
+use crate::error::{ApiPath, ApiQuery};
+use crate::routes::{parse_run_id, parse_session_id, tenant_run, tenant_session};
+use crate::{ApiError, AppState};
+
+/// Events read from the store per query while replaying.
+const PAGE: u32 = 500;
+/// Events buffered for a slow client before the stream waits on it.
+const CLIENT_BUFFER: usize = 256;
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(session_events))
+        .routes(routes!(run_events))
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct StreamQuery {
+    /// Replay events with `seq` greater than this (default: from the beginning). The
+    /// `Last-Event-ID` header takes precedence.
+    after: Option<i64>,
+    /// `false` ends the stream after the stored backlog instead of following live events.
+    follow: Option<bool>,
+    /// The bearer token, for clients (browsers' `EventSource`) that cannot set headers.
+    #[expect(dead_code, reason = "read by the Tenant extractor from the raw query")]
+    access_token: Option<String>,
+}
+
+#[derive(Clone)]
+enum Scope {
+    Session(SessionId),
+    Run(SessionId, RunId),
+}
+
+impl Scope {
+    fn session(&self) -> &SessionId {
+        match self {
+            Scope::Session(session) | Scope::Run(session, _) => session,
+        }
+    }
+
+    fn includes(&self, event: &StoredEvent) -> bool {
+        match self {
+            Scope::Session(_) => true,
+            Scope::Run(_, run) => event.run_id.as_ref() == Some(run),
+        }
+    }
+}
+
+fn start_after(headers: &HeaderMap, query: &StreamQuery) -> Result<i64, ApiError> {
+    match headers.get("last-event-id") {
+        Some(value) => value
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<i64>().ok())
+            .filter(|seq| *seq >= 0)
+            .ok_or_else(|| ApiError::bad_request("Last-Event-ID must be a non-negative integer")),
+        None => match query.after {
+            Some(after) if after < 0 => Err(ApiError::bad_request("after must be non-negative")),
+            Some(after) => Ok(after),
+            None => Ok(0),
+        },
+    }
+}
+
+#[utoipa::path(
+    get, path = "/v1/sessions/{id}/events", tag = "events",
+    params(("id" = String, Path, description = "Session id (`ses_…`)"), StreamQuery),
+    responses(
+        (status = 200, content_type = "text/event-stream", body = EventView,
+         description = "`id: <seq>`, `event: <kind>`, `data: <EventView>`; keep-alive comments"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn session_events(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    headers: HeaderMap,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<StreamQuery>,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    let id = parse_session_id(&id)?;
+    let after = start_after(&headers, &query)?;
+    tenant_session(&state, &tenant, &id).await?;
+    Ok(stream(
+        state,
+        Scope::Session(id),
+        after,
+        query.follow.unwrap_or(true),
+    ))
+}
+
+#[utoipa::path(
+    get, path = "/v1/runs/{id}/events", tag = "events",
+    params(("id" = String, Path, description = "Run id (`run_…`)"), StreamQuery),
+    responses(
+        (status = 200, content_type = "text/event-stream", body = EventView,
+         description = "The run's events only; `seq` is the session's"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn run_events(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    headers: HeaderMap,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<StreamQuery>,
+) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
+    let id = parse_run_id(&id)?;
+    let after = start_after(&headers, &query)?;
+    let run = tenant_run(&state, &tenant, &id).await?;
+    Ok(stream(
+        state,
+        Scope::Run(run.session_id, id),
+        after,
+        query.follow.unwrap_or(true),
+    ))
+}
+
+fn stream(
+    state: AppState,
+    scope: Scope,
+    after: i64,
+    follow: bool,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let (sender, mut receiver) = mpsc::channel(CLIENT_BUFFER);
+    // Subscribe before reading the backlog, so nothing published meanwhile is missed.
+    let live = state.coordinator.subscribe();
+    let subscribers = metrics::gauge!("ratchet_sse_subscribers");
+    subscribers.increment(1.0);
+    tokio::spawn(async move {
+        let mut feed = Feed {
+            state,
+            scope,
+            seen: after,
+            sender,
+        };
+        if let Err(error) = feed.run(live, follow).await {
+            tracing::warn!(%error, "event stream ended on a store error");
+        }
+        subscribers.decrement(1.0);
+    });
+    let events = futures::stream::poll_fn(move |cx| receiver.poll_recv(cx));
+    Sse::new(events).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+}
+
+/// One client's stream: owns its cursor and its channel; ends when the client goes away,
+/// the server shuts down, or (without `follow`) the backlog is sent.
+struct Feed {
+    state: AppState,
+    scope: Scope,
+    /// Every event of the session with `seq <= seen` has been sent or filtered out.
+    seen: i64,
+    sender: mpsc::Sender<Result<Event, Infallible>>,
+}
+
+/// Why a feed stopped early; not an error for anyone but the log.
+enum Stop {
+    ClientGone,
+    Store(ratchet_store::Error),
+}
+
+impl std::fmt::Display for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stop::ClientGone => f.write_str("client gone"),
+            Stop::Store(error) => error.fmt(f),
+        }
+    }
+}
+
+impl Feed {
+    async fn run(
+        &mut self,
+        mut live: tokio::sync::broadcast::Receiver<StoredEvent>,
+        follow: bool,
+    ) -> Result<(), ratchet_store::Error> {
+        match self.catch_up().await {
+            Ok(()) => {}
+            Err(Stop::ClientGone) => return Ok(()),
+            Err(Stop::Store(error)) => return Err(error),
+        }
+        if !follow {
+            return Ok(());
+        }
+        loop {
+            let step = tokio::select! {
+                () = self.state.shutdown.cancelled() => return Ok(()),
+                () = self.sender.closed() => return Ok(()),
+                received = live.recv() => match received {
+                    Ok(event) => self.offer(event).await,
+                    Err(RecvError::Lagged(_)) => self.catch_up().await,
+                    Err(RecvError::Closed) => return Ok(()),
+                },
+            };
+            match step {
+                Ok(()) => {}
+                Err(Stop::ClientGone) => return Ok(()),
+                Err(Stop::Store(error)) => return Err(error),
+            }
+        }
+    }
+
+    /// A live event: the next one in order is sent (or filtered) at once; one beyond a gap
+    /// sends the stream to the store for everything up to it.
+    async fn offer(&mut self, event: StoredEvent) -> Result<(), Stop> {
+        if &event.session_id != self.scope.session() || event.seq <= self.seen {
+            return Ok(());
+        }
+        if event.seq == self.seen + 1 {
+            return self.deliver(&event).await;
+        }
+        self.catch_up().await
+    }
+
+    /// Sends every stored event after `seen`, a page at a time.
+    async fn catch_up(&mut self) -> Result<(), Stop> {
+        loop {
+            let page = self
+                .state
+                .coordinator
+                .store()
+                .events_after(self.scope.session(), self.seen, PAGE)
+                .await
+                .map_err(Stop::Store)?;
+            for event in &page {
+                self.deliver(event).await?;
+            }
+            if (page.len() as u32) < PAGE {
+                return Ok(());
+            }
+        }
+    }
+
+    async fn deliver(&mut self, event: &StoredEvent) -> Result<(), Stop> {
+        self.seen = event.seq;
+        if !self.scope.includes(event) {
+            return Ok(());
+        }
+        let data = serde_json::to_string(&EventView::from(event)).unwrap_or_default();
+        let sse = Event::default()
+            .id(event.seq.to_string())
+            .event(&event.kind)
+            .data(data);
+        self.sender
+            .send(Ok(sse))
+            .await
+            .map_err(|_| Stop::ClientGone)
+    }
+}
