@@ -95,15 +95,25 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         eprintln!("shutting down: no new steps; in-flight steps get {GRACE:?} to commit");
         signalled.cancel();
     });
-    axum::serve(listener, app)
+    // Workers stop claiming the moment the signal arrives, while HTTP winds down beside them.
+    let workers = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move {
+            shutdown.cancelled().await;
+            tokio::time::timeout(GRACE, pool.shutdown()).await.is_ok()
+        }
+    });
+    let served = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown.clone().cancelled_owned())
-        .await
-        .context("the HTTP server failed")?;
-    if tokio::time::timeout(GRACE, pool.shutdown()).await.is_err() {
+        .await;
+    // The server may also stop on an error of its own: the workers stop with it.
+    shutdown.cancel();
+    if !workers.await.unwrap_or(false) {
         eprintln!(
             "some steps did not commit in time; their leases will expire and another process will take them over"
         );
     }
+    served.context("the HTTP server failed")?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -178,8 +178,10 @@ impl Worker {
                 return None;
             }
         };
-        self.commit(&claimed, result, may_continue.then(|| self.lease()))
-            .await
+        // Decided at commit time: a shutdown that arrived while the step ran must not hand this
+        // worker the run's next step.
+        let continue_with = (may_continue && !self.shutdown.is_cancelled()).then(|| self.lease());
+        self.commit(&claimed, result, continue_with).await
     }
 
     async fn commit(

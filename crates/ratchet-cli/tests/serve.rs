@@ -1,0 +1,171 @@
+//! `ratchet serve` as a real process: a SIGTERM stops it gracefully — event streams end, the
+//! step in flight still commits, the process exits 0 — and `ratchet resume` finishes the run.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ratchet");
+const DEADLINE: Duration = Duration::from_secs(30);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(dir: &std::path::Path, db: &str, script: &std::path::Path) -> Server {
+    let port = free_port();
+    let child = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--db",
+            db,
+        ])
+        .arg("--model")
+        .arg(format!("scripted:{}", script.display()))
+        .arg("--workspace")
+        .arg(dir)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            started.elapsed() < DEADLINE,
+            "ratchet serve did not listen on {port}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Server {
+        child,
+        base: format!("http://127.0.0.1:{port}"),
+    }
+}
+
+async fn json(response: reqwest::Response) -> Value {
+    let status = response.status();
+    let body: Value = response.json().await.unwrap();
+    assert!(status.is_success(), "{status}: {body}");
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_the_step_in_flight_commit_and_ends_event_streams() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("script.json");
+    let replies = json!({"replies": [
+        {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 1500}}]},
+        {"text": "rested"}
+    ]});
+    std::fs::write(&script, replies.to_string()).unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let mut server = start(dir.path(), &db, &script);
+    let http = reqwest::Client::new();
+    let session = json(
+        http.post(format!("{}/v1/sessions", server.base))
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let session = session["id"].as_str().unwrap().to_owned();
+    let sent = http
+        .post(format!("{}/v1/sessions/{session}/messages", server.base))
+        .json(&json!({"content": "take a rest"}))
+        .send()
+        .await
+        .unwrap();
+    let run = json(sent).await["run_id"].as_str().unwrap().to_owned();
+    let stream = http
+        .get(format!("{}/v1/sessions/{session}/events", server.base))
+        .send()
+        .await
+        .unwrap();
+    assert!(stream.status().is_success());
+    let mut body = stream.bytes_stream();
+
+    // Wait until the tool call is running: its announcement is on the stream.
+    let mut seen = String::new();
+    while !seen.contains("event: tool.call") {
+        let chunk = tokio::time::timeout(DEADLINE, body.next())
+            .await
+            .expect("stream stalled");
+        seen.push_str(&String::from_utf8_lossy(&chunk.unwrap().unwrap()));
+    }
+    let terminated = Command::new("kill")
+        .args(["-TERM", &server.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(terminated.success());
+
+    // The event stream ends instead of holding the shutdown up.
+    let ended = tokio::time::timeout(DEADLINE, async {
+        while let Some(chunk) = body.next().await {
+            if chunk.is_err() {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the event stream did not end on shutdown");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = server.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "ratchet serve did not exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(status.success(), "graceful shutdown exits 0: {status}");
+
+    let show = Command::new(BIN)
+        .args(["runs", "show", &run, "--json", "--db", &db])
+        .output()
+        .unwrap();
+    let shown: Value = serde_json::from_slice(&show.stdout).unwrap();
+    assert_eq!(
+        shown["step_index"], 2,
+        "the tool batch in flight committed during the grace period: {shown}"
+    );
+    assert_eq!(
+        shown["status"], "running",
+        "no new step was started: {shown}"
+    );
+
+    let resumed = Command::new(BIN)
+        .args(["resume", "--json", "--db", &db])
+        .output()
+        .unwrap();
+    assert!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
+    let report: Value =
+        serde_json::from_slice(resumed.stdout.split(|b| *b == b'\n').next().unwrap()).unwrap();
+    assert_eq!(report["status"], "completed");
+    assert_eq!(report["final_answer"], "rested");
+}
