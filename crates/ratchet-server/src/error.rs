@@ -166,6 +166,14 @@ pub async fn not_found(uri: axum::http::Uri) -> ApiError {
     ApiError::not_found(format!("no route for {}", uri.path()))
 }
 
+pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("{method} is not allowed on {}", uri.path()),
+    )
+}
+
 /// A handler panicked: the client gets a plain 500, never the panic's text.
 pub fn panicked(panic: Box<dyn Any + Send + 'static>) -> Response {
     let message = panic

@@ -78,6 +78,7 @@ pub fn app(state: AppState) -> Router {
         )
         .merge(metrics::router())
         .fallback(error::not_found)
+        .method_not_allowed_fallback(error::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY_BYTES))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(
             error::panicked,
