@@ -12,6 +12,7 @@ use ratchet_store::SessionSpec;
 use serde::Serialize;
 use tokio::sync::broadcast::error::RecvError;
 
+use crate::client::{self, Api};
 use crate::runtime::{Runtime, Toolbox, open_existing_store, open_store};
 
 /// How often a driver re-reads the store in case it missed a wake-up on the event bus.
@@ -62,11 +63,16 @@ impl RunReport {
     }
 }
 
-/// Checks every input before anything is written, and freezes it into the run's config.
-fn run_config(args: &RunArgs, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnapshot> {
-    if args.message.trim().is_empty() {
+fn check_message(message: &str) -> anyhow::Result<()> {
+    if message.trim().is_empty() {
         bail!("MESSAGE is empty; expected the text to send to the agent");
     }
+    Ok(())
+}
+
+/// Checks every input before anything is written, and freezes it into the run's config.
+fn run_config(args: &RunArgs, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnapshot> {
+    check_message(&args.message)?;
     toolbox.run_template(&args.model, args.workspace.as_deref(), args.max_steps)
 }
 
@@ -115,6 +121,38 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     Ok(report.exit_code())
 }
 
+pub struct RemoteRunArgs {
+    pub server: String,
+    pub token: Option<String>,
+    pub json: bool,
+    pub message: String,
+}
+
+/// `ratchet run --server`: the same run and the same output as in-process, through the
+/// HTTP API. The run's events are followed (and the stream resumed with `Last-Event-ID` if
+/// it drops) until the run ends or waits; the report is the server's view of the run.
+pub async fn run_remote(args: RemoteRunArgs) -> anyhow::Result<ExitCode> {
+    check_message(&args.message)?;
+    let api = Api::new(&args.server, args.token, 4)?;
+    let session = api.create_session().await?;
+    let accepted = api.send_message(&session.id, &args.message).await?;
+    let mut stderr = std::io::stderr();
+    let run = client::follow_run(&api, &accepted.run_id, |event| {
+        show_progress(&mut stderr, &event.kind, &event.payload);
+    })
+    .await?;
+    let report = RunReport {
+        session_id: run.session_id,
+        run_id: run.id,
+        status: run.status,
+        stop_reason: run.stop_reason,
+        steps: run.step_index,
+        final_answer: run.final_answer,
+    };
+    print_report(&report, args.json, true)?;
+    Ok(report.exit_code())
+}
+
 pub async fn resume(db: &str, json: bool) -> anyhow::Result<ExitCode> {
     let runtime = Runtime::new(open_existing_store(db)?, Toolbox::new());
     let store = runtime.coordinator.store();
@@ -158,7 +196,7 @@ pub async fn resume(db: &str, json: bool) -> anyhow::Result<ExitCode> {
     Ok(code)
 }
 
-fn show_progress(out: &mut impl Write, kind: &str, payload: &serde_json::Value) {
+pub(crate) fn show_progress(out: &mut impl Write, kind: &str, payload: &serde_json::Value) {
     let _ = match kind {
         "assistant.delta" => write!(out, "{}", payload["text"].as_str().unwrap_or_default()),
         "assistant.message" => writeln!(out),

@@ -2,6 +2,9 @@
 //! workers together, and the command-line interface on top of them.
 
 mod bench;
+mod bench_sse;
+mod chat;
+mod client;
 mod drive;
 mod inspect;
 mod runtime;
@@ -10,6 +13,7 @@ mod serve;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::bail;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
@@ -26,25 +30,51 @@ struct DbArg {
     db: String,
 }
 
+#[derive(Debug, clap::Args)]
+struct TokenArg {
+    /// Bearer token for the server.
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        env = "RATCHET_TOKEN",
+        hide_env_values = true
+    )]
+    token: Option<String>,
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Start a session with MESSAGE and drive its run until it ends or waits for a human.
     Run {
         #[command(flatten)]
         db: DbArg,
-        /// Model spec: scripted:FILE or scripted:demo.
-        #[arg(long, default_value = "scripted:demo")]
-        model: String,
+        /// Model spec: scripted:FILE or scripted:demo [default: scripted:demo].
+        #[arg(long)]
+        model: Option<String>,
         /// Directory that file tools may write in (default: the current directory).
         #[arg(long)]
         workspace: Option<PathBuf>,
-        /// Most steps the run may take; its last model call is made without tools.
-        #[arg(long, default_value_t = 50)]
-        max_steps: u64,
+        /// Most steps the run may take; its last model call is made without tools [default: 50].
+        #[arg(long)]
+        max_steps: Option<u64>,
+        /// Run on a Ratchet server (http://HOST:PORT) instead of in this process; the
+        /// server's configuration decides the model, workspace and step budget.
+        #[arg(long, value_name = "URL")]
+        server: Option<String>,
+        #[command(flatten)]
+        token: TokenArg,
         /// Print one JSON object on stdout instead of the answer.
         #[arg(long)]
         json: bool,
         message: String,
+    },
+    /// Talk to an agent on a Ratchet server: each line of stdin is a message in one session.
+    Chat {
+        /// The server's URL.
+        #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:7700")]
+        server: String,
+        #[command(flatten)]
+        token: TokenArg,
     },
     /// Serve the HTTP API and run the workers (SIGTERM or Ctrl-C stops it gracefully).
     Serve {
@@ -118,6 +148,23 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Event delivery over SSE: N subscribers on one session's stream while R runs go by.
+    Sse {
+        /// The server's URL; an in-process server on a temporary database when absent.
+        #[arg(long, value_name = "URL")]
+        server: Option<String>,
+        #[command(flatten)]
+        token: TokenArg,
+        /// Clients following the session's event stream at once.
+        #[arg(long)]
+        subscribers: usize,
+        /// Runs driven in the session, one after another.
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// Print the figures as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -165,16 +212,58 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             model,
             workspace,
             max_steps,
+            server: Some(server),
+            token,
+            json,
+            message,
+        } => {
+            let local_only = [
+                model.is_some().then_some("--model"),
+                workspace.is_some().then_some("--workspace"),
+                max_steps.is_some().then_some("--max-steps"),
+            ];
+            let given: Vec<&str> = local_only.into_iter().flatten().collect();
+            if !given.is_empty() {
+                bail!(
+                    "{} cannot be used with --server: the server's configuration decides the \
+                     model, the workspace and the step budget",
+                    given.join(", ")
+                );
+            }
+            // The database is the server's too; --db (or RATCHET_DB) is not used.
+            let _ = db;
+            drive::run_remote(drive::RemoteRunArgs {
+                server,
+                token: token.token,
+                json,
+                message,
+            })
+            .await
+        }
+        Command::Run {
+            db,
+            model,
+            workspace,
+            max_steps,
+            server: None,
+            token: _,
             json,
             message,
         } => {
             drive::run(drive::RunArgs {
                 db: db.db,
-                model,
+                model: model.unwrap_or_else(|| "scripted:demo".to_owned()),
                 workspace,
-                max_steps,
+                max_steps: max_steps.unwrap_or(50),
                 json,
                 message,
+            })
+            .await
+        }
+        Command::Chat { server, token } => {
+            chat::chat(chat::ChatArgs {
+                server,
+                token: token.token,
             })
             .await
         }
@@ -216,6 +305,25 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 runs,
                 concurrency,
                 turns,
+                json,
+            })
+            .await
+        }
+        Command::Bench {
+            command:
+                BenchCommand::Sse {
+                    server,
+                    token,
+                    subscribers,
+                    runs,
+                    json,
+                },
+        } => {
+            bench_sse::sse(bench_sse::SseArgs {
+                server,
+                token: token.token,
+                subscribers,
+                runs,
                 json,
             })
             .await

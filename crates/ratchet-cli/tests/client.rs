@@ -1,0 +1,523 @@
+//! The `ratchet` binary as a client of a real `ratchet serve` process: `run --server` keeps
+//! the embedded run's output contract, `chat` answers piped lines and leaves at end of input,
+//! `bench sse` reports its figures, and every failure (bad token, unreachable server,
+//! options that do not apply) exits 1 with a clear message instead of a panic.
+//!
+//! Each test starts its own server on a free port with a scripted model and kills it (by its
+//! PID) when the test ends, even when it fails.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+/// Far longer than any command here needs; only a hung binary reaches it.
+const DEADLINE: Duration = Duration::from_secs(60);
+/// How long a server gets to accept connections.
+const STARTUP: Duration = Duration::from_secs(20);
+
+/// Environment variables that would change what the binary does.
+const RATCHET_VARS: [&str; 8] = [
+    "RATCHET_DB",
+    "RATCHET_LOG",
+    "RATCHET_TOKEN",
+    "RATCHET_LISTEN",
+    "RATCHET_MODEL",
+    "RATCHET_WORKSPACE",
+    "RATCHET_MAX_STEPS",
+    "RATCHET_TEST_SECRET",
+];
+
+fn command(dir: &Path) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ratchet"));
+    command.current_dir(dir);
+    for var in RATCHET_VARS {
+        command.env_remove(var);
+    }
+    // Never send loopback traffic through a proxy the caller may have configured.
+    command
+        .env("NO_PROXY", "127.0.0.1")
+        .env("no_proxy", "127.0.0.1");
+    command
+}
+
+/// A port nobody listens on (bound, then released).
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A `ratchet serve` process; killed by its PID when dropped.
+struct Server {
+    child: Child,
+    url: String,
+    log: PathBuf,
+}
+
+impl Server {
+    /// Serves `dir/server.db` with `script` as the model and `dir` as the workspace.
+    fn start(dir: &Path, script: &Value, extra: &[&str], env: &[(&str, &str)]) -> Server {
+        std::fs::write(dir.join("server-script.json"), script.to_string()).unwrap();
+        let port = free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let log = dir.join("server.log");
+        let db = format!("sqlite://{}", dir.join("server.db").display());
+        let mut command = command(dir);
+        command
+            .args(["serve", "--listen", &listen, "--db", &db])
+            .args(["--model", "scripted:server-script.json"])
+            .args(["--workspace", &dir.display().to_string()])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log).unwrap())
+            .stderr(std::fs::File::create(dir.join("server.err")).unwrap());
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let mut server = Server {
+            child: command.spawn().expect("cannot start `ratchet serve`"),
+            url: format!("http://{listen}"),
+            log: dir.join("server.err"),
+        };
+        let started = Instant::now();
+        while TcpStream::connect(&listen).is_err() {
+            if let Some(status) = server.child.try_wait().unwrap() {
+                panic!("ratchet serve exited {status}:\n{}", server.log());
+            }
+            assert!(
+                started.elapsed() < STARTUP,
+                "ratchet serve did not accept connections on {listen} within {STARTUP:?}:\n{}",
+                server.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        // `Child::kill` signals this child's PID (SIGKILL), nothing else.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `ratchet ARGS` in `dir` with `stdin` piped in; kills it and fails the test if it
+/// outlives `DEADLINE`. No invocation may panic.
+fn ratchet_with(dir: &Path, args: &[&str], stdin: &str, env: &[(&str, &str)]) -> Output {
+    let mut command = command(dir);
+    command
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    let mut child = command.spawn().expect("cannot start the ratchet binary");
+    let mut input = child.stdin.take().unwrap();
+    let stdin = stdin.to_owned();
+    let feeder = std::thread::spawn(move || {
+        let _ = input.write_all(stdin.as_bytes());
+        // Dropping `input` closes the pipe: the child sees end of input.
+    });
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            pipe.read_to_end(&mut bytes).map(|_| bytes)
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("ratchet {args:?} did not exit within {DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    feeder.join().unwrap();
+    let output = Output {
+        status,
+        stdout: stdout.join().unwrap().unwrap(),
+        stderr: stderr.join().unwrap().unwrap(),
+    };
+    assert!(
+        !stderr_of(&output).contains("panicked"),
+        "ratchet {args:?} panicked:\n{}",
+        stderr_of(&output)
+    );
+    output
+}
+
+fn ratchet(dir: &Path, args: &[&str]) -> Output {
+    ratchet_with(dir, args, "", &[])
+}
+
+fn stdout_of(output: &Output) -> String {
+    String::from_utf8(output.stdout.clone()).unwrap()
+}
+
+fn stderr_of(output: &Output) -> String {
+    String::from_utf8(output.stderr.clone()).unwrap()
+}
+
+/// Stdout must be exactly one JSON object with exactly the documented keys.
+fn report(output: &Output) -> Value {
+    let stdout = stdout_of(output);
+    let values: Vec<Value> = serde_json::Deserializer::from_str(&stdout)
+        .into_iter()
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {stdout:?}"));
+    assert_eq!(values.len(), 1, "expected one JSON value: {stdout:?}");
+    let mut keys: Vec<&str> = values[0]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "final_answer",
+            "run_id",
+            "session_id",
+            "status",
+            "steps",
+            "stop_reason"
+        ]
+    );
+    values[0].clone()
+}
+
+/// Two tool round-trips, then an answer: 5 steps. One call per batch: the calls of a batch
+/// run in parallel, so the order of their announcements is not fixed, and these tests
+/// compare output byte for byte.
+fn script() -> Value {
+    json!({"replies": [
+        {"text": "Adding.", "tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]},
+        {"text": "Now the total.", "tool_calls": [{"name": "add", "arguments": {"a": 5, "b": 9}}]},
+        {"text": "The total is 14."}
+    ]})
+}
+
+/// The embedded `ratchet run` with `script`, in its own directory.
+fn embedded_run(dir: &Path, script: &Value, extra: &[&str]) -> Output {
+    std::fs::write(dir.join("script.json"), script.to_string()).unwrap();
+    let db = format!("sqlite://{}", dir.join("embedded.db").display());
+    let workspace = dir.display().to_string();
+    let mut args = vec![
+        "run",
+        "--db",
+        &db,
+        "--workspace",
+        &workspace,
+        "--model",
+        "scripted:script.json",
+    ];
+    args.extend_from_slice(extra);
+    ratchet(dir, &args)
+}
+
+#[test]
+fn run_over_the_server_keeps_the_embedded_output_contract() {
+    let served = tempfile::tempdir().unwrap();
+    let embedded = tempfile::tempdir().unwrap();
+    let server = Server::start(served.path(), &script(), &[], &[]);
+
+    // JSON: one object, the same report but for the ids.
+    let remote = ratchet(
+        served.path(),
+        &["run", "--server", &server.url, "--json", "add it all up"],
+    );
+    let local = embedded_run(embedded.path(), &script(), &["--json", "add it all up"]);
+    assert_eq!(remote.status.code(), Some(0), "{}", stderr_of(&remote));
+    assert_eq!(local.status.code(), Some(0), "{}", stderr_of(&local));
+    let (remote_report, local_report) = (report(&remote), report(&local));
+    for key in ["status", "stop_reason", "steps", "final_answer"] {
+        assert_eq!(remote_report[key], local_report[key], "{key}");
+    }
+    assert_eq!(remote_report["final_answer"], "The total is 14.");
+    assert_eq!(remote_report["steps"], 5);
+    assert!(
+        remote_report["run_id"]
+            .as_str()
+            .unwrap()
+            .starts_with("run_")
+    );
+    assert!(
+        remote_report["session_id"]
+            .as_str()
+            .unwrap()
+            .starts_with("ses_")
+    );
+    // Progress streams on stderr in both modes, identically.
+    assert_eq!(stderr_of(&remote), stderr_of(&local));
+
+    // Text: the answer alone on stdout, the same progress on stderr.
+    let remote = ratchet(
+        served.path(),
+        &["run", "--server", &server.url, "add it all up"],
+    );
+    let local = embedded_run(embedded.path(), &script(), &["add it all up"]);
+    assert_eq!(remote.status.code(), Some(0), "{}", stderr_of(&remote));
+    assert_eq!(remote.status.code(), local.status.code());
+    assert_eq!(stdout_of(&remote), "The total is 14.\n");
+    assert_eq!(stdout_of(&remote), stdout_of(&local));
+    assert_eq!(stderr_of(&remote), stderr_of(&local));
+    let progress = stderr_of(&remote);
+    for line in [
+        "Adding.",
+        "  [call_0_0] add {\"a\":2,\"b\":3}",
+        "  [call_0_0] -> 5",
+        "Now the total.",
+        "  [call_1_0] add {\"a\":5,\"b\":9}",
+        "  [call_1_0] -> 14",
+        "The total is 14.",
+    ] {
+        assert!(
+            progress.lines().any(|l| l == line),
+            "no line {line:?} in:\n{progress}"
+        );
+    }
+}
+
+#[test]
+fn a_failed_run_over_the_server_exits_1_and_reports_like_the_embedded_run() {
+    let served = tempfile::tempdir().unwrap();
+    let embedded = tempfile::tempdir().unwrap();
+    // Arguments the schema rejects, again and again: the run fails with `parse_failures`.
+    let script = json!({"replies": [{"tool_calls": [{"name": "add", "arguments": {"a": "x"}}]}]});
+    let server = Server::start(served.path(), &script, &[], &[]);
+    let remote = ratchet(
+        served.path(),
+        &["run", "--server", &server.url, "add badly"],
+    );
+    let local = embedded_run(embedded.path(), &script, &["add badly"]);
+    assert_eq!(remote.status.code(), Some(1), "{}", stderr_of(&remote));
+    assert_eq!(local.status.code(), Some(1), "{}", stderr_of(&local));
+    assert_eq!(stderr_of(&remote), stderr_of(&local));
+    assert!(stderr_of(&remote).contains("invalid arguments for add"));
+    // `RUN failed (parse_failures) after N steps`: the same but for the run's id.
+    let without_id = |output: &Output| {
+        let stdout = stdout_of(output);
+        let (id, rest) = stdout.split_once(' ').unwrap();
+        assert!(id.starts_with("run_"), "{stdout}");
+        rest.to_owned()
+    };
+    assert_eq!(without_id(&remote), without_id(&local));
+    assert!(
+        without_id(&remote).starts_with("failed (parse_failures) after "),
+        "{}",
+        stdout_of(&remote)
+    );
+}
+
+#[test]
+fn chat_answers_piped_lines_and_leaves_at_end_of_input_or_quit() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path(), &script(), &[], &[]);
+    let output = ratchet_with(
+        dir.path(),
+        &["chat", "--server", &server.url],
+        "add it all up\n\nand once more\n",
+        &[],
+    );
+    assert_eq!(output.status.code(), Some(0), "{}", stderr_of(&output));
+    let stdout = stdout_of(&output);
+    let turn = "Adding.\n  [call_0_0] add {\"a\":2,\"b\":3}\n  [call_0_0] -> 5\nNow the total.\n  \
+                [call_1_0] add {\"a\":5,\"b\":9}\n  [call_1_0] -> 14\nThe total is 14.\n";
+    // Both lines answered, in order, in one session; no prompt when stdin is not a terminal.
+    assert_eq!(stdout, format!("{turn}{turn}"));
+
+    let output = ratchet_with(
+        dir.path(),
+        &["chat", "--server", &server.url],
+        "add it all up\n/quit\nnever sent\n",
+        &[],
+    );
+    assert_eq!(output.status.code(), Some(0), "{}", stderr_of(&output));
+    assert_eq!(stdout_of(&output), turn);
+}
+
+#[test]
+fn bench_sse_reports_delivery_as_one_json_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path(), &script(), &[], &[]);
+    let check = |output: &Output| {
+        assert_eq!(output.status.code(), Some(0), "{}", stderr_of(output));
+        let stdout = stdout_of(output);
+        let last = stdout.lines().last().expect("bench printed nothing");
+        let report: Value = serde_json::from_str(last)
+            .unwrap_or_else(|e| panic!("last line is not JSON ({e}): {last:?}"));
+        for key in ["events_per_s", "p50_ms", "p99_ms"] {
+            assert!(report[key].as_f64().is_some(), "{key} in {report}");
+        }
+        assert_eq!(report["subscribers"], 10);
+        assert_eq!(report["runs"], 2);
+        // Every subscriber got every event of the session.
+        let per_subscriber = report["events_per_subscriber"].as_u64().unwrap();
+        assert!(per_subscriber > 2, "{report}");
+        assert_eq!(report["events"].as_u64().unwrap(), 10 * per_subscriber);
+        assert!(report["events_per_s"].as_f64().unwrap() > 0.0, "{report}");
+    };
+    check(&ratchet(
+        dir.path(),
+        &[
+            "bench",
+            "sse",
+            "--server",
+            &server.url,
+            "--subscribers",
+            "10",
+            "--runs",
+            "2",
+            "--json",
+        ],
+    ));
+    // Standalone: an in-process server.
+    check(&ratchet(
+        dir.path(),
+        &[
+            "bench",
+            "sse",
+            "--subscribers",
+            "10",
+            "--runs",
+            "2",
+            "--json",
+        ],
+    ));
+}
+
+#[test]
+fn a_bad_token_is_refused_with_the_servers_message() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("ratchet.toml"),
+        "[[tokens]]\ntenant = \"acme\"\nenv = \"RATCHET_TEST_SECRET\"\n",
+    )
+    .unwrap();
+    let server = Server::start(
+        dir.path(),
+        &script(),
+        &["--config", "ratchet.toml"],
+        &[("RATCHET_TEST_SECRET", "s3cret")],
+    );
+    let url = server.url.as_str();
+    let refused = |output: &Output, message: &str| {
+        assert_eq!(output.status.code(), Some(1), "{}", stderr_of(output));
+        let stderr = stderr_of(output);
+        assert!(
+            stderr.contains("401") && stderr.contains(message) && stderr.contains("--token"),
+            "{stderr}"
+        );
+        assert_eq!(stdout_of(output), "");
+    };
+    refused(
+        &ratchet(
+            dir.path(),
+            &["run", "--server", url, "--token", "wrong", "hi"],
+        ),
+        "unknown bearer token",
+    );
+    refused(
+        &ratchet(dir.path(), &["run", "--server", url, "--json", "hi"]),
+        "missing bearer token",
+    );
+    refused(
+        &ratchet_with(
+            dir.path(),
+            &["chat", "--server", url],
+            "hi\n",
+            &[("RATCHET_TOKEN", "wrong")],
+        ),
+        "unknown bearer token",
+    );
+    refused(
+        &ratchet(
+            dir.path(),
+            &[
+                "bench",
+                "sse",
+                "--server",
+                url,
+                "--token",
+                "wrong",
+                "--subscribers",
+                "2",
+            ],
+        ),
+        "unknown bearer token",
+    );
+    // The right token, from the environment.
+    let output = ratchet_with(
+        dir.path(),
+        &["run", "--server", url, "hi"],
+        "",
+        &[("RATCHET_TOKEN", "s3cret")],
+    );
+    assert_eq!(output.status.code(), Some(0), "{}", stderr_of(&output));
+    assert_eq!(stdout_of(&output), "The total is 14.\n");
+}
+
+#[test]
+fn an_unreachable_server_and_options_that_do_not_apply_fail_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let nobody = format!("http://127.0.0.1:{}", free_port());
+    for args in [
+        vec!["run", "--server", &nobody, "hi"],
+        vec!["chat", "--server", &nobody],
+        vec!["bench", "sse", "--server", &nobody, "--subscribers", "1"],
+    ] {
+        let output = ratchet_with(dir.path(), &args, "hi\n", &[]);
+        assert_eq!(output.status.code(), Some(1), "{args:?}");
+        let stderr = stderr_of(&output);
+        assert!(
+            stderr.contains(&format!("cannot reach the Ratchet server at {nobody}")),
+            "{args:?}: {stderr}"
+        );
+    }
+    for flag in [
+        ["--model", "scripted:demo"],
+        ["--workspace", "."],
+        ["--max-steps", "3"],
+    ] {
+        let output = ratchet(
+            dir.path(),
+            &["run", "--server", &nobody, flag[0], flag[1], "hi"],
+        );
+        assert_eq!(output.status.code(), Some(1));
+        let stderr = stderr_of(&output);
+        assert!(
+            stderr.contains(&format!("{} cannot be used with --server", flag[0])),
+            "{stderr}"
+        );
+    }
+    let output = ratchet(dir.path(), &["run", "--server", "ftp://x", "hi"]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(
+        stderr_of(&output).contains("http://"),
+        "{}",
+        stderr_of(&output)
+    );
+    // Nothing was created on the way.
+    assert!(!dir.path().join("ratchet.db").exists());
+}
