@@ -64,9 +64,14 @@ impl FromRequestParts<AppState> for Tenant {
                     })?
                     .to_owned()
             }
-            // Browsers' EventSource cannot set headers: event streams also take the token
-            // from the query string.
-            None => access_token_param(parts.uri.query())
+            // Browsers' EventSource cannot set headers: event streams, and only they (a
+            // token in a URL ends up in logs), also take it from the query string.
+            None => parts
+                .uri
+                .path()
+                .ends_with("/events")
+                .then(|| access_token_param(&parts.uri))
+                .flatten()
                 .ok_or_else(|| ApiError::unauthorized("missing bearer token"))?,
         };
         state
@@ -77,12 +82,16 @@ impl FromRequestParts<AppState> for Tenant {
     }
 }
 
-fn access_token_param(query: Option<&str>) -> Option<String> {
-    query?
-        .split('&')
-        .filter_map(|pair| pair.split_once('='))
-        .find(|(key, _)| *key == "access_token")
-        .map(|(_, value)| value.to_owned())
+/// `?access_token=`, percent-decoded: a token with `+`, `/` or `=` (base64) arrives encoded.
+fn access_token_param(uri: &axum::http::Uri) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Param {
+        access_token: Option<String>,
+    }
+    axum::extract::Query::<Param>::try_from_uri(uri)
+        .ok()?
+        .0
+        .access_token
 }
 
 #[cfg(test)]
@@ -102,11 +111,13 @@ mod tests {
 
     #[test]
     fn the_query_token_is_found_among_other_parameters() {
+        let param = |uri: &str| access_token_param(&uri.parse().unwrap());
+        assert_eq!(param("/e?after=3&access_token=t0k"), Some("t0k".into()));
         assert_eq!(
-            access_token_param(Some("after=3&access_token=t0k")),
-            Some("t0k".into())
+            param("/e?access_token=a%2Bb%2F%3D%3D"),
+            Some("a+b/==".into())
         );
-        assert_eq!(access_token_param(Some("after=3")), None);
-        assert_eq!(access_token_param(None), None);
+        assert_eq!(param("/e?after=3"), None);
+        assert_eq!(param("/e"), None);
     }
 }

@@ -275,3 +275,74 @@ impl Feed {
             .map_err(|_| Stop::ClientGone)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ratchet_core::{EventDraft, EventKind};
+    use ratchet_engine::Coordinator;
+    use ratchet_store::SessionSpec;
+    use serde_json::json;
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+
+    /// Concurrent writers of one session can publish its events out of order. A live event
+    /// that skips ahead must send the stream to the store for the ones before it, and a late
+    /// one that was already delivered must not be sent again.
+    #[tokio::test]
+    async fn an_event_ahead_of_its_turn_is_filled_in_from_the_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("r.db").display());
+        let store: Arc<dyn ratchet_store::Store> =
+            Arc::new(ratchet_sqlite::SqliteStore::open_url(&url).unwrap());
+        let coordinator = Coordinator::new(Arc::clone(&store));
+        let session = coordinator
+            .create_session(SessionSpec::default())
+            .await
+            .unwrap()
+            .id;
+        let run = RunId::from_suffix("r").unwrap();
+        let drafts = (0..3)
+            .map(|i| EventDraft::new(EventKind::Activity, json!({"i": i})))
+            .collect();
+        let stored = store
+            .append_events(&session, &run, drafts, 1)
+            .await
+            .unwrap();
+        let state = AppState::new(
+            coordinator,
+            Default::default(),
+            Default::default(),
+            CancellationToken::new(),
+        );
+        let (sender, mut receiver) = mpsc::channel(16);
+        let mut feed = Feed {
+            state,
+            scope: Scope::Session(session),
+            seen: 0,
+            sender,
+        };
+
+        feed.offer(stored[2].clone()).await.ok().unwrap();
+        assert_eq!(
+            feed.seen, 3,
+            "seq 3 arrived first: 1 and 2 were read from the store"
+        );
+        feed.offer(stored[0].clone()).await.ok().unwrap();
+        feed.offer(stored[2].clone()).await.ok().unwrap();
+        drop(feed);
+        let mut ids = Vec::new();
+        while let Some(Ok(event)) = receiver.recv().await {
+            ids.push(format!("{event:?}"));
+        }
+        assert_eq!(ids.len(), 3, "each event exactly once: {ids:#?}");
+        for (i, id) in ids.iter().enumerate() {
+            assert!(
+                id.contains(&format!("id: {}", i + 1)),
+                "in seq order: {ids:#?}"
+            );
+        }
+    }
+}
