@@ -66,6 +66,7 @@ pub fn app(state: AppState) -> Router {
     let (router, openapi) = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(routes::router())
         .merge(sse::router())
+        .merge(metrics::router())
         .split_for_parts();
     let openapi = Arc::new(openapi);
     router
@@ -76,7 +77,6 @@ pub fn app(state: AppState) -> Router {
                 async move { axum::Json(openapi.as_ref().clone()) }
             }),
         )
-        .merge(metrics::router())
         .fallback(error::not_found)
         .method_not_allowed_fallback(error::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY_BYTES))

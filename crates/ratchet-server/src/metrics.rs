@@ -4,12 +4,12 @@
 
 use std::sync::OnceLock;
 
-use axum::Router;
 use axum::extract::State;
 use axum::response::IntoResponse;
-use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde_json::json;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::{ApiError, AppState};
 
@@ -36,16 +36,18 @@ impl Metrics {
     }
 }
 
-pub fn router() -> Router<AppState> {
-    Router::new()
-        .route("/metrics", get(render))
-        .route(
-            "/healthz",
-            get(|| async { axum::Json(json!({"status": "ok"})) }),
-        )
-        .route("/readyz", get(ready))
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(render))
+        .routes(routes!(healthy))
+        .routes(routes!(ready))
 }
 
+#[utoipa::path(
+    get, path = "/metrics", tag = "operations",
+    responses((status = 200, content_type = "text/plain", body = String,
+               description = "Prometheus text format; needs no token")),
+)]
 async fn render(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {
     let stats = state.coordinator.store().stats(now_ms()).await?;
     for status in ratchet_core::RunStatus::ALL {
@@ -67,7 +69,17 @@ async fn render(State(state): State<AppState>) -> Result<impl IntoResponse, ApiE
     ))
 }
 
-/// Ready when the store answers.
+/// The process is up; needs no token.
+#[utoipa::path(get, path = "/healthz", tag = "operations", responses((status = 200, body = Object)))]
+async fn healthy() -> axum::Json<serde_json::Value> {
+    axum::Json(json!({"status": "ok"}))
+}
+
+/// Ready when the store answers; needs no token.
+#[utoipa::path(
+    get, path = "/readyz", tag = "operations",
+    responses((status = 200, body = Object), (status = 500, body = crate::api::ErrorBody)),
+)]
 async fn ready(State(state): State<AppState>) -> Result<impl IntoResponse, ApiError> {
     state.coordinator.store().stats(now_ms()).await?;
     Ok(axum::Json(json!({"status": "ready"})))
