@@ -7,63 +7,26 @@
 //! model instead of failing the CLI (workspace escapes), `runs list`, and bad input of every
 //! kind, which must fail cleanly and leave the database untouched.
 
-use std::io::Read;
+mod common;
+
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
+use std::time::Instant;
+
+use common::output_within_deadline;
 
 use serde_json::{Value, json};
 
-/// Far longer than any of these runs needs; only a hung binary reaches it.
-const DEADLINE: Duration = Duration::from_secs(60);
-
-/// Runs `ratchet ARGS` in `dir` and returns its output. Kills the process and fails the test
-/// if it outlives `DEADLINE`, so a driver that never notices its run ended cannot hang the
-/// suite. Every invocation, successful or not, must exit without a panic.
+/// Runs `ratchet ARGS` in `dir` and returns its output, within the common deadline.
 fn ratchet(dir: &Path, args: &[&str]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ratchet"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ratchet"));
+    command
         .args(args)
         .current_dir(dir)
         // The caller's environment must not change which database or log level is used.
         .env_remove("RATCHET_DB")
-        .env_remove("RATCHET_LOG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("cannot start the ratchet binary");
-    // Drain both pipes on their own threads so a chatty child never blocks on a full pipe.
-    let drain = |mut pipe: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut bytes = Vec::new();
-            pipe.read_to_end(&mut bytes).map(|_| bytes)
-        })
-    };
-    let stdout = drain(Box::new(child.stdout.take().unwrap()));
-    let stderr = drain(Box::new(child.stderr.take().unwrap()));
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > DEADLINE {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("ratchet {args:?} did not exit within {DEADLINE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let output = Output {
-        status,
-        stdout: stdout.join().unwrap().unwrap(),
-        stderr: stderr.join().unwrap().unwrap(),
-    };
-    assert!(
-        !stderr_of(&output).contains("panicked"),
-        "ratchet {args:?} panicked:\n{}",
-        stderr_of(&output)
-    );
-    output
+        .env_remove("RATCHET_LOG");
+    output_within_deadline(&mut command, "")
 }
 
 fn db_url(dir: &Path) -> String {

@@ -6,16 +6,16 @@
 //! Each test starts its own server on a free port with a scripted model and kills it (by its
 //! PID) when the test ends, even when it fails.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+mod common;
+
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{free_port, output_within_deadline};
 use serde_json::{Value, json};
 
-/// Far longer than any command here needs; only a hung binary reaches it.
-const DEADLINE: Duration = Duration::from_secs(60);
 /// How long a server gets to accept connections.
 const STARTUP: Duration = Duration::from_secs(20);
 
@@ -42,15 +42,6 @@ fn command(dir: &Path) -> Command {
         .env("NO_PROXY", "127.0.0.1")
         .env("no_proxy", "127.0.0.1");
     command
-}
-
-/// A port nobody listens on (bound, then released).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A `ratchet serve` process; killed by its PID when dropped.
@@ -113,57 +104,14 @@ impl Drop for Server {
     }
 }
 
-/// Runs `ratchet ARGS` in `dir` with `stdin` piped in; kills it and fails the test if it
-/// outlives `DEADLINE`. No invocation may panic.
+/// Runs `ratchet ARGS` in `dir` with `stdin` piped in, within the common deadline.
 fn ratchet_with(dir: &Path, args: &[&str], stdin: &str, env: &[(&str, &str)]) -> Output {
     let mut command = command(dir);
-    command
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    command.args(args);
     for (key, value) in env {
         command.env(key, value);
     }
-    let mut child = command.spawn().expect("cannot start the ratchet binary");
-    let mut input = child.stdin.take().unwrap();
-    let stdin = stdin.to_owned();
-    let feeder = std::thread::spawn(move || {
-        let _ = input.write_all(stdin.as_bytes());
-        // Dropping `input` closes the pipe: the child sees end of input.
-    });
-    let drain = |mut pipe: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut bytes = Vec::new();
-            pipe.read_to_end(&mut bytes).map(|_| bytes)
-        })
-    };
-    let stdout = drain(Box::new(child.stdout.take().unwrap()));
-    let stderr = drain(Box::new(child.stderr.take().unwrap()));
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > DEADLINE {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("ratchet {args:?} did not exit within {DEADLINE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    feeder.join().unwrap();
-    let output = Output {
-        status,
-        stdout: stdout.join().unwrap().unwrap(),
-        stderr: stderr.join().unwrap().unwrap(),
-    };
-    assert!(
-        !stderr_of(&output).contains("panicked"),
-        "ratchet {args:?} panicked:\n{}",
-        stderr_of(&output)
-    );
-    output
+    output_within_deadline(&mut command, stdin)
 }
 
 fn ratchet(dir: &Path, args: &[&str]) -> Output {

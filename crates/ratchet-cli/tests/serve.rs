@@ -1,22 +1,16 @@
 //! `ratchet serve` as a real process: a SIGTERM stops it gracefully — event streams end, the
 //! step in flight still commits, the process exits 0 — and `ratchet resume` finishes the run.
 
+mod common;
+
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{DEADLINE, free_port};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratchet");
-const DEADLINE: Duration = Duration::from_secs(30);
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 struct Server {
     child: Child,

@@ -1,0 +1,72 @@
+//! What the `ratchet` binary's integration tests share: running the binary with a deadline,
+//! and picking a free local port.
+
+use std::io::{Read, Write};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// Far longer than any test run needs; only a hung binary reaches it.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Runs `command` with `stdin` piped in and its output captured; kills it and fails the test
+/// if it outlives `DEADLINE`, so a driver that never notices its run ended cannot hang the
+/// suite. No invocation may panic.
+#[allow(dead_code, reason = "not every test binary runs the CLI to completion")]
+pub fn output_within_deadline(command: &mut Command, stdin: &str) -> Output {
+    let described = format!("{command:?}");
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("cannot start the ratchet binary");
+    let mut input = child.stdin.take().unwrap();
+    let stdin = stdin.to_owned();
+    let feeder = std::thread::spawn(move || {
+        let _ = input.write_all(stdin.as_bytes());
+        // Dropping `input` closes the pipe: the child sees end of input.
+    });
+    // Drain both pipes on their own threads so a chatty child never blocks on a full pipe.
+    let drain = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            pipe.read_to_end(&mut bytes).map(|_| bytes)
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().unwrap()));
+    let stderr = drain(Box::new(child.stderr.take().unwrap()));
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{described} did not exit within {DEADLINE:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    feeder.join().unwrap();
+    let output = Output {
+        status,
+        stdout: stdout.join().unwrap().unwrap(),
+        stderr: stderr.join().unwrap().unwrap(),
+    };
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !stderr.contains("panicked"),
+        "{described} panicked:\n{stderr}"
+    );
+    output
+}
+
+/// A port nobody listens on right now (another process could still take it before use).
+#[allow(dead_code, reason = "not every test binary starts a server")]
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
