@@ -163,3 +163,41 @@ async fn sigterm_lets_the_step_in_flight_commit_and_ends_event_streams() {
     assert_eq!(report["status"], "completed");
     assert_eq!(report["final_answer"], "rested");
 }
+
+#[test]
+fn without_tokens_the_server_refuses_to_listen_beyond_loopback() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let out = Command::new(BIN)
+        .args(["serve", "--listen", "0.0.0.0:0", "--db", &db])
+        .arg("--workspace")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("refusing to listen on 0.0.0.0:0 without authentication"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("r.db").exists(), "nothing was opened");
+
+    let config = dir.path().join("ratchet.toml");
+    std::fs::write(
+        &config,
+        "[[tokens]]\ntenant = \"acme\"\nenv = \"RATCHET_TEST_UNSET_TOKEN\"\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["serve", "--listen", "0.0.0.0:0", "--db", &db, "--config"])
+        .arg(&config)
+        .env_remove("RATCHET_TEST_UNSET_TOKEN")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("RATCHET_TEST_UNSET_TOKEN is not set"),
+        "{stderr}"
+    );
+}
