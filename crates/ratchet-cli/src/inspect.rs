@@ -67,22 +67,18 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
     writeln!(out, "status       {} (stop reason: {reason})", state.status)?;
     writeln!(out, "step_index   {}", state.step_index)?;
     writeln!(out, "model        {}", state.config.model)?;
-    if let Some(HumanRequest::Reconciliation {
-        call_index,
-        call_id,
-        tool,
-        arguments,
-        idempotency_key,
-    }) = &state.pending_human
-    {
+    if let Some(HumanRequest::Reconciliation { calls }) = &state.pending_human {
         writeln!(
             out,
-            "waiting for   reconciliation of call #{call_index} {call_id}: {tool} {arguments}"
+            "waiting for  a human to reconcile calls whose outcome is unknown after a crash:"
         )?;
-        writeln!(
-            out,
-            "              its outcome is unknown after a crash; idempotency key {idempotency_key}"
-        )?;
+        for call in calls {
+            writeln!(
+                out,
+                "  call #{} {}: {} {} (idempotency key {})",
+                call.call_index, call.call_id, call.tool, call.arguments, call.idempotency_key
+            )?;
+        }
     }
     writeln!(out, "steps")?;
     for step in steps {

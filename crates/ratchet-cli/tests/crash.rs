@@ -295,7 +295,10 @@ fn kill_and_resume(point: &KillPoint) {
             // effect is unknown, so it must not have been run again.
             assert_eq!(code, Some(2));
             assert_eq!(after["pending_human"]["kind"], "reconciliation", "{after}");
-            assert_eq!(after["pending_human"]["tool"], "append_line", "{after}");
+            assert_eq!(
+                after["pending_human"]["calls"][0]["tool"], "append_line",
+                "{after}"
+            );
             for line in ["first", "second"] {
                 assert!(
                     log.iter().filter(|l| *l == line).count() <= 1,
@@ -327,20 +330,30 @@ fn runs_killed_at_any_point_resume_without_loss_or_repetition() {
 }
 
 /// An `append_line` to a FIFO blocks in `open` until someone reads: the intent is durable,
-/// the effect has begun and never finishes. After a kill, resume must not run it again — it
-/// would block forever — but wait for a human, and `runs show` must name the call.
+/// the effect has begun and never finishes. Two such calls run in one parallel batch, beside
+/// a safe one. After a kill, resume must run none of them again — a `never` call would block
+/// forever — but wait for a human, and `runs show` must name both calls in doubt.
 #[test]
-fn a_never_replay_call_with_an_unknown_outcome_waits_for_reconciliation() {
+fn never_replay_calls_with_unknown_outcomes_wait_for_reconciliation() {
     let script = json!({"replies": [
-        {"tool_calls": [{"name": "append_line", "arguments": {"path": "pipe", "line": "charge the card"}}]},
+        {"tool_calls": [
+            {"name": "append_line", "arguments": {"path": "pipe-a", "line": "charge the card"}},
+            {"name": "add", "arguments": {"a": 1, "b": 1}},
+            {"name": "append_line", "arguments": {"path": "pipe-b", "line": "send the email"}}
+        ]},
         {"text": "done"}
     ]});
     let sandbox = Sandbox::new(&script);
-    let fifo = sandbox.workspace.join("pipe");
-    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
-    assert!(made.success());
+    for pipe in ["pipe-a", "pipe-b"] {
+        let made = Command::new("mkfifo")
+            .arg(sandbox.workspace.join(pipe))
+            .status()
+            .unwrap();
+        assert!(made.success());
+    }
     let (mut child, progress) = sandbox.start_run();
     wait_for(&progress, "[call_0_0] append_line", &mut child);
+    wait_for(&progress, "[call_0_2] append_line", &mut child);
     child.kill().unwrap();
     assert_eq!(child.wait().unwrap().signal(), Some(9));
 
@@ -349,19 +362,24 @@ fn a_never_replay_call_with_an_unknown_outcome_waits_for_reconciliation() {
     assert_eq!(reports[0]["status"], "waiting_human");
     let run_id = reports[0]["run_id"].as_str().unwrap();
     let shown = sandbox.show(run_id);
-    assert_eq!(shown["pending_human"]["kind"], "reconciliation");
-    assert_eq!(shown["pending_human"]["tool"], "append_line");
-    assert_eq!(shown["pending_human"]["call_id"], "call_0_0");
-    assert_eq!(
-        shown["pending_human"]["idempotency_key"],
-        format!("{run_id}#2#0")
-    );
+    let request = &shown["pending_human"];
+    assert_eq!(request["kind"], "reconciliation", "{shown}");
+    let calls = request["calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 2, "both calls in doubt are named: {request}");
+    for (call, (index, id)) in calls.iter().zip([(0, "call_0_0"), (2, "call_0_2")]) {
+        assert_eq!(call["tool"], "append_line");
+        assert_eq!(call["call_index"], index);
+        assert_eq!(call["call_id"], id);
+        assert_eq!(call["idempotency_key"], format!("{run_id}#2#{index}"));
+    }
     let text = sandbox.ratchet(&["runs", "show", run_id]);
     let text = String::from_utf8_lossy(&text.stdout);
-    assert!(
-        text.contains("reconciliation of call #0 call_0_0: append_line"),
-        "{text}"
-    );
+    for line in [
+        "call #0 call_0_0: append_line",
+        "call #2 call_0_2: append_line",
+    ] {
+        assert!(text.contains(line), "{line:?} not in:\n{text}");
+    }
 
     // A second resume finds nothing to do and leaves the run waiting.
     let (code, reports) = sandbox.resume();

@@ -19,7 +19,7 @@ pub use id::{IdError, MessageId, RunId, SessionId};
 pub use message::{Message, Origin, Role, ToolCall, ToolOutcome, Visibility};
 pub use state::{
     AgentState, CallProgress, Counters, HumanRequest, Limits, ReplayPolicy, RunConfigSnapshot,
-    ToolCheckpoint, ToolSpec,
+    ToolCheckpoint, ToolSpec, UnknownCall,
 };
 pub use status::{IllegalEdge, RunStatus, StopReason};
 pub use step::{ModelReply, Phase, StepJob, StepRecord, StepResult, Usage};

@@ -118,15 +118,21 @@ impl ToolCheckpoint {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum HumanRequest {
-    /// A `never`-replay tool call was started but its outcome is unknown (the process died):
-    /// an operator must say what happened before the run can go on.
-    Reconciliation {
-        call_index: usize,
-        call_id: String,
-        tool: String,
-        arguments: Value,
-        idempotency_key: String,
-    },
+    /// `never`-replay calls were started but their outcomes are unknown (the process died):
+    /// an operator must say what happened to each before the run can go on.
+    Reconciliation { calls: Vec<UnknownCall> },
+}
+
+/// A started call whose outcome nobody knows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UnknownCall {
+    /// The call's position in its batch.
+    pub call_index: usize,
+    pub call_id: String,
+    pub tool: String,
+    pub arguments: Value,
+    /// The key the call was started with, for looking its effect up on the other side.
+    pub idempotency_key: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -12,7 +12,7 @@ use futures::stream::{self, StreamExt};
 use ratchet_core::step::{after_model, after_tools, await_reconciliation, finish_step};
 use ratchet_core::{
     AgentState, EventDraft, EventKind, HumanRequest, Instruction, ReplayPolicy, RunConfigSnapshot,
-    StepJob, StepResult, ToolCall, ToolOutcome, decide,
+    StepJob, StepResult, ToolCall, ToolOutcome, UnknownCall, decide,
 };
 use ratchet_llm::ModelRequest;
 use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, IntentRecord};
@@ -216,7 +216,7 @@ impl Engine {
         let mut outcomes: Vec<Option<ToolOutcome>> = Vec::with_capacity(calls.len());
         let mut to_run = Vec::new();
         let mut invalid = 0;
-        let mut unknown_outcome = None;
+        let mut unknown = Vec::new();
         for (slot, (call, known)) in (0u32..).zip(&calls) {
             let started_before = earlier.get(&slot);
             if let Some(known) = known
@@ -228,7 +228,13 @@ impl Engine {
             }
             let replay = state.config.tool(&call.name).map(|spec| spec.replay);
             if started_before.is_some() && replay == Some(ReplayPolicy::Never) {
-                unknown_outcome.get_or_insert(slot);
+                unknown.push(UnknownCall {
+                    call_index: slot as usize,
+                    call_id: call.id.clone(),
+                    tool: call.name.clone(),
+                    arguments: call.arguments.clone(),
+                    idempotency_key: idempotency_key(job, slot),
+                });
                 outcomes.push(None);
                 continue;
             }
@@ -243,15 +249,9 @@ impl Engine {
                 }
             }
         }
-        if let Some(slot) = unknown_outcome {
-            let call = &calls[slot as usize].0;
-            let request = HumanRequest::Reconciliation {
-                call_index: slot as usize,
-                call_id: call.id.clone(),
-                tool: call.name.clone(),
-                arguments: call.arguments.clone(),
-                idempotency_key: idempotency_key(job, slot),
-            };
+        // Nothing of the batch runs while any outcome is in doubt: the human answers first.
+        if !unknown.is_empty() {
+            let request = HumanRequest::Reconciliation { calls: unknown };
             return Ok(await_reconciliation(
                 state,
                 job,

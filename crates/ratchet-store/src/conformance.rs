@@ -16,7 +16,8 @@ use ratchet_core::step::{after_model, after_tools, await_reconciliation, finish_
 use ratchet_core::{
     AgentState, EventDraft, EventKind, HumanRequest, Limits, Message, MessageId, Millis,
     ModelReply, Phase, ReplayPolicy, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob,
-    StepRecord, StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, Usage, Visibility,
+    StepRecord, StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, UnknownCall, Usage,
+    Visibility,
 };
 use serde_json::{Value, json};
 
@@ -1439,11 +1440,13 @@ pub async fn cancel_of_a_waiting_run_frees_the_session(store: &dyn Store) {
     commit(store, &model.claim, asked, None, T0 + 3).await;
     let tools = claim(store, OWNER_A, T0 + 4).await;
     let request = HumanRequest::Reconciliation {
-        call_index: 0,
-        call_id: "call-1".into(),
-        tool: "lookup".into(),
-        arguments: json!({"q": "answer"}),
-        idempotency_key: format!("{first}-2-0"),
+        calls: vec![UnknownCall {
+            call_index: 0,
+            call_id: "call-1".into(),
+            tool: "lookup".into(),
+            arguments: json!({"q": "answer"}),
+            idempotency_key: format!("{first}-2-0"),
+        }],
     };
     let waiting = await_reconciliation(
         tools.state,
