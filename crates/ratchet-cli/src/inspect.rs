@@ -4,6 +4,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::Context;
+use ratchet_core::step::Reconciliation;
 use ratchet_core::{HumanRequest, RunId};
 use serde_json::json;
 
@@ -96,6 +97,50 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
         .filter(|a| state.status.is_terminal() && !a.is_empty());
     if let Some(answer) = answer {
         writeln!(out, "answer       {answer}")?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A human's answer about a call in doubt, as the command line spells it.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum Outcome {
+    Succeeded,
+    Failed,
+    Retry,
+    Skip,
+}
+
+pub async fn reconcile(
+    db: &str,
+    run_id: &str,
+    call_id: &str,
+    outcome: Outcome,
+    result: Option<String>,
+) -> anyhow::Result<ExitCode> {
+    let run_id = RunId::parse(run_id)?;
+    let answer = match outcome {
+        Outcome::Succeeded => Reconciliation::Succeeded,
+        Outcome::Failed => Reconciliation::Failed,
+        Outcome::Retry => Reconciliation::Retry,
+        Outcome::Skip => Reconciliation::Skip,
+    };
+    let store = open_existing_store(db)?;
+    let coordinator = ratchet_engine::Coordinator::new(store);
+    let reconciled = coordinator
+        .reconcile(&run_id, call_id, answer, result)
+        .await
+        .with_context(|| format!("cannot reconcile call {call_id} of run {run_id}"))?;
+    let mut out = std::io::stdout().lock();
+    if reconciled.resumed {
+        writeln!(
+            out,
+            "every call of {run_id} is reconciled; `ratchet resume` carries the run on"
+        )?;
+    } else {
+        writeln!(
+            out,
+            "recorded; {run_id} still waits for other calls (see `ratchet runs show {run_id}`)"
+        )?;
     }
     Ok(ExitCode::SUCCESS)
 }

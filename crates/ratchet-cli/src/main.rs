@@ -130,6 +130,22 @@ enum RunsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Say what happened to a call whose outcome is unknown after a crash; once every call
+    /// in doubt is answered, `ratchet resume` (or a server) carries the run on.
+    Reconcile {
+        run_id: String,
+        /// The call's id, as `ratchet runs show` names it.
+        #[arg(long = "call")]
+        call_id: String,
+        /// succeeded, failed, retry (run it again) or skip.
+        #[arg(long)]
+        outcome: inspect::Outcome,
+        /// What the call produced (for succeeded or failed); the model sees it.
+        #[arg(long)]
+        result: Option<String>,
+        #[command(flatten)]
+        db: DbArg,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -290,6 +306,16 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Runs {
             command: RunsCommand::Show { run_id, db, json },
         } => inspect::show(&db.db, &run_id, json).await,
+        Command::Runs {
+            command:
+                RunsCommand::Reconcile {
+                    run_id,
+                    call_id,
+                    outcome,
+                    result,
+                    db,
+                },
+        } => inspect::reconcile(&db.db, &run_id, &call_id, outcome, result).await,
         Command::Bench {
             command:
                 BenchCommand::Steps {

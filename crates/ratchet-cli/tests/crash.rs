@@ -385,6 +385,50 @@ fn never_replay_calls_with_unknown_outcomes_wait_for_reconciliation() {
     let (code, reports) = sandbox.resume();
     assert_eq!((code, reports.len()), (Some(0), 0), "{reports:?}");
     assert_eq!(sandbox.show(run_id)["status"], "waiting_human");
+
+    // A human answers for each call in doubt; only then does the run go on, without running
+    // either call again (a re-run would block on its FIFO and hang `resume`).
+    let reconcile = |call: &str, outcome: &str| {
+        sandbox.ratchet(&[
+            "runs",
+            "reconcile",
+            run_id,
+            "--call",
+            call,
+            "--outcome",
+            outcome,
+        ])
+    };
+    let wrong = reconcile("call_0_1", "skip");
+    assert_eq!(wrong.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&wrong.stderr);
+    assert!(stderr.contains("awaiting: call_0_0, call_0_2"), "{stderr}");
+    assert!(reconcile("call_0_0", "succeeded").status.success());
+    assert_eq!(
+        sandbox.show(run_id)["status"],
+        "waiting_human",
+        "call_0_2 is still in doubt"
+    );
+    assert!(reconcile("call_0_2", "skip").status.success());
+    let (code, reports) = sandbox.resume();
+    assert_eq!(code, Some(0), "{reports:?}");
+    assert_eq!(reports[0]["status"], "completed");
+    assert_eq!(reports[0]["final_answer"], "done");
+    let shown = sandbox.show(run_id);
+    let steps = shown["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 4, "model, doubt, batch, answer: {shown}");
+    assert_eq!(
+        steps[2]["instruction"], "call_tools_batch",
+        "the batch ends through a tools step"
+    );
+    assert_eq!(
+        steps[2]["summary"]["errors"], 1,
+        "only the skipped call failed: {shown}"
+    );
+    assert_eq!(
+        shown["counters"]["tool_calls"], 3,
+        "all three results reached the model"
+    );
 }
 
 #[test]

@@ -49,7 +49,9 @@ pub fn decide(state: &AgentState, phase: Phase) -> Instruction {
                 Instruction::Finish(StopReason::Completed)
             }
         }
-        Phase::HumanDecided if pending_tools => Instruction::CallToolsBatch,
+        // The batch a human was asked about is finished by a tools step even when every
+        // outcome is now known: that step is what hands the results to the model, in order.
+        Phase::HumanDecided if state.checkpoint.is_some() => Instruction::CallToolsBatch,
         Phase::ToolsBatchResult
             if state.counters.consecutive_parse_failures
                 >= state.config.limits.max_consecutive_parse_failures =>
@@ -218,7 +220,7 @@ mod tests {
             Phase::LlmResult if force => Finish(StopReason::Completed),
             Phase::LlmResult if pending => CallToolsBatch,
             Phase::LlmResult => Finish(StopReason::Completed),
-            Phase::HumanDecided if pending => CallToolsBatch,
+            Phase::HumanDecided if checkpoint != 0 => CallToolsBatch,
             Phase::ToolsBatchResult if parse_failures >= 3 => Finish(StopReason::ParseFailures),
             Phase::ToolsBatchResult if checkpoint == 2 => Finish(StopReason::Completed),
             _ => model_call(),

@@ -15,11 +15,12 @@ pub enum EventKind {
     ToolResult,
     ModelError,
     ReconciliationRequired,
+    ReconciliationDecided,
     RunFinished,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 11] = [
+    pub const ALL: [EventKind; 12] = [
         EventKind::RunCreated,
         EventKind::RunStatus,
         EventKind::StepCommitted,
@@ -30,6 +31,7 @@ impl EventKind {
         EventKind::ToolResult,
         EventKind::ModelError,
         EventKind::ReconciliationRequired,
+        EventKind::ReconciliationDecided,
         EventKind::RunFinished,
     ];
 
@@ -45,6 +47,7 @@ impl EventKind {
             EventKind::ToolResult => "tool.result",
             EventKind::ModelError => "model.error",
             EventKind::ReconciliationRequired => "reconciliation.required",
+            EventKind::ReconciliationDecided => "reconciliation.decided",
             EventKind::RunFinished => "run.finished",
         }
     }

@@ -273,6 +273,100 @@ pub fn await_reconciliation(
     }
 }
 
+/// What a human says happened to a call whose outcome was unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reconciliation {
+    /// It took effect; `result` (or a note) becomes its outcome.
+    Succeeded,
+    /// It did not take effect; the model sees an error.
+    Failed,
+    /// Run it again (the human accepts the risk of a second effect).
+    Retry,
+    /// Do not run it; the model is told it was skipped.
+    Skip,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecisionError {
+    #[error("run {run_id} is not waiting for reconciliation (it is {status})")]
+    NotWaiting { run_id: RunId, status: RunStatus },
+    #[error("call {call_id:?} is not awaiting reconciliation; awaiting: {awaiting}")]
+    NotAwaited { call_id: String, awaiting: String },
+}
+
+/// Records a human's answer for one call in doubt. When no call is left in doubt, the run
+/// goes back to `running` and the returned job resumes the batch from its checkpoint: calls
+/// with an outcome are not run again, a `retry` call is.
+pub fn reconcile(
+    state: &mut AgentState,
+    call_id: &str,
+    answer: Reconciliation,
+    result: Option<String>,
+) -> Result<(Vec<EventDraft>, Option<StepJob>), DecisionError> {
+    let not_waiting = || DecisionError::NotWaiting {
+        run_id: state.run_id.clone(),
+        status: state.status,
+    };
+    if state.status != RunStatus::WaitingHuman {
+        return Err(not_waiting());
+    }
+    let Some(HumanRequest::Reconciliation { calls }) = state.pending_human.as_mut() else {
+        return Err(not_waiting());
+    };
+    let Some(position) = calls.iter().position(|c| c.call_id == call_id) else {
+        let awaiting = calls
+            .iter()
+            .map(|c| c.call_id.as_str())
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(DecisionError::NotAwaited {
+            call_id: call_id.to_owned(),
+            awaiting,
+        });
+    };
+    let call = calls.remove(position);
+    let remaining = calls.len();
+    let outcome = match answer {
+        Reconciliation::Succeeded => {
+            Some(ToolOutcome::ok(result.unwrap_or_else(|| {
+                "succeeded (confirmed by a human)".into()
+            })))
+        }
+        Reconciliation::Failed => Some(ToolOutcome::error(
+            result.unwrap_or_else(|| "failed (confirmed by a human)".into()),
+        )),
+        Reconciliation::Skip => Some(ToolOutcome::error(
+            "skipped by a human; it did not run again",
+        )),
+        Reconciliation::Retry => None,
+    };
+    if let Some(progress) = state
+        .checkpoint
+        .as_mut()
+        .and_then(|c| c.calls.get_mut(call.call_index))
+    {
+        progress.outcome = outcome;
+    }
+    let mut events = vec![EventDraft::new(
+        EventKind::ReconciliationDecided,
+        json!({"run_id": state.run_id, "call_id": call.call_id, "tool": call.tool, "answer": answer}),
+    )];
+    if remaining > 0 {
+        return Ok((events, None));
+    }
+    state.pending_human = None;
+    state.status = RunStatus::Running;
+    events.push(status_event(state));
+    let job = StepJob {
+        run_id: state.run_id.clone(),
+        step_index: state.step_index + 1,
+        phase: Phase::HumanDecided,
+        attempt: 0,
+    };
+    Ok((events, Some(job)))
+}
+
 /// A step whose one instruction is to end the run (a cancel, or a model that kept failing).
 pub fn finish_step(
     mut state: AgentState,

@@ -220,3 +220,77 @@ fn a_concluding_answer_completes_and_a_concluding_tool_request_exhausts_the_budg
         "no call is offered to run"
     );
 }
+
+#[test]
+fn reconciliation_answers_each_call_in_doubt_then_resumes_the_batch() {
+    use ratchet_core::step::{DecisionError, Reconciliation, await_reconciliation, reconcile};
+    use ratchet_core::{HumanRequest, UnknownCall};
+
+    let mut state = fresh(50);
+    let (job, _) = start_run(&mut state, 0);
+    let call = |i: usize| ToolCall {
+        id: format!("c{i}"),
+        name: "add".into(),
+        arguments: serde_json::json!({}),
+    };
+    let reply = ModelReply {
+        tool_calls: vec![call(0), call(1), call(2)],
+        ..ModelReply::default()
+    };
+    let asked = after_model(state, &job, reply, false, 0, 1);
+    let batch_job = asked.next.clone().unwrap();
+    let doubt = |i: usize| UnknownCall {
+        call_index: i,
+        call_id: format!("c{i}"),
+        tool: "add".into(),
+        arguments: serde_json::json!({}),
+        idempotency_key: format!("k{i}"),
+    };
+    let request = HumanRequest::Reconciliation {
+        calls: vec![doubt(0), doubt(2)],
+    };
+    let known = vec![None, Some(ToolOutcome::ok("2")), None];
+    let mut waiting = await_reconciliation(asked.state, &batch_job, known, request, 1, 2).state;
+    assert_eq!(waiting.status, RunStatus::WaitingHuman);
+
+    let wrong = reconcile(&mut waiting, "c1", Reconciliation::Skip, None).unwrap_err();
+    assert!(matches!(wrong, DecisionError::NotAwaited { .. }), "{wrong}");
+    assert!(wrong.to_string().contains("awaiting: c0, c2"), "{wrong}");
+
+    let (events, job) = reconcile(
+        &mut waiting,
+        "c0",
+        Reconciliation::Succeeded,
+        Some("7".into()),
+    )
+    .unwrap();
+    assert_eq!(job, None, "c2 is still in doubt");
+    assert_eq!(events[0].kind.as_str(), "reconciliation.decided");
+    assert_eq!(waiting.status, RunStatus::WaitingHuman);
+
+    let (_, job) = reconcile(&mut waiting, "c2", Reconciliation::Retry, None).unwrap();
+    let job = job.expect("all answered: the batch goes on");
+    assert_eq!(
+        (job.step_index, job.phase),
+        (waiting.step_index + 1, Phase::HumanDecided)
+    );
+    assert_eq!(waiting.status, RunStatus::Running);
+    assert_eq!(waiting.pending_human, None);
+    let outcomes: Vec<_> = waiting
+        .checkpoint
+        .as_ref()
+        .unwrap()
+        .calls
+        .iter()
+        .map(|c| c.outcome.clone())
+        .collect();
+    assert_eq!(
+        outcomes,
+        [Some(ToolOutcome::ok("7")), Some(ToolOutcome::ok("2")), None],
+        "retry runs c2 again"
+    );
+    assert_eq!(decide(&waiting, job.phase), Instruction::CallToolsBatch);
+
+    let again = reconcile(&mut waiting, "c2", Reconciliation::Skip, None).unwrap_err();
+    assert!(matches!(again, DecisionError::NotWaiting { .. }), "{again}");
+}

@@ -231,6 +231,25 @@ impl Coordinator {
         Ok(outcome)
     }
 
+    /// Records a human's answer for a call in doubt; once all are answered the run goes on.
+    pub async fn reconcile(
+        &self,
+        run_id: &RunId,
+        call_id: &str,
+        answer: ratchet_core::step::Reconciliation,
+        result: Option<String>,
+    ) -> Result<ratchet_store::Reconciled> {
+        let reconciled = self
+            .store
+            .reconcile(run_id, call_id, answer, result, now_ms())
+            .await?;
+        self.publish(reconciled.events.clone());
+        if reconciled.resumed {
+            self.wake.notify_one();
+        }
+        Ok(reconciled)
+    }
+
     /// Releases the leases of processes on this machine that no longer exist, so their steps
     /// are taken over now instead of after lease expiry. Returns how many jobs were freed.
     pub async fn recover(&self, is_dead: impl Fn(&str) -> bool) -> Result<u64> {

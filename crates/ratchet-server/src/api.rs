@@ -306,3 +306,33 @@ impl From<&StoredEvent> for EventView {
         }
     }
 }
+
+/// A human's answer for a call whose outcome is unknown after a crash.
+#[derive(Debug, Clone, Copy, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ReconcileOutcome {
+    /// It took effect; `result` becomes its outcome.
+    Succeeded,
+    /// It did not take effect; the model sees an error.
+    Failed,
+    /// Run it again.
+    Retry,
+    /// Do not run it; the model is told it was skipped.
+    Skip,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReconcileRequest {
+    pub call_id: String,
+    pub outcome: ReconcileOutcome,
+    /// What the call produced, for `succeeded` or `failed`.
+    pub result: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReconcileView {
+    pub run_id: String,
+    /// `running` once every call in doubt is answered; `waiting_human` before.
+    pub status: String,
+}

@@ -10,7 +10,8 @@ use utoipa_axum::routes;
 
 use crate::api::{
     CancelView, CreateSession, ErrorBody, MessageAccepted, MessageView, Multitask, Page, PageQuery,
-    RunSummaryView, RunView, SendMessage, SessionView, StepView,
+    ReconcileOutcome, ReconcileRequest, ReconcileView, RunSummaryView, RunView, SendMessage,
+    SessionView, StepView,
 };
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
@@ -25,6 +26,7 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(get_run))
         .routes(routes!(list_steps))
         .routes(routes!(cancel_run))
+        .routes(routes!(reconcile_run))
 }
 
 pub(crate) fn parse_session_id(text: &str) -> Result<SessionId, ApiError> {
@@ -296,5 +298,45 @@ async fn cancel_run(
     Ok(axum::Json(CancelView {
         run_id: id.to_string(),
         status,
+    }))
+}
+
+#[utoipa::path(
+    post, path = "/v1/runs/{id}/reconcile", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    request_body = ReconcileRequest,
+    responses(
+        (status = 200, body = ReconcileView),
+        (status = 409, body = ErrorBody, description = "the run is not waiting for this call"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn reconcile_run(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<ReconcileRequest>,
+) -> Result<axum::Json<ReconcileView>, ApiError> {
+    use ratchet_core::step::Reconciliation;
+    let id = parse_run_id(&id)?;
+    tenant_run(&state, &tenant, &id).await?;
+    let answer = match body.outcome {
+        ReconcileOutcome::Succeeded => Reconciliation::Succeeded,
+        ReconcileOutcome::Failed => Reconciliation::Failed,
+        ReconcileOutcome::Retry => Reconciliation::Retry,
+        ReconcileOutcome::Skip => Reconciliation::Skip,
+    };
+    let reconciled = state
+        .coordinator
+        .reconcile(&id, &body.call_id, answer, body.result)
+        .await?;
+    let status = if reconciled.resumed {
+        "running"
+    } else {
+        "waiting_human"
+    };
+    Ok(axum::Json(ReconcileView {
+        run_id: id.to_string(),
+        status: status.to_owned(),
     }))
 }

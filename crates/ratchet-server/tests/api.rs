@@ -730,9 +730,46 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/runs/{id}", vec!["get"]),
         ("/v1/runs/{id}/steps", vec!["get"]),
         ("/v1/runs/{id}/cancel", vec!["post"]),
+        ("/v1/runs/{id}/reconcile", vec!["post"]),
         ("/v1/runs/{id}/events", vec!["get"]),
     ]);
     assert_eq!(paths, expected);
+}
+
+/// Reconciliation answers only a run that waits for that call; a finished run says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciling_a_run_that_is_not_in_doubt_is_a_conflict() {
+    let server = Server::start(quick_script()).await;
+    let session = server.create_session(TOKEN_A).await;
+    let run = server.send(TOKEN_A, &session, "hello").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    server.finish(&run).await;
+    let path = format!("/v1/runs/{run}/reconcile");
+    let post = |body: Value| {
+        server
+            .http
+            .post(server.url(&path))
+            .bearer_auth(TOKEN_A)
+            .json(&body)
+    };
+    let answer = call(post(json!({"call_id": "call_0_0", "outcome": "succeeded"}))).await;
+    assert_eq!(answer.status, StatusCode::CONFLICT, "{}", answer.body);
+    assert_eq!(answer.body["error"]["code"], "conflict");
+    let message = answer.body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("not waiting for reconciliation"),
+        "{message}"
+    );
+    let bad = call(post(json!({"call_id": "call_0_0", "outcome": "maybe"}))).await;
+    assert_eq!(bad.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", bad.body);
+    let other_tenant = server
+        .http
+        .post(server.url(&path))
+        .bearer_auth(TOKEN_B)
+        .json(&json!({"call_id": "call_0_0", "outcome": "skip"}));
+    assert_eq!(call(other_tenant).await.status, StatusCode::NOT_FOUND);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -12,13 +12,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use ratchet_core::step::Reconciliation;
 use ratchet_core::{
     AgentState, EventDraft, Message, Millis, RunConfigSnapshot, RunId, SessionId, StepRecord,
     StepResult, ToolOutcome,
 };
 use ratchet_store::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentRecord, Lease, NewRun,
-    RecordedIntents, RunSummary, Session, SessionSpec, Store, StoreStats, StoredEvent,
+    Reconciled, RecordedIntents, RunSummary, Session, SessionSpec, Store, StoreStats, StoredEvent,
     StoredMessage, Submitted,
 };
 use rusqlite::{Connection, OpenFlags};
@@ -370,6 +371,20 @@ impl Store for SqliteStore {
         let run_id = run_id.clone();
         self.writer
             .write(move |c| ops::request_cancel(c, &run_id, now))
+            .await
+    }
+
+    async fn reconcile(
+        &self,
+        run_id: &RunId,
+        call_id: &str,
+        answer: Reconciliation,
+        result: Option<String>,
+        now: Millis,
+    ) -> Result<Reconciled> {
+        let (run_id, call_id) = (run_id.clone(), call_id.to_owned());
+        self.writer
+            .write(move |c| ops::reconcile(c, &run_id, &call_id, answer, result, now))
             .await
     }
 

@@ -1,15 +1,15 @@
 //! The transaction bodies. Each function runs inside the writer's transaction (or on a read
 //! connection) and is the whole of one `Store` operation.
 
-use ratchet_core::step::{cancel_idle, start_run};
+use ratchet_core::step::{Reconciliation, cancel_idle, start_run};
 use ratchet_core::{
     AgentState, EventDraft, EventKind, Message, Millis, Phase, RunConfigSnapshot, RunId, RunStatus,
     SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome,
 };
 use ratchet_store::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentKind, IntentRecord, Lease,
-    NewRun, RecordedIntents, RunSummary, Session, SessionSpec, Stale, StoreStats, StoredEvent,
-    StoredMessage, Submitted,
+    NewRun, Reconciled, RecordedIntents, RunSummary, Session, SessionSpec, Stale, StoreStats,
+    StoredEvent, StoredMessage, Submitted,
 };
 use rusqlite::{OptionalExtension, params};
 use serde::Serialize;
@@ -1265,5 +1265,27 @@ pub(crate) fn stats(c: &Tx<'_>, now: Millis) -> Result<StoreStats> {
         runs_by_status,
         ready_jobs: ready as u64,
         held_jobs: held as u64,
+    })
+}
+
+pub(crate) fn reconcile(
+    c: &Tx<'_>,
+    run_id: &RunId,
+    call_id: &str,
+    answer: Reconciliation,
+    result: Option<String>,
+    now: Millis,
+) -> Result<Reconciled> {
+    let mut state = load_state(c, run_id)?;
+    let (drafts, job) = ratchet_core::step::reconcile(&mut state, call_id, answer, result)
+        .map_err(|e| Error::Conflict(e.to_string()))?;
+    write_state(c, &state)?;
+    if let Some(job) = &job {
+        insert_job(c, job, now)?;
+    }
+    let events = insert_events(c, &state.session_id, Some(run_id), &drafts, now)?;
+    Ok(Reconciled {
+        events,
+        resumed: job.is_some(),
     })
 }

@@ -6,6 +6,7 @@
 //! index, status edge, lease epoch) and writes atomically.
 
 use async_trait::async_trait;
+use ratchet_core::step::Reconciliation;
 use ratchet_core::{
     AgentState, EventDraft, IllegalEdge, Message, MessageId, Millis, RunConfigSnapshot, RunId,
     RunStatus, SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome,
@@ -216,6 +217,13 @@ pub struct RunSummary {
     pub finished_at: Option<Millis>,
 }
 
+#[derive(Debug, Clone)]
+pub struct Reconciled {
+    pub events: Vec<StoredEvent>,
+    /// Every call in doubt is answered: the run is running again and its job enqueued.
+    pub resumed: bool,
+}
+
 /// Counts for monitoring.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StoreStats {
@@ -357,6 +365,18 @@ pub trait Store: Send + Sync + 'static {
     async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>>;
 
     async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome>;
+
+    /// Records a human's answer for one call whose outcome was unknown (see
+    /// `ratchet_core::step::reconcile`); once every call in doubt is answered, the run's next
+    /// job is enqueued. A run not waiting for that call is `Error::Conflict`.
+    async fn reconcile(
+        &self,
+        run_id: &RunId,
+        call_id: &str,
+        answer: Reconciliation,
+        result: Option<String>,
+        now: Millis,
+    ) -> Result<Reconciled>;
 
     async fn load_state(&self, run_id: &RunId) -> Result<AgentState>;
 
