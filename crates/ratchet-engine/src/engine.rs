@@ -49,6 +49,7 @@ impl From<ratchet_store::Error> for StepFailure {
     fn from(error: ratchet_store::Error) -> Self {
         match error {
             ratchet_store::Error::LeaseLost { .. } => StepFailure::LeaseLost,
+            ratchet_store::Error::CancelRequested { .. } => StepFailure::Cancelled,
             other => StepFailure::Infrastructure(other.into()),
         }
     }
@@ -345,6 +346,9 @@ async fn run_call(
             "arguments": call.arguments,
         }),
     );
+    if context.cancel.is_cancelled() {
+        return Err(StepFailure::Cancelled);
+    }
     coordinator
         .record_intents(&claim, vec![intent], vec![announce])
         .await?;

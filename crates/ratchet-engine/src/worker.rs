@@ -166,8 +166,8 @@ impl Worker {
                 tracing::warn!(run = %claimed.job.run_id, %message, "model call failed for good");
                 finish(StopReason::ModelError)
             }
-            // Only a cancel request cancels a run's token; the store already marked the run
-            // `cancelling`, so this step ends it.
+            // Only a cancel request cancels a run's token or refuses its intents; the store
+            // already marked the run `cancelling`, so this step ends it.
             Err(StepFailure::Cancelled) => finish(StopReason::Cancelled),
             Err(StepFailure::LeaseLost) => {
                 tracing::info!(run = %claimed.job.run_id, step = claimed.job.step_index, "lease lost; another worker has the step");

@@ -345,3 +345,48 @@ fn now_ms() -> i64 {
         .unwrap()
         .as_millis() as i64
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_during_a_slow_model_stream_ends_the_run_within_a_second() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let words = vec!["word"; 100].join(" ");
+    let script = write_script(
+        dir.path(),
+        json!({"replies": [{"text": words, "chunk_delay_ms": 100}]}),
+    );
+    let node = node(&db, fast_pool());
+    let mut events = node.coordinator.subscribe();
+    let session = node
+        .coordinator
+        .create_session(SessionSpec::default())
+        .await
+        .unwrap()
+        .id;
+    let run = node
+        .coordinator
+        .submit(&session, "talk".into(), config(&script), Multitask::Enqueue)
+        .await
+        .unwrap()
+        .run_id;
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(10), events.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        if event.kind == "assistant.delta" {
+            break;
+        }
+    }
+    let asked = std::time::Instant::now();
+    node.coordinator.request_cancel(&run).await.unwrap();
+    let state = wait_until_terminal(&node.coordinator, &run).await;
+    assert!(
+        asked.elapsed() < Duration::from_secs(1),
+        "the stream of ~10 s was cut short, took {:?}",
+        asked.elapsed()
+    );
+    assert_eq!(state.status, RunStatus::Cancelled);
+    assert_eq!(state.stop_reason, Some(StopReason::Cancelled));
+    node.pool.shutdown().await;
+}

@@ -781,6 +781,12 @@ pub(crate) fn record_intents(
     now: Millis,
 ) -> Result<RecordedIntents> {
     fenced(c, claim)?;
+    let run = run_row(c, &claim.run_id)?;
+    if run.cancel_requested {
+        return Err(Error::CancelRequested {
+            run_id: claim.run_id.clone(),
+        });
+    }
     let mut insert = c
         .prepare_cached(
             "INSERT INTO intents (run_id, step_index, slot, kind, name, idempotency_key, attempts, started_at)
@@ -807,12 +813,7 @@ pub(crate) fn record_intents(
             .map_err(backend)?;
         attempts.push(count);
     }
-    let events = if events.is_empty() {
-        Vec::new()
-    } else {
-        let session_id = run_row(c, &claim.run_id)?.session_id;
-        insert_events(c, &session_id, Some(&claim.run_id), events, now)?
-    };
+    let events = insert_events(c, &run.session_id, Some(&claim.run_id), events, now)?;
     Ok(RecordedIntents { events, attempts })
 }
 

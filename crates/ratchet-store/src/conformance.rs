@@ -52,6 +52,7 @@ macro_rules! store_conformance_tests {
             missing_and_duplicate_entities_are_errors,
             config_and_cancel_flag_are_owned_by_the_store,
             a_claim_for_one_run_takes_only_its_jobs,
+            a_cancelled_run_starts_no_new_effect,
             sessions_are_listed_per_tenant_in_pages,
             client_reads_show_visible_messages_runs_and_run_events,
         );
@@ -858,6 +859,49 @@ pub async fn client_reads_show_visible_messages_runs_and_run_events(store: &dyn 
         .await
         .unwrap();
     assert_eq!(tail, of_run[1..]);
+}
+
+/// Once a cancel is accepted, the step in flight can no longer record an intent — so no
+/// new effect starts, whichever process holds the step — though outcomes of effects already
+/// started are still recorded.
+pub async fn a_cancelled_run_starts_no_new_effect(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (run, _) = submit(store, &session, "busy", config(), T0).await;
+    let first = claim(store, OWNER_A, T0).await;
+    let started = Intent {
+        slot: 0,
+        kind: IntentKind::Tool,
+        name: "started".into(),
+        idempotency_key: format!("{run}#1#0"),
+    };
+    store
+        .record_intents(&first.claim, vec![started], Vec::new(), T0)
+        .await
+        .unwrap();
+    match store.request_cancel(&run, T0 + 1).await.unwrap() {
+        CancelOutcome::Cancelling { .. } => {}
+        other => panic!("a running run goes through cancelling, got {other:?}"),
+    }
+    let late = Intent {
+        slot: 1,
+        kind: IntentKind::Tool,
+        name: "late".into(),
+        idempotency_key: format!("{run}#1#1"),
+    };
+    let refused = store
+        .record_intents(&first.claim, vec![late], Vec::new(), T0 + 2)
+        .await;
+    assert!(
+        matches!(refused, Err(Error::CancelRequested { .. })),
+        "no effect may start after a cancel: {refused:?}"
+    );
+    store
+        .record_outcome(&first.claim, 0, ToolOutcome::ok("done anyway"), T0 + 3)
+        .await
+        .unwrap();
+    let recorded = store.intents(&run, 1).await.unwrap();
+    assert_eq!(recorded.len(), 1, "the late intent left nothing behind");
+    assert_eq!(recorded[0].outcome, Some(ToolOutcome::ok("done anyway")));
 }
 
 /// A claim scoped to one run (a driver that must not execute other runs' steps) takes only

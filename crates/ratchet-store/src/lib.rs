@@ -27,6 +27,9 @@ pub enum Error {
     /// or the step was committed): the caller must drop the step without effects.
     #[error("the claim on {run_id}#{step_index} was lost")]
     LeaseLost { run_id: RunId, step_index: u64 },
+    /// A cancel of the run was accepted: no new effect may start.
+    #[error("run {run_id} is being cancelled")]
+    CancelRequested { run_id: RunId },
     #[error("invalid database url {url:?}: {reason}")]
     BadUrl { url: String, reason: String },
     #[error("stored data is corrupt: {0}")]
@@ -344,7 +347,9 @@ pub trait Store: Send + Sync + 'static {
 
     /// Records intents of the claimed step durably before their effects, with the events that
     /// announce them; recording one again counts an attempt. Fenced: refused with
-    /// `Error::LeaseLost` once `claim` no longer holds the step.
+    /// `Error::LeaseLost` once `claim` no longer holds the step, and with
+    /// `Error::CancelRequested` once a cancel of the run was accepted — so no effect starts
+    /// after a cancel, whichever process accepted it.
     async fn record_intents(
         &self,
         claim: &Claim,
