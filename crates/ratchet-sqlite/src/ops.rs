@@ -780,13 +780,34 @@ pub(crate) fn record_intents(
     events: &[EventDraft],
     now: Millis,
 ) -> Result<RecordedIntents> {
-    fenced(c, claim)?;
-    let run = run_row(c, &claim.run_id)?;
-    if run.cancel_requested {
+    // The fence and the cancel check in one read: the claim must still hold the step, and
+    // no cancel may have been accepted.
+    let held: Option<(i64, String, bool)> = c
+        .prepare_cached(
+            "SELECT j.epoch, r.session_id, r.cancel_requested FROM step_jobs j JOIN runs r ON r.id = j.run_id
+             WHERE j.run_id = ?1 AND j.step_index = ?2",
+        )
+        .and_then(|mut s| {
+            s.query_row(params![claim.run_id.as_str(), claim.step_index as i64], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })
+            .optional()
+        })
+        .map_err(backend)?;
+    let lost = || Error::LeaseLost {
+        run_id: claim.run_id.clone(),
+        step_index: claim.step_index,
+    };
+    let (epoch, session, cancel_requested) = held.ok_or_else(lost)?;
+    if epoch != claim.epoch {
+        return Err(lost());
+    }
+    if cancel_requested {
         return Err(Error::CancelRequested {
             run_id: claim.run_id.clone(),
         });
     }
+    let session_id = SessionId::parse(&session).map_err(|e| Error::Corrupt(e.to_string()))?;
     let mut insert = c
         .prepare_cached(
             "INSERT INTO intents (run_id, step_index, slot, kind, name, idempotency_key, attempts, started_at)
@@ -813,7 +834,7 @@ pub(crate) fn record_intents(
             .map_err(backend)?;
         attempts.push(count);
     }
-    let events = insert_events(c, &run.session_id, Some(&claim.run_id), events, now)?;
+    let events = insert_events(c, &session_id, Some(&claim.run_id), events, now)?;
     Ok(RecordedIntents { events, attempts })
 }
 
@@ -1201,7 +1222,9 @@ pub(crate) fn run_events_after(
 ) -> Result<Vec<StoredEvent>> {
     let mut stmt = c
         .prepare_cached(&format!(
-            "SELECT {EVENT_COLUMNS} FROM events WHERE run_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3"
+            "SELECT {EVENT_COLUMNS} FROM events
+             WHERE session_id = (SELECT session_id FROM runs WHERE id = ?1) AND seq > ?2 AND run_id = ?1
+             ORDER BY seq LIMIT ?3"
         ))
         .map_err(backend)?;
     let rows = stmt
