@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use ratchet_core::{MessageId, RunConfigSnapshot, RunId, RunStatus, SessionId, StepResult};
 use ratchet_store::{
     CancelOutcome, Claim, ClaimedStep, Commit, Lease, NewRun, Session, SessionSpec, Store,
-    StoredEvent,
+    StoredEvent, WhenBusy,
 };
 use tokio::sync::{Notify, broadcast};
 use tokio_util::sync::CancellationToken;
@@ -29,6 +29,8 @@ pub enum Multitask {
     Enqueue,
     /// Refuse the message.
     Reject,
+    /// Cancel the active run and start this one as soon as it has ended.
+    Interrupt,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -93,10 +95,24 @@ impl Coordinator {
             message_id: message_id.clone(),
             content,
             config,
-            reject_if_busy: multitask == Multitask::Reject,
+            when_busy: match multitask {
+                Multitask::Enqueue => WhenBusy::Enqueue,
+                Multitask::Reject => WhenBusy::Reject,
+                Multitask::Interrupt => WhenBusy::Interrupt,
+            },
         };
         let submitted = self.store.submit_message(new, now_ms()).await?;
         self.publish(submitted.events);
+        if let Some(interrupted) = &submitted.interrupted {
+            let token = self
+                .in_flight
+                .lock()
+                .ok()
+                .and_then(|m| m.get(interrupted).cloned());
+            if let Some(token) = token {
+                token.cancel();
+            }
+        }
         if submitted.status == RunStatus::Running {
             self.wake.notify_one();
         }

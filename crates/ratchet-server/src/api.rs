@@ -107,6 +107,8 @@ pub enum Multitask {
     Enqueue,
     /// Answer 409 while the session has an active run.
     Reject,
+    /// Cancel the active run; this message's run starts as soon as it has ended.
+    Interrupt,
 }
 
 #[derive(Debug, Deserialize, ToSchema)]

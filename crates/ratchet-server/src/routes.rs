@@ -162,6 +162,7 @@ async fn send_message(
     let multitask = match body.multitask.unwrap_or_default() {
         Multitask::Enqueue => EngineMultitask::Enqueue,
         Multitask::Reject => EngineMultitask::Reject,
+        Multitask::Interrupt => EngineMultitask::Interrupt,
     };
     let config = state.run_template.as_ref().clone();
     let started = state

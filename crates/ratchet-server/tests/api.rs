@@ -559,6 +559,55 @@ async fn a_message_runs_to_completion_with_its_messages_runs_and_steps_listed() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multitask_interrupt_cancels_the_active_run_and_starts_the_new_one() {
+    let server = Server::start(sleepy_script()).await;
+    let session = server.create_session(TOKEN_A).await;
+    let first = server.send(TOKEN_A, &session, "sleep").await;
+    let run = first["run_id"].as_str().unwrap().to_owned();
+    let mut run_events = server.stream(&format!("/v1/runs/{run}/events"), None).await;
+    run_events.until(|e| e.kind == "tool.call").await;
+
+    let messages_path = format!("/v1/sessions/{session}/messages");
+    let interrupting = call(server.post(
+        TOKEN_A,
+        &messages_path,
+        json!({"content": "forget that", "multitask": "interrupt"}),
+    ))
+    .await;
+    assert_eq!(
+        interrupting.status,
+        StatusCode::ACCEPTED,
+        "{}",
+        interrupting.body
+    );
+    let newcomer = interrupting.body["run_id"].as_str().unwrap().to_owned();
+    let ended = server.finish(&run).await;
+    assert_eq!(ended["status"], "cancelled", "{ended}");
+    assert_eq!(ended["stop_reason"], "cancelled");
+    let mut newcomer_events = server
+        .stream(&format!("/v1/runs/{newcomer}/events"), None)
+        .await;
+    newcomer_events.until(|e| e.kind == "tool.call").await;
+    let session_now = server
+        .get_ok(TOKEN_A, &format!("/v1/sessions/{session}"))
+        .await;
+    assert_eq!(
+        session_now["active_run_id"],
+        newcomer.as_str(),
+        "the newcomer holds the session"
+    );
+    let cancelled = call(
+        server
+            .http
+            .post(server.url(&format!("/v1/runs/{newcomer}/cancel")))
+            .bearer_auth(TOKEN_A),
+    )
+    .await;
+    assert_eq!(cancelled.status, StatusCode::OK, "{}", cancelled.body);
+    assert_eq!(server.finish(&newcomer).await["status"], "cancelled");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multitask_reject_conflicts_enqueue_queues_and_a_slow_run_is_cancelled() {
     let server = Server::start(sleepy_script()).await;
     let session = server.create_session(TOKEN_A).await;

@@ -9,7 +9,7 @@ use ratchet_core::{
 use ratchet_store::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentKind, IntentRecord, Lease,
     NewRun, Reconciled, RecordedIntents, RunSummary, Session, SessionSpec, Stale, StoreStats,
-    StoredEvent, StoredMessage, Submitted,
+    StoredEvent, StoredMessage, Submitted, WhenBusy,
 };
 use rusqlite::{OptionalExtension, params};
 use serde::Serialize;
@@ -155,7 +155,14 @@ pub(crate) fn submit_message(c: &Tx<'_>, new: NewRun, now: Millis) -> Result<Sub
             id: new.session_id.to_string(),
         });
     };
-    if let Some(active) = active.as_ref().filter(|_| new.reject_if_busy) {
+    let active = active
+        .map(|id| RunId::parse(&id))
+        .transpose()
+        .map_err(|e| Error::Corrupt(e.to_string()))?;
+    if let Some(active) = active
+        .as_ref()
+        .filter(|_| new.when_busy == WhenBusy::Reject)
+    {
         return Err(Error::Conflict(format!(
             "session {} has an active run ({active}); send with multitask \"enqueue\" to queue behind it",
             new.session_id
@@ -180,14 +187,35 @@ pub(crate) fn submit_message(c: &Tx<'_>, new: NewRun, now: Millis) -> Result<Sub
         EventKind::RunCreated,
         json!({"run_id": state.run_id, "message_id": new.message_id}),
     )];
-    let status = if active.is_none() {
+    let Some(active) = active else {
         drafts.extend(start_queued_run(c, state, now)?);
-        RunStatus::Running
-    } else {
-        RunStatus::Queued
+        let events = insert_events(c, &new.session_id, Some(&new.run_id), &drafts, now)?;
+        return Ok(Submitted {
+            status: RunStatus::Running,
+            events,
+            interrupted: None,
+        });
     };
-    let events = insert_events(c, &new.session_id, Some(&new.run_id), &drafts, now)?;
-    Ok(Submitted { status, events })
+    let mut events = insert_events(c, &new.session_id, Some(&new.run_id), &drafts, now)?;
+    let mut interrupted = None;
+    if new.when_busy == WhenBusy::Interrupt {
+        // A cancel that ends the active run at once frees the session, and the queue (this
+        // run included) moves on inside the same transaction.
+        match request_cancel(c, &active, now)? {
+            CancelOutcome::Cancelled { events: more, .. }
+            | CancelOutcome::Cancelling { events: more } => {
+                events.extend(more);
+            }
+            CancelOutcome::AlreadyTerminal(_) => {}
+        }
+        interrupted = Some(active);
+    }
+    let status = run_row(c, &new.run_id)?.status;
+    Ok(Submitted {
+        status,
+        events,
+        interrupted,
+    })
 }
 
 /// Makes a queued run the session's active run: its user message enters history, its first

@@ -3,7 +3,7 @@
 
 use ratchet_core::{MessageId, RunConfigSnapshot, RunId, SessionId};
 use ratchet_sqlite::SqliteStore;
-use ratchet_store::{Lease, NewRun, SessionSpec, Store};
+use ratchet_store::{Lease, NewRun, SessionSpec, Store, WhenBusy};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_whose_run_cannot_be_loaded_is_set_aside_and_the_rest_go_on() {
@@ -24,7 +24,7 @@ async fn a_job_whose_run_cannot_be_loaded_is_set_aside_and_the_rest_go_on() {
             message_id: MessageId::from_suffix(&format!("m{i}")).unwrap(),
             content: "hi".into(),
             config: RunConfigSnapshot::default(),
-            reject_if_busy: false,
+            when_busy: WhenBusy::Enqueue,
         };
         store.submit_message(new, at).await.unwrap();
         runs.push(run_id);

@@ -23,7 +23,7 @@ use serde_json::{Value, json};
 
 use crate::{
     CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentKind, IntentRecord, Lease,
-    NewRun, RunSummary, Session, SessionSpec, Stale, Store, StoredEvent, Submitted,
+    NewRun, RunSummary, Session, SessionSpec, Stale, Store, StoredEvent, Submitted, WhenBusy,
 };
 
 /// Expands to one `#[tokio::test]` per conformance test. `$make` is an expression of a
@@ -53,6 +53,7 @@ macro_rules! store_conformance_tests {
             config_and_cancel_flag_are_owned_by_the_store,
             a_claim_for_one_run_takes_only_its_jobs,
             a_cancelled_run_starts_no_new_effect,
+            an_interrupting_message_cancels_the_active_run_and_follows_it,
             sessions_are_listed_per_tenant_in_pages,
             client_reads_show_visible_messages_runs_and_run_events,
         );
@@ -161,7 +162,7 @@ async fn submit(
         message_id: MessageId::from_suffix(&unique()).unwrap(),
         content: content.into(),
         config,
-        reject_if_busy: false,
+        when_busy: WhenBusy::Enqueue,
     };
     let submitted = store
         .submit_message(new, now)
@@ -361,7 +362,7 @@ pub async fn submit_starts_a_run_or_queues_it_behind_the_active_one(store: &dyn 
         message_id: MessageId::from_suffix(&unique()).unwrap(),
         content: "not now".into(),
         config: config(),
-        reject_if_busy: true,
+        when_busy: WhenBusy::Reject,
     };
     match store.submit_message(refused, T0 + 1).await {
         Err(Error::Conflict(message)) => assert!(message.contains("active run"), "{message}"),
@@ -902,6 +903,79 @@ pub async fn a_cancelled_run_starts_no_new_effect(store: &dyn Store) {
     let recorded = store.intents(&run, 1).await.unwrap();
     assert_eq!(recorded.len(), 1, "the late intent left nothing behind");
     assert_eq!(recorded[0].outcome, Some(ToolOutcome::ok("done anyway")));
+}
+
+/// `interrupt` cancels the session's active run in the submit's own transaction: a waiting run
+/// ends at once and the new run starts; a running one goes `cancelling` and the new run
+/// starts when its last step has committed.
+pub async fn an_interrupting_message_cancels_the_active_run_and_follows_it(store: &dyn Store) {
+    let interrupt = |session: &SessionId, content: &str| NewRun {
+        session_id: session.clone(),
+        run_id: RunId::from_suffix(&unique()).unwrap(),
+        message_id: MessageId::from_suffix(&unique()).unwrap(),
+        content: content.into(),
+        config: config(),
+        when_busy: WhenBusy::Interrupt,
+    };
+    // A running run with a step in flight.
+    let session = new_session(store).await;
+    let (busy, _) = submit(store, &session, "long job", config(), T0).await;
+    let in_flight = claim(store, OWNER_A, T0).await;
+    let next = interrupt(&session, "stop, do this instead");
+    let newcomer = next.run_id.clone();
+    let submitted = store.submit_message(next, T0 + 1).await.unwrap();
+    assert_eq!(submitted.interrupted.as_ref(), Some(&busy));
+    assert_eq!(
+        submitted.status,
+        RunStatus::Queued,
+        "it waits for the cancelled run to end"
+    );
+    assert_eq!(load(store, &busy).await.status, RunStatus::Cancelling);
+    // The step in flight asked for tools: not an end of its own, so it yields to the cancel.
+    let step = after_model(
+        in_flight.state,
+        &in_flight.job,
+        tool_reply(),
+        false,
+        T0,
+        T0 + 2,
+    );
+    let (_, _, enqueued) = commit(store, &in_flight.claim, step, None, T0 + 2).await;
+    assert!(enqueued, "the cancel step is due");
+    let cancel = claim(store, OWNER_A, T0 + 3).await;
+    assert_eq!(cancel.job.run_id, busy);
+    let finish = finish_step(
+        cancel.state,
+        &cancel.job,
+        StopReason::Cancelled,
+        T0 + 3,
+        T0 + 4,
+    );
+    commit(store, &cancel.claim, finish, None, T0 + 4).await;
+    assert_eq!(load(store, &busy).await.status, RunStatus::Cancelled);
+    assert_eq!(
+        load(store, &newcomer).await.status,
+        RunStatus::Running,
+        "then the newcomer starts"
+    );
+
+    // A run waiting for a human is cancelled at once and the newcomer starts right away.
+    let session = new_session(store).await;
+    let (waiting, _) = submit(store, &session, "risky", config(), T0).await;
+    let model = claim(store, OWNER_A, T0).await;
+    let asked = after_model(model.state, &model.job, tool_reply(), false, T0, T0 + 1);
+    commit(store, &model.claim, asked, None, T0 + 1).await;
+    let tools = claim(store, OWNER_A, T0 + 2).await;
+    let request = HumanRequest::Reconciliation { calls: Vec::new() };
+    let parked = await_reconciliation(tools.state, &tools.job, vec![None], request, T0 + 2, T0 + 3);
+    commit(store, &tools.claim, parked, None, T0 + 3).await;
+    let next = interrupt(&session, "never mind");
+    let newcomer = next.run_id.clone();
+    let submitted = store.submit_message(next, T0 + 4).await.unwrap();
+    assert_eq!(submitted.status, RunStatus::Running);
+    assert_eq!(load(store, &waiting).await.status, RunStatus::Cancelled);
+    assert_eq!(load(store, &newcomer).await.status, RunStatus::Running);
+    assert_one_active(store, &session).await;
 }
 
 /// A claim scoped to one run (a driver that must not execute other runs' steps) takes only
@@ -1695,7 +1769,7 @@ pub async fn missing_and_duplicate_entities_are_errors(store: &dyn Store) {
         message_id: MessageId::from_suffix(&unique()).unwrap(),
         content: "hello?".into(),
         config: config(),
-        reject_if_busy: false,
+        when_busy: WhenBusy::Enqueue,
     };
     match store.submit_message(new, T0).await {
         Err(Error::NotFound { .. }) => {}

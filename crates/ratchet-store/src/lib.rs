@@ -127,14 +127,29 @@ pub struct NewRun {
     pub message_id: MessageId,
     pub content: String,
     pub config: RunConfigSnapshot,
-    /// Refuse (with `Error::Conflict`) instead of queueing when the session has an active run.
-    pub reject_if_busy: bool,
+    pub when_busy: WhenBusy,
+}
+
+/// What a message does when its session already has an active run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum WhenBusy {
+    /// Queue behind the runs before it.
+    #[default]
+    Enqueue,
+    /// Refuse with `Error::Conflict`; nothing is recorded.
+    Reject,
+    /// Cancel the active run (in the same transaction) and queue behind it: the new run
+    /// starts as soon as the cancelled one has ended.
+    Interrupt,
 }
 
 #[derive(Debug, Clone)]
 pub struct Submitted {
     pub status: RunStatus,
     pub events: Vec<StoredEvent>,
+    /// The active run this message interrupted: cancelled now, or `cancelling` while its
+    /// step in flight winds down.
+    pub interrupted: Option<RunId>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
