@@ -201,3 +201,99 @@ fn without_tokens_the_server_refuses_to_listen_beyond_loopback() {
         "{stderr}"
     );
 }
+
+/// A run keeps the configuration it started with: restarting the server with another model
+/// changes new runs only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_another_model_does_not_change_a_running_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, script: Value| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, script.to_string()).unwrap();
+        path
+    };
+    let before = write(
+        "before.json",
+        json!({"replies": [
+            {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 600}}]},
+            {"text": "answer of the first model"}
+        ]}),
+    );
+    let after = write(
+        "after.json",
+        json!({"replies": [{"text": "answer of the second model"}]}),
+    );
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let http = reqwest::Client::new();
+
+    let mut first = start(dir.path(), &db, &before);
+    let session = json(
+        http.post(format!("{}/v1/sessions", first.base))
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    let session = session["id"].as_str().unwrap().to_owned();
+    let sent = http
+        .post(format!("{}/v1/sessions/{session}/messages", first.base))
+        .json(&json!({"content": "old run"}))
+        .send()
+        .await
+        .unwrap();
+    let old_run = json(sent).await["run_id"].as_str().unwrap().to_owned();
+    // Stop the first server while the run sleeps in its tool batch.
+    let stream = http
+        .get(format!("{}/v1/runs/{old_run}/events", first.base))
+        .send()
+        .await
+        .unwrap();
+    let mut body = stream.bytes_stream();
+    let mut seen = String::new();
+    while !seen.contains("event: tool.call") {
+        let chunk = tokio::time::timeout(DEADLINE, body.next())
+            .await
+            .expect("stream stalled");
+        seen.push_str(&String::from_utf8_lossy(&chunk.unwrap().unwrap()));
+    }
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    drop(body);
+
+    let second = start(dir.path(), &db, &after);
+    let sent = http
+        .post(format!("{}/v1/sessions/{session}/messages", second.base))
+        .json(&json!({"content": "new run"}))
+        .send()
+        .await
+        .unwrap();
+    let new_run = json(sent).await["run_id"].as_str().unwrap().to_owned();
+    let finished = |run: String| {
+        let (http, base) = (http.clone(), second.base.clone());
+        async move {
+            let started = Instant::now();
+            loop {
+                let state = json(
+                    http.get(format!("{base}/v1/runs/{run}"))
+                        .send()
+                        .await
+                        .unwrap(),
+                )
+                .await;
+                if state["status"] == "completed" {
+                    return state;
+                }
+                assert!(
+                    started.elapsed() < DEADLINE,
+                    "run {run} did not complete: {state}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let old = finished(old_run).await;
+    assert_eq!(old["final_answer"], "answer of the first model", "{old}");
+    let new = finished(new_run).await;
+    assert_eq!(new["final_answer"], "answer of the second model", "{new}");
+}
