@@ -268,7 +268,7 @@ impl LocalServer {
         let template = toolbox.run_template(
             &format!("scripted:{}", script.display()),
             Some(scratch.path()),
-            50,
+            ratchet_core::Limits::default(),
         )?;
         let db = format!("sqlite://{}", scratch.path().join("bench.db").display());
         let runtime = Runtime::new(open_store(&db)?, toolbox);

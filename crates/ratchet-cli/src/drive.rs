@@ -22,7 +22,7 @@ pub struct RunArgs {
     pub db: String,
     pub model: String,
     pub workspace: Option<PathBuf>,
-    pub max_steps: u64,
+    pub limits: ratchet_core::Limits,
     pub json: bool,
     pub message: String,
 }
@@ -73,7 +73,7 @@ fn check_message(message: &str) -> anyhow::Result<()> {
 /// Checks every input before anything is written, and freezes it into the run's config.
 fn run_config(args: &RunArgs, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnapshot> {
     check_message(&args.message)?;
-    toolbox.run_template(&args.model, args.workspace.as_deref(), args.max_steps)
+    toolbox.run_template(&args.model, args.workspace.as_deref(), args.limits)
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {

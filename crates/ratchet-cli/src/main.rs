@@ -42,6 +42,47 @@ struct TokenArg {
     token: Option<String>,
 }
 
+/// A run's budgets. The last model call a budget allows is made without tools.
+#[derive(Debug, clap::Args)]
+struct BudgetArgs {
+    /// Most steps the run may take [default: 50].
+    #[arg(long)]
+    max_steps: Option<u64>,
+    /// Most model calls the run may make.
+    #[arg(long)]
+    max_model_calls: Option<u64>,
+    /// Tool calls after which the model is offered no more tools.
+    #[arg(long)]
+    max_tool_calls: Option<u64>,
+    /// Model tokens (input and output) the run may spend.
+    #[arg(long)]
+    max_tokens: Option<u64>,
+}
+
+impl BudgetArgs {
+    fn given(&self) -> Vec<&'static str> {
+        [
+            self.max_steps.map(|_| "--max-steps"),
+            self.max_model_calls.map(|_| "--max-model-calls"),
+            self.max_tool_calls.map(|_| "--max-tool-calls"),
+            self.max_tokens.map(|_| "--max-tokens"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
+    fn limits(&self) -> ratchet_core::Limits {
+        ratchet_core::Limits {
+            max_steps: self.max_steps.unwrap_or(50),
+            max_model_calls: self.max_model_calls,
+            max_tool_calls: self.max_tool_calls,
+            max_tokens: self.max_tokens,
+            ..ratchet_core::Limits::default()
+        }
+    }
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Start a session with MESSAGE and drive its run until it ends or waits for a human.
@@ -54,9 +95,8 @@ enum Command {
         /// Directory that file tools may write in (default: the current directory).
         #[arg(long)]
         workspace: Option<PathBuf>,
-        /// Most steps the run may take; its last model call is made without tools [default: 50].
-        #[arg(long)]
-        max_steps: Option<u64>,
+        #[command(flatten)]
+        budget: BudgetArgs,
         /// Run on a Ratchet server (http://HOST:PORT) instead of in this process; the
         /// server's configuration decides the model, workspace and step budget.
         #[arg(long, value_name = "URL")]
@@ -227,7 +267,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             db,
             model,
             workspace,
-            max_steps,
+            budget,
             server: Some(server),
             token,
             json,
@@ -236,9 +276,9 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let local_only = [
                 model.is_some().then_some("--model"),
                 workspace.is_some().then_some("--workspace"),
-                max_steps.is_some().then_some("--max-steps"),
             ];
-            let given: Vec<&str> = local_only.into_iter().flatten().collect();
+            let mut given: Vec<&str> = local_only.into_iter().flatten().collect();
+            given.extend(budget.given());
             if !given.is_empty() {
                 bail!(
                     "{} cannot be used with --server: the server's configuration decides the \
@@ -260,7 +300,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             db,
             model,
             workspace,
-            max_steps,
+            budget,
             server: None,
             token: _,
             json,
@@ -270,7 +310,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 db: db.db,
                 model: model.unwrap_or_else(|| "scripted:demo".to_owned()),
                 workspace,
-                max_steps: max_steps.unwrap_or(50),
+                limits: budget.limits(),
                 json,
                 message,
             })

@@ -27,10 +27,15 @@ impl Toolbox {
         &self,
         model: &str,
         workspace: Option<&Path>,
-        max_steps: u64,
+        limits: Limits,
     ) -> anyhow::Result<RunConfigSnapshot> {
-        if max_steps == 0 {
-            bail!("--max-steps must be at least 1");
+        let zero = [
+            (limits.max_steps == 0).then_some("--max-steps"),
+            (limits.max_model_calls == Some(0)).then_some("--max-model-calls"),
+            (limits.max_tokens == Some(0)).then_some("--max-tokens"),
+        ];
+        if let Some(flag) = zero.into_iter().flatten().next() {
+            bail!("{flag} must be at least 1");
         }
         let workspace = match workspace {
             Some(dir) => dir.to_path_buf(),
@@ -59,10 +64,7 @@ impl Toolbox {
             workspace: Some(workspace.display().to_string()),
             system_prompt: SYSTEM_PROMPT.to_owned(),
             tools: self.tools.specs(),
-            limits: Limits {
-                max_steps,
-                ..Limits::default()
-            },
+            limits,
         })
     }
 

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use ratchet_core::Limits;
 use ratchet_engine::PoolConfig;
 use ratchet_server::{AppState, Config};
 use tokio_util::sync::CancellationToken;
@@ -64,7 +65,13 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let template = toolbox.run_template(
         config.model.as_deref().unwrap_or("scripted:demo"),
         config.workspace.as_deref().map(std::path::Path::new),
-        config.max_steps.unwrap_or(50),
+        Limits {
+            max_steps: config.max_steps.unwrap_or(50),
+            max_model_calls: config.max_model_calls,
+            max_tool_calls: config.max_tool_calls,
+            max_tokens: config.max_tokens,
+            ..Limits::default()
+        },
     )?;
     let db = config.db.as_deref().unwrap_or("sqlite://ratchet.db");
     let runtime = Runtime::new(open_store(db)?, toolbox);

@@ -299,6 +299,48 @@ fn the_step_budget_ends_a_run_that_keeps_calling_tools() {
 }
 
 #[test]
+fn model_call_and_tool_call_budgets_end_a_run_that_keeps_calling_tools() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(
+        dir.path(),
+        "script.json",
+        &json!({"replies": [{"text": "Again.", "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}}]}]}),
+    );
+    let output = run(
+        dir.path(),
+        &model,
+        &["--max-model-calls", "3", "--json", "loop"],
+    );
+    assert_eq!(output.status.code(), Some(1), "{}", stderr_of(&output));
+    let by_calls = report(&output);
+    assert_eq!(by_calls["stop_reason"], "budget_exhausted");
+    let shown = show(dir.path(), by_calls["run_id"].as_str().unwrap());
+    assert_eq!(shown["counters"]["model_calls"], 3, "{shown}");
+    assert_eq!(
+        shown["steps"].as_array().unwrap().last().unwrap()["summary"]["conclude"],
+        true
+    );
+
+    let output = run(
+        dir.path(),
+        &model,
+        &["--max-tool-calls", "2", "--json", "loop"],
+    );
+    let by_tools = report(&output);
+    assert_eq!(by_tools["stop_reason"], "budget_exhausted");
+    let shown = show(dir.path(), by_tools["run_id"].as_str().unwrap());
+    assert_eq!(shown["counters"]["tool_calls"], 2, "{shown}");
+
+    let refused = run(dir.path(), &model, &["--max-model-calls", "0", "loop"]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(
+        stderr_of(&refused).contains("--max-model-calls must be at least 1"),
+        "{}",
+        stderr_of(&refused)
+    );
+}
+
+#[test]
 fn invalid_tool_arguments_end_the_run_after_repeated_parse_failures() {
     let dir = tempfile::tempdir().unwrap();
     let model = script(

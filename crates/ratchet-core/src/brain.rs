@@ -68,15 +68,28 @@ pub fn decide(state: &AgentState, phase: Phase) -> Instruction {
 
 /// Budget admission for a model call. A model call at step `s` may offer tools only when
 /// steps `s + 1` (the tools) and `s + 2` (a concluding call) still fit under `max_steps`.
+///
+/// The other budgets work the same way: the last model call a budget allows is made without
+/// tools, and none is made past it.
 fn next_model_call(state: &AgentState) -> Instruction {
-    let max_steps = state.config.limits.max_steps;
-    if state.force_finish || state.step_index >= max_steps {
+    let limits = &state.config.limits;
+    let counters = &state.counters;
+    let reached = |used: u64, limit: Option<u64>| limit.is_some_and(|max| used >= max);
+    let spent = state.force_finish
+        || state.step_index >= limits.max_steps
+        || reached(counters.model_calls, limits.max_model_calls)
+        || reached(
+            counters.input_tokens + counters.output_tokens,
+            limits.max_tokens,
+        );
+    if spent {
         return Instruction::Finish(StopReason::BudgetExhausted);
     }
     let model_step = state.step_index + 1;
-    Instruction::CallLlm {
-        conclude: model_step + 2 > max_steps,
-    }
+    let conclude = model_step + 2 > limits.max_steps
+        || reached(counters.model_calls + 1, limits.max_model_calls)
+        || reached(counters.tool_calls, limits.max_tool_calls);
+    Instruction::CallLlm { conclude }
 }
 
 fn completed_by_tool(state: &AgentState) -> bool {
@@ -225,6 +238,72 @@ mod tests {
             Phase::ToolsBatchResult if checkpoint == 2 => Finish(StopReason::Completed),
             _ => model_call(),
         }
+    }
+
+    #[test]
+    fn model_call_tool_call_and_token_budgets_conclude_then_stop() {
+        let with = |limits: Limits| {
+            let mut s = state(50);
+            s.config = std::sync::Arc::new(RunConfigSnapshot {
+                limits: Limits {
+                    max_steps: 50,
+                    ..limits
+                },
+                ..s.config.as_ref().clone()
+            });
+            s
+        };
+        let mut s = with(Limits {
+            max_model_calls: Some(3),
+            ..Limits::default()
+        });
+        s.counters.model_calls = 1;
+        assert_eq!(
+            decide(&s, Phase::ToolsBatchResult),
+            Instruction::CallLlm { conclude: false }
+        );
+        s.counters.model_calls = 2;
+        assert_eq!(
+            decide(&s, Phase::ToolsBatchResult),
+            Instruction::CallLlm { conclude: true }
+        );
+        s.counters.model_calls = 3;
+        assert_eq!(
+            decide(&s, Phase::ToolsBatchResult),
+            Instruction::Finish(StopReason::BudgetExhausted)
+        );
+
+        let mut s = with(Limits {
+            max_tool_calls: Some(4),
+            ..Limits::default()
+        });
+        s.counters.tool_calls = 3;
+        assert_eq!(
+            decide(&s, Phase::ToolsBatchResult),
+            Instruction::CallLlm { conclude: false }
+        );
+        s.counters.tool_calls = 5;
+        assert_eq!(
+            decide(&s, Phase::ToolsBatchResult),
+            Instruction::CallLlm { conclude: true },
+            "no more tools, one last answer"
+        );
+
+        let mut s = with(Limits {
+            max_tokens: Some(1000),
+            ..Limits::default()
+        });
+        s.counters.input_tokens = 600;
+        s.counters.output_tokens = 399;
+        assert_eq!(
+            decide(&s, Phase::UserInput),
+            Instruction::CallLlm { conclude: false }
+        );
+        s.counters.output_tokens = 400;
+        assert_eq!(
+            decide(&s, Phase::UserInput),
+            Instruction::Finish(StopReason::BudgetExhausted)
+        );
     }
 
     #[test]

@@ -50,6 +50,16 @@ pub struct Limits {
     pub max_parallel: u32,
     /// Attempts of one model call before the run fails with `model_error`.
     pub max_model_attempts: u32,
+    /// Model calls a run may make; the last one is made without tools.
+    #[serde(default)]
+    pub max_model_calls: Option<u64>,
+    /// Tool calls a run may make: once reached, the model is offered no more tools (a batch
+    /// asked for below the limit still runs whole).
+    #[serde(default)]
+    pub max_tool_calls: Option<u64>,
+    /// Model tokens (input and output) a run may spend: once reached, no model call is made.
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
 }
 
 impl Default for Limits {
@@ -59,6 +69,9 @@ impl Default for Limits {
             max_consecutive_parse_failures: 3,
             max_parallel: 4,
             max_model_attempts: 3,
+            max_model_calls: None,
+            max_tool_calls: None,
+            max_tokens: None,
         }
     }
 }

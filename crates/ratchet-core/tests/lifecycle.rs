@@ -59,8 +59,14 @@ proptest! {
         replies in proptest::collection::vec(reply_strategy(), 1..40),
         max_steps in 1u64..30,
         cancel_at in proptest::option::of(1u64..40),
+        max_model_calls in proptest::option::of(1u64..12),
+        max_tool_calls in proptest::option::of(0u64..12),
     ) {
         let mut state = fresh(max_steps);
+        let mut config = state.config.as_ref().clone();
+        config.limits.max_model_calls = max_model_calls;
+        config.limits.max_tool_calls = max_tool_calls;
+        state.config = std::sync::Arc::new(config);
         let (mut job, _) = start_run(&mut state, 1);
         let mut replies = replies.into_iter().cycle();
         let mut now = 1;
@@ -120,6 +126,13 @@ proptest! {
             prop_assert_eq!(reason, StopReason::Cancelled);
         }
         prop_assert!(state.step_index <= max_steps, "steps {} > max {}", state.step_index, max_steps);
+        if let Some(max) = max_model_calls {
+            prop_assert!(state.counters.model_calls <= max, "model calls {} > max {max}", state.counters.model_calls);
+        }
+        if let Some(max) = max_tool_calls {
+            // A batch asked for below the limit runs whole: at most one batch (3 calls) over.
+            prop_assert!(state.counters.tool_calls <= max + 3, "tool calls {} > max {max} + one batch", state.counters.tool_calls);
+        }
     }
 }
 

@@ -28,6 +28,12 @@ pub struct Config {
     pub workspace: Option<String>,
     /// Step budget of every new run (default 50).
     pub max_steps: Option<u64>,
+    /// Model calls every new run may make (default: no limit).
+    pub max_model_calls: Option<u64>,
+    /// Tool calls after which a run is offered no more tools (default: no limit).
+    pub max_tool_calls: Option<u64>,
+    /// Model tokens every new run may spend (default: no limit).
+    pub max_tokens: Option<u64>,
     #[serde(default)]
     pub tokens: Vec<TokenConfig>,
 }
