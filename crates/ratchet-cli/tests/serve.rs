@@ -55,6 +55,51 @@ fn start(dir: &std::path::Path, db: &str, script: &std::path::Path) -> Server {
     }
 }
 
+impl Server {
+    /// Opens a session and sends `content`; returns the session and the message's run.
+    async fn send_in_new_session(&self, http: &reqwest::Client, content: &str) -> (String, String) {
+        let session = json(
+            http.post(format!("{}/v1/sessions", self.base))
+                .json(&json!({}))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        let session = session["id"].as_str().unwrap().to_owned();
+        let run = self.send(http, &session, content).await;
+        (session, run)
+    }
+
+    async fn send(&self, http: &reqwest::Client, session: &str, content: &str) -> String {
+        let sent = http
+            .post(format!("{}/v1/sessions/{session}/messages", self.base))
+            .json(&json!({"content": content}))
+            .send()
+            .await
+            .unwrap();
+        json(sent).await["run_id"].as_str().unwrap().to_owned()
+    }
+}
+
+/// Reads an event stream until `marker` has gone by.
+async fn read_until<S, B, E>(body: &mut S, marker: &str)
+where
+    S: futures::Stream<Item = Result<B, E>> + Unpin,
+    B: AsRef<[u8]>,
+    E: std::fmt::Debug,
+{
+    let mut seen = String::new();
+    while !seen.contains(marker) {
+        let chunk = tokio::time::timeout(DEADLINE, body.next())
+            .await
+            .expect("stream stalled")
+            .expect("stream ended")
+            .unwrap();
+        seen.push_str(&String::from_utf8_lossy(chunk.as_ref()));
+    }
+}
+
 async fn json(response: reqwest::Response) -> Value {
     let status = response.status();
     let body: Value = response.json().await.unwrap();
@@ -74,22 +119,7 @@ async fn sigterm_lets_the_step_in_flight_commit_and_ends_event_streams() {
     let db = format!("sqlite://{}", dir.path().join("r.db").display());
     let mut server = start(dir.path(), &db, &script);
     let http = reqwest::Client::new();
-    let session = json(
-        http.post(format!("{}/v1/sessions", server.base))
-            .json(&json!({}))
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
-    let session = session["id"].as_str().unwrap().to_owned();
-    let sent = http
-        .post(format!("{}/v1/sessions/{session}/messages", server.base))
-        .json(&json!({"content": "take a rest"}))
-        .send()
-        .await
-        .unwrap();
-    let run = json(sent).await["run_id"].as_str().unwrap().to_owned();
+    let (session, run) = server.send_in_new_session(&http, "take a rest").await;
     let stream = http
         .get(format!("{}/v1/sessions/{session}/events", server.base))
         .send()
@@ -97,15 +127,8 @@ async fn sigterm_lets_the_step_in_flight_commit_and_ends_event_streams() {
         .unwrap();
     assert!(stream.status().is_success());
     let mut body = stream.bytes_stream();
-
     // Wait until the tool call is running: its announcement is on the stream.
-    let mut seen = String::new();
-    while !seen.contains("event: tool.call") {
-        let chunk = tokio::time::timeout(DEADLINE, body.next())
-            .await
-            .expect("stream stalled");
-        seen.push_str(&String::from_utf8_lossy(&chunk.unwrap().unwrap()));
-    }
+    read_until(&mut body, "event: tool.call").await;
     let terminated = Command::new("kill")
         .args(["-TERM", &server.child.id().to_string()])
         .status()
@@ -227,22 +250,7 @@ async fn a_restart_with_another_model_does_not_change_a_running_run() {
     let http = reqwest::Client::new();
 
     let mut first = start(dir.path(), &db, &before);
-    let session = json(
-        http.post(format!("{}/v1/sessions", first.base))
-            .json(&json!({}))
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
-    let session = session["id"].as_str().unwrap().to_owned();
-    let sent = http
-        .post(format!("{}/v1/sessions/{session}/messages", first.base))
-        .json(&json!({"content": "old run"}))
-        .send()
-        .await
-        .unwrap();
-    let old_run = json(sent).await["run_id"].as_str().unwrap().to_owned();
+    let (session, old_run) = first.send_in_new_session(&http, "old run").await;
     // Stop the first server while the run sleeps in its tool batch.
     let stream = http
         .get(format!("{}/v1/runs/{old_run}/events", first.base))
@@ -250,25 +258,13 @@ async fn a_restart_with_another_model_does_not_change_a_running_run() {
         .await
         .unwrap();
     let mut body = stream.bytes_stream();
-    let mut seen = String::new();
-    while !seen.contains("event: tool.call") {
-        let chunk = tokio::time::timeout(DEADLINE, body.next())
-            .await
-            .expect("stream stalled");
-        seen.push_str(&String::from_utf8_lossy(&chunk.unwrap().unwrap()));
-    }
+    read_until(&mut body, "event: tool.call").await;
     first.child.kill().unwrap();
     first.child.wait().unwrap();
     drop(body);
 
     let second = start(dir.path(), &db, &after);
-    let sent = http
-        .post(format!("{}/v1/sessions/{session}/messages", second.base))
-        .json(&json!({"content": "new run"}))
-        .send()
-        .await
-        .unwrap();
-    let new_run = json(sent).await["run_id"].as_str().unwrap().to_owned();
+    let new_run = second.send(&http, &session, "new run").await;
     let finished = |run: String| {
         let (http, base) = (http.clone(), second.base.clone());
         async move {

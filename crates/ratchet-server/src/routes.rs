@@ -37,6 +37,16 @@ pub(crate) fn parse_run_id(text: &str) -> Result<RunId, ApiError> {
     RunId::parse(text).map_err(|e| ApiError::bad_request(e.to_string()))
 }
 
+/// A cursor that is a position (a message's, a step's index); absent means the start.
+fn numeric_cursor<T: std::str::FromStr + Default>(cursor: Option<&str>) -> Result<T, ApiError> {
+    match cursor {
+        None => Ok(T::default()),
+        Some(cursor) => cursor
+            .parse()
+            .map_err(|_| ApiError::bad_request(format!("invalid cursor {cursor:?}"))),
+    }
+}
+
 /// The session, if it exists and belongs to the tenant; another tenant's session answers
 /// exactly as a missing one does.
 pub(crate) async fn tenant_session(
@@ -190,12 +200,7 @@ async fn list_messages(
 ) -> Result<axum::Json<Page<MessageView>>, ApiError> {
     let id = parse_session_id(&id)?;
     let limit = query.limit()?;
-    let after = match query.cursor.as_deref() {
-        None => 0,
-        Some(cursor) => cursor
-            .parse::<i64>()
-            .map_err(|_| ApiError::bad_request(format!("invalid cursor {cursor:?}")))?,
-    };
+    let after: i64 = numeric_cursor(query.cursor.as_deref())?;
     tenant_session(&state, &tenant, &id).await?;
     let messages = state
         .coordinator
@@ -260,12 +265,7 @@ async fn list_steps(
 ) -> Result<axum::Json<Page<StepView>>, ApiError> {
     let id = parse_run_id(&id)?;
     let limit = query.limit()?;
-    let after = match query.cursor.as_deref() {
-        None => 0,
-        Some(cursor) => cursor
-            .parse::<u64>()
-            .map_err(|_| ApiError::bad_request(format!("invalid cursor {cursor:?}")))?,
-    };
+    let after: u64 = numeric_cursor(query.cursor.as_deref())?;
     tenant_run(&state, &tenant, &id).await?;
     let steps = state.coordinator.store().steps(&id).await?;
     let items: Vec<StepView> = steps
