@@ -13,7 +13,7 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Instant;
 
-use common::output_within_deadline;
+use common::{output_within_deadline, report, stderr_of, stdout_of};
 
 use serde_json::{Value, json};
 
@@ -54,48 +54,6 @@ fn run(dir: &Path, model: &str, extra: &[&str]) -> Output {
     ];
     args.extend_from_slice(extra);
     ratchet(dir, &args)
-}
-
-fn stdout_of(output: &Output) -> String {
-    String::from_utf8(output.stdout.clone()).unwrap()
-}
-
-fn stderr_of(output: &Output) -> String {
-    String::from_utf8(output.stderr.clone()).unwrap()
-}
-
-/// The report of `run --json`: stdout must hold exactly one JSON object with exactly the
-/// documented keys, and nothing else.
-fn report(output: &Output) -> Value {
-    let stdout = stdout_of(output);
-    let values: Vec<Value> = serde_json::Deserializer::from_str(&stdout)
-        .into_iter()
-        .collect::<Result<_, _>>()
-        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {stdout:?}"));
-    assert_eq!(
-        values.len(),
-        1,
-        "expected one JSON value on stdout: {stdout:?}"
-    );
-    let mut keys: Vec<&str> = values[0]
-        .as_object()
-        .unwrap_or_else(|| panic!("expected a JSON object: {stdout:?}"))
-        .keys()
-        .map(String::as_str)
-        .collect();
-    keys.sort_unstable();
-    assert_eq!(
-        keys,
-        [
-            "final_answer",
-            "run_id",
-            "session_id",
-            "status",
-            "steps",
-            "stop_reason"
-        ]
-    );
-    values[0].clone()
 }
 
 /// `ratchet runs show RUN --json`, which must succeed.

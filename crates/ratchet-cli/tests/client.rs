@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{free_port, output_within_deadline};
+use common::{free_port, output_within_deadline, report, stderr_of, stdout_of};
 use serde_json::{Value, json};
 
 /// How long a server gets to accept connections.
@@ -116,43 +116,6 @@ fn ratchet_with(dir: &Path, args: &[&str], stdin: &str, env: &[(&str, &str)]) ->
 
 fn ratchet(dir: &Path, args: &[&str]) -> Output {
     ratchet_with(dir, args, "", &[])
-}
-
-fn stdout_of(output: &Output) -> String {
-    String::from_utf8(output.stdout.clone()).unwrap()
-}
-
-fn stderr_of(output: &Output) -> String {
-    String::from_utf8(output.stderr.clone()).unwrap()
-}
-
-/// Stdout must be exactly one JSON object with exactly the documented keys.
-fn report(output: &Output) -> Value {
-    let stdout = stdout_of(output);
-    let values: Vec<Value> = serde_json::Deserializer::from_str(&stdout)
-        .into_iter()
-        .collect::<Result<_, _>>()
-        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {stdout:?}"));
-    assert_eq!(values.len(), 1, "expected one JSON value: {stdout:?}");
-    let mut keys: Vec<&str> = values[0]
-        .as_object()
-        .unwrap()
-        .keys()
-        .map(String::as_str)
-        .collect();
-    keys.sort_unstable();
-    assert_eq!(
-        keys,
-        [
-            "final_answer",
-            "run_id",
-            "session_id",
-            "status",
-            "steps",
-            "stop_reason"
-        ]
-    );
-    values[0].clone()
 }
 
 /// Two tool round-trips, then an answer: 5 steps. One call per batch: the calls of a batch

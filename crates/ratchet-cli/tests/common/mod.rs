@@ -2,6 +2,7 @@
 //! and picking a free local port.
 
 use std::io::{Read, Write};
+
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -69,4 +70,49 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+#[allow(dead_code, reason = "not every test binary reads output")]
+pub fn stdout_of(output: &Output) -> String {
+    String::from_utf8(output.stdout.clone()).unwrap()
+}
+
+#[allow(dead_code, reason = "not every test binary reads output")]
+pub fn stderr_of(output: &Output) -> String {
+    String::from_utf8(output.stderr.clone()).unwrap()
+}
+
+/// The report of `run --json`: stdout must hold exactly one JSON object with exactly the
+/// documented keys, and nothing else.
+#[allow(dead_code, reason = "not every test binary runs `run --json`")]
+pub fn report(output: &Output) -> serde_json::Value {
+    let stdout = stdout_of(output);
+    let values: Vec<serde_json::Value> = serde_json::Deserializer::from_str(&stdout)
+        .into_iter()
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {stdout:?}"));
+    assert_eq!(
+        values.len(),
+        1,
+        "expected one JSON value on stdout: {stdout:?}"
+    );
+    let mut keys: Vec<&str> = values[0]
+        .as_object()
+        .unwrap_or_else(|| panic!("expected a JSON object: {stdout:?}"))
+        .keys()
+        .map(String::as_str)
+        .collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "final_answer",
+            "run_id",
+            "session_id",
+            "status",
+            "steps",
+            "stop_reason"
+        ]
+    );
+    values[0].clone()
 }
