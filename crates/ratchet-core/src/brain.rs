@@ -4,6 +4,7 @@
 //! parse failures, then the completion verdict. Every path that ends a run names exactly one
 //! `StopReason`.
 
+use crate::approval::approval_needed;
 use crate::{AgentState, Phase, StopReason};
 
 /// The one main instruction of a step. A step never chains model → tools → model.
@@ -16,6 +17,8 @@ pub enum Instruction {
     },
     /// Run the pending calls of the state's tool checkpoint.
     CallToolsBatch,
+    /// A call of the batch needs a human's approval: the run waits, and no call runs.
+    AskApproval,
     Finish(StopReason),
 }
 
@@ -24,6 +27,7 @@ impl Instruction {
         match self {
             Instruction::CallLlm { .. } => "call_llm",
             Instruction::CallToolsBatch => "call_tools_batch",
+            Instruction::AskApproval => "ask_approval",
             Instruction::Finish(_) => "finish",
         }
     }
@@ -43,6 +47,8 @@ pub fn decide(state: &AgentState, phase: Phase) -> Instruction {
                 Instruction::Finish(StopReason::BudgetExhausted)
             } else if state.force_finish {
                 Instruction::Finish(StopReason::Completed)
+            } else if approval_needed(state) {
+                Instruction::AskApproval
             } else if pending_tools {
                 Instruction::CallToolsBatch
             } else {
@@ -110,20 +116,31 @@ fn completed_by_tool(state: &AgentState) -> bool {
 mod tests {
     use super::*;
     use crate::{
-        AgentState, Limits, ReplayPolicy, RunConfigSnapshot, RunId, SessionId, ToolCall,
-        ToolCheckpoint, ToolOutcome, ToolSpec,
+        AgentState, ApprovalPolicy, Limits, ReplayPolicy, RunConfigSnapshot, RunId, SessionId,
+        ToolCall, ToolCheckpoint, ToolOutcome, ToolSpec,
     };
 
     fn state(max_steps: u64) -> AgentState {
         let config = RunConfigSnapshot {
             model: "scripted:demo".into(),
-            tools: vec![ToolSpec {
-                name: "done".into(),
-                description: String::new(),
-                parameters: serde_json::json!({"type": "object"}),
-                replay: ReplayPolicy::Safe,
-                completes_run: true,
-            }],
+            tools: vec![
+                ToolSpec {
+                    name: "done".into(),
+                    description: String::new(),
+                    parameters: serde_json::json!({"type": "object"}),
+                    replay: ReplayPolicy::Safe,
+                    completes_run: true,
+                    approval: ApprovalPolicy::Never,
+                },
+                ToolSpec {
+                    name: "guarded".into(),
+                    description: String::new(),
+                    parameters: serde_json::json!({"type": "object"}),
+                    replay: ReplayPolicy::Never,
+                    completes_run: false,
+                    approval: ApprovalPolicy::Always,
+                },
+            ],
             limits: Limits {
                 max_steps,
                 ..Limits::default()
@@ -161,7 +178,7 @@ mod tests {
         for phase in phases {
             for cancel in [false, true] {
                 for force in [false, true] {
-                    for checkpoint in 0..4 {
+                    for checkpoint in 0..6 {
                         for parse_failures in [0, 3] {
                             for step_index in [0, 7, 8, 10] {
                                 let mut s = state(10);
@@ -177,9 +194,18 @@ mod tests {
                                         c.calls[0].outcome = Some(ToolOutcome::ok("ok"));
                                         Some(c)
                                     }
-                                    _ => {
+                                    3 => {
                                         let mut c = ToolCheckpoint::new(vec![call("done")]);
                                         c.calls[0].outcome = Some(ToolOutcome::error("no"));
+                                        Some(c)
+                                    }
+                                    4 => Some(ToolCheckpoint::new(vec![
+                                        call("add"),
+                                        call("guarded"),
+                                    ])),
+                                    _ => {
+                                        let mut c = ToolCheckpoint::new(vec![call("guarded")]);
+                                        c.approved = true;
                                         Some(c)
                                     }
                                 };
@@ -203,7 +229,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(cases, 5 * 2 * 2 * 4 * 2 * 4);
+        assert_eq!(cases, 5 * 2 * 2 * 6 * 2 * 4);
     }
 
     fn expected(
@@ -218,7 +244,8 @@ mod tests {
         if cancel || phase == Phase::Cancel {
             return Finish(StopReason::Cancelled);
         }
-        let pending = checkpoint == 1;
+        let pending = matches!(checkpoint, 1 | 4 | 5);
+        let gated = checkpoint == 4;
         let model_call = || {
             if force || step_index >= 10 {
                 Finish(StopReason::BudgetExhausted)
@@ -231,6 +258,7 @@ mod tests {
         match phase {
             Phase::LlmResult if force && pending => Finish(StopReason::BudgetExhausted),
             Phase::LlmResult if force => Finish(StopReason::Completed),
+            Phase::LlmResult if gated => AskApproval,
             Phase::LlmResult if pending => CallToolsBatch,
             Phase::LlmResult => Finish(StopReason::Completed),
             Phase::HumanDecided if checkpoint != 0 => CallToolsBatch,

@@ -16,11 +16,13 @@ pub enum EventKind {
     ModelError,
     ReconciliationRequired,
     ReconciliationDecided,
+    ApprovalRequired,
+    ApprovalDecided,
     RunFinished,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 12] = [
+    pub const ALL: [EventKind; 14] = [
         EventKind::RunCreated,
         EventKind::RunStatus,
         EventKind::StepCommitted,
@@ -32,6 +34,8 @@ impl EventKind {
         EventKind::ModelError,
         EventKind::ReconciliationRequired,
         EventKind::ReconciliationDecided,
+        EventKind::ApprovalRequired,
+        EventKind::ApprovalDecided,
         EventKind::RunFinished,
     ];
 
@@ -48,6 +52,8 @@ impl EventKind {
             EventKind::ModelError => "model.error",
             EventKind::ReconciliationRequired => "reconciliation.required",
             EventKind::ReconciliationDecided => "reconciliation.decided",
+            EventKind::ApprovalRequired => "approval.required",
+            EventKind::ApprovalDecided => "approval.decided",
             EventKind::RunFinished => "run.finished",
         }
     }

@@ -1,4 +1,4 @@
-//! Typed, prefixed identifiers (`ses_…`, `run_…`, `msg_…`).
+//! Typed, prefixed identifiers (`ses_…`, `run_…`, `msg_…`, `apr_…`).
 //!
 //! The core cannot generate ids (that needs randomness or a clock); it only defines their
 //! shape and validates them at the edges.
@@ -8,15 +8,18 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid {kind} id {found:?}: expected `{prefix}` followed by 1-64 letters, digits or '-'")]
+#[error(
+    "invalid {kind} id {found:?}: expected `{prefix}` followed by 1-{max_len} letters, digits or '-'"
+)]
 pub struct IdError {
     pub kind: &'static str,
     pub prefix: &'static str,
+    pub max_len: usize,
     pub found: String,
 }
 
 macro_rules! typed_id {
-    ($name:ident, $prefix:literal, $kind:literal) => {
+    ($name:ident, $prefix:literal, $kind:literal, $max_len:literal) => {
         #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
         #[serde(try_from = "String", into = "String")]
         pub struct $name(String);
@@ -32,7 +35,7 @@ macro_rules! typed_id {
             pub fn parse(text: &str) -> Result<Self, IdError> {
                 let suffix = text.strip_prefix($prefix).unwrap_or("");
                 let valid = !suffix.is_empty()
-                    && suffix.len() <= 64
+                    && suffix.len() <= $max_len
                     && suffix
                         .chars()
                         .all(|c| c.is_ascii_alphanumeric() || c == '-');
@@ -42,6 +45,7 @@ macro_rules! typed_id {
                     Err(IdError {
                         kind: $kind,
                         prefix: $prefix,
+                        max_len: $max_len,
                         found: text.to_owned(),
                     })
                 }
@@ -73,9 +77,11 @@ macro_rules! typed_id {
     };
 }
 
-typed_id!(SessionId, "ses_", "session");
-typed_id!(RunId, "run_", "run");
-typed_id!(MessageId, "msg_", "message");
+typed_id!(SessionId, "ses_", "session", 64);
+typed_id!(RunId, "run_", "run", 64);
+typed_id!(MessageId, "msg_", "message", 64);
+// An approval is named after its run and step: room for a run's suffix, '-' and a step.
+typed_id!(ApprovalId, "apr_", "approval", 85);
 
 #[cfg(test)]
 mod tests {

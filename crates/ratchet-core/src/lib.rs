@@ -5,6 +5,7 @@
 //! numbers: time and ids are passed in. Everything that *decides* lives here so that it can be
 //! tested exhaustively without a runtime.
 
+pub mod approval;
 pub mod brain;
 pub mod event;
 pub mod id;
@@ -13,9 +14,10 @@ pub mod state;
 pub mod status;
 pub mod step;
 
+pub use approval::{ApprovalAnswer, ApprovalCall, ApprovalPolicy, CallDecision, Verdict};
 pub use brain::{Instruction, decide};
 pub use event::{EventDraft, EventKind};
-pub use id::{IdError, MessageId, RunId, SessionId};
+pub use id::{ApprovalId, IdError, MessageId, RunId, SessionId};
 pub use message::{Message, Origin, Role, ToolCall, ToolOutcome, Visibility};
 pub use state::{
     AgentState, CallProgress, Counters, HumanRequest, Limits, ReplayPolicy, RunConfigSnapshot,

@@ -5,7 +5,8 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{Millis, RunId, RunStatus, SessionId, StopReason, ToolCall, ToolOutcome};
+use crate::approval::{ApprovalCall, ApprovalPolicy};
+use crate::{ApprovalId, Millis, RunId, RunStatus, SessionId, StopReason, ToolCall, ToolOutcome};
 
 /// What may happen when a tool call has an intent but no result after a crash.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -39,6 +40,9 @@ pub struct ToolSpec {
     /// A successful call of this tool ends the run as completed.
     #[serde(default)]
     pub completes_run: bool,
+    /// When a call of this tool waits for a human before its batch runs.
+    #[serde(default)]
+    pub approval: ApprovalPolicy,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -107,6 +111,9 @@ pub struct CallProgress {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ToolCheckpoint {
     pub calls: Vec<CallProgress>,
+    /// A human has answered the batch's approval: its gate is open.
+    #[serde(default)]
+    pub approved: bool,
 }
 
 impl ToolCheckpoint {
@@ -119,6 +126,7 @@ impl ToolCheckpoint {
                     outcome: None,
                 })
                 .collect(),
+            approved: false,
         }
     }
 
@@ -134,6 +142,12 @@ pub enum HumanRequest {
     /// `never`-replay calls were started but their outcomes are unknown (the process died):
     /// an operator must say what happened to each before the run can go on.
     Reconciliation { calls: Vec<UnknownCall> },
+    /// A call of the batch needs a human's approval: no call of the batch runs until every
+    /// call that needs it is decided.
+    Approval {
+        approval_id: ApprovalId,
+        calls: Vec<ApprovalCall>,
+    },
 }
 
 /// A started call whose outcome nobody knows.

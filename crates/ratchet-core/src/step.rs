@@ -287,12 +287,20 @@ pub enum Reconciliation {
     Skip,
 }
 
+/// Why a human's answer was refused. `NotWaiting` and `NotAwaited` are conflicts with the
+/// run's state; `Invalid` is an answer that could never be right.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DecisionError {
-    #[error("run {run_id} is not waiting for reconciliation (it is {status})")]
-    NotWaiting { run_id: RunId, status: RunStatus },
+    #[error("run {run_id} is not waiting for {expected} (it is {status})")]
+    NotWaiting {
+        run_id: RunId,
+        status: RunStatus,
+        expected: String,
+    },
     #[error("call {call_id:?} is not awaiting reconciliation; awaiting: {awaiting}")]
     NotAwaited { call_id: String, awaiting: String },
+    #[error("{0}")]
+    Invalid(String),
 }
 
 /// Records a human's answer for one call in doubt. When no call is left in doubt, the run
@@ -307,6 +315,7 @@ pub fn reconcile(
     let not_waiting = || DecisionError::NotWaiting {
         run_id: state.run_id.clone(),
         status: state.status,
+        expected: "reconciliation".to_owned(),
     };
     if state.status != RunStatus::WaitingHuman {
         return Err(not_waiting());
@@ -395,6 +404,32 @@ pub fn finish_step(
     }
 }
 
+/// A step whose one instruction is to park the run on an approval for its batch.
+pub fn ask_approval_step(
+    mut state: AgentState,
+    job: &StepJob,
+    started_at: Millis,
+    now: Millis,
+) -> StepResult {
+    let (record, committed) = mark_committed(
+        &mut state,
+        job,
+        Instruction::AskApproval,
+        json!({}),
+        started_at,
+        now,
+    );
+    let mut events = vec![committed];
+    crate::approval::ask_in_place(&mut state, job.step_index, &mut events);
+    StepResult {
+        record,
+        state,
+        messages: Vec::new(),
+        events,
+        next: None,
+    }
+}
+
 /// Ends a run that has no step in flight (queued or waiting) at once, as a cancel does.
 pub fn cancel_idle(state: &mut AgentState, now: Millis) -> Vec<EventDraft> {
     let mut events = Vec::new();
@@ -427,6 +462,10 @@ fn close_step(
             finish_in_place(&mut state, reason, now, &mut events);
             None
         }
+        Instruction::AskApproval => {
+            crate::approval::ask_in_place(&mut state, job.step_index, &mut events);
+            None
+        }
         Instruction::CallLlm { .. } | Instruction::CallToolsBatch => Some(StepJob {
             run_id: state.run_id.clone(),
             step_index: job.step_index + 1,
@@ -443,7 +482,7 @@ fn close_step(
     }
 }
 
-fn finish_in_place(
+pub(crate) fn finish_in_place(
     state: &mut AgentState,
     reason: StopReason,
     now: Millis,
@@ -465,7 +504,7 @@ fn finish_in_place(
     ));
 }
 
-fn status_event(state: &AgentState) -> EventDraft {
+pub(crate) fn status_event(state: &AgentState) -> EventDraft {
     EventDraft::new(
         EventKind::RunStatus,
         json!({"run_id": state.run_id, "status": state.status}),

@@ -2,10 +2,12 @@
 //! requests using only the pure core, and check the run-lifecycle invariants at every step.
 
 use proptest::prelude::*;
-use ratchet_core::step::{after_model, after_tools, finish_step, start_run};
+use ratchet_core::approval::answer_approval;
+use ratchet_core::step::{after_model, after_tools, ask_approval_step, finish_step, start_run};
 use ratchet_core::{
-    AgentState, Instruction, Limits, ModelReply, Phase, ReplayPolicy, RunConfigSnapshot, RunId,
-    RunStatus, SessionId, StepJob, StopReason, ToolCall, ToolOutcome, ToolSpec, decide,
+    AgentState, ApprovalAnswer, ApprovalPolicy, CallDecision, HumanRequest, Instruction, Limits,
+    ModelReply, Phase, ReplayPolicy, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob,
+    StopReason, ToolCall, ToolOutcome, ToolSpec, Verdict, decide,
 };
 
 #[derive(Debug, Clone)]
@@ -15,28 +17,42 @@ enum Reply {
         count: usize,
         invalid: u32,
         finishing: bool,
+        guarded: bool,
     },
+}
+
+/// What a human answers when a run waits for approval.
+#[derive(Debug, Clone, Copy)]
+enum Answer {
+    ApproveAll,
+    DenyAll,
+    Abort,
 }
 
 fn reply_strategy() -> impl Strategy<Value = Reply> {
     prop_oneof![
         1 => Just(Reply::Text),
-        4 => (1usize..4, 0u32..2, proptest::bool::weighted(0.1))
-            .prop_map(|(count, invalid, finishing)| Reply::Calls { count, invalid, finishing }),
+        4 => (1usize..4, 0u32..2, proptest::bool::weighted(0.1), proptest::bool::weighted(0.3))
+            .prop_map(|(count, invalid, finishing, guarded)| Reply::Calls { count, invalid, finishing, guarded }),
     ]
 }
 
 fn fresh(max_steps: u64) -> AgentState {
-    let tool = |name: &str, completes_run| ToolSpec {
+    let tool = |name: &str, completes_run, approval| ToolSpec {
         name: name.into(),
         description: String::new(),
         parameters: serde_json::json!({"type": "object"}),
         replay: ReplayPolicy::Safe,
         completes_run,
+        approval,
     };
     let config = RunConfigSnapshot {
         model: "scripted:demo".into(),
-        tools: vec![tool("add", false), tool("finish_task", true)],
+        tools: vec![
+            tool("add", false, ApprovalPolicy::Never),
+            tool("finish_task", true, ApprovalPolicy::Never),
+            tool("guarded", false, ApprovalPolicy::Always),
+        ],
         limits: Limits {
             max_steps,
             ..Limits::default()
@@ -61,7 +77,12 @@ proptest! {
         cancel_at in proptest::option::of(1u64..40),
         max_model_calls in proptest::option::of(1u64..12),
         max_tool_calls in proptest::option::of(0u64..12),
+        answers in proptest::collection::vec(prop_oneof![
+            Just(Answer::ApproveAll), Just(Answer::DenyAll), Just(Answer::Abort)
+        ], 1..8),
     ) {
+        let mut answers = answers.into_iter().cycle();
+        let mut denied: Vec<(u64, String)> = Vec::new();
         let mut state = fresh(max_steps);
         let mut config = state.config.as_ref().clone();
         config.limits.max_model_calls = max_model_calls;
@@ -80,10 +101,10 @@ proptest! {
                 Instruction::CallLlm { conclude } => {
                     let reply = match replies.next().unwrap() {
                         Reply::Text => ModelReply { text: "done".into(), ..ModelReply::default() },
-                        Reply::Calls { count, invalid, finishing } => {
+                        Reply::Calls { count, invalid, finishing, guarded } => {
                             let calls = (0..count).map(|i| ToolCall {
                                 id: format!("c{i}"),
-                                name: if finishing && i == 0 { "finish_task".into() } else if (i as u32) < invalid { "nope".into() } else { "add".into() },
+                                name: if finishing && i == 0 { "finish_task".into() } else if guarded && i + 1 == count { "guarded".into() } else if (i as u32) < invalid { "nope".into() } else { "add".into() },
                                 arguments: serde_json::json!({}),
                             }).collect();
                             ModelReply { text: String::new(), tool_calls: calls, ..ModelReply::default() }
@@ -92,17 +113,23 @@ proptest! {
                     after_model(state.clone(), &job, reply, conclude, now, now)
                 }
                 Instruction::CallToolsBatch => {
-                    let calls = &state.checkpoint.as_ref().unwrap().calls;
+                    let checkpoint = state.checkpoint.as_ref().unwrap();
                     prop_assert!(!state.force_finish, "no tools after force_finish");
-                    let outcomes: Vec<_> = calls.iter().map(|p| if p.call.name == "nope" {
+                    let calls = &checkpoint.calls;
+                    for p in calls.iter().filter(|p| p.outcome.is_none()) {
+                        prop_assert!(p.call.name != "guarded" || checkpoint.approved, "a guarded call runs only once approved");
+                        prop_assert!(!denied.contains(&(state.step_index, p.call.id.clone())), "a denied call never runs");
+                    }
+                    let outcomes: Vec<_> = calls.iter().map(|p| p.outcome.clone().unwrap_or_else(|| if p.call.name == "nope" {
                         ToolOutcome::error("unknown tool")
                     } else {
                         ToolOutcome::ok("5")
-                    }).collect();
+                    })).collect();
                     let invalid = calls.iter().filter(|p| p.call.name == "nope").count() as u32;
                     after_tools(state.clone(), &job, outcomes, invalid, now, now)
                 }
                 Instruction::Finish(reason) => finish_step(state.clone(), &job, reason, now, now),
+                Instruction::AskApproval => ask_approval_step(state.clone(), &job, now, now),
             };
             prop_assert_eq!(result.state.step_index, state.step_index + 1);
             prop_assert_eq!(result.record.index, job.step_index);
@@ -111,12 +138,42 @@ proptest! {
             let terminal = result.state.status.is_terminal();
             prop_assert_eq!(terminal, result.state.stop_reason.is_some());
             prop_assert_eq!(terminal, result.state.finished_at.is_some());
-            prop_assert_eq!(terminal, result.next.is_none(), "a job exactly while not terminal");
+            let waiting = result.state.status == RunStatus::WaitingHuman;
+            prop_assert_eq!(terminal || waiting, result.next.is_none(), "a job exactly while not terminal or waiting");
             let finished_events = result.events.iter().filter(|e| e.kind.as_str() == "run.finished").count();
             prop_assert_eq!(finished_events, usize::from(terminal));
             state = result.state;
             match result.next {
                 Some(next) => job = next,
+                None if waiting => {
+                    let Some(HumanRequest::Approval { approval_id, calls }) = state.pending_human.clone() else {
+                        return Err(TestCaseError::fail("waiting without an approval"));
+                    };
+                    prop_assert!(calls.iter().any(|c| c.needs_approval));
+                    let decide_all = |decision| ApprovalAnswer::Decisions(calls.iter().map(|c| CallDecision {
+                        call_id: c.call_id.clone(), decision, note: None,
+                    }).collect());
+                    let answer = match answers.next().unwrap() {
+                        Answer::ApproveAll => decide_all(Verdict::Approve),
+                        Answer::DenyAll => {
+                            denied.extend(calls.iter().map(|c| (state.step_index, c.call_id.clone())));
+                            decide_all(Verdict::Deny)
+                        }
+                        Answer::Abort => ApprovalAnswer::Abort,
+                    };
+                    let before = state.status;
+                    now += 1;
+                    let (events, next) = answer_approval(&mut state, &approval_id, &answer, now).unwrap();
+                    prop_assert!(before.edge(state.status).is_ok());
+                    prop_assert_eq!(events[0].kind.as_str(), "approval.decided");
+                    match next {
+                        Some(next) => job = next,
+                        None => {
+                            prop_assert_eq!(state.stop_reason, Some(StopReason::Cancelled), "only an abort ends a run waiting for approval");
+                            break;
+                        }
+                    }
+                }
                 None => break,
             }
         }

@@ -266,6 +266,21 @@ impl Coordinator {
         Ok(reconciled)
     }
 
+    /// Records a human's answer to an approval: the run goes on with the approved calls, or
+    /// ends when aborted (and the session's next run starts).
+    pub async fn answer_approval(
+        &self,
+        id: &ratchet_core::ApprovalId,
+        answer: ratchet_core::ApprovalAnswer,
+    ) -> Result<ratchet_store::Answered> {
+        let answered = self.store.answer_approval(id, answer, now_ms()).await?;
+        self.publish(answered.events.clone());
+        if answered.resumed || answered.enqueued {
+            self.wake.notify_one();
+        }
+        Ok(answered)
+    }
+
     /// Releases the leases of processes on this machine that no longer exist, so their steps
     /// are taken over now instead of after lease expiry. Returns how many jobs were freed.
     pub async fn recover(&self, is_dead: impl Fn(&str) -> bool) -> Result<u64> {

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use futures::stream::{self, StreamExt};
-use ratchet_core::step::{after_model, after_tools, await_reconciliation, finish_step};
+use ratchet_core::step::{
+    after_model, after_tools, ask_approval_step, await_reconciliation, finish_step,
+};
 use ratchet_core::{
     AgentState, EventDraft, EventKind, HumanRequest, Instruction, ReplayPolicy, RunConfigSnapshot,
     StepJob, StepResult, ToolCall, ToolOutcome, UnknownCall, decide,
@@ -97,6 +99,12 @@ impl Engine {
                 self.call_model(claimed, conclude, started, cancel).await
             }
             Instruction::CallToolsBatch => self.run_batch(claimed, started, cancel).await,
+            Instruction::AskApproval => Ok(ask_approval_step(
+                claimed.state.clone(),
+                &claimed.job,
+                started,
+                now_ms(),
+            )),
         }
     }
 

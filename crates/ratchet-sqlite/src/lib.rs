@@ -14,13 +14,13 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use ratchet_core::step::Reconciliation;
 use ratchet_core::{
-    AgentState, EventDraft, Message, Millis, RunConfigSnapshot, RunId, SessionId, StepRecord,
-    StepResult, ToolOutcome,
+    AgentState, ApprovalAnswer, ApprovalId, EventDraft, Message, Millis, RunConfigSnapshot, RunId,
+    SessionId, StepRecord, StepResult, ToolOutcome,
 };
 use ratchet_store::{
-    CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentRecord, Lease, NewRun,
-    Reconciled, RecordedIntents, RunSummary, Session, SessionSpec, Store, StoreStats, StoredEvent,
-    StoredMessage, Submitted,
+    Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent,
+    IntentRecord, Lease, NewRun, Reconciled, RecordedIntents, RunSummary, Session, SessionSpec,
+    Store, StoreStats, StoredEvent, StoredMessage, Submitted,
 };
 use rusqlite::{Connection, OpenFlags};
 
@@ -385,6 +385,36 @@ impl Store for SqliteStore {
         let (run_id, call_id) = (run_id.clone(), call_id.to_owned());
         self.writer
             .write(move |c| ops::reconcile(c, &run_id, &call_id, answer, result, now))
+            .await
+    }
+
+    async fn approvals(
+        &self,
+        tenant: &str,
+        status: Option<ApprovalStatus>,
+        after: Option<&ApprovalId>,
+        limit: u32,
+    ) -> Result<Vec<Approval>> {
+        let (tenant, after) = (tenant.to_owned(), after.cloned());
+        self.readers
+            .read(move |c| ops::approvals(c, &tenant, status, after.as_ref(), limit))
+            .await
+    }
+
+    async fn get_approval(&self, id: &ApprovalId) -> Result<Approval> {
+        let id = id.clone();
+        self.readers.read(move |c| ops::get_approval(c, &id)).await
+    }
+
+    async fn answer_approval(
+        &self,
+        id: &ApprovalId,
+        answer: ApprovalAnswer,
+        now: Millis,
+    ) -> Result<Answered> {
+        let id = id.clone();
+        self.writer
+            .write(move |c| ops::answer_approval(c, &id, answer, now))
             .await
     }
 

@@ -3,13 +3,14 @@
 
 use ratchet_core::step::{Reconciliation, cancel_idle, start_run};
 use ratchet_core::{
-    AgentState, EventDraft, EventKind, Message, Millis, Phase, RunConfigSnapshot, RunId, RunStatus,
-    SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome,
+    AgentState, ApprovalAnswer, ApprovalId, EventDraft, EventKind, HumanRequest, Message, Millis,
+    Phase, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult,
+    StopReason, ToolOutcome,
 };
 use ratchet_store::{
-    CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentKind, IntentRecord, Lease,
-    NewRun, Reconciled, RecordedIntents, RunSummary, Session, SessionSpec, Stale, StoreStats,
-    StoredEvent, StoredMessage, Submitted, WhenBusy,
+    Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent,
+    IntentKind, IntentRecord, Lease, NewRun, Reconciled, RecordedIntents, RunSummary, Session,
+    SessionSpec, Stale, StoreStats, StoredEvent, StoredMessage, Submitted, WhenBusy,
 };
 use rusqlite::{OptionalExtension, params};
 use serde::Serialize;
@@ -678,6 +679,22 @@ pub(crate) fn commit_step(
     }
     let state = &result.state;
     write_state(c, state)?;
+    if let Some(HumanRequest::Approval { approval_id, calls }) = &state.pending_human {
+        let calls_json = to_json(calls)?;
+        c.prepare_cached(
+            "INSERT INTO approvals (id, run_id, session_id, status, calls_json, created_at) VALUES (?1, ?2, ?3, 'pending', ?4, ?5)",
+        )
+        .and_then(|mut s| {
+            s.execute(params![
+                approval_id.as_str(),
+                state.run_id.as_str(),
+                stored.session_id.as_str(),
+                calls_json,
+                now
+            ])
+        })
+        .map_err(backend)?;
+    }
     for (i, message) in result.messages.iter().enumerate() {
         let id = format!(
             "msg_{}-{}-{}",
@@ -1329,8 +1346,7 @@ pub(crate) fn reconcile(
     now: Millis,
 ) -> Result<Reconciled> {
     let mut state = load_state(c, run_id)?;
-    let (drafts, job) = ratchet_core::step::reconcile(&mut state, call_id, answer, result)
-        .map_err(|e| Error::Conflict(e.to_string()))?;
+    let (drafts, job) = ratchet_core::step::reconcile(&mut state, call_id, answer, result)?;
     write_state(c, &state)?;
     if let Some(job) = &job {
         insert_job(c, job, now)?;
@@ -1339,5 +1355,164 @@ pub(crate) fn reconcile(
     Ok(Reconciled {
         events,
         resumed: job.is_some(),
+    })
+}
+
+const APPROVAL_COLUMNS: &str = "a.id, a.run_id, a.session_id, a.status, r.status, a.calls_json, a.answer_json, a.created_at, a.decided_at";
+
+type ApprovalColumns = (
+    String,
+    String,
+    String,
+    String,
+    String,
+    String,
+    Option<String>,
+    Millis,
+    Option<Millis>,
+);
+
+fn approval_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApprovalColumns> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
+        r.get(8)?,
+    ))
+}
+
+fn to_approval(row: ApprovalColumns) -> Result<Approval> {
+    let (id, run_id, session_id, status, run_status, calls, answer, created_at, decided_at) = row;
+    let corrupt = |e: ratchet_core::IdError| Error::Corrupt(e.to_string());
+    let mut status = ApprovalStatus::parse(&status)
+        .ok_or_else(|| Error::Corrupt(format!("unknown approval status {status:?}")))?;
+    if status == ApprovalStatus::Pending && run_status != RunStatus::WaitingHuman.as_str() {
+        status = ApprovalStatus::Cancelled;
+    }
+    Ok(Approval {
+        id: ApprovalId::parse(&id).map_err(corrupt)?,
+        run_id: RunId::parse(&run_id).map_err(corrupt)?,
+        session_id: SessionId::parse(&session_id).map_err(corrupt)?,
+        status,
+        calls: from_json(&calls, "approval calls")?,
+        answer: answer
+            .map(|a| from_json(&a, "approval answer"))
+            .transpose()?,
+        created_at,
+        decided_at,
+    })
+}
+
+pub(crate) fn approvals(
+    c: &Tx<'_>,
+    tenant: &str,
+    status: Option<ApprovalStatus>,
+    after: Option<&ApprovalId>,
+    limit: u32,
+) -> Result<Vec<Approval>> {
+    // A pending row is pending only while its run waits; otherwise it reads as cancelled.
+    let filter = match status {
+        None => "",
+        Some(ApprovalStatus::Pending) => "AND a.status = 'pending' AND r.status = 'waiting_human'",
+        Some(ApprovalStatus::Cancelled) => {
+            "AND a.status = 'pending' AND r.status <> 'waiting_human'"
+        }
+        Some(ApprovalStatus::Decided) => "AND a.status = 'decided'",
+        Some(ApprovalStatus::Aborted) => "AND a.status = 'aborted'",
+    };
+    let sql = format!(
+        "SELECT {APPROVAL_COLUMNS} FROM approvals a
+         JOIN runs r ON r.id = a.run_id
+         JOIN sessions s ON s.id = a.session_id
+         WHERE s.tenant = ?1
+           AND a.position > COALESCE((SELECT position FROM approvals WHERE id = ?2), 0)
+           {filter}
+         ORDER BY a.position LIMIT ?3"
+    );
+    let rows = c
+        .prepare_cached(&sql)
+        .and_then(|mut s| {
+            s.query_map(
+                params![tenant, after.map(ApprovalId::as_str), limit],
+                approval_columns,
+            )?
+            .collect::<rusqlite::Result<Vec<_>>>()
+        })
+        .map_err(backend)?;
+    rows.into_iter().map(to_approval).collect()
+}
+
+pub(crate) fn get_approval(c: &Tx<'_>, id: &ApprovalId) -> Result<Approval> {
+    let sql = format!(
+        "SELECT {APPROVAL_COLUMNS} FROM approvals a JOIN runs r ON r.id = a.run_id WHERE a.id = ?1"
+    );
+    let row = c
+        .prepare_cached(&sql)
+        .and_then(|mut s| s.query_row([id.as_str()], approval_columns).optional())
+        .map_err(backend)?
+        .ok_or_else(|| Error::NotFound {
+            kind: "approval",
+            id: id.to_string(),
+        })?;
+    to_approval(row)
+}
+
+pub(crate) fn answer_approval(
+    c: &Tx<'_>,
+    id: &ApprovalId,
+    answer: ApprovalAnswer,
+    now: Millis,
+) -> Result<Answered> {
+    let approval = get_approval(c, id)?;
+    let answer = answer.normalized();
+    if let Some(given) = approval.answer {
+        if given == answer {
+            return Ok(Answered {
+                events: Vec::new(),
+                resumed: false,
+                enqueued: false,
+                repeated: true,
+            });
+        }
+        return Err(Error::Conflict(format!(
+            "approval {id} was already answered with {}",
+            to_json(&given)?
+        )));
+    }
+    let mut state = load_state(c, &approval.run_id)?;
+    let (drafts, job) = ratchet_core::approval::answer_approval(&mut state, id, &answer, now)?;
+    write_state(c, &state)?;
+    let status = match answer {
+        ApprovalAnswer::Abort => ApprovalStatus::Aborted,
+        ApprovalAnswer::Decisions(_) => ApprovalStatus::Decided,
+    };
+    let answer_json = to_json(&answer)?;
+    c.prepare_cached(
+        "UPDATE approvals SET status = ?2, answer_json = ?3, decided_at = ?4 WHERE id = ?1",
+    )
+    .and_then(|mut s| s.execute(params![id.as_str(), status.as_str(), answer_json, now]))
+    .map_err(backend)?;
+    if let Some(job) = &job {
+        insert_job(c, job, now)?;
+    }
+    let mut events = insert_events(c, &state.session_id, Some(&state.run_id), &drafts, now)?;
+    let mut enqueued = false;
+    if state.status.is_terminal() {
+        c.configs.forget(&state.run_id);
+        c.prepare_cached("UPDATE runs SET cancel_requested = 1 WHERE id = ?1")
+            .and_then(|mut s| s.execute([state.run_id.as_str()]))
+            .map_err(backend)?;
+        events.extend(release_session(c, &state.session_id, &mut enqueued, now)?);
+    }
+    Ok(Answered {
+        events,
+        resumed: job.is_some(),
+        enqueued,
+        repeated: false,
     })
 }

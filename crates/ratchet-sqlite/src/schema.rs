@@ -107,6 +107,22 @@ CREATE INDEX events_by_run ON events(run_id, seq);
 -- through it costs less than maintaining a second index on every event written.
 DROP INDEX events_by_run;
 "#,
+    r#"
+-- One row per gated tool batch. `status` is 'pending' until answered ('decided' or
+-- 'aborted'); a pending approval whose run has ended reads as 'cancelled'.
+CREATE TABLE approvals (
+    position    INTEGER PRIMARY KEY,
+    id          TEXT NOT NULL UNIQUE,
+    run_id      TEXT NOT NULL,
+    session_id  TEXT NOT NULL,
+    status      TEXT NOT NULL,
+    calls_json  TEXT NOT NULL,
+    answer_json TEXT,
+    created_at  INTEGER NOT NULL,
+    decided_at  INTEGER
+);
+CREATE INDEX approvals_by_status ON approvals(status, position);
+"#,
 ];
 
 pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {

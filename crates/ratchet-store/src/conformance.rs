@@ -14,16 +14,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use ratchet_core::step::{after_model, after_tools, await_reconciliation, finish_step};
 use ratchet_core::{
-    AgentState, EventDraft, EventKind, HumanRequest, Limits, Message, MessageId, Millis,
-    ModelReply, Phase, ReplayPolicy, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob,
-    StepRecord, StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, UnknownCall, Usage,
-    Visibility,
+    AgentState, ApprovalAnswer, ApprovalPolicy, CallDecision, EventDraft, EventKind, HumanRequest,
+    Limits, Message, MessageId, Millis, ModelReply, Phase, ReplayPolicy, Role, RunConfigSnapshot,
+    RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult, StopReason, ToolCall,
+    ToolOutcome, ToolSpec, UnknownCall, Usage, Verdict, Visibility,
 };
 use serde_json::{Value, json};
 
 use crate::{
-    CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent, IntentKind, IntentRecord, Lease,
-    NewRun, RunSummary, Session, SessionSpec, Stale, Store, StoredEvent, Submitted, WhenBusy,
+    Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, DEFAULT_TENANT, Error,
+    Intent, IntentKind, IntentRecord, Lease, NewRun, RunSummary, Session, SessionSpec, Stale,
+    Store, StoredEvent, Submitted, WhenBusy,
 };
 
 /// Expands to one `#[tokio::test]` per conformance test. `$make` is an expression of a
@@ -56,6 +57,8 @@ macro_rules! store_conformance_tests {
             an_interrupting_message_cancels_the_active_run_and_follows_it,
             sessions_are_listed_per_tenant_in_pages,
             client_reads_show_visible_messages_runs_and_run_events,
+            an_approval_holds_the_whole_batch_until_a_human_answers,
+            an_aborted_or_cancelled_approval_ends_its_run_and_frees_the_session,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -1822,6 +1825,9 @@ pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
             parameters: json!({"type": "object", "properties": {"q": {"type": "string"}}}),
             replay: ReplayPolicy::Keyed,
             completes_run: false,
+            approval: ApprovalPolicy::WhenArguments(
+                [("q".to_owned(), "secret*".to_owned())].into(),
+            ),
         }],
         limits: Limits {
             max_steps: 7,
@@ -1887,4 +1893,288 @@ pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
         "a claim after commits still sees the frozen config"
     );
     assert_eq!(*load(store, &run).await.config, frozen);
+}
+
+/// A config whose `lookup` needs approval and whose `note` does not.
+fn guarded_config() -> RunConfigSnapshot {
+    let tool = |name: &str, approval| ToolSpec {
+        name: name.into(),
+        description: String::new(),
+        parameters: json!({"type": "object"}),
+        replay: ReplayPolicy::Never,
+        completes_run: false,
+        approval,
+    };
+    RunConfigSnapshot {
+        tools: vec![
+            tool("lookup", ApprovalPolicy::Always),
+            tool("note", ApprovalPolicy::Never),
+        ],
+        ..config()
+    }
+}
+
+/// Submits a message to a guarded run and commits the model step that asks for `lookup`
+/// and `note` in one batch.
+async fn gated_run(store: &dyn Store, session: &SessionId, now: Millis) -> (RunId, Approval) {
+    let (run, _) = submit(store, session, "look it up", guarded_config(), now).await;
+    let model = store
+        .claim_next(lease(OWNER_A, now + LEASE_MS), Some(&run), now)
+        .await
+        .unwrap()
+        .expect("the gated run's first job");
+    let mut reply = tool_reply();
+    reply.tool_calls.push(ToolCall {
+        id: "call-2".into(),
+        name: "note".into(),
+        arguments: json!({"text": "looked"}),
+    });
+    let asked = after_model(model.state, &model.job, reply, false, now, now + 1);
+    let (events, continued, enqueued) = commit(store, &model.claim, asked, None, now + 1).await;
+    assert!(
+        continued.is_none() && !enqueued,
+        "a gated batch leaves no job behind"
+    );
+    assert!(
+        kinds(&events).contains(&"approval.required"),
+        "the gate is announced: {:?}",
+        kinds(&events)
+    );
+    let state = load(store, &run).await;
+    let Some(HumanRequest::Approval { approval_id, .. }) = state.pending_human else {
+        panic!(
+            "a batch with a guarded call waits for approval, found {:?} / {:?}",
+            state.status, state.pending_human
+        );
+    };
+    let approval = store.get_approval(&approval_id).await.unwrap();
+    (run, approval)
+}
+
+fn decisions(pairs: &[(&str, Verdict, Option<&str>)]) -> ApprovalAnswer {
+    ApprovalAnswer::Decisions(
+        pairs
+            .iter()
+            .map(|(call_id, decision, note)| CallDecision {
+                call_id: (*call_id).into(),
+                decision: *decision,
+                note: note.map(str::to_owned),
+            })
+            .collect(),
+    )
+}
+
+/// If any call of a batch needs approval, none runs: the run waits with one approval holding
+/// every call. A wrong answer changes nothing; a right one resumes the batch with denied
+/// calls answered; the same answer again is harmless and a different one is a conflict.
+pub async fn an_approval_holds_the_whole_batch_until_a_human_answers(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (run, approval) = gated_run(store, &session, T0).await;
+    assert_eq!(approval.status, ApprovalStatus::Pending);
+    assert_eq!((&approval.run_id, &approval.session_id), (&run, &session));
+    let gated: Vec<(&str, bool)> = approval
+        .calls
+        .iter()
+        .map(|c| (c.call_id.as_str(), c.needs_approval))
+        .collect();
+    assert_eq!(gated, [("call-1", true), ("call-2", false)]);
+    assert_eq!(load(store, &run).await.status, RunStatus::WaitingHuman);
+    assert_nothing_claimable(store, T0 + 10 * LEASE_MS, "no call of a gated batch runs").await;
+    let pending = store
+        .approvals(DEFAULT_TENANT, Some(ApprovalStatus::Pending), None, 100)
+        .await
+        .unwrap();
+    assert!(pending.contains(&approval), "pending approvals list it");
+    let elsewhere = store
+        .approvals("another-tenant", None, None, 100)
+        .await
+        .unwrap();
+    assert!(
+        elsewhere.iter().all(|a| a.id != approval.id),
+        "another tenant never sees it"
+    );
+
+    let before = snapshot(store, &run, &session).await;
+    for (wrong, why) in [
+        (
+            decisions(&[("call-2", Verdict::Approve, None)]),
+            "a call that needs approval is undecided",
+        ),
+        (
+            decisions(&[
+                ("call-1", Verdict::Approve, None),
+                ("call-9", Verdict::Approve, None),
+            ]),
+            "an unknown call is decided",
+        ),
+        (
+            decisions(&[
+                ("call-1", Verdict::Approve, None),
+                ("call-1", Verdict::Deny, None),
+            ]),
+            "a call is decided twice",
+        ),
+    ] {
+        match store.answer_approval(&approval.id, wrong, T0 + 2).await {
+            Err(Error::Invalid(_)) => {}
+            other => panic!("{why}: expected Error::Invalid, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        snapshot(store, &run, &session).await,
+        before,
+        "a refused answer writes nothing"
+    );
+
+    let answer = decisions(&[
+        ("call-2", Verdict::Approve, None),
+        ("call-1", Verdict::Deny, Some("not today")),
+    ]);
+    let answered = store
+        .answer_approval(&approval.id, answer.clone(), T0 + 3)
+        .await
+        .unwrap();
+    assert!(answered.resumed && !answered.repeated);
+    assert_attributed(&answered.events);
+    assert_eq!(
+        kinds(&answered.events),
+        ["approval.decided", "run.status"],
+        "the answer and the run's return to running"
+    );
+    let state = load(store, &run).await;
+    assert_eq!(
+        (state.status, state.pending_human.clone()),
+        (RunStatus::Running, None)
+    );
+    let checkpoint = state.checkpoint.clone().expect("the batch is kept");
+    assert!(checkpoint.approved);
+    let denied = checkpoint.calls[0]
+        .outcome
+        .clone()
+        .expect("a denied call is answered");
+    assert!(
+        denied.is_error && denied.content.contains("denied by a human: not today"),
+        "{denied:?}"
+    );
+    assert_eq!(
+        checkpoint.calls[1].outcome, None,
+        "an approved call is still to run"
+    );
+    let tools = claim(store, OWNER_B, T0 + 4).await;
+    assert_eq!(
+        (&tools.job.run_id, tools.job.step_index, tools.job.phase),
+        (&run, 2, Phase::HumanDecided)
+    );
+
+    let reordered = decisions(&[
+        ("call-1", Verdict::Deny, Some("not today")),
+        ("call-2", Verdict::Approve, None),
+    ]);
+    let again = store
+        .answer_approval(&approval.id, reordered, T0 + 5)
+        .await
+        .unwrap();
+    assert!(
+        again.repeated && !again.resumed && again.events.is_empty(),
+        "the same answer again changes nothing"
+    );
+    let different = decisions(&[
+        ("call-1", Verdict::Approve, None),
+        ("call-2", Verdict::Approve, None),
+    ]);
+    match store.answer_approval(&approval.id, different, T0 + 6).await {
+        Err(Error::Conflict(message)) => {
+            assert!(message.contains("already answered"), "{message}")
+        }
+        other => {
+            panic!("a different answer to a decided approval: expected Conflict, got {other:?}")
+        }
+    }
+    let decided = store.get_approval(&approval.id).await.unwrap();
+    assert_eq!(decided.status, ApprovalStatus::Decided);
+    assert_eq!(decided.answer, Some(answer.normalized()));
+    assert_eq!(decided.decided_at, Some(T0 + 3));
+    let listed = store
+        .approvals(DEFAULT_TENANT, Some(ApprovalStatus::Pending), None, 100)
+        .await
+        .unwrap();
+    assert!(
+        listed.iter().all(|a| a.id != approval.id),
+        "no longer pending"
+    );
+    match store
+        .get_approval(&ratchet_core::approval::approval_id(&run, 99))
+        .await
+    {
+        Err(Error::NotFound {
+            kind: "approval", ..
+        }) => {}
+        other => panic!("an unknown approval: expected NotFound, got {other:?}"),
+    }
+}
+
+/// Abort ends a gated run as cancelled and starts the session's next run; an approval whose
+/// run was cancelled reads as cancelled and can no longer be answered.
+pub async fn an_aborted_or_cancelled_approval_ends_its_run_and_frees_the_session(
+    store: &dyn Store,
+) {
+    let session = new_session(store).await;
+    let (run, approval) = gated_run(store, &session, T0).await;
+    let (next, _) = submit(store, &session, "after", config(), T0 + 2).await;
+    let aborted = store
+        .answer_approval(&approval.id, ApprovalAnswer::Abort, T0 + 3)
+        .await
+        .unwrap();
+    assert!(aborted.enqueued && !aborted.resumed);
+    assert_attributed(&aborted.events);
+    let state = load(store, &run).await;
+    assert_eq!(
+        (state.status, state.stop_reason, state.pending_human),
+        (RunStatus::Cancelled, Some(StopReason::Cancelled), None)
+    );
+    assert_eq!(load(store, &next).await.status, RunStatus::Running);
+    assert_one_active(store, &session).await;
+    assert_eq!(
+        store.get_approval(&approval.id).await.unwrap().status,
+        ApprovalStatus::Aborted
+    );
+    let repeat = store
+        .answer_approval(&approval.id, ApprovalAnswer::Abort, T0 + 4)
+        .await
+        .unwrap();
+    assert!(repeat.repeated, "aborting twice is the same answer");
+
+    let other = new_session(store).await;
+    let (run, approval) = gated_run(store, &other, T0 + 10).await;
+    match store.request_cancel(&run, T0 + 12).await.unwrap() {
+        CancelOutcome::Cancelled { .. } => {}
+        outcome => panic!("cancel of a run waiting for approval: got {outcome:?}"),
+    }
+    assert_eq!(
+        store.get_approval(&approval.id).await.unwrap().status,
+        ApprovalStatus::Cancelled
+    );
+    let cancelled = store
+        .approvals(DEFAULT_TENANT, Some(ApprovalStatus::Cancelled), None, 100)
+        .await
+        .unwrap();
+    assert!(cancelled.iter().any(|a| a.id == approval.id));
+    let answer = decisions(&[("call-1", Verdict::Approve, None)]);
+    match store.answer_approval(&approval.id, answer, T0 + 13).await {
+        Err(Error::Conflict(message)) => assert!(message.contains("not waiting"), "{message}"),
+        other => panic!("answering a cancelled run's approval: expected Conflict, got {other:?}"),
+    }
+    let page = store
+        .approvals(DEFAULT_TENANT, None, None, 1)
+        .await
+        .unwrap();
+    assert_eq!(page.len(), 1, "limit");
+    let rest = store
+        .approvals(DEFAULT_TENANT, None, Some(&page[0].id), 100)
+        .await
+        .unwrap();
+    assert!(
+        rest.iter().all(|a| a.id != page[0].id),
+        "the page after a cursor starts after it"
+    );
 }

@@ -6,10 +6,12 @@
 //! index, status edge, lease epoch) and writes atomically.
 
 use async_trait::async_trait;
+use ratchet_core::step::DecisionError;
 use ratchet_core::step::Reconciliation;
 use ratchet_core::{
-    AgentState, EventDraft, IllegalEdge, Message, MessageId, Millis, RunConfigSnapshot, RunId,
-    RunStatus, SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome,
+    AgentState, ApprovalAnswer, ApprovalCall, ApprovalId, EventDraft, IllegalEdge, Message,
+    MessageId, Millis, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord,
+    StepResult, StopReason, ToolOutcome,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -23,6 +25,10 @@ pub enum Error {
     NotFound { kind: &'static str, id: String },
     #[error("{0}")]
     Conflict(String),
+    /// The request could never succeed as given (for example an answer naming a call that
+    /// is not in the approval); nothing was written.
+    #[error("{0}")]
+    Invalid(String),
     /// The claim no longer holds its step (its lease expired and the job was claimed again,
     /// or the step was committed): the caller must drop the step without effects.
     #[error("the claim on {run_id}#{step_index} was lost")]
@@ -39,6 +45,15 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<DecisionError> for Error {
+    fn from(error: DecisionError) -> Error {
+        match error {
+            DecisionError::Invalid(message) => Error::Invalid(message),
+            other => Error::Conflict(other.to_string()),
+        }
+    }
+}
 
 /// Who holds a step and until when. `owner` names a worker of a process, so that recovery
 /// can tell the leases of dead processes apart.
@@ -242,6 +257,62 @@ pub struct Reconciled {
     pub resumed: bool,
 }
 
+/// Where an approval stands. `Cancelled` is an approval nobody answered before its run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApprovalStatus {
+    Pending,
+    Decided,
+    Aborted,
+    Cancelled,
+}
+
+impl ApprovalStatus {
+    pub const ALL: [ApprovalStatus; 4] = [
+        ApprovalStatus::Pending,
+        ApprovalStatus::Decided,
+        ApprovalStatus::Aborted,
+        ApprovalStatus::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApprovalStatus::Pending => "pending",
+            ApprovalStatus::Decided => "decided",
+            ApprovalStatus::Aborted => "aborted",
+            ApprovalStatus::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<ApprovalStatus> {
+        ApprovalStatus::ALL.into_iter().find(|s| s.as_str() == text)
+    }
+}
+
+/// A gated tool batch and, once given, the human's answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Approval {
+    pub id: ApprovalId,
+    pub run_id: RunId,
+    pub session_id: SessionId,
+    pub status: ApprovalStatus,
+    pub calls: Vec<ApprovalCall>,
+    pub answer: Option<ApprovalAnswer>,
+    pub created_at: Millis,
+    pub decided_at: Option<Millis>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Answered {
+    pub events: Vec<StoredEvent>,
+    /// The run is running again and its job enqueued.
+    pub resumed: bool,
+    /// The answer ended the run and the session's next queued run started.
+    pub enqueued: bool,
+    /// The same answer had already been recorded: nothing changed.
+    pub repeated: bool,
+}
+
 /// Counts for monitoring.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StoreStats {
@@ -397,6 +468,29 @@ pub trait Store: Send + Sync + 'static {
         result: Option<String>,
         now: Millis,
     ) -> Result<Reconciled>;
+
+    /// A tenant's approvals in the order they were asked for, after `after` when given,
+    /// with the given status only when given.
+    async fn approvals(
+        &self,
+        tenant: &str,
+        status: Option<ApprovalStatus>,
+        after: Option<&ApprovalId>,
+        limit: u32,
+    ) -> Result<Vec<Approval>>;
+
+    async fn get_approval(&self, id: &ApprovalId) -> Result<Approval>;
+
+    /// Records a human's answer to a pending approval (see
+    /// `ratchet_core::approval::answer_approval`) in one transaction with the run's new state
+    /// and its next job. The same answer again is accepted and changes nothing; a different
+    /// one is `Error::Conflict`, as is an answer to an approval whose run has ended.
+    async fn answer_approval(
+        &self,
+        id: &ApprovalId,
+        answer: ApprovalAnswer,
+        now: Millis,
+    ) -> Result<Answered>;
 
     async fn load_state(&self, run_id: &RunId) -> Result<AgentState>;
 

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use ratchet_core::{ReplayPolicy, ToolOutcome, ToolSpec};
+use ratchet_core::{ApprovalPolicy, ReplayPolicy, ToolOutcome, ToolSpec};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
@@ -101,6 +101,7 @@ impl Registry {
                 parameters: e.tool.parameters(),
                 replay: e.tool.replay(),
                 completes_run: false,
+                approval: ApprovalPolicy::Never,
             })
             .collect()
     }
