@@ -134,7 +134,7 @@ async fn measure(args: &SseArgs, server: &str) -> anyhow::Result<serde_json::Val
         let accepted = api
             .send_message(&session, &format!("bench message {i}"))
             .await?;
-        let run = client::follow_run(&api, &accepted.run_id, |_| {}).await?;
+        let run = client::follow_run(&api, &accepted.run_id, 0, |_| {}).await?;
         if run.status != RunStatus::Completed {
             bail!(
                 "run {} ended {} ({}); the benchmark needs runs that complete",
@@ -269,6 +269,7 @@ impl LocalServer {
             &format!("scripted:{}", script.display()),
             Some(scratch.path()),
             ratchet_core::Limits::default(),
+            &std::collections::BTreeMap::new(),
         )?;
         let db = format!("sqlite://{}", scratch.path().join("bench.db").display());
         let runtime = Runtime::new(open_store(&db)?, toolbox);

@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use ratchet_core::RunStatus;
 use tokio::sync::mpsc;
 
-use crate::client::{self, Api, EventView};
+use crate::client::{Api, EventView};
 use crate::drive::show_progress;
 
 pub struct ChatArgs {
@@ -31,7 +31,7 @@ pub async fn chat(args: ChatArgs) -> anyhow::Result<ExitCode> {
             session.id
         );
     }
-    let mut lines = stdin_lines();
+    let mut lines = crate::approve::stdin_lines();
     let mut stdout = std::io::stdout();
     loop {
         if interactive {
@@ -54,26 +54,11 @@ pub async fn chat(args: ChatArgs) -> anyhow::Result<ExitCode> {
         if text == "/quit" {
             break;
         }
-        if let Some(code) = turn(&api, &session.id, text, spinner).await? {
+        if let Some(code) = turn(&api, &session.id, text, spinner, &mut lines).await? {
             return Ok(code);
         }
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// Lines of stdin, read on their own thread: a blocking read never holds up the runtime,
-/// and one still pending when the chat ends does not delay the exit.
-fn stdin_lines() -> mpsc::Receiver<std::io::Result<String>> {
-    let (sender, receiver) = mpsc::channel(1);
-    std::thread::spawn(move || {
-        for line in std::io::stdin().lines() {
-            let failed = line.is_err();
-            if sender.blocking_send(line).is_err() || failed {
-                break;
-            }
-        }
-    });
-    receiver
 }
 
 /// Sends one message and shows its run until it ends. Returns an exit code when the chat
@@ -83,6 +68,7 @@ async fn turn(
     session_id: &str,
     text: &str,
     spinner: bool,
+    lines: &mut mpsc::Receiver<std::io::Result<String>>,
 ) -> anyhow::Result<Option<ExitCode>> {
     let mut waiting = spinner.then(start_spinner);
     let clear = |waiting: &mut Option<ProgressBar>| {
@@ -99,7 +85,7 @@ async fn turn(
     };
     let mut stdout = std::io::stdout();
     let mut render = Render::default();
-    let run = client::follow_run(api, &accepted.run_id, |event| {
+    let run = crate::approve::follow_answering(api, &accepted.run_id, lines, |event| {
         if Render::shows(event) {
             clear(&mut waiting);
         }

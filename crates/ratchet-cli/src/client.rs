@@ -92,6 +92,8 @@ pub struct RunView {
     pub stop_reason: Option<StopReason>,
     pub step_index: u64,
     pub final_answer: Option<String>,
+    /// What the run waits on a human for.
+    pub pending_human: Option<ratchet_core::HumanRequest>,
 }
 
 /// The `data` of one server-sent event (the fields this client reads).
@@ -198,6 +200,34 @@ impl Api {
                 .json(&json!({"content": content})),
         )
         .await
+    }
+
+    /// Every approval of the tenant (all pages), only those with `status` when given.
+    pub async fn approvals(&self, status: Option<&str>) -> Result<Vec<Value>, ClientError> {
+        let mut items = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            // Statuses and cursors (approval ids) need no escaping in a query string.
+            let mut path = "/v1/approvals?limit=200".to_owned();
+            if let Some(status) = status {
+                path.push_str(&format!("&status={status}"));
+            }
+            if let Some(cursor) = cursor {
+                path.push_str(&format!("&cursor={cursor}"));
+            }
+            let page: Value = self.call(self.request(reqwest::Method::GET, &path)).await?;
+            items.extend(page["items"].as_array().cloned().unwrap_or_default());
+            cursor = page["next_cursor"].as_str().map(str::to_owned);
+            if cursor.is_none() {
+                return Ok(items);
+            }
+        }
+    }
+
+    pub async fn answer_approval(&self, id: &str, body: &Value) -> Result<Value, ClientError> {
+        let path = format!("/v1/approvals/{id}");
+        self.call(self.request(reqwest::Method::POST, &path).json(body))
+            .await
     }
 
     pub async fn get_run(&self, run_id: &str) -> Result<RunView, ClientError> {
@@ -362,14 +392,15 @@ impl Follower {
     }
 }
 
-/// Follows a run's events until it ends or waits for someone, handing each event to
-/// `on_event`, then returns the run as `GET /v1/runs/{id}` reports it.
+/// Follows a run's events after `after_seq` until it ends or waits for someone, handing each
+/// event to `on_event`, then returns the run as `GET /v1/runs/{id}` reports it.
 pub async fn follow_run(
     api: &Api,
     run_id: &str,
+    after_seq: i64,
     mut on_event: impl FnMut(&EventView),
 ) -> Result<RunView, ClientError> {
-    let mut events = api.follow(&format!("/v1/runs/{run_id}/events"));
+    let mut events = api.follow(&format!("/v1/runs/{run_id}/events?after={after_seq}"));
     loop {
         let settled = match tokio::time::timeout(IDLE_CHECK, events.next()).await {
             Ok(event) => {

@@ -1,18 +1,20 @@
 //! `ratchet run` and `ratchet resume`: drive runs in this process until they end or wait.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::bail;
-use ratchet_core::{AgentState, RunConfigSnapshot, RunId, RunStatus};
+use ratchet_core::{AgentState, ApprovalPolicy, RunConfigSnapshot, RunId, RunStatus};
 use ratchet_engine::{Multitask, PoolConfig};
 use ratchet_store::SessionSpec;
 use serde::Serialize;
 use tokio::sync::broadcast::error::RecvError;
 
-use crate::client::{self, Api};
+use crate::approve;
+use crate::client::Api;
 use crate::runtime::{Runtime, Toolbox, open_existing_store, open_store};
 
 /// How often a driver re-reads the store in case it missed a wake-up on the event bus.
@@ -23,6 +25,7 @@ pub struct RunArgs {
     pub model: String,
     pub workspace: Option<PathBuf>,
     pub limits: ratchet_core::Limits,
+    pub approvals: BTreeMap<String, ApprovalPolicy>,
     pub json: bool,
     pub message: String,
 }
@@ -73,7 +76,12 @@ fn check_message(message: &str) -> anyhow::Result<()> {
 /// Checks every input before anything is written, and freezes it into the run's config.
 fn run_config(args: &RunArgs, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnapshot> {
     check_message(&args.message)?;
-    toolbox.run_template(&args.model, args.workspace.as_deref(), args.limits)
+    toolbox.run_template(
+        &args.model,
+        args.workspace.as_deref(),
+        args.limits,
+        &args.approvals,
+    )
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
@@ -94,6 +102,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         ..PoolConfig::default()
     });
     let mut stderr = std::io::stderr();
+    // Read only once the run asks: stdin stays untouched by runs that never do.
+    let mut answers = None;
     let state = loop {
         let event = tokio::select! {
             event = events.recv() => event,
@@ -111,8 +121,26 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             Err(RecvError::Lagged(_)) => {}
         }
         let state = coordinator.store().load_state(&run_id).await?;
-        if state.status.is_terminal() || state.status.is_waiting() {
+        if state.status.is_terminal() {
             break state;
+        }
+        if state.status.is_waiting() {
+            let Some((id, calls)) = approve::pending(state.pending_human.as_ref()) else {
+                break state;
+            };
+            let lines = answers.get_or_insert_with(approve::stdin_lines);
+            match approve::ask(id, calls, lines).await? {
+                Some(answer) => {
+                    coordinator.answer_approval(id, answer).await?;
+                }
+                None => {
+                    eprintln!(
+                        "answer with `ratchet approvals decide {id} --db {}`, then `ratchet resume`",
+                        args.db
+                    );
+                    break state;
+                }
+            }
         }
     };
     pool.shutdown().await;
@@ -137,7 +165,8 @@ pub async fn run_remote(args: RemoteRunArgs) -> anyhow::Result<ExitCode> {
     let session = api.create_session().await?;
     let accepted = api.send_message(&session.id, &args.message).await?;
     let mut stderr = std::io::stderr();
-    let run = client::follow_run(&api, &accepted.run_id, |event| {
+    let mut lines = approve::stdin_lines();
+    let run = approve::follow_answering(&api, &accepted.run_id, &mut lines, |event| {
         show_progress(&mut stderr, &event.kind, &event.payload);
     })
     .await?;

@@ -1,6 +1,7 @@
 //! The `ratchet` binary: the composition root that wires the store, models, tools and
 //! workers together, and the command-line interface on top of them.
 
+mod approve;
 mod bench;
 mod bench_sse;
 mod chat;
@@ -97,6 +98,10 @@ enum Command {
         workspace: Option<PathBuf>,
         #[command(flatten)]
         budget: BudgetArgs,
+        /// A tool whose calls wait for a person's approval before their batch runs (asked at
+        /// a prompt on stdin); repeatable.
+        #[arg(long, value_name = "TOOL")]
+        require_approval: Vec<String>,
         /// Run on a Ratchet server (http://HOST:PORT) instead of in this process; the
         /// server's configuration decides the model, workspace and step budget.
         #[arg(long, value_name = "URL")]
@@ -146,6 +151,11 @@ enum Command {
         #[command(subcommand)]
         command: RunsCommand,
     },
+    /// List and answer the gated tool batches runs wait on.
+    Approvals {
+        #[command(subcommand)]
+        command: ApprovalsCommand,
+    },
     /// Measure the runtime.
     Bench {
         #[command(subcommand)]
@@ -185,6 +195,62 @@ enum RunsCommand {
         result: Option<String>,
         #[command(flatten)]
         db: DbArg,
+    },
+}
+
+/// Where `ratchet approvals` works: a server when `--server` is given, else the database.
+#[derive(Debug, clap::Args)]
+struct ApprovalsTarget {
+    /// A Ratchet server's URL; without it the database is used directly.
+    #[arg(long, value_name = "URL")]
+    server: Option<String>,
+    #[command(flatten)]
+    token: TokenArg,
+    #[command(flatten)]
+    db: DbArg,
+}
+
+impl ApprovalsTarget {
+    fn target(self) -> anyhow::Result<approve::Target> {
+        Ok(match self.server {
+            Some(server) => {
+                approve::Target::Server(client::Api::new(&server, self.token.token, 2)?)
+            }
+            None => approve::Target::Db(self.db.db),
+        })
+    }
+}
+
+#[derive(Debug, Subcommand)]
+enum ApprovalsCommand {
+    /// List approvals, each with the calls of its batch.
+    List {
+        /// Only approvals with this status: pending, decided, aborted or cancelled.
+        #[arg(long)]
+        status: Option<String>,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        target: ApprovalsTarget,
+    },
+    /// Answer an approval: decide every call that needs approval, or abort the run. Against
+    /// a database, `ratchet resume` then carries the run on.
+    Decide {
+        approval_id: String,
+        /// A call to run; repeatable.
+        #[arg(long = "approve", value_name = "CALL")]
+        approve: Vec<String>,
+        /// A call not to run (the model is told it was denied); repeatable.
+        #[arg(long = "deny", value_name = "CALL")]
+        deny: Vec<String>,
+        /// Why, shown to the model with each denied call.
+        #[arg(long)]
+        note: Option<String>,
+        /// End the run as cancelled instead.
+        #[arg(long)]
+        abort: bool,
+        #[command(flatten)]
+        target: ApprovalsTarget,
     },
 }
 
@@ -268,6 +334,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             model,
             workspace,
             budget,
+            require_approval,
             server: Some(server),
             token,
             json,
@@ -276,13 +343,14 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let local_only = [
                 model.is_some().then_some("--model"),
                 workspace.is_some().then_some("--workspace"),
+                (!require_approval.is_empty()).then_some("--require-approval"),
             ];
             let mut given: Vec<&str> = local_only.into_iter().flatten().collect();
             given.extend(budget.given());
             if !given.is_empty() {
                 bail!(
                     "{} cannot be used with --server: the server's configuration decides the \
-                     model, the workspace and the step budget",
+                     model, the workspace, the step budget and the approvals",
                     given.join(", ")
                 );
             }
@@ -301,6 +369,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             model,
             workspace,
             budget,
+            require_approval,
             server: None,
             token: _,
             json,
@@ -311,6 +380,10 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 model: model.unwrap_or_else(|| "scripted:demo".to_owned()),
                 workspace,
                 limits: budget.limits(),
+                approvals: require_approval
+                    .into_iter()
+                    .map(|tool| (tool, ratchet_core::ApprovalPolicy::Always))
+                    .collect(),
                 json,
                 message,
             })
@@ -356,6 +429,34 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     db,
                 },
         } => inspect::reconcile(&db.db, &run_id, &call_id, outcome, result).await,
+        Command::Approvals {
+            command:
+                ApprovalsCommand::List {
+                    status,
+                    json,
+                    target,
+                },
+        } => approve::list(target.target()?, status, json).await,
+        Command::Approvals {
+            command:
+                ApprovalsCommand::Decide {
+                    approval_id,
+                    approve,
+                    deny,
+                    note,
+                    abort,
+                    target,
+                },
+        } => {
+            let decide = approve::Decide {
+                id: approval_id,
+                approve,
+                deny,
+                note,
+                abort,
+            };
+            approve::decide(target.target()?, decide).await
+        }
         Command::Bench {
             command:
                 BenchCommand::Steps {

@@ -1,10 +1,11 @@
 //! Assembles a runtime from a database URL: store, models, tools, coordinator and engine.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use ratchet_core::{Limits, RunConfigSnapshot};
+use ratchet_core::{ApprovalPolicy, Limits, RunConfigSnapshot};
 use ratchet_engine::{
     Coordinator, Engine, Models, PoolConfig, WorkerPool, owner_is_dead_local_process,
 };
@@ -21,13 +22,15 @@ pub struct Toolbox {
 const SYSTEM_PROMPT: &str = "You are a helpful assistant. Use the tools when they help.";
 
 impl Toolbox {
-    /// Checks a model spec, workspace and budget and freezes them into the configuration
-    /// new runs start with. A scripted model's file is read and checked now.
+    /// Checks a model spec, workspace, budget and approval policies (by tool name) and
+    /// freezes them into the configuration new runs start with. A scripted model's file is
+    /// read and checked now.
     pub fn run_template(
         &self,
         model: &str,
         workspace: Option<&Path>,
         limits: Limits,
+        approvals: &BTreeMap<String, ApprovalPolicy>,
     ) -> anyhow::Result<RunConfigSnapshot> {
         let zero = [
             (limits.max_steps == 0).then_some("--max-steps"),
@@ -59,11 +62,24 @@ impl Toolbox {
             _ => model.to_owned(),
         };
         self.models.resolve(&model)?;
+        let mut tools = self.tools.specs();
+        for (name, policy) in approvals {
+            let Some(spec) = tools.iter_mut().find(|t| &t.name == name) else {
+                bail!(
+                    "approval policy for unknown tool {name:?}; the tools are: {}",
+                    self.tools.names().join(", ")
+                );
+            };
+            policy
+                .validate()
+                .map_err(|e| anyhow::anyhow!("tool {name:?}: {e}"))?;
+            spec.approval = policy.clone();
+        }
         Ok(RunConfigSnapshot {
             model,
             workspace: Some(workspace.display().to_string()),
             system_prompt: SYSTEM_PROMPT.to_owned(),
-            tools: self.tools.specs(),
+            tools,
             limits,
         })
     }

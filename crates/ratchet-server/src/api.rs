@@ -2,7 +2,7 @@
 //! types here, so the API stays stable while the core changes.
 
 use ratchet_core::{AgentState, Millis, StepRecord};
-use ratchet_store::{RunSummary, Session, StoredEvent, StoredMessage};
+use ratchet_store::{Approval, RunSummary, Session, StoredEvent, StoredMessage};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
@@ -337,4 +337,110 @@ pub struct ReconcileView {
     pub run_id: String,
     /// `running` once every call in doubt is answered; `waiting_human` before.
     pub status: String,
+}
+
+/// A gated tool batch: no call of it runs until a human answers.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ApprovalView {
+    pub id: String,
+    pub run_id: String,
+    pub session_id: String,
+    /// `pending`, `decided`, `aborted`, or `cancelled` (its run ended unanswered).
+    pub status: String,
+    /// Every call of the batch, in the model's order.
+    pub calls: Vec<ApprovalCallView>,
+    pub created_at: Millis,
+    pub decided_at: Option<Millis>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ApprovalCallView {
+    pub call_id: String,
+    /// The tool's name.
+    pub name: String,
+    #[schema(value_type = Object)]
+    pub arguments: Value,
+    /// False for a call held only because another call of its batch needs approval.
+    pub needs_approval: bool,
+    /// `approve` or `deny` once decided (a call left out of a decision is approved).
+    pub decision: Option<String>,
+    pub note: Option<String>,
+}
+
+impl From<Approval> for ApprovalView {
+    fn from(approval: Approval) -> ApprovalView {
+        use ratchet_core::{ApprovalAnswer, Verdict};
+        let decided = |call_id: &str| match &approval.answer {
+            Some(ApprovalAnswer::Decisions(decisions)) => {
+                let given = decisions.iter().find(|d| d.call_id == call_id);
+                let verdict = given.map_or(Verdict::Approve, |d| d.decision);
+                let name = match verdict {
+                    Verdict::Approve => "approve",
+                    Verdict::Deny => "deny",
+                };
+                (Some(name.to_owned()), given.and_then(|d| d.note.clone()))
+            }
+            Some(ApprovalAnswer::Abort) | None => (None, None),
+        };
+        let calls = approval
+            .calls
+            .iter()
+            .map(|call| {
+                let (decision, note) = decided(&call.call_id);
+                ApprovalCallView {
+                    call_id: call.call_id.clone(),
+                    name: call.tool.clone(),
+                    arguments: call.arguments.clone(),
+                    needs_approval: call.needs_approval,
+                    decision,
+                    note,
+                }
+            })
+            .collect();
+        ApprovalView {
+            id: approval.id.to_string(),
+            run_id: approval.run_id.to_string(),
+            session_id: approval.session_id.to_string(),
+            status: approval.status.as_str().to_owned(),
+            calls,
+            created_at: approval.created_at,
+            decided_at: approval.decided_at,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize, ToSchema, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalsQuery {
+    /// Only approvals with this status: `pending`, `decided`, `aborted` or `cancelled`.
+    pub status: Option<String>,
+    /// The `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+    /// Items per page, 1–200 (default 50).
+    pub limit: Option<u32>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum DecisionBody {
+    Approve,
+    Deny,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CallDecisionBody {
+    pub call_id: String,
+    pub decision: DecisionBody,
+    /// Shown to the model with a denied call's result.
+    pub note: Option<String>,
+}
+
+/// Either `decisions` (every call that needs approval, once) or `"abort": true`, which ends
+/// the run as cancelled by a human.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalRequestBody {
+    pub decisions: Option<Vec<CallDecisionBody>>,
+    pub abort: Option<bool>,
 }

@@ -1,7 +1,9 @@
 //! `ratchet.toml`: the server's configuration file, with `RATCHET_*` environment overrides.
 //! Unknown keys are errors, so a typo never silently falls back to a default.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+
+use ratchet_core::ApprovalPolicy;
 
 use serde::Deserialize;
 
@@ -36,6 +38,17 @@ pub struct Config {
     pub max_tokens: Option<u64>,
     #[serde(default)]
     pub tokens: Vec<TokenConfig>,
+    /// Per-tool settings, `[tools.NAME]`.
+    #[serde(default)]
+    pub tools: BTreeMap<String, ToolConfig>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolConfig {
+    /// `"always"`, `"never"` (the default), or a table of argument globs such as
+    /// `{ path = "secrets/**" }`: a call waits for approval when any of them matches.
+    pub approval: Option<toml::Value>,
 }
 
 /// One accepted bearer token: its SHA-256 (`ratchet` never stores the token itself) or the
@@ -83,6 +96,43 @@ impl Config {
             self.max_steps = Some(steps);
         }
         Ok(self)
+    }
+
+    /// The approval policy of every tool the file configures, by tool name. Whether the tools
+    /// exist is checked where the tools are known.
+    pub fn approval_policies(&self) -> Result<BTreeMap<String, ApprovalPolicy>, ConfigError> {
+        let mut policies = BTreeMap::new();
+        for (tool, settings) in &self.tools {
+            let Some(approval) = &settings.approval else {
+                continue;
+            };
+            let invalid =
+                |why: String| ConfigError::Invalid(format!("tools.{tool}.approval: {why}"));
+            let policy = match approval {
+                toml::Value::String(mode) if mode == "always" => ApprovalPolicy::Always,
+                toml::Value::String(mode) if mode == "never" => ApprovalPolicy::Never,
+                toml::Value::Table(rules) if !rules.is_empty() => {
+                    let mut globs = BTreeMap::new();
+                    for (argument, glob) in rules {
+                        let toml::Value::String(glob) = glob else {
+                            return Err(invalid(format!(
+                                "the rule for argument {argument:?} must be a glob string, found {glob}"
+                            )));
+                        };
+                        globs.insert(argument.clone(), glob.clone());
+                    }
+                    ApprovalPolicy::WhenArguments(globs)
+                }
+                other => {
+                    return Err(invalid(format!(
+                        "expected \"always\", \"never\" or a table of argument globs, found {other}"
+                    )));
+                }
+            };
+            policy.validate().map_err(invalid)?;
+            policies.insert(tool.clone(), policy);
+        }
+        Ok(policies)
     }
 
     /// The accepted tokens, reading `env` tokens from the environment now.
@@ -160,6 +210,28 @@ mod tests {
     }
 
     #[test]
+    fn approval_policies_by_tool() {
+        let config = Config::from_toml(
+            r#"
+            [tools.append_line]
+            approval = { path = "secrets/**" }
+            [tools.add]
+            approval = "always"
+            [tools.now]
+            approval = "never"
+            "#,
+        )
+        .unwrap();
+        let policies = config.approval_policies().unwrap();
+        assert_eq!(policies["add"], ApprovalPolicy::Always);
+        assert_eq!(policies["now"], ApprovalPolicy::Never);
+        assert_eq!(
+            policies["append_line"],
+            ApprovalPolicy::WhenArguments([("path".into(), "secrets/**".into())].into())
+        );
+    }
+
+    #[test]
     fn mistakes_are_named() {
         let unknown = Config::from_toml("listn = \"x\"").unwrap_err();
         assert!(
@@ -189,6 +261,25 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("NOPE is not set")
+        );
+        for (approval, expected) in [
+            ("\"sometimes\"", "expected \"always\", \"never\" or a table"),
+            ("{}", "expected \"always\""),
+            ("{ path = 3 }", "must be a glob string"),
+            ("{ path = \"[\" }", "invalid glob"),
+        ] {
+            let config =
+                Config::from_toml(&format!("[tools.append_line]\napproval = {approval}")).unwrap();
+            let error = config.approval_policies().unwrap_err().to_string();
+            assert!(
+                error.contains("tools.append_line.approval") && error.contains(expected),
+                "{approval}: {error}"
+            );
+        }
+        let typo = Config::from_toml("[tools.add]\napprovl = \"always\"").unwrap_err();
+        assert!(
+            typo.to_string().contains("unknown field `approvl`"),
+            "{typo}"
         );
         let steps =
             Config::default().with_env(|k| (k == "RATCHET_MAX_STEPS").then(|| "many".into()));

@@ -72,6 +72,7 @@ impl From<ratchet_store::Error> for ApiError {
         match error {
             Error::NotFound { kind, id } => ApiError::not_found(format!("no {kind} {id}")),
             Error::Conflict(message) => ApiError::new(StatusCode::CONFLICT, "conflict", message),
+            Error::Invalid(message) => ApiError::unprocessable(message),
             other => ApiError::internal(&other),
         }
     }

@@ -5,6 +5,7 @@
 //! types out. They never decide what a run does and never write the store directly.
 
 mod api;
+mod approvals;
 mod auth;
 mod config;
 mod error;
@@ -65,6 +66,7 @@ struct ApiDoc;
 pub fn app(state: AppState) -> Router {
     let (router, openapi) = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(routes::router())
+        .merge(approvals::router())
         .merge(sse::router())
         .merge(metrics::router())
         .split_for_parts();

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use ratchet_core::{Limits, RunConfigSnapshot};
+use ratchet_core::{ApprovalPolicy, Limits, RunConfigSnapshot};
 use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool};
 use ratchet_server::{AppState, Tokens, hash_token};
 use ratchet_sqlite::SqliteStore;
@@ -71,6 +71,11 @@ impl Drop for Server {
 
 impl Server {
     async fn start(script: Value) -> Server {
+        Server::start_with(script, |_| {}).await
+    }
+
+    /// A server whose run template `configure` adjusts first.
+    async fn start_with(script: Value, configure: impl FnOnce(&mut RunConfigSnapshot)) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let script_path = dir.path().join("script.json");
         std::fs::write(&script_path, script.to_string()).unwrap();
@@ -82,13 +87,14 @@ impl Server {
         ));
         let coordinator = Coordinator::new(store);
         let engine = Arc::new(Engine::new(Arc::clone(&coordinator), models, tools));
-        let run_template = RunConfigSnapshot {
+        let mut run_template = RunConfigSnapshot {
             model: format!("scripted:{}", script_path.display()),
             workspace: None,
             system_prompt: String::new(),
             tools: Registry::builtin().specs(),
             limits: Limits::default(),
         };
+        configure(&mut run_template);
         let tokens = Tokens::new(HashMap::from([
             (hash_token(TOKEN_A), "tenant-a".to_owned()),
             (hash_token(TOKEN_B), "tenant-b".to_owned()),
@@ -780,6 +786,8 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/runs/{id}/steps", vec!["get"]),
         ("/v1/runs/{id}/cancel", vec!["post"]),
         ("/v1/runs/{id}/reconcile", vec!["post"]),
+        ("/v1/approvals", vec!["get"]),
+        ("/v1/approvals/{id}", vec!["get", "post"]),
         ("/v1/runs/{id}/events", vec!["get"]),
     ]);
     assert_eq!(paths, expected);
@@ -1498,4 +1506,272 @@ async fn a_backlog_longer_than_one_store_page_is_replayed_whole() {
             .await;
         assert_eq!(suffix, full[k..], "after={k}");
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Approvals
+
+/// `add` needs approval when `a` has three digits; `now` never does.
+async fn gated_server() -> Server {
+    let script = json!({"replies": [
+        {"text": "Three calls.", "tool_calls": [
+            {"name": "add", "arguments": {"a": 100, "b": 1}},
+            {"name": "add", "arguments": {"a": 2, "b": 3}},
+            {"name": "now"}
+        ]},
+        {"text": "Done."}
+    ]});
+    Server::start_with(script, |template| {
+        let add = template.tools.iter_mut().find(|t| t.name == "add").unwrap();
+        add.approval = ApprovalPolicy::WhenArguments([("a".into(), "???".into())].into());
+    })
+    .await
+}
+
+/// Sends a message and waits for the approval its run asks for; returns (run, approval id,
+/// the run's events so far).
+async fn gated_message(server: &Server, session: &str) -> (String, String, Vec<Ev>) {
+    let accepted = server.send(TOKEN_A, session, "add things").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let mut stream = server.stream(&format!("/v1/runs/{run}/events"), None).await;
+    let events = stream
+        .until(|e| e.kind == "run.status" && e.data["payload"]["status"] == "waiting_human")
+        .await;
+    let required = events
+        .iter()
+        .find(|e| e.kind == "approval.required")
+        .expect("the gate is announced");
+    let approval = required.data["payload"]["approval_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    (run, approval, events)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gated_batch_runs_only_what_a_human_approved_and_the_model_sees_every_result() {
+    let server = gated_server().await;
+    let session = server.create_session(TOKEN_A).await;
+    let (run, approval, events) = gated_message(&server, &session).await;
+    assert!(
+        !kinds(&events).contains(&"tool.call"),
+        "no call of a gated batch starts: {:?}",
+        kinds(&events)
+    );
+    let state = server.get_ok(TOKEN_A, &format!("/v1/runs/{run}")).await;
+    assert_eq!(state["status"], "waiting_human");
+    assert_eq!(state["pending_human"]["kind"], "approval", "{state}");
+
+    let pending = server.get_ok(TOKEN_A, "/v1/approvals?status=pending").await;
+    let item = &pending["items"][0];
+    assert_eq!(pending["items"].as_array().unwrap().len(), 1, "{pending}");
+    assert_eq!(item["id"], approval.as_str());
+    assert_eq!(item["run_id"], run.as_str());
+    assert_eq!(item["status"], "pending");
+    let calls = item["calls"].as_array().unwrap();
+    let shape: Vec<(&str, bool)> = calls
+        .iter()
+        .map(|c| (c["name"].as_str().unwrap(), c["needs_approval"] == true))
+        .collect();
+    assert_eq!(shape, [("add", true), ("add", false), ("now", false)]);
+    assert_eq!(calls[0]["arguments"], json!({"a": 100, "b": 1}));
+    let call_ids: Vec<&str> = calls
+        .iter()
+        .map(|c| c["call_id"].as_str().unwrap())
+        .collect();
+
+    // Another tenant sees nothing of it.
+    let theirs = server.get_ok(TOKEN_B, "/v1/approvals").await;
+    assert_eq!(theirs["items"], json!([]));
+    let path = format!("/v1/approvals/{approval}");
+    let body = json!({"decisions": [{"call_id": call_ids[0], "decision": "approve"}]});
+    assert_error(
+        "other tenant's approval",
+        &call(server.get(TOKEN_B, &path)).await,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    );
+    assert_error(
+        "other tenant's answer",
+        &call(server.post(TOKEN_B, &path, body)).await,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    );
+
+    // Answers that cannot be right change nothing.
+    for (bad, status, code) in [
+        (
+            json!({"decisions": [{"call_id": call_ids[1], "decision": "approve"}]}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+        (
+            json!({"decisions": [{"call_id": "nope", "decision": "deny"}]}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+        (
+            json!({"decisions": [{"call_id": call_ids[0], "decision": "maybe"}]}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+        (
+            json!({"decisions": [], "abort": true}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+        (
+            json!({}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+        (
+            json!({"abort": false}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+    ] {
+        let reply = call(server.post(TOKEN_A, &path, bad.clone())).await;
+        assert_error(&bad.to_string(), &reply, status, code);
+    }
+    let unknown = call(server.get(TOKEN_A, "/v1/approvals/apr_nope-1")).await;
+    assert_error(
+        "unknown approval",
+        &unknown,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    );
+    let malformed = call(server.get(TOKEN_A, "/v1/approvals/run_x")).await;
+    assert_error(
+        "malformed id",
+        &malformed,
+        StatusCode::BAD_REQUEST,
+        "bad_request",
+    );
+    let status = call(server.get(TOKEN_A, "/v1/approvals?status=open")).await;
+    assert_error(
+        "unknown status",
+        &status,
+        StatusCode::BAD_REQUEST,
+        "bad_request",
+    );
+    assert_eq!(
+        server.get_ok(TOKEN_A, &path).await["status"],
+        "pending",
+        "refused answers leave it pending"
+    );
+
+    // Deny the gated call; the others, not named, run.
+    let answer =
+        json!({"decisions": [{"call_id": call_ids[0], "decision": "deny", "note": "too big"}]});
+    let reply = call(server.post(TOKEN_A, &path, answer.clone())).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(reply.body["status"], "decided");
+    let decided: Vec<&str> = reply.body["calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["decision"].as_str().unwrap())
+        .collect();
+    assert_eq!(decided, ["deny", "approve", "approve"]);
+    assert_eq!(reply.body["calls"][0]["note"], "too big");
+    let state = server.finish(&run).await;
+    assert_eq!(state["status"], "completed", "{state}");
+    assert_eq!(state["final_answer"], "Done.");
+
+    // The model saw one result per call, in its order; the denied call never ran.
+    let messages = server
+        .get_ok(TOKEN_A, &format!("/v1/sessions/{session}/messages"))
+        .await;
+    let tool_results: Vec<(String, String)> = messages["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| {
+            (
+                m["tool_call_id"].as_str().unwrap().to_owned(),
+                m["content"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let order: Vec<&str> = tool_results.iter().map(|(id, _)| id.as_str()).collect();
+    assert_eq!(order, call_ids);
+    assert!(
+        tool_results[0].1.contains("denied by a human: too big"),
+        "{tool_results:?}"
+    );
+    assert!(tool_results[1].1.contains('5'), "{tool_results:?}");
+    let all = server
+        .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
+        .await;
+    let decided_at = all
+        .iter()
+        .position(|e| e.kind == "approval.decided")
+        .expect("approval.decided");
+    let started: Vec<(usize, &str)> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| e.kind == "tool.call")
+        .map(|(i, e)| (i, e.data["payload"]["call_id"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        started.iter().map(|(_, id)| *id).collect::<Vec<_>>(),
+        call_ids[1..],
+        "only the approved calls started"
+    );
+    assert!(
+        started.iter().all(|(i, _)| *i > decided_at),
+        "and only after the answer"
+    );
+
+    // The same answer again is fine; a different one is a conflict.
+    let again = call(server.post(TOKEN_A, &path, answer)).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
+    let different = json!({"decisions": [{"call_id": call_ids[0], "decision": "approve"}]});
+    assert_error(
+        "a different answer",
+        &call(server.post(TOKEN_A, &path, different)).await,
+        StatusCode::CONFLICT,
+        "conflict",
+    );
+    let decided = server.get_ok(TOKEN_A, "/v1/approvals?status=decided").await;
+    assert_eq!(ids(&decided["items"]), [approval.as_str()]);
+    let pending = server.get_ok(TOKEN_A, "/v1/approvals?status=pending").await;
+    assert_eq!(pending["items"], json!([]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborting_an_approval_cancels_the_run_and_the_next_message_runs() {
+    let server = gated_server().await;
+    let session = server.create_session(TOKEN_A).await;
+    let (run, approval, _) = gated_message(&server, &session).await;
+    let path = format!("/v1/approvals/{approval}");
+    let reply = call(server.post(TOKEN_A, &path, json!({"abort": true}))).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(reply.body["status"], "aborted");
+    let state = server.get_ok(TOKEN_A, &format!("/v1/runs/{run}")).await;
+    assert_eq!(
+        (&state["status"], &state["stop_reason"]),
+        (&json!("cancelled"), &json!("cancelled")),
+        "{state}"
+    );
+    assert_eq!(state["usage"]["tool_calls"], 0, "{state}");
+    // The session is free: the next message runs (and is gated in its turn).
+    let (next, next_approval, _) = gated_message(&server, &session).await;
+    assert_ne!(next, run);
+    let cancelled = call(server.post(TOKEN_A, &format!("/v1/runs/{next}/cancel"), json!({}))).await;
+    assert_eq!(cancelled.status, StatusCode::OK, "{}", cancelled.body);
+    let listed = server
+        .get_ok(TOKEN_A, "/v1/approvals?status=cancelled")
+        .await;
+    assert_eq!(ids(&listed["items"]), [next_approval.as_str()]);
+    let late = json!({"abort": true});
+    let reply = call(server.post(TOKEN_A, &format!("/v1/approvals/{next_approval}"), late)).await;
+    assert_error(
+        "answer after cancel",
+        &reply,
+        StatusCode::CONFLICT,
+        "conflict",
+    );
 }

@@ -1,0 +1,264 @@
+//! Approvals at the terminal: `ratchet run` and `ratchet chat` ask a person about a gated
+//! tool batch, and `ratchet approvals list|decide` answer from anywhere.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use ratchet_core::{ApprovalAnswer, ApprovalCall, ApprovalId, CallDecision, HumanRequest, Verdict};
+use ratchet_store::{ApprovalStatus, DEFAULT_TENANT};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::client::{self, Api, EventView, RunView};
+use crate::runtime::open_existing_store;
+
+/// Lines of stdin, read on their own thread: a blocking read never holds up the runtime,
+/// and one still pending when the command ends does not delay the exit.
+pub fn stdin_lines() -> mpsc::Receiver<std::io::Result<String>> {
+    let (sender, receiver) = mpsc::channel(1);
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lines() {
+            let failed = line.is_err();
+            if sender.blocking_send(line).is_err() || failed {
+                break;
+            }
+        }
+    });
+    receiver
+}
+
+/// The approval a run waits for, from its `pending_human`.
+pub fn pending(request: Option<&HumanRequest>) -> Option<(&ApprovalId, &[ApprovalCall])> {
+    match request {
+        Some(HumanRequest::Approval { approval_id, calls }) => Some((approval_id, calls)),
+        _ => None,
+    }
+}
+
+/// Shows the gated batch and asks what to do until the answer is one it understands. None
+/// when stdin has ended: nobody is there to answer.
+pub async fn ask(
+    id: &ApprovalId,
+    calls: &[ApprovalCall],
+    lines: &mut mpsc::Receiver<std::io::Result<String>>,
+) -> anyhow::Result<Option<ApprovalAnswer>> {
+    let mut err = std::io::stderr();
+    writeln!(err, "approval {id}: the agent asks to run")?;
+    for call in calls {
+        let why = if call.needs_approval {
+            "needs approval"
+        } else {
+            "held with its batch"
+        };
+        writeln!(
+            err,
+            "  [{}] {} {} ({why})",
+            call.call_id, call.tool, call.arguments
+        )?;
+    }
+    loop {
+        write!(err, "run them? [y]es, [n]o (deny all), [a]bort the run: ")?;
+        err.flush()?;
+        let Some(line) = lines.recv().await else {
+            writeln!(err)?;
+            return Ok(None);
+        };
+        let line = line.context("cannot read the answer from stdin")?;
+        let everything = |decision| {
+            ApprovalAnswer::Decisions(
+                calls
+                    .iter()
+                    .map(|c| CallDecision {
+                        call_id: c.call_id.clone(),
+                        decision,
+                        note: None,
+                    })
+                    .collect(),
+            )
+        };
+        match line.trim().to_ascii_lowercase().as_str() {
+            "y" | "yes" => return Ok(Some(everything(Verdict::Approve))),
+            "n" | "no" => return Ok(Some(everything(Verdict::Deny))),
+            "a" | "abort" => return Ok(Some(ApprovalAnswer::Abort)),
+            other => writeln!(err, "{other:?} is not an answer; type y, n or a")?,
+        }
+    }
+}
+
+/// Follows a run on a server until it ends or waits; each time it waits for an approval, the
+/// person at stdin is asked and the run followed on. Returns the run when it has ended, waits
+/// for something else, or nobody answered.
+pub async fn follow_answering(
+    api: &Api,
+    run_id: &str,
+    lines: &mut mpsc::Receiver<std::io::Result<String>>,
+    mut on_event: impl FnMut(&EventView),
+) -> anyhow::Result<RunView> {
+    let mut after = 0;
+    loop {
+        let run = client::follow_run(api, run_id, after, |event| {
+            after = event.seq;
+            on_event(event);
+        })
+        .await?;
+        if !run.status.is_waiting() {
+            return Ok(run);
+        }
+        let Some((id, calls)) = pending(run.pending_human.as_ref()) else {
+            return Ok(run);
+        };
+        let Some(answer) = ask(id, calls, lines).await? else {
+            return Ok(run);
+        };
+        api.answer_approval(id.as_str(), &request_body(&answer))
+            .await?;
+    }
+}
+
+/// The body of `POST /v1/approvals/{id}` for an answer.
+pub fn request_body(answer: &ApprovalAnswer) -> Value {
+    match answer {
+        ApprovalAnswer::Abort => json!({"abort": true}),
+        ApprovalAnswer::Decisions(decisions) => json!({"decisions": decisions}),
+    }
+}
+
+/// Where `ratchet approvals` reads and answers: a server, or a database file directly.
+pub enum Target {
+    Server(Api),
+    Db(String),
+}
+
+pub async fn list(target: Target, status: Option<String>, json: bool) -> anyhow::Result<ExitCode> {
+    let approvals: Vec<Value> = match target {
+        Target::Server(api) => api.approvals(status.as_deref()).await?,
+        Target::Db(db) => {
+            let status = status
+                .map(|s| {
+                    ApprovalStatus::parse(&s).with_context(|| {
+                        format!(
+                            "unknown status {s:?}; expected pending, decided, aborted or cancelled"
+                        )
+                    })
+                })
+                .transpose()?;
+            let store = open_existing_store(&db)?;
+            let mut all = Vec::new();
+            let mut after = None;
+            loop {
+                let page = store
+                    .approvals(DEFAULT_TENANT, status, after.as_ref(), 200)
+                    .await?;
+                after = page.last().map(|a| a.id.clone());
+                let full = page.len() == 200;
+                all.extend(page.into_iter().map(|a| {
+                    json!({
+                        "id": a.id, "run_id": a.run_id, "status": a.status.as_str(),
+                        "calls": a.calls.iter().map(|c| json!({
+                            "call_id": c.call_id, "name": c.tool,
+                            "arguments": c.arguments, "needs_approval": c.needs_approval,
+                        })).collect::<Vec<_>>(),
+                    })
+                }));
+                if !full {
+                    break;
+                }
+            }
+            all
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    if json {
+        writeln!(out, "{}", Value::Array(approvals))?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    if approvals.is_empty() {
+        writeln!(out, "no approvals")?;
+    }
+    for approval in &approvals {
+        writeln!(
+            out,
+            "{} {} run {}",
+            approval["id"].as_str().unwrap_or_default(),
+            approval["status"].as_str().unwrap_or_default(),
+            approval["run_id"].as_str().unwrap_or_default()
+        )?;
+        for call in approval["calls"].as_array().into_iter().flatten() {
+            writeln!(
+                out,
+                "  [{}] {} {}{}",
+                call["call_id"].as_str().unwrap_or_default(),
+                call["name"].as_str().unwrap_or_default(),
+                call["arguments"],
+                if call["needs_approval"] == true {
+                    " (needs approval)"
+                } else {
+                    ""
+                }
+            )?;
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What `ratchet approvals decide` was told to do.
+pub struct Decide {
+    pub id: String,
+    pub approve: Vec<String>,
+    pub deny: Vec<String>,
+    pub note: Option<String>,
+    pub abort: bool,
+}
+
+impl Decide {
+    fn answer(self) -> anyhow::Result<ApprovalAnswer> {
+        if self.abort {
+            if !self.approve.is_empty() || !self.deny.is_empty() {
+                bail!("--abort ends the run; it cannot be combined with --approve or --deny");
+            }
+            return Ok(ApprovalAnswer::Abort);
+        }
+        if self.approve.is_empty() && self.deny.is_empty() {
+            bail!(
+                "give --approve CALL and/or --deny CALL for the calls that need approval, or --abort"
+            );
+        }
+        let decide = |call_id: &String, decision, note: Option<String>| CallDecision {
+            call_id: call_id.clone(),
+            decision,
+            note,
+        };
+        let approved = self
+            .approve
+            .iter()
+            .map(|c| decide(c, Verdict::Approve, None));
+        let denied = (self.deny.iter()).map(|c| decide(c, Verdict::Deny, self.note.clone()));
+        let decisions = approved.chain(denied).collect();
+        Ok(ApprovalAnswer::Decisions(decisions))
+    }
+}
+
+pub async fn decide(target: Target, args: Decide) -> anyhow::Result<ExitCode> {
+    let id = ApprovalId::parse(&args.id)?;
+    let answer = args.answer()?;
+    let status = match target {
+        Target::Server(api) => {
+            let answered = api
+                .answer_approval(id.as_str(), &request_body(&answer))
+                .await?;
+            answered["status"].as_str().unwrap_or_default().to_owned()
+        }
+        Target::Db(db) => {
+            let coordinator = ratchet_engine::Coordinator::new(open_existing_store(&db)?);
+            coordinator
+                .answer_approval(&id, answer)
+                .await
+                .with_context(|| format!("cannot answer approval {id}"))?;
+            let approval = coordinator.store().get_approval(&id).await?;
+            approval.status.as_str().to_owned()
+        }
+    };
+    writeln!(std::io::stdout(), "approval {id} is {status}")?;
+    Ok(ExitCode::SUCCESS)
+}
