@@ -81,6 +81,24 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
             )?;
         }
     }
+    if let Some(HumanRequest::Approval { approval_id, calls }) = &state.pending_human {
+        writeln!(
+            out,
+            "waiting for  approval {approval_id} (`ratchet approvals decide {approval_id}`):"
+        )?;
+        for call in calls {
+            let gated = if call.needs_approval {
+                " (needs approval)"
+            } else {
+                ""
+            };
+            writeln!(
+                out,
+                "  {}: {} {}{gated}",
+                call.call_id, call.tool, call.arguments
+            )?;
+        }
+    }
     writeln!(out, "steps")?;
     for step in steps {
         writeln!(

@@ -19,6 +19,11 @@ use serde_json::{Value, json};
 
 /// Runs `ratchet ARGS` in `dir` and returns its output, within the common deadline.
 fn ratchet(dir: &Path, args: &[&str]) -> Output {
+    ratchet_fed(dir, args, "")
+}
+
+/// `ratchet ARGS` in `dir` with `stdin` as its input.
+fn ratchet_fed(dir: &Path, args: &[&str], stdin: &str) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ratchet"));
     command
         .args(args)
@@ -26,7 +31,7 @@ fn ratchet(dir: &Path, args: &[&str]) -> Output {
         // The caller's environment must not change which database or log level is used.
         .env_remove("RATCHET_DB")
         .env_remove("RATCHET_LOG");
-    output_within_deadline(&mut command, "")
+    output_within_deadline(&mut command, stdin)
 }
 
 fn db_url(dir: &Path) -> String {
@@ -641,4 +646,194 @@ fn runs_show_refuses_missing_and_malformed_ids() {
     let runs = list(dir.path());
     assert_eq!(runs.len(), 1, "{runs:?}");
     assert_eq!(runs[0]["run_id"], existing["run_id"]);
+}
+
+/// A batch of a guarded `append_line` and an unguarded `add`, then an answer.
+fn guarded_script() -> Value {
+    json!({"replies": [
+        {"text": "Writing.", "tool_calls": [
+            {"name": "append_line", "arguments": {"path": "log.txt", "line": "guarded line"}},
+            {"name": "add", "arguments": {"a": 1, "b": 2}}
+        ]},
+        {"text": "Written."}
+    ]})
+}
+
+fn run_guarded(dir: &Path, stdin: &str) -> Output {
+    let model = script(dir, "guarded.json", &guarded_script());
+    let (db, workspace) = (db_url(dir), dir.display().to_string());
+    let args = [
+        "run",
+        "--db",
+        &db,
+        "--workspace",
+        &workspace,
+        "--model",
+        &model,
+        "--require-approval",
+        "append_line",
+        "--json",
+        "write it",
+    ];
+    ratchet_fed(dir, &args, stdin)
+}
+
+#[test]
+fn a_gated_batch_is_asked_about_at_the_prompt() {
+    let approved = tempfile::tempdir().unwrap();
+    let output = run_guarded(approved.path(), "y\n");
+    let stderr = stderr_of(&output);
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(report(&output)["status"], "completed");
+    assert!(stderr.contains("approval apr_"), "{stderr}");
+    assert!(
+        stderr.contains("append_line") && stderr.contains("(needs approval)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("add") && stderr.contains("(held with its batch)"),
+        "{stderr}"
+    );
+    let log = std::fs::read_to_string(approved.path().join("log.txt")).unwrap();
+    assert_eq!(log, "guarded line\n");
+
+    let denied = tempfile::tempdir().unwrap();
+    let output = run_guarded(denied.path(), "maybe\nn\n");
+    let stderr = stderr_of(&output);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("\"maybe\" is not an answer"), "{stderr}");
+    assert!(
+        stderr.contains("denied by a human"),
+        "the model sees the denial: {stderr}"
+    );
+    assert!(
+        !denied.path().join("log.txt").exists(),
+        "a denied call never runs"
+    );
+    let run_id = report(&output)["run_id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        show(denied.path(), &run_id)["counters"]["tool_calls"],
+        2,
+        "both calls have results"
+    );
+
+    let aborted = tempfile::tempdir().unwrap();
+    let output = run_guarded(aborted.path(), "a\n");
+    assert_eq!(output.status.code(), Some(1), "{}", stderr_of(&output));
+    let report = report(&output);
+    assert_eq!(
+        (&report["status"], &report["stop_reason"]),
+        (&json!("cancelled"), &json!("cancelled"))
+    );
+    assert!(!aborted.path().join("log.txt").exists());
+}
+
+#[test]
+fn an_unanswered_approval_is_decided_later_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let output = run_guarded(dir, "");
+    let stderr = stderr_of(&output);
+    assert_eq!(
+        output.status.code(),
+        Some(2),
+        "waiting for a human: {stderr}"
+    );
+    assert_eq!(report(&output)["status"], "waiting_human");
+    assert!(stderr.contains("ratchet approvals decide apr_"), "{stderr}");
+    assert!(!dir.join("log.txt").exists(), "nothing of the batch ran");
+    let run_id = report(&output)["run_id"].as_str().unwrap().to_owned();
+    let shown = ratchet(dir, &["runs", "show", &run_id, "--db", &db_url(dir)]);
+    assert!(
+        stdout_of(&shown).contains("waiting for  approval apr_"),
+        "{}",
+        stdout_of(&shown)
+    );
+
+    let db = db_url(dir);
+    let listed = ratchet(
+        dir,
+        &[
+            "approvals",
+            "list",
+            "--status",
+            "pending",
+            "--db",
+            &db,
+            "--json",
+        ],
+    );
+    assert!(listed.status.success(), "{}", stderr_of(&listed));
+    let listed: Value = serde_json::from_slice(&listed.stdout).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    let approval = listed[0]["id"].as_str().unwrap();
+    let calls = listed[0]["calls"].as_array().unwrap();
+    let guarded = calls[0]["call_id"].as_str().unwrap();
+    assert_eq!(
+        (&calls[0]["name"], &calls[0]["needs_approval"]),
+        (&json!("append_line"), &json!(true))
+    );
+
+    for (args, message) in [
+        (vec![], "give --approve CALL"),
+        (vec!["--abort", "--approve", guarded], "cannot be combined"),
+        (vec!["--approve", "call-9"], "not in this approval"),
+    ] {
+        let mut full = vec!["approvals", "decide", approval, "--db", &db];
+        full.extend(args);
+        let refused = ratchet(dir, &full);
+        assert_eq!(refused.status.code(), Some(1), "{full:?}");
+        assert!(
+            stderr_of(&refused).contains(message),
+            "{full:?}: {}",
+            stderr_of(&refused)
+        );
+    }
+    let decided = ratchet(
+        dir,
+        &[
+            "approvals",
+            "decide",
+            approval,
+            "--approve",
+            guarded,
+            "--db",
+            &db,
+        ],
+    );
+    assert!(decided.status.success(), "{}", stderr_of(&decided));
+    assert_eq!(
+        stdout_of(&decided).trim(),
+        format!("approval {approval} is decided")
+    );
+    let resumed = ratchet(dir, &["resume", "--db", &db, "--json"]);
+    assert!(resumed.status.success(), "{}", stderr_of(&resumed));
+    assert_eq!(report(&resumed)["status"], "completed");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("log.txt")).unwrap(),
+        "guarded line\n"
+    );
+    let listed = ratchet(dir, &["approvals", "list", "--db", &db]);
+    assert!(
+        stdout_of(&listed).contains(&format!("{approval} decided")),
+        "{}",
+        stdout_of(&listed)
+    );
+}
+
+#[test]
+fn an_approval_policy_for_an_unknown_tool_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = run(
+        dir.path(),
+        "scripted:demo",
+        &["--require-approval", "rm_rf", "hi"],
+    );
+    assert_refused(
+        "unknown tool",
+        dir.path(),
+        &output,
+        1,
+        "approval policy for unknown tool \"rm_rf\"",
+    );
 }

@@ -432,3 +432,54 @@ fn an_unreachable_server_and_options_that_do_not_apply_fail_clearly() {
     // Nothing was created on the way.
     assert!(!dir.path().join("ratchet.db").exists());
 }
+
+/// A server whose `ratchet.toml` guards `append_line` calls on `secret*` paths.
+fn guarded_server(dir: &Path) -> Server {
+    let config = "[tools.append_line]\napproval = { path = \"secret*\" }\n";
+    std::fs::write(dir.join("ratchet.toml"), config).unwrap();
+    let script = json!({"replies": [
+        {"text": "Writing.", "tool_calls": [
+            {"name": "append_line", "arguments": {"path": "secret.txt", "line": "s"}},
+            {"name": "append_line", "arguments": {"path": "open.txt", "line": "o"}}
+        ]},
+        {"text": "Written."}
+    ]});
+    Server::start(dir, &script, &["--config", "ratchet.toml"], &[])
+}
+
+#[test]
+fn run_and_chat_over_the_server_ask_at_the_prompt_when_a_batch_is_gated() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let server = guarded_server(dir);
+    let args = ["run", "--server", &server.url, "--json", "write"];
+    let output = ratchet_with(dir, &args, "y\n", &[]);
+    let stderr = stderr_of(&output);
+    assert!(output.status.success(), "{stderr}\n{}", server.log());
+    assert_eq!(report(&output)["status"], "completed");
+    assert!(stderr.contains("secret.txt") && stderr.contains("(needs approval)"), "{stderr}");
+    assert_eq!(std::fs::read_to_string(dir.join("secret.txt")).unwrap(), "s\n");
+    // Each call's events are shown once, even though the stream was followed twice.
+    assert_eq!(stderr.matches("] append_line").count(), 4, "two calls, two results: {stderr}");
+
+    let chat = ratchet_with(dir, &["chat", "--server", &server.url], "write\nn\n", &[]);
+    let stdout = stdout_of(&chat);
+    assert!(chat.status.success(), "{}", stderr_of(&chat));
+    assert!(stdout.contains("denied by a human"), "{stdout}");
+    assert!(stdout.contains("Written."), "{stdout}");
+    for file in ["secret.txt", "open.txt"] {
+        let text = std::fs::read_to_string(dir.join(file)).unwrap();
+        assert_eq!(text.lines().count(), 1, "no call of the denied batch ran: {file}");
+    }
+
+    let listed = ratchet(dir, &["approvals", "list", "--server", &server.url, "--json"]);
+    assert!(listed.status.success(), "{}", stderr_of(&listed));
+    let listed: Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let statuses: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["status"].as_str().unwrap())
+        .collect();
+    assert_eq!(statuses, ["decided", "decided"]);
+}
