@@ -162,3 +162,22 @@ pub async fn reconcile(
     }
     Ok(ExitCode::SUCCESS)
 }
+
+/// `runs retry` and `runs continue`: the failed run is running again, its next step enqueued.
+pub async fn resume_failed(
+    db: &str,
+    run_id: &str,
+    how: ratchet_core::step::Resumption,
+) -> anyhow::Result<ExitCode> {
+    let run_id = RunId::parse(run_id)?;
+    let coordinator = ratchet_engine::Coordinator::new(open_existing_store(db)?);
+    coordinator
+        .resume_failed(&run_id, how)
+        .await
+        .with_context(|| format!("cannot resume run {run_id}"))?;
+    writeln!(
+        std::io::stdout(),
+        "{run_id} is running again; `ratchet resume` carries it on"
+    )?;
+    Ok(ExitCode::SUCCESS)
+}

@@ -165,6 +165,32 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum RunsCommand {
+    /// Repeat the model call a failed run (stop reason model_error) kept failing, with fresh
+    /// attempts; `ratchet resume` (or a server) carries the run on.
+    Retry {
+        run_id: String,
+        #[command(flatten)]
+        db: DbArg,
+    },
+    /// Go on with a failed run from its last committed step, adding budget to it (needed
+    /// when it stopped with budget_exhausted); `ratchet resume` carries the run on.
+    Continue {
+        run_id: String,
+        /// Steps to add to the run's step budget.
+        #[arg(long, default_value_t = 0)]
+        extra_steps: u64,
+        /// Model calls to add (to a run that has such a limit).
+        #[arg(long, default_value_t = 0)]
+        extra_model_calls: u64,
+        /// Tool calls to add (to a run that has such a limit).
+        #[arg(long, default_value_t = 0)]
+        extra_tool_calls: u64,
+        /// Tokens to add (to a run that has such a limit).
+        #[arg(long, default_value_t = 0)]
+        extra_tokens: u64,
+        #[command(flatten)]
+        db: DbArg,
+    },
     /// List every run.
     List {
         #[command(flatten)]
@@ -429,6 +455,29 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     db,
                 },
         } => inspect::reconcile(&db.db, &run_id, &call_id, outcome, result).await,
+        Command::Runs {
+            command: RunsCommand::Retry { run_id, db },
+        } => inspect::resume_failed(&db.db, &run_id, ratchet_core::step::Resumption::Retry).await,
+        Command::Runs {
+            command:
+                RunsCommand::Continue {
+                    run_id,
+                    extra_steps,
+                    extra_model_calls,
+                    extra_tool_calls,
+                    extra_tokens,
+                    db,
+                },
+        } => {
+            let extension = ratchet_core::BudgetExtension {
+                steps: extra_steps,
+                model_calls: extra_model_calls,
+                tool_calls: extra_tool_calls,
+                tokens: extra_tokens,
+            };
+            let how = ratchet_core::step::Resumption::Continue { extension };
+            inspect::resume_failed(&db.db, &run_id, how).await
+        }
         Command::Approvals {
             command:
                 ApprovalsCommand::List {

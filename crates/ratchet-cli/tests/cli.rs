@@ -259,6 +259,42 @@ fn the_step_budget_ends_a_run_that_keeps_calling_tools() {
     assert_eq!(last["instruction"], "call_llm");
     assert_eq!(last["summary"]["conclude"], true);
     assert_eq!(last["summary"]["tool_calls"], 0);
+
+    // A spent run goes on only with more budget, and only by `continue`.
+    let (db, run_id) = (db_url(dir.path()), report["run_id"].as_str().unwrap());
+    for (args, message) in [
+        (vec!["runs", "retry", run_id], "use continue"),
+        (vec!["runs", "continue", run_id], "budget is spent"),
+    ] {
+        let refused = ratchet(dir.path(), &[&args[..], &["--db", &db]].concat());
+        assert_eq!(refused.status.code(), Some(1), "{args:?}");
+        assert!(
+            stderr_of(&refused).contains(message),
+            "{}",
+            stderr_of(&refused)
+        );
+    }
+    let continued = ratchet(
+        dir.path(),
+        &[
+            "runs",
+            "continue",
+            run_id,
+            "--extra-steps",
+            "2",
+            "--db",
+            &db,
+        ],
+    );
+    assert!(continued.status.success(), "{}", stderr_of(&continued));
+    assert!(stdout_of(&continued).contains("running again"));
+    let resumed = ratchet(dir.path(), &["resume", "--db", &db, "--json"]);
+    let again = common::report(&resumed);
+    assert_eq!(
+        (&again["status"], &again["steps"]),
+        (&json!("failed"), &json!(5)),
+        "{again}"
+    );
 }
 
 #[test]

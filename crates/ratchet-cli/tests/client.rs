@@ -457,10 +457,20 @@ fn run_and_chat_over_the_server_ask_at_the_prompt_when_a_batch_is_gated() {
     let stderr = stderr_of(&output);
     assert!(output.status.success(), "{stderr}\n{}", server.log());
     assert_eq!(report(&output)["status"], "completed");
-    assert!(stderr.contains("secret.txt") && stderr.contains("(needs approval)"), "{stderr}");
-    assert_eq!(std::fs::read_to_string(dir.join("secret.txt")).unwrap(), "s\n");
+    assert!(
+        stderr.contains("secret.txt") && stderr.contains("(needs approval)"),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("secret.txt")).unwrap(),
+        "s\n"
+    );
     // Each call's events are shown once, even though the stream was followed twice.
-    assert_eq!(stderr.matches("] append_line").count(), 4, "two calls, two results: {stderr}");
+    assert_eq!(
+        stderr.matches("] append_line").count(),
+        4,
+        "two calls, two results: {stderr}"
+    );
 
     let chat = ratchet_with(dir, &["chat", "--server", &server.url], "write\nn\n", &[]);
     let stdout = stdout_of(&chat);
@@ -469,10 +479,17 @@ fn run_and_chat_over_the_server_ask_at_the_prompt_when_a_batch_is_gated() {
     assert!(stdout.contains("Written."), "{stdout}");
     for file in ["secret.txt", "open.txt"] {
         let text = std::fs::read_to_string(dir.join(file)).unwrap();
-        assert_eq!(text.lines().count(), 1, "no call of the denied batch ran: {file}");
+        assert_eq!(
+            text.lines().count(),
+            1,
+            "no call of the denied batch ran: {file}"
+        );
     }
 
-    let listed = ratchet(dir, &["approvals", "list", "--server", &server.url, "--json"]);
+    let listed = ratchet(
+        dir,
+        &["approvals", "list", "--server", &server.url, "--json"],
+    );
     assert!(listed.status.success(), "{}", stderr_of(&listed));
     let listed: Value = serde_json::from_slice(&listed.stdout).unwrap();
     let statuses: Vec<&str> = listed

@@ -60,14 +60,16 @@ pub fn decide(state: &AgentState, phase: Phase) -> Instruction {
         Phase::HumanDecided if state.checkpoint.is_some() => Instruction::CallToolsBatch,
         Phase::ToolsBatchResult
             if state.counters.consecutive_parse_failures
-                >= state.config.limits.max_consecutive_parse_failures =>
+                >= state.limits().max_consecutive_parse_failures =>
         {
             Instruction::Finish(StopReason::ParseFailures)
         }
         Phase::ToolsBatchResult if completed_by_tool(state) => {
             Instruction::Finish(StopReason::Completed)
         }
-        Phase::UserInput | Phase::ToolsBatchResult | Phase::HumanDecided => next_model_call(state),
+        Phase::UserInput | Phase::ToolsBatchResult | Phase::HumanDecided | Phase::Resumed => {
+            next_model_call(state)
+        }
         Phase::Cancel => Instruction::Finish(StopReason::Cancelled),
     }
 }
@@ -78,7 +80,7 @@ pub fn decide(state: &AgentState, phase: Phase) -> Instruction {
 /// The other budgets work the same way: the last model call a budget allows is made without
 /// tools, and none is made past it.
 fn next_model_call(state: &AgentState) -> Instruction {
-    let limits = &state.config.limits;
+    let limits = &state.limits();
     let counters = &state.counters;
     let reached = |used: u64, limit: Option<u64>| limit.is_some_and(|max| used >= max);
     let spent = state.force_finish
@@ -167,13 +169,7 @@ mod tests {
     /// computed independently from the written rules.
     #[test]
     fn decision_table_is_exhaustive_over_its_inputs() {
-        let phases = [
-            Phase::UserInput,
-            Phase::LlmResult,
-            Phase::ToolsBatchResult,
-            Phase::HumanDecided,
-            Phase::Cancel,
-        ];
+        let phases = Phase::ALL;
         let mut cases = 0;
         for phase in phases {
             for cancel in [false, true] {
@@ -229,7 +225,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(cases, 5 * 2 * 2 * 6 * 2 * 4);
+        assert_eq!(cases, 6 * 2 * 2 * 6 * 2 * 4);
     }
 
     fn expected(

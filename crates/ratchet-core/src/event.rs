@@ -18,11 +18,12 @@ pub enum EventKind {
     ReconciliationDecided,
     ApprovalRequired,
     ApprovalDecided,
+    RunResumed,
     RunFinished,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 14] = [
+    pub const ALL: [EventKind; 15] = [
         EventKind::RunCreated,
         EventKind::RunStatus,
         EventKind::StepCommitted,
@@ -36,6 +37,7 @@ impl EventKind {
         EventKind::ReconciliationDecided,
         EventKind::ApprovalRequired,
         EventKind::ApprovalDecided,
+        EventKind::RunResumed,
         EventKind::RunFinished,
     ];
 
@@ -54,6 +56,7 @@ impl EventKind {
             EventKind::ReconciliationDecided => "reconciliation.decided",
             EventKind::ApprovalRequired => "approval.required",
             EventKind::ApprovalDecided => "approval.decided",
+            EventKind::RunResumed => "run.resumed",
             EventKind::RunFinished => "run.finished",
         }
     }

@@ -162,6 +162,16 @@ pub struct UnknownCall {
     pub idempotency_key: String,
 }
 
+/// Budget a human added to a failed run when continuing it. The frozen config keeps the
+/// limits the run started with; the Brain spends the sum.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetExtension {
+    pub steps: u64,
+    pub model_calls: u64,
+    pub tool_calls: u64,
+    pub tokens: u64,
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counters {
     pub model_calls: u64,
@@ -192,6 +202,9 @@ pub struct AgentState {
     pub checkpoint: Option<ToolCheckpoint>,
     pub pending_human: Option<HumanRequest>,
     pub counters: Counters,
+    /// Budget added by `continue`, on top of the frozen limits.
+    #[serde(default)]
+    pub extension: BudgetExtension,
     /// The last assistant text, so that a finished run can answer without reading history.
     pub final_answer: Option<String>,
     pub created_at: Millis,
@@ -200,6 +213,19 @@ pub struct AgentState {
 }
 
 impl AgentState {
+    /// The limits the Brain enforces: the frozen ones plus any extension.
+    pub fn limits(&self) -> Limits {
+        let frozen = self.config.limits;
+        let extension = self.extension;
+        Limits {
+            max_steps: frozen.max_steps + extension.steps,
+            max_model_calls: frozen.max_model_calls.map(|m| m + extension.model_calls),
+            max_tool_calls: frozen.max_tool_calls.map(|m| m + extension.tool_calls),
+            max_tokens: frozen.max_tokens.map(|m| m + extension.tokens),
+            ..frozen
+        }
+    }
+
     pub fn new(
         session_id: SessionId,
         run_id: RunId,
@@ -218,6 +244,7 @@ impl AgentState {
             checkpoint: None,
             pending_human: None,
             counters: Counters::default(),
+            extension: BudgetExtension::default(),
             final_answer: None,
             created_at: now,
             started_at: None,

@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::{
-    AgentState, EventDraft, EventKind, HumanRequest, Instruction, Message, Millis, RunId,
-    RunStatus, StopReason, ToolCall, ToolCheckpoint, ToolOutcome, decide,
+    AgentState, BudgetExtension, EventDraft, EventKind, HumanRequest, Instruction, Message, Millis,
+    RunId, RunStatus, StopReason, ToolCall, ToolCheckpoint, ToolOutcome, decide,
 };
 
 /// Why a job woke its run up.
@@ -23,15 +23,18 @@ pub enum Phase {
     /// A human answered the run's pending request; the batch goes on from its checkpoint.
     HumanDecided,
     Cancel,
+    /// A failed run was continued or retried: it calls the model again.
+    Resumed,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 5] = [
+    pub const ALL: [Phase; 6] = [
         Phase::UserInput,
         Phase::LlmResult,
         Phase::ToolsBatchResult,
         Phase::HumanDecided,
         Phase::Cancel,
+        Phase::Resumed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -41,6 +44,7 @@ impl Phase {
             Phase::ToolsBatchResult => "tools_batch_result",
             Phase::HumanDecided => "human_decided",
             Phase::Cancel => "cancel",
+            Phase::Resumed => "resumed",
         }
     }
 
@@ -374,6 +378,88 @@ pub fn reconcile(
         attempt: 0,
     };
     Ok((events, Some(job)))
+}
+
+/// How a failed run goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Resumption {
+    /// Repeat the model call that kept failing, with a fresh set of attempts. Only for a run
+    /// that failed with `model_error`.
+    Retry,
+    /// Go on from the last committed step, with `extension` added to the budget: any failed
+    /// run, and the only way on for one that spent its budget.
+    Continue { extension: BudgetExtension },
+}
+
+/// Moves a failed run back to `running`; the returned job calls the model again. Refused
+/// when the run did not fail, when `Retry` is asked of a run that did not fail calling the
+/// model, or when the run's budget would still be spent (nothing would happen but failing
+/// again).
+pub fn resume_failed(
+    state: &mut AgentState,
+    how: Resumption,
+) -> Result<(Vec<EventDraft>, StepJob), DecisionError> {
+    let reason = match (state.status, state.stop_reason) {
+        (RunStatus::Failed, Some(reason)) => reason,
+        _ => {
+            return Err(DecisionError::NotWaiting {
+                run_id: state.run_id.clone(),
+                status: state.status,
+                expected: "continue or retry (only a failed run can)".to_owned(),
+            });
+        }
+    };
+    let mut resumed = state.clone();
+    match how {
+        Resumption::Retry if reason != StopReason::ModelError => {
+            return Err(DecisionError::Invalid(format!(
+                "retry repeats a model call that kept failing, but run {} failed with {reason}; use continue",
+                state.run_id
+            )));
+        }
+        Resumption::Retry => {}
+        Resumption::Continue { extension } => {
+            let added = &mut resumed.extension;
+            added.steps += extension.steps;
+            added.model_calls += extension.model_calls;
+            added.tool_calls += extension.tool_calls;
+            added.tokens += extension.tokens;
+        }
+    }
+    // The concluding call that spent the budget offered no tools: the calls it still asked
+    // for were never shown to the model as made, so none of them may run now.
+    if resumed.force_finish {
+        resumed.force_finish = false;
+        resumed.checkpoint = None;
+    }
+    if reason == StopReason::ParseFailures {
+        resumed.counters.consecutive_parse_failures = 0;
+    }
+    resumed.status = RunStatus::Running;
+    resumed.stop_reason = None;
+    resumed.finished_at = None;
+    if let Instruction::Finish(again) = decide(&resumed, Phase::Resumed) {
+        return Err(DecisionError::Invalid(format!(
+            "run {} would stop again at once ({again}): its budget is spent; continue it with more (extra steps, model calls, tool calls or tokens)",
+            state.run_id
+        )));
+    }
+    *state = resumed;
+    let events = vec![
+        EventDraft::new(
+            EventKind::RunResumed,
+            json!({"run_id": state.run_id, "after": reason, "how": how}),
+        ),
+        status_event(state),
+    ];
+    let job = StepJob {
+        run_id: state.run_id.clone(),
+        step_index: state.step_index + 1,
+        phase: Phase::Resumed,
+        attempt: 0,
+    };
+    Ok((events, job))
 }
 
 /// A step whose one instruction is to end the run (a cancel, or a model that kept failing).

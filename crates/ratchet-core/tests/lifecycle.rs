@@ -3,11 +3,13 @@
 
 use proptest::prelude::*;
 use ratchet_core::approval::answer_approval;
-use ratchet_core::step::{after_model, after_tools, ask_approval_step, finish_step, start_run};
+use ratchet_core::step::{
+    Resumption, after_model, after_tools, ask_approval_step, finish_step, resume_failed, start_run,
+};
 use ratchet_core::{
-    AgentState, ApprovalAnswer, ApprovalPolicy, CallDecision, HumanRequest, Instruction, Limits,
-    ModelReply, Phase, ReplayPolicy, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob,
-    StopReason, ToolCall, ToolOutcome, ToolSpec, Verdict, decide,
+    AgentState, ApprovalAnswer, ApprovalPolicy, BudgetExtension, CallDecision, HumanRequest,
+    Instruction, Limits, ModelReply, Phase, ReplayPolicy, RunConfigSnapshot, RunId, RunStatus,
+    SessionId, StepJob, StopReason, ToolCall, ToolOutcome, ToolSpec, Verdict, decide,
 };
 
 #[derive(Debug, Clone)]
@@ -80,7 +82,9 @@ proptest! {
         answers in proptest::collection::vec(prop_oneof![
             Just(Answer::ApproveAll), Just(Answer::DenyAll), Just(Answer::Abort)
         ], 1..8),
+        continues in 0u32..3,
     ) {
+        let mut continues_left = continues;
         let mut answers = answers.into_iter().cycle();
         let mut denied: Vec<(u64, String)> = Vec::new();
         let mut state = fresh(max_steps);
@@ -134,7 +138,7 @@ proptest! {
             prop_assert_eq!(result.state.step_index, state.step_index + 1);
             prop_assert_eq!(result.record.index, job.step_index);
             prop_assert!(state.status.edge(result.state.status).is_ok());
-            prop_assert!(result.state.step_index <= max_steps.max(1) + 1, "budget is a hard cap");
+            prop_assert!(result.state.step_index <= state.limits().max_steps.max(1) + 1, "budget is a hard cap");
             let terminal = result.state.status.is_terminal();
             prop_assert_eq!(terminal, result.state.stop_reason.is_some());
             prop_assert_eq!(terminal, result.state.finished_at.is_some());
@@ -174,9 +178,29 @@ proptest! {
                         }
                     }
                 }
+                None if state.status == RunStatus::Failed && continues_left > 0 => {
+                    continues_left -= 1;
+                    let extension = BudgetExtension { steps: 4, model_calls: 2, tool_calls: 3, tokens: 0 };
+                    match resume_failed(&mut state, Resumption::Continue { extension }) {
+                        Ok((events, next)) => {
+                            prop_assert_eq!(state.status, RunStatus::Running);
+                            prop_assert_eq!(state.stop_reason, None);
+                            prop_assert_eq!(events[0].kind.as_str(), "run.resumed");
+                            prop_assert_eq!(next.step_index, state.step_index + 1);
+                            job = next;
+                        }
+                        Err(refused) => {
+                            prop_assert_eq!(state.status, RunStatus::Failed, "a refused continue changes nothing: {}", refused);
+                            break;
+                        }
+                    }
+                }
                 None => break,
             }
         }
+        let limits = state.limits();
+        let max_steps = limits.max_steps;
+        let (max_model_calls, max_tool_calls) = (limits.max_model_calls, limits.max_tool_calls);
         let reason = state.stop_reason.unwrap();
         prop_assert_eq!(state.status, reason.terminal_status());
         if cancel_at.is_some_and(|at| at <= state.step_index) {
@@ -363,4 +387,84 @@ fn reconciliation_answers_each_call_in_doubt_then_resumes_the_batch() {
 
     let again = reconcile(&mut waiting, "c2", Reconciliation::Skip, None).unwrap_err();
     assert!(matches!(again, DecisionError::NotWaiting { .. }), "{again}");
+}
+
+fn failed_with(reason: StopReason) -> AgentState {
+    let mut state = fresh(3);
+    state.status = RunStatus::Failed;
+    state.stop_reason = Some(reason);
+    state.step_index = 3;
+    state.finished_at = Some(9);
+    state
+}
+
+#[test]
+fn retry_repeats_a_failed_model_call_and_continue_needs_budget_to_go_on() {
+    let mut completed = fresh(3);
+    completed.status = RunStatus::Completed;
+    completed.stop_reason = Some(StopReason::Completed);
+    let error = resume_failed(&mut completed, Resumption::Retry).unwrap_err();
+    assert!(error.to_string().contains("only a failed run"), "{error}");
+
+    let mut model_error = failed_with(StopReason::ModelError);
+    model_error.step_index = 1;
+    let (events, job) = resume_failed(&mut model_error, Resumption::Retry).unwrap();
+    assert_eq!((job.step_index, job.phase), (2, Phase::Resumed));
+    assert_eq!(model_error.status, RunStatus::Running);
+    assert_eq!(
+        (model_error.stop_reason, model_error.finished_at),
+        (None, None)
+    );
+    let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(kinds, ["run.resumed", "run.status"]);
+    assert_eq!(
+        decide(&model_error, job.phase),
+        Instruction::CallLlm { conclude: true }
+    );
+
+    let mut spent = failed_with(StopReason::BudgetExhausted);
+    spent.force_finish = true;
+    spent.checkpoint = Some(ratchet_core::ToolCheckpoint::new(vec![ToolCall {
+        id: "never-offered".into(),
+        name: "add".into(),
+        arguments: serde_json::json!({}),
+    }]));
+    let before = spent.clone();
+    let retry = resume_failed(&mut spent, Resumption::Retry).unwrap_err();
+    assert!(retry.to_string().contains("use continue"), "{retry}");
+    let nothing = Resumption::Continue {
+        extension: BudgetExtension::default(),
+    };
+    let still = resume_failed(&mut spent, nothing).unwrap_err();
+    assert!(still.to_string().contains("budget is spent"), "{still}");
+    assert_eq!(spent, before, "a refused resumption changes nothing");
+    let more = Resumption::Continue {
+        extension: BudgetExtension {
+            steps: 5,
+            ..BudgetExtension::default()
+        },
+    };
+    let (_, job) = resume_failed(&mut spent, more).unwrap();
+    assert_eq!(spent.limits().max_steps, 8);
+    assert_eq!(
+        spent.config.limits.max_steps, 3,
+        "the frozen config is untouched"
+    );
+    assert!(
+        !spent.force_finish && spent.checkpoint.is_none(),
+        "calls never offered do not run"
+    );
+    assert_eq!(
+        decide(&spent, job.phase),
+        Instruction::CallLlm { conclude: false }
+    );
+
+    let mut parse = failed_with(StopReason::ParseFailures);
+    parse.counters.consecutive_parse_failures = 3;
+    parse.step_index = 1;
+    let nothing = Resumption::Continue {
+        extension: BudgetExtension::default(),
+    };
+    resume_failed(&mut parse, nothing).unwrap();
+    assert_eq!(parse.counters.consecutive_parse_failures, 0);
 }

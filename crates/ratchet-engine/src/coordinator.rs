@@ -266,6 +266,18 @@ impl Coordinator {
         Ok(reconciled)
     }
 
+    /// Continues or retries a failed run; its next step is picked up by any worker.
+    pub async fn resume_failed(
+        &self,
+        run_id: &RunId,
+        how: ratchet_core::step::Resumption,
+    ) -> Result<Vec<ratchet_store::StoredEvent>> {
+        let events = self.store.resume_failed(run_id, how, now_ms()).await?;
+        self.publish(events.clone());
+        self.wake.notify_one();
+        Ok(events)
+    }
+
     /// Records a human's answer to an approval: the run goes on with the approved calls, or
     /// ends when aborted (and the session's next run starts).
     pub async fn answer_approval(

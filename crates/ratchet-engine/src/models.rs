@@ -18,6 +18,14 @@ impl Models {
         }
     }
 
+    /// Makes `model` the one runs whose spec is `spec` use: a model the embedding program
+    /// implements itself.
+    pub fn register(&self, spec: &str, model: Arc<dyn Model>) {
+        if let Ok(mut cache) = self.cache.lock() {
+            cache.insert(spec.to_owned(), model);
+        }
+    }
+
     /// Parses and checks a spec (a scripted model's file is read and its tools checked).
     pub fn resolve(&self, spec: &str) -> ratchet_llm::Result<Arc<dyn Model>> {
         if let Some(model) = self.cache.lock().ok().and_then(|c| c.get(spec).cloned()) {

@@ -444,3 +444,21 @@ pub struct ApprovalRequestBody {
     pub decisions: Option<Vec<CallDecisionBody>>,
     pub abort: Option<bool>,
 }
+
+/// Budget to add when continuing a failed run; each field is added to the run's limit of
+/// the same name (a run without such a limit stays without one).
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ContinueRequest {
+    pub extra_steps: Option<u64>,
+    pub extra_model_calls: Option<u64>,
+    pub extra_tool_calls: Option<u64>,
+    pub extra_tokens: Option<u64>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ResumedView {
+    pub run_id: String,
+    /// `running`: the run's next step is enqueued.
+    pub status: String,
+}

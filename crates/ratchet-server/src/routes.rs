@@ -9,9 +9,9 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::api::{
-    CancelView, CreateSession, ErrorBody, MessageAccepted, MessageView, Multitask, Page, PageQuery,
-    ReconcileOutcome, ReconcileRequest, ReconcileView, RunSummaryView, RunView, SendMessage,
-    SessionView, StepView,
+    CancelView, ContinueRequest, CreateSession, ErrorBody, MessageAccepted, MessageView, Multitask,
+    Page, PageQuery, ReconcileOutcome, ReconcileRequest, ReconcileView, ResumedView,
+    RunSummaryView, RunView, SendMessage, SessionView, StepView,
 };
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
@@ -27,6 +27,8 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(list_steps))
         .routes(routes!(cancel_run))
         .routes(routes!(reconcile_run))
+        .routes(routes!(retry_run))
+        .routes(routes!(continue_run))
 }
 
 pub(crate) fn parse_session_id(text: &str) -> Result<SessionId, ApiError> {
@@ -339,5 +341,65 @@ async fn reconcile_run(
     Ok(axum::Json(ReconcileView {
         run_id: id.to_string(),
         status: status.to_owned(),
+    }))
+}
+
+#[utoipa::path(
+    post, path = "/v1/runs/{id}/retry", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    responses(
+        (status = 200, body = ResumedView),
+        (status = 409, body = ErrorBody, description = "the run has not failed, or its session has another active run"),
+        (status = 422, body = ErrorBody, description = "the run did not fail calling the model: continue it instead"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn retry_run(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+) -> Result<axum::Json<ResumedView>, ApiError> {
+    resume(&state, &tenant, &id, ratchet_core::step::Resumption::Retry).await
+}
+
+#[utoipa::path(
+    post, path = "/v1/runs/{id}/continue", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    request_body = ContinueRequest,
+    responses(
+        (status = 200, body = ResumedView),
+        (status = 409, body = ErrorBody, description = "the run has not failed, or its session has another active run"),
+        (status = 422, body = ErrorBody, description = "the run's budget would still be spent"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn continue_run(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<ContinueRequest>,
+) -> Result<axum::Json<ResumedView>, ApiError> {
+    let extension = ratchet_core::BudgetExtension {
+        steps: body.extra_steps.unwrap_or(0),
+        model_calls: body.extra_model_calls.unwrap_or(0),
+        tool_calls: body.extra_tool_calls.unwrap_or(0),
+        tokens: body.extra_tokens.unwrap_or(0),
+    };
+    let how = ratchet_core::step::Resumption::Continue { extension };
+    resume(&state, &tenant, &id, how).await
+}
+
+async fn resume(
+    state: &AppState,
+    tenant: &Tenant,
+    id: &str,
+    how: ratchet_core::step::Resumption,
+) -> Result<axum::Json<ResumedView>, ApiError> {
+    let id = parse_run_id(id)?;
+    tenant_run(state, tenant, &id).await?;
+    state.coordinator.resume_failed(&id, how).await?;
+    Ok(axum::Json(ResumedView {
+        run_id: id.to_string(),
+        status: "running".to_owned(),
     }))
 }

@@ -71,11 +71,14 @@ impl Drop for Server {
 
 impl Server {
     async fn start(script: Value) -> Server {
-        Server::start_with(script, |_| {}).await
+        Server::start_with(script, |_, _| {}).await
     }
 
-    /// A server whose run template `configure` adjusts first.
-    async fn start_with(script: Value, configure: impl FnOnce(&mut RunConfigSnapshot)) -> Server {
+    /// A server whose run template and models `configure` adjusts first.
+    async fn start_with(
+        script: Value,
+        configure: impl FnOnce(&mut RunConfigSnapshot, &Models),
+    ) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let script_path = dir.path().join("script.json");
         std::fs::write(&script_path, script.to_string()).unwrap();
@@ -86,7 +89,11 @@ impl Server {
             tools.names().into_iter().map(str::to_owned).collect(),
         ));
         let coordinator = Coordinator::new(store);
-        let engine = Arc::new(Engine::new(Arc::clone(&coordinator), models, tools));
+        let engine = Arc::new(Engine::new(
+            Arc::clone(&coordinator),
+            Arc::clone(&models),
+            tools,
+        ));
         let mut run_template = RunConfigSnapshot {
             model: format!("scripted:{}", script_path.display()),
             workspace: None,
@@ -94,7 +101,7 @@ impl Server {
             tools: Registry::builtin().specs(),
             limits: Limits::default(),
         };
-        configure(&mut run_template);
+        configure(&mut run_template, &models);
         let tokens = Tokens::new(HashMap::from([
             (hash_token(TOKEN_A), "tenant-a".to_owned()),
             (hash_token(TOKEN_B), "tenant-b".to_owned()),
@@ -786,6 +793,8 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/runs/{id}/steps", vec!["get"]),
         ("/v1/runs/{id}/cancel", vec!["post"]),
         ("/v1/runs/{id}/reconcile", vec!["post"]),
+        ("/v1/runs/{id}/retry", vec!["post"]),
+        ("/v1/runs/{id}/continue", vec!["post"]),
         ("/v1/approvals", vec!["get"]),
         ("/v1/approvals/{id}", vec!["get", "post"]),
         ("/v1/runs/{id}/events", vec!["get"]),
@@ -1521,7 +1530,7 @@ async fn gated_server() -> Server {
         ]},
         {"text": "Done."}
     ]});
-    Server::start_with(script, |template| {
+    Server::start_with(script, |template, _| {
         let add = template.tools.iter_mut().find(|t| t.name == "add").unwrap();
         add.approval = ApprovalPolicy::WhenArguments([("a".into(), "???".into())].into());
     })
@@ -1774,4 +1783,165 @@ async fn aborting_an_approval_cancels_the_run_and_the_next_message_runs() {
         StatusCode::CONFLICT,
         "conflict",
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Continue and retry
+
+/// A model that fails its first `failures` calls with a transient error, then answers.
+struct Flaky {
+    failures: std::sync::atomic::AtomicU32,
+}
+
+#[async_trait::async_trait]
+impl ratchet_llm::Model for Flaky {
+    async fn complete(
+        &self,
+        _request: ratchet_llm::ModelRequest,
+        _deltas: tokio::sync::mpsc::UnboundedSender<String>,
+        _cancel: CancellationToken,
+    ) -> ratchet_llm::Result<ratchet_core::ModelReply> {
+        use std::sync::atomic::Ordering;
+        let left = self.failures.load(Ordering::SeqCst);
+        if left > 0 {
+            self.failures.store(left - 1, Ordering::SeqCst);
+            return Err(ratchet_llm::Error::Transient(
+                "HTTP 503 from the flaky model".into(),
+            ));
+        }
+        Ok(ratchet_core::ModelReply {
+            text: "recovered".into(),
+            ..Default::default()
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_failed_calling_the_model_is_retried_with_fresh_attempts() {
+    let server = Server::start_with(quick_script(), |template, models| {
+        template.model = "flaky".into();
+        template.limits.max_model_attempts = 2;
+        let flaky = Flaky {
+            failures: std::sync::atomic::AtomicU32::new(2),
+        };
+        models.register("flaky", Arc::new(flaky));
+    })
+    .await;
+    let session = server.create_session(TOKEN_A).await;
+    let accepted = server.send(TOKEN_A, &session, "hello").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let failed = server.finish(&run).await;
+    assert_eq!(
+        (&failed["status"], &failed["stop_reason"]),
+        (&json!("failed"), &json!("model_error")),
+        "{failed}"
+    );
+    let steps = failed["step_index"].as_u64().unwrap();
+
+    let continue_path = format!("/v1/runs/{run}/continue");
+    let retry_path = format!("/v1/runs/{run}/retry");
+    let theirs = call(server.post(TOKEN_B, &retry_path, json!({}))).await;
+    assert_error(
+        "another tenant's run",
+        &theirs,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    );
+    let extra = call(server.post(TOKEN_A, &continue_path, json!({"extra_stepz": 1}))).await;
+    assert_error(
+        "unknown field",
+        &extra,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_request",
+    );
+
+    let reply = call(server.post(TOKEN_A, &retry_path, json!({}))).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(reply.body["status"], "running");
+    let done = server.finish(&run).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["final_answer"], "recovered");
+    assert_eq!(
+        done["step_index"],
+        steps + 1,
+        "the failed step stays; one new step answers"
+    );
+    let events = server
+        .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
+        .await;
+    assert_eq!(
+        kinds(&events)
+            .iter()
+            .filter(|k| **k == "run.resumed")
+            .count(),
+        1
+    );
+    let finished = kinds(&events)
+        .iter()
+        .filter(|k| **k == "run.finished")
+        .count();
+    assert_eq!(finished, 2, "one per end: failed, then completed");
+
+    let again = call(server.post(TOKEN_A, &retry_path, json!({}))).await;
+    assert_error(
+        "retry of a completed run",
+        &again,
+        StatusCode::CONFLICT,
+        "conflict",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_spent_its_budget_is_continued_with_more() {
+    let forever = json!({"replies": [
+        {"text": "More.", "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}}]}
+    ]});
+    let server = Server::start_with(forever, |template, _| template.limits.max_steps = 3).await;
+    let session = server.create_session(TOKEN_A).await;
+    let accepted = server.send(TOKEN_A, &session, "loop").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let failed = server.finish(&run).await;
+    assert_eq!(
+        (&failed["stop_reason"], &failed["step_index"]),
+        (&json!("budget_exhausted"), &json!(3)),
+        "{failed}"
+    );
+
+    let continue_path = format!("/v1/runs/{run}/continue");
+    let retry = call(server.post(TOKEN_A, &format!("/v1/runs/{run}/retry"), json!({}))).await;
+    assert_error(
+        "retry of a spent budget",
+        &retry,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_request",
+    );
+    let nothing = call(server.post(TOKEN_A, &continue_path, json!({}))).await;
+    assert_error(
+        "continue without budget",
+        &nothing,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_request",
+    );
+    assert!(
+        nothing.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("budget is spent"),
+        "{}",
+        nothing.body
+    );
+
+    let reply = call(server.post(TOKEN_A, &continue_path, json!({"extra_steps": 3}))).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let again = server.finish(&run).await;
+    assert_eq!(
+        (
+            &again["status"],
+            &again["stop_reason"],
+            &again["step_index"]
+        ),
+        (&json!("failed"), &json!("budget_exhausted"), &json!(6)),
+        "three more steps: a model call, its tools, a concluding call: {again}"
+    );
+    assert_eq!(again["usage"]["tool_calls"], 2, "{again}");
 }

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use ratchet_core::step::Reconciliation;
+use ratchet_core::step::{Reconciliation, Resumption};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalId, EventDraft, Message, Millis, RunConfigSnapshot, RunId,
     SessionId, StepRecord, StepResult, ToolOutcome,
@@ -385,6 +385,18 @@ impl Store for SqliteStore {
         let (run_id, call_id) = (run_id.clone(), call_id.to_owned());
         self.writer
             .write(move |c| ops::reconcile(c, &run_id, &call_id, answer, result, now))
+            .await
+    }
+
+    async fn resume_failed(
+        &self,
+        run_id: &RunId,
+        how: Resumption,
+        now: Millis,
+    ) -> Result<Vec<StoredEvent>> {
+        let run_id = run_id.clone();
+        self.writer
+            .write(move |c| ops::resume_failed(c, &run_id, how, now))
             .await
     }
 

@@ -1,7 +1,7 @@
 //! The transaction bodies. Each function runs inside the writer's transaction (or on a read
 //! connection) and is the whole of one `Store` operation.
 
-use ratchet_core::step::{Reconciliation, cancel_idle, start_run};
+use ratchet_core::step::{Reconciliation, Resumption, cancel_idle, start_run};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalId, EventDraft, EventKind, HumanRequest, Message, Millis,
     Phase, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult,
@@ -1356,6 +1356,36 @@ pub(crate) fn reconcile(
         events,
         resumed: job.is_some(),
     })
+}
+
+pub(crate) fn resume_failed(
+    c: &Tx<'_>,
+    run_id: &RunId,
+    how: Resumption,
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
+    let mut state = load_state(c, run_id)?;
+    let (drafts, job) = ratchet_core::step::resume_failed(&mut state, how)?;
+    // The run takes its session back only if nobody else holds it: one active run each.
+    let taken = c
+        .prepare_cached(
+            "UPDATE sessions SET active_run_id = ?2 WHERE id = ?1 AND active_run_id IS NULL",
+        )
+        .and_then(|mut s| s.execute([state.session_id.as_str(), run_id.as_str()]))
+        .map_err(backend)?;
+    if taken == 0 {
+        let session = get_session(c, &state.session_id)?;
+        return Err(Error::Conflict(format!(
+            "session {} has another active run ({}); continue {run_id} once it has ended",
+            state.session_id,
+            session
+                .active_run_id
+                .map_or("-".to_owned(), |r| r.to_string())
+        )));
+    }
+    write_state(c, &state)?;
+    insert_job(c, &job, now)?;
+    insert_events(c, &state.session_id, Some(run_id), &drafts, now)
 }
 
 const APPROVAL_COLUMNS: &str = "a.id, a.run_id, a.session_id, a.status, r.status, a.calls_json, a.answer_json, a.created_at, a.decided_at";

@@ -12,12 +12,12 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use ratchet_core::step::{after_model, after_tools, await_reconciliation, finish_step};
+use ratchet_core::step::{Resumption, after_model, after_tools, await_reconciliation, finish_step};
 use ratchet_core::{
-    AgentState, ApprovalAnswer, ApprovalPolicy, CallDecision, EventDraft, EventKind, HumanRequest,
-    Limits, Message, MessageId, Millis, ModelReply, Phase, ReplayPolicy, Role, RunConfigSnapshot,
-    RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult, StopReason, ToolCall,
-    ToolOutcome, ToolSpec, UnknownCall, Usage, Verdict, Visibility,
+    AgentState, ApprovalAnswer, ApprovalPolicy, BudgetExtension, CallDecision, EventDraft,
+    EventKind, HumanRequest, Limits, Message, MessageId, Millis, ModelReply, Phase, ReplayPolicy,
+    Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult,
+    StopReason, ToolCall, ToolOutcome, ToolSpec, UnknownCall, Usage, Verdict, Visibility,
 };
 use serde_json::{Value, json};
 
@@ -59,6 +59,7 @@ macro_rules! store_conformance_tests {
             client_reads_show_visible_messages_runs_and_run_events,
             an_approval_holds_the_whole_batch_until_a_human_answers,
             an_aborted_or_cancelled_approval_ends_its_run_and_frees_the_session,
+            a_failed_run_is_retried_or_continued_once_its_session_is_free,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -2177,4 +2178,96 @@ pub async fn an_aborted_or_cancelled_approval_ends_its_run_and_frees_the_session
         rest.iter().all(|a| a.id != page[0].id),
         "the page after a cursor starts after it"
     );
+}
+
+/// A failed run goes on only as its session's active run: refused while another run holds
+/// the session, accepted once it is free, with the next job enqueued after the failed step.
+pub async fn a_failed_run_is_retried_or_continued_once_its_session_is_free(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (run, _) = submit(store, &session, "flaky", config(), T0).await;
+    let (next, _) = submit(store, &session, "queued behind", config(), T0 + 1).await;
+    let first = claim(store, OWNER_A, T0 + 2).await;
+    let failed = finish_step(
+        first.state,
+        &first.job,
+        StopReason::ModelError,
+        T0 + 2,
+        T0 + 3,
+    );
+    commit(store, &first.claim, failed, None, T0 + 3).await;
+    assert_eq!(load(store, &run).await.status, RunStatus::Failed);
+    assert_eq!(
+        load(store, &next).await.status,
+        RunStatus::Running,
+        "the session moved on"
+    );
+
+    let before = snapshot(store, &run, &session).await;
+    match store.resume_failed(&run, Resumption::Retry, T0 + 4).await {
+        Err(Error::Conflict(message)) => {
+            assert!(message.contains("another active run"), "{message}")
+        }
+        other => panic!("retry while the session is busy: expected Conflict, got {other:?}"),
+    }
+    assert_eq!(
+        snapshot(store, &run, &session).await,
+        before,
+        "nothing written"
+    );
+
+    let busy = claim(store, OWNER_A, T0 + 5).await;
+    assert_eq!(busy.job.run_id, next);
+    let done = after_model(
+        busy.state,
+        &busy.job,
+        text_reply("done"),
+        false,
+        T0 + 5,
+        T0 + 6,
+    );
+    commit(store, &busy.claim, done, None, T0 + 6).await;
+
+    let extension = BudgetExtension {
+        steps: 1,
+        ..BudgetExtension::default()
+    };
+    match store
+        .resume_failed(&next, Resumption::Continue { extension }, T0 + 7)
+        .await
+    {
+        Err(Error::Conflict(message)) => {
+            assert!(message.contains("only a failed run"), "{message}")
+        }
+        other => panic!("continue of a completed run: expected Conflict, got {other:?}"),
+    }
+    let events = store
+        .resume_failed(&run, Resumption::Retry, T0 + 8)
+        .await
+        .unwrap();
+    assert_attributed(&events);
+    assert_eq!(kinds(&events), ["run.resumed", "run.status"]);
+    let state = load(store, &run).await;
+    assert_eq!(
+        (state.status, state.stop_reason, state.finished_at),
+        (RunStatus::Running, None, None)
+    );
+    assert_eq!(
+        store.get_session(&session).await.unwrap().active_run_id,
+        Some(run.clone())
+    );
+    assert_one_active(store, &session).await;
+    let again = claim(store, OWNER_B, T0 + 9).await;
+    assert_eq!(
+        again.job,
+        StepJob {
+            run_id: run.clone(),
+            step_index: 2,
+            phase: Phase::Resumed,
+            attempt: 1
+        }
+    );
+    match store.resume_failed(&run, Resumption::Retry, T0 + 10).await {
+        Err(Error::Conflict(_)) => {}
+        other => panic!("retry of a running run: expected Conflict, got {other:?}"),
+    }
 }

@@ -6,8 +6,8 @@
 //! index, status edge, lease epoch) and writes atomically.
 
 use async_trait::async_trait;
-use ratchet_core::step::DecisionError;
 use ratchet_core::step::Reconciliation;
+use ratchet_core::step::{DecisionError, Resumption};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalCall, ApprovalId, EventDraft, IllegalEdge, Message,
     MessageId, Millis, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord,
@@ -468,6 +468,16 @@ pub trait Store: Send + Sync + 'static {
         result: Option<String>,
         now: Millis,
     ) -> Result<Reconciled>;
+
+    /// Continues or retries a failed run (see `ratchet_core::step::resume_failed`): it becomes
+    /// its session's active run again, with its next job enqueued. `Error::Conflict` when the
+    /// run did not fail or its session has another active run now.
+    async fn resume_failed(
+        &self,
+        run_id: &RunId,
+        how: Resumption,
+        now: Millis,
+    ) -> Result<Vec<StoredEvent>>;
 
     /// A tenant's approvals in the order they were asked for, after `after` when given,
     /// with the given status only when given.
