@@ -19,11 +19,12 @@ pub enum EventKind {
     ApprovalRequired,
     ApprovalDecided,
     RunResumed,
+    MessageSteered,
     RunFinished,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 15] = [
+    pub const ALL: [EventKind; 16] = [
         EventKind::RunCreated,
         EventKind::RunStatus,
         EventKind::StepCommitted,
@@ -38,6 +39,7 @@ impl EventKind {
         EventKind::ApprovalRequired,
         EventKind::ApprovalDecided,
         EventKind::RunResumed,
+        EventKind::MessageSteered,
         EventKind::RunFinished,
     ];
 
@@ -57,6 +59,7 @@ impl EventKind {
             EventKind::ApprovalRequired => "approval.required",
             EventKind::ApprovalDecided => "approval.decided",
             EventKind::RunResumed => "run.resumed",
+            EventKind::MessageSteered => "message.steered",
             EventKind::RunFinished => "run.finished",
         }
     }

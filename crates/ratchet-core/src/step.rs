@@ -118,6 +118,16 @@ impl StepResult {
     }
 }
 
+impl StepResult {
+    /// The run's next step calls the model: a boundary where a user's steering message can
+    /// join the history without splitting a tool call from its result.
+    pub fn accepts_steer(&self) -> bool {
+        self.next.as_ref().is_some_and(|job| {
+            matches!(decide(&self.state, job.phase), Instruction::CallLlm { .. })
+        })
+    }
+}
+
 /// Moves a run from `queued` to `running` and returns its first job.
 pub fn start_run(state: &mut AgentState, now: Millis) -> (StepJob, EventDraft) {
     state.status = RunStatus::Running;

@@ -31,14 +31,18 @@ pub enum Multitask {
     Reject,
     /// Cancel the active run and start this one as soon as it has ended.
     Interrupt,
+    /// Join the active run before its next model call (or, if it ends first, run next).
+    Steer,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StartedRun {
     pub session_id: SessionId,
+    /// The message's run: its own, or — when `steered` — the active run it joins.
     pub run_id: RunId,
     pub message_id: MessageId,
     pub status: RunStatus,
+    pub steered: bool,
 }
 
 pub struct Coordinator {
@@ -99,6 +103,7 @@ impl Coordinator {
                 Multitask::Enqueue => WhenBusy::Enqueue,
                 Multitask::Reject => WhenBusy::Reject,
                 Multitask::Interrupt => WhenBusy::Interrupt,
+                Multitask::Steer => WhenBusy::Steer,
             },
         };
         let submitted = self.store.submit_message(new, now_ms()).await?;
@@ -118,9 +123,10 @@ impl Coordinator {
         }
         Ok(StartedRun {
             session_id: session_id.clone(),
-            run_id,
+            run_id: submitted.steered_into.clone().unwrap_or(run_id),
             message_id,
             status: submitted.status,
+            steered: submitted.steered_into.is_some(),
         })
     }
 

@@ -109,6 +109,9 @@ pub enum Multitask {
     Reject,
     /// Cancel the active run; this message's run starts as soon as it has ended.
     Interrupt,
+    /// Join the active run before its next model call; if that run ends first, the message
+    /// becomes the session's next run (announced by `run.created` with its `message_id`).
+    Steer,
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -121,9 +124,13 @@ pub struct SendMessage {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct MessageAccepted {
     pub message_id: String,
+    /// The message's run; for a steering message, the active run it will join.
     pub run_id: String,
-    /// `running` when the run started at once, `queued` behind the session's active run.
+    /// `running` when the run started at once, `queued` behind the session's active run (for
+    /// a steering message, the active run's status).
     pub run_status: String,
+    /// True when the message waits to join the active run (`multitask: "steer"`).
+    pub steered: bool,
 }
 
 #[derive(Debug, Serialize, ToSchema)]

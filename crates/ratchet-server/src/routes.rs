@@ -175,6 +175,7 @@ async fn send_message(
         Multitask::Enqueue => EngineMultitask::Enqueue,
         Multitask::Reject => EngineMultitask::Reject,
         Multitask::Interrupt => EngineMultitask::Interrupt,
+        Multitask::Steer => EngineMultitask::Steer,
     };
     let config = state.run_template.as_ref().clone();
     let started = state
@@ -185,6 +186,7 @@ async fn send_message(
         message_id: started.message_id.to_string(),
         run_id: started.run_id.to_string(),
         run_status: started.status.to_string(),
+        steered: started.steered,
     };
     Ok((StatusCode::ACCEPTED, axum::Json(accepted)))
 }

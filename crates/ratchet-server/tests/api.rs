@@ -203,8 +203,19 @@ impl Server {
 
     /// Waits for the run's `run.finished` (on its own event stream) and returns the run.
     async fn finish(&self, run: &str) -> Value {
+        self.finish_again(run, 1).await
+    }
+
+    /// Waits for the run's `nth` `run.finished` (a continued run ends more than once).
+    async fn finish_again(&self, run: &str, nth: usize) -> Value {
         let mut events = self.stream(&format!("/v1/runs/{run}/events"), None).await;
-        events.until(|e| e.kind == "run.finished").await;
+        let mut ends = 0;
+        events
+            .until(|e| {
+                ends += usize::from(e.kind == "run.finished");
+                ends == nth
+            })
+            .await;
         let state = self.get_ok(TOKEN_A, &format!("/v1/runs/{run}")).await;
         assert!(
             ["completed", "failed", "cancelled"].contains(&state["status"].as_str().unwrap()),
@@ -495,7 +506,7 @@ async fn a_message_runs_to_completion_with_its_messages_runs_and_steps_listed() 
     let accepted = server.send(TOKEN_A, &session, "hello").await;
     assert_eq!(
         keys(&accepted),
-        ["message_id", "run_id", "run_status"],
+        ["message_id", "run_id", "run_status", "steered"],
         "{accepted}"
     );
     assert!(accepted["message_id"].as_str().unwrap().starts_with("msg_"));
@@ -1858,7 +1869,7 @@ async fn a_run_that_failed_calling_the_model_is_retried_with_fresh_attempts() {
     let reply = call(server.post(TOKEN_A, &retry_path, json!({}))).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
     assert_eq!(reply.body["status"], "running");
-    let done = server.finish(&run).await;
+    let done = server.finish_again(&run, 2).await;
     assert_eq!(done["status"], "completed", "{done}");
     assert_eq!(done["final_answer"], "recovered");
     assert_eq!(
@@ -1933,7 +1944,7 @@ async fn a_run_that_spent_its_budget_is_continued_with_more() {
 
     let reply = call(server.post(TOKEN_A, &continue_path, json!({"extra_steps": 3}))).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
-    let again = server.finish(&run).await;
+    let again = server.finish_again(&run, 2).await;
     assert_eq!(
         (
             &again["status"],
@@ -1944,4 +1955,65 @@ async fn a_run_that_spent_its_budget_is_continued_with_more() {
         "three more steps: a model call, its tools, a concluding call: {again}"
     );
     assert_eq!(again["usage"]["tool_calls"], 2, "{again}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steering_message_joins_the_active_run_after_its_tool_results() {
+    let script = json!({"replies": [
+        {"text": "Sleeping.", "tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 300}}]},
+        {"text": "Awake."}
+    ]});
+    let server = Server::start(script).await;
+    let session = server.create_session(TOKEN_A).await;
+    let accepted = server.send(TOKEN_A, &session, "sleep").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let mut events = server.stream(&format!("/v1/runs/{run}/events"), None).await;
+    events.until(|e| e.kind == "tool.call").await;
+    let path = format!("/v1/sessions/{session}/messages");
+    let body = json!({"content": "and then say hi", "multitask": "steer"});
+    let reply = call(server.post(TOKEN_A, &path, body)).await;
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.body);
+    assert_eq!(reply.body["steered"], true);
+    assert_eq!(
+        reply.body["run_id"],
+        run.as_str(),
+        "it joins the active run"
+    );
+    let seen = events.until(|e| e.kind == "run.finished").await;
+    let steered = seen
+        .iter()
+        .position(|e| e.kind == "message.steered")
+        .expect("message.steered");
+    let result = seen.iter().position(|e| e.kind == "tool.result").unwrap();
+    assert!(
+        result < steered,
+        "after the tool's result: {:?}",
+        kinds(&seen)
+    );
+    assert_eq!(
+        seen[steered].data["payload"]["message_id"],
+        reply.body["message_id"]
+    );
+    let messages = server.get_ok(TOKEN_A, &path).await;
+    let shape: Vec<(&str, &str)> = messages["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["role"].as_str().unwrap(), m["run_id"].as_str().unwrap()))
+        .collect();
+    let r = run.as_str();
+    assert_eq!(
+        shape,
+        [
+            ("user", r),
+            ("assistant", r),
+            ("tool", r),
+            ("user", r),
+            ("assistant", r)
+        ]
+    );
+    let runs = server
+        .get_ok(TOKEN_A, &format!("/v1/sessions/{session}/runs"))
+        .await;
+    assert_eq!(ids(&runs["items"]), [r], "no run of its own");
 }

@@ -169,25 +169,40 @@ pub(crate) fn submit_message(c: &Tx<'_>, new: NewRun, now: Millis) -> Result<Sub
             new.session_id
         )));
     }
-    let input = json!({"message_id": new.message_id, "content": new.content});
-    let state = AgentState::new(new.session_id.clone(), new.run_id.clone(), new.config, now);
-    let (config_json, state_json, input_json) = (
-        to_json(state.config.as_ref())?,
-        to_json(&state)?,
-        to_json(&input)?,
-    );
-    c.prepare_cached(
-        "INSERT INTO runs (id, session_id, status, step_index, config_json, state_json, input_json, created_at)
-         VALUES (?1, ?2, 'queued', 0, ?3, ?4, ?5, ?6)",
-    )
-    .and_then(|mut s| {
-        s.execute(params![state.run_id.as_str(), state.session_id.as_str(), config_json, state_json, input_json, now])
-    })
-    .map_err(backend)?;
-    let mut drafts = vec![EventDraft::new(
-        EventKind::RunCreated,
-        json!({"run_id": state.run_id, "message_id": new.message_id}),
-    )];
+    if let Some(active) = active.as_ref().filter(|_| new.when_busy == WhenBusy::Steer) {
+        let config_json = to_json(&new.config)?;
+        c.prepare_cached(
+            "INSERT INTO steers (message_id, session_id, run_id, content, config_json, created_at)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        )
+        .and_then(|mut s| {
+            s.execute(params![
+                new.message_id.as_str(),
+                new.session_id.as_str(),
+                new.run_id.as_str(),
+                new.content,
+                config_json,
+                now
+            ])
+        })
+        .map_err(backend)?;
+        return Ok(Submitted {
+            status: run_row(c, active)?.status,
+            events: Vec::new(),
+            interrupted: None,
+            steered_into: Some(active.clone()),
+        });
+    }
+    let (state, created) = insert_queued_run(
+        c,
+        &new.session_id,
+        &new.run_id,
+        new.message_id.as_str(),
+        &new.content,
+        new.config,
+        now,
+    )?;
+    let mut drafts = vec![created];
     let Some(active) = active else {
         drafts.extend(start_queued_run(c, state, now)?);
         let events = insert_events(c, &new.session_id, Some(&new.run_id), &drafts, now)?;
@@ -195,6 +210,7 @@ pub(crate) fn submit_message(c: &Tx<'_>, new: NewRun, now: Millis) -> Result<Sub
             status: RunStatus::Running,
             events,
             interrupted: None,
+            steered_into: None,
         });
     };
     let mut events = insert_events(c, &new.session_id, Some(&new.run_id), &drafts, now)?;
@@ -216,7 +232,95 @@ pub(crate) fn submit_message(c: &Tx<'_>, new: NewRun, now: Millis) -> Result<Sub
         status,
         events,
         interrupted,
+        steered_into: None,
     })
+}
+
+/// Inserts a run waiting in its session's queue, with the message that will start it.
+fn insert_queued_run(
+    c: &Tx<'_>,
+    session_id: &SessionId,
+    run_id: &RunId,
+    message_id: &str,
+    content: &str,
+    config: RunConfigSnapshot,
+    created_at: Millis,
+) -> Result<(AgentState, EventDraft)> {
+    let input = json!({"message_id": message_id, "content": content});
+    let state = AgentState::new(session_id.clone(), run_id.clone(), config, created_at);
+    let (config_json, state_json, input_json) = (
+        to_json(state.config.as_ref())?,
+        to_json(&state)?,
+        to_json(&input)?,
+    );
+    c.prepare_cached(
+        "INSERT INTO runs (id, session_id, status, step_index, config_json, state_json, input_json, created_at)
+         VALUES (?1, ?2, 'queued', 0, ?3, ?4, ?5, ?6)",
+    )
+    .and_then(|mut s| {
+        s.execute(params![run_id.as_str(), session_id.as_str(), config_json, state_json, input_json, created_at])
+    })
+    .map_err(backend)?;
+    let created = EventDraft::new(
+        EventKind::RunCreated,
+        json!({"run_id": run_id, "message_id": message_id}),
+    );
+    Ok((state, created))
+}
+
+struct Steer {
+    message_id: String,
+    run_id: String,
+    content: String,
+    config_json: String,
+    created_at: Millis,
+}
+
+/// Takes the session's waiting steers out of their table, oldest first.
+fn take_steers(c: &Tx<'_>, session_id: &SessionId) -> Result<Vec<Steer>> {
+    let steers = c
+        .prepare_cached(
+            "SELECT message_id, run_id, content, config_json, created_at FROM steers
+             WHERE session_id = ?1 ORDER BY position",
+        )
+        .and_then(|mut s| {
+            s.query_map([session_id.as_str()], |r| {
+                Ok(Steer {
+                    message_id: r.get(0)?,
+                    run_id: r.get(1)?,
+                    content: r.get(2)?,
+                    config_json: r.get(3)?,
+                    created_at: r.get(4)?,
+                })
+            })?
+            .collect::<rusqlite::Result<Vec<_>>>()
+        })
+        .map_err(backend)?;
+    if !steers.is_empty() {
+        c.prepare_cached("DELETE FROM steers WHERE session_id = ?1")
+            .and_then(|mut s| s.execute([session_id.as_str()]))
+            .map_err(backend)?;
+    }
+    Ok(steers)
+}
+
+/// The run's next step calls the model: the session's waiting steers join its history now.
+fn absorb_steers(c: &Tx<'_>, state: &AgentState, now: Millis) -> Result<Vec<EventDraft>> {
+    let mut drafts = Vec::new();
+    for steer in take_steers(c, &state.session_id)? {
+        insert_message(
+            c,
+            &steer.message_id,
+            state,
+            &Message::user(steer.content.clone()),
+            now,
+        )?;
+        drafts.push(EventDraft::new(
+            EventKind::MessageSteered,
+            json!({"run_id": state.run_id, "message_id": steer.message_id, "content": steer.content}),
+        ));
+    }
+    Ok(drafts)
 }
 
 /// Makes a queued run the session's active run: its user message enters history, its first
@@ -677,6 +781,7 @@ pub(crate) fn commit_step(
     if !advance_job(c, claim, result.next.as_ref(), &next_row)? {
         return Ok(Commit::Stale(Stale::LeaseLost));
     }
+    let steer_boundary = result.accepts_steer();
     let state = &result.state;
     write_state(c, state)?;
     if let Some(HumanRequest::Approval { approval_id, calls }) = &state.pending_human {
@@ -747,13 +852,12 @@ pub(crate) fn commit_step(
             None => enqueued = true,
         }
     }
-    let mut events = insert_events(
-        c,
-        &stored.session_id,
-        Some(&claim.run_id),
-        &result.events,
-        now,
-    )?;
+    let mut drafts = std::mem::take(&mut result.events);
+    if steer_boundary {
+        drafts.extend(absorb_steers(c, &result.state, now)?);
+    }
+    let mut events = insert_events(c, &stored.session_id, Some(&claim.run_id), &drafts, now)?;
+    let state = &result.state;
     if state.status.is_terminal() {
         c.configs.forget(&claim.run_id);
         events.extend(release_session(c, &stored.session_id, &mut enqueued, now)?);
@@ -776,18 +880,45 @@ fn release_session(
     c.prepare_cached("UPDATE sessions SET active_run_id = NULL WHERE id = ?1")
         .and_then(|mut s| s.execute([session_id.as_str()]))
         .map_err(backend)?;
+    // Steers the ended run never reached become runs of their own, in the order they were sent.
+    let mut fell_through = Vec::new();
+    for steer in take_steers(c, session_id)? {
+        let run_id = RunId::parse(&steer.run_id).map_err(|e| Error::Corrupt(e.to_string()))?;
+        let config = from_json(&steer.config_json, "steer config")?;
+        let (_, created) = insert_queued_run(
+            c,
+            session_id,
+            &run_id,
+            &steer.message_id,
+            &steer.content,
+            config,
+            steer.created_at,
+        )?;
+        fell_through.push((run_id, created));
+    }
     let next: Option<String> = c
-        .prepare_cached("SELECT id FROM runs WHERE session_id = ?1 AND status = 'queued' ORDER BY rowid LIMIT 1")
+        .prepare_cached("SELECT id FROM runs WHERE session_id = ?1 AND status = 'queued' ORDER BY created_at, rowid LIMIT 1")
         .and_then(|mut s| s.query_row([session_id.as_str()], |r| r.get(0)).optional())
         .map_err(backend)?;
+    let mut events = Vec::new();
+    for (run_id, created) in fell_through {
+        events.extend(insert_events(
+            c,
+            session_id,
+            Some(&run_id),
+            &[created],
+            now,
+        )?);
+    }
     let Some(next) = next else {
-        return Ok(Vec::new());
+        return Ok(events);
     };
     let next = RunId::parse(&next).map_err(|e| Error::Corrupt(e.to_string()))?;
     let state = load_state(c, &next)?;
     *enqueued = true;
     let drafts = start_queued_run(c, state, now)?;
-    insert_events(c, session_id, Some(&next), &drafts, now)
+    events.extend(insert_events(c, session_id, Some(&next), &drafts, now)?);
+    Ok(events)
 }
 
 pub(crate) fn retry_later(

@@ -123,6 +123,22 @@ CREATE TABLE approvals (
 );
 CREATE INDEX approvals_by_status ON approvals(status, position);
 "#,
+    r#"
+-- Messages sent with multitask "steer", waiting for the active run's next model call. If
+-- that run ends first, each becomes a queued run with `run_id`, in the order they were sent.
+CREATE TABLE steers (
+    position    INTEGER PRIMARY KEY,
+    message_id  TEXT NOT NULL UNIQUE,
+    session_id  TEXT NOT NULL,
+    run_id      TEXT NOT NULL,
+    content     TEXT NOT NULL,
+    config_json TEXT NOT NULL,
+    created_at  INTEGER NOT NULL
+);
+CREATE INDEX steers_by_session ON steers(session_id, position);
+-- Queued runs start in the order their messages were sent, steers that fell through included.
+CREATE INDEX runs_queued ON runs(session_id, status, created_at);
+"#,
 ];
 
 pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {

@@ -60,6 +60,7 @@ macro_rules! store_conformance_tests {
             an_approval_holds_the_whole_batch_until_a_human_answers,
             an_aborted_or_cancelled_approval_ends_its_run_and_frees_the_session,
             a_failed_run_is_retried_or_continued_once_its_session_is_free,
+            a_steer_joins_the_active_run_before_its_next_model_call_or_runs_next,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -2270,4 +2271,146 @@ pub async fn a_failed_run_is_retried_or_continued_once_its_session_is_free(store
         Err(Error::Conflict(_)) => {}
         other => panic!("retry of a running run: expected Conflict, got {other:?}"),
     }
+}
+
+async fn submit_as(
+    store: &dyn Store,
+    session: &SessionId,
+    content: &str,
+    when_busy: WhenBusy,
+    now: Millis,
+) -> (RunId, Submitted) {
+    let run_id = RunId::from_suffix(&unique()).unwrap();
+    let new = NewRun {
+        session_id: session.clone(),
+        run_id: run_id.clone(),
+        message_id: MessageId::from_suffix(&unique()).unwrap(),
+        content: content.into(),
+        config: config(),
+        when_busy,
+    };
+    let submitted = store
+        .submit_message(new, now)
+        .await
+        .unwrap_or_else(|e| panic!("submit_message {content:?}: {e}"));
+    assert_attributed(&submitted.events);
+    (run_id, submitted)
+}
+
+fn roles_and_contents(history: &[Message]) -> Vec<(Role, String)> {
+    history
+        .iter()
+        .map(|m| (m.role, m.content.clone()))
+        .collect()
+}
+
+/// A steering message never lands between a tool call and its result: it joins the active
+/// run's history at the commit before its next model call. If the run ends first, the
+/// message becomes the next run, ahead of messages queued after it.
+pub async fn a_steer_joins_the_active_run_before_its_next_model_call_or_runs_next(
+    store: &dyn Store,
+) {
+    let session = new_session(store).await;
+    let (first, _) = submit(store, &session, "start", config(), T0).await;
+    let model = claim(store, OWNER_A, T0 + 1).await;
+    let asked = after_model(model.state, &model.job, tool_reply(), false, T0 + 1, T0 + 2);
+    commit(store, &model.claim, asked, None, T0 + 2).await;
+
+    let (unused, steered) = submit_as(store, &session, "also this", WhenBusy::Steer, T0 + 3).await;
+    assert_eq!(steered.steered_into, Some(first.clone()));
+    assert_eq!(
+        steered.status,
+        RunStatus::Running,
+        "the active run's status"
+    );
+    assert!(steered.events.is_empty());
+    assert!(
+        store.load_state(&unused).await.is_err(),
+        "a steer that joins creates no run"
+    );
+    assert_eq!(
+        user_messages(store, &session).await,
+        ["start"],
+        "not before the boundary"
+    );
+
+    let tools = claim(store, OWNER_A, T0 + 4).await;
+    let ran = after_tools(
+        tools.state,
+        &tools.job,
+        vec![ToolOutcome::ok("42")],
+        0,
+        T0 + 4,
+        T0 + 5,
+    );
+    let (events, _, _) = commit(store, &tools.claim, ran, None, T0 + 5).await;
+    assert!(
+        kinds(&events).contains(&"message.steered"),
+        "{:?}",
+        kinds(&events)
+    );
+    let history = store.history(&session).await.unwrap();
+    let shape: Vec<Role> = history.iter().map(|m| m.role).collect();
+    assert_eq!(
+        shape,
+        [Role::User, Role::Assistant, Role::Tool, Role::User],
+        "after the tool result, before the next model call"
+    );
+    assert_eq!(history[3].content, "also this");
+
+    // A steer the run never reaches (it ends first) becomes the next run, before a message
+    // queued after it.
+    let (fallback, steered) =
+        submit_as(store, &session, "late steer", WhenBusy::Steer, T0 + 6).await;
+    assert_eq!(steered.steered_into, Some(first.clone()));
+    let (queued, _) = submit_as(store, &session, "queued after", WhenBusy::Enqueue, T0 + 7).await;
+    let answer = claim(store, OWNER_A, T0 + 8).await;
+    let done = after_model(
+        answer.state,
+        &answer.job,
+        text_reply("done"),
+        false,
+        T0 + 8,
+        T0 + 9,
+    );
+    let (events, _, enqueued) = commit(store, &answer.claim, done, None, T0 + 9).await;
+    assert!(enqueued);
+    assert!(
+        !kinds(&events).contains(&"message.steered"),
+        "a finishing step is no boundary"
+    );
+    assert_eq!(load(store, &first).await.status, RunStatus::Completed);
+    assert_eq!(
+        load(store, &fallback).await.status,
+        RunStatus::Running,
+        "the steer runs next"
+    );
+    assert_eq!(load(store, &queued).await.status, RunStatus::Queued);
+    assert_one_active(store, &session).await;
+    let history = roles_and_contents(&store.history(&session).await.unwrap());
+    let users: Vec<&str> = history
+        .iter()
+        .filter(|(role, _)| *role == Role::User)
+        .map(|(_, content)| content.as_str())
+        .collect();
+    assert_eq!(
+        users,
+        ["start", "also this", "late steer"],
+        "each message once"
+    );
+    let runs = store.session_runs(&session, None, 10).await.unwrap();
+    assert_eq!(
+        runs.len(),
+        3,
+        "start, the fallen-through steer, the queued message"
+    );
+
+    // With no active run, a steer simply starts a run.
+    let idle = new_session(store).await;
+    let (run, started) = submit_as(store, &idle, "hello", WhenBusy::Steer, T0 + 10).await;
+    assert_eq!(
+        (started.status, started.steered_into),
+        (RunStatus::Running, None)
+    );
+    assert_eq!(load(store, &run).await.status, RunStatus::Running);
 }

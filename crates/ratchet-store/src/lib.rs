@@ -156,6 +156,11 @@ pub enum WhenBusy {
     /// Cancel the active run (in the same transaction) and queue behind it: the new run
     /// starts as soon as the cancelled one has ended.
     Interrupt,
+    /// Join the active run's history at its next step that calls the model (never between a
+    /// tool call and its result). If the active run ends first, the message becomes a queued
+    /// run of its own (with `NewRun::run_id`), in the order it was sent: never lost, never
+    /// delivered twice.
+    Steer,
 }
 
 #[derive(Debug, Clone)]
@@ -165,6 +170,8 @@ pub struct Submitted {
     /// The active run this message interrupted: cancelled now, or `cancelling` while its
     /// step in flight winds down.
     pub interrupted: Option<RunId>,
+    /// The active run this message will steer (`status` is that run's).
+    pub steered_into: Option<RunId>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
