@@ -26,7 +26,7 @@ fn from_json<T: DeserializeOwned>(text: &str, what: &str) -> Result<T> {
     serde_json::from_str(text).map_err(|e| Error::Corrupt(format!("{what}: {e}")))
 }
 
-fn sql_enum<T: DeserializeOwned>(text: &str) -> Result<T> {
+pub(crate) fn sql_enum<T: DeserializeOwned>(text: &str) -> Result<T> {
     from_json(&format!("\"{text}\""), "stored enum")
 }
 
