@@ -269,6 +269,7 @@ impl LocalServer {
             &format!("scripted:{}", script.display()),
             Some(scratch.path()),
             ratchet_core::Limits::default(),
+            ratchet_core::MemoryScope::Session,
         )?;
         let db = format!("sqlite://{}", scratch.path().join("bench.db").display());
         let runtime = Runtime::new(open_store(&db)?, toolbox);

@@ -23,6 +23,7 @@ pub struct RunArgs {
     pub model: String,
     pub workspace: Option<PathBuf>,
     pub limits: ratchet_core::Limits,
+    pub memory_scope: ratchet_core::MemoryScope,
     pub json: bool,
     pub message: String,
 }
@@ -73,7 +74,12 @@ fn check_message(message: &str) -> anyhow::Result<()> {
 /// Checks every input before anything is written, and freezes it into the run's config.
 fn run_config(args: &RunArgs, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnapshot> {
     check_message(&args.message)?;
-    toolbox.run_template(&args.model, args.workspace.as_deref(), args.limits)
+    toolbox.run_template(
+        &args.model,
+        args.workspace.as_deref(),
+        args.limits,
+        args.memory_scope,
+    )
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {

@@ -42,6 +42,21 @@ struct TokenArg {
     token: Option<String>,
 }
 
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum MemoryScopeArg {
+    Session,
+    Tenant,
+}
+
+impl From<MemoryScopeArg> for ratchet_core::MemoryScope {
+    fn from(scope: MemoryScopeArg) -> Self {
+        match scope {
+            MemoryScopeArg::Session => ratchet_core::MemoryScope::Session,
+            MemoryScopeArg::Tenant => ratchet_core::MemoryScope::Tenant,
+        }
+    }
+}
+
 /// A run's budgets. The last model call a budget allows is made without tools.
 #[derive(Debug, clap::Args)]
 struct BudgetArgs {
@@ -97,6 +112,10 @@ enum Command {
         workspace: Option<PathBuf>,
         #[command(flatten)]
         budget: BudgetArgs,
+        /// What `memory_search` looks through: this run's session, or every session in the
+        /// database (the tenant's) [default: session].
+        #[arg(long, value_name = "SCOPE")]
+        memory_scope: Option<MemoryScopeArg>,
         /// Run on a Ratchet server (http://HOST:PORT) instead of in this process; the
         /// server's configuration decides the model, workspace and step budget.
         #[arg(long, value_name = "URL")]
@@ -268,6 +287,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             model,
             workspace,
             budget,
+            memory_scope,
             server: Some(server),
             token,
             json,
@@ -276,13 +296,14 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let local_only = [
                 model.is_some().then_some("--model"),
                 workspace.is_some().then_some("--workspace"),
+                memory_scope.is_some().then_some("--memory-scope"),
             ];
             let mut given: Vec<&str> = local_only.into_iter().flatten().collect();
             given.extend(budget.given());
             if !given.is_empty() {
                 bail!(
                     "{} cannot be used with --server: the server's configuration decides the \
-                     model, the workspace and the step budget",
+                     model, the workspace, the step budget and the memory scope",
                     given.join(", ")
                 );
             }
@@ -301,6 +322,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             model,
             workspace,
             budget,
+            memory_scope,
             server: None,
             token: _,
             json,
@@ -311,6 +333,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 model: model.unwrap_or_else(|| "scripted:demo".to_owned()),
                 workspace,
                 limits: budget.limits(),
+                memory_scope: memory_scope.map(Into::into).unwrap_or_default(),
                 json,
                 message,
             })

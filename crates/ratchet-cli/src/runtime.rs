@@ -4,7 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use ratchet_core::{Limits, RunConfigSnapshot};
+use ratchet_core::{Limits, MemoryScope, RunConfigSnapshot};
 use ratchet_engine::{
     Coordinator, Engine, Models, PoolConfig, WorkerPool, owner_is_dead_local_process,
 };
@@ -21,13 +21,15 @@ pub struct Toolbox {
 const SYSTEM_PROMPT: &str = "You are a helpful assistant. Use the tools when they help.";
 
 impl Toolbox {
-    /// Checks a model spec, workspace and budget and freezes them into the configuration
-    /// new runs start with. A scripted model's file is read and checked now.
+    /// Checks a model spec, workspace and budget and freezes them, with the history
+    /// `memory_search` looks through, into the configuration new runs start with. A scripted
+    /// model's file is read and checked now.
     pub fn run_template(
         &self,
         model: &str,
         workspace: Option<&Path>,
         limits: Limits,
+        memory_scope: MemoryScope,
     ) -> anyhow::Result<RunConfigSnapshot> {
         let zero = [
             (limits.max_steps == 0).then_some("--max-steps"),
@@ -65,6 +67,7 @@ impl Toolbox {
             system_prompt: SYSTEM_PROMPT.to_owned(),
             tools: self.tools.specs(),
             limits,
+            memory_scope,
         })
     }
 

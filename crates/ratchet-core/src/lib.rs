@@ -18,8 +18,8 @@ pub use event::{EventDraft, EventKind};
 pub use id::{IdError, MessageId, RunId, SessionId};
 pub use message::{Message, Origin, Role, ToolCall, ToolOutcome, Visibility};
 pub use state::{
-    AgentState, CallProgress, Counters, HumanRequest, Limits, ReplayPolicy, RunConfigSnapshot,
-    ToolCheckpoint, ToolSpec, UnknownCall,
+    AgentState, CallProgress, Counters, HumanRequest, Limits, MemoryScope, ReplayPolicy,
+    RunConfigSnapshot, ToolCheckpoint, ToolSpec, UnknownCall,
 };
 pub use status::{IllegalEdge, RunStatus, StopReason};
 pub use step::{ModelReply, Phase, StepJob, StepRecord, StepResult, Usage};

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use ratchet_core::{Limits, RunConfigSnapshot};
+use ratchet_core::{Limits, MemoryScope, RunConfigSnapshot};
 use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool};
 use ratchet_server::{AppState, Tokens, hash_token};
 use ratchet_sqlite::SqliteStore;
@@ -88,6 +88,7 @@ impl Server {
             system_prompt: String::new(),
             tools: Registry::builtin().specs(),
             limits: Limits::default(),
+            memory_scope: MemoryScope::Session,
         };
         let tokens = Tokens::new(HashMap::from([
             (hash_token(TOKEN_A), "tenant-a".to_owned()),

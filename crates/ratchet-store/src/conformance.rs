@@ -14,10 +14,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use ratchet_core::step::{after_model, after_tools, await_reconciliation, finish_step};
 use ratchet_core::{
-    AgentState, EventDraft, EventKind, HumanRequest, Limits, Message, MessageId, Millis,
-    ModelReply, Phase, ReplayPolicy, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob,
-    StepRecord, StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, UnknownCall, Usage,
-    Visibility,
+    AgentState, EventDraft, EventKind, HumanRequest, Limits, MemoryScope, Message, MessageId,
+    Millis, ModelReply, Phase, ReplayPolicy, Role, RunConfigSnapshot, RunId, RunStatus, SessionId,
+    StepJob, StepRecord, StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, UnknownCall,
+    Usage, Visibility,
 };
 use serde_json::{Value, json};
 
@@ -1833,6 +1833,7 @@ pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
             max_steps: 7,
             ..Limits::default()
         },
+        memory_scope: MemoryScope::Tenant,
     };
     let tampered = RunConfigSnapshot {
         model: "scripted:tampered".into(),
