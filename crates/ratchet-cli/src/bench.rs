@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use ratchet_core::{Limits, RunConfigSnapshot, RunStatus, SessionId};
+use ratchet_core::{Limits, MemoryScope, RunConfigSnapshot, RunStatus, SessionId};
 use ratchet_engine::{Multitask, PoolConfig};
 use ratchet_store::SessionSpec;
 use serde_json::json;
@@ -61,6 +61,7 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
             max_steps: 2 * args.turns as u64 + 3,
             ..Limits::default()
         },
+        memory_scope: MemoryScope::Session,
     };
     let runtime = Runtime::new(open_store(&db)?, toolbox);
     let coordinator = Arc::clone(&runtime.coordinator);

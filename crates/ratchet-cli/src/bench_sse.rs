@@ -270,6 +270,7 @@ impl LocalServer {
             Some(scratch.path()),
             ratchet_core::Limits::default(),
             &std::collections::BTreeMap::new(),
+            ratchet_core::MemoryScope::Session,
         )?;
         let db = format!("sqlite://{}", scratch.path().join("bench.db").display());
         let runtime = Runtime::new(open_store(&db)?, toolbox);

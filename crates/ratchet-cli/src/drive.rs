@@ -26,6 +26,7 @@ pub struct RunArgs {
     pub workspace: Option<PathBuf>,
     pub limits: ratchet_core::Limits,
     pub approvals: BTreeMap<String, ApprovalPolicy>,
+    pub memory_scope: ratchet_core::MemoryScope,
     pub json: bool,
     pub message: String,
 }
@@ -81,6 +82,7 @@ fn run_config(args: &RunArgs, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnap
         args.workspace.as_deref(),
         args.limits,
         &args.approvals,
+        args.memory_scope,
     )
 }
 

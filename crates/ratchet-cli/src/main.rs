@@ -43,6 +43,21 @@ struct TokenArg {
     token: Option<String>,
 }
 
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum MemoryScopeArg {
+    Session,
+    Tenant,
+}
+
+impl From<MemoryScopeArg> for ratchet_core::MemoryScope {
+    fn from(scope: MemoryScopeArg) -> Self {
+        match scope {
+            MemoryScopeArg::Session => ratchet_core::MemoryScope::Session,
+            MemoryScopeArg::Tenant => ratchet_core::MemoryScope::Tenant,
+        }
+    }
+}
+
 /// A run's budgets. The last model call a budget allows is made without tools.
 #[derive(Debug, clap::Args)]
 struct BudgetArgs {
@@ -102,6 +117,10 @@ enum Command {
         /// a prompt on stdin); repeatable.
         #[arg(long, value_name = "TOOL")]
         require_approval: Vec<String>,
+        /// What `memory_search` looks through: this run's session, or every session in the
+        /// database (the tenant's) [default: session].
+        #[arg(long, value_name = "SCOPE")]
+        memory_scope: Option<MemoryScopeArg>,
         /// Run on a Ratchet server (http://HOST:PORT) instead of in this process; the
         /// server's configuration decides the model, workspace and step budget.
         #[arg(long, value_name = "URL")]
@@ -361,6 +380,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             workspace,
             budget,
             require_approval,
+            memory_scope,
             server: Some(server),
             token,
             json,
@@ -370,13 +390,14 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 model.is_some().then_some("--model"),
                 workspace.is_some().then_some("--workspace"),
                 (!require_approval.is_empty()).then_some("--require-approval"),
+                memory_scope.is_some().then_some("--memory-scope"),
             ];
             let mut given: Vec<&str> = local_only.into_iter().flatten().collect();
             given.extend(budget.given());
             if !given.is_empty() {
                 bail!(
                     "{} cannot be used with --server: the server's configuration decides the \
-                     model, the workspace, the step budget and the approvals",
+                     model, the workspace, the step budget, the approvals and the memory scope",
                     given.join(", ")
                 );
             }
@@ -396,6 +417,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             workspace,
             budget,
             require_approval,
+            memory_scope,
             server: None,
             token: _,
             json,
@@ -410,6 +432,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     .into_iter()
                     .map(|tool| (tool, ratchet_core::ApprovalPolicy::Always))
                     .collect(),
+                memory_scope: memory_scope.map(Into::into).unwrap_or_default(),
                 json,
                 message,
             })

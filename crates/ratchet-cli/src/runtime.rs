@@ -5,7 +5,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use ratchet_core::{ApprovalPolicy, Limits, RunConfigSnapshot};
+use ratchet_core::{ApprovalPolicy, Limits, MemoryScope, RunConfigSnapshot};
 use ratchet_engine::{
     Coordinator, Engine, Models, PoolConfig, WorkerPool, owner_is_dead_local_process,
 };
@@ -23,14 +23,15 @@ const SYSTEM_PROMPT: &str = "You are a helpful assistant. Use the tools when the
 
 impl Toolbox {
     /// Checks a model spec, workspace, budget and approval policies (by tool name) and
-    /// freezes them into the configuration new runs start with. A scripted model's file is
-    /// read and checked now.
+    /// freezes them, with the history `memory_search` looks through, into the configuration
+    /// new runs start with. A scripted model's file is read and checked now.
     pub fn run_template(
         &self,
         model: &str,
         workspace: Option<&Path>,
         limits: Limits,
         approvals: &BTreeMap<String, ApprovalPolicy>,
+        memory_scope: MemoryScope,
     ) -> anyhow::Result<RunConfigSnapshot> {
         let zero = [
             (limits.max_steps == 0).then_some("--max-steps"),
@@ -81,6 +82,7 @@ impl Toolbox {
             system_prompt: SYSTEM_PROMPT.to_owned(),
             tools,
             limits,
+            memory_scope,
         })
     }
 

@@ -73,6 +73,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             ..Limits::default()
         },
         &config.approval_policies()?,
+        config.memory_scope.unwrap_or_default(),
     )?;
     let db = config.db.as_deref().unwrap_or("sqlite://ratchet.db");
     let runtime = Runtime::new(open_store(db)?, toolbox);

@@ -448,6 +448,68 @@ fn a_tool_escaping_the_workspace_is_an_error_the_model_sees_not_a_cli_failure() 
     }
 }
 
+/// The tool results `ratchet run` streamed on stderr.
+fn tool_results(output: &Output) -> Vec<String> {
+    stderr_of(output)
+        .lines()
+        .filter_map(|line| {
+            line.split_once("] -> ")
+                .map(|(_, result)| result.to_owned())
+        })
+        .collect()
+}
+
+#[test]
+fn memory_search_finds_another_sessions_messages_only_with_the_tenant_scope() {
+    let dir = tempfile::tempdir().unwrap();
+    let note = script(
+        dir.path(),
+        "note.json",
+        &json!({"replies": [{"text": "Noted."}]}),
+    );
+    let told = report(&run(
+        dir.path(),
+        &note,
+        &["--json", "the launch code is zebra seven"],
+    ));
+    assert_eq!(told["status"], "completed");
+    let search = script(
+        dir.path(),
+        "search.json",
+        &json!({"replies": [
+            {"tool_calls": [{"name": "memory_search", "arguments": {"query": "zebra code"}}]},
+            {"text": "Searched."}
+        ]}),
+    );
+
+    // Each `ratchet run` is a session of its own: by default its memory is that session.
+    let alone = run(dir.path(), &search, &["--json", "what did I say?"]);
+    assert_eq!(alone.status.code(), Some(0), "{}", stderr_of(&alone));
+    assert_eq!(tool_results(&alone), ["no matches for \"zebra code\""]);
+
+    let wide = run(
+        dir.path(),
+        &search,
+        &["--memory-scope", "tenant", "--json", "what did I say?"],
+    );
+    assert_eq!(wide.status.code(), Some(0), "{}", stderr_of(&wide));
+    let results = tool_results(&wide);
+    assert_eq!(results.len(), 1, "{results:?}");
+    let found: Value = serde_json::from_str(&results[0]).unwrap();
+    assert_eq!(
+        found["matches"],
+        json!([{
+            "session_id": told["session_id"],
+            "run_id": told["run_id"],
+            "message_id": found["matches"][0]["message_id"],
+            "role": "user",
+            "at": found["matches"][0]["at"],
+            "text": "the launch **code** is **zebra** seven",
+        }]),
+        "the earlier run's message, from its own session"
+    );
+}
+
 #[test]
 fn runs_list_shows_every_run_with_its_status() {
     let dir = tempfile::tempdir().unwrap();

@@ -269,6 +269,43 @@ fn chat_answers_piped_lines_and_leaves_at_end_of_input_or_quit() {
 }
 
 #[test]
+fn chat_remembers_an_earlier_message_of_its_session() {
+    let dir = tempfile::tempdir().unwrap();
+    let search = json!({"replies": [
+        {"tool_calls": [{"name": "memory_search", "arguments": {"query": "zebra"}}]},
+        {"text": "Searched."}
+    ]});
+    let server = Server::start(dir.path(), &search, &[], &[]);
+    let output = ratchet_with(
+        dir.path(),
+        &["chat", "--server", &server.url],
+        "the launch code is zebra seven\nwhat did I tell you before?\n",
+        &[],
+    );
+    assert_eq!(output.status.code(), Some(0), "{}", stderr_of(&output));
+    let stdout = stdout_of(&output);
+    let results: Vec<Value> = stdout
+        .lines()
+        .filter_map(|line| line.strip_prefix("  [call_0_0] -> "))
+        .map(|result| serde_json::from_str(result).unwrap())
+        .collect();
+    assert_eq!(results.len(), 2, "one search per turn:\n{stdout}");
+    // The second message does not say "zebra": only the first one can be found.
+    let second = &results[1]["matches"];
+    assert_eq!(second.as_array().map(Vec::len), Some(1), "{stdout}");
+    assert_eq!(second[0]["role"], "user");
+    assert_eq!(second[0]["text"], "the launch code is **zebra** seven");
+    assert!(
+        second[0].get("session_id").is_none(),
+        "the hit is from the chat's own session: {second}"
+    );
+    assert_eq!(
+        second[0]["run_id"], results[0]["matches"][0]["run_id"],
+        "the first turn's run said it"
+    );
+}
+
+#[test]
 fn bench_sse_reports_delivery_as_one_json_line() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(dir.path(), &script(), &[], &[]);
@@ -410,6 +447,7 @@ fn an_unreachable_server_and_options_that_do_not_apply_fail_clearly() {
         ["--model", "scripted:demo"],
         ["--workspace", "."],
         ["--max-steps", "3"],
+        ["--memory-scope", "tenant"],
     ] {
         let output = ratchet(
             dir.path(),

@@ -20,8 +20,8 @@ pub use event::{EventDraft, EventKind};
 pub use id::{ApprovalId, IdError, MessageId, RunId, SessionId};
 pub use message::{Message, Origin, Role, ToolCall, ToolOutcome, Visibility};
 pub use state::{
-    AgentState, BudgetExtension, CallProgress, Counters, HumanRequest, Limits, ReplayPolicy,
-    RunConfigSnapshot, ToolCheckpoint, ToolSpec, UnknownCall,
+    AgentState, BudgetExtension, CallProgress, Counters, HumanRequest, Limits, MemoryScope,
+    ReplayPolicy, RunConfigSnapshot, ToolCheckpoint, ToolSpec, UnknownCall,
 };
 pub use status::{IllegalEdge, RunStatus, StopReason};
 pub use step::{ModelReply, Phase, StepJob, StepRecord, StepResult, Usage};

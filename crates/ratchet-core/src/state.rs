@@ -80,6 +80,26 @@ impl Default for Limits {
     }
 }
 
+/// Which history the `memory_search` tool of a run looks through.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryScope {
+    /// The run's own session: every earlier run of it, and this one so far.
+    #[default]
+    Session,
+    /// Every session of the session's tenant.
+    Tenant,
+}
+
+impl MemoryScope {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemoryScope::Session => "session",
+            MemoryScope::Tenant => "tenant",
+        }
+    }
+}
+
 /// Everything a run needs to execute, frozen when the run is created and never written again:
 /// `resume` in another process needs nothing else.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -91,6 +111,9 @@ pub struct RunConfigSnapshot {
     pub system_prompt: String,
     pub tools: Vec<ToolSpec>,
     pub limits: Limits,
+    /// What `memory_search` searches (configs frozen before it existed read as `session`).
+    #[serde(default)]
+    pub memory_scope: MemoryScope,
 }
 
 impl RunConfigSnapshot {

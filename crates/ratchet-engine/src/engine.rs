@@ -18,11 +18,12 @@ use ratchet_core::{
 };
 use ratchet_llm::ModelRequest;
 use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, IntentRecord};
-use ratchet_tools::{Registry, Tool, ToolContext};
+use ratchet_tools::{MemorySearch, Registry, Tool, ToolContext};
 use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::memory::StoreMemory;
 use crate::{Coordinator, Models, now_ms};
 
 /// How often streamed text is written as an `assistant.delta` event while a model talks.
@@ -272,6 +273,10 @@ impl Engine {
         }
         let workspace = state.config.workspace.as_ref().map(PathBuf::from);
         let parallel = state.config.limits.max_parallel.max(1) as usize;
+        let memory: Arc<dyn MemorySearch> = Arc::new(StoreMemory::new(
+            Arc::clone(self.coordinator.store()),
+            state.config.memory_scope,
+        ));
         let runs = to_run
             .into_iter()
             .map(|(slot, tool, call)| {
@@ -279,6 +284,8 @@ impl Engine {
                     workspace: workspace.clone(),
                     idempotency_key: idempotency_key(job, slot),
                     cancel: cancel.child_token(),
+                    session_id: state.session_id.clone(),
+                    memory: Some(Arc::clone(&memory)),
                 };
                 run_call(
                     Arc::clone(&self.coordinator),

@@ -6,6 +6,7 @@
 
 mod coordinator;
 mod engine;
+mod memory;
 mod models;
 mod worker;
 

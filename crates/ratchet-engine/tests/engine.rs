@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ratchet_core::{Limits, RunConfigSnapshot, RunId, RunStatus, StopReason};
+use ratchet_core::{Limits, MemoryScope, RunConfigSnapshot, RunId, RunStatus, StopReason};
 use ratchet_engine::{Coordinator, Engine, Models, Multitask, PoolConfig, WorkerPool};
 use ratchet_sqlite::SqliteStore;
 use ratchet_store::{Lease, SessionSpec, Store};
@@ -46,6 +46,7 @@ fn config(script: &std::path::Path) -> RunConfigSnapshot {
         system_prompt: String::new(),
         tools: Registry::builtin().specs(),
         limits: Limits::default(),
+        memory_scope: MemoryScope::Session,
     }
 }
 

@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use ratchet_core::ApprovalPolicy;
 
+use ratchet_core::MemoryScope;
 use serde::Deserialize;
 
 use crate::auth::Tokens;
@@ -36,6 +37,9 @@ pub struct Config {
     pub max_tool_calls: Option<u64>,
     /// Model tokens every new run may spend (default: no limit).
     pub max_tokens: Option<u64>,
+    /// What `memory_search` looks through: `session` (the run's session, the default) or
+    /// `tenant` (every session of the session's tenant).
+    pub memory_scope: Option<MemoryScope>,
     #[serde(default)]
     pub tokens: Vec<TokenConfig>,
     /// Per-tool settings, `[tools.NAME]`.
@@ -188,6 +192,7 @@ mod tests {
             r#"
             listen = "0.0.0.0:8080"
             model = "scripted:demo"
+            memory_scope = "tenant"
             [[tokens]]
             tenant = "acme"
             env = "ACME_TOKEN"
@@ -205,6 +210,7 @@ mod tests {
         let config = config.with_env(env).unwrap();
         assert_eq!(config.listen.as_deref(), Some("127.0.0.1:9000"));
         assert_eq!(config.model.as_deref(), Some("scripted:demo"));
+        assert_eq!(config.memory_scope, Some(MemoryScope::Tenant));
         let tokens = config.tokens(env).unwrap();
         assert!(!tokens.is_empty());
     }
@@ -237,6 +243,11 @@ mod tests {
         assert!(
             unknown.to_string().contains("unknown field `listn`"),
             "{unknown}"
+        );
+        let scope = Config::from_toml("memory_scope = \"everything\"").unwrap_err();
+        assert!(
+            scope.to_string().contains("expected `session` or `tenant`"),
+            "{scope}"
         );
         let both =
             Config::from_toml("[[tokens]]\ntenant = \"a\"\nsha256 = \"00\"\nenv = \"X\"").unwrap();

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use ratchet_core::{ApprovalPolicy, Limits, RunConfigSnapshot};
+use ratchet_core::{ApprovalPolicy, Limits, MemoryScope, RunConfigSnapshot};
 use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool};
 use ratchet_server::{AppState, Tokens, hash_token};
 use ratchet_sqlite::SqliteStore;
@@ -100,6 +100,7 @@ impl Server {
             system_prompt: String::new(),
             tools: Registry::builtin().specs(),
             limits: Limits::default(),
+            memory_scope: MemoryScope::Session,
         };
         configure(&mut run_template, &models);
         let tokens = Tokens::new(HashMap::from([

@@ -6,6 +6,7 @@
 
 mod ops;
 mod schema;
+mod search;
 mod writer;
 
 use std::path::{Path, PathBuf};
@@ -19,8 +20,8 @@ use ratchet_core::{
 };
 use ratchet_store::{
     Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent,
-    IntentRecord, Lease, NewRun, Reconciled, RecordedIntents, RunSummary, Session, SessionSpec,
-    Store, StoreStats, StoredEvent, StoredMessage, Submitted,
+    IntentRecord, Lease, MessageHit, NewRun, Reconciled, RecordedIntents, RunSummary, SearchScope,
+    Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted,
 };
 use rusqlite::{Connection, OpenFlags};
 
@@ -243,6 +244,18 @@ impl Store for SqliteStore {
         let session_id = session_id.clone();
         self.readers
             .read(move |c| ops::visible_messages(c, &session_id, after_position, limit))
+            .await
+    }
+
+    async fn search_messages(
+        &self,
+        scope: SearchScope,
+        query: &str,
+        limit: u32,
+    ) -> Result<Vec<MessageHit>> {
+        let query = query.to_owned();
+        self.readers
+            .read(move |c| search::search_messages(c, &scope, &query, limit))
             .await
     }
 

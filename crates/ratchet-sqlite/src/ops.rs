@@ -27,7 +27,7 @@ fn from_json<T: DeserializeOwned>(text: &str, what: &str) -> Result<T> {
     serde_json::from_str(text).map_err(|e| Error::Corrupt(format!("{what}: {e}")))
 }
 
-fn sql_enum<T: DeserializeOwned>(text: &str) -> Result<T> {
+pub(crate) fn sql_enum<T: DeserializeOwned>(text: &str) -> Result<T> {
     from_json(&format!("\"{text}\""), "stored enum")
 }
 
@@ -170,7 +170,7 @@ pub(crate) fn submit_message(c: &Tx<'_>, new: NewRun, now: Millis) -> Result<Sub
         )));
     }
     if let Some(active) = active.as_ref().filter(|_| new.when_busy == WhenBusy::Steer) {
-        let config_json = to_json(&new.config)?;
+        let frozen = to_json(&new.config)?;
         c.prepare_cached(
             "INSERT INTO steers (message_id, session_id, run_id, content, config_json, created_at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
@@ -181,7 +181,7 @@ pub(crate) fn submit_message(c: &Tx<'_>, new: NewRun, now: Millis) -> Result<Sub
                 new.session_id.as_str(),
                 new.run_id.as_str(),
                 new.content,
-                config_json,
+                frozen,
                 now
             ])
         })

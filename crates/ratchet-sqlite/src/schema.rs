@@ -139,6 +139,22 @@ CREATE INDEX steers_by_session ON steers(session_id, position);
 -- Queued runs start in the order their messages were sent, steers that fell through included.
 CREATE INDEX runs_queued ON runs(session_id, status, created_at);
 "#,
+    r#"
+-- Full-text index of message contents. External content: the text is stored once, in
+-- `messages`, and the index refers to its rows by rowid. Messages are only ever inserted, so
+-- one trigger keeps the index whole; the rebuild indexes the messages written before it.
+-- (A rowid that is not an INTEGER PRIMARY KEY may be renumbered by VACUUM: rebuild the index
+-- after one.)
+CREATE VIRTUAL TABLE messages_fts USING fts5(
+    content,
+    content = 'messages',
+    tokenize = 'porter unicode61 remove_diacritics 2'
+);
+CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+    INSERT INTO messages_fts(rowid, content) VALUES (new.rowid, new.content);
+END;
+INSERT INTO messages_fts(messages_fts) VALUES ('rebuild');
+"#,
 ];
 
 pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
@@ -161,4 +177,45 @@ pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
             .map_err(backend)?;
     }
     tx.commit().map_err(backend)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The search index covers messages written before it existed.
+    #[test]
+    fn the_search_index_is_built_over_existing_messages() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        let before = MIGRATIONS
+            .iter()
+            .position(|sql| sql.contains("CREATE VIRTUAL TABLE messages_fts"))
+            .expect("a migration creates the search index");
+        for sql in &MIGRATIONS[..before] {
+            conn.execute_batch(sql).unwrap();
+        }
+        conn.pragma_update(None, "user_version", before as i64)
+            .unwrap();
+        let insert = "INSERT INTO messages (id, session_id, run_id, role, content, visibility, origin, created_at)
+                      VALUES (?1, 'ses_s', 'run_r', 'user', ?2, 'visible', 'user', 0)";
+        conn.execute(insert, ["msg_old", "an old zebra"]).unwrap();
+
+        migrate(&mut conn).unwrap();
+        conn.execute(insert, ["msg_new", "a new zebra"]).unwrap();
+        let found: Vec<String> = conn
+            .prepare(
+                "SELECT m.id FROM messages_fts JOIN messages m ON m.rowid = messages_fts.rowid
+                 WHERE messages_fts MATCH 'zebra' ORDER BY m.rowid",
+            )
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(
+            found,
+            ["msg_old", "msg_new"],
+            "the rebuild indexes old messages, the trigger new ones"
+        );
+    }
 }

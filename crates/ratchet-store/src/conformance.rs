@@ -15,16 +15,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use ratchet_core::step::{Resumption, after_model, after_tools, await_reconciliation, finish_step};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalPolicy, BudgetExtension, CallDecision, EventDraft,
-    EventKind, HumanRequest, Limits, Message, MessageId, Millis, ModelReply, Phase, ReplayPolicy,
-    Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult,
-    StopReason, ToolCall, ToolOutcome, ToolSpec, UnknownCall, Usage, Verdict, Visibility,
+    EventKind, HumanRequest, Limits, MemoryScope, Message, MessageId, Millis, ModelReply, Phase,
+    ReplayPolicy, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord,
+    StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, UnknownCall, Usage, Verdict,
+    Visibility,
 };
 use serde_json::{Value, json};
 
 use crate::{
     Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, DEFAULT_TENANT, Error,
-    Intent, IntentKind, IntentRecord, Lease, NewRun, RunSummary, Session, SessionSpec, Stale,
-    Store, StoredEvent, Submitted, WhenBusy,
+    Intent, IntentKind, IntentRecord, Lease, MessageHit, NewRun, RunSummary, SearchScope, Session,
+    SessionSpec, Stale, Store, StoredEvent, Submitted, WhenBusy,
 };
 
 /// Expands to one `#[tokio::test]` per conformance test. `$make` is an expression of a
@@ -61,6 +62,11 @@ macro_rules! store_conformance_tests {
             an_aborted_or_cancelled_approval_ends_its_run_and_frees_the_session,
             a_failed_run_is_retried_or_continued_once_its_session_is_free,
             a_steer_joins_the_active_run_before_its_next_model_call_or_runs_next,
+            search_finds_earlier_user_and_assistant_messages,
+            search_in_a_session_never_sees_another_session,
+            search_in_a_tenant_never_sees_another_tenant,
+            search_ranks_better_matches_first_and_respects_the_limit,
+            search_reads_query_syntax_as_plain_words,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -1835,6 +1841,7 @@ pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
             max_steps: 7,
             ..Limits::default()
         },
+        memory_scope: MemoryScope::Tenant,
     };
     let tampered = RunConfigSnapshot {
         model: "scripted:tampered".into(),
@@ -2413,4 +2420,284 @@ pub async fn a_steer_joins_the_active_run_before_its_next_model_call_or_runs_nex
         (RunStatus::Running, None)
     );
     assert_eq!(load(store, &run).await.status, RunStatus::Running);
+}
+
+// ---------------------------------------------------------------------------------------
+// Message search
+
+/// One completed exchange in `session`: the user's message, then the model's answer (and
+/// `extra` messages committed with it); the run ends in that one step.
+async fn exchange(
+    store: &dyn Store,
+    session: &SessionId,
+    user: &str,
+    answer: &str,
+    extra: Vec<Message>,
+    now: Millis,
+) -> RunId {
+    let (run, _) = submit(store, session, user, config(), now).await;
+    let claimed = store
+        .claim_next(lease(OWNER_A, now + LEASE_MS), Some(&run), now)
+        .await
+        .unwrap_or_else(|e| panic!("claim_next of {run}: {e}"))
+        .unwrap_or_else(|| panic!("run {run} did not start: its session is busy"));
+    let mut result = after_model(
+        claimed.state,
+        &claimed.job,
+        text_reply(answer),
+        false,
+        now,
+        now + 1,
+    );
+    result.messages.extend(extra);
+    commit(store, &claimed.claim, result, None, now + 1).await;
+    assert!(
+        load(store, &run).await.status.is_terminal(),
+        "precondition: an answer without tool calls ends run {run}"
+    );
+    run
+}
+
+async fn search(store: &dyn Store, scope: SearchScope, query: &str, limit: u32) -> Vec<MessageHit> {
+    store
+        .search_messages(scope.clone(), query, limit)
+        .await
+        .unwrap_or_else(|e| panic!("search_messages({scope:?}, {query:?}, {limit}): {e}"))
+}
+
+fn snippets(hits: &[MessageHit]) -> Vec<&str> {
+    hits.iter().map(|h| h.snippet.as_str()).collect()
+}
+
+/// A word of an earlier run's user message and of its answer is found, with where each hit
+/// lies; hidden messages and tool results are never searched.
+pub async fn search_finds_earlier_user_and_assistant_messages(store: &dyn Store) {
+    let session = new_session(store).await;
+    let hidden = Message {
+        visibility: Visibility::Hidden,
+        ..Message::user("a hidden quokka trigger")
+    };
+    let tool = Message::tool_result("call-1", &ToolOutcome::ok("quokka facts from a tool"));
+    let first = exchange(
+        store,
+        &session,
+        "my favourite animal is the quokka",
+        "Noted: the quokka, a small marsupial.",
+        vec![hidden, tool],
+        T0,
+    )
+    .await;
+    let second = exchange(
+        store,
+        &session,
+        "and my second?",
+        "Tell me.",
+        vec![],
+        T0 + 10,
+    )
+    .await;
+
+    let hits = search(store, SearchScope::Session(session.clone()), "quokka", 10).await;
+    let mut found: Vec<(Role, &str)> = hits.iter().map(|h| (h.role, h.snippet.as_str())).collect();
+    found.sort_by_key(|(role, _)| *role == Role::Assistant);
+    assert_eq!(
+        found,
+        [
+            (Role::User, "my favourite animal is the **quokka**"),
+            (Role::Assistant, "Noted: the **quokka**, a small marsupial."),
+        ],
+        "the user's and the assistant's message are found, with the matched word marked; \
+         hidden messages and tool results are not searched"
+    );
+    let visible = store.visible_messages(&session, 0, 100).await.unwrap();
+    for hit in &hits {
+        assert_eq!(hit.session_id, session);
+        assert_eq!(hit.run_id, first, "{hit:?} belongs to the first run");
+        let stored = visible
+            .iter()
+            .find(|m| m.id == hit.message_id)
+            .unwrap_or_else(|| panic!("{hit:?} names no visible message of the session"));
+        assert_eq!(
+            (hit.position, hit.created_at, hit.role),
+            (stored.position, stored.created_at, stored.message.role),
+            "a hit tells where its message lies"
+        );
+    }
+    let later = search(store, SearchScope::Session(session.clone()), "second", 10).await;
+    assert_eq!(snippets(&later), ["and my **second**?"]);
+    assert_eq!(later[0].run_id, second);
+    assert!(
+        search(store, SearchScope::Session(session.clone()), "hidden", 10)
+            .await
+            .is_empty(),
+        "a hidden message is never found"
+    );
+    assert!(
+        search(store, SearchScope::Session(session), "tool", 10)
+            .await
+            .is_empty(),
+        "a tool result is never found"
+    );
+}
+
+/// A session-scoped search sees its own session only, even within one tenant.
+pub async fn search_in_a_session_never_sees_another_session(store: &dyn Store) {
+    let mine = new_session(store).await;
+    let theirs = new_session(store).await;
+    let my_run = exchange(
+        store,
+        &mine,
+        "the wombat digs",
+        "A wombat indeed.",
+        vec![],
+        T0,
+    )
+    .await;
+    exchange(
+        store,
+        &theirs,
+        "their wombat sleeps",
+        "Their wombat.",
+        vec![],
+        T0 + 10,
+    )
+    .await;
+
+    let hits = search(store, SearchScope::Session(mine.clone()), "wombat", 10).await;
+    assert_eq!(hits.len(), 2, "{hits:?}");
+    assert!(
+        hits.iter()
+            .all(|h| h.session_id == mine && h.run_id == my_run),
+        "another session's messages leaked into a session search: {hits:?}"
+    );
+    assert!(
+        search(store, SearchScope::Session(mine), "sleeps", 10)
+            .await
+            .is_empty(),
+        "a word only another session used is not found"
+    );
+}
+
+/// A tenant-scoped search sees every session of its tenant and nothing of another tenant.
+pub async fn search_in_a_tenant_never_sees_another_tenant(store: &dyn Store) {
+    let (tenant, other) = (unique(), unique());
+    let mut sessions = Vec::new();
+    for owner in [&tenant, &tenant, &other] {
+        let id = SessionId::from_suffix(&unique()).unwrap();
+        let spec = SessionSpec {
+            tenant: owner.clone(),
+            ..SessionSpec::default()
+        };
+        store.create_session(&id, spec, T0).await.unwrap();
+        sessions.push(id);
+    }
+    for (i, session) in sessions.iter().enumerate() {
+        let user = format!("platypus number {i}");
+        exchange(store, session, &user, "ok", vec![], T0 + 10 * i as Millis).await;
+    }
+
+    let hits = search(store, SearchScope::Tenant(tenant.clone()), "platypus", 10).await;
+    let mut seen: Vec<&SessionId> = hits.iter().map(|h| &h.session_id).collect();
+    seen.sort();
+    let mut expected = vec![&sessions[0], &sessions[1]];
+    expected.sort();
+    assert_eq!(
+        seen, expected,
+        "a tenant search finds every session of the tenant, and only those"
+    );
+    let hits = search(store, SearchScope::Tenant(other), "platypus", 10).await;
+    assert_eq!(snippets(&hits), ["**platypus** number 2"]);
+    assert_eq!(hits[0].session_id, sessions[2]);
+    assert!(
+        search(store, SearchScope::Tenant(unique()), "platypus", 10)
+            .await
+            .is_empty(),
+        "a tenant without sessions finds nothing"
+    );
+}
+
+/// Hits come best first, a message matching more (and rarer) words before one matching
+/// fewer, a message matching any word is found, and `limit` is respected.
+pub async fn search_ranks_better_matches_first_and_respects_the_limit(store: &dyn Store) {
+    let session = new_session(store).await;
+    let texts = [
+        "the quokka ate bread today",
+        "the cat ate fish today",
+        "the quokka ate marzipan today",
+        "the dog ate meat today",
+    ];
+    for (i, text) in texts.iter().enumerate() {
+        exchange(store, &session, text, "ok", vec![], T0 + 10 * i as Millis).await;
+    }
+    let scope = SearchScope::Session(session);
+
+    let hits = search(store, scope.clone(), "marzipan quokka", 10).await;
+    assert_eq!(
+        snippets(&hits),
+        [
+            "the **quokka** ate **marzipan** today",
+            "the **quokka** ate bread today"
+        ],
+        "the message matching both words ranks first; one matching any word is found"
+    );
+    assert!(
+        hits[0].rank < hits[1].rank,
+        "ranks are ordered, lower is better: {hits:?}"
+    );
+    let best = search(store, scope.clone(), "marzipan quokka", 1).await;
+    assert_eq!(best, hits[..1], "a limit keeps the best hits");
+
+    assert_eq!(search(store, scope.clone(), "today", 10).await.len(), 4);
+    assert_eq!(search(store, scope.clone(), "today", 3).await.len(), 3);
+    assert!(search(store, scope, "today", 0).await.is_empty());
+}
+
+/// Query text is words, never syntax: quotes, `*`, `NEAR(`, `-`, `:` and operators are
+/// searched as text and never fail; a query without a word is `Error::Invalid`.
+pub async fn search_reads_query_syntax_as_plain_words(store: &dyn Store) {
+    let session = new_session(store).await;
+    let text = r#"he said "halt" -- NEAR(the door): see *notes*"#;
+    exchange(store, &session, text, "ok", vec![], T0).await;
+    let scope = SearchScope::Session(session);
+
+    for query in [
+        r#"""#,
+        r#""""#,
+        "*",
+        "NEAR(",
+        "NEAR(the door, 2)",
+        "-",
+        "--",
+        ":",
+        "content:door",
+        "AND",
+        "OR NOT",
+        "(",
+        ")",
+        "^door",
+        "{content}",
+        "door +",
+        "'",
+    ] {
+        if let Err(e) = store.search_messages(scope.clone(), query, 10).await {
+            panic!("query {query:?} must not fail: {e}");
+        }
+    }
+    for query in [
+        r#""halt"#,
+        "door:",
+        "*notes*",
+        "NEAR(the",
+        r#"halt" OR "x"#,
+        "halt\u{0}\"",
+    ] {
+        let hits = search(store, scope.clone(), query, 10).await;
+        assert_eq!(hits.len(), 1, "query {query:?} finds the message: {hits:?}");
+    }
+    for query in ["", "   ", "\n\t", "\u{0}"] {
+        match store.search_messages(scope.clone(), query, 10).await {
+            Err(Error::Invalid(_)) => {}
+            other => panic!("query {query:?}: expected Error::Invalid, got {other:?}"),
+        }
+    }
 }

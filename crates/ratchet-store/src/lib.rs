@@ -10,7 +10,7 @@ use ratchet_core::step::Reconciliation;
 use ratchet_core::step::{DecisionError, Resumption};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalCall, ApprovalId, EventDraft, IllegalEdge, Message,
-    MessageId, Millis, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord,
+    MessageId, Millis, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord,
     StepResult, StopReason, ToolOutcome,
 };
 use serde::Serialize;
@@ -132,6 +132,31 @@ pub struct StoredMessage {
     pub position: i64,
     pub message: Message,
     pub created_at: Millis,
+}
+
+/// Which messages a search looks through.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SearchScope {
+    /// One session's messages.
+    Session(SessionId),
+    /// The messages of every session of one tenant.
+    Tenant(String),
+}
+
+/// A message found by `Store::search_messages`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MessageHit {
+    pub session_id: SessionId,
+    pub run_id: RunId,
+    pub message_id: String,
+    pub role: Role,
+    /// The message's place in its session, as in `StoredMessage::position`.
+    pub position: i64,
+    pub created_at: Millis,
+    /// The part of the message around the matched words, which are marked `**like this**`.
+    pub snippet: String,
+    /// Relevance (bm25): lower is better. Comparable only within one answer.
+    pub rank: f64,
 }
 
 /// A user message that starts (or queues) a run.
@@ -371,6 +396,26 @@ pub trait Store: Send + Sync + 'static {
         after_position: i64,
         limit: u32,
     ) -> Result<Vec<StoredMessage>>;
+
+    /// Full-text search of the messages in `scope`, best match first, at most `limit` hits.
+    ///
+    /// `query` is plain text (it may come from a model), never a query language: each
+    /// whitespace-separated word is searched as a literal term, so quotes, `*`, `-`, `:` or
+    /// `NEAR(` can never make the search fail. A message matching *any* word is found, and the
+    /// ones matching more, and rarer, words rank first: recall over precision, since the
+    /// caller reads only the best few. An adapter may stem words (`zebras` finds `zebra`). A
+    /// query without a word is `Error::Invalid`.
+    ///
+    /// Only visible user and assistant messages are searched. Hidden messages never are:
+    /// whatever a search finds is shown to the model in a visible tool result, which would
+    /// carry hidden text into client history. Tool results are not searched either: they are
+    /// raw outputs, and earlier search results among them would echo back.
+    async fn search_messages(
+        &self,
+        scope: SearchScope,
+        query: &str,
+        limit: u32,
+    ) -> Result<Vec<MessageHit>>;
 
     /// A session's runs in id order, after `after` when given.
     async fn session_runs(

@@ -221,6 +221,8 @@ mod tests {
             workspace: workspace.map(Path::to_path_buf),
             idempotency_key: "run_x#1#0".into(),
             cancel: CancellationToken::new(),
+            session_id: ratchet_core::SessionId::from_suffix("s").unwrap(),
+            memory: None,
         }
     }
 

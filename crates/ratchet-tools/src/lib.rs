@@ -5,17 +5,19 @@
 //! records intents and outcomes around it and applies its replay policy after a crash.
 
 mod builtin;
+mod memory;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use ratchet_core::{ApprovalPolicy, ReplayPolicy, ToolOutcome, ToolSpec};
+use ratchet_core::{ApprovalPolicy, ReplayPolicy, SessionId, ToolOutcome, ToolSpec};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 pub use builtin::{Add, AppendLine, Now, SleepMs};
+pub use memory::{MemoryHit, MemorySearch, MemorySearchTool};
 
 /// What a running tool call may know about its surroundings.
 #[derive(Debug, Clone)]
@@ -25,6 +27,10 @@ pub struct ToolContext {
     /// Deterministic per call (`{run}#{step}#{slot}`): the same after a crash and a retry.
     pub idempotency_key: String,
     pub cancel: CancellationToken,
+    /// The session of the run making the call.
+    pub session_id: SessionId,
+    /// The history `memory_search` may look through; None when this runtime offers none.
+    pub memory: Option<Arc<dyn MemorySearch>>,
 }
 
 #[async_trait]
@@ -77,13 +83,14 @@ impl Registry {
         Ok(Registry { entries })
     }
 
-    /// The built-in tools: `add`, `now`, `sleep_ms` and `append_line`.
+    /// The built-in tools: `add`, `now`, `sleep_ms`, `append_line` and `memory_search`.
     pub fn builtin() -> Registry {
         Registry::new(vec![
             Arc::new(Add),
             Arc::new(Now),
             Arc::new(SleepMs),
             Arc::new(AppendLine),
+            Arc::new(MemorySearchTool),
         ])
         .expect("built-in tool schemas are valid and their names unique")
     }
@@ -152,7 +159,10 @@ mod tests {
     #[test]
     fn validation_names_the_problem() {
         let registry = Registry::builtin();
-        assert_eq!(registry.names(), ["add", "append_line", "now", "sleep_ms"]);
+        assert_eq!(
+            registry.names(),
+            ["add", "append_line", "memory_search", "now", "sleep_ms"]
+        );
         assert!(registry.validate("add", &json!({"a": 1, "b": 2.5})).is_ok());
         let err = registry
             .validate("add", &json!({"a": "one", "b": 2}))
@@ -166,6 +176,20 @@ mod tests {
             .err()
             .unwrap();
         assert!(err.contains("Additional properties"), "{err}");
+        for bad in [
+            json!({}),
+            json!({"query": ""}),
+            json!({"query": "x", "limit": 0}),
+            json!({"query": "x", "limit": 21}),
+            json!({"query": "x".repeat(1001)}),
+        ] {
+            assert!(registry.validate("memory_search", &bad).is_err(), "{bad}");
+        }
+        assert!(
+            registry
+                .validate("memory_search", &json!({"query": "x", "limit": 20}))
+                .is_ok()
+        );
         let err = registry.validate("rm", &json!({})).err().unwrap();
         assert!(err.contains("unknown tool \"rm\""), "{err}");
     }
@@ -176,5 +200,6 @@ mod tests {
         let policy = |n: &str| specs.iter().find(|s| s.name == n).unwrap().replay;
         assert_eq!(policy("append_line"), ReplayPolicy::Never);
         assert_eq!(policy("add"), ReplayPolicy::Safe);
+        assert_eq!(policy("memory_search"), ReplayPolicy::Safe);
     }
 }
