@@ -73,6 +73,12 @@ struct BudgetArgs {
     /// Model tokens (input and output) the run may spend.
     #[arg(long)]
     max_tokens: Option<u64>,
+    /// Estimated tokens a prompt may hold; a longer one is compacted (older turns summarised).
+    #[arg(long)]
+    max_prompt_tokens: Option<u64>,
+    /// Milliseconds the run may take; after them, the next model call concludes it.
+    #[arg(long)]
+    max_duration_ms: Option<u64>,
 }
 
 impl BudgetArgs {
@@ -82,6 +88,8 @@ impl BudgetArgs {
             self.max_model_calls.map(|_| "--max-model-calls"),
             self.max_tool_calls.map(|_| "--max-tool-calls"),
             self.max_tokens.map(|_| "--max-tokens"),
+            self.max_prompt_tokens.map(|_| "--max-prompt-tokens"),
+            self.max_duration_ms.map(|_| "--max-duration-ms"),
         ]
         .into_iter()
         .flatten()
@@ -94,6 +102,8 @@ impl BudgetArgs {
             max_model_calls: self.max_model_calls,
             max_tool_calls: self.max_tool_calls,
             max_tokens: self.max_tokens,
+            max_prompt_tokens: self.max_prompt_tokens,
+            max_duration_ms: self.max_duration_ms,
             ..ratchet_core::Limits::default()
         }
     }
@@ -207,6 +217,9 @@ enum RunsCommand {
         /// Tokens to add (to a run that has such a limit).
         #[arg(long, default_value_t = 0)]
         extra_tokens: u64,
+        /// Milliseconds to add (to a run that has a deadline).
+        #[arg(long, default_value_t = 0)]
+        extra_duration_ms: u64,
         #[command(flatten)]
         db: DbArg,
     },
@@ -489,6 +502,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     extra_model_calls,
                     extra_tool_calls,
                     extra_tokens,
+                    extra_duration_ms,
                     db,
                 },
         } => {
@@ -497,6 +511,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 model_calls: extra_model_calls,
                 tool_calls: extra_tool_calls,
                 tokens: extra_tokens,
+                duration_ms: extra_duration_ms,
             };
             let how = ratchet_core::step::Resumption::Continue { extension };
             inspect::resume_failed(&db.db, &run_id, how).await

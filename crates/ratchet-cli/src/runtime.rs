@@ -37,6 +37,7 @@ impl Toolbox {
             (limits.max_steps == 0).then_some("--max-steps"),
             (limits.max_model_calls == Some(0)).then_some("--max-model-calls"),
             (limits.max_tokens == Some(0)).then_some("--max-tokens"),
+            (limits.max_prompt_tokens == Some(0)).then_some("--max-prompt-tokens"),
         ];
         if let Some(flag) = zero.into_iter().flatten().next() {
             bail!("{flag} must be at least 1");

@@ -70,6 +70,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             max_model_calls: config.max_model_calls,
             max_tool_calls: config.max_tool_calls,
             max_tokens: config.max_tokens,
+            max_prompt_tokens: config.max_prompt_tokens,
+            max_duration_ms: config.max_duration_ms,
             ..Limits::default()
         },
         &config.approval_policies()?,

@@ -5,7 +5,7 @@
 //! `StopReason`.
 
 use crate::approval::approval_needed;
-use crate::{AgentState, Phase, StopReason};
+use crate::{AgentState, Millis, Phase, StopReason};
 
 /// The one main instruction of a step. A step never chains model → tools → model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,6 +19,8 @@ pub enum Instruction {
     CallToolsBatch,
     /// A call of the batch needs a human's approval: the run waits, and no call runs.
     AskApproval,
+    /// The next prompt would exceed its budget: the model summarises the older turns first.
+    CompressContext,
     Finish(StopReason),
 }
 
@@ -28,13 +30,14 @@ impl Instruction {
             Instruction::CallLlm { .. } => "call_llm",
             Instruction::CallToolsBatch => "call_tools_batch",
             Instruction::AskApproval => "ask_approval",
+            Instruction::CompressContext => "compress_context",
             Instruction::Finish(_) => "finish",
         }
     }
 }
 
-/// Decides what the step woken by `phase` must do.
-pub fn decide(state: &AgentState, phase: Phase) -> Instruction {
+/// Decides what the step woken by `phase` must do at `now`.
+pub fn decide(state: &AgentState, phase: Phase, now: Millis) -> Instruction {
     if state.cancel_requested || phase == Phase::Cancel {
         return Instruction::Finish(StopReason::Cancelled);
     }
@@ -67,9 +70,11 @@ pub fn decide(state: &AgentState, phase: Phase) -> Instruction {
         Phase::ToolsBatchResult if completed_by_tool(state) => {
             Instruction::Finish(StopReason::Completed)
         }
-        Phase::UserInput | Phase::ToolsBatchResult | Phase::HumanDecided | Phase::Resumed => {
-            next_model_call(state)
-        }
+        Phase::UserInput
+        | Phase::ToolsBatchResult
+        | Phase::HumanDecided
+        | Phase::Resumed
+        | Phase::ContextCompacted => next_model_call(state, now),
         Phase::Cancel => Instruction::Finish(StopReason::Cancelled),
     }
 }
@@ -78,8 +83,10 @@ pub fn decide(state: &AgentState, phase: Phase) -> Instruction {
 /// steps `s + 1` (the tools) and `s + 2` (a concluding call) still fit under `max_steps`.
 ///
 /// The other budgets work the same way: the last model call a budget allows is made without
-/// tools, and none is made past it.
-fn next_model_call(state: &AgentState) -> Instruction {
+/// tools, and none is made past it. Past the deadline the next call concludes. A prompt
+/// over its budget is compacted first; if it is still over right after a compaction, the
+/// run stops.
+fn next_model_call(state: &AgentState, now: Millis) -> Instruction {
     let limits = &state.limits();
     let counters = &state.counters;
     let reached = |used: u64, limit: Option<u64>| limit.is_some_and(|max| used >= max);
@@ -93,8 +100,18 @@ fn next_model_call(state: &AgentState) -> Instruction {
     if spent {
         return Instruction::Finish(StopReason::BudgetExhausted);
     }
+    if reached(counters.context_tokens + 1, limits.max_prompt_tokens) {
+        return if state.just_compacted {
+            Instruction::Finish(StopReason::BudgetExhausted)
+        } else {
+            Instruction::CompressContext
+        };
+    }
+    let late = (limits.max_duration_ms.zip(state.started_at))
+        .is_some_and(|(duration, started)| now >= started.saturating_add(duration as Millis));
     let model_step = state.step_index + 1;
-    let conclude = model_step + 2 > limits.max_steps
+    let conclude = late
+        || model_step + 2 > limits.max_steps
         || reached(counters.model_calls + 1, limits.max_model_calls)
         || reached(counters.tool_calls, limits.max_tool_calls);
     Instruction::CallLlm { conclude }
@@ -214,7 +231,7 @@ mod tests {
                                     step_index,
                                 );
                                 assert_eq!(
-                                    decide(&s, phase),
+                                    decide(&s, phase, 0),
                                     expected,
                                     "phase={phase:?} cancel={cancel} force={force} checkpoint={checkpoint} parse_failures={parse_failures} step={step_index}"
                                 );
@@ -225,7 +242,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(cases, 6 * 2 * 2 * 6 * 2 * 4);
+        assert_eq!(cases, Phase::ALL.len() * 2 * 2 * 6 * 2 * 4);
     }
 
     fn expected(
@@ -283,17 +300,17 @@ mod tests {
         });
         s.counters.model_calls = 1;
         assert_eq!(
-            decide(&s, Phase::ToolsBatchResult),
+            decide(&s, Phase::ToolsBatchResult, 0),
             Instruction::CallLlm { conclude: false }
         );
         s.counters.model_calls = 2;
         assert_eq!(
-            decide(&s, Phase::ToolsBatchResult),
+            decide(&s, Phase::ToolsBatchResult, 0),
             Instruction::CallLlm { conclude: true }
         );
         s.counters.model_calls = 3;
         assert_eq!(
-            decide(&s, Phase::ToolsBatchResult),
+            decide(&s, Phase::ToolsBatchResult, 0),
             Instruction::Finish(StopReason::BudgetExhausted)
         );
 
@@ -303,12 +320,12 @@ mod tests {
         });
         s.counters.tool_calls = 3;
         assert_eq!(
-            decide(&s, Phase::ToolsBatchResult),
+            decide(&s, Phase::ToolsBatchResult, 0),
             Instruction::CallLlm { conclude: false }
         );
         s.counters.tool_calls = 5;
         assert_eq!(
-            decide(&s, Phase::ToolsBatchResult),
+            decide(&s, Phase::ToolsBatchResult, 0),
             Instruction::CallLlm { conclude: true },
             "no more tools, one last answer"
         );
@@ -320,13 +337,39 @@ mod tests {
         s.counters.input_tokens = 600;
         s.counters.output_tokens = 399;
         assert_eq!(
-            decide(&s, Phase::UserInput),
+            decide(&s, Phase::UserInput, 0),
             Instruction::CallLlm { conclude: false }
         );
         s.counters.output_tokens = 400;
         assert_eq!(
-            decide(&s, Phase::UserInput),
+            decide(&s, Phase::UserInput, 0),
             Instruction::Finish(StopReason::BudgetExhausted)
+        );
+    }
+
+    #[test]
+    fn a_deadline_makes_the_next_call_conclude_and_a_long_prompt_is_compacted_once() {
+        let mut s = state(50);
+        let mut config = s.config.as_ref().clone();
+        config.limits.max_duration_ms = Some(500);
+        config.limits.max_prompt_tokens = Some(100);
+        s.config = std::sync::Arc::new(config);
+        s.started_at = Some(1_000);
+        let call = |conclude| Instruction::CallLlm { conclude };
+        assert_eq!(decide(&s, Phase::ToolsBatchResult, 1_499), call(false));
+        assert_eq!(decide(&s, Phase::ToolsBatchResult, 1_500), call(true));
+        s.counters.context_tokens = 98;
+        assert_eq!(decide(&s, Phase::ToolsBatchResult, 0), call(false));
+        s.counters.context_tokens = 99;
+        assert_eq!(
+            decide(&s, Phase::ToolsBatchResult, 0),
+            Instruction::CompressContext
+        );
+        s.just_compacted = true;
+        assert_eq!(
+            decide(&s, Phase::ContextCompacted, 0),
+            Instruction::Finish(StopReason::BudgetExhausted),
+            "still too long right after a compaction"
         );
     }
 
@@ -334,17 +377,17 @@ mod tests {
     fn a_budget_of_three_steps_leaves_room_for_exactly_one_tool_round_trip() {
         let mut s = state(3);
         assert_eq!(
-            decide(&s, Phase::UserInput),
+            decide(&s, Phase::UserInput, 0),
             Instruction::CallLlm { conclude: false }
         );
         s.step_index = 2;
         assert_eq!(
-            decide(&s, Phase::ToolsBatchResult),
+            decide(&s, Phase::ToolsBatchResult, 0),
             Instruction::CallLlm { conclude: true }
         );
         let s = state(1);
         assert_eq!(
-            decide(&s, Phase::UserInput),
+            decide(&s, Phase::UserInput, 0),
             Instruction::CallLlm { conclude: true }
         );
     }

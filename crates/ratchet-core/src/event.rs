@@ -20,11 +20,12 @@ pub enum EventKind {
     ApprovalDecided,
     RunResumed,
     MessageSteered,
+    ContextCompacted,
     RunFinished,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 16] = [
+    pub const ALL: [EventKind; 17] = [
         EventKind::RunCreated,
         EventKind::RunStatus,
         EventKind::StepCommitted,
@@ -40,6 +41,7 @@ impl EventKind {
         EventKind::ApprovalDecided,
         EventKind::RunResumed,
         EventKind::MessageSteered,
+        EventKind::ContextCompacted,
         EventKind::RunFinished,
     ];
 
@@ -60,6 +62,7 @@ impl EventKind {
             EventKind::ApprovalDecided => "approval.decided",
             EventKind::RunResumed => "run.resumed",
             EventKind::MessageSteered => "message.steered",
+            EventKind::ContextCompacted => "context.compacted",
             EventKind::RunFinished => "run.finished",
         }
     }

@@ -27,6 +27,8 @@ pub enum Origin {
     Agent,
     Continuation,
     Steer,
+    /// A summary of older turns, written when the context was compacted.
+    Summary,
 }
 
 /// One tool call as the model asked for it. `id` is the model's own call id.
@@ -71,6 +73,10 @@ pub struct Message {
     pub tool_call_id: Option<String>,
     pub visibility: Visibility,
     pub origin: Origin,
+    /// For a summary: the position of the first message it keeps. In the model's view the
+    /// summary takes the place of every message before that one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keeps_from: Option<i64>,
 }
 
 impl Message {
@@ -82,7 +88,30 @@ impl Message {
             tool_call_id: None,
             visibility: Visibility::Visible,
             origin: Origin::User,
+            keeps_from: None,
         }
+    }
+
+    /// The hidden summary that replaces the messages before position `keeps_from`.
+    pub fn summary(text: &str, keeps_from: i64) -> Self {
+        Message {
+            role: Role::User,
+            content: format!("Summary of the earlier conversation:\n{text}"),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            visibility: Visibility::Hidden,
+            origin: Origin::Summary,
+            keeps_from: Some(keeps_from),
+        }
+    }
+
+    /// Tokens this message adds to a prompt, estimated (about four characters a token, and
+    /// a little for the message's framing): the core has no tokenizer.
+    pub fn estimated_tokens(&self) -> u64 {
+        let calls: usize = (self.tool_calls.iter())
+            .map(|c| c.name.len() + c.arguments.to_string().len())
+            .sum();
+        ((self.content.len() + calls) as u64).div_ceil(4) + 4
     }
 
     pub fn assistant(content: impl Into<String>, tool_calls: Vec<ToolCall>) -> Self {
@@ -93,6 +122,7 @@ impl Message {
             tool_call_id: None,
             visibility: Visibility::Visible,
             origin: Origin::Agent,
+            keeps_from: None,
         }
     }
 
@@ -104,6 +134,7 @@ impl Message {
             tool_call_id: Some(call_id.to_owned()),
             visibility: Visibility::Visible,
             origin: Origin::Agent,
+            keeps_from: None,
         }
     }
 }

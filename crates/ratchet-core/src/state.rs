@@ -64,6 +64,14 @@ pub struct Limits {
     /// Model tokens (input and output) a run may spend: once reached, no model call is made.
     #[serde(default)]
     pub max_tokens: Option<u64>,
+    /// Estimated tokens one prompt may hold: a longer one is compacted first (its older turns
+    /// summarised by the model).
+    #[serde(default)]
+    pub max_prompt_tokens: Option<u64>,
+    /// Wall-clock time from the run's start: once passed, the next model call is made
+    /// without tools and concludes the run.
+    #[serde(default)]
+    pub max_duration_ms: Option<u64>,
 }
 
 impl Default for Limits {
@@ -76,6 +84,8 @@ impl Default for Limits {
             max_model_calls: None,
             max_tool_calls: None,
             max_tokens: None,
+            max_prompt_tokens: None,
+            max_duration_ms: None,
         }
     }
 }
@@ -193,6 +203,8 @@ pub struct BudgetExtension {
     pub model_calls: u64,
     pub tool_calls: u64,
     pub tokens: u64,
+    #[serde(default)]
+    pub duration_ms: u64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -202,6 +214,9 @@ pub struct Counters {
     pub input_tokens: u64,
     pub output_tokens: u64,
     pub consecutive_parse_failures: u32,
+    /// Estimated size, in tokens, of the prompt the next model call sends.
+    #[serde(default)]
+    pub context_tokens: u64,
 }
 
 /// The state of one run. Only the Coordinator writes it, one committed step at a time.
@@ -228,6 +243,9 @@ pub struct AgentState {
     /// Budget added by `continue`, on top of the frozen limits.
     #[serde(default)]
     pub extension: BudgetExtension,
+    /// The last step compacted the context: another compaction would not help.
+    #[serde(default)]
+    pub just_compacted: bool,
     /// The last assistant text, so that a finished run can answer without reading history.
     pub final_answer: Option<String>,
     pub created_at: Millis,
@@ -245,6 +263,7 @@ impl AgentState {
             max_model_calls: frozen.max_model_calls.map(|m| m + extension.model_calls),
             max_tool_calls: frozen.max_tool_calls.map(|m| m + extension.tool_calls),
             max_tokens: frozen.max_tokens.map(|m| m + extension.tokens),
+            max_duration_ms: frozen.max_duration_ms.map(|m| m + extension.duration_ms),
             ..frozen
         }
     }
@@ -268,6 +287,7 @@ impl AgentState {
             pending_human: None,
             counters: Counters::default(),
             extension: BudgetExtension::default(),
+            just_compacted: false,
             final_answer: None,
             created_at: now,
             started_at: None,

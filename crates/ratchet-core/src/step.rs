@@ -25,16 +25,19 @@ pub enum Phase {
     Cancel,
     /// A failed run was continued or retried: it calls the model again.
     Resumed,
+    /// The context was compacted: the model is called with the shorter prompt.
+    ContextCompacted,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 6] = [
+    pub const ALL: [Phase; 7] = [
         Phase::UserInput,
         Phase::LlmResult,
         Phase::ToolsBatchResult,
         Phase::HumanDecided,
         Phase::Cancel,
         Phase::Resumed,
+        Phase::ContextCompacted,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -45,6 +48,7 @@ impl Phase {
             Phase::HumanDecided => "human_decided",
             Phase::Cancel => "cancel",
             Phase::Resumed => "resumed",
+            Phase::ContextCompacted => "context_compacted",
         }
     }
 
@@ -122,8 +126,12 @@ impl StepResult {
     /// The run's next step calls the model: a boundary where a user's steering message can
     /// join the history without splitting a tool call from its result.
     pub fn accepts_steer(&self) -> bool {
+        let now = self.record.finished_at;
         self.next.as_ref().is_some_and(|job| {
-            matches!(decide(&self.state, job.phase), Instruction::CallLlm { .. })
+            matches!(
+                decide(&self.state, job.phase, now),
+                Instruction::CallLlm { .. }
+            )
         })
     }
 }
@@ -154,6 +162,7 @@ pub fn after_model(
     state.counters.model_calls += 1;
     state.counters.input_tokens += reply.usage.input_tokens;
     state.counters.output_tokens += reply.usage.output_tokens;
+    state.just_compacted = false;
     if conclude {
         state.force_finish = true;
     }
@@ -169,6 +178,11 @@ pub fn after_model(
         (!reply.tool_calls.is_empty()).then(|| ToolCheckpoint::new(reply.tool_calls));
     state.final_answer = Some(reply.text.clone());
     let message = Message::assistant(reply.text, offered);
+    // The provider measured the prompt it was sent; the answer is now part of the next one.
+    state.counters.context_tokens = match reply.usage.input_tokens {
+        0 => state.counters.context_tokens,
+        measured => measured,
+    } + message.estimated_tokens();
     let events = vec![EventDraft::new(
         EventKind::AssistantMessage,
         json!({"run_id": state.run_id, "content": message.content, "tool_calls": message.tool_calls}),
@@ -192,6 +206,64 @@ pub fn after_model(
     )
 }
 
+/// What a compaction produced: the model's summary of the messages before position
+/// `keeps_from`, and the estimated tokens of the messages it keeps.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Compaction {
+    pub reply: ModelReply,
+    pub keeps_from: i64,
+    pub summarized: usize,
+    pub kept_tokens: u64,
+}
+
+/// The context was compacted (or, given `None`, there was nothing older to summarise). The
+/// summary is a hidden message; the next step calls the model with the shorter prompt, or —
+/// if it is still over budget — ends the run.
+pub fn after_compaction(
+    mut state: AgentState,
+    job: &StepJob,
+    compaction: Option<Compaction>,
+    started_at: Millis,
+    now: Millis,
+) -> StepResult {
+    state.just_compacted = true;
+    let before = state.counters.context_tokens;
+    let mut messages = Vec::new();
+    let mut events = Vec::new();
+    let mut summarized = 0;
+    if let Some(compaction) = compaction {
+        let reply = compaction.reply;
+        state.counters.model_calls += 1;
+        state.counters.input_tokens += reply.usage.input_tokens;
+        state.counters.output_tokens += reply.usage.output_tokens;
+        let message = Message::summary(&reply.text, compaction.keeps_from);
+        state.counters.context_tokens = message.estimated_tokens() + compaction.kept_tokens;
+        summarized = compaction.summarized;
+        messages.push(message);
+    }
+    let summary = json!({
+        "summarized_messages": summarized,
+        "tokens_before": before,
+        "tokens_after": state.counters.context_tokens,
+    });
+    if summarized > 0 {
+        let mut payload = summary.clone();
+        payload["run_id"] = json!(state.run_id);
+        events.push(EventDraft::new(EventKind::ContextCompacted, payload));
+    }
+    close_step(
+        state,
+        job,
+        Instruction::CompressContext,
+        Phase::ContextCompacted,
+        messages,
+        events,
+        summary,
+        started_at,
+        now,
+    )
+}
+
 /// The whole batch has outcomes, given in the checkpoint's order. `invalid_calls` counts
 /// calls rejected before running (unknown tool, arguments failing the schema).
 pub fn after_tools(
@@ -206,7 +278,9 @@ pub fn after_tools(
     let mut messages = Vec::with_capacity(outcomes.len());
     let mut events = Vec::with_capacity(outcomes.len());
     for (progress, outcome) in checkpoint.calls.iter_mut().zip(outcomes) {
-        messages.push(Message::tool_result(&progress.call.id, &outcome));
+        let message = Message::tool_result(&progress.call.id, &outcome);
+        state.counters.context_tokens += message.estimated_tokens();
+        messages.push(message);
         events.push(EventDraft::new(
             EventKind::ToolResult,
             json!({
@@ -409,6 +483,7 @@ pub enum Resumption {
 pub fn resume_failed(
     state: &mut AgentState,
     how: Resumption,
+    now: Millis,
 ) -> Result<(Vec<EventDraft>, StepJob), DecisionError> {
     let reason = match (state.status, state.stop_reason) {
         (RunStatus::Failed, Some(reason)) => reason,
@@ -435,6 +510,7 @@ pub fn resume_failed(
             added.model_calls += extension.model_calls;
             added.tool_calls += extension.tool_calls;
             added.tokens += extension.tokens;
+            added.duration_ms += extension.duration_ms;
         }
     }
     // The concluding call that spent the budget offered no tools: the calls it still asked
@@ -449,7 +525,7 @@ pub fn resume_failed(
     resumed.status = RunStatus::Running;
     resumed.stop_reason = None;
     resumed.finished_at = None;
-    if let Instruction::Finish(again) = decide(&resumed, Phase::Resumed) {
+    if let Instruction::Finish(again) = decide(&resumed, Phase::Resumed, now) {
         return Err(DecisionError::Invalid(format!(
             "run {} would stop again at once ({again}): its budget is spent; continue it with more (extra steps, model calls, tool calls or tokens)",
             state.run_id
@@ -553,7 +629,7 @@ fn close_step(
     let (record, committed) =
         mark_committed(&mut state, job, instruction, summary, started_at, now);
     events.push(committed);
-    let next = match decide(&state, outcome) {
+    let next = match decide(&state, outcome, now) {
         Instruction::Finish(reason) => {
             finish_in_place(&mut state, reason, now, &mut events);
             None
@@ -562,7 +638,9 @@ fn close_step(
             crate::approval::ask_in_place(&mut state, job.step_index, &mut events);
             None
         }
-        Instruction::CallLlm { .. } | Instruction::CallToolsBatch => Some(StepJob {
+        Instruction::CallLlm { .. }
+        | Instruction::CallToolsBatch
+        | Instruction::CompressContext => Some(StepJob {
             run_id: state.run_id.clone(),
             step_index: job.step_index + 1,
             phase: outcome,

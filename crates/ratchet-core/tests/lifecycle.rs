@@ -4,7 +4,8 @@
 use proptest::prelude::*;
 use ratchet_core::approval::answer_approval;
 use ratchet_core::step::{
-    Resumption, after_model, after_tools, ask_approval_step, finish_step, resume_failed, start_run,
+    Compaction, Resumption, after_compaction, after_model, after_tools, ask_approval_step,
+    finish_step, resume_failed, start_run,
 };
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalPolicy, BudgetExtension, CallDecision, HumanRequest,
@@ -83,7 +84,11 @@ proptest! {
             Just(Answer::ApproveAll), Just(Answer::DenyAll), Just(Answer::Abort)
         ], 1..8),
         continues in 0u32..3,
+        max_prompt_tokens in proptest::option::of(30u64..200),
+        max_duration_ms in proptest::option::of(0u64..30),
     ) {
+        let mut late_calls = 0;
+        let mut compactions_in_a_row = 0;
         let mut continues_left = continues;
         let mut answers = answers.into_iter().cycle();
         let mut denied: Vec<(u64, String)> = Vec::new();
@@ -91,6 +96,8 @@ proptest! {
         let mut config = state.config.as_ref().clone();
         config.limits.max_model_calls = max_model_calls;
         config.limits.max_tool_calls = max_tool_calls;
+        config.limits.max_prompt_tokens = max_prompt_tokens;
+        config.limits.max_duration_ms = max_duration_ms;
         state.config = std::sync::Arc::new(config);
         let (mut job, _) = start_run(&mut state, 1);
         let mut replies = replies.into_iter().cycle();
@@ -101,8 +108,20 @@ proptest! {
                 state.cancel_requested = true;
             }
             now += 1;
-            let result = match decide(&state, job.phase) {
+            let instruction = decide(&state, job.phase, now);
+            compactions_in_a_row = if instruction == Instruction::CompressContext { compactions_in_a_row + 1 } else { 0 };
+            prop_assert!(compactions_in_a_row <= 1, "a compaction is never followed by another");
+            let result = match instruction {
                 Instruction::CallLlm { conclude } => {
+                    if let Some(max) = max_prompt_tokens {
+                        prop_assert!(state.counters.context_tokens < max, "prompt {} over its budget {max}", state.counters.context_tokens);
+                    }
+                    let started = state.started_at.unwrap();
+                    if max_duration_ms.is_some_and(|d| now >= started + d as i64) {
+                        late_calls += 1;
+                        prop_assert!(conclude, "past the deadline a call concludes");
+                        prop_assert!(late_calls <= 1, "one call at most after the deadline");
+                    }
                     let reply = match replies.next().unwrap() {
                         Reply::Text => ModelReply { text: "done".into(), ..ModelReply::default() },
                         Reply::Calls { count, invalid, finishing, guarded } => {
@@ -134,6 +153,15 @@ proptest! {
                 }
                 Instruction::Finish(reason) => finish_step(state.clone(), &job, reason, now, now),
                 Instruction::AskApproval => ask_approval_step(state.clone(), &job, now, now),
+                Instruction::CompressContext => {
+                    let compaction = Compaction {
+                        reply: ModelReply { text: "summary".into(), ..ModelReply::default() },
+                        keeps_from: 0,
+                        summarized: 2,
+                        kept_tokens: state.counters.context_tokens / 3,
+                    };
+                    after_compaction(state.clone(), &job, Some(compaction), now, now)
+                }
             };
             prop_assert_eq!(result.state.step_index, state.step_index + 1);
             prop_assert_eq!(result.record.index, job.step_index);
@@ -180,13 +208,15 @@ proptest! {
                 }
                 None if state.status == RunStatus::Failed && continues_left > 0 => {
                     continues_left -= 1;
-                    let extension = BudgetExtension { steps: 4, model_calls: 2, tool_calls: 3, tokens: 0 };
-                    match resume_failed(&mut state, Resumption::Continue { extension }) {
+                    let extension = BudgetExtension { steps: 4, model_calls: 2, tool_calls: 3, ..BudgetExtension::default() };
+                    match resume_failed(&mut state, Resumption::Continue { extension }, now) {
                         Ok((events, next)) => {
                             prop_assert_eq!(state.status, RunStatus::Running);
                             prop_assert_eq!(state.stop_reason, None);
                             prop_assert_eq!(events[0].kind.as_str(), "run.resumed");
                             prop_assert_eq!(next.step_index, state.step_index + 1);
+                            // A continued run may conclude once more, even past its deadline.
+                            late_calls = 0;
                             job = next;
                         }
                         Err(refused) => {
@@ -233,14 +263,14 @@ fn a_tool_round_trip_takes_three_steps() {
     let job2 = step1.next.clone().unwrap();
     assert_eq!((job2.step_index, job2.phase), (2, Phase::LlmResult));
     assert_eq!(
-        decide(&step1.state, job2.phase),
+        decide(&step1.state, job2.phase, 0),
         Instruction::CallToolsBatch
     );
     let step2 = after_tools(step1.state, &job2, vec![ToolOutcome::ok("5")], 0, 1, 2);
     assert_eq!(step2.messages[0].tool_call_id.as_deref(), Some("c0"));
     let job3: StepJob = step2.next.clone().unwrap();
     assert_eq!(
-        decide(&step2.state, job3.phase),
+        decide(&step2.state, job3.phase, 0),
         Instruction::CallLlm { conclude: false }
     );
     let reply = ModelReply {
@@ -277,7 +307,7 @@ fn a_cancel_during_a_step_keeps_the_work_and_finishes_next() {
     let next = result.next.clone().unwrap();
     assert_eq!(next.phase, Phase::Cancel);
     assert_eq!(
-        decide(&result.state, next.phase),
+        decide(&result.state, next.phase, 0),
         Instruction::Finish(StopReason::Cancelled)
     );
 }
@@ -287,7 +317,7 @@ fn a_concluding_answer_completes_and_a_concluding_tool_request_exhausts_the_budg
     let mut state = fresh(1);
     let (job, _) = start_run(&mut state, 0);
     assert_eq!(
-        decide(&state, job.phase),
+        decide(&state, job.phase, 0),
         Instruction::CallLlm { conclude: true }
     );
     let answer = ModelReply {
@@ -383,7 +413,7 @@ fn reconciliation_answers_each_call_in_doubt_then_resumes_the_batch() {
         [Some(ToolOutcome::ok("7")), Some(ToolOutcome::ok("2")), None],
         "retry runs c2 again"
     );
-    assert_eq!(decide(&waiting, job.phase), Instruction::CallToolsBatch);
+    assert_eq!(decide(&waiting, job.phase, 0), Instruction::CallToolsBatch);
 
     let again = reconcile(&mut waiting, "c2", Reconciliation::Skip, None).unwrap_err();
     assert!(matches!(again, DecisionError::NotWaiting { .. }), "{again}");
@@ -403,12 +433,12 @@ fn retry_repeats_a_failed_model_call_and_continue_needs_budget_to_go_on() {
     let mut completed = fresh(3);
     completed.status = RunStatus::Completed;
     completed.stop_reason = Some(StopReason::Completed);
-    let error = resume_failed(&mut completed, Resumption::Retry).unwrap_err();
+    let error = resume_failed(&mut completed, Resumption::Retry, 0).unwrap_err();
     assert!(error.to_string().contains("only a failed run"), "{error}");
 
     let mut model_error = failed_with(StopReason::ModelError);
     model_error.step_index = 1;
-    let (events, job) = resume_failed(&mut model_error, Resumption::Retry).unwrap();
+    let (events, job) = resume_failed(&mut model_error, Resumption::Retry, 0).unwrap();
     assert_eq!((job.step_index, job.phase), (2, Phase::Resumed));
     assert_eq!(model_error.status, RunStatus::Running);
     assert_eq!(
@@ -418,7 +448,7 @@ fn retry_repeats_a_failed_model_call_and_continue_needs_budget_to_go_on() {
     let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
     assert_eq!(kinds, ["run.resumed", "run.status"]);
     assert_eq!(
-        decide(&model_error, job.phase),
+        decide(&model_error, job.phase, 0),
         Instruction::CallLlm { conclude: true }
     );
 
@@ -430,12 +460,12 @@ fn retry_repeats_a_failed_model_call_and_continue_needs_budget_to_go_on() {
         arguments: serde_json::json!({}),
     }]));
     let before = spent.clone();
-    let retry = resume_failed(&mut spent, Resumption::Retry).unwrap_err();
+    let retry = resume_failed(&mut spent, Resumption::Retry, 0).unwrap_err();
     assert!(retry.to_string().contains("use continue"), "{retry}");
     let nothing = Resumption::Continue {
         extension: BudgetExtension::default(),
     };
-    let still = resume_failed(&mut spent, nothing).unwrap_err();
+    let still = resume_failed(&mut spent, nothing, 0).unwrap_err();
     assert!(still.to_string().contains("budget is spent"), "{still}");
     assert_eq!(spent, before, "a refused resumption changes nothing");
     let more = Resumption::Continue {
@@ -444,7 +474,7 @@ fn retry_repeats_a_failed_model_call_and_continue_needs_budget_to_go_on() {
             ..BudgetExtension::default()
         },
     };
-    let (_, job) = resume_failed(&mut spent, more).unwrap();
+    let (_, job) = resume_failed(&mut spent, more, 0).unwrap();
     assert_eq!(spent.limits().max_steps, 8);
     assert_eq!(
         spent.config.limits.max_steps, 3,
@@ -455,7 +485,7 @@ fn retry_repeats_a_failed_model_call_and_continue_needs_budget_to_go_on() {
         "calls never offered do not run"
     );
     assert_eq!(
-        decide(&spent, job.phase),
+        decide(&spent, job.phase, 0),
         Instruction::CallLlm { conclude: false }
     );
 
@@ -465,6 +495,6 @@ fn retry_repeats_a_failed_model_call_and_continue_needs_budget_to_go_on() {
     let nothing = Resumption::Continue {
         extension: BudgetExtension::default(),
     };
-    resume_failed(&mut parse, nothing).unwrap();
+    resume_failed(&mut parse, nothing, 0).unwrap();
     assert_eq!(parse.counters.consecutive_parse_failures, 0);
 }

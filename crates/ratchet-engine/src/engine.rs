@@ -10,14 +10,15 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use futures::stream::{self, StreamExt};
 use ratchet_core::step::{
-    after_model, after_tools, ask_approval_step, await_reconciliation, finish_step,
+    Compaction, after_compaction, after_model, after_tools, ask_approval_step,
+    await_reconciliation, finish_step,
 };
 use ratchet_core::{
-    AgentState, EventDraft, EventKind, HumanRequest, Instruction, ReplayPolicy, RunConfigSnapshot,
-    StepJob, StepResult, ToolCall, ToolOutcome, UnknownCall, decide,
+    AgentState, EventDraft, EventKind, HumanRequest, Instruction, Message, ReplayPolicy,
+    RunConfigSnapshot, StepJob, StepResult, ToolCall, ToolOutcome, UnknownCall, decide,
 };
 use ratchet_llm::ModelRequest;
-use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, IntentRecord};
+use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, IntentRecord, StoredMessage};
 use ratchet_tools::{MemorySearch, Registry, Tool, ToolContext};
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -25,6 +26,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::memory::StoreMemory;
 use crate::{Coordinator, Models, now_ms};
+
+/// What the model is asked to do with the older part of a context that outgrew its budget.
+const SUMMARY_SYSTEM_PROMPT: &str = "You compress conversations. Write a faithful, compact \
+summary of the conversation you are given: the user's goals and requests, decisions made, \
+facts and tool results that still matter, and open questions. Do not add anything new.";
+const SUMMARY_REQUEST: &str =
+    "Summarize the conversation above; the summary will replace it in your context.";
 
 /// How often streamed text is written as an `assistant.delta` event while a model talks.
 const DELTA_FLUSH: Duration = Duration::from_millis(100);
@@ -88,7 +96,7 @@ impl Engine {
         cancel: &CancellationToken,
     ) -> Result<StepResult, StepFailure> {
         let started = now_ms();
-        match decide(&claimed.state, claimed.job.phase) {
+        match decide(&claimed.state, claimed.job.phase, started) {
             Instruction::Finish(reason) => Ok(finish_step(
                 claimed.state.clone(),
                 &claimed.job,
@@ -106,6 +114,7 @@ impl Engine {
                 started,
                 now_ms(),
             )),
+            Instruction::CompressContext => self.compress(claimed, started, cancel).await,
         }
     }
 
@@ -116,12 +125,100 @@ impl Engine {
         started: ratchet_core::Millis,
         cancel: &CancellationToken,
     ) -> Result<StepResult, StepFailure> {
-        let (state, job) = (claimed.state.clone(), &claimed.job);
+        let state = &claimed.state;
+        let context = self.coordinator.store().context(&state.session_id).await?;
+        let tools = if conclude {
+            Vec::new()
+        } else {
+            state.config.tools.clone()
+        };
+        let messages = context.into_iter().map(|m| m.message).collect();
+        let system_prompt = state.config.system_prompt.clone();
+        let (reply, delta) = self
+            .invoke_model(claimed, system_prompt, messages, tools, true, cancel)
+            .await?;
+        let mut result = after_model(
+            state.clone(),
+            &claimed.job,
+            reply,
+            conclude,
+            started,
+            now_ms(),
+        );
+        if let Some(delta) = delta {
+            result.events.insert(0, delta);
+        }
+        Ok(result)
+    }
+
+    /// Asks the model to summarise the older part of the context, keeping the most recent
+    /// messages (up to half the prompt budget) verbatim. The kept part never starts with a
+    /// tool result, so no call is separated from its result.
+    async fn compress(
+        &self,
+        claimed: &ClaimedStep,
+        started: ratchet_core::Millis,
+        cancel: &CancellationToken,
+    ) -> Result<StepResult, StepFailure> {
+        let state = &claimed.state;
+        let context = self.coordinator.store().context(&state.session_id).await?;
+        let budget = state.limits().max_prompt_tokens.unwrap_or(u64::MAX) / 2;
+        let cut = compaction_cut(&context, budget);
+        if cut == 0 {
+            let result = after_compaction(state.clone(), &claimed.job, None, started, now_ms());
+            return Ok(result);
+        }
+        let keeps_from = context
+            .get(cut)
+            .map_or_else(|| context[cut - 1].position + 1, |m| m.position);
+        let kept_tokens = context[cut..]
+            .iter()
+            .map(|m| m.message.estimated_tokens())
+            .sum();
+        let mut messages: Vec<Message> = context[..cut].iter().map(|m| m.message.clone()).collect();
+        messages.push(Message::user(SUMMARY_REQUEST));
+        let (reply, _) = self
+            .invoke_model(
+                claimed,
+                SUMMARY_SYSTEM_PROMPT.to_owned(),
+                messages,
+                Vec::new(),
+                false,
+                cancel,
+            )
+            .await?;
+        let compaction = Compaction {
+            reply,
+            keeps_from,
+            summarized: cut,
+            kept_tokens,
+        };
+        Ok(after_compaction(
+            state.clone(),
+            &claimed.job,
+            Some(compaction),
+            started,
+            now_ms(),
+        ))
+    }
+
+    /// One model call of the claimed step, written ahead as its intent (slot 0). Streamed
+    /// text becomes `assistant.delta` events every `DELTA_FLUSH` when `show_deltas`; the
+    /// returned event holds what was not flushed yet.
+    async fn invoke_model(
+        &self,
+        claimed: &ClaimedStep,
+        system_prompt: String,
+        messages: Vec<Message>,
+        tools: Vec<ratchet_core::ToolSpec>,
+        show_deltas: bool,
+        cancel: &CancellationToken,
+    ) -> Result<(ratchet_core::ModelReply, Option<EventDraft>), StepFailure> {
+        let (state, job) = (&claimed.state, &claimed.job);
         let model = self
             .models
             .resolve(&state.config.model)
             .map_err(|e| StepFailure::Fatal(e.to_string()))?;
-        let store = self.coordinator.store();
         let intent = Intent {
             slot: 0,
             kind: IntentKind::Model,
@@ -139,13 +236,9 @@ impl Engine {
             run_id: state.run_id.clone(),
             call_index: state.counters.model_calls,
             attempt,
-            system_prompt: state.config.system_prompt.clone(),
-            messages: store.history(&state.session_id).await?,
-            tools: if conclude {
-                Vec::new()
-            } else {
-                state.config.tools.clone()
-            },
+            system_prompt,
+            messages,
+            tools,
         };
         let (deltas, mut incoming) = mpsc::unbounded_channel();
         let completion = model.complete(request, deltas, cancel.clone());
@@ -156,11 +249,14 @@ impl Engine {
             tokio::select! {
                 reply = &mut completion => break reply,
                 Some(chunk) = incoming.recv() => {
+                    if !show_deltas {
+                        continue;
+                    }
                     pending.push_str(&chunk);
                     if last_flush.elapsed() >= DELTA_FLUSH {
                         let text = std::mem::take(&mut pending);
                         self.coordinator
-                            .append_events(&state.session_id, &state.run_id, vec![delta_event(&state, text)])
+                            .append_events(&state.session_id, &state.run_id, vec![delta_event(state, text)])
                             .await?;
                         last_flush = Instant::now();
                     }
@@ -168,7 +264,9 @@ impl Engine {
             }
         };
         while let Ok(chunk) = incoming.try_recv() {
-            pending.push_str(&chunk);
+            if show_deltas {
+                pending.push_str(&chunk);
+            }
         }
         let reply = match reply {
             Ok(reply) => reply,
@@ -183,12 +281,8 @@ impl Engine {
             }
             Err(other) => return Err(StepFailure::Fatal(other.to_string())),
         };
-        let delta = (!pending.is_empty()).then(|| delta_event(&state, pending));
-        let mut result = after_model(state, job, reply, conclude, started, now_ms());
-        if let Some(delta) = delta {
-            result.events.insert(0, delta);
-        }
-        Ok(result)
+        let delta = (!pending.is_empty()).then(|| delta_event(state, pending));
+        Ok((reply, delta))
     }
 
     /// Runs the pending calls of the checkpoint, honouring what earlier attempts of this same
@@ -383,6 +477,28 @@ async fn run_call(
 /// Deterministic per call, so a tool sees the same key after a crash: `{run}#{step}#{slot}`.
 fn idempotency_key(job: &StepJob, slot: u32) -> String {
     format!("{}#{}#{}", job.run_id, job.step_index, slot)
+}
+
+/// Where a context is cut for a compaction: the earliest index from which the messages fit
+/// in `budget` estimated tokens, moved later past any tool result (a tool result stays with
+/// the call it answers). 0 when there is nothing before it to summarise.
+fn compaction_cut(context: &[StoredMessage], budget: u64) -> usize {
+    let mut kept = 0u64;
+    let mut cut = context.len();
+    for (i, stored) in context.iter().enumerate().rev() {
+        kept += stored.message.estimated_tokens();
+        if kept > budget {
+            break;
+        }
+        cut = i;
+    }
+    while context
+        .get(cut)
+        .is_some_and(|m| m.message.role == ratchet_core::Role::Tool)
+    {
+        cut += 1;
+    }
+    cut
 }
 
 fn delta_event(state: &AgentState, text: String) -> EventDraft {

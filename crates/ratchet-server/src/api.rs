@@ -461,6 +461,7 @@ pub struct ContinueRequest {
     pub extra_model_calls: Option<u64>,
     pub extra_tool_calls: Option<u64>,
     pub extra_tokens: Option<u64>,
+    pub extra_duration_ms: Option<u64>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -37,6 +37,10 @@ pub struct Config {
     pub max_tool_calls: Option<u64>,
     /// Model tokens every new run may spend (default: no limit).
     pub max_tokens: Option<u64>,
+    /// Estimated prompt tokens beyond which a run compacts its context (default: no limit).
+    pub max_prompt_tokens: Option<u64>,
+    /// Wall-clock milliseconds a run may take before it concludes (default: no limit).
+    pub max_duration_ms: Option<u64>,
     /// What `memory_search` looks through: `session` (the run's session, the default) or
     /// `tenant` (every session of the session's tenant).
     pub memory_scope: Option<MemoryScope>,

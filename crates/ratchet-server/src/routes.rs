@@ -386,6 +386,7 @@ async fn continue_run(
         model_calls: body.extra_model_calls.unwrap_or(0),
         tool_calls: body.extra_tool_calls.unwrap_or(0),
         tokens: body.extra_tokens.unwrap_or(0),
+        duration_ms: body.extra_duration_ms.unwrap_or(0),
     };
     let how = ratchet_core::step::Resumption::Continue { extension };
     resume(&state, &tenant, &id, how).await

@@ -2018,3 +2018,165 @@ async fn a_steering_message_joins_the_active_run_after_its_tool_results() {
         .await;
     assert_eq!(ids(&runs["items"]), [r], "no run of its own");
 }
+
+// ---------------------------------------------------------------------------------------
+// Context compaction
+
+/// Calls `add` on each of its first `rounds` calls, then answers; summarises when asked to
+/// compress. Keeps every request it was sent.
+struct Recorder {
+    rounds: usize,
+    requests: std::sync::Mutex<Vec<ratchet_llm::ModelRequest>>,
+}
+
+#[async_trait::async_trait]
+impl ratchet_llm::Model for Recorder {
+    async fn complete(
+        &self,
+        request: ratchet_llm::ModelRequest,
+        _deltas: tokio::sync::mpsc::UnboundedSender<String>,
+        _cancel: CancellationToken,
+    ) -> ratchet_llm::Result<ratchet_core::ModelReply> {
+        let summarizing =
+            request.tools.is_empty() && request.system_prompt.starts_with("You compress");
+        let mut requests = self.requests.lock().unwrap();
+        let turns = requests
+            .iter()
+            .filter(|r| !r.system_prompt.starts_with("You compress"))
+            .count();
+        requests.push(request);
+        let reply = if summarizing {
+            ratchet_core::ModelReply {
+                text: "SUMMARY-TEXT".into(),
+                ..Default::default()
+            }
+        } else if turns < self.rounds {
+            ratchet_core::ModelReply {
+                text: format!("round {turns}"),
+                tool_calls: vec![ratchet_core::ToolCall {
+                    id: format!("call-{turns}"),
+                    name: "add".into(),
+                    arguments: json!({"a": turns, "b": 1}),
+                }],
+                ..Default::default()
+            }
+        } else {
+            ratchet_core::ModelReply {
+                text: "done".into(),
+                ..Default::default()
+            }
+        };
+        Ok(reply)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_over_its_budget_is_compacted_into_a_hidden_summary() {
+    let recorder = Arc::new(Recorder {
+        rounds: 6,
+        requests: std::sync::Mutex::new(Vec::new()),
+    });
+    let model = Arc::clone(&recorder);
+    let server = Server::start_with(quick_script(), move |template, models| {
+        template.model = "recorder".into();
+        template.limits.max_prompt_tokens = Some(80);
+        models.register("recorder", model);
+    })
+    .await;
+    let session = server.create_session(TOKEN_A).await;
+    let accepted = server.send(TOKEN_A, &session, "add things up").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let done = server.finish(&run).await;
+    assert_eq!(
+        (&done["status"], &done["final_answer"]),
+        (&json!("completed"), &json!("done")),
+        "{done}"
+    );
+
+    let steps = server
+        .get_ok(TOKEN_A, &format!("/v1/runs/{run}/steps?limit=200"))
+        .await;
+    let instructions: Vec<&str> = steps["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["instruction"].as_str().unwrap())
+        .collect();
+    assert!(
+        instructions.contains(&"compress_context"),
+        "{instructions:?}"
+    );
+    let events = server
+        .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
+        .await;
+    let compacted: Vec<&Ev> = events
+        .iter()
+        .filter(|e| e.kind == "context.compacted")
+        .collect();
+    assert!(!compacted.is_empty());
+    let payload = &compacted[0].data["payload"];
+    assert!(
+        payload["tokens_after"].as_u64().unwrap() < payload["tokens_before"].as_u64().unwrap(),
+        "{payload}"
+    );
+
+    let requests = recorder.requests.lock().unwrap().clone();
+    let summarize = requests
+        .iter()
+        .position(|r| r.system_prompt.starts_with("You compress"))
+        .unwrap();
+    assert!(
+        requests[summarize].tools.is_empty(),
+        "a summary call offers no tools"
+    );
+    let before = &requests[summarize - 1];
+    let after = &requests[summarize + 1];
+    assert!(
+        after.messages[0].content.contains("SUMMARY-TEXT"),
+        "the summary leads the next prompt"
+    );
+    assert!(
+        after.messages.len() < before.messages.len() + 2,
+        "older messages are gone from the prompt"
+    );
+    assert_ne!(
+        after.messages[1].role,
+        ratchet_core::Role::Tool,
+        "no tool result without its call"
+    );
+    let estimate: u64 = after.messages.iter().map(|m| m.estimated_tokens()).sum();
+    assert!(
+        estimate < 80,
+        "the compacted prompt fits its budget: {estimate}"
+    );
+    for request in requests
+        .iter()
+        .filter(|r| !r.system_prompt.starts_with("You compress"))
+    {
+        let estimate: u64 = request.messages.iter().map(|m| m.estimated_tokens()).sum();
+        assert!(
+            estimate < 80 + 20,
+            "every prompt stays near its budget: {estimate}"
+        );
+    }
+    drop(requests);
+
+    // The summary is hidden: clients see the conversation as it happened.
+    let messages = server
+        .get_ok(
+            TOKEN_A,
+            &format!("/v1/sessions/{session}/messages?limit=200"),
+        )
+        .await;
+    let contents: Vec<&str> = messages["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
+    assert!(
+        !contents.iter().any(|c| c.contains("SUMMARY-TEXT")),
+        "{contents:?}"
+    );
+    assert_eq!(contents[0], "add things up");
+}

@@ -450,6 +450,13 @@ impl Store for SqliteStore {
             .await
     }
 
+    async fn context(&self, session_id: &SessionId) -> Result<Vec<StoredMessage>> {
+        let session_id = session_id.clone();
+        self.readers
+            .read(move |c| ops::context(c, &session_id))
+            .await
+    }
+
     async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
         let session_id = session_id.clone();
         self.readers

@@ -4,7 +4,7 @@
 use ratchet_core::step::{Reconciliation, Resumption, cancel_idle, start_run};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalId, EventDraft, EventKind, HumanRequest, Message, Millis,
-    Phase, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult,
+    Origin, Phase, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult,
     StopReason, ToolOutcome,
 };
 use ratchet_store::{
@@ -312,7 +312,10 @@ fn absorb_steers(c: &Tx<'_>, state: &AgentState, now: Millis) -> Result<Vec<Even
             c,
             &steer.message_id,
             state,
-            &Message::user(steer.content.clone()),
+            &Message {
+                origin: Origin::Steer,
+                ..Message::user(steer.content.clone())
+            },
             now,
         )?;
         drafts.push(EventDraft::new(
@@ -391,8 +394,8 @@ fn insert_message(
         sql_str(&message.origin)?,
     );
     c.prepare_cached(
-        "INSERT INTO messages (id, session_id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, created_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+        "INSERT INTO messages (id, session_id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, created_at, keeps_from)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
     )
     .and_then(|mut s| {
         s.execute(params![
@@ -405,7 +408,8 @@ fn insert_message(
             message.tool_call_id,
             visibility,
             origin,
-            now
+            now,
+            message.keeps_from
         ])
     })
     .map_err(backend)?;
@@ -1159,22 +1163,66 @@ pub(crate) fn visible_messages(
 ) -> Result<Vec<StoredMessage>> {
     let mut stmt = c
         .prepare_cached(
-            "SELECT rowid, id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, created_at
+            "SELECT rowid, id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, created_at
              FROM messages WHERE session_id = ?1 AND visibility = 'visible' AND rowid > ?2
              ORDER BY rowid LIMIT ?3",
         )
         .map_err(backend)?;
     let rows = stmt
-        .query_map(params![session_id.as_str(), after_position, limit], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, String>(2)?,
-                message_columns(r, 3)?,
-                r.get::<_, i64>(9)?,
-            ))
+        .query_map(
+            params![session_id.as_str(), after_position, limit],
+            stored_message_columns,
+        )
+        .map_err(backend)?;
+    to_stored_messages(rows)
+}
+
+type StoredMessageColumns = (i64, String, String, MessageColumns, Millis);
+
+fn stored_message_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<StoredMessageColumns> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        message_columns(r, 3)?,
+        r.get(10)?,
+    ))
+}
+
+/// What the model sees of a session: the latest summary (if the context was ever compacted)
+/// in place of every message before the first one it keeps, then the messages from there on.
+pub(crate) fn context(c: &Tx<'_>, session_id: &SessionId) -> Result<Vec<StoredMessage>> {
+    let summary: Option<(i64, i64)> = c
+        .prepare_cached(
+            "SELECT rowid, keeps_from FROM messages
+             WHERE session_id = ?1 AND keeps_from IS NOT NULL ORDER BY rowid DESC LIMIT 1",
+        )
+        .and_then(|mut s| {
+            s.query_row([session_id.as_str()], |r| Ok((r.get(0)?, r.get(1)?)))
+                .optional()
         })
         .map_err(backend)?;
+    let (summary, keeps_from) = summary.unwrap_or((0, 0));
+    let mut stmt = c
+        .prepare_cached(
+            "SELECT rowid, id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, created_at
+             FROM messages
+             WHERE session_id = ?1 AND (rowid = ?2 OR (rowid >= ?3 AND keeps_from IS NULL))
+             ORDER BY rowid <> ?2, rowid",
+        )
+        .map_err(backend)?;
+    let rows = stmt
+        .query_map(
+            params![session_id.as_str(), summary, keeps_from],
+            stored_message_columns,
+        )
+        .map_err(backend)?;
+    to_stored_messages(rows)
+}
+
+fn to_stored_messages(
+    rows: impl Iterator<Item = rusqlite::Result<StoredMessageColumns>>,
+) -> Result<Vec<StoredMessage>> {
     let mut messages = Vec::new();
     for row in rows {
         let (position, id, run_id, columns, created_at) = row.map_err(backend)?;
@@ -1196,6 +1244,7 @@ type MessageColumns = (
     Option<String>,
     String,
     String,
+    Option<i64>,
 );
 
 fn message_columns(r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<MessageColumns> {
@@ -1206,11 +1255,12 @@ fn message_columns(r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<Message
         r.get(at + 3)?,
         r.get(at + 4)?,
         r.get(at + 5)?,
+        r.get(at + 6)?,
     ))
 }
 
 fn to_message(columns: MessageColumns) -> Result<Message> {
-    let (role, content, tool_calls, tool_call_id, visibility, origin) = columns;
+    let (role, content, tool_calls, tool_call_id, visibility, origin, keeps_from) = columns;
     Ok(Message {
         role: sql_enum(&role)?,
         content,
@@ -1221,13 +1271,14 @@ fn to_message(columns: MessageColumns) -> Result<Message> {
         tool_call_id,
         visibility: sql_enum(&visibility)?,
         origin: sql_enum(&origin)?,
+        keeps_from,
     })
 }
 
 pub(crate) fn history(c: &Tx<'_>, session_id: &SessionId) -> Result<Vec<Message>> {
     let mut stmt = c
         .prepare_cached(
-            "SELECT role, content, tool_calls_json, tool_call_id, visibility, origin FROM messages
+            "SELECT role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from FROM messages
              WHERE session_id = ?1 ORDER BY rowid",
         )
         .map_err(backend)?;
@@ -1496,7 +1547,7 @@ pub(crate) fn resume_failed(
     now: Millis,
 ) -> Result<Vec<StoredEvent>> {
     let mut state = load_state(c, run_id)?;
-    let (drafts, job) = ratchet_core::step::resume_failed(&mut state, how)?;
+    let (drafts, job) = ratchet_core::step::resume_failed(&mut state, how, now)?;
     // The run takes its session back only if nobody else holds it: one active run each.
     let taken = c
         .prepare_cached(

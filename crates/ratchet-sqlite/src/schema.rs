@@ -155,6 +155,12 @@ CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
 END;
 INSERT INTO messages_fts(messages_fts) VALUES ('rebuild');
 "#,
+    r#"
+-- A summary written by a compaction keeps the messages from this position on; in the model's
+-- view it replaces every message before it.
+ALTER TABLE messages ADD COLUMN keeps_from INTEGER;
+CREATE INDEX messages_summaries ON messages(session_id) WHERE keeps_from IS NOT NULL;
+"#,
 ];
 
 pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {

@@ -67,6 +67,7 @@ macro_rules! store_conformance_tests {
             search_in_a_tenant_never_sees_another_tenant,
             search_ranks_better_matches_first_and_respects_the_limit,
             search_reads_query_syntax_as_plain_words,
+            the_model_sees_the_latest_summary_in_place_of_what_it_replaces,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -2700,4 +2701,92 @@ pub async fn search_reads_query_syntax_as_plain_words(store: &dyn Store) {
             other => panic!("query {query:?}: expected Error::Invalid, got {other:?}"),
         }
     }
+}
+
+/// The context is the history with the latest summary standing in for the messages before
+/// the first one it keeps; earlier summaries disappear with what they replaced. Clients'
+/// history and visible messages are unchanged.
+pub async fn the_model_sees_the_latest_summary_in_place_of_what_it_replaces(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (run, _) = submit(store, &session, "one", config(), T0).await;
+    let context = store.context(&session).await.unwrap();
+    assert_eq!(context.len(), 1);
+    assert_eq!(context[0].message.content, "one");
+    assert_eq!(context[0].run_id, run);
+
+    let step = claim(store, OWNER_A, T0 + 1).await;
+    let mut asked = after_model(step.state, &step.job, tool_reply(), false, T0 + 1, T0 + 2);
+    asked.messages.push(Message::user("two"));
+    asked.messages.push(Message::user("three"));
+    commit(store, &step.claim, asked, None, T0 + 2).await;
+    let full = store.context(&session).await.unwrap();
+    let texts = |messages: &[crate::StoredMessage]| -> Vec<String> {
+        messages.iter().map(|m| m.message.content.clone()).collect()
+    };
+    assert_eq!(texts(&full), ["one", "let me look", "two", "three"]);
+    let positions: Vec<i64> = full.iter().map(|m| m.position).collect();
+    assert!(positions.windows(2).all(|w| w[0] < w[1]), "{positions:?}");
+
+    // A summary keeping "two" on.
+    let step = claim(store, OWNER_A, T0 + 3).await;
+    let mut ran = after_tools(
+        step.state,
+        &step.job,
+        vec![ToolOutcome::ok("4")],
+        0,
+        T0 + 3,
+        T0 + 4,
+    );
+    ran.messages
+        .push(Message::summary("one and a look", full[2].position));
+    commit(store, &step.claim, ran, None, T0 + 4).await;
+    let context = store.context(&session).await.unwrap();
+    assert_eq!(
+        texts(&context),
+        [
+            "Summary of the earlier conversation:\none and a look",
+            "two",
+            "three",
+            "4"
+        ],
+        "the summary first, then what it keeps, then what came after"
+    );
+    assert_eq!(context[0].message.origin, ratchet_core::Origin::Summary);
+
+    // A later summary replaces the first one and everything before its own cut.
+    let step = claim(store, OWNER_A, T0 + 5).await;
+    let mut answered = after_model(
+        step.state,
+        &step.job,
+        text_reply("five"),
+        false,
+        T0 + 5,
+        T0 + 6,
+    );
+    answered
+        .messages
+        .push(Message::summary("up to three", context[3].position));
+    commit(store, &step.claim, answered, None, T0 + 6).await;
+    let context = store.context(&session).await.unwrap();
+    assert_eq!(
+        texts(&context),
+        [
+            "Summary of the earlier conversation:\nup to three",
+            "4",
+            "five"
+        ]
+    );
+    let history = store.history(&session).await.unwrap();
+    assert_eq!(
+        history.len(),
+        8,
+        "history keeps every message, summaries included"
+    );
+    let visible = store.visible_messages(&session, 0, 100).await.unwrap();
+    assert!(
+        visible
+            .iter()
+            .all(|m| m.message.origin != ratchet_core::Origin::Summary),
+        "summaries are hidden from clients"
+    );
 }

@@ -556,8 +556,13 @@ pub trait Store: Send + Sync + 'static {
 
     async fn load_state(&self, run_id: &RunId) -> Result<AgentState>;
 
-    /// The session's messages in order, hidden ones included (they feed the model).
+    /// The session's messages in order, hidden ones included.
     async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>>;
+
+    /// What the model is shown of a session: the latest compaction summary in place of the
+    /// messages before the first one it keeps, then every message from there on, in order.
+    /// Without a compaction, the whole history.
+    async fn context(&self, session_id: &SessionId) -> Result<Vec<StoredMessage>>;
 
     async fn list_runs(&self) -> Result<Vec<RunSummary>>;
 
