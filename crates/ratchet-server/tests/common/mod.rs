@@ -1,0 +1,457 @@
+//! What the HTTP tests share: a server on 127.0.0.1 with a fresh SQLite file, a real worker
+//! pool and a scripted model (or one a test registers), plain JSON requests with their
+//! checks, and a minimal Server-Sent Events reader.
+#![allow(
+    dead_code,
+    reason = "each test binary uses its own part of the harness"
+)]
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use ratchet_core::{Limits, MemoryScope, RunConfigSnapshot};
+use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool};
+use ratchet_server::{AppState, Tokens, hash_token};
+use ratchet_sqlite::SqliteStore;
+use ratchet_store::Store;
+use ratchet_tools::Registry;
+use reqwest::header::CONTENT_TYPE;
+use reqwest::{RequestBuilder, StatusCode};
+use serde_json::{Value, json};
+use tokio::time::timeout;
+use tokio_util::sync::CancellationToken;
+
+pub const TOKEN_A: &str = "token-of-tenant-a";
+pub const TOKEN_B: &str = "token-of-tenant-b";
+/// Also tenant A's: a base64 token, whose `+`, `/` and `=` a URL must percent-encode.
+pub const TOKEN_A_BASE64: &str = "q0/Lw+Zk9a==";
+/// Bound on anything the tests wait for; a healthy run takes a small fraction of it.
+pub const DEADLINE: Duration = Duration::from_secs(10);
+
+// ---------------------------------------------------------------------------------------
+// Scripts
+
+/// One tool round-trip, then an answer: three steps, no delays.
+pub fn quick_script() -> Value {
+    json!({"replies": [
+        {"text": "Let me add.", "tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]},
+        {"text": "The sum is 5."}
+    ]})
+}
+
+/// One answer of `words` words streamed `delay_ms` apart.
+pub fn slow_script(words: usize, delay_ms: u64) -> Value {
+    let text: Vec<String> = (1..=words).map(|i| format!("w{i}")).collect();
+    json!({"replies": [{"text": text.join(" "), "chunk_delay_ms": delay_ms}]})
+}
+
+/// A tool call that sleeps for a minute: the run stays active until cancelled.
+pub fn sleepy_script() -> Value {
+    json!({"replies": [
+        {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 60000}}]},
+        {"text": "never"}
+    ]})
+}
+
+// ---------------------------------------------------------------------------------------
+// The server
+
+pub struct Server {
+    pub base: String,
+    pub http: reqwest::Client,
+    pub shutdown: CancellationToken,
+    pub _pool: WorkerPool,
+    pub _dir: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+impl Server {
+    pub async fn start(script: Value) -> Server {
+        Server::start_with(script, |_, _| {}).await
+    }
+
+    /// A server whose run template and models `configure` adjusts first.
+    pub async fn start_with(
+        script: Value,
+        configure: impl FnOnce(&mut RunConfigSnapshot, &Models),
+    ) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let script_path = dir.path().join("script.json");
+        std::fs::write(&script_path, script.to_string()).unwrap();
+        let db = format!("sqlite://{}", dir.path().join("ratchet.db").display());
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_url(&db).unwrap());
+        let tools = Arc::new(Registry::builtin());
+        let models = Arc::new(Models::new(
+            tools.names().into_iter().map(str::to_owned).collect(),
+        ));
+        let coordinator = Coordinator::new(store);
+        let engine = Arc::new(Engine::new(
+            Arc::clone(&coordinator),
+            Arc::clone(&models),
+            tools,
+        ));
+        let mut run_template = RunConfigSnapshot {
+            model: format!("scripted:{}", script_path.display()),
+            workspace: None,
+            system_prompt: String::new(),
+            tools: Registry::builtin().specs(),
+            limits: Limits::default(),
+            memory_scope: MemoryScope::Session,
+        };
+        configure(&mut run_template, &models);
+        let tokens = Tokens::new(HashMap::from([
+            (hash_token(TOKEN_A), "tenant-a".to_owned()),
+            (hash_token(TOKEN_B), "tenant-b".to_owned()),
+            (hash_token(TOKEN_A_BASE64), "tenant-a".to_owned()),
+        ]));
+        let shutdown = CancellationToken::new();
+        let state = AppState::new(
+            Arc::clone(&coordinator),
+            run_template,
+            tokens,
+            shutdown.clone(),
+        );
+        let pool = WorkerPool::start(
+            coordinator,
+            engine,
+            PoolConfig {
+                workers: 4,
+                poll: Duration::from_millis(10),
+                retry_backoff: Duration::from_millis(10),
+                ..PoolConfig::default()
+            },
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            axum::serve(listener, ratchet_server::app(state))
+                .with_graceful_shutdown(stop.cancelled_owned())
+                .await
+                .unwrap();
+        });
+        Server {
+            base: format!("http://{address}"),
+            http: reqwest::Client::builder().no_proxy().build().unwrap(),
+            shutdown,
+            _pool: pool,
+            _dir: dir,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    pub fn get(&self, token: &str, path: &str) -> RequestBuilder {
+        self.http.get(self.url(path)).bearer_auth(token)
+    }
+
+    pub fn post(&self, token: &str, path: &str, body: Value) -> RequestBuilder {
+        self.http
+            .post(self.url(path))
+            .bearer_auth(token)
+            .json(&body)
+    }
+
+    pub async fn get_ok(&self, token: &str, path: &str) -> Value {
+        let reply = call(self.get(token, path)).await;
+        assert_eq!(reply.status, StatusCode::OK, "GET {path}: {}", reply.body);
+        reply.body
+    }
+
+    pub async fn create_session(&self, token: &str) -> String {
+        let reply = call(self.post(token, "/v1/sessions", json!({}))).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+        reply.body["id"].as_str().unwrap().to_owned()
+    }
+
+    /// Posts a message; returns the 202 body.
+    pub async fn send(&self, token: &str, session: &str, content: &str) -> Value {
+        let path = format!("/v1/sessions/{session}/messages");
+        let reply = call(self.post(token, &path, json!({"content": content}))).await;
+        assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.body);
+        reply.body
+    }
+
+    /// Opens an event stream (tenant A) and checks that it is one.
+    pub async fn stream(&self, path: &str, last_event_id: Option<&str>) -> Sse {
+        let mut request = self.get(TOKEN_A, path);
+        if let Some(id) = last_event_id {
+            request = request.header("last-event-id", id);
+        }
+        let response = timeout(DEADLINE, request.send())
+            .await
+            .expect("no answer in time")
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "GET {path}");
+        let content_type = response.headers()[CONTENT_TYPE].to_str().unwrap();
+        assert!(
+            content_type.starts_with("text/event-stream"),
+            "{content_type}"
+        );
+        Sse::new(response)
+    }
+
+    /// Reads a stream that must end by itself (`follow=false`) to its end.
+    pub async fn replay(&self, path: &str, last_event_id: Option<&str>) -> Vec<Ev> {
+        self.stream(path, last_event_id).await.read_to_end().await
+    }
+
+    /// Waits for the run's `run.finished` (on its own event stream) and returns the run.
+    pub async fn finish(&self, run: &str) -> Value {
+        self.finish_again(run, 1).await
+    }
+
+    /// Waits for the run's `nth` `run.finished` (a continued run ends more than once).
+    pub async fn finish_again(&self, run: &str, nth: usize) -> Value {
+        let mut events = self.stream(&format!("/v1/runs/{run}/events"), None).await;
+        let mut ends = 0;
+        events
+            .until(|e| {
+                ends += usize::from(e.kind == "run.finished");
+                ends == nth
+            })
+            .await;
+        let state = self.get_ok(TOKEN_A, &format!("/v1/runs/{run}")).await;
+        assert!(
+            ["completed", "failed", "cancelled"].contains(&state["status"].as_str().unwrap()),
+            "{state}"
+        );
+        state
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Plain requests
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub content_type: String,
+    pub body: Value,
+}
+
+/// Sends a request; the body must be JSON, whatever the status.
+pub async fn call(request: RequestBuilder) -> Reply {
+    timeout(DEADLINE, call_inner(request))
+        .await
+        .expect("no complete answer in time")
+}
+
+pub async fn call_inner(request: RequestBuilder) -> Reply {
+    let response = request.send().await.unwrap();
+    let status = response.status();
+    let content_type = response
+        .headers()
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let text = response.text().await.unwrap();
+    let body = serde_json::from_str(&text).unwrap_or_else(|e| {
+        panic!("{status}: the body is not JSON ({e}); content-type {content_type:?}: {text:?}")
+    });
+    Reply {
+        status,
+        content_type,
+        body,
+    }
+}
+
+pub fn keys(value: &Value) -> Vec<&str> {
+    let mut keys: Vec<&str> = value
+        .as_object()
+        .map(|o| o.keys().map(String::as_str).collect())
+        .unwrap_or_default();
+    keys.sort_unstable();
+    keys
+}
+
+/// The status, and a body of exactly `{"error": {"code", "message"}}`.
+pub fn assert_error(what: &str, reply: &Reply, status: StatusCode, code: &str) {
+    let body = &reply.body;
+    assert_eq!(reply.status, status, "{what}: {body}");
+    assert!(
+        reply.content_type.starts_with("application/json"),
+        "{what}: {:?}",
+        reply.content_type
+    );
+    assert_eq!(keys(body), ["error"], "{what}: {body}");
+    assert_eq!(keys(&body["error"]), ["code", "message"], "{what}: {body}");
+    assert_eq!(body["error"]["code"], code, "{what}: {body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{what}: {body}"
+    );
+}
+
+pub fn ids(items: &Value) -> Vec<String> {
+    items
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// Follows `next_cursor` from the first page to the last; returns the pages' items.
+pub async fn all_pages(server: &Server, path: &str, limit: u32) -> Vec<Vec<Value>> {
+    let mut pages = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let separator = if path.contains('?') { '&' } else { '?' };
+        let mut url = format!("{path}{separator}limit={limit}");
+        if let Some(cursor) = &cursor {
+            url.push_str(&format!("&cursor={cursor}"));
+        }
+        let page = server.get_ok(TOKEN_A, &url).await;
+        assert_eq!(keys(&page), ["items", "next_cursor"], "{page}");
+        let items = page["items"].as_array().unwrap().clone();
+        assert!(items.len() <= limit as usize);
+        pages.push(items);
+        match page["next_cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => {
+                assert!(page["next_cursor"].is_null(), "{page}");
+                return pages;
+            }
+        }
+        assert!(pages.len() < 100, "pagination does not end");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A minimal Server-Sent Events reader
+
+/// One event: `id` (the seq), `event` (the kind) and `data` (an EventView), checked to agree.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ev {
+    pub seq: i64,
+    pub kind: String,
+    pub run_id: Option<String>,
+    pub data: Value,
+}
+
+pub struct Sse {
+    pub body: BoxStream<'static, reqwest::Result<Vec<u8>>>,
+    pub buffer: Vec<u8>,
+}
+
+impl Sse {
+    pub fn new(response: reqwest::Response) -> Sse {
+        Sse {
+            body: response
+                .bytes_stream()
+                .map(|chunk| chunk.map(|c| c.to_vec()))
+                .boxed(),
+            buffer: Vec::new(),
+        }
+    }
+
+    /// The next event, or `None` when the server ended the stream.
+    pub async fn next(&mut self) -> Option<Ev> {
+        let (mut id, mut kind, mut data) = (None::<String>, None::<String>, None::<String>);
+        loop {
+            while let Some(end) = self.buffer.iter().position(|b| *b == b'\n') {
+                let raw: Vec<u8> = self.buffer.drain(..=end).collect();
+                let text = String::from_utf8(raw).unwrap();
+                let line = text.trim_end_matches(['\n', '\r']);
+                if line.is_empty() {
+                    if id.is_some() || kind.is_some() || data.is_some() {
+                        return Some(Ev::parse(id, kind, data));
+                    }
+                    continue;
+                }
+                if line.starts_with(':') {
+                    continue;
+                }
+                let (field, value) = line.split_once(':').unwrap_or((line, ""));
+                let value = value.strip_prefix(' ').unwrap_or(value).to_owned();
+                match field {
+                    "id" => id = Some(value),
+                    "event" => kind = Some(value),
+                    "data" => match &mut data {
+                        Some(data) => {
+                            data.push('\n');
+                            data.push_str(&value);
+                        }
+                        None => data = Some(value),
+                    },
+                    _ => {}
+                }
+            }
+            match self.body.next().await {
+                Some(chunk) => self.buffer.extend(chunk.expect("the event stream broke")),
+                None => return None,
+            }
+        }
+    }
+
+    /// Reads until (and including) the first event matching `last`.
+    pub async fn until(&mut self, mut last: impl FnMut(&Ev) -> bool) -> Vec<Ev> {
+        let mut events = Vec::new();
+        let read = async {
+            loop {
+                let event = self.next().await.expect("the stream ended early");
+                let done = last(&event);
+                events.push(event);
+                if done {
+                    return;
+                }
+            }
+        };
+        if timeout(DEADLINE, read).await.is_err() {
+            panic!("the expected event never came; got {events:#?}");
+        }
+        events
+    }
+
+    /// Reads until the server ends the stream.
+    pub async fn read_to_end(mut self) -> Vec<Ev> {
+        let mut events = Vec::new();
+        let read = async {
+            while let Some(event) = self.next().await {
+                events.push(event);
+            }
+        };
+        if timeout(DEADLINE, read).await.is_err() {
+            panic!("the stream did not end; got {events:#?}");
+        }
+        events
+    }
+}
+
+impl Ev {
+    pub fn parse(id: Option<String>, kind: Option<String>, data: Option<String>) -> Ev {
+        let id = id.expect("every event has an id");
+        let kind = kind.expect("every event has a kind");
+        let data: Value = serde_json::from_str(&data.expect("every event has data")).unwrap();
+        let seq: i64 = id.parse().unwrap();
+        assert_eq!(data["seq"], seq, "id and data.seq agree");
+        assert_eq!(data["kind"], kind.as_str(), "event and data.kind agree");
+        Ev {
+            seq,
+            kind,
+            run_id: data["run_id"].as_str().map(str::to_owned),
+            data,
+        }
+    }
+}
+
+pub fn seqs(events: &[Ev]) -> Vec<i64> {
+    events.iter().map(|e| e.seq).collect()
+}
+
+pub fn kinds(events: &[Ev]) -> Vec<&str> {
+    events.iter().map(|e| e.kind.as_str()).collect()
+}

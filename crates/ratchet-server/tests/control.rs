@@ -1,0 +1,665 @@
+//! Human in the loop and run control over HTTP: approvals, continue and retry, steering,
+//! context compaction, and many clients racing approvals, denials, cancels and messages.
+
+mod common;
+
+use std::sync::Arc;
+
+use ratchet_core::ApprovalPolicy;
+use reqwest::StatusCode;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use common::*;
+
+// ---------------------------------------------------------------------------------------
+// Approvals
+
+/// `add` needs approval when `a` has three digits; `now` never does.
+async fn gated_server() -> Server {
+    let script = json!({"replies": [
+        {"text": "Three calls.", "tool_calls": [
+            {"name": "add", "arguments": {"a": 100, "b": 1}},
+            {"name": "add", "arguments": {"a": 2, "b": 3}},
+            {"name": "now"}
+        ]},
+        {"text": "Done."}
+    ]});
+    Server::start_with(script, |template, _| {
+        let add = template.tools.iter_mut().find(|t| t.name == "add").unwrap();
+        add.approval = ApprovalPolicy::WhenArguments([("a".into(), "???".into())].into());
+    })
+    .await
+}
+
+/// Sends a message and waits for the approval its run asks for; returns (run, approval id,
+/// the run's events so far).
+async fn gated_message(server: &Server, session: &str) -> (String, String, Vec<Ev>) {
+    let accepted = server.send(TOKEN_A, session, "add things").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let mut stream = server.stream(&format!("/v1/runs/{run}/events"), None).await;
+    let events = stream
+        .until(|e| e.kind == "run.status" && e.data["payload"]["status"] == "waiting_human")
+        .await;
+    let required = events
+        .iter()
+        .find(|e| e.kind == "approval.required")
+        .expect("the gate is announced");
+    let approval = required.data["payload"]["approval_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    (run, approval, events)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gated_batch_runs_only_what_a_human_approved_and_the_model_sees_every_result() {
+    let server = gated_server().await;
+    let session = server.create_session(TOKEN_A).await;
+    let (run, approval, events) = gated_message(&server, &session).await;
+    assert!(
+        !kinds(&events).contains(&"tool.call"),
+        "no call of a gated batch starts: {:?}",
+        kinds(&events)
+    );
+    let state = server.get_ok(TOKEN_A, &format!("/v1/runs/{run}")).await;
+    assert_eq!(state["status"], "waiting_human");
+    assert_eq!(state["pending_human"]["kind"], "approval", "{state}");
+
+    let pending = server.get_ok(TOKEN_A, "/v1/approvals?status=pending").await;
+    let item = &pending["items"][0];
+    assert_eq!(pending["items"].as_array().unwrap().len(), 1, "{pending}");
+    assert_eq!(item["id"], approval.as_str());
+    assert_eq!(item["run_id"], run.as_str());
+    assert_eq!(item["status"], "pending");
+    let calls = item["calls"].as_array().unwrap();
+    let shape: Vec<(&str, bool)> = calls
+        .iter()
+        .map(|c| (c["name"].as_str().unwrap(), c["needs_approval"] == true))
+        .collect();
+    assert_eq!(shape, [("add", true), ("add", false), ("now", false)]);
+    assert_eq!(calls[0]["arguments"], json!({"a": 100, "b": 1}));
+    let call_ids: Vec<&str> = calls
+        .iter()
+        .map(|c| c["call_id"].as_str().unwrap())
+        .collect();
+
+    // Another tenant sees nothing of it.
+    let theirs = server.get_ok(TOKEN_B, "/v1/approvals").await;
+    assert_eq!(theirs["items"], json!([]));
+    let path = format!("/v1/approvals/{approval}");
+    let body = json!({"decisions": [{"call_id": call_ids[0], "decision": "approve"}]});
+    assert_error(
+        "other tenant's approval",
+        &call(server.get(TOKEN_B, &path)).await,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    );
+    assert_error(
+        "other tenant's answer",
+        &call(server.post(TOKEN_B, &path, body)).await,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    );
+
+    // Answers that cannot be right change nothing.
+    for (bad, status, code) in [
+        (
+            json!({"decisions": [{"call_id": call_ids[1], "decision": "approve"}]}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+        (
+            json!({"decisions": [{"call_id": "nope", "decision": "deny"}]}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+        (
+            json!({"decisions": [{"call_id": call_ids[0], "decision": "maybe"}]}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+        (
+            json!({"decisions": [], "abort": true}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+        (
+            json!({}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+        (
+            json!({"abort": false}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+    ] {
+        let reply = call(server.post(TOKEN_A, &path, bad.clone())).await;
+        assert_error(&bad.to_string(), &reply, status, code);
+    }
+    let unknown = call(server.get(TOKEN_A, "/v1/approvals/apr_nope-1")).await;
+    assert_error(
+        "unknown approval",
+        &unknown,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    );
+    let malformed = call(server.get(TOKEN_A, "/v1/approvals/run_x")).await;
+    assert_error(
+        "malformed id",
+        &malformed,
+        StatusCode::BAD_REQUEST,
+        "bad_request",
+    );
+    let status = call(server.get(TOKEN_A, "/v1/approvals?status=open")).await;
+    assert_error(
+        "unknown status",
+        &status,
+        StatusCode::BAD_REQUEST,
+        "bad_request",
+    );
+    assert_eq!(
+        server.get_ok(TOKEN_A, &path).await["status"],
+        "pending",
+        "refused answers leave it pending"
+    );
+
+    // Deny the gated call; the others, not named, run.
+    let answer =
+        json!({"decisions": [{"call_id": call_ids[0], "decision": "deny", "note": "too big"}]});
+    let reply = call(server.post(TOKEN_A, &path, answer.clone())).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(reply.body["status"], "decided");
+    let decided: Vec<&str> = reply.body["calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["decision"].as_str().unwrap())
+        .collect();
+    assert_eq!(decided, ["deny", "approve", "approve"]);
+    assert_eq!(reply.body["calls"][0]["note"], "too big");
+    let state = server.finish(&run).await;
+    assert_eq!(state["status"], "completed", "{state}");
+    assert_eq!(state["final_answer"], "Done.");
+
+    // The model saw one result per call, in its order; the denied call never ran.
+    let messages = server
+        .get_ok(TOKEN_A, &format!("/v1/sessions/{session}/messages"))
+        .await;
+    let tool_results: Vec<(String, String)> = messages["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| {
+            (
+                m["tool_call_id"].as_str().unwrap().to_owned(),
+                m["content"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let order: Vec<&str> = tool_results.iter().map(|(id, _)| id.as_str()).collect();
+    assert_eq!(order, call_ids);
+    assert!(
+        tool_results[0].1.contains("denied by a human: too big"),
+        "{tool_results:?}"
+    );
+    assert!(tool_results[1].1.contains('5'), "{tool_results:?}");
+    let all = server
+        .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
+        .await;
+    let decided_at = all
+        .iter()
+        .position(|e| e.kind == "approval.decided")
+        .expect("approval.decided");
+    let started: Vec<(usize, &str)> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| e.kind == "tool.call")
+        .map(|(i, e)| (i, e.data["payload"]["call_id"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        started.iter().map(|(_, id)| *id).collect::<Vec<_>>(),
+        call_ids[1..],
+        "only the approved calls started"
+    );
+    assert!(
+        started.iter().all(|(i, _)| *i > decided_at),
+        "and only after the answer"
+    );
+
+    // The same answer again is fine; a different one is a conflict.
+    let again = call(server.post(TOKEN_A, &path, answer)).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.body);
+    let different = json!({"decisions": [{"call_id": call_ids[0], "decision": "approve"}]});
+    assert_error(
+        "a different answer",
+        &call(server.post(TOKEN_A, &path, different)).await,
+        StatusCode::CONFLICT,
+        "conflict",
+    );
+    let decided = server.get_ok(TOKEN_A, "/v1/approvals?status=decided").await;
+    assert_eq!(ids(&decided["items"]), [approval.as_str()]);
+    let pending = server.get_ok(TOKEN_A, "/v1/approvals?status=pending").await;
+    assert_eq!(pending["items"], json!([]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborting_an_approval_cancels_the_run_and_the_next_message_runs() {
+    let server = gated_server().await;
+    let session = server.create_session(TOKEN_A).await;
+    let (run, approval, _) = gated_message(&server, &session).await;
+    let path = format!("/v1/approvals/{approval}");
+    let reply = call(server.post(TOKEN_A, &path, json!({"abort": true}))).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(reply.body["status"], "aborted");
+    let state = server.get_ok(TOKEN_A, &format!("/v1/runs/{run}")).await;
+    assert_eq!(
+        (&state["status"], &state["stop_reason"]),
+        (&json!("cancelled"), &json!("cancelled")),
+        "{state}"
+    );
+    assert_eq!(state["usage"]["tool_calls"], 0, "{state}");
+    // The session is free: the next message runs (and is gated in its turn).
+    let (next, next_approval, _) = gated_message(&server, &session).await;
+    assert_ne!(next, run);
+    let cancelled = call(server.post(TOKEN_A, &format!("/v1/runs/{next}/cancel"), json!({}))).await;
+    assert_eq!(cancelled.status, StatusCode::OK, "{}", cancelled.body);
+    let listed = server
+        .get_ok(TOKEN_A, "/v1/approvals?status=cancelled")
+        .await;
+    assert_eq!(ids(&listed["items"]), [next_approval.as_str()]);
+    let late = json!({"abort": true});
+    let reply = call(server.post(TOKEN_A, &format!("/v1/approvals/{next_approval}"), late)).await;
+    assert_error(
+        "answer after cancel",
+        &reply,
+        StatusCode::CONFLICT,
+        "conflict",
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Continue and retry
+
+/// A model that fails its first `failures` calls with a transient error, then answers.
+struct Flaky {
+    failures: std::sync::atomic::AtomicU32,
+}
+
+#[async_trait::async_trait]
+impl ratchet_llm::Model for Flaky {
+    async fn complete(
+        &self,
+        _request: ratchet_llm::ModelRequest,
+        _deltas: tokio::sync::mpsc::UnboundedSender<String>,
+        _cancel: CancellationToken,
+    ) -> ratchet_llm::Result<ratchet_core::ModelReply> {
+        use std::sync::atomic::Ordering;
+        let left = self.failures.load(Ordering::SeqCst);
+        if left > 0 {
+            self.failures.store(left - 1, Ordering::SeqCst);
+            return Err(ratchet_llm::Error::Transient(
+                "HTTP 503 from the flaky model".into(),
+            ));
+        }
+        Ok(ratchet_core::ModelReply {
+            text: "recovered".into(),
+            ..Default::default()
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_failed_calling_the_model_is_retried_with_fresh_attempts() {
+    let server = Server::start_with(quick_script(), |template, models| {
+        template.model = "flaky".into();
+        template.limits.max_model_attempts = 2;
+        let flaky = Flaky {
+            failures: std::sync::atomic::AtomicU32::new(2),
+        };
+        models.register("flaky", Arc::new(flaky));
+    })
+    .await;
+    let session = server.create_session(TOKEN_A).await;
+    let accepted = server.send(TOKEN_A, &session, "hello").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let failed = server.finish(&run).await;
+    assert_eq!(
+        (&failed["status"], &failed["stop_reason"]),
+        (&json!("failed"), &json!("model_error")),
+        "{failed}"
+    );
+    let steps = failed["step_index"].as_u64().unwrap();
+
+    let continue_path = format!("/v1/runs/{run}/continue");
+    let retry_path = format!("/v1/runs/{run}/retry");
+    let theirs = call(server.post(TOKEN_B, &retry_path, json!({}))).await;
+    assert_error(
+        "another tenant's run",
+        &theirs,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    );
+    let extra = call(server.post(TOKEN_A, &continue_path, json!({"extra_stepz": 1}))).await;
+    assert_error(
+        "unknown field",
+        &extra,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_request",
+    );
+
+    let reply = call(server.post(TOKEN_A, &retry_path, json!({}))).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(reply.body["status"], "running");
+    let done = server.finish_again(&run, 2).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["final_answer"], "recovered");
+    assert_eq!(
+        done["step_index"],
+        steps + 1,
+        "the failed step stays; one new step answers"
+    );
+    let events = server
+        .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
+        .await;
+    assert_eq!(
+        kinds(&events)
+            .iter()
+            .filter(|k| **k == "run.resumed")
+            .count(),
+        1
+    );
+    let finished = kinds(&events)
+        .iter()
+        .filter(|k| **k == "run.finished")
+        .count();
+    assert_eq!(finished, 2, "one per end: failed, then completed");
+
+    let again = call(server.post(TOKEN_A, &retry_path, json!({}))).await;
+    assert_error(
+        "retry of a completed run",
+        &again,
+        StatusCode::CONFLICT,
+        "conflict",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_spent_its_budget_is_continued_with_more() {
+    let forever = json!({"replies": [
+        {"text": "More.", "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}}]}
+    ]});
+    let server = Server::start_with(forever, |template, _| template.limits.max_steps = 3).await;
+    let session = server.create_session(TOKEN_A).await;
+    let accepted = server.send(TOKEN_A, &session, "loop").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let failed = server.finish(&run).await;
+    assert_eq!(
+        (&failed["stop_reason"], &failed["step_index"]),
+        (&json!("budget_exhausted"), &json!(3)),
+        "{failed}"
+    );
+
+    let continue_path = format!("/v1/runs/{run}/continue");
+    let retry = call(server.post(TOKEN_A, &format!("/v1/runs/{run}/retry"), json!({}))).await;
+    assert_error(
+        "retry of a spent budget",
+        &retry,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_request",
+    );
+    let nothing = call(server.post(TOKEN_A, &continue_path, json!({}))).await;
+    assert_error(
+        "continue without budget",
+        &nothing,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_request",
+    );
+    assert!(
+        nothing.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("budget is spent"),
+        "{}",
+        nothing.body
+    );
+
+    let reply = call(server.post(TOKEN_A, &continue_path, json!({"extra_steps": 3}))).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let again = server.finish_again(&run, 2).await;
+    assert_eq!(
+        (
+            &again["status"],
+            &again["stop_reason"],
+            &again["step_index"]
+        ),
+        (&json!("failed"), &json!("budget_exhausted"), &json!(6)),
+        "three more steps: a model call, its tools, a concluding call: {again}"
+    );
+    assert_eq!(again["usage"]["tool_calls"], 2, "{again}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steering_message_joins_the_active_run_after_its_tool_results() {
+    let script = json!({"replies": [
+        {"text": "Sleeping.", "tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 300}}]},
+        {"text": "Awake."}
+    ]});
+    let server = Server::start(script).await;
+    let session = server.create_session(TOKEN_A).await;
+    let accepted = server.send(TOKEN_A, &session, "sleep").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let mut events = server.stream(&format!("/v1/runs/{run}/events"), None).await;
+    events.until(|e| e.kind == "tool.call").await;
+    let path = format!("/v1/sessions/{session}/messages");
+    let body = json!({"content": "and then say hi", "multitask": "steer"});
+    let reply = call(server.post(TOKEN_A, &path, body)).await;
+    assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.body);
+    assert_eq!(reply.body["steered"], true);
+    assert_eq!(
+        reply.body["run_id"],
+        run.as_str(),
+        "it joins the active run"
+    );
+    let seen = events.until(|e| e.kind == "run.finished").await;
+    let steered = seen
+        .iter()
+        .position(|e| e.kind == "message.steered")
+        .expect("message.steered");
+    let result = seen.iter().position(|e| e.kind == "tool.result").unwrap();
+    assert!(
+        result < steered,
+        "after the tool's result: {:?}",
+        kinds(&seen)
+    );
+    assert_eq!(
+        seen[steered].data["payload"]["message_id"],
+        reply.body["message_id"]
+    );
+    let messages = server.get_ok(TOKEN_A, &path).await;
+    let shape: Vec<(&str, &str)> = messages["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["role"].as_str().unwrap(), m["run_id"].as_str().unwrap()))
+        .collect();
+    let r = run.as_str();
+    assert_eq!(
+        shape,
+        [
+            ("user", r),
+            ("assistant", r),
+            ("tool", r),
+            ("user", r),
+            ("assistant", r)
+        ]
+    );
+    let runs = server
+        .get_ok(TOKEN_A, &format!("/v1/sessions/{session}/runs"))
+        .await;
+    assert_eq!(ids(&runs["items"]), [r], "no run of its own");
+}
+
+// ---------------------------------------------------------------------------------------
+// Context compaction
+
+/// Calls `add` on each of its first `rounds` calls, then answers; summarises when asked to
+/// compress. Keeps every request it was sent.
+struct Recorder {
+    rounds: usize,
+    requests: std::sync::Mutex<Vec<ratchet_llm::ModelRequest>>,
+}
+
+#[async_trait::async_trait]
+impl ratchet_llm::Model for Recorder {
+    async fn complete(
+        &self,
+        request: ratchet_llm::ModelRequest,
+        _deltas: tokio::sync::mpsc::UnboundedSender<String>,
+        _cancel: CancellationToken,
+    ) -> ratchet_llm::Result<ratchet_core::ModelReply> {
+        let summarizing =
+            request.tools.is_empty() && request.system_prompt.starts_with("You compress");
+        let mut requests = self.requests.lock().unwrap();
+        let turns = requests
+            .iter()
+            .filter(|r| !r.system_prompt.starts_with("You compress"))
+            .count();
+        requests.push(request);
+        let reply = if summarizing {
+            ratchet_core::ModelReply {
+                text: "SUMMARY-TEXT".into(),
+                ..Default::default()
+            }
+        } else if turns < self.rounds {
+            ratchet_core::ModelReply {
+                text: format!("round {turns}"),
+                tool_calls: vec![ratchet_core::ToolCall {
+                    id: format!("call-{turns}"),
+                    name: "add".into(),
+                    arguments: json!({"a": turns, "b": 1}),
+                }],
+                ..Default::default()
+            }
+        } else {
+            ratchet_core::ModelReply {
+                text: "done".into(),
+                ..Default::default()
+            }
+        };
+        Ok(reply)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_over_its_budget_is_compacted_into_a_hidden_summary() {
+    let recorder = Arc::new(Recorder {
+        rounds: 6,
+        requests: std::sync::Mutex::new(Vec::new()),
+    });
+    let model = Arc::clone(&recorder);
+    let server = Server::start_with(quick_script(), move |template, models| {
+        template.model = "recorder".into();
+        template.limits.max_prompt_tokens = Some(80);
+        models.register("recorder", model);
+    })
+    .await;
+    let session = server.create_session(TOKEN_A).await;
+    let accepted = server.send(TOKEN_A, &session, "add things up").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let done = server.finish(&run).await;
+    assert_eq!(
+        (&done["status"], &done["final_answer"]),
+        (&json!("completed"), &json!("done")),
+        "{done}"
+    );
+
+    let steps = server
+        .get_ok(TOKEN_A, &format!("/v1/runs/{run}/steps?limit=200"))
+        .await;
+    let instructions: Vec<&str> = steps["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["instruction"].as_str().unwrap())
+        .collect();
+    assert!(
+        instructions.contains(&"compress_context"),
+        "{instructions:?}"
+    );
+    let events = server
+        .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
+        .await;
+    let compacted: Vec<&Ev> = events
+        .iter()
+        .filter(|e| e.kind == "context.compacted")
+        .collect();
+    assert!(!compacted.is_empty());
+    let payload = &compacted[0].data["payload"];
+    assert!(
+        payload["tokens_after"].as_u64().unwrap() < payload["tokens_before"].as_u64().unwrap(),
+        "{payload}"
+    );
+
+    let requests = recorder.requests.lock().unwrap().clone();
+    let summarize = requests
+        .iter()
+        .position(|r| r.system_prompt.starts_with("You compress"))
+        .unwrap();
+    assert!(
+        requests[summarize].tools.is_empty(),
+        "a summary call offers no tools"
+    );
+    let before = &requests[summarize - 1];
+    let after = &requests[summarize + 1];
+    assert!(
+        after.messages[0].content.contains("SUMMARY-TEXT"),
+        "the summary leads the next prompt"
+    );
+    assert!(
+        after.messages.len() < before.messages.len() + 2,
+        "older messages are gone from the prompt"
+    );
+    assert_ne!(
+        after.messages[1].role,
+        ratchet_core::Role::Tool,
+        "no tool result without its call"
+    );
+    let estimate: u64 = after.messages.iter().map(|m| m.estimated_tokens()).sum();
+    assert!(
+        estimate < 80,
+        "the compacted prompt fits its budget: {estimate}"
+    );
+    for request in requests
+        .iter()
+        .filter(|r| !r.system_prompt.starts_with("You compress"))
+    {
+        let estimate: u64 = request.messages.iter().map(|m| m.estimated_tokens()).sum();
+        assert!(
+            estimate < 80 + 20,
+            "every prompt stays near its budget: {estimate}"
+        );
+    }
+    drop(requests);
+
+    // The summary is hidden: clients see the conversation as it happened.
+    let messages = server
+        .get_ok(
+            TOKEN_A,
+            &format!("/v1/sessions/{session}/messages?limit=200"),
+        )
+        .await;
+    let contents: Vec<&str> = messages["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
+    assert!(
+        !contents.iter().any(|c| c.contains("SUMMARY-TEXT")),
+        "{contents:?}"
+    );
+    assert_eq!(contents[0], "add things up");
+}
