@@ -663,3 +663,335 @@ async fn a_prompt_over_its_budget_is_compacted_into_a_hidden_summary() {
     );
     assert_eq!(contents[0], "add things up");
 }
+
+// ---------------------------------------------------------------------------------------
+// Many clients at once
+
+/// Three turns of two calls each — a guarded `append_line` whose line names its run and turn,
+/// and a short sleep — then an answer. The same calls for the same run and turn, as a model
+/// call redone after a retry must ask for the same thing.
+struct Busy;
+
+#[async_trait::async_trait]
+impl ratchet_llm::Model for Busy {
+    async fn complete(
+        &self,
+        request: ratchet_llm::ModelRequest,
+        _deltas: tokio::sync::mpsc::UnboundedSender<String>,
+        _cancel: CancellationToken,
+    ) -> ratchet_llm::Result<ratchet_core::ModelReply> {
+        let turn = request.call_index;
+        if turn >= 3 || request.tools.is_empty() {
+            return Ok(ratchet_core::ModelReply {
+                text: "done".into(),
+                ..Default::default()
+            });
+        }
+        let run = request.run_id.to_string();
+        let pause = run.bytes().map(u64::from).sum::<u64>() % 30 + turn * 7;
+        let call = |i: u64, name: &str, arguments: serde_json::Value| ratchet_core::ToolCall {
+            id: format!("c{turn}-{i}"),
+            name: name.into(),
+            arguments,
+        };
+        Ok(ratchet_core::ModelReply {
+            text: format!("turn {turn}"),
+            tool_calls: vec![
+                call(
+                    0,
+                    "append_line",
+                    json!({"path": "log.txt", "line": format!("{run}/c{turn}-0")}),
+                ),
+                call(1, "sleep_ms", json!({"ms": pause})),
+            ],
+            ..Default::default()
+        })
+    }
+}
+
+/// A small deterministic generator, seeded from the clock and printed, so that a failing
+/// interleaving's choices can be replayed.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+struct Sent {
+    session: String,
+    content: String,
+    message_id: String,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_approvals_denials_cancels_and_messages_keep_every_invariant() {
+    const SESSIONS: usize = 6;
+    const MESSAGES: usize = 4;
+    let workspace = tempfile::tempdir().unwrap();
+    let log = workspace.path().join("log.txt");
+    let root = workspace.path().display().to_string();
+    let server = Arc::new(
+        Server::start_with(quick_script(), move |template, models| {
+            template.model = "busy".into();
+            template.workspace = Some(root);
+            let append = template
+                .tools
+                .iter_mut()
+                .find(|t| t.name == "append_line")
+                .unwrap();
+            append.approval = ApprovalPolicy::Always;
+            models.register("busy", Arc::new(Busy));
+        })
+        .await,
+    );
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    eprintln!("seed {seed}");
+    let mut sessions = Vec::new();
+    for _ in 0..SESSIONS {
+        sessions.push(server.create_session(TOKEN_A).await);
+    }
+
+    // Clients send messages with every multitask mode at random instants.
+    let mut senders = Vec::new();
+    for (i, session) in sessions.iter().enumerate() {
+        let (server, session) = (Arc::clone(&server), session.clone());
+        senders.push(tokio::spawn(async move {
+            let mut rng = Rng(seed.wrapping_add(i as u64 * 7919) | 1);
+            let mut sent = Vec::new();
+            for m in 0..MESSAGES {
+                tokio::time::sleep(std::time::Duration::from_millis(rng.below(60))).await;
+                let multitask = ["enqueue", "interrupt", "steer"][rng.below(3) as usize];
+                let content = format!("{session} message {m} ({multitask})");
+                let path = format!("/v1/sessions/{session}/messages");
+                let body = json!({"content": content, "multitask": multitask});
+                let reply = call(server.post(TOKEN_A, &path, body)).await;
+                assert_eq!(reply.status, StatusCode::ACCEPTED, "{}", reply.body);
+                let message_id = reply.body["message_id"].as_str().unwrap().to_owned();
+                sent.push(Sent {
+                    session: session.clone(),
+                    content,
+                    message_id,
+                });
+            }
+            sent
+        }));
+    }
+
+    // Humans answer approvals (approve, deny, abort) and cancel runs, racing each other.
+    let stop = CancellationToken::new();
+    let mut humans = Vec::new();
+    for h in 0..2u64 {
+        let (server, stop, sessions) = (Arc::clone(&server), stop.clone(), sessions.clone());
+        humans.push(tokio::spawn(async move {
+            let mut rng = Rng(seed.wrapping_mul(31 + h) | 1);
+            while !stop.is_cancelled() {
+                let pending = server
+                    .get_ok(TOKEN_A, "/v1/approvals?status=pending&limit=200")
+                    .await;
+                for approval in pending["items"].as_array().unwrap() {
+                    let calls = approval["calls"].as_array().unwrap();
+                    let decide = |decision: &str| {
+                        let decisions: Vec<_> = calls
+                            .iter()
+                            .map(|c| json!({"call_id": c["call_id"], "decision": decision}))
+                            .collect();
+                        json!({"decisions": decisions})
+                    };
+                    let body = match rng.below(10) {
+                        0..=5 => decide("approve"),
+                        6..=8 => decide("deny"),
+                        _ => json!({"abort": true}),
+                    };
+                    let path = format!("/v1/approvals/{}", approval["id"].as_str().unwrap());
+                    let reply = call(server.post(TOKEN_A, &path, body)).await;
+                    assert!(
+                        [StatusCode::OK, StatusCode::CONFLICT].contains(&reply.status),
+                        "an answer is taken or loses a race, nothing else: {} {}",
+                        reply.status,
+                        reply.body
+                    );
+                }
+                if rng.below(4) == 0 {
+                    let session = &sessions[rng.below(sessions.len() as u64) as usize];
+                    let runs = server
+                        .get_ok(TOKEN_A, &format!("/v1/sessions/{session}/runs"))
+                        .await;
+                    if let Some(runs) = runs["items"].as_array().filter(|r| !r.is_empty()) {
+                        let run = runs[rng.below(runs.len() as u64) as usize]["id"]
+                            .as_str()
+                            .unwrap();
+                        let reply = call(server.post(
+                            TOKEN_A,
+                            &format!("/v1/runs/{run}/cancel"),
+                            json!({}),
+                        ))
+                        .await;
+                        assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+                    }
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(rng.below(15))).await;
+            }
+        }));
+    }
+    let mut sent: Vec<Sent> = Vec::new();
+    for sender in senders {
+        sent.extend(sender.await.unwrap());
+    }
+    // Everything settles: every run of every session ends, nothing is queued or steering.
+    let settle = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let mut busy = false;
+        for session in &sessions {
+            let now = server
+                .get_ok(TOKEN_A, &format!("/v1/sessions/{session}"))
+                .await;
+            let runs = server
+                .get_ok(TOKEN_A, &format!("/v1/sessions/{session}/runs?limit=200"))
+                .await;
+            busy |= !now["active_run_id"].is_null()
+                || runs["items"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|r| r["status"] == "queued");
+        }
+        if !busy {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < settle,
+            "the runs did not settle"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+    for human in humans {
+        human.await.unwrap();
+    }
+
+    let lines = std::fs::read_to_string(&log).unwrap_or_default();
+    let lines: Vec<&str> = lines.lines().collect();
+    let unique: std::collections::BTreeSet<&str> = lines.iter().copied().collect();
+    assert_eq!(unique.len(), lines.len(), "no tool ran twice: {lines:?}");
+    let mut finished_runs = 0;
+    for session in &sessions {
+        let events = server
+            .replay(&format!("/v1/sessions/{session}/events?follow=false"), None)
+            .await;
+        let mut status: std::collections::BTreeMap<String, String> = Default::default();
+        let mut ended_by_human: std::collections::BTreeSet<String> = Default::default();
+        let mut denied: std::collections::BTreeSet<(String, String)> = Default::default();
+        let mut finished: std::collections::BTreeMap<String, usize> = Default::default();
+        let mut never_started: std::collections::BTreeSet<String> = Default::default();
+        let mut message_runs: std::collections::BTreeMap<String, String> = Default::default();
+        for event in &events {
+            let payload = &event.data["payload"];
+            let run = event.run_id.clone().unwrap_or_default();
+            match event.kind.as_str() {
+                "run.created" => {
+                    status.insert(run.clone(), "queued".into());
+                    never_started.insert(run.clone());
+                    message_runs.insert(payload["message_id"].as_str().unwrap().to_owned(), run);
+                }
+                "run.status" => {
+                    let to = payload["status"].as_str().unwrap().to_owned();
+                    if to == "running" {
+                        never_started.remove(&run);
+                    }
+                    if to == "cancelling" || to == "cancelled" {
+                        ended_by_human.insert(run.clone());
+                    }
+                    status.insert(run, to);
+                }
+                "approval.decided" => {
+                    if payload["answer"] == "abort" {
+                        ended_by_human.insert(run.clone());
+                    }
+                    for decision in payload["answer"]["decisions"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                    {
+                        if decision["decision"] == "deny" {
+                            denied.insert((
+                                run.clone(),
+                                decision["call_id"].as_str().unwrap().to_owned(),
+                            ));
+                        }
+                    }
+                }
+                "tool.call" => {
+                    let call_id = payload["call_id"].as_str().unwrap().to_owned();
+                    assert!(
+                        !ended_by_human.contains(&run),
+                        "{run}: tool {call_id} started after its cancel was accepted"
+                    );
+                    assert!(
+                        !denied.contains(&(run.clone(), call_id.clone())),
+                        "{run}: denied call {call_id} started"
+                    );
+                }
+                "run.finished" => *finished.entry(run).or_default() += 1,
+                _ => {}
+            }
+            let active = status
+                .values()
+                .filter(|s| !["queued", "completed", "failed", "cancelled"].contains(&s.as_str()))
+                .count();
+            assert!(
+                active <= 1,
+                "{session} has {active} active runs after event #{}",
+                event.seq
+            );
+        }
+        for (run, status) in &status {
+            assert!(
+                ["completed", "failed", "cancelled"].contains(&status.as_str()),
+                "{run} ended {status}"
+            );
+            assert_eq!(finished.get(run), Some(&1), "{run} has exactly one end");
+            let state = server.get_ok(TOKEN_A, &format!("/v1/runs/{run}")).await;
+            assert!(state["stop_reason"].is_string(), "{state}");
+            finished_runs += 1;
+        }
+        for (run, call_id) in &denied {
+            let line = format!("{run}/{call_id}");
+            assert!(!unique.contains(line.as_str()), "denied {line} ran");
+        }
+        // Every message is in the conversation once, or its run was cancelled before it began.
+        let messages = server
+            .get_ok(
+                TOKEN_A,
+                &format!("/v1/sessions/{session}/messages?limit=200"),
+            )
+            .await;
+        let shown: Vec<&str> = messages["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["role"] == "user")
+            .map(|m| m["id"].as_str().unwrap())
+            .collect();
+        for message in sent.iter().filter(|m| &m.session == session) {
+            let times = shown.iter().filter(|id| **id == message.message_id).count();
+            let cancelled_unstarted = message_runs
+                .get(&message.message_id)
+                .is_some_and(|run| never_started.contains(run));
+            assert!(
+                times == 1 || (times == 0 && cancelled_unstarted),
+                "{:?} shown {times} times (run cancelled before it began: {cancelled_unstarted})",
+                message.content
+            );
+        }
+    }
+    assert!(finished_runs >= SESSIONS, "every session ran");
+}
