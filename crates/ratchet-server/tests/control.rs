@@ -995,3 +995,43 @@ async fn racing_approvals_denials_cancels_and_messages_keep_every_invariant() {
     }
     assert!(finished_runs >= SESSIONS, "every session ran");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_its_deadline_a_run_concludes_with_one_last_call() {
+    let forever = json!({"replies": [
+        {"text": "Waiting.", "tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 150}}]}
+    ]});
+    let server = Server::start_with(forever, |template, _| {
+        template.limits.max_duration_ms = Some(400);
+    })
+    .await;
+    let session = server.create_session(TOKEN_A).await;
+    let accepted = server.send(TOKEN_A, &session, "wait").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let ended = server.finish(&run).await;
+    assert_eq!(
+        (&ended["status"], &ended["stop_reason"]),
+        (&json!("failed"), &json!("budget_exhausted")),
+        "{ended}"
+    );
+    let took = ended["finished_at"].as_i64().unwrap() - ended["started_at"].as_i64().unwrap();
+    assert!(
+        (400..5_000).contains(&took),
+        "ended {took} ms after it started"
+    );
+    let steps = server
+        .get_ok(TOKEN_A, &format!("/v1/runs/{run}/steps?limit=200"))
+        .await;
+    let steps = steps["items"].as_array().unwrap();
+    let last = steps.last().unwrap();
+    assert_eq!(last["instruction"], "call_llm");
+    assert_eq!(
+        last["summary"]["conclude"], true,
+        "the last call offered no tools"
+    );
+    let concluding = steps
+        .iter()
+        .filter(|s| s["summary"]["conclude"] == true)
+        .count();
+    assert_eq!(concluding, 1, "exactly one concluding call");
+}
