@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::step::{DecisionError, Phase, StepJob, finish_in_place, status_event};
+use crate::step::{DecisionError, Phase, StepJob, back_to_running, finish_in_place, status_event};
 use crate::{
     AgentState, ApprovalId, EventDraft, EventKind, HumanRequest, Millis, RunId, RunStatus,
     StopReason, ToolOutcome,
@@ -228,15 +228,7 @@ pub fn answer_approval(
             }
         }
     }
-    state.pending_human = None;
-    state.status = RunStatus::Running;
-    events.push(status_event(state));
-    let job = StepJob {
-        run_id: state.run_id.clone(),
-        step_index: state.step_index + 1,
-        phase: Phase::HumanDecided,
-        attempt: 0,
-    };
+    let job = back_to_running(state, Phase::HumanDecided, &mut events);
     Ok((events, Some(job)))
 }
 

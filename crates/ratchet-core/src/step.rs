@@ -159,9 +159,7 @@ pub fn after_model(
     started_at: Millis,
     now: Millis,
 ) -> StepResult {
-    state.counters.model_calls += 1;
-    state.counters.input_tokens += reply.usage.input_tokens;
-    state.counters.output_tokens += reply.usage.output_tokens;
+    count_model_call(&mut state, reply.usage);
     state.just_compacted = false;
     if conclude {
         state.force_finish = true;
@@ -233,9 +231,7 @@ pub fn after_compaction(
     let mut summarized = 0;
     if let Some(compaction) = compaction {
         let reply = compaction.reply;
-        state.counters.model_calls += 1;
-        state.counters.input_tokens += reply.usage.input_tokens;
-        state.counters.output_tokens += reply.usage.output_tokens;
+        count_model_call(&mut state, reply.usage);
         let message = Message::summary(&reply.text, compaction.keeps_from);
         state.counters.context_tokens = message.estimated_tokens() + compaction.kept_tokens;
         summarized = compaction.summarized;
@@ -262,6 +258,12 @@ pub fn after_compaction(
         started_at,
         now,
     )
+}
+
+fn count_model_call(state: &mut AgentState, usage: Usage) {
+    state.counters.model_calls += 1;
+    state.counters.input_tokens += usage.input_tokens;
+    state.counters.output_tokens += usage.output_tokens;
 }
 
 /// The whole batch has outcomes, given in the checkpoint's order. `invalid_calls` counts
@@ -452,16 +454,26 @@ pub fn reconcile(
     if remaining > 0 {
         return Ok((events, None));
     }
+    let job = back_to_running(state, Phase::HumanDecided, &mut events);
+    Ok((events, Some(job)))
+}
+
+/// A human's answer lets a waiting (or failed) run go on: it is `running` again and the
+/// returned job, woken by `phase`, is its next step.
+pub(crate) fn back_to_running(
+    state: &mut AgentState,
+    phase: Phase,
+    events: &mut Vec<EventDraft>,
+) -> StepJob {
     state.pending_human = None;
     state.status = RunStatus::Running;
     events.push(status_event(state));
-    let job = StepJob {
+    StepJob {
         run_id: state.run_id.clone(),
         step_index: state.step_index + 1,
-        phase: Phase::HumanDecided,
+        phase,
         attempt: 0,
-    };
-    Ok((events, Some(job)))
+    }
 }
 
 /// How a failed run goes on.
@@ -532,19 +544,11 @@ pub fn resume_failed(
         )));
     }
     *state = resumed;
-    let events = vec![
-        EventDraft::new(
-            EventKind::RunResumed,
-            json!({"run_id": state.run_id, "after": reason, "how": how}),
-        ),
-        status_event(state),
-    ];
-    let job = StepJob {
-        run_id: state.run_id.clone(),
-        step_index: state.step_index + 1,
-        phase: Phase::Resumed,
-        attempt: 0,
-    };
+    let mut events = vec![EventDraft::new(
+        EventKind::RunResumed,
+        json!({"run_id": state.run_id, "after": reason, "how": how}),
+    )];
+    let job = back_to_running(state, Phase::Resumed, &mut events);
     Ok((events, job))
 }
 

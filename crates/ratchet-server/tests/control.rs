@@ -642,18 +642,10 @@ async fn a_prompt_over_its_budget_is_compacted_into_a_hidden_summary() {
             "every prompt stays near its budget: {estimate}"
         );
     }
-    drop(requests);
 
     // The summary is hidden: clients see the conversation as it happened.
-    let messages = server
-        .get_ok(
-            TOKEN_A,
-            &format!("/v1/sessions/{session}/messages?limit=200"),
-        )
-        .await;
-    let contents: Vec<&str> = messages["items"]
-        .as_array()
-        .unwrap()
+    let messages = server.messages(&session).await;
+    let contents: Vec<&str> = messages
         .iter()
         .map(|m| m["content"].as_str().unwrap())
         .collect();
@@ -968,15 +960,8 @@ async fn racing_approvals_denials_cancels_and_messages_keep_every_invariant() {
             assert!(!unique.contains(line.as_str()), "denied {line} ran");
         }
         // Every message is in the conversation once, or its run was cancelled before it began.
-        let messages = server
-            .get_ok(
-                TOKEN_A,
-                &format!("/v1/sessions/{session}/messages?limit=200"),
-            )
-            .await;
-        let shown: Vec<&str> = messages["items"]
-            .as_array()
-            .unwrap()
+        let messages = server.messages(session).await;
+        let shown: Vec<&str> = messages
             .iter()
             .filter(|m| m["role"] == "user")
             .map(|m| m["id"].as_str().unwrap())

@@ -80,14 +80,7 @@ type SessionColumns = (
 );
 
 fn session_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionColumns> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-    ))
+    r.try_into()
 }
 
 fn to_session(row: SessionColumns) -> Result<Session> {
@@ -1302,15 +1295,7 @@ type RunColumns = (
 );
 
 fn run_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<RunColumns> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-        r.get(6)?,
-    ))
+    r.try_into()
 }
 
 fn to_run_summary(row: RunColumns) -> Result<RunSummary> {
@@ -1395,14 +1380,7 @@ const EVENT_COLUMNS: &str = "session_id, seq, run_id, kind, payload_json, create
 type EventColumns = (String, i64, Option<String>, String, String, i64);
 
 fn event_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<EventColumns> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-    ))
+    r.try_into()
 }
 
 fn to_event(row: EventColumns) -> Result<StoredEvent> {
@@ -1585,17 +1563,7 @@ type ApprovalColumns = (
 );
 
 fn approval_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApprovalColumns> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-        r.get(6)?,
-        r.get(7)?,
-        r.get(8)?,
-    ))
+    r.try_into()
 }
 
 fn to_approval(row: ApprovalColumns) -> Result<Approval> {

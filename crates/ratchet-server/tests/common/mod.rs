@@ -168,6 +168,13 @@ impl Server {
         reply.body
     }
 
+    /// Every visible message of one of tenant A's sessions (up to 200), in order.
+    pub async fn messages(&self, session: &str) -> Vec<Value> {
+        let path = format!("/v1/sessions/{session}/messages?limit=200");
+        let page = self.get_ok(TOKEN_A, &path).await;
+        page["items"].as_array().unwrap().clone()
+    }
+
     pub async fn create_session(&self, token: &str) -> String {
         let reply = call(self.post(token, "/v1/sessions", json!({}))).await;
         assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
