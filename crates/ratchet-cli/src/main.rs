@@ -3,6 +3,7 @@
 
 mod approve;
 mod bench;
+mod bench_commits;
 mod bench_sse;
 mod chat;
 mod client;
@@ -314,6 +315,13 @@ enum ApprovalsCommand {
 
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
+    /// The disk's own limit: fsynced single-row SQLite commits per second (WAL, FULL).
+    Commits {
+        #[arg(long, default_value_t = 3000)]
+        count: u32,
+        #[arg(long)]
+        json: bool,
+    },
     /// Durable steps per second: N runs, C at a time, each K tool round-trips and an answer.
     Steps {
         /// Database URL; a fresh temporary SQLite file when absent.
@@ -544,6 +552,9 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             };
             approve::decide(target.target()?, decide).await
         }
+        Command::Bench {
+            command: BenchCommand::Commits { count, json },
+        } => bench_commits::commits(count, json),
         Command::Bench {
             command:
                 BenchCommand::Steps {

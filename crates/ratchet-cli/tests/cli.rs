@@ -937,3 +937,40 @@ fn an_approval_policy_for_an_unknown_tool_is_refused() {
         "approval policy for unknown tool \"rm_rf\"",
     );
 }
+
+#[test]
+fn bench_reports_steps_and_the_disks_own_commit_rate_as_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let commits = ratchet(dir.path(), &["bench", "commits", "--count", "20", "--json"]);
+    assert!(commits.status.success(), "{}", stderr_of(&commits));
+    let figures: Value = serde_json::from_slice(&commits.stdout).unwrap();
+    assert_eq!(figures["commits"], 20);
+    assert!(
+        figures["commits_per_s"].as_f64().unwrap() > 0.0,
+        "{figures}"
+    );
+    let steps = ratchet(
+        dir.path(),
+        &[
+            "bench",
+            "steps",
+            "--runs",
+            "4",
+            "--concurrency",
+            "2",
+            "--turns",
+            "1",
+            "--json",
+        ],
+    );
+    assert!(steps.status.success(), "{}", stderr_of(&steps));
+    let figures: Value = serde_json::from_slice(&steps.stdout).unwrap();
+    assert_eq!(
+        (&figures["runs"], &figures["steps"]),
+        (&json!(4), &json!(12)),
+        "{figures}"
+    );
+    let zero = ratchet(dir.path(), &["bench", "commits", "--count", "0"]);
+    assert_eq!(zero.status.code(), Some(1));
+    assert!(stderr_of(&zero).contains("--count must be at least 1"));
+}

@@ -84,6 +84,26 @@ impl SqliteOptions {
     }
 }
 
+/// The disk's own limit for durable writes, measured the way a commit is made durable here:
+/// a fresh file in `dir`, WAL, `synchronous=FULL`, `count` single-row transactions one after
+/// another (one fsync each). Returns the commits per second.
+pub fn single_commit_rate(dir: &Path, count: u32) -> Result<f64> {
+    let path = dir.join("commit-probe.db");
+    let conn = Connection::open(&path).map_err(backend)?;
+    conn.pragma_update(None, "journal_mode", "WAL")
+        .and_then(|()| conn.pragma_update(None, "synchronous", "FULL"))
+        .and_then(|()| conn.execute_batch("CREATE TABLE probe (n INTEGER NOT NULL)"))
+        .map_err(backend)?;
+    let started = std::time::Instant::now();
+    for n in 0..count {
+        conn.execute_batch("BEGIN IMMEDIATE")
+            .and_then(|()| conn.execute("INSERT INTO probe (n) VALUES (?1)", [n]))
+            .and_then(|_| conn.execute_batch("COMMIT"))
+            .map_err(backend)?;
+    }
+    Ok(f64::from(count) / started.elapsed().as_secs_f64())
+}
+
 pub(crate) fn open_connection(path: &Path, read_only: bool) -> Result<Connection> {
     let flags = if read_only {
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX
@@ -254,6 +274,7 @@ impl Store for SqliteStore {
         limit: u32,
     ) -> Result<Vec<MessageHit>> {
         let query = query.to_owned();
+        self.writer.write(search::catch_up).await?;
         self.readers
             .read(move |c| search::search_messages(c, &scope, &query, limit))
             .await

@@ -1185,32 +1185,31 @@ fn stored_message_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<StoredMessa
 /// What the model sees of a session: the latest summary (if the context was ever compacted)
 /// in place of every message before the first one it keeps, then the messages from there on.
 pub(crate) fn context(c: &Tx<'_>, session_id: &SessionId) -> Result<Vec<StoredMessage>> {
-    let summary: Option<(i64, i64)> = c
-        .prepare_cached(
-            "SELECT rowid, keeps_from FROM messages
-             WHERE session_id = ?1 AND keeps_from IS NOT NULL ORDER BY rowid DESC LIMIT 1",
-        )
-        .and_then(|mut s| {
-            s.query_row([session_id.as_str()], |r| Ok((r.get(0)?, r.get(1)?)))
-                .optional()
-        })
-        .map_err(backend)?;
-    let (summary, keeps_from) = summary.unwrap_or((0, 0));
     let mut stmt = c
         .prepare_cached(
             "SELECT rowid, id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, created_at
              FROM messages
-             WHERE session_id = ?1 AND (rowid = ?2 OR (rowid >= ?3 AND keeps_from IS NULL))
-             ORDER BY rowid <> ?2, rowid",
+             WHERE session_id = ?1
+               AND rowid >= COALESCE((SELECT MAX(keeps_from) FROM messages
+                                      WHERE session_id = ?1 AND keeps_from IS NOT NULL), 0)
+             ORDER BY rowid",
         )
         .map_err(backend)?;
     let rows = stmt
-        .query_map(
-            params![session_id.as_str(), summary, keeps_from],
-            stored_message_columns,
-        )
+        .query_map([session_id.as_str()], stored_message_columns)
         .map_err(backend)?;
-    to_stored_messages(rows)
+    let mut messages = to_stored_messages(rows)?;
+    // Only the latest summary stands; it leads, in place of what it replaced.
+    let summaries: Vec<usize> = (messages.iter().enumerate())
+        .filter(|(_, m)| m.message.keeps_from.is_some())
+        .map(|(i, _)| i)
+        .collect();
+    if let Some(&latest) = summaries.last() {
+        let summary = messages.remove(latest);
+        messages.retain(|m| m.message.keeps_from.is_none());
+        messages.insert(0, summary);
+    }
+    Ok(messages)
 }
 
 fn to_stored_messages(

@@ -51,6 +51,25 @@ pub(crate) fn match_expression(text: &str) -> Option<String> {
     (!terms.is_empty()).then(|| terms.join(" OR "))
 }
 
+/// Indexes the messages written since the last catch-up (only the kinds a search can find).
+/// Runs on the writer, so that no step transaction pays for the full-text index.
+pub(crate) fn catch_up(c: &Tx<'_>) -> Result<()> {
+    c.prepare_cached(
+        "INSERT INTO messages_fts(rowid, content)
+         SELECT rowid, content FROM messages
+         WHERE rowid > (SELECT indexed_through FROM messages_fts_progress)
+           AND visibility = 'visible' AND role IN ('user', 'assistant')",
+    )
+    .and_then(|mut s| s.execute([]))
+    .map_err(backend)?;
+    c.prepare_cached(
+        "UPDATE messages_fts_progress SET indexed_through = (SELECT COALESCE(MAX(rowid), 0) FROM messages)",
+    )
+    .and_then(|mut s| s.execute([]))
+    .map_err(backend)?;
+    Ok(())
+}
+
 pub(crate) fn search_messages(
     c: &Tx<'_>,
     scope: &SearchScope,
