@@ -138,3 +138,98 @@ impl Message {
         }
     }
 }
+
+/// The conversation as a model may be sent it: every tool call answered by a result before the
+/// next message. A run that ended while its calls waited (cancelled, aborted at an approval)
+/// leaves calls without results; providers refuse such a conversation, so each gets a result
+/// saying it never ran, right after its batch's results.
+pub fn answer_dangling_calls(messages: Vec<Message>) -> Vec<Message> {
+    let mut answered: Vec<Message> = Vec::with_capacity(messages.len());
+    let mut waiting: Vec<String> = Vec::new();
+    for message in messages {
+        let is_result = message.role == Role::Tool;
+        if is_result {
+            waiting.retain(|id| Some(id) != message.tool_call_id.as_ref());
+        } else {
+            close_batch(&mut answered, &mut waiting);
+        }
+        if message.role == Role::Assistant {
+            waiting = message.tool_calls.iter().map(|c| c.id.clone()).collect();
+        }
+        answered.push(message);
+    }
+    close_batch(&mut answered, &mut waiting);
+    answered
+}
+
+fn close_batch(answered: &mut Vec<Message>, waiting: &mut Vec<String>) {
+    for call_id in waiting.drain(..) {
+        let never = ToolOutcome::error("not run: the run ended before this call ran");
+        answered.push(Message::tool_result(&call_id, &never));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn asks(ids: &[&str]) -> Message {
+        let calls = ids
+            .iter()
+            .map(|id| ToolCall {
+                id: (*id).into(),
+                name: "add".into(),
+                arguments: Value::Null,
+            })
+            .collect();
+        Message::assistant("", calls)
+    }
+
+    fn shape(messages: &[Message]) -> Vec<String> {
+        messages
+            .iter()
+            .map(|m| match (m.role, &m.tool_call_id) {
+                (Role::Tool, Some(id)) if m.content.starts_with("not run") => format!("never:{id}"),
+                (Role::Tool, Some(id)) => format!("result:{id}"),
+                (role, _) => format!("{role:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn calls_left_without_a_result_are_answered_in_place() {
+        let done = ToolOutcome::ok("5");
+        let messages = vec![
+            Message::user("one"),
+            asks(&["a", "b"]),
+            Message::tool_result("a", &done),
+            Message::user("two"),
+            asks(&["c"]),
+            Message::tool_result("c", &done),
+            Message::assistant("fine", Vec::new()),
+            asks(&["d"]),
+        ];
+        let answered = answer_dangling_calls(messages);
+        assert_eq!(
+            shape(&answered),
+            [
+                "User",
+                "Assistant",
+                "result:a",
+                "never:b",
+                "User",
+                "Assistant",
+                "result:c",
+                "Assistant",
+                "Assistant",
+                "never:d"
+            ]
+        );
+        let complete = answered.clone();
+        assert_eq!(
+            answer_dangling_calls(complete),
+            answered,
+            "nothing left to answer"
+        );
+    }
+}

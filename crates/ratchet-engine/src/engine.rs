@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use futures::stream::{self, StreamExt};
+use ratchet_core::message::answer_dangling_calls;
 use ratchet_core::step::{
     Compaction, after_compaction, after_model, after_tools, ask_approval_step,
     await_reconciliation, finish_step,
@@ -132,7 +133,7 @@ impl Engine {
         } else {
             state.config.tools.clone()
         };
-        let messages = context.into_iter().map(|m| m.message).collect();
+        let messages = answer_dangling_calls(context.into_iter().map(|m| m.message).collect());
         let system_prompt = state.config.system_prompt.clone();
         let (reply, delta) = self
             .invoke_model(claimed, system_prompt, messages, tools, true, cancel)
@@ -175,7 +176,8 @@ impl Engine {
             .iter()
             .map(|m| m.message.estimated_tokens())
             .sum();
-        let mut messages: Vec<Message> = context[..cut].iter().map(|m| m.message.clone()).collect();
+        let mut messages =
+            answer_dangling_calls(context[..cut].iter().map(|m| m.message.clone()).collect());
         messages.push(Message::user(SUMMARY_REQUEST));
         let (reply, _) = self
             .invoke_model(

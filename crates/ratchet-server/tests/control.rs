@@ -1020,3 +1020,48 @@ async fn past_its_deadline_a_run_concludes_with_one_last_call() {
         .count();
     assert_eq!(concluding, 1, "exactly one concluding call");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_an_aborted_run_never_ran_reach_the_next_model_call_answered() {
+    let recorder = Arc::new(Recorder {
+        rounds: 1,
+        requests: std::sync::Mutex::new(Vec::new()),
+    });
+    let model = Arc::clone(&recorder);
+    let server = Server::start_with(quick_script(), move |template, models| {
+        template.model = "recorder".into();
+        let add = template.tools.iter_mut().find(|t| t.name == "add").unwrap();
+        add.approval = ApprovalPolicy::Always;
+        models.register("recorder", model);
+    })
+    .await;
+    let session = server.create_session(TOKEN_A).await;
+    let first = server.send(TOKEN_A, &session, "add").await;
+    let run = first["run_id"].as_str().unwrap().to_owned();
+    let mut events = server.stream(&format!("/v1/runs/{run}/events"), None).await;
+    let seen = events.until(|e| e.kind == "approval.required").await;
+    let approval = seen.last().unwrap().data["payload"]["approval_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let path = format!("/v1/approvals/{approval}");
+    let reply = call(server.post(TOKEN_A, &path, json!({"abort": true}))).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+
+    let second = server.send(TOKEN_A, &session, "again").await;
+    let done = server.finish(second["run_id"].as_str().unwrap()).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let requests = recorder.requests.lock().unwrap().clone();
+    let sent = &requests.last().unwrap().messages;
+    let roles: Vec<ratchet_core::Role> = sent.iter().map(|m| m.role).collect();
+    use ratchet_core::Role::{Assistant, Tool, User};
+    assert_eq!(roles, [User, Assistant, Tool, User], "{sent:?}");
+    assert_eq!(sent[2].tool_call_id.as_deref(), Some("call-0"));
+    assert!(sent[2].content.starts_with("not run"), "{:?}", sent[2]);
+    let visible = server.messages(&session).await;
+    assert_eq!(
+        visible.len(),
+        4,
+        "clients see what happened, without invented results"
+    );
+}
