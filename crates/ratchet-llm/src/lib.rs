@@ -5,6 +5,7 @@
 //! complete reply; the engine records both.
 
 mod scripted;
+pub mod sse;
 
 use async_trait::async_trait;
 use ratchet_core::{Message, ModelReply, RunId, ToolSpec};
