@@ -53,6 +53,7 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     toolbox.models.resolve(&model)?;
     let config = RunConfigSnapshot {
         model,
+        model_settings: None,
         workspace: None,
         system_prompt: String::new(),
         tools,

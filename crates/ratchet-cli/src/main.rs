@@ -195,7 +195,7 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum RunsCommand {
-    /// Repeat the model call a failed run (stop reason model_error) kept failing, with fresh
+    /// Repeat the model call a failed run (stop reason llm_error) kept failing, with fresh
     /// attempts; `ratchet resume` (or a server) carries the run on.
     Retry {
         run_id: String,

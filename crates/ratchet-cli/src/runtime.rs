@@ -79,6 +79,7 @@ impl Toolbox {
         }
         Ok(RunConfigSnapshot {
             model,
+            model_settings: None,
             workspace: Some(workspace.display().to_string()),
             system_prompt: SYSTEM_PROMPT.to_owned(),
             tools,

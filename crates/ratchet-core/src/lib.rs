@@ -21,7 +21,7 @@ pub use id::{ApprovalId, IdError, MessageId, RunId, SessionId};
 pub use message::{Message, Origin, Role, ToolCall, ToolOutcome, Visibility};
 pub use state::{
     AgentState, BudgetExtension, CallProgress, Counters, HumanRequest, Limits, MemoryScope,
-    ReplayPolicy, RunConfigSnapshot, ToolCheckpoint, ToolSpec, UnknownCall,
+    ModelSettings, Prices, ReplayPolicy, RunConfigSnapshot, ToolCheckpoint, ToolSpec, UnknownCall,
 };
 pub use status::{IllegalEdge, RunStatus, StopReason};
 pub use step::{ModelReply, Phase, StepJob, StepRecord, StepResult, Usage};

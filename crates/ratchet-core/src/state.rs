@@ -52,7 +52,7 @@ pub struct Limits {
     pub max_consecutive_parse_failures: u32,
     /// How many calls of one batch may run at once (1 = serial).
     pub max_parallel: u32,
-    /// Attempts of one model call before the run fails with `model_error`.
+    /// Attempts of one model call before the run fails with `llm_error`.
     pub max_model_attempts: u32,
     /// Model calls a run may make; the last one is made without tools.
     #[serde(default)]
@@ -110,12 +110,54 @@ impl MemoryScope {
     }
 }
 
+/// Prices of a model, in US dollars per million tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Prices {
+    pub input_per_mtok: f64,
+    pub output_per_mtok: f64,
+}
+
+impl Prices {
+    /// What `usage` cost, in millionths of a dollar: tokens times dollars per million tokens.
+    pub fn cost_microusd(&self, usage: crate::Usage) -> u64 {
+        let cost = usage.input_tokens as f64 * self.input_per_mtok
+            + usage.output_tokens as f64 * self.output_per_mtok;
+        cost.round().max(0.0) as u64
+    }
+}
+
+/// How to reach a model provider, frozen into a run with everything but the key itself: the
+/// key is read from `api_key_env` by the process that makes the call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelSettings {
+    /// The wire protocol: `openai` (chat completions, any compatible server) or `anthropic`
+    /// (Messages).
+    pub provider: String,
+    pub base_url: String,
+    /// The provider's model name.
+    pub model: String,
+    pub api_key_env: Option<String>,
+    pub connect_timeout_ms: u64,
+    /// Longest silence allowed while waiting for (more of) an answer.
+    pub read_timeout_ms: u64,
+    /// Stream answers (server-sent events); false for servers that cannot.
+    pub stream: bool,
+    /// The most tokens one answer may generate (required by some providers).
+    pub max_output_tokens: Option<u32>,
+    pub prices: Option<Prices>,
+}
+
 /// Everything a run needs to execute, frozen when the run is created and never written again:
 /// `resume` in another process needs nothing else.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RunConfigSnapshot {
-    /// Model spec, for example `scripted:demo` or `scripted:/path/to/script.json`.
+    /// Model spec, for example `scripted:demo`, `scripted:/path/to/script.json`,
+    /// `openai:gpt-4o-mini` or a profile's name.
     pub model: String,
+    /// How to reach the model, for a provider's model; None for a scripted one.
+    #[serde(default)]
+    pub model_settings: Option<ModelSettings>,
     /// Directory that file tools are confined to.
     pub workspace: Option<String>,
     pub system_prompt: String,
@@ -217,6 +259,11 @@ pub struct Counters {
     /// Estimated size, in tokens, of the prompt the next model call sends.
     #[serde(default)]
     pub context_tokens: u64,
+    #[serde(default)]
+    pub reasoning_tokens: u64,
+    /// What the model calls cost, in millionths of a dollar, when the model has prices.
+    #[serde(default)]
+    pub cost_microusd: u64,
 }
 
 /// The state of one run. Only the Coordinator writes it, one committed step at a time.

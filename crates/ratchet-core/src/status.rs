@@ -117,8 +117,9 @@ pub enum StopReason {
     BudgetExhausted,
     /// The model produced invalid tool calls too many times in a row.
     ParseFailures,
-    /// The model call kept failing after every allowed attempt.
-    ModelError,
+    /// The model call kept failing after every allowed attempt, or failed for good (the
+    /// provider refused the request).
+    LlmError,
 }
 
 impl StopReason {
@@ -126,7 +127,7 @@ impl StopReason {
         match self {
             StopReason::Completed => RunStatus::Completed,
             StopReason::Cancelled => RunStatus::Cancelled,
-            StopReason::BudgetExhausted | StopReason::ParseFailures | StopReason::ModelError => {
+            StopReason::BudgetExhausted | StopReason::ParseFailures | StopReason::LlmError => {
                 RunStatus::Failed
             }
         }
@@ -138,7 +139,7 @@ impl StopReason {
             StopReason::Cancelled => "cancelled",
             StopReason::BudgetExhausted => "budget_exhausted",
             StopReason::ParseFailures => "parse_failures",
-            StopReason::ModelError => "model_error",
+            StopReason::LlmError => "llm_error",
         }
     }
 }
@@ -206,7 +207,7 @@ cancelled        ........
             StopReason::Cancelled,
             StopReason::BudgetExhausted,
             StopReason::ParseFailures,
-            StopReason::ModelError,
+            StopReason::LlmError,
         ] {
             let status = reason.terminal_status();
             assert!(status.is_terminal());

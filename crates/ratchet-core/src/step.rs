@@ -70,7 +70,11 @@ pub struct StepJob {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Usage {
     pub input_tokens: u64,
+    /// Every generated token, reasoning included.
     pub output_tokens: u64,
+    /// The part of `output_tokens` spent reasoning, where a provider reports it.
+    #[serde(default)]
+    pub reasoning_tokens: u64,
 }
 
 /// A complete model answer.
@@ -185,11 +189,15 @@ pub fn after_model(
         EventKind::AssistantMessage,
         json!({"run_id": state.run_id, "content": message.content, "tool_calls": message.tool_calls}),
     )];
+    let cost = (state.config.model_settings.as_ref().and_then(|m| m.prices))
+        .map(|prices| prices.cost_microusd(reply.usage));
     let summary = json!({
         "tool_calls": message.tool_calls.len(),
         "conclude": conclude,
         "input_tokens": reply.usage.input_tokens,
         "output_tokens": reply.usage.output_tokens,
+        "reasoning_tokens": reply.usage.reasoning_tokens,
+        "cost_microusd": cost,
     });
     close_step(
         state,
@@ -264,6 +272,10 @@ fn count_model_call(state: &mut AgentState, usage: Usage) {
     state.counters.model_calls += 1;
     state.counters.input_tokens += usage.input_tokens;
     state.counters.output_tokens += usage.output_tokens;
+    state.counters.reasoning_tokens += usage.reasoning_tokens;
+    if let Some(prices) = state.config.model_settings.as_ref().and_then(|m| m.prices) {
+        state.counters.cost_microusd += prices.cost_microusd(usage);
+    }
 }
 
 /// The whole batch has outcomes, given in the checkpoint's order. `invalid_calls` counts
@@ -481,7 +493,7 @@ pub(crate) fn back_to_running(
 #[serde(rename_all = "snake_case")]
 pub enum Resumption {
     /// Repeat the model call that kept failing, with a fresh set of attempts. Only for a run
-    /// that failed with `model_error`.
+    /// that failed with `llm_error`.
     Retry,
     /// Go on from the last committed step, with `extension` added to the budget: any failed
     /// run, and the only way on for one that spent its budget.
@@ -509,7 +521,7 @@ pub fn resume_failed(
     };
     let mut resumed = state.clone();
     match how {
-        Resumption::Retry if reason != StopReason::ModelError => {
+        Resumption::Retry if reason != StopReason::LlmError => {
             return Err(DecisionError::Invalid(format!(
                 "retry repeats a model call that kept failing, but run {} failed with {reason}; use continue",
                 state.run_id

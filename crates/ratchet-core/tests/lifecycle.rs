@@ -436,19 +436,16 @@ fn retry_repeats_a_failed_model_call_and_continue_needs_budget_to_go_on() {
     let error = resume_failed(&mut completed, Resumption::Retry, 0).unwrap_err();
     assert!(error.to_string().contains("only a failed run"), "{error}");
 
-    let mut model_error = failed_with(StopReason::ModelError);
-    model_error.step_index = 1;
-    let (events, job) = resume_failed(&mut model_error, Resumption::Retry, 0).unwrap();
+    let mut llm_error = failed_with(StopReason::LlmError);
+    llm_error.step_index = 1;
+    let (events, job) = resume_failed(&mut llm_error, Resumption::Retry, 0).unwrap();
     assert_eq!((job.step_index, job.phase), (2, Phase::Resumed));
-    assert_eq!(model_error.status, RunStatus::Running);
-    assert_eq!(
-        (model_error.stop_reason, model_error.finished_at),
-        (None, None)
-    );
+    assert_eq!(llm_error.status, RunStatus::Running);
+    assert_eq!((llm_error.stop_reason, llm_error.finished_at), (None, None));
     let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
     assert_eq!(kinds, ["run.resumed", "run.status"]);
     assert_eq!(
-        decide(&model_error, job.phase, 0),
+        decide(&llm_error, job.phase, 0),
         Instruction::CallLlm { conclude: true }
     );
 

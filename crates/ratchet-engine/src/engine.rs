@@ -44,7 +44,12 @@ pub enum StepFailure {
     /// Worth another attempt later (a model's HTTP 5xx or timeout). `attempt` is how many
     /// times this model call has now been tried.
     #[error("{message}")]
-    Transient { message: String, attempt: u32 },
+    Transient {
+        message: String,
+        attempt: u32,
+        /// The provider's own wait before another attempt.
+        retry_after: Option<Duration>,
+    },
     /// Will not get better by retrying (the run's model cannot be loaded here).
     #[error("{0}")]
     Fatal(String),
@@ -219,7 +224,7 @@ impl Engine {
         let (state, job) = (&claimed.state, &claimed.job);
         let model = self
             .models
-            .resolve(&state.config.model)
+            .for_config(&state.config)
             .map_err(|e| StepFailure::Fatal(e.to_string()))?;
         let intent = Intent {
             slot: 0,
@@ -273,13 +278,24 @@ impl Engine {
         let reply = match reply {
             Ok(reply) => reply,
             Err(_) if cancel.is_cancelled() => return Err(StepFailure::Cancelled),
-            Err(ratchet_llm::Error::Transient(message)) => {
-                return Err(StepFailure::Transient { message, attempt });
+            Err(ratchet_llm::Error::Transient {
+                message,
+                retry_after,
+            }) => {
+                return Err(StepFailure::Transient {
+                    message,
+                    attempt,
+                    retry_after,
+                });
             }
             // The model stopped on its own, not because this run was cancelled: retry it.
             Err(ratchet_llm::Error::Cancelled) => {
                 let message = "the model call was interrupted".to_owned();
-                return Err(StepFailure::Transient { message, attempt });
+                return Err(StepFailure::Transient {
+                    message,
+                    attempt,
+                    retry_after: None,
+                });
             }
             Err(other) => return Err(StepFailure::Fatal(other.to_string())),
         };

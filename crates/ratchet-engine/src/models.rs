@@ -1,19 +1,31 @@
-//! Resolves a run's frozen model spec to a model instance, once per spec per process.
+//! Resolves a run's frozen model (a scripted spec, or a provider's settings) to a model
+//! instance, once per model per process.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use ratchet_core::RunConfigSnapshot;
 use ratchet_llm::Model;
+
+/// Reads a secret (an API key) by the name of the environment variable that holds it.
+pub type Secrets = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
 pub struct Models {
     known_tools: Vec<String>,
+    secrets: Secrets,
     cache: Mutex<HashMap<String, Arc<dyn Model>>>,
 }
 
 impl Models {
+    /// Keys are read from the process environment.
     pub fn new(known_tools: Vec<String>) -> Models {
+        Models::with_secrets(known_tools, Arc::new(|name| std::env::var(name).ok()))
+    }
+
+    pub fn with_secrets(known_tools: Vec<String>, secrets: Secrets) -> Models {
         Models {
             known_tools,
+            secrets,
             cache: Mutex::new(HashMap::new()),
         }
     }
@@ -26,15 +38,41 @@ impl Models {
         }
     }
 
+    /// The model of a run's frozen configuration: its provider settings when it has them,
+    /// else its spec (a scripted model's file is read and its tools checked).
+    pub fn for_config(&self, config: &RunConfigSnapshot) -> ratchet_llm::Result<Arc<dyn Model>> {
+        let Some(settings) = &config.model_settings else {
+            return self.resolve(&config.model);
+        };
+        let key = serde_json::to_string(settings).unwrap_or_else(|_| config.model.clone());
+        self.cached(&key, || {
+            let api_key = settings
+                .api_key_env
+                .as_deref()
+                .and_then(|name| (self.secrets)(name));
+            ratchet_llm::from_settings(settings, api_key)
+        })
+    }
+
     /// Parses and checks a spec (a scripted model's file is read and its tools checked).
     pub fn resolve(&self, spec: &str) -> ratchet_llm::Result<Arc<dyn Model>> {
-        if let Some(model) = self.cache.lock().ok().and_then(|c| c.get(spec).cloned()) {
+        self.cached(spec, || {
+            let known: Vec<&str> = self.known_tools.iter().map(String::as_str).collect();
+            ratchet_llm::from_spec(spec, &known)
+        })
+    }
+
+    fn cached(
+        &self,
+        key: &str,
+        build: impl FnOnce() -> ratchet_llm::Result<Arc<dyn Model>>,
+    ) -> ratchet_llm::Result<Arc<dyn Model>> {
+        if let Some(model) = self.cache.lock().ok().and_then(|c| c.get(key).cloned()) {
             return Ok(model);
         }
-        let known: Vec<&str> = self.known_tools.iter().map(String::as_str).collect();
-        let model = ratchet_llm::from_spec(spec, &known)?;
+        let model = build()?;
         if let Ok(mut cache) = self.cache.lock() {
-            cache.insert(spec.to_owned(), Arc::clone(&model));
+            cache.insert(key.to_owned(), Arc::clone(&model));
         }
         Ok(model)
     }

@@ -159,12 +159,18 @@ impl Worker {
         };
         let result = match outcome {
             Ok(result) => result,
-            Err(StepFailure::Transient { message, attempt }) => {
-                return self.retry_or_fail(&claimed, message, attempt).await;
+            Err(StepFailure::Transient {
+                message,
+                attempt,
+                retry_after,
+            }) => {
+                return self
+                    .retry_or_fail(&claimed, message, attempt, retry_after)
+                    .await;
             }
             Err(StepFailure::Fatal(message)) => {
                 tracing::warn!(run = %claimed.job.run_id, %message, "model call failed for good");
-                finish(StopReason::ModelError)
+                finish(StopReason::LlmError)
             }
             // Only a cancel request cancels a run's token or refuses its intents; the store
             // already marked the run `cancelling`, so this step ends it.
@@ -237,13 +243,15 @@ impl Worker {
         }
     }
 
-    /// A failed model call is tried again later, up to the run's `max_model_attempts`;
-    /// then the run fails with `model_error`.
+    /// A failed model call is tried again later — after an exponential backoff with jitter,
+    /// or the provider's `Retry-After` if longer — up to the run's `max_model_attempts`; then
+    /// the run fails with `llm_error`.
     async fn retry_or_fail(
         &self,
         claimed: &ClaimedStep,
         message: String,
         attempt: u32,
+        retry_after: Option<Duration>,
     ) -> Option<ClaimedStep> {
         let max = claimed.state.config.limits.max_model_attempts.max(1);
         let event = EventDraft::new(
@@ -260,14 +268,15 @@ impl Worker {
             let mut result = finish_step(
                 claimed.state.clone(),
                 &claimed.job,
-                StopReason::ModelError,
+                StopReason::LlmError,
                 now_ms(),
                 now_ms(),
             );
             result.events.insert(0, event);
             return self.commit(claimed, result, None).await;
         }
-        let at = now_ms() + self.backoff(attempt);
+        let asked = retry_after.map_or(0, |wait| wait.as_millis() as i64);
+        let at = now_ms() + self.jittered_backoff(attempt).max(asked);
         if let Err(error) = self
             .coordinator
             .retry_later(&claimed.claim, at, event)
@@ -300,6 +309,14 @@ impl Worker {
         {
             tracing::warn!(%error, "could not release the step; its lease will expire");
         }
+    }
+
+    /// `backoff` scaled by a random factor in [0.5, 1): retries of many runs that failed
+    /// together do not hit the provider together again.
+    fn jittered_backoff(&self, attempt: u32) -> i64 {
+        use std::hash::{BuildHasher, RandomState};
+        let random = RandomState::new().hash_one(now_ms()) % 1_000;
+        self.backoff(attempt) * (500 + random as i64 / 2) / 1_000
     }
 
     /// `retry_backoff`, doubled per attempt after the first, at most 30 s.

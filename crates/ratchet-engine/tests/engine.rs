@@ -42,6 +42,7 @@ fn fast_pool() -> PoolConfig {
 fn config(script: &std::path::Path) -> RunConfigSnapshot {
     RunConfigSnapshot {
         model: format!("scripted:{}", script.display()),
+        model_settings: None,
         workspace: None,
         system_prompt: String::new(),
         tools: Registry::builtin().specs(),
@@ -267,7 +268,7 @@ async fn a_failing_model_call_is_retried_then_fails_the_run_when_attempts_run_ou
     let state = wait_until_terminal(&node.coordinator, &run).await;
     assert_eq!(
         (state.status, state.stop_reason),
-        (RunStatus::Failed, Some(StopReason::ModelError))
+        (RunStatus::Failed, Some(StopReason::LlmError))
     );
     node.pool.shutdown().await;
 }

@@ -8,7 +8,7 @@ mod scripted;
 pub mod sse;
 
 use async_trait::async_trait;
-use ratchet_core::{Message, ModelReply, RunId, ToolSpec};
+use ratchet_core::{Message, ModelReply, ModelSettings, RunId, ToolSpec};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -16,9 +16,15 @@ pub use scripted::{DEMO_SCRIPT, Script, ScriptedModel};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
-    /// The call failed in a way that may succeed if tried again (HTTP 5xx, timeout).
-    #[error("model call failed (retryable): {0}")]
-    Transient(String),
+    /// The call failed in a way that may succeed if tried again (HTTP 429 or 5xx, a broken
+    /// connection, a timeout). `retry_after` is the provider's own wait (`Retry-After`).
+    #[error("model call failed (retryable): {message}")]
+    Transient {
+        message: String,
+        retry_after: Option<std::time::Duration>,
+    },
+    /// The provider refused the call (a 4xx other than 429, a malformed answer): trying again
+    /// would not help. The message is the provider's own.
     #[error("model call failed: {0}")]
     Fatal(String),
     #[error("model call cancelled")]
@@ -28,6 +34,16 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    /// A retryable failure with no wait asked for by the provider.
+    pub fn transient(message: impl Into<String>) -> Error {
+        Error::Transient {
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+}
 
 /// Everything a model call needs. `call_index` counts the run's committed model calls, so a
 /// call redone after a crash carries the same index; `attempt` counts tries of this step.
@@ -81,4 +97,20 @@ pub fn from_spec(spec: &str, known_tools: &[&str]) -> Result<std::sync::Arc<dyn 
             "unknown model kind {other:?}; expected scripted"
         ))),
     }
+}
+
+/// Builds the model a run's frozen settings describe. `api_key` is the value of the settings'
+/// `api_key_env`, read by the caller (the settings never hold a secret).
+pub fn from_settings(
+    settings: &ModelSettings,
+    api_key: Option<String>,
+) -> Result<std::sync::Arc<dyn Model>> {
+    let _ = api_key;
+    Err(Error::Spec {
+        spec: format!("{}:{}", settings.provider, settings.model),
+        reason: format!(
+            "unknown provider {:?}; expected openai or anthropic",
+            settings.provider
+        ),
+    })
 }

@@ -113,10 +113,10 @@ impl Model for ScriptedModel {
         let index = usize::try_from(request.call_index).map_or(last, |i| i.min(last));
         let reply = &self.script.replies[index];
         if let Some(error) = reply.error.filter(|_| request.attempt <= 1) {
-            return Err(Error::Transient(match error {
-                ScriptedError::Http500 => "HTTP 500 from the scripted model".into(),
-                ScriptedError::Http429 => "HTTP 429 from the scripted model".into(),
-                ScriptedError::Timeout => "the scripted model timed out".into(),
+            return Err(Error::transient(match error {
+                ScriptedError::Http500 => "HTTP 500 from the scripted model",
+                ScriptedError::Http429 => "HTTP 429 from the scripted model",
+                ScriptedError::Timeout => "the scripted model timed out",
             }));
         }
         let delay = Duration::from_millis(reply.chunk_delay_ms);
@@ -146,6 +146,7 @@ impl Model for ScriptedModel {
         let usage = Usage {
             input_tokens: request.messages.iter().map(|m| words(&m.content)).sum(),
             output_tokens: words(&reply.text),
+            reasoning_tokens: 0,
         };
         Ok(ModelReply {
             text: reply.text.clone(),
@@ -208,7 +209,7 @@ mod tests {
             Script::parse(r#"{"replies": [{"text": "ok", "error": "http_500"}]}"#).unwrap(),
         );
         let (first, _) = complete(&model, request(0, 1)).await;
-        assert!(matches!(first, Err(Error::Transient(_))), "{first:?}");
+        assert!(matches!(first, Err(Error::Transient { .. })), "{first:?}");
         let (second, _) = complete(&model, request(0, 2)).await;
         assert_eq!(second.unwrap().text, "ok");
     }

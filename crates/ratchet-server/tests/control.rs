@@ -300,8 +300,8 @@ impl ratchet_llm::Model for Flaky {
         let left = self.failures.load(Ordering::SeqCst);
         if left > 0 {
             self.failures.store(left - 1, Ordering::SeqCst);
-            return Err(ratchet_llm::Error::Transient(
-                "HTTP 503 from the flaky model".into(),
+            return Err(ratchet_llm::Error::transient(
+                "HTTP 503 from the flaky model",
             ));
         }
         Ok(ratchet_core::ModelReply {
@@ -328,7 +328,7 @@ async fn a_run_that_failed_calling_the_model_is_retried_with_fresh_attempts() {
     let failed = server.finish(&run).await;
     assert_eq!(
         (&failed["status"], &failed["stop_reason"]),
-        (&json!("failed"), &json!("model_error")),
+        (&json!("failed"), &json!("llm_error")),
         "{failed}"
     );
     let steps = failed["step_index"].as_u64().unwrap();

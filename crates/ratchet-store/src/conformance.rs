@@ -147,6 +147,7 @@ fn tool_reply() -> ModelReply {
         usage: Usage {
             input_tokens: 12,
             output_tokens: 5,
+            reasoning_tokens: 2,
         },
     }
 }
@@ -1826,6 +1827,20 @@ pub async fn missing_and_duplicate_entities_are_errors(store: &dyn Store) {
 pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
     let frozen = RunConfigSnapshot {
         model: "scripted:frozen".into(),
+        model_settings: Some(ratchet_core::ModelSettings {
+            provider: "openai".into(),
+            base_url: "http://127.0.0.1:9/v1".into(),
+            model: "frozen-1".into(),
+            api_key_env: Some("FROZEN_KEY".into()),
+            connect_timeout_ms: 1_000,
+            read_timeout_ms: 2_000,
+            stream: true,
+            max_output_tokens: Some(512),
+            prices: Some(ratchet_core::Prices {
+                input_per_mtok: 0.5,
+                output_per_mtok: 1.5,
+            }),
+        }),
         workspace: Some("/srv/workspace".into()),
         system_prompt: "answer briefly".into(),
         tools: vec![ToolSpec {
@@ -2199,7 +2214,7 @@ pub async fn a_failed_run_is_retried_or_continued_once_its_session_is_free(store
     let failed = finish_step(
         first.state,
         &first.job,
-        StopReason::ModelError,
+        StopReason::LlmError,
         T0 + 2,
         T0 + 3,
     );

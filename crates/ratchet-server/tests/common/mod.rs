@@ -100,6 +100,7 @@ impl Server {
         ));
         let mut run_template = RunConfigSnapshot {
             model: format!("scripted:{}", script_path.display()),
+            model_settings: None,
             workspace: None,
             system_prompt: String::new(),
             tools: Registry::builtin().specs(),
