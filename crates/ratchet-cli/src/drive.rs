@@ -26,6 +26,7 @@ pub struct RunArgs {
     pub workspace: Option<PathBuf>,
     pub limits: ratchet_core::Limits,
     pub approvals: BTreeMap<String, ApprovalPolicy>,
+    pub profiles: BTreeMap<String, ratchet_llm::profiles::Profile>,
     pub memory_scope: ratchet_core::MemoryScope,
     pub json: bool,
     pub message: String,
@@ -88,7 +89,7 @@ fn run_config(args: &RunArgs, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnap
 
 pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     // Validate before opening the store, so that bad input never creates a database.
-    let toolbox = Toolbox::new();
+    let toolbox = Toolbox::new().with_profiles(args.profiles.clone())?;
     let config = run_config(&args, &toolbox)?;
     let runtime = Runtime::new(open_store(&args.db)?, toolbox);
     let coordinator = &runtime.coordinator;

@@ -128,6 +128,10 @@ enum Command {
         /// a prompt on stdin); repeatable.
         #[arg(long, value_name = "TOOL")]
         require_approval: Vec<String>,
+        /// A ratchet.toml whose `[models.NAME]` profiles `--model NAME` may name and whose
+        /// `[tools.NAME] approval` policies apply (`--require-approval` adds to them).
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
         /// What `memory_search` looks through: this run's session, or every session in the
         /// database (the tenant's) [default: session].
         #[arg(long, value_name = "SCOPE")]
@@ -401,6 +405,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             workspace,
             budget,
             require_approval,
+            config,
             memory_scope,
             server: Some(server),
             token,
@@ -411,6 +416,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 model.is_some().then_some("--model"),
                 workspace.is_some().then_some("--workspace"),
                 (!require_approval.is_empty()).then_some("--require-approval"),
+                config.is_some().then_some("--config"),
                 memory_scope.is_some().then_some("--memory-scope"),
             ];
             let mut given: Vec<&str> = local_only.into_iter().flatten().collect();
@@ -438,21 +444,30 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             workspace,
             budget,
             require_approval,
+            config,
             memory_scope,
             server: None,
             token: _,
             json,
             message,
         } => {
+            let file = match &config {
+                Some(path) => ratchet_server::Config::load(&path.display().to_string())?,
+                None => ratchet_server::Config::default(),
+            };
+            let mut approvals = file.approval_policies()?;
+            approvals.extend(
+                require_approval
+                    .into_iter()
+                    .map(|tool| (tool, ratchet_core::ApprovalPolicy::Always)),
+            );
             drive::run(drive::RunArgs {
                 db: db.db,
                 model: model.unwrap_or_else(|| "scripted:demo".to_owned()),
                 workspace,
                 limits: budget.limits(),
-                approvals: require_approval
-                    .into_iter()
-                    .map(|tool| (tool, ratchet_core::ApprovalPolicy::Always))
-                    .collect(),
+                approvals,
+                profiles: file.models,
                 memory_scope: memory_scope.map(Into::into).unwrap_or_default(),
                 json,
                 message,

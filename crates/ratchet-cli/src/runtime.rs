@@ -9,6 +9,7 @@ use ratchet_core::{ApprovalPolicy, Limits, MemoryScope, RunConfigSnapshot};
 use ratchet_engine::{
     Coordinator, Engine, Models, PoolConfig, WorkerPool, owner_is_dead_local_process,
 };
+use ratchet_llm::profiles::Profile;
 use ratchet_sqlite::{SqliteOptions, SqliteStore};
 use ratchet_store::Store;
 use ratchet_tools::Registry;
@@ -17,6 +18,7 @@ use ratchet_tools::Registry;
 pub struct Toolbox {
     pub tools: Arc<Registry>,
     pub models: Arc<Models>,
+    profiles: BTreeMap<String, Profile>,
 }
 
 const SYSTEM_PROMPT: &str = "You are a helpful assistant. Use the tools when they help.";
@@ -24,7 +26,8 @@ const SYSTEM_PROMPT: &str = "You are a helpful assistant. Use the tools when the
 impl Toolbox {
     /// Checks a model spec, workspace, budget and approval policies (by tool name) and
     /// freezes them, with the history `memory_search` looks through, into the configuration
-    /// new runs start with. A scripted model's file is read and checked now.
+    /// new runs start with. A scripted model's file is read and checked now; a provider's
+    /// model is frozen with its settings (never its key) and its profile's retries.
     pub fn run_template(
         &self,
         model: &str,
@@ -63,7 +66,15 @@ impl Toolbox {
             }
             _ => model.to_owned(),
         };
-        self.models.resolve(&model)?;
+        let env = |name: &str| std::env::var(name).ok();
+        let resolved = ratchet_llm::profiles::resolve_spec(&model, &self.profiles, &env)?;
+        let mut limits = limits;
+        if let Some(attempts) = resolved.max_attempts {
+            limits.max_model_attempts = attempts;
+        }
+        if resolved.settings.is_none() {
+            self.models.resolve(&model)?;
+        }
         let mut tools = self.tools.specs();
         for (name, policy) in approvals {
             let Some(spec) = tools.iter_mut().find(|t| &t.name == name) else {
@@ -79,7 +90,7 @@ impl Toolbox {
         }
         Ok(RunConfigSnapshot {
             model,
-            model_settings: None,
+            model_settings: resolved.settings,
             workspace: Some(workspace.display().to_string()),
             system_prompt: SYSTEM_PROMPT.to_owned(),
             tools,
@@ -93,7 +104,19 @@ impl Toolbox {
         let models = Arc::new(Models::new(
             tools.names().into_iter().map(str::to_owned).collect(),
         ));
-        Toolbox { tools, models }
+        Toolbox {
+            tools,
+            models,
+            profiles: BTreeMap::new(),
+        }
+    }
+
+    /// The `[models.NAME]` profiles a model spec may name; each is checked now.
+    pub fn with_profiles(mut self, profiles: BTreeMap<String, Profile>) -> anyhow::Result<Toolbox> {
+        let env = |name: &str| std::env::var(name).ok();
+        ratchet_llm::profiles::check_profiles(&profiles, &env)?;
+        self.profiles = profiles;
+        Ok(self)
     }
 }
 

@@ -61,7 +61,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
              config file, or listen on a loopback address such as 127.0.0.1"
         );
     }
-    let toolbox = Toolbox::new();
+    let toolbox = Toolbox::new().with_profiles(config.models.clone())?;
     let template = toolbox.run_template(
         config.model.as_deref().unwrap_or("scripted:demo"),
         config.workspace.as_deref().map(std::path::Path::new),

@@ -115,7 +115,12 @@ fn crates_depend_only_along_the_layers() {
         ),
         (
             "ratchet-server",
-            &["ratchet-core", "ratchet-store", "ratchet-engine"],
+            &[
+                "ratchet-core",
+                "ratchet-store",
+                "ratchet-llm",
+                "ratchet-engine",
+            ],
         ),
     ];
     for krate in crates() {

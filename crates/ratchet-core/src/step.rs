@@ -185,12 +185,13 @@ pub fn after_model(
         0 => state.counters.context_tokens,
         measured => measured,
     } + message.estimated_tokens();
-    let events = vec![EventDraft::new(
-        EventKind::AssistantMessage,
-        json!({"run_id": state.run_id, "content": message.content, "tool_calls": message.tool_calls}),
-    )];
     let cost = (state.config.model_settings.as_ref().and_then(|m| m.prices))
         .map(|prices| prices.cost_microusd(reply.usage));
+    let events = vec![EventDraft::new(
+        EventKind::AssistantMessage,
+        json!({"run_id": state.run_id, "content": message.content, "tool_calls": message.tool_calls,
+               "usage": reply.usage, "cost_microusd": cost}),
+    )];
     let summary = json!({
         "tool_calls": message.tool_calls.len(),
         "conclude": conclude,
@@ -690,6 +691,7 @@ pub(crate) fn finish_in_place(
             "stop_reason": reason,
             "steps": state.step_index,
             "final_answer": state.final_answer,
+            "counters": state.counters,
         }),
     ));
 }

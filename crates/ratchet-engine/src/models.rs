@@ -13,6 +13,8 @@ pub type Secrets = Arc<dyn Fn(&str) -> Option<String> + Send + Sync>;
 pub struct Models {
     known_tools: Vec<String>,
     secrets: Secrets,
+    /// Models the embedding program implements, by spec; they win over everything else.
+    registered: Mutex<HashMap<String, Arc<dyn Model>>>,
     cache: Mutex<HashMap<String, Arc<dyn Model>>>,
 }
 
@@ -26,6 +28,7 @@ impl Models {
         Models {
             known_tools,
             secrets,
+            registered: Mutex::new(HashMap::new()),
             cache: Mutex::new(HashMap::new()),
         }
     }
@@ -33,14 +36,21 @@ impl Models {
     /// Makes `model` the one runs whose spec is `spec` use: a model the embedding program
     /// implements itself.
     pub fn register(&self, spec: &str, model: Arc<dyn Model>) {
-        if let Ok(mut cache) = self.cache.lock() {
-            cache.insert(spec.to_owned(), model);
+        if let Ok(mut registered) = self.registered.lock() {
+            registered.insert(spec.to_owned(), model);
         }
+    }
+
+    fn registered(&self, spec: &str) -> Option<Arc<dyn Model>> {
+        self.registered.lock().ok()?.get(spec).cloned()
     }
 
     /// The model of a run's frozen configuration: its provider settings when it has them,
     /// else its spec (a scripted model's file is read and its tools checked).
     pub fn for_config(&self, config: &RunConfigSnapshot) -> ratchet_llm::Result<Arc<dyn Model>> {
+        if let Some(model) = self.registered(&config.model) {
+            return Ok(model);
+        }
         let Some(settings) = &config.model_settings else {
             return self.resolve(&config.model);
         };
@@ -56,6 +66,9 @@ impl Models {
 
     /// Parses and checks a spec (a scripted model's file is read and its tools checked).
     pub fn resolve(&self, spec: &str) -> ratchet_llm::Result<Arc<dyn Model>> {
+        if let Some(model) = self.registered(spec) {
+            return Ok(model);
+        }
         self.cached(spec, || {
             let known: Vec<&str> = self.known_tools.iter().map(String::as_str).collect();
             ratchet_llm::from_spec(spec, &known)

@@ -198,6 +198,24 @@ impl Worker {
     ) -> Option<ClaimedStep> {
         let instruction = result.record.instruction.clone();
         let seconds = (result.record.finished_at - result.record.started_at) as f64 / 1000.0;
+        let (before, after) = (&claimed.state.counters, &result.state.counters);
+        let spent = [
+            (
+                "input",
+                after.input_tokens.saturating_sub(before.input_tokens),
+            ),
+            (
+                "output",
+                after.output_tokens.saturating_sub(before.output_tokens),
+            ),
+            (
+                "reasoning",
+                after
+                    .reasoning_tokens
+                    .saturating_sub(before.reasoning_tokens),
+            ),
+        ];
+        let cost = after.cost_microusd.saturating_sub(before.cost_microusd);
         match self
             .coordinator
             .commit(&claimed.claim, result, continue_with)
@@ -207,6 +225,13 @@ impl Worker {
                 metrics::counter!("ratchet_steps_committed_total").increment(1);
                 metrics::histogram!("ratchet_step_duration_seconds", "instruction" => instruction)
                     .record(seconds);
+                for (kind, tokens) in spent.into_iter().filter(|(_, n)| *n > 0) {
+                    metrics::counter!("ratchet_model_tokens_total", "kind" => kind)
+                        .increment(tokens);
+                }
+                if cost > 0 {
+                    metrics::counter!("ratchet_model_cost_microdollars_total").increment(cost);
+                }
                 continued
             }
             Ok(Commit::Stale(stale)) => {

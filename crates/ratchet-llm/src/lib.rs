@@ -4,6 +4,7 @@
 //! A model never touches the store: it streams text deltas into a channel and returns the
 //! complete reply; the engine records both.
 
+pub mod profiles;
 mod scripted;
 pub mod sse;
 

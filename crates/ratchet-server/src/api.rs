@@ -183,7 +183,11 @@ pub struct UsageView {
     pub model_calls: u64,
     pub tool_calls: u64,
     pub input_tokens: u64,
+    /// Generated tokens, reasoning included.
     pub output_tokens: u64,
+    pub reasoning_tokens: u64,
+    /// In US dollars, from the prices of the run's model profile; absent without prices.
+    pub cost_usd: Option<f64>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -219,6 +223,10 @@ impl From<AgentState> for RunView {
                 tool_calls: state.counters.tool_calls,
                 input_tokens: state.counters.input_tokens,
                 output_tokens: state.counters.output_tokens,
+                reasoning_tokens: state.counters.reasoning_tokens,
+                cost_usd: (state.config.model_settings.as_ref())
+                    .and_then(|m| m.prices)
+                    .map(|_| state.counters.cost_microusd as f64 / 1e6),
             },
             pending_human: state
                 .pending_human

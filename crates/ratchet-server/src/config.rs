@@ -25,7 +25,8 @@ pub struct Config {
     pub listen: Option<String>,
     /// Database URL (default `sqlite://ratchet.db`).
     pub db: Option<String>,
-    /// Model spec every new run is frozen with (default `scripted:demo`).
+    /// Model every new run is frozen with: `scripted:FILE`, `openai:MODEL`, `anthropic:MODEL`
+    /// or a profile's name (default `scripted:demo`).
     pub model: Option<String>,
     /// Directory file tools may write in (default: the working directory).
     pub workspace: Option<String>,
@@ -49,6 +50,9 @@ pub struct Config {
     /// Per-tool settings, `[tools.NAME]`.
     #[serde(default)]
     pub tools: BTreeMap<String, ToolConfig>,
+    /// Model profiles, `[models.NAME]`: `model = "NAME"` (or `--model NAME`) picks one.
+    #[serde(default)]
+    pub models: BTreeMap<String, ratchet_llm::profiles::Profile>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -217,6 +221,26 @@ mod tests {
         assert_eq!(config.memory_scope, Some(MemoryScope::Tenant));
         let tokens = config.tokens(env).unwrap();
         assert!(!tokens.is_empty());
+    }
+
+    #[test]
+    fn model_profiles_are_read_strictly() {
+        let config = Config::from_toml(
+            r#"
+            model = "fast"
+            [models.fast]
+            provider = "openai"
+            model = "llama3"
+            base_url = "http://127.0.0.1:11434/v1"
+            max_retries = 5
+            prices = { input_per_mtok = 0.1, output_per_mtok = 0.2 }
+            "#,
+        )
+        .unwrap();
+        let fast = &config.models["fast"];
+        assert_eq!((fast.provider.as_str(), fast.max_retries), ("openai", Some(5)));
+        let typo = Config::from_toml("[models.fast]\nprovider = \"openai\"\nmodle = \"x\"");
+        assert!(typo.unwrap_err().to_string().contains("unknown field `modle`"));
     }
 
     #[test]

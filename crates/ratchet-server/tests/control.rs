@@ -1065,3 +1065,101 @@ async fn calls_an_aborted_run_never_ran_reach_the_next_model_call_answered() {
         "clients see what happened, without invented results"
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// Usage and cost
+
+/// Answers at once, reporting 1,000 prompt tokens and 400 generated, 100 of them reasoning.
+struct Metered;
+
+#[async_trait::async_trait]
+impl ratchet_llm::Model for Metered {
+    async fn complete(
+        &self,
+        _request: ratchet_llm::ModelRequest,
+        _deltas: tokio::sync::mpsc::UnboundedSender<String>,
+        _cancel: CancellationToken,
+    ) -> ratchet_llm::Result<ratchet_core::ModelReply> {
+        Ok(ratchet_core::ModelReply {
+            text: "metered".into(),
+            tool_calls: Vec::new(),
+            usage: ratchet_core::Usage {
+                input_tokens: 1_000,
+                output_tokens: 400,
+                reasoning_tokens: 100,
+            },
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
+    let server = Server::start_with(quick_script(), |template, models| {
+        template.model = "metered".into();
+        template.model_settings = Some(ratchet_core::ModelSettings {
+            provider: "openai".into(),
+            base_url: "http://127.0.0.1:9/v1".into(),
+            model: "metered-1".into(),
+            api_key_env: None,
+            connect_timeout_ms: 1_000,
+            read_timeout_ms: 1_000,
+            stream: true,
+            max_output_tokens: None,
+            prices: Some(ratchet_core::Prices {
+                input_per_mtok: 2.5,
+                output_per_mtok: 10.0,
+            }),
+        });
+        models.register("metered", Arc::new(Metered));
+    })
+    .await;
+    let session = server.create_session(TOKEN_A).await;
+    let accepted = server.send(TOKEN_A, &session, "how much?").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let done = server.finish(&run).await;
+    let usage = &done["usage"];
+    assert_eq!(
+        (
+            &usage["input_tokens"],
+            &usage["output_tokens"],
+            &usage["reasoning_tokens"]
+        ),
+        (&json!(1000), &json!(400), &json!(100)),
+        "{done}"
+    );
+    // 1,000 × $2.5/M + 400 × $10/M = $0.0065
+    assert!(
+        (usage["cost_usd"].as_f64().unwrap() - 0.0065).abs() < 1e-12,
+        "{usage}"
+    );
+    let steps = server
+        .get_ok(TOKEN_A, &format!("/v1/runs/{run}/steps"))
+        .await;
+    assert_eq!(steps["items"][0]["summary"]["cost_microusd"], 6500);
+    let events = server
+        .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
+        .await;
+    let message = events
+        .iter()
+        .find(|e| e.kind == "assistant.message")
+        .unwrap();
+    assert_eq!(message.data["payload"]["usage"]["reasoning_tokens"], 100);
+    let finished = events.iter().find(|e| e.kind == "run.finished").unwrap();
+    assert_eq!(finished.data["payload"]["counters"]["cost_microusd"], 6500);
+    let metrics = server
+        .http
+        .get(server.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "ratchet_model_tokens_total{kind=\"input\"} 1000",
+        "ratchet_model_tokens_total{kind=\"reasoning\"} 100",
+        "ratchet_model_cost_microdollars_total 6500",
+    ] {
+        assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
+    }
+}
