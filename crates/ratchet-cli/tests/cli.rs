@@ -577,11 +577,21 @@ fn entries(dir: &Path) -> Vec<String> {
 
 #[test]
 fn bad_run_input_is_refused_before_anything_is_written() {
-    let cases: [(&str, &[&str], &str); 10] = [
+    let cases: [(&str, &[&str], &str); 12] = [
         (
             "unknown model kind",
             &["--model", "gpt:4", "hi"],
-            "unknown model kind \"gpt\"",
+            "\"gpt\" is none of them",
+        ),
+        (
+            "unknown model profile",
+            &["--model", "fast", "hi"],
+            "no model profile \"fast\"; profiles: none configured",
+        ),
+        (
+            "missing config file",
+            &["--config", "nope.toml", "hi"],
+            "cannot read nope.toml",
         ),
         (
             "unreadable script",
