@@ -247,8 +247,11 @@ pub(crate) fn show_progress(out: &mut impl Write, kind: &str, payload: &serde_js
         ),
         "model.error" => writeln!(
             out,
-            "  model call failed (attempt {}): {}{}",
-            payload["attempt"],
+            "  model call failed{}: {}{}",
+            payload["attempt"]
+                .as_u64()
+                .map(|n| format!(" (attempt {n})"))
+                .unwrap_or_default(),
             payload["message"].as_str().unwrap_or_default(),
             if payload["final"] == true {
                 "; giving up"

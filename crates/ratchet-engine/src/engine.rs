@@ -297,6 +297,7 @@ impl Engine {
                     retry_after: None,
                 });
             }
+            Err(ratchet_llm::Error::Fatal(message)) => return Err(StepFailure::Fatal(message)),
             Err(other) => return Err(StepFailure::Fatal(other.to_string())),
         };
         let delta = (!pending.is_empty()).then(|| delta_event(state, pending));

@@ -170,7 +170,11 @@ impl Worker {
             }
             Err(StepFailure::Fatal(message)) => {
                 tracing::warn!(run = %claimed.job.run_id, %message, "model call failed for good");
-                finish(StopReason::LlmError)
+                let mut result = finish(StopReason::LlmError);
+                result
+                    .events
+                    .insert(0, model_error_event(&claimed, &message, None, true));
+                result
             }
             // Only a cancel request cancels a run's token or refuses its intents; the store
             // already marked the run `cancelling`, so this step ends it.
@@ -279,16 +283,7 @@ impl Worker {
         retry_after: Option<Duration>,
     ) -> Option<ClaimedStep> {
         let max = claimed.state.config.limits.max_model_attempts.max(1);
-        let event = EventDraft::new(
-            EventKind::ModelError,
-            json!({
-                "run_id": claimed.job.run_id,
-                "step_index": claimed.job.step_index,
-                "attempt": attempt,
-                "message": message,
-                "final": attempt >= max,
-            }),
-        );
+        let event = model_error_event(claimed, &message, Some(attempt), attempt >= max);
         if attempt >= max {
             let mut result = finish_step(
                 claimed.state.clone(),
@@ -352,4 +347,24 @@ impl Worker {
             .saturating_mul(1 << attempt.saturating_sub(1).min(10));
         doubled.min(Duration::from_secs(30)).as_millis() as i64
     }
+}
+
+/// What a failed model call reports: the provider's message, the attempt (when it was one of
+/// several), and whether the run gives up on it.
+fn model_error_event(
+    claimed: &ClaimedStep,
+    message: &str,
+    attempt: Option<u32>,
+    last: bool,
+) -> EventDraft {
+    EventDraft::new(
+        EventKind::ModelError,
+        json!({
+            "run_id": claimed.job.run_id,
+            "step_index": claimed.job.step_index,
+            "attempt": attempt,
+            "message": message,
+            "final": last,
+        }),
+    )
 }

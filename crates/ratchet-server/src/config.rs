@@ -238,9 +238,16 @@ mod tests {
         )
         .unwrap();
         let fast = &config.models["fast"];
-        assert_eq!((fast.provider.as_str(), fast.max_retries), ("openai", Some(5)));
+        assert_eq!(
+            (fast.provider.as_str(), fast.max_retries),
+            ("openai", Some(5))
+        );
         let typo = Config::from_toml("[models.fast]\nprovider = \"openai\"\nmodle = \"x\"");
-        assert!(typo.unwrap_err().to_string().contains("unknown field `modle`"));
+        assert!(
+            typo.unwrap_err()
+                .to_string()
+                .contains("unknown field `modle`")
+        );
     }
 
     #[test]

@@ -1163,3 +1163,46 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
         assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
     }
 }
+
+/// Refuses every call, as a provider does with a bad key.
+struct Refusing;
+
+#[async_trait::async_trait]
+impl ratchet_llm::Model for Refusing {
+    async fn complete(
+        &self,
+        _request: ratchet_llm::ModelRequest,
+        _deltas: tokio::sync::mpsc::UnboundedSender<String>,
+        _cancel: CancellationToken,
+    ) -> ratchet_llm::Result<ratchet_core::ModelReply> {
+        Err(ratchet_llm::Error::Fatal(
+            "HTTP 401: Incorrect API key provided".into(),
+        ))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_model_call_ends_the_run_with_llm_error_and_the_providers_message() {
+    let server = Server::start_with(quick_script(), |template, models| {
+        template.model = "refusing".into();
+        models.register("refusing", Arc::new(Refusing));
+    })
+    .await;
+    let session = server.create_session(TOKEN_A).await;
+    let accepted = server.send(TOKEN_A, &session, "hello").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let done = server.finish(&run).await;
+    assert_eq!(
+        (&done["status"], &done["stop_reason"]),
+        (&json!("failed"), &json!("llm_error")),
+        "{done}"
+    );
+    let events = server
+        .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
+        .await;
+    let errors: Vec<&Ev> = events.iter().filter(|e| e.kind == "model.error").collect();
+    assert_eq!(errors.len(), 1, "refused once, not retried");
+    let payload = &errors[0].data["payload"];
+    assert_eq!(payload["message"], "HTTP 401: Incorrect API key provided");
+    assert_eq!(payload["final"], true);
+}
