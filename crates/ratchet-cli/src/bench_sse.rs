@@ -269,7 +269,7 @@ impl LocalServer {
             &format!("scripted:{}", script.display()),
             Some(scratch.path()),
             ratchet_core::Limits::default(),
-            &std::collections::BTreeMap::new(),
+            &crate::runtime::ToolOverrides::default(),
             ratchet_core::MemoryScope::Session,
         )?;
         let db = format!("sqlite://{}", scratch.path().join("bench.db").display());

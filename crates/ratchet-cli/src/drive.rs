@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::bail;
-use ratchet_core::{AgentState, ApprovalPolicy, RunConfigSnapshot, RunId, RunStatus};
+use ratchet_core::{AgentState, RunConfigSnapshot, RunId, RunStatus};
 use ratchet_engine::{Multitask, PoolConfig};
 use ratchet_store::SessionSpec;
 use serde::Serialize;
@@ -15,7 +15,7 @@ use tokio::sync::broadcast::error::RecvError;
 
 use crate::approve;
 use crate::client::Api;
-use crate::runtime::{Runtime, Toolbox, open_existing_store, open_store};
+use crate::runtime::{Runtime, ToolOverrides, Toolbox, open_existing_store, open_store};
 
 /// How often a driver re-reads the store in case it missed a wake-up on the event bus.
 const RECHECK: Duration = Duration::from_millis(200);
@@ -25,7 +25,7 @@ pub struct RunArgs {
     pub model: String,
     pub workspace: Option<PathBuf>,
     pub limits: ratchet_core::Limits,
-    pub approvals: BTreeMap<String, ApprovalPolicy>,
+    pub overrides: ToolOverrides,
     pub profiles: BTreeMap<String, ratchet_llm::profiles::Profile>,
     pub memory_scope: ratchet_core::MemoryScope,
     pub json: bool,
@@ -82,7 +82,7 @@ fn run_config(args: &RunArgs, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnap
         &args.model,
         args.workspace.as_deref(),
         args.limits,
-        &args.approvals,
+        &args.overrides,
         args.memory_scope,
     )
 }

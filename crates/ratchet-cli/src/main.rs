@@ -455,8 +455,11 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 Some(path) => ratchet_server::Config::load(&path.display().to_string())?,
                 None => ratchet_server::Config::default(),
             };
-            let mut approvals = file.approval_policies()?;
-            approvals.extend(
+            let mut overrides = runtime::ToolOverrides {
+                approval: file.approval_policies()?,
+                replay: file.replay_policies(),
+            };
+            overrides.approval.extend(
                 require_approval
                     .into_iter()
                     .map(|tool| (tool, ratchet_core::ApprovalPolicy::Always)),
@@ -466,7 +469,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 model: model.unwrap_or_else(|| "scripted:demo".to_owned()),
                 workspace,
                 limits: budget.limits(),
-                approvals,
+                overrides,
                 profiles: file.models,
                 memory_scope: memory_scope.map(Into::into).unwrap_or_default(),
                 json,

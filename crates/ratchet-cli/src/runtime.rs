@@ -5,7 +5,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
-use ratchet_core::{ApprovalPolicy, Limits, MemoryScope, RunConfigSnapshot};
+use ratchet_core::{
+    ApprovalPolicy, Limits, MemoryScope, ReplayPolicy, RunConfigSnapshot, ToolSpec,
+};
 use ratchet_engine::{
     Coordinator, Engine, Models, PoolConfig, WorkerPool, owner_is_dead_local_process,
 };
@@ -33,7 +35,7 @@ impl Toolbox {
         model: &str,
         workspace: Option<&Path>,
         limits: Limits,
-        approvals: &BTreeMap<String, ApprovalPolicy>,
+        overrides: &ToolOverrides,
         memory_scope: MemoryScope,
     ) -> anyhow::Result<RunConfigSnapshot> {
         let zero = [
@@ -76,17 +78,15 @@ impl Toolbox {
             self.models.resolve(&model)?;
         }
         let mut tools = self.tools.specs();
-        for (name, policy) in approvals {
-            let Some(spec) = tools.iter_mut().find(|t| &t.name == name) else {
-                bail!(
-                    "approval policy for unknown tool {name:?}; the tools are: {}",
-                    self.tools.names().join(", ")
-                );
-            };
+        for (name, policy) in &overrides.approval {
             policy
                 .validate()
                 .map_err(|e| anyhow::anyhow!("tool {name:?}: {e}"))?;
+            let spec = find_tool(&mut tools, name, "approval", &self.tools)?;
             spec.approval = policy.clone();
+        }
+        for (name, replay) in &overrides.replay {
+            find_tool(&mut tools, name, "replay", &self.tools)?.replay = *replay;
         }
         Ok(RunConfigSnapshot {
             model,
@@ -118,6 +118,25 @@ impl Toolbox {
         self.profiles = profiles;
         Ok(self)
     }
+}
+
+/// Policies the configuration sets for tools, by tool name, over the tools' own.
+#[derive(Debug, Clone, Default)]
+pub struct ToolOverrides {
+    pub approval: BTreeMap<String, ApprovalPolicy>,
+    pub replay: BTreeMap<String, ReplayPolicy>,
+}
+
+fn find_tool<'a>(
+    tools: &'a mut [ToolSpec],
+    name: &str,
+    what: &str,
+    registry: &Registry,
+) -> anyhow::Result<&'a mut ToolSpec> {
+    let known = registry.names().join(", ");
+    tools.iter_mut().find(|t| t.name == name).ok_or_else(|| {
+        anyhow::anyhow!("{what} policy for unknown tool {name:?}; the tools are: {known}")
+    })
 }
 
 pub struct Runtime {

@@ -12,7 +12,7 @@ use ratchet_engine::PoolConfig;
 use ratchet_server::{AppState, Config};
 use tokio_util::sync::CancellationToken;
 
-use crate::runtime::{Runtime, Toolbox, open_store};
+use crate::runtime::{Runtime, ToolOverrides, Toolbox, open_store};
 
 /// How long in-flight steps get to commit after a shutdown signal; what is still running
 /// then is left to lease expiry and taken over by the next process.
@@ -74,7 +74,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             max_duration_ms: config.max_duration_ms,
             ..Limits::default()
         },
-        &config.approval_policies()?,
+        &ToolOverrides {
+            approval: config.approval_policies()?,
+            replay: config.replay_policies(),
+        },
         config.memory_scope.unwrap_or_default(),
     )?;
     let db = config.db.as_deref().unwrap_or("sqlite://ratchet.db");

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use ratchet_core::ApprovalPolicy;
+use ratchet_core::{ApprovalPolicy, ReplayPolicy};
 
 use ratchet_core::MemoryScope;
 use serde::Deserialize;
@@ -61,6 +61,10 @@ pub struct ToolConfig {
     /// `"always"`, `"never"` (the default), or a table of argument globs such as
     /// `{ path = "secrets/**" }`: a call waits for approval when any of them matches.
     pub approval: Option<toml::Value>,
+    /// What a call with an unknown outcome after a crash may do: `safe` (run again), `keyed`
+    /// (run again with the same idempotency key) or `never` (a human reconciles). Default:
+    /// the tool's own.
+    pub replay: Option<ReplayPolicy>,
 }
 
 /// One accepted bearer token: its SHA-256 (`ratchet` never stores the token itself) or the
@@ -145,6 +149,13 @@ impl Config {
             policies.insert(tool.clone(), policy);
         }
         Ok(policies)
+    }
+
+    /// The replay policies the file sets, by tool name.
+    pub fn replay_policies(&self) -> BTreeMap<String, ReplayPolicy> {
+        (self.tools.iter())
+            .filter_map(|(tool, settings)| settings.replay.map(|r| (tool.clone(), r)))
+            .collect()
     }
 
     /// The accepted tokens, reading `env` tokens from the environment now.
@@ -260,12 +271,22 @@ mod tests {
             approval = "always"
             [tools.now]
             approval = "never"
+            replay = "keyed"
             "#,
         )
         .unwrap();
         let policies = config.approval_policies().unwrap();
         assert_eq!(policies["add"], ApprovalPolicy::Always);
         assert_eq!(policies["now"], ApprovalPolicy::Never);
+        assert_eq!(
+            config.replay_policies(),
+            BTreeMap::from([("now".to_owned(), ReplayPolicy::Keyed)])
+        );
+        let bad = Config::from_toml("[tools.now]\nreplay = \"sometimes\"").unwrap_err();
+        assert!(
+            bad.to_string().contains("unknown variant `sometimes`"),
+            "{bad}"
+        );
         assert_eq!(
             policies["append_line"],
             ApprovalPolicy::WhenArguments([("path".into(), "secrets/**".into())].into())
