@@ -195,3 +195,56 @@ impl Runtime {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overrides_set_a_tools_policies_and_unknown_tools_are_refused() {
+        let toolbox = Toolbox::new();
+        let dir = tempfile::tempdir().unwrap();
+        let mut overrides = ToolOverrides::default();
+        overrides
+            .approval
+            .insert("append_line".into(), ApprovalPolicy::Always);
+        overrides
+            .replay
+            .insert("append_line".into(), ReplayPolicy::Keyed);
+        let template = toolbox
+            .run_template(
+                "scripted:demo",
+                Some(dir.path()),
+                Limits::default(),
+                &overrides,
+                MemoryScope::Session,
+            )
+            .unwrap();
+        let append = template.tool("append_line").unwrap();
+        assert_eq!(
+            (&append.approval, append.replay),
+            (&ApprovalPolicy::Always, ReplayPolicy::Keyed)
+        );
+        assert_eq!(
+            template.tool("add").unwrap().approval,
+            ApprovalPolicy::Never,
+            "others keep their own"
+        );
+        overrides.replay.insert("rm_rf".into(), ReplayPolicy::Safe);
+        let error = toolbox
+            .run_template(
+                "scripted:demo",
+                Some(dir.path()),
+                Limits::default(),
+                &overrides,
+                MemoryScope::Session,
+            )
+            .unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("replay policy for unknown tool \"rm_rf\""),
+            "{error}"
+        );
+    }
+}
