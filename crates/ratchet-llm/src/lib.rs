@@ -1,10 +1,12 @@
 //! Models behind one streaming trait: the scripted model (specs `scripted:FILE`,
-//! `scripted:demo`) and the providers a run's settings name (`openai`: chat completions).
+//! `scripted:demo`) and the providers a run's settings name (`openai`: chat completions,
+//! `anthropic`: Messages).
 //!
 //! A model never touches the store: it streams text deltas into a channel and returns the
 //! complete reply; the engine records both. A model never retries either: it says whether a
 //! failure is worth another try, and the engine retries durably.
 
+mod anthropic;
 mod http;
 mod openai;
 mod scripted;
@@ -16,6 +18,7 @@ use ratchet_core::{Message, ModelReply, ModelSettings, RunId, ToolSpec};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+pub use anthropic::{Anthropic, DEFAULT_MAX_TOKENS};
 pub use openai::OpenAi;
 pub use scripted::{DEMO_SCRIPT, Script, ScriptedModel};
 
@@ -115,6 +118,7 @@ pub fn from_settings(
 ) -> Result<std::sync::Arc<dyn Model>> {
     match settings.provider.as_str() {
         "openai" => Ok(std::sync::Arc::new(OpenAi::new(settings, api_key)?)),
+        "anthropic" => Ok(std::sync::Arc::new(Anthropic::new(settings, api_key)?)),
         other => Err(Error::Spec {
             spec: format!("{}:{}", settings.provider, settings.model),
             reason: format!("unknown provider {other:?}; expected openai or anthropic"),
