@@ -1,31 +1,41 @@
-//! Models behind one streaming trait, and the model spec parser (`scripted:FILE`,
-//! `scripted:demo`).
+//! Models behind one streaming trait: the scripted model (specs `scripted:FILE`,
+//! `scripted:demo`) and the providers a run's settings name (`openai`: chat completions,
+//! `anthropic`: Messages).
 //!
 //! A model never touches the store: it streams text deltas into a channel and returns the
-//! complete reply; the engine records both.
+//! complete reply; the engine records both. A model never retries either: it says whether a
+//! failure is worth another try, and the engine retries durably.
 
+mod anthropic;
+mod http;
+mod openai;
 pub mod profiles;
 mod scripted;
 pub mod sse;
+mod wire;
 
 use async_trait::async_trait;
 use ratchet_core::{Message, ModelReply, ModelSettings, RunId, ToolSpec};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+pub use anthropic::{Anthropic, DEFAULT_MAX_TOKENS};
+pub use openai::OpenAi;
 pub use scripted::{DEMO_SCRIPT, Script, ScriptedModel};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
-    /// The call failed in a way that may succeed if tried again (HTTP 429 or 5xx, a broken
-    /// connection, a timeout). `retry_after` is the provider's own wait (`Retry-After`).
+    /// The call failed in a way that may succeed if tried again (HTTP 408, 429 or 5xx, a
+    /// refused or broken connection, a timeout, a stream that ended early, an overloaded
+    /// provider). `retry_after` is the provider's own wait (`Retry-After`, `retry-after-ms`).
     #[error("model call failed (retryable): {message}")]
     Transient {
         message: String,
         retry_after: Option<std::time::Duration>,
     },
-    /// The provider refused the call (a 4xx other than 429, a malformed answer): trying again
-    /// would not help. The message is the provider's own.
+    /// The provider refused the call (a 4xx other than 408 and 429), or its answer was
+    /// malformed: trying again would not help. The message is the provider's own, or says what
+    /// was expected and what was found.
     #[error("model call failed: {0}")]
     Fatal(String),
     #[error("model call cancelled")]
@@ -101,17 +111,18 @@ pub fn from_spec(spec: &str, known_tools: &[&str]) -> Result<std::sync::Arc<dyn 
 }
 
 /// Builds the model a run's frozen settings describe. `api_key` is the value of the settings'
-/// `api_key_env`, read by the caller (the settings never hold a secret).
+/// `api_key_env`, read by the caller (the settings never hold a secret); without one, no key
+/// is sent (local servers need none).
 pub fn from_settings(
     settings: &ModelSettings,
     api_key: Option<String>,
 ) -> Result<std::sync::Arc<dyn Model>> {
-    let _ = api_key;
-    Err(Error::Spec {
-        spec: format!("{}:{}", settings.provider, settings.model),
-        reason: format!(
-            "unknown provider {:?}; expected openai or anthropic",
-            settings.provider
-        ),
-    })
+    match settings.provider.as_str() {
+        "openai" => Ok(std::sync::Arc::new(OpenAi::new(settings, api_key)?)),
+        "anthropic" => Ok(std::sync::Arc::new(Anthropic::new(settings, api_key)?)),
+        other => Err(Error::Spec {
+            spec: format!("{}:{}", settings.provider, settings.model),
+            reason: format!("unknown provider {other:?}; expected openai or anthropic"),
+        }),
+    }
 }
