@@ -77,6 +77,9 @@ pub struct Message {
     /// summary takes the place of every message before that one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keeps_from: Option<i64>,
+    /// For a tool result: the call failed (providers that can say so are told).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub is_error: bool,
 }
 
 impl Message {
@@ -89,6 +92,7 @@ impl Message {
             visibility: Visibility::Visible,
             origin: Origin::User,
             keeps_from: None,
+            is_error: false,
         }
     }
 
@@ -102,6 +106,7 @@ impl Message {
             visibility: Visibility::Hidden,
             origin: Origin::Summary,
             keeps_from: Some(keeps_from),
+            is_error: false,
         }
     }
 
@@ -123,6 +128,7 @@ impl Message {
             visibility: Visibility::Visible,
             origin: Origin::Agent,
             keeps_from: None,
+            is_error: false,
         }
     }
 
@@ -135,6 +141,7 @@ impl Message {
             visibility: Visibility::Visible,
             origin: Origin::Agent,
             keeps_from: None,
+            is_error: outcome.is_error,
         }
     }
 }

@@ -144,9 +144,7 @@ impl Model for Anthropic {
 /// System messages in the history join the system prompt. Each other message becomes content
 /// blocks of its role's turn (a tool result is a user's `tool_result` block), and blocks of
 /// the same role in a row make one turn, so turns alternate. Empty text makes no block: the API
-/// refuses empty text blocks. Tool results carry no `is_error`: a core `Message` does not keep
-/// whether its outcome was an error, and an error's text says so itself (a call that never ran
-/// says "not run: …").
+/// refuses empty text blocks. A failed call's result says so with `is_error`.
 fn conversation(request: &ModelRequest, names: &WireNames) -> (String, Vec<Value>) {
     let mut system = Vec::new();
     if !request.system_prompt.is_empty() {
@@ -164,14 +162,17 @@ fn conversation(request: &ModelRequest, names: &WireNames) -> (String, Vec<Value
             Role::System => {}
             Role::User if !message.content.is_empty() => add("user", text()),
             Role::User => {}
-            Role::Tool => add(
-                "user",
-                json!({
+            Role::Tool => add("user", {
+                let mut block = json!({
                     "type": "tool_result",
                     "tool_use_id": wire_id(message.tool_call_id.as_deref().unwrap_or_default()),
                     "content": message.content,
-                }),
-            ),
+                });
+                if message.is_error {
+                    block["is_error"] = json!(true);
+                }
+                block
+            }),
             Role::Assistant => {
                 if !message.content.is_empty() {
                     add("assistant", text());
@@ -544,8 +545,15 @@ mod tests {
             Message::user("one"),
             Message::user("two"),
             system,
-            Message::assistant("", vec![call("c.1", "fs.read", json!({"p": "a"}))]),
+            Message::assistant(
+                "",
+                vec![
+                    call("c.1", "fs.read", json!({"p": "a"})),
+                    call("c.2", "fs.read", json!({"p": "b"})),
+                ],
+            ),
             Message::tool_result("c.1", &ToolOutcome::ok("A")),
+            Message::tool_result("c.2", &ToolOutcome::error("no such file")),
             Message::user("three"),
             Message::assistant("fine", Vec::new()),
             Message::assistant("", Vec::new()),
@@ -562,9 +570,12 @@ mod tests {
                 ]},
                 {"role": "assistant", "content": [
                     {"type": "tool_use", "id": "c_1", "name": "fs_read", "input": {"p": "a"}},
+                    {"type": "tool_use", "id": "c_2", "name": "fs_read", "input": {"p": "b"}},
                 ]},
                 {"role": "user", "content": [
                     {"type": "tool_result", "tool_use_id": "c_1", "content": "A"},
+                    {"type": "tool_result", "tool_use_id": "c_2", "content": "no such file",
+                     "is_error": true},
                     {"type": "text", "text": "three"},
                 ]},
                 {"role": "assistant", "content": [{"type": "text", "text": "fine"}]},

@@ -133,7 +133,7 @@ async fn the_request_carries_the_conversation_in_messages_terms() {
                 // Both results and the message after them: one user turn.
                 {"role": "user", "content": [
                     {"type": "tool_result", "tool_use_id": "toolu_1", "content": "A"},
-                    {"type": "tool_result", "tool_use_id": "toolu_2", "content": "not run: cancelled"},
+                    {"type": "tool_result", "tool_use_id": "toolu_2", "content": "not run: cancelled", "is_error": true},
                     {"type": "text", "text": "Also, be quick."},
                 ]},
                 {"role": "assistant", "content": [{"type": "text", "text": "A, and b was not read."}]},

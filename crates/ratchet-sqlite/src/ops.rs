@@ -387,8 +387,8 @@ fn insert_message(
         sql_str(&message.origin)?,
     );
     c.prepare_cached(
-        "INSERT INTO messages (id, session_id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, created_at, keeps_from)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+        "INSERT INTO messages (id, session_id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, created_at, keeps_from, is_error)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
     )
     .and_then(|mut s| {
         s.execute(params![
@@ -402,7 +402,8 @@ fn insert_message(
             visibility,
             origin,
             now,
-            message.keeps_from
+            message.keeps_from,
+            message.is_error
         ])
     })
     .map_err(backend)?;
@@ -1156,7 +1157,7 @@ pub(crate) fn visible_messages(
 ) -> Result<Vec<StoredMessage>> {
     let mut stmt = c
         .prepare_cached(
-            "SELECT rowid, id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, created_at
+            "SELECT rowid, id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, is_error, created_at
              FROM messages WHERE session_id = ?1 AND visibility = 'visible' AND rowid > ?2
              ORDER BY rowid LIMIT ?3",
         )
@@ -1178,7 +1179,7 @@ fn stored_message_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<StoredMessa
         r.get(1)?,
         r.get(2)?,
         message_columns(r, 3)?,
-        r.get(10)?,
+        r.get(11)?,
     ))
 }
 
@@ -1187,7 +1188,7 @@ fn stored_message_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<StoredMessa
 pub(crate) fn context(c: &Tx<'_>, session_id: &SessionId) -> Result<Vec<StoredMessage>> {
     let mut stmt = c
         .prepare_cached(
-            "SELECT rowid, id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, created_at
+            "SELECT rowid, id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, is_error, created_at
              FROM messages
              WHERE session_id = ?1
                AND rowid >= COALESCE((SELECT MAX(keeps_from) FROM messages
@@ -1237,6 +1238,7 @@ type MessageColumns = (
     String,
     String,
     Option<i64>,
+    bool,
 );
 
 fn message_columns(r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<MessageColumns> {
@@ -1248,11 +1250,13 @@ fn message_columns(r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<Message
         r.get(at + 4)?,
         r.get(at + 5)?,
         r.get(at + 6)?,
+        r.get(at + 7)?,
     ))
 }
 
 fn to_message(columns: MessageColumns) -> Result<Message> {
-    let (role, content, tool_calls, tool_call_id, visibility, origin, keeps_from) = columns;
+    let (role, content, tool_calls, tool_call_id, visibility, origin, keeps_from, is_error) =
+        columns;
     Ok(Message {
         role: sql_enum(&role)?,
         content,
@@ -1264,13 +1268,14 @@ fn to_message(columns: MessageColumns) -> Result<Message> {
         visibility: sql_enum(&visibility)?,
         origin: sql_enum(&origin)?,
         keeps_from,
+        is_error,
     })
 }
 
 pub(crate) fn history(c: &Tx<'_>, session_id: &SessionId) -> Result<Vec<Message>> {
     let mut stmt = c
         .prepare_cached(
-            "SELECT role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from FROM messages
+            "SELECT role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, is_error FROM messages
              WHERE session_id = ?1 ORDER BY rowid",
         )
         .map_err(backend)?;

@@ -169,6 +169,10 @@ DROP TRIGGER messages_fts_insert;
 CREATE TABLE messages_fts_progress (indexed_through INTEGER NOT NULL);
 INSERT INTO messages_fts_progress SELECT COALESCE(MAX(rowid), 0) FROM messages;
 "#,
+    r#"
+-- A tool result whose call failed.
+ALTER TABLE messages ADD COLUMN is_error INTEGER NOT NULL DEFAULT 0;
+"#,
 ];
 
 pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {

@@ -2747,7 +2747,7 @@ pub async fn the_model_sees_the_latest_summary_in_place_of_what_it_replaces(stor
     let mut ran = after_tools(
         step.state,
         &step.job,
-        vec![ToolOutcome::ok("4")],
+        vec![ToolOutcome::error("4")],
         0,
         T0 + 3,
         T0 + 4,
@@ -2767,6 +2767,10 @@ pub async fn the_model_sees_the_latest_summary_in_place_of_what_it_replaces(stor
         "the summary first, then what it keeps, then what came after"
     );
     assert_eq!(context[0].message.origin, ratchet_core::Origin::Summary);
+    assert!(
+        context[3].message.is_error,
+        "a failed call's result keeps saying so"
+    );
 
     // A later summary replaces the first one and everything before its own cut.
     let step = claim(store, OWNER_A, T0 + 5).await;
