@@ -322,10 +322,7 @@ async fn a_run_that_failed_calling_the_model_is_retried_with_fresh_attempts() {
         models.register("flaky", Arc::new(flaky));
     })
     .await;
-    let session = server.create_session(TOKEN_A).await;
-    let accepted = server.send(TOKEN_A, &session, "hello").await;
-    let run = accepted["run_id"].as_str().unwrap().to_owned();
-    let failed = server.finish(&run).await;
+    let (_, run, failed) = server.run_to_end("hello").await;
     assert_eq!(
         (&failed["status"], &failed["stop_reason"]),
         (&json!("failed"), &json!("llm_error")),
@@ -392,10 +389,7 @@ async fn a_run_that_spent_its_budget_is_continued_with_more() {
         {"text": "More.", "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 1}}]}
     ]});
     let server = Server::start_with(forever, |template, _| template.limits.max_steps = 3).await;
-    let session = server.create_session(TOKEN_A).await;
-    let accepted = server.send(TOKEN_A, &session, "loop").await;
-    let run = accepted["run_id"].as_str().unwrap().to_owned();
-    let failed = server.finish(&run).await;
+    let (_, run, failed) = server.run_to_end("loop").await;
     assert_eq!(
         (&failed["stop_reason"], &failed["step_index"]),
         (&json!("budget_exhausted"), &json!(3)),
@@ -566,10 +560,7 @@ async fn a_prompt_over_its_budget_is_compacted_into_a_hidden_summary() {
         models.register("recorder", model);
     })
     .await;
-    let session = server.create_session(TOKEN_A).await;
-    let accepted = server.send(TOKEN_A, &session, "add things up").await;
-    let run = accepted["run_id"].as_str().unwrap().to_owned();
-    let done = server.finish(&run).await;
+    let (session, run, done) = server.run_to_end("add things up").await;
     assert_eq!(
         (&done["status"], &done["final_answer"]),
         (&json!("completed"), &json!("done")),
@@ -990,10 +981,7 @@ async fn past_its_deadline_a_run_concludes_with_one_last_call() {
         template.limits.max_duration_ms = Some(400);
     })
     .await;
-    let session = server.create_session(TOKEN_A).await;
-    let accepted = server.send(TOKEN_A, &session, "wait").await;
-    let run = accepted["run_id"].as_str().unwrap().to_owned();
-    let ended = server.finish(&run).await;
+    let (_, run, ended) = server.run_to_end("wait").await;
     assert_eq!(
         (&ended["status"], &ended["stop_reason"]),
         (&json!("failed"), &json!("budget_exhausted")),
@@ -1113,10 +1101,7 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
         models.register("metered", Arc::new(Metered));
     })
     .await;
-    let session = server.create_session(TOKEN_A).await;
-    let accepted = server.send(TOKEN_A, &session, "how much?").await;
-    let run = accepted["run_id"].as_str().unwrap().to_owned();
-    let done = server.finish(&run).await;
+    let (_, run, done) = server.run_to_end("how much?").await;
     let usage = &done["usage"];
     assert_eq!(
         (
@@ -1188,10 +1173,7 @@ async fn a_refused_model_call_ends_the_run_with_llm_error_and_the_providers_mess
         models.register("refusing", Arc::new(Refusing));
     })
     .await;
-    let session = server.create_session(TOKEN_A).await;
-    let accepted = server.send(TOKEN_A, &session, "hello").await;
-    let run = accepted["run_id"].as_str().unwrap().to_owned();
-    let done = server.finish(&run).await;
+    let (_, run, done) = server.run_to_end("hello").await;
     assert_eq!(
         (&done["status"], &done["stop_reason"]),
         (&json!("failed"), &json!("llm_error")),

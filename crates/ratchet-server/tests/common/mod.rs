@@ -169,6 +169,16 @@ impl Server {
         reply.body
     }
 
+    /// A new session of tenant A with one message, run to its end: the session, the run, and
+    /// the run as it ended.
+    pub async fn run_to_end(&self, content: &str) -> (String, String, Value) {
+        let session = self.create_session(TOKEN_A).await;
+        let accepted = self.send(TOKEN_A, &session, content).await;
+        let run = accepted["run_id"].as_str().unwrap().to_owned();
+        let ended = self.finish(&run).await;
+        (session, run, ended)
+    }
+
     /// Every visible message of one of tenant A's sessions (up to 200), in order.
     pub async fn messages(&self, session: &str) -> Vec<Value> {
         let path = format!("/v1/sessions/{session}/messages?limit=200");
