@@ -15,10 +15,10 @@ pub struct Add;
 
 #[async_trait]
 impl Tool for Add {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "add"
     }
-    fn description(&self) -> &'static str {
+    fn description(&self) -> &str {
         "Adds two numbers and returns the sum."
     }
     fn parameters(&self) -> Value {
@@ -53,10 +53,10 @@ pub struct Now;
 
 #[async_trait]
 impl Tool for Now {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "now"
     }
-    fn description(&self) -> &'static str {
+    fn description(&self) -> &str {
         "Returns the current time as milliseconds since the Unix epoch."
     }
     fn parameters(&self) -> Value {
@@ -79,10 +79,10 @@ const MAX_SLEEP_MS: u64 = 600_000;
 
 #[async_trait]
 impl Tool for SleepMs {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "sleep_ms"
     }
-    fn description(&self) -> &'static str {
+    fn description(&self) -> &str {
         "Waits the given number of milliseconds (at most 600000)."
     }
     fn parameters(&self) -> Value {
@@ -109,10 +109,10 @@ pub struct AppendLine;
 
 #[async_trait]
 impl Tool for AppendLine {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "append_line"
     }
-    fn description(&self) -> &'static str {
+    fn description(&self) -> &str {
         "Appends one line of text to a file in the workspace (created if absent)."
     }
     fn parameters(&self) -> Value {

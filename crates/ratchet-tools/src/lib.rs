@@ -35,11 +35,17 @@ pub struct ToolContext {
 
 #[async_trait]
 pub trait Tool: Send + Sync {
-    fn name(&self) -> &'static str;
-    fn description(&self) -> &'static str;
+    fn name(&self) -> &str;
+    fn description(&self) -> &str;
     /// JSON Schema of the arguments object.
     fn parameters(&self) -> Value;
     fn replay(&self) -> ReplayPolicy;
+    /// Whether a call waits for a human unless the configuration says otherwise. Built-ins
+    /// never do; tools of outside servers do, so that forgetting to configure one never
+    /// lets it act unseen.
+    fn approval(&self) -> ApprovalPolicy {
+        ApprovalPolicy::Never
+    }
     /// Runs the call with arguments already validated against `parameters`. Failures are
     /// outcomes the model sees, not errors of the runtime.
     async fn call(&self, arguments: Value, context: &ToolContext) -> ToolOutcome;
@@ -85,14 +91,19 @@ impl Registry {
 
     /// The built-in tools: `add`, `now`, `sleep_ms`, `append_line` and `memory_search`.
     pub fn builtin() -> Registry {
-        Registry::new(vec![
+        Registry::new(Registry::builtin_tools())
+            .expect("built-in tool schemas are valid and their names unique")
+    }
+
+    /// The built-in tools as a list, to register together with others.
+    pub fn builtin_tools() -> Vec<Arc<dyn Tool>> {
+        vec![
             Arc::new(Add),
             Arc::new(Now),
             Arc::new(SleepMs),
             Arc::new(AppendLine),
             Arc::new(MemorySearchTool),
-        ])
-        .expect("built-in tool schemas are valid and their names unique")
+        ]
     }
 
     pub fn names(&self) -> Vec<&str> {
@@ -108,7 +119,7 @@ impl Registry {
                 parameters: e.tool.parameters(),
                 replay: e.tool.replay(),
                 completes_run: false,
-                approval: ApprovalPolicy::Never,
+                approval: e.tool.approval(),
             })
             .collect()
     }
@@ -192,6 +203,49 @@ mod tests {
         );
         let err = registry.validate("rm", &json!({})).err().unwrap();
         assert!(err.contains("unknown tool \"rm\""), "{err}");
+    }
+
+    struct Gated;
+
+    #[async_trait]
+    impl Tool for Gated {
+        fn name(&self) -> &str {
+            "gated"
+        }
+        fn description(&self) -> &str {
+            "Waits for a human by default."
+        }
+        fn parameters(&self) -> Value {
+            json!({"type": "object"})
+        }
+        fn replay(&self) -> ReplayPolicy {
+            ReplayPolicy::Never
+        }
+        fn approval(&self) -> ApprovalPolicy {
+            ApprovalPolicy::Always
+        }
+        async fn call(&self, _: Value, _: &ToolContext) -> ToolOutcome {
+            ToolOutcome::ok("ran")
+        }
+    }
+
+    #[test]
+    fn specs_carry_each_tools_default_approval() {
+        let tools = [
+            Registry::builtin_tools(),
+            vec![Arc::new(Gated) as Arc<dyn Tool>],
+        ]
+        .concat();
+        let specs = Registry::new(tools).unwrap().specs();
+        for spec in &specs {
+            let expected = if spec.name == "gated" {
+                ApprovalPolicy::Always
+            } else {
+                ApprovalPolicy::Never
+            };
+            assert_eq!(spec.approval, expected, "{}", spec.name);
+        }
+        assert_eq!(specs.len(), 6);
     }
 
     #[test]

@@ -62,10 +62,10 @@ struct Shown<'a> {
 
 #[async_trait]
 impl Tool for MemorySearchTool {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         "memory_search"
     }
-    fn description(&self) -> &'static str {
+    fn description(&self) -> &str {
         "Searches earlier messages of the conversation history for words and returns the best \
          matches first, with the matched words marked **like this**. A message matching any \
          of the words is found; ones matching more of them rank higher."

@@ -1,0 +1,221 @@
+//! MCP tools through the real engine: a scripted model calls them, the engine records an
+//! intent and an outcome around each call, and the results reach the session's history.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ratchet_core::{
+    AgentState, HumanRequest, Limits, MemoryScope, Role, RunConfigSnapshot, RunId, RunStatus,
+};
+use ratchet_engine::{Coordinator, Engine, Models, Multitask, PoolConfig, WorkerPool};
+use ratchet_mcp::{Approval, Config, McpTools, ServerConfig, connect_all};
+use ratchet_sqlite::SqliteStore;
+use ratchet_store::{SessionSpec, Store};
+use ratchet_tools::Registry;
+use serde_json::{Value, json};
+
+struct Node {
+    coordinator: Arc<Coordinator>,
+    pool: WorkerPool,
+    registry: Arc<Registry>,
+}
+
+/// A runtime whose registry holds the built-ins and the MCP tools, as the CLI will build it.
+fn node(dir: &Path, mcp: &McpTools) -> Node {
+    let db = format!("sqlite://{}", dir.join("r.db").display());
+    let store: Arc<dyn Store> = Arc::new(SqliteStore::open_url(&db).unwrap());
+    let registry = Arc::new(
+        Registry::new(
+            [Registry::builtin_tools(), mcp.tools()]
+                .into_iter()
+                .flatten()
+                .collect(),
+        )
+        .unwrap(),
+    );
+    let models = Arc::new(Models::new(
+        registry.names().into_iter().map(str::to_owned).collect(),
+    ));
+    let coordinator = Coordinator::new(store);
+    let engine = Arc::new(Engine::new(
+        Arc::clone(&coordinator),
+        models,
+        Arc::clone(&registry),
+    ));
+    let pool = WorkerPool::start(
+        Arc::clone(&coordinator),
+        engine,
+        PoolConfig {
+            workers: 2,
+            poll: Duration::from_millis(10),
+            ..PoolConfig::default()
+        },
+    );
+    Node {
+        coordinator,
+        pool,
+        registry,
+    }
+}
+
+fn server(log: &Path) -> ServerConfig {
+    ServerConfig {
+        command: Some("python3".into()),
+        args: vec![
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/stdio_server.py")
+                .display()
+                .to_string(),
+        ],
+        env: [("MCP_TEST_LOG".to_owned(), log.display().to_string())].into(),
+        ..ServerConfig::default()
+    }
+}
+
+fn script(dir: &Path, replies: Value) -> PathBuf {
+    let path = dir.join("script.json");
+    std::fs::write(&path, json!({ "replies": replies }).to_string()).unwrap();
+    path
+}
+
+async fn run(node: &Node, script: &Path, message: &str) -> (RunId, AgentState) {
+    let config = RunConfigSnapshot {
+        model: format!("scripted:{}", script.display()),
+        model_settings: None,
+        workspace: None,
+        system_prompt: String::new(),
+        tools: node.registry.specs(),
+        limits: Limits::default(),
+        memory_scope: MemoryScope::Session,
+    };
+    let session = node
+        .coordinator
+        .create_session(SessionSpec::default())
+        .await
+        .unwrap()
+        .id;
+    let run = node
+        .coordinator
+        .submit(&session, message.into(), config, Multitask::Enqueue)
+        .await
+        .unwrap()
+        .run_id;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut events = node.coordinator.subscribe();
+    loop {
+        let state = node.coordinator.store().load_state(&run).await.unwrap();
+        if state.status.is_terminal() || state.status.is_waiting() {
+            return (run, state);
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "run stuck in {}",
+            state.status
+        );
+        let _ = tokio::time::timeout(Duration::from_millis(50), events.recv()).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_calls_mcp_tools_and_their_results_reach_the_history() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut local = server(&dir.path().join("log"));
+    local.approval = Some(Approval::Never);
+    let mcp = connect_all(&Config {
+        servers: [("local".to_owned(), local)].into(),
+    })
+    .await
+    .unwrap();
+    let node = node(dir.path(), &mcp);
+    let call = |name: &str, arguments: Value| json!({"tool_calls": [{"name": name, "arguments": arguments}]});
+    let script = script(
+        dir.path(),
+        json!([
+            {"tool_calls": [
+                {"name": "local.echo", "arguments": {"text": "from the MCP server"}},
+                {"name": "local.meta"}
+            ]},
+            call("local.crash", json!({})),
+            call("local.add", json!({"a": 20, "b": 22})),
+            {"text": "done"}
+        ]),
+    );
+    let (run, state) = run(&node, &script, "use the server").await;
+    assert_eq!(
+        state.status,
+        RunStatus::Completed,
+        "{:?}",
+        state.stop_reason
+    );
+    assert_eq!(state.final_answer.as_deref(), Some("done"));
+    let history = node
+        .coordinator
+        .store()
+        .history(&state.session_id)
+        .await
+        .unwrap();
+    let results: Vec<&str> = history
+        .iter()
+        .filter(|m| m.role == Role::Tool)
+        .map(|m| m.content.as_str())
+        .collect();
+    assert_eq!(results.len(), 4, "{history:?}");
+    assert_eq!(results[0], "from the MCP server");
+    // The engine's idempotency key of the call (`{run}#{step}#{slot}`) reached the server.
+    let meta: Value = serde_json::from_str(results[1]).unwrap();
+    assert_eq!(meta["ratchet/idempotency_key"], format!("{run}#2#1"));
+    // A server that died mid-call is an outcome the model reads, and the run goes on with
+    // a restarted server.
+    assert!(
+        results[2].starts_with("server \"local\" is unavailable: "),
+        "{}",
+        results[2]
+    );
+    assert_eq!(results[3], "42");
+    // The engine recorded an intent before each call and its outcome after.
+    let intents = node.coordinator.store().intents(&run, 2).await.unwrap();
+    let recorded: Vec<(&str, Option<&str>)> = intents
+        .iter()
+        .map(|i| {
+            (
+                i.name.as_str(),
+                i.outcome.as_ref().map(|o| o.content.as_str()),
+            )
+        })
+        .collect();
+    assert_eq!(
+        recorded,
+        [
+            ("local.echo", Some("from the MCP server")),
+            ("local.meta", Some(results[1]))
+        ]
+    );
+    node.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_an_mcp_tool_waits_for_a_human_before_it_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log");
+    let mcp = connect_all(&Config {
+        servers: [("local".to_owned(), server(&log))].into(),
+    })
+    .await
+    .unwrap();
+    let node = node(dir.path(), &mcp);
+    let script = script(
+        dir.path(),
+        json!([{"tool_calls": [{"name": "local.meta"}]}, {"text": "done"}]),
+    );
+    let (_, state) = run(&node, &script, "use the server").await;
+    assert_eq!(state.status, RunStatus::WaitingHuman);
+    let Some(HumanRequest::Approval { calls, .. }) = &state.pending_human else {
+        panic!("expected an approval, found {:?}", state.pending_human);
+    };
+    assert_eq!(calls.len(), 1);
+    assert!(calls[0].needs_approval);
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(!log.contains("meta"), "the call ran: {log}");
+    node.pool.shutdown().await;
+}
