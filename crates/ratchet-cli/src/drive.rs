@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::bail;
-use ratchet_core::{AgentState, RunConfigSnapshot, RunId, RunStatus};
+use ratchet_core::{AgentState, RunId, RunStatus};
 use ratchet_engine::{Multitask, PoolConfig};
 use ratchet_store::SessionSpec;
 use serde::Serialize;
@@ -27,6 +27,7 @@ pub struct RunArgs {
     pub limits: ratchet_core::Limits,
     pub overrides: ToolOverrides,
     pub profiles: BTreeMap<String, ratchet_llm::profiles::Profile>,
+    pub mcp: ratchet_mcp::Config,
     pub memory_scope: ratchet_core::MemoryScope,
     pub json: bool,
     pub message: String,
@@ -75,22 +76,19 @@ fn check_message(message: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Checks every input before anything is written, and freezes it into the run's config.
-fn run_config(args: &RunArgs, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnapshot> {
+pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    // Validate before opening the store, so that bad input never creates a database.
     check_message(&args.message)?;
-    toolbox.run_template(
+    let toolbox = Toolbox::with_mcp(&args.mcp)
+        .await?
+        .with_profiles(args.profiles.clone())?;
+    let config = toolbox.run_template(
         &args.model,
         args.workspace.as_deref(),
         args.limits,
         &args.overrides,
         args.memory_scope,
-    )
-}
-
-pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
-    // Validate before opening the store, so that bad input never creates a database.
-    let toolbox = Toolbox::new().with_profiles(args.profiles.clone())?;
-    let config = run_config(&args, &toolbox)?;
+    )?;
     let runtime = Runtime::new(open_store(&args.db)?, toolbox);
     let coordinator = &runtime.coordinator;
     let mut events = coordinator.subscribe();
@@ -147,6 +145,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
     };
     pool.shutdown().await;
+    runtime.close_tools().await;
     let report = RunReport::of(&state);
     print_report(&report, args.json, true)?;
     Ok(report.exit_code())
@@ -185,8 +184,10 @@ pub async fn run_remote(args: RemoteRunArgs) -> anyhow::Result<ExitCode> {
     Ok(report.exit_code())
 }
 
-pub async fn resume(db: &str, json: bool) -> anyhow::Result<ExitCode> {
-    let runtime = Runtime::new(open_existing_store(db)?, Toolbox::new());
+/// `mcp`: the servers whose tools the runs were started with (`--config`), started again.
+pub async fn resume(db: &str, json: bool, mcp: &ratchet_mcp::Config) -> anyhow::Result<ExitCode> {
+    let store = open_existing_store(db)?;
+    let runtime = Runtime::new(store, Toolbox::with_mcp(mcp).await?);
     let store = runtime.coordinator.store();
     let active: Vec<RunId> = store
         .list_runs()
@@ -217,6 +218,7 @@ pub async fn resume(db: &str, json: bool) -> anyhow::Result<ExitCode> {
         }
     }
     pool.shutdown().await;
+    runtime.close_tools().await;
     let mut code = ExitCode::SUCCESS;
     for run_id in active {
         let report = RunReport::of(&store.load_state(&run_id).await?);

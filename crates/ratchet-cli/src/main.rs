@@ -177,6 +177,9 @@ enum Command {
     Resume {
         #[command(flatten)]
         db: DbArg,
+        /// A ratchet.toml whose `[mcp.servers]` the runs' tools come from.
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
         #[arg(long)]
         json: bool,
     },
@@ -471,6 +474,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 limits: budget.limits(),
                 overrides,
                 profiles: file.models,
+                mcp: file.mcp,
                 memory_scope: memory_scope.map(Into::into).unwrap_or_default(),
                 json,
                 message,
@@ -500,7 +504,13 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             })
             .await
         }
-        Command::Resume { db, json } => drive::resume(&db.db, json).await,
+        Command::Resume { db, config, json } => {
+            let file = match &config {
+                Some(path) => ratchet_server::Config::load(&path.display().to_string())?,
+                None => ratchet_server::Config::default(),
+            };
+            drive::resume(&db.db, json, &file.mcp).await
+        }
         Command::Runs {
             command: RunsCommand::List { db, json },
         } => inspect::list(&db.db, json).await,

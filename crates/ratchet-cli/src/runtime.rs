@@ -12,6 +12,7 @@ use ratchet_engine::{
     Coordinator, Engine, Models, PoolConfig, WorkerPool, owner_is_dead_local_process,
 };
 use ratchet_llm::profiles::Profile;
+use ratchet_mcp::McpTools;
 use ratchet_sqlite::{SqliteOptions, SqliteStore};
 use ratchet_store::Store;
 use ratchet_tools::Registry;
@@ -21,6 +22,8 @@ pub struct Toolbox {
     pub tools: Arc<Registry>,
     pub models: Arc<Models>,
     profiles: BTreeMap<String, Profile>,
+    /// The MCP servers' connections, closed when the runtime shuts down.
+    mcp: Option<McpTools>,
 }
 
 const SYSTEM_PROMPT: &str = "You are a helpful assistant. Use the tools when they help.";
@@ -100,7 +103,11 @@ impl Toolbox {
     }
 
     pub fn new() -> Toolbox {
-        let tools = Arc::new(Registry::builtin());
+        Toolbox::of(Registry::builtin(), None)
+    }
+
+    fn of(registry: Registry, mcp: Option<McpTools>) -> Toolbox {
+        let tools = Arc::new(registry);
         let models = Arc::new(Models::new(
             tools.names().into_iter().map(str::to_owned).collect(),
         ));
@@ -108,7 +115,19 @@ impl Toolbox {
             tools,
             models,
             profiles: BTreeMap::new(),
+            mcp,
         }
+    }
+
+    /// The built-in tools and those of the configured MCP servers (`SERVER.TOOL`), all
+    /// started or reached now: a server that cannot start is an error naming it.
+    pub async fn with_mcp(config: &ratchet_mcp::Config) -> anyhow::Result<Toolbox> {
+        if config.servers.is_empty() {
+            return Ok(Toolbox::new());
+        }
+        let mcp = ratchet_mcp::connect_all(config).await?;
+        let registry = Registry::new([Registry::builtin_tools(), mcp.tools()].concat())?;
+        Ok(Toolbox::of(registry, Some(mcp)))
     }
 
     /// The `[models.NAME]` profiles a model spec may name; each is checked now.
@@ -142,6 +161,7 @@ fn find_tool<'a>(
 pub struct Runtime {
     pub coordinator: Arc<Coordinator>,
     engine: Arc<Engine>,
+    mcp: Option<McpTools>,
 }
 
 pub fn open_store(url: &str) -> anyhow::Result<Arc<dyn Store>> {
@@ -175,6 +195,14 @@ impl Runtime {
         Runtime {
             coordinator,
             engine,
+            mcp: toolbox.mcp,
+        }
+    }
+
+    /// Ends the MCP servers' connections (stdio servers are stopped). After the workers.
+    pub async fn close_tools(&self) {
+        if let Some(mcp) = &self.mcp {
+            mcp.close().await;
         }
     }
 

@@ -61,7 +61,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
              config file, or listen on a loopback address such as 127.0.0.1"
         );
     }
-    let toolbox = Toolbox::new().with_profiles(config.models.clone())?;
+    let toolbox = Toolbox::with_mcp(&config.mcp)
+        .await?
+        .with_profiles(config.models.clone())?;
     let template = toolbox.run_template(
         config.model.as_deref().unwrap_or("scripted:demo"),
         config.workspace.as_deref().map(std::path::Path::new),
@@ -127,6 +129,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             "some steps did not commit in time; their leases will expire and another process will take them over"
         );
     }
+    runtime.close_tools().await;
     served.context("the HTTP server failed")?;
     Ok(ExitCode::SUCCESS)
 }

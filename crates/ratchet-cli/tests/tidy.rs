@@ -120,6 +120,7 @@ fn crates_depend_only_along_the_layers() {
                 "ratchet-core",
                 "ratchet-store",
                 "ratchet-llm",
+                "ratchet-mcp",
                 "ratchet-engine",
             ],
         ),

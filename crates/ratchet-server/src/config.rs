@@ -53,6 +53,9 @@ pub struct Config {
     /// Model profiles, `[models.NAME]`: `model = "NAME"` (or `--model NAME`) picks one.
     #[serde(default)]
     pub models: BTreeMap<String, ratchet_llm::profiles::Profile>,
+    /// MCP servers whose tools runs are offered, `[mcp.servers.NAME]`.
+    #[serde(default)]
+    pub mcp: ratchet_mcp::Config,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
