@@ -82,30 +82,42 @@ fn sse(chunks: &[Value]) -> Canned {
     }
 }
 
-/// A call of `add` whose arguments arrive in three pieces, then usage.
+/// A call of `add` whose arguments arrive in six pieces (the first without any, as vLLM
+/// sends it), then usage in a chunk of its own (OpenAI's `include_usage`).
 fn tool_call_stream() -> Canned {
     let piece =
         |delta: Value| json!({"choices": [{"index": 0, "delta": delta, "finish_reason": null}]});
+    let arguments =
+        |text: &str| piece(json!({"tool_calls": [{"index": 0, "function": {"arguments": text}}]}));
     sse(&[
         piece(json!({"role": "assistant", "content": "Adding."})),
         piece(
-            json!({"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "add", "arguments": "{\"a\""}}]}),
+            json!({"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "add"}}]}),
         ),
-        piece(json!({"tool_calls": [{"index": 0, "function": {"arguments": ": 2, \"b\""}}]})),
-        piece(json!({"tool_calls": [{"index": 0, "function": {"arguments": ": 3}"}}]})),
+        arguments("{\"a"),
+        arguments("\": "),
+        arguments("2, "),
+        arguments("\"b\""),
+        arguments(": 3"),
+        arguments("}"),
         json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
         json!({"choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29}}),
     ])
 }
 
+/// An answer as llama.cpp's server streams it: chunk metadata on every chunk, and usage and
+/// timings in the chunk that finishes.
 fn answer_stream() -> Canned {
-    let piece = |text: &str| json!({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]});
-    sse(&[
-        piece("The sum "),
-        piece("is 5."),
-        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
-        json!({"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 5, "total_tokens": 45}}),
-    ])
+    let meta = |choices: Value| {
+        json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1764460800,
+               "model": "local", "system_fingerprint": "b4000", "choices": choices})
+    };
+    let piece =
+        |text: &str| meta(json!([{"index": 0, "delta": {"content": text}, "finish_reason": null}]));
+    let mut last = meta(json!([{"index": 0, "delta": {}, "finish_reason": "stop"}]));
+    last["usage"] = json!({"prompt_tokens": 40, "completion_tokens": 5, "total_tokens": 45});
+    last["timings"] = json!({"prompt_n": 40, "predicted_n": 5, "predicted_ms": 12.5});
+    sse(&[piece("The sum "), piece("is 5."), last])
 }
 
 fn ratchet(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
@@ -232,4 +244,97 @@ fn a_profile_names_the_server_and_a_refusal_ends_the_run_with_the_providers_mess
     let stderr = stderr_of(&output);
     assert!(stderr.contains("Incorrect API key provided"), "{stderr}");
     assert_eq!(provider.bodies().len(), 1, "a refusal is not retried");
+}
+
+#[test]
+fn a_rate_limited_call_waits_as_long_as_the_provider_asks_then_succeeds() {
+    let limited = Canned {
+        status: "429 Too Many Requests\r\nretry-after: 2",
+        content_type: "application/json",
+        body: json!({"error": {"message": "Rate limit reached", "type": "requests"}}).to_string(),
+    };
+    let provider = FakeProvider::start(vec![limited, tool_call_stream(), answer_stream()]);
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}/r.db", dir.path().display());
+    let started = std::time::Instant::now();
+    let output = ratchet(
+        dir.path(),
+        &[
+            "run",
+            "--db",
+            &db,
+            "--model",
+            "openai:test-model",
+            "--json",
+            "What is 2 + 3?",
+        ],
+        &[("OPENAI_BASE_URL", &provider.url)],
+    );
+    let waited = started.elapsed();
+    let stderr = stderr_of(&output);
+    assert!(output.status.success(), "{stderr}");
+    assert_eq!(report(&output)["final_answer"], "The sum is 5.");
+    assert!(
+        stderr.contains("Rate limit reached") && stderr.contains("retrying"),
+        "{stderr}"
+    );
+    assert!(
+        waited >= std::time::Duration::from_secs(2),
+        "Retry-After: 2 honoured, waited {waited:?}"
+    );
+    assert_eq!(
+        provider.bodies().len(),
+        3,
+        "one refused call, then the two calls of the run"
+    );
+}
+
+#[test]
+fn bad_provider_configuration_is_refused_at_start() {
+    for (profile, expected) in [
+        (
+            "provider = \"gemini\"\nmodel = \"m\"",
+            "unknown provider \"gemini\"",
+        ),
+        (
+            "provider = \"openai\"\nmodel = \"m\"\nbase_url = \"localhost:8080\"",
+            "not an http:// or https:// URL",
+        ),
+        (
+            "provider = \"anthropic\"\nmodel = \"m\"\napi_key_env = \"NO_SUCH_KEY\"",
+            "NO_SUCH_KEY is not set",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("ratchet.toml"),
+            format!("[models.p]\n{profile}\n"),
+        )
+        .unwrap();
+        let db = format!("sqlite://{}/r.db", dir.path().display());
+        let output = ratchet(
+            dir.path(),
+            &[
+                "run",
+                "--db",
+                &db,
+                "--config",
+                "ratchet.toml",
+                "--model",
+                "p",
+                "hi",
+            ],
+            &[],
+        );
+        assert_eq!(output.status.code(), Some(1), "{profile}");
+        assert!(
+            stderr_of(&output).contains(expected),
+            "{profile}: {}",
+            stderr_of(&output)
+        );
+        assert!(
+            !dir.path().join("r.db").exists(),
+            "nothing written for {profile}"
+        );
+    }
 }
