@@ -6,6 +6,7 @@
     reason = "this binary uses the HTTP server's basic calls only"
 )]
 mod http_server;
+mod rmcp_server;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -22,6 +23,7 @@ use ratchet_tools::Registry;
 use serde_json::{Value, json};
 
 use http_server::HttpServer;
+use rmcp_server::RmcpHttpServer;
 
 struct Node {
     coordinator: Arc<Coordinator>,
@@ -293,4 +295,132 @@ async fn a_run_over_streamable_http_goes_on_when_the_server_goes_away_mid_run() 
         "{results:?}"
     );
     node.pool.shutdown().await;
+}
+
+/// Not a test: the stdio MCP server written with rmcp. The stdio tests below start this
+/// very test binary again as the server's command, asking it to run only this function,
+/// with `rmcp_server::STDIO_PID_FILE` set; the function then serves MCP on stdin/stdout and
+/// ends the process (the harness's "running 1 test" line before it is not JSON, and rmcp's
+/// client skips unparsable lines). Run as part of the suite, without the variable, it does
+/// nothing.
+#[test]
+fn rmcp_stdio_server() {
+    rmcp_server::serve_stdio_if_asked();
+}
+
+/// A stdio server config that starts `rmcp_stdio_server` in a new process of this binary,
+/// which writes its pid to `pid_file`.
+fn rmcp_stdio_server_config(pid_file: &Path) -> ServerConfig {
+    ServerConfig {
+        command: Some(std::env::current_exe().unwrap().display().to_string()),
+        args: ["rmcp_stdio_server", "--exact", "--nocapture"]
+            .map(str::to_owned)
+            .to_vec(),
+        env: [(
+            rmcp_server::STDIO_PID_FILE.to_owned(),
+            pid_file.display().to_string(),
+        )]
+        .into(),
+        approval: Some(Approval::Never),
+        ..ServerConfig::default()
+    }
+}
+
+/// A run calls `NAME.echo`, the server is stopped by `stop` once that result is in, while
+/// the model's next answer is still streaming, and that answer calls `NAME.add`: the model
+/// reads the echo, then an error result for the add, and the run completes.
+async fn a_run_goes_on_after_its_rmcp_server_is_stopped<F>(
+    name: &str,
+    config: ServerConfig,
+    stop: impl FnOnce() -> F + Send + 'static,
+) where
+    F: Future<Output = ()> + Send,
+{
+    let dir = tempfile::tempdir().unwrap();
+    let mcp = connect_all(&Config {
+        servers: [(name.to_owned(), config)].into(),
+    })
+    .await
+    .unwrap();
+    let node = node(dir.path(), &mcp);
+    let script = script(
+        dir.path(),
+        json!([
+            {"tool_calls": [{"name": format!("{name}.echo"), "arguments": {"text": "from rmcp"}}]},
+            // Streamed slowly: the server is gone before this answer's call is made.
+            {"text": "Now the sum, please.", "chunk_delay_ms": 200,
+             "tool_calls": [{"name": format!("{name}.add"), "arguments": {"a": 20, "b": 22}}]},
+            {"text": "done without it"}
+        ]),
+    );
+    let mut events = node.coordinator.subscribe();
+    let stopper = tokio::spawn(async move {
+        while let Ok(event) = events.recv().await {
+            if event.kind == "tool.result" {
+                break;
+            }
+        }
+        stop().await;
+    });
+    let (_, state) = run(&node, &script, "use the rmcp server").await;
+    stopper.await.unwrap();
+    assert_eq!(
+        state.status,
+        RunStatus::Completed,
+        "{:?}",
+        state.stop_reason
+    );
+    assert_eq!(state.final_answer.as_deref(), Some("done without it"));
+    let history = node
+        .coordinator
+        .store()
+        .history(&state.session_id)
+        .await
+        .unwrap();
+    let results: Vec<(&str, bool)> = history
+        .iter()
+        .filter(|m| m.role == Role::Tool)
+        .map(|m| (m.content.as_str(), m.is_error))
+        .collect();
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert_eq!(results[0], ("from rmcp", false));
+    assert!(
+        results[1].1,
+        "the call to a server that went away is an error: {results:?}"
+    );
+    assert!(
+        results[1]
+            .0
+            .starts_with(&format!("server \"{name}\" is unavailable")),
+        "{results:?}"
+    );
+    mcp.close().await;
+    node.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_over_stdio_goes_on_when_its_rmcp_server_is_killed_mid_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("server.pid");
+    let config = rmcp_stdio_server_config(&pid_file);
+    a_run_goes_on_after_its_rmcp_server_is_stopped("local", config, move || async move {
+        let pid = std::fs::read_to_string(&pid_file).unwrap();
+        let killed = std::process::Command::new("kill")
+            .args(["-9", pid.trim()])
+            .status()
+            .unwrap();
+        assert!(killed.success(), "kill -9 {pid}");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_over_streamable_http_goes_on_when_its_rmcp_server_stops_mid_run() {
+    let http = RmcpHttpServer::start().await;
+    let config = ServerConfig {
+        url: Some(http.url()),
+        approval: Some(Approval::Never),
+        ..ServerConfig::default()
+    };
+    a_run_goes_on_after_its_rmcp_server_is_stopped("remote", config, move || http.stop()).await;
 }

@@ -2,12 +2,11 @@
 //! protocol's JSON-RPC over POST, answering with `application/json` bodies, and with a
 //! one-event `text/event-stream` body for `echo`, so that both answer forms are exercised.
 //!
-//! Why not rmcp's own server side? It would need rmcp's `server` and
-//! `transport-streamable-http-server` features, which bring schemars, chrono-enabled schema
-//! derives, rand and more into every test build of the workspace, and it would check rmcp's
-//! client against rmcp itself. This handler is a second, independent implementation that
-//! costs nothing to build (axum is already a dependency of the server crate), like the
-//! Python stdio server next to it.
+//! The tests also run against a server written with rmcp's own server side
+//! (`rmcp_server/mod.rs`); this handler is a second, independent implementation that
+//! does not check rmcp's client against rmcp itself, and lets the tests see and shape the
+//! raw exchanges (sessions, bearer tokens, `_meta`, cancellations), like the Python stdio
+//! server next to it.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
