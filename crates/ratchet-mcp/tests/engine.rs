@@ -1,11 +1,6 @@
 //! MCP tools through the real engine: a scripted model calls them, the engine records an
 //! intent and an outcome around each call, and the results reach the session's history.
 
-#[allow(
-    dead_code,
-    reason = "this binary uses the HTTP server's basic calls only"
-)]
-mod http_server;
 mod rmcp_server;
 
 use std::path::{Path, PathBuf};
@@ -22,7 +17,6 @@ use ratchet_store::{SessionSpec, Store};
 use ratchet_tools::Registry;
 use serde_json::{Value, json};
 
-use http_server::HttpServer;
 use rmcp_server::RmcpHttpServer;
 
 struct Node {
@@ -227,73 +221,6 @@ async fn by_default_an_mcp_tool_waits_for_a_human_before_it_runs() {
     assert!(calls[0].needs_approval);
     let log = std::fs::read_to_string(&log).unwrap();
     assert!(!log.contains("meta"), "the call ran: {log}");
-    node.pool.shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_over_streamable_http_goes_on_when_the_server_goes_away_mid_run() {
-    let dir = tempfile::tempdir().unwrap();
-    let http = HttpServer::start("t0ken").await;
-    let remote = ServerConfig {
-        url: Some(http.url()),
-        headers: [("Authorization".to_owned(), "Bearer t0ken".to_owned())].into(),
-        approval: Some(Approval::Never),
-        ..ServerConfig::default()
-    };
-    let mcp = connect_all(&Config {
-        servers: [("remote".to_owned(), remote)].into(),
-    })
-    .await
-    .unwrap();
-    let node = node(dir.path(), &mcp);
-    let script = script(
-        dir.path(),
-        json!([
-            {"tool_calls": [{"name": "remote.echo", "arguments": {"text": "over http"}}]},
-            // Streamed slowly: the server is gone before this answer's call is made.
-            {"text": "Once more, please.", "chunk_delay_ms": 200,
-             "tool_calls": [{"name": "remote.echo", "arguments": {"text": "again"}}]},
-            {"text": "done without it"}
-        ]),
-    );
-    let mut events = node.coordinator.subscribe();
-    let stopper = tokio::spawn(async move {
-        while let Ok(event) = events.recv().await {
-            if event.kind == "tool.result" {
-                break;
-            }
-        }
-        http.stop().await;
-    });
-    let (_, state) = run(&node, &script, "use the remote server").await;
-    stopper.await.unwrap();
-    assert_eq!(
-        state.status,
-        RunStatus::Completed,
-        "{:?}",
-        state.stop_reason
-    );
-    assert_eq!(state.final_answer.as_deref(), Some("done without it"));
-    let history = node
-        .coordinator
-        .store()
-        .history(&state.session_id)
-        .await
-        .unwrap();
-    let results: Vec<(&str, bool)> = history
-        .iter()
-        .filter(|m| m.role == Role::Tool)
-        .map(|m| (m.content.as_str(), m.is_error))
-        .collect();
-    assert_eq!(results[0], ("over http", false));
-    assert!(
-        results[1].1,
-        "the call to a server that went away is an error: {results:?}"
-    );
-    assert!(
-        results[1].0.starts_with("server \"remote\" is unavailable"),
-        "{results:?}"
-    );
     node.pool.shutdown().await;
 }
 
