@@ -506,6 +506,15 @@ struct Recorder {
     requests: std::sync::Mutex<Vec<ratchet_llm::ModelRequest>>,
 }
 
+impl Recorder {
+    fn new(rounds: usize) -> Arc<Recorder> {
+        Arc::new(Recorder {
+            rounds,
+            requests: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+}
+
 #[async_trait::async_trait]
 impl ratchet_llm::Model for Recorder {
     async fn complete(
@@ -549,10 +558,7 @@ impl ratchet_llm::Model for Recorder {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_over_its_budget_is_compacted_into_a_hidden_summary() {
-    let recorder = Arc::new(Recorder {
-        rounds: 6,
-        requests: std::sync::Mutex::new(Vec::new()),
-    });
+    let recorder = Recorder::new(6);
     let model = Arc::clone(&recorder);
     let server = Server::start_with(quick_script(), move |template, models| {
         template.model = "recorder".into();
@@ -1011,10 +1017,7 @@ async fn past_its_deadline_a_run_concludes_with_one_last_call() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_an_aborted_run_never_ran_reach_the_next_model_call_answered() {
-    let recorder = Arc::new(Recorder {
-        rounds: 1,
-        requests: std::sync::Mutex::new(Vec::new()),
-    });
+    let recorder = Recorder::new(1);
     let model = Arc::clone(&recorder);
     let server = Server::start_with(quick_script(), move |template, models| {
         template.model = "recorder".into();
