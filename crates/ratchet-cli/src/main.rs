@@ -454,10 +454,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             json,
             message,
         } => {
-            let file = match &config {
-                Some(path) => ratchet_server::Config::load(&path.display().to_string())?,
-                None => ratchet_server::Config::default(),
-            };
+            let file = ratchet_server::Config::load_or_default(config.as_deref())?;
             let mut overrides = runtime::ToolOverrides {
                 approval: file.approval_policies()?,
                 replay: file.replay_policies(),
@@ -505,10 +502,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             .await
         }
         Command::Resume { db, config, json } => {
-            let file = match &config {
-                Some(path) => ratchet_server::Config::load(&path.display().to_string())?,
-                None => ratchet_server::Config::default(),
-            };
+            let file = ratchet_server::Config::load_or_default(config.as_deref())?;
             drive::resume(&db.db, json, &file.mcp).await
         }
         Command::Runs {

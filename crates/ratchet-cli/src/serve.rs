@@ -28,10 +28,7 @@ pub struct ServeArgs {
 
 /// File, then `RATCHET_*` environment, then flags.
 fn settings(args: &ServeArgs) -> anyhow::Result<Config> {
-    let file = match &args.config {
-        Some(path) => Config::load(&path.display().to_string())?,
-        None => Config::default(),
-    };
+    let file = Config::load_or_default(args.config.as_deref())?;
     let mut config = file.with_env(|key| std::env::var(key).ok())?;
     if let Some(db) = &args.db {
         config.db = Some(db.clone());

@@ -93,6 +93,14 @@ impl Config {
         Config::from_toml(&text)
     }
 
+    /// The file at `path`, or the defaults when no file is given.
+    pub fn load_or_default(path: Option<&std::path::Path>) -> Result<Config, ConfigError> {
+        path.map_or_else(
+            || Ok(Config::default()),
+            |path| Config::load(&path.display().to_string()),
+        )
+    }
+
     /// `RATCHET_LISTEN`, `RATCHET_DB`, `RATCHET_MODEL`, `RATCHET_WORKSPACE` and
     /// `RATCHET_MAX_STEPS` override the file.
     pub fn with_env(mut self, env: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {

@@ -283,42 +283,30 @@ async fn aborting_an_approval_cancels_the_run_and_the_next_message_runs() {
 // ---------------------------------------------------------------------------------------
 // Continue and retry
 
-/// A model that fails its first `failures` calls with a transient error, then answers.
-struct Flaky {
-    failures: std::sync::atomic::AtomicU32,
-}
-
-#[async_trait::async_trait]
-impl ratchet_llm::Model for Flaky {
-    async fn complete(
-        &self,
-        _request: ratchet_llm::ModelRequest,
-        _deltas: tokio::sync::mpsc::UnboundedSender<String>,
-        _cancel: CancellationToken,
-    ) -> ratchet_llm::Result<ratchet_core::ModelReply> {
-        use std::sync::atomic::Ordering;
-        let left = self.failures.load(Ordering::SeqCst);
-        if left > 0 {
-            self.failures.store(left - 1, Ordering::SeqCst);
-            return Err(ratchet_llm::Error::transient(
-                "HTTP 503 from the flaky model",
-            ));
-        }
-        Ok(ratchet_core::ModelReply {
-            text: "recovered".into(),
-            ..Default::default()
-        })
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_that_failed_calling_the_model_is_retried_with_fresh_attempts() {
     let server = Server::start_with(quick_script(), |template, models| {
         template.model = "flaky".into();
         template.limits.max_model_attempts = 2;
-        let flaky = Flaky {
-            failures: std::sync::atomic::AtomicU32::new(2),
-        };
+        // Fails its first two calls with a transient error, then answers.
+        let failures = std::sync::atomic::AtomicU32::new(2);
+        let flaky = FnModel(move |_| {
+            use std::sync::atomic::Ordering;
+            if failures
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
+                    left.checked_sub(1)
+                })
+                .is_ok()
+            {
+                return Err(ratchet_llm::Error::transient(
+                    "HTTP 503 from the flaky model",
+                ));
+            }
+            Ok(ratchet_core::ModelReply {
+                text: "recovered".into(),
+                ..Default::default()
+            })
+        });
         models.register("flaky", Arc::new(flaky));
     })
     .await;
@@ -1060,29 +1048,6 @@ async fn calls_an_aborted_run_never_ran_reach_the_next_model_call_answered() {
 // ---------------------------------------------------------------------------------------
 // Usage and cost
 
-/// Answers at once, reporting 1,000 prompt tokens and 400 generated, 100 of them reasoning.
-struct Metered;
-
-#[async_trait::async_trait]
-impl ratchet_llm::Model for Metered {
-    async fn complete(
-        &self,
-        _request: ratchet_llm::ModelRequest,
-        _deltas: tokio::sync::mpsc::UnboundedSender<String>,
-        _cancel: CancellationToken,
-    ) -> ratchet_llm::Result<ratchet_core::ModelReply> {
-        Ok(ratchet_core::ModelReply {
-            text: "metered".into(),
-            tool_calls: Vec::new(),
-            usage: ratchet_core::Usage {
-                input_tokens: 1_000,
-                output_tokens: 400,
-                reasoning_tokens: 100,
-            },
-        })
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
     let server = Server::start_with(quick_script(), |template, models| {
@@ -1101,7 +1066,19 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
                 output_per_mtok: 10.0,
             }),
         });
-        models.register("metered", Arc::new(Metered));
+        // Answers at once, reporting 1,000 prompt tokens and 400 generated, 100 reasoning.
+        let metered = FnModel(|_| {
+            Ok(ratchet_core::ModelReply {
+                text: "metered".into(),
+                tool_calls: Vec::new(),
+                usage: ratchet_core::Usage {
+                    input_tokens: 1_000,
+                    output_tokens: 400,
+                    reasoning_tokens: 100,
+                },
+            })
+        });
+        models.register("metered", Arc::new(metered));
     })
     .await;
     let (_, run, done) = server.run_to_end("how much?").await;
@@ -1152,28 +1129,17 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
     }
 }
 
-/// Refuses every call, as a provider does with a bad key.
-struct Refusing;
-
-#[async_trait::async_trait]
-impl ratchet_llm::Model for Refusing {
-    async fn complete(
-        &self,
-        _request: ratchet_llm::ModelRequest,
-        _deltas: tokio::sync::mpsc::UnboundedSender<String>,
-        _cancel: CancellationToken,
-    ) -> ratchet_llm::Result<ratchet_core::ModelReply> {
-        Err(ratchet_llm::Error::Fatal(
-            "HTTP 401: Incorrect API key provided".into(),
-        ))
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_model_call_ends_the_run_with_llm_error_and_the_providers_message() {
     let server = Server::start_with(quick_script(), |template, models| {
         template.model = "refusing".into();
-        models.register("refusing", Arc::new(Refusing));
+        // Refuses every call, as a provider does with a bad key.
+        let refusing = FnModel(|_| {
+            Err(ratchet_llm::Error::Fatal(
+                "HTTP 401: Incorrect API key provided".into(),
+            ))
+        });
+        models.register("refusing", Arc::new(refusing));
     })
     .await;
     let (_, run, done) = server.run_to_end("hello").await;

@@ -473,3 +473,21 @@ pub fn seqs(events: &[Ev]) -> Vec<i64> {
 pub fn kinds(events: &[Ev]) -> Vec<&str> {
     events.iter().map(|e| e.kind.as_str()).collect()
 }
+
+/// A model whose answer a test writes as a function of the request (no streaming).
+pub struct FnModel<F>(pub F);
+
+#[async_trait::async_trait]
+impl<F> ratchet_llm::Model for FnModel<F>
+where
+    F: Fn(ratchet_llm::ModelRequest) -> ratchet_llm::Result<ratchet_core::ModelReply> + Send + Sync,
+{
+    async fn complete(
+        &self,
+        request: ratchet_llm::ModelRequest,
+        _deltas: tokio::sync::mpsc::UnboundedSender<String>,
+        _cancel: CancellationToken,
+    ) -> ratchet_llm::Result<ratchet_core::ModelReply> {
+        (self.0)(request)
+    }
+}
