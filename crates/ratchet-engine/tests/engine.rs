@@ -57,6 +57,20 @@ fn write_script(dir: &std::path::Path, script: serde_json::Value) -> std::path::
     path
 }
 
+/// A new session with one message; returns the message's run.
+async fn start_run(coordinator: &Coordinator, text: String, config: RunConfigSnapshot) -> RunId {
+    let session = coordinator
+        .create_session(SessionSpec::default())
+        .await
+        .unwrap()
+        .id;
+    coordinator
+        .submit(&session, text, config, Multitask::Enqueue)
+        .await
+        .unwrap()
+        .run_id
+}
+
 async fn wait_until_terminal(coordinator: &Coordinator, run: &RunId) -> ratchet_core::AgentState {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let mut events = coordinator.subscribe();
@@ -154,23 +168,7 @@ async fn cancelling_a_run_stops_its_in_flight_step() {
     );
     let node = node(&db, fast_pool());
     let mut events = node.coordinator.subscribe();
-    let session = node
-        .coordinator
-        .create_session(SessionSpec::default())
-        .await
-        .unwrap()
-        .id;
-    let run = node
-        .coordinator
-        .submit(
-            &session,
-            "sleep".into(),
-            config(&script),
-            Multitask::Enqueue,
-        )
-        .await
-        .unwrap()
-        .run_id;
+    let run = start_run(&node.coordinator, "sleep".into(), config(&script)).await;
     // Wait for the long tool call to have started.
     loop {
         let event = tokio::time::timeout(Duration::from_secs(10), events.recv())
@@ -192,7 +190,7 @@ async fn cancelling_a_run_stops_its_in_flight_step() {
         "no job left behind"
     );
     let kinds: Vec<String> = store
-        .events_after(&session, 0, 1000)
+        .events_after(&state.session_id, 0, 1000)
         .await
         .unwrap()
         .into_iter()
@@ -222,18 +220,7 @@ async fn a_failing_model_call_is_retried_then_fails_the_run_when_attempts_run_ou
         json!({"replies": [{"text": "ok", "error": "http_500"}]}),
     );
     let node = node(&db, fast_pool());
-    let session = node
-        .coordinator
-        .create_session(SessionSpec::default())
-        .await
-        .unwrap()
-        .id;
-    let run = node
-        .coordinator
-        .submit(&session, "hi".into(), config(&script), Multitask::Enqueue)
-        .await
-        .unwrap()
-        .run_id;
+    let run = start_run(&node.coordinator, "hi".into(), config(&script)).await;
     let state = wait_until_terminal(&node.coordinator, &run).await;
     assert_eq!(
         state.status,
@@ -244,7 +231,7 @@ async fn a_failing_model_call_is_retried_then_fails_the_run_when_attempts_run_ou
     let errors = node
         .coordinator
         .store()
-        .events_after(&session, 0, 1000)
+        .events_after(&state.session_id, 0, 1000)
         .await
         .unwrap();
     let errors: Vec<_> = errors.iter().filter(|e| e.kind == "model.error").collect();
@@ -253,18 +240,7 @@ async fn a_failing_model_call_is_retried_then_fails_the_run_when_attempts_run_ou
 
     let mut one_attempt = config(&script);
     one_attempt.limits.max_model_attempts = 1;
-    let session = node
-        .coordinator
-        .create_session(SessionSpec::default())
-        .await
-        .unwrap()
-        .id;
-    let run = node
-        .coordinator
-        .submit(&session, "hi".into(), one_attempt, Multitask::Enqueue)
-        .await
-        .unwrap()
-        .run_id;
+    let run = start_run(&node.coordinator, "hi".into(), one_attempt).await;
     let state = wait_until_terminal(&node.coordinator, &run).await;
     assert_eq!(
         (state.status, state.stop_reason),
@@ -280,16 +256,7 @@ async fn a_step_whose_worker_vanished_is_taken_over_after_its_lease_expires() {
     let script = write_script(dir.path(), json!({"replies": [{"text": "recovered"}]}));
     let store: Arc<dyn Store> = Arc::new(SqliteStore::open_url(&db).unwrap());
     let coordinator = Coordinator::new(Arc::clone(&store));
-    let session = coordinator
-        .create_session(SessionSpec::default())
-        .await
-        .unwrap()
-        .id;
-    let run = coordinator
-        .submit(&session, "hi".into(), config(&script), Multitask::Enqueue)
-        .await
-        .unwrap()
-        .run_id;
+    let run = start_run(&coordinator, "hi".into(), config(&script)).await;
     // A worker claims the first step with a short lease and is never heard from again.
     let lease = Lease {
         owner: "gone:1:x".into(),
@@ -359,18 +326,7 @@ async fn a_cancel_during_a_slow_model_stream_ends_the_run_within_a_second() {
     );
     let node = node(&db, fast_pool());
     let mut events = node.coordinator.subscribe();
-    let session = node
-        .coordinator
-        .create_session(SessionSpec::default())
-        .await
-        .unwrap()
-        .id;
-    let run = node
-        .coordinator
-        .submit(&session, "talk".into(), config(&script), Multitask::Enqueue)
-        .await
-        .unwrap()
-        .run_id;
+    let run = start_run(&node.coordinator, "talk".into(), config(&script)).await;
     loop {
         let event = tokio::time::timeout(Duration::from_secs(10), events.recv())
             .await
