@@ -94,21 +94,25 @@ fn next_model_call(state: &AgentState, now: Millis) -> Instruction {
         || state.step_index >= limits.max_steps
         || reached(counters.model_calls, limits.max_model_calls)
         || reached(
-            counters.input_tokens + counters.output_tokens,
+            counters.input_tokens.saturating_add(counters.output_tokens),
             limits.max_tokens,
         );
     if spent {
         return Instruction::Finish(StopReason::BudgetExhausted);
     }
-    if reached(counters.context_tokens + 1, limits.max_prompt_tokens) {
+    if reached(
+        counters.context_tokens.saturating_add(1),
+        limits.max_prompt_tokens,
+    ) {
         return if state.just_compacted {
             Instruction::Finish(StopReason::BudgetExhausted)
         } else {
             Instruction::CompressContext
         };
     }
-    let late = (limits.max_duration_ms.zip(state.started_at))
-        .is_some_and(|(duration, started)| now >= started.saturating_add(duration as Millis));
+    let late = (limits.max_duration_ms.zip(state.started_at)).is_some_and(|(duration, started)| {
+        now >= started.saturating_add(Millis::try_from(duration).unwrap_or(Millis::MAX))
+    });
     let model_step = state.step_index + 1;
     let conclude = late
         || model_step + 2 > limits.max_steps

@@ -306,11 +306,19 @@ impl AgentState {
         let frozen = self.config.limits;
         let extension = self.extension;
         Limits {
-            max_steps: frozen.max_steps + extension.steps,
-            max_model_calls: frozen.max_model_calls.map(|m| m + extension.model_calls),
-            max_tool_calls: frozen.max_tool_calls.map(|m| m + extension.tool_calls),
-            max_tokens: frozen.max_tokens.map(|m| m + extension.tokens),
-            max_duration_ms: frozen.max_duration_ms.map(|m| m + extension.duration_ms),
+            max_steps: frozen.max_steps.saturating_add(extension.steps),
+            max_model_calls: frozen
+                .max_model_calls
+                .map(|m| m.saturating_add(extension.model_calls)),
+            max_tool_calls: frozen
+                .max_tool_calls
+                .map(|m| m.saturating_add(extension.tool_calls)),
+            max_tokens: frozen
+                .max_tokens
+                .map(|m| m.saturating_add(extension.tokens)),
+            max_duration_ms: frozen
+                .max_duration_ms
+                .map(|m| m.saturating_add(extension.duration_ms)),
             ..frozen
         }
     }

@@ -181,10 +181,11 @@ pub fn after_model(
     state.final_answer = Some(reply.text.clone());
     let message = Message::assistant(reply.text, offered);
     // The provider measured the prompt it was sent; the answer is now part of the next one.
-    state.counters.context_tokens = match reply.usage.input_tokens {
+    let prompt = match reply.usage.input_tokens {
         0 => state.counters.context_tokens,
         measured => measured,
-    } + message.estimated_tokens();
+    };
+    state.counters.context_tokens = prompt.saturating_add(message.estimated_tokens());
     let cost = (state.config.model_settings.as_ref().and_then(|m| m.prices))
         .map(|prices| prices.cost_microusd(reply.usage));
     let events = vec![EventDraft::new(
@@ -269,13 +270,16 @@ pub fn after_compaction(
     )
 }
 
+/// Usage comes from providers: counting saturates rather than overflows.
 fn count_model_call(state: &mut AgentState, usage: Usage) {
-    state.counters.model_calls += 1;
-    state.counters.input_tokens += usage.input_tokens;
-    state.counters.output_tokens += usage.output_tokens;
-    state.counters.reasoning_tokens += usage.reasoning_tokens;
+    let counters = &mut state.counters;
+    counters.model_calls += 1;
+    counters.input_tokens = counters.input_tokens.saturating_add(usage.input_tokens);
+    counters.output_tokens = counters.output_tokens.saturating_add(usage.output_tokens);
+    counters.reasoning_tokens = (counters.reasoning_tokens).saturating_add(usage.reasoning_tokens);
     if let Some(prices) = state.config.model_settings.as_ref().and_then(|m| m.prices) {
-        state.counters.cost_microusd += prices.cost_microusd(usage);
+        counters.cost_microusd =
+            (counters.cost_microusd).saturating_add(prices.cost_microusd(usage));
     }
 }
 
@@ -529,13 +533,14 @@ pub fn resume_failed(
             )));
         }
         Resumption::Retry => {}
+        // Budgets come from clients: adding them saturates rather than overflows.
         Resumption::Continue { extension } => {
             let added = &mut resumed.extension;
-            added.steps += extension.steps;
-            added.model_calls += extension.model_calls;
-            added.tool_calls += extension.tool_calls;
-            added.tokens += extension.tokens;
-            added.duration_ms += extension.duration_ms;
+            added.steps = added.steps.saturating_add(extension.steps);
+            added.model_calls = added.model_calls.saturating_add(extension.model_calls);
+            added.tool_calls = added.tool_calls.saturating_add(extension.tool_calls);
+            added.tokens = added.tokens.saturating_add(extension.tokens);
+            added.duration_ms = added.duration_ms.saturating_add(extension.duration_ms);
         }
     }
     // The concluding call that spent the budget offered no tools: the calls it still asked

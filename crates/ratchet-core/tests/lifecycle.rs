@@ -486,6 +486,52 @@ fn retry_repeats_a_failed_model_call_and_continue_needs_budget_to_go_on() {
         Instruction::CallLlm { conclude: false }
     );
 
+    let mut huge = failed_with(StopReason::BudgetExhausted);
+    let mut deadline = huge.config.as_ref().clone();
+    deadline.limits.max_duration_ms = Some(500);
+    huge.config = std::sync::Arc::new(deadline);
+    let all = BudgetExtension {
+        steps: u64::MAX,
+        model_calls: u64::MAX,
+        tool_calls: u64::MAX,
+        tokens: u64::MAX,
+        duration_ms: u64::MAX,
+    };
+    resume_failed(&mut huge, Resumption::Continue { extension: all }, 0).unwrap();
+    huge.status = RunStatus::Failed;
+    huge.stop_reason = Some(StopReason::BudgetExhausted);
+    resume_failed(&mut huge, Resumption::Continue { extension: all }, 0).unwrap();
+    assert_eq!(
+        huge.limits().max_steps,
+        u64::MAX,
+        "budgets saturate, never overflow"
+    );
+    huge.started_at = Some(1_000);
+    assert_eq!(
+        decide(&huge, Phase::Resumed, 2_000),
+        Instruction::CallLlm { conclude: false },
+        "an endless deadline is never reached"
+    );
+    // Whatever a provider reports, counting never overflows.
+    let absurd = ModelReply {
+        text: "x".into(),
+        usage: ratchet_core::Usage {
+            input_tokens: u64::MAX,
+            output_tokens: u64::MAX,
+            reasoning_tokens: u64::MAX,
+        },
+        ..ModelReply::default()
+    };
+    let job = StepJob {
+        run_id: huge.run_id.clone(),
+        step_index: huge.step_index + 1,
+        phase: Phase::Resumed,
+        attempt: 1,
+    };
+    let once = after_model(huge.clone(), &job, absurd.clone(), false, 0, 1).state;
+    assert_eq!(once.counters.input_tokens, u64::MAX);
+    decide(&once, Phase::ToolsBatchResult, 2);
+
     let mut parse = failed_with(StopReason::ParseFailures);
     parse.counters.consecutive_parse_failures = 3;
     parse.step_index = 1;
