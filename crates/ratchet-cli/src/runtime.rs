@@ -13,7 +13,7 @@ use ratchet_engine::{
 };
 use ratchet_llm::profiles::Profile;
 use ratchet_mcp::McpTools;
-use ratchet_sqlite::{SqliteOptions, SqliteStore};
+use ratchet_sqlite::SqliteOptions;
 use ratchet_store::Store;
 use ratchet_tools::Registry;
 
@@ -167,7 +167,7 @@ pub struct Runtime {
 pub fn open_store(url: &str) -> anyhow::Result<Arc<dyn Store>> {
     if url.starts_with("sqlite:") {
         let store =
-            SqliteStore::open_url(url).with_context(|| format!("cannot open database {url}"))?;
+            ratchet_sqlite::open_url(url).with_context(|| format!("cannot open database {url}"))?;
         return Ok(Arc::new(store));
     }
     bail!("unsupported database url {url:?}: expected sqlite://PATH")

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use ratchet_core::{Limits, MemoryScope, RunConfigSnapshot, RunId, RunStatus, StopReason};
 use ratchet_engine::{Coordinator, Engine, Models, Multitask, PoolConfig, WorkerPool};
-use ratchet_sqlite::SqliteStore;
 use ratchet_store::{Lease, SessionSpec, Store};
 use ratchet_tools::Registry;
 use serde_json::json;
@@ -18,7 +17,7 @@ struct Node {
 
 /// One "process": its own store connection (and writer), coordinator and worker pool.
 fn node(db: &str, config: PoolConfig) -> Node {
-    let store: Arc<dyn Store> = Arc::new(SqliteStore::open_url(db).unwrap());
+    let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(db).unwrap());
     let tools = Arc::new(Registry::builtin());
     let models = Arc::new(Models::new(
         tools.names().into_iter().map(str::to_owned).collect(),
@@ -254,7 +253,7 @@ async fn a_step_whose_worker_vanished_is_taken_over_after_its_lease_expires() {
     let dir = tempfile::tempdir().unwrap();
     let db = format!("sqlite://{}", dir.path().join("r.db").display());
     let script = write_script(dir.path(), json!({"replies": [{"text": "recovered"}]}));
-    let store: Arc<dyn Store> = Arc::new(SqliteStore::open_url(&db).unwrap());
+    let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
     let coordinator = Coordinator::new(Arc::clone(&store));
     let run = start_run(&coordinator, "hi".into(), config(&script)).await;
     // A worker claims the first step with a short lease and is never heard from again.

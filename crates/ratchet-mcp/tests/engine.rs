@@ -12,7 +12,6 @@ use ratchet_core::{
 };
 use ratchet_engine::{Coordinator, Engine, Models, Multitask, PoolConfig, WorkerPool};
 use ratchet_mcp::{Approval, Config, McpTools, ServerConfig, connect_all};
-use ratchet_sqlite::SqliteStore;
 use ratchet_store::{SessionSpec, Store};
 use ratchet_tools::Registry;
 use serde_json::{Value, json};
@@ -28,7 +27,7 @@ struct Node {
 /// A runtime whose registry holds the built-ins and the MCP tools, as the CLI will build it.
 fn node(dir: &Path, mcp: &McpTools) -> Node {
     let db = format!("sqlite://{}", dir.join("r.db").display());
-    let store: Arc<dyn Store> = Arc::new(SqliteStore::open_url(&db).unwrap());
+    let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
     let registry = Arc::new(
         Registry::new(
             [Registry::builtin_tools(), mcp.tools()]

@@ -296,7 +296,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("r.db").display());
         let store: Arc<dyn ratchet_store::Store> =
-            Arc::new(ratchet_sqlite::SqliteStore::open_url(&url).unwrap());
+            Arc::new(ratchet_sqlite::open_url(&url).unwrap());
         let coordinator = Coordinator::new(Arc::clone(&store));
         let session = coordinator
             .create_session(SessionSpec::default())

@@ -1,10 +1,9 @@
-//! SQLite adapter of the `Store` port: one file, WAL, `synchronous=FULL` by default.
+//! SQLite backend of the store: one file, WAL, `synchronous=FULL` by default.
 //!
 //! One writer thread owns the only write connection and group-commits (see `writer`); reads
 //! use their own connections. Every write transaction starts with `BEGIN IMMEDIATE`, so a
 //! second process on the same file waits on `busy_timeout` instead of failing.
 
-mod ops;
 mod schema;
 mod search;
 mod writer;
@@ -12,17 +11,9 @@ mod writer;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use async_trait::async_trait;
-use ratchet_core::step::{Reconciliation, Resumption};
-use ratchet_core::{
-    AgentState, ApprovalAnswer, ApprovalId, EventDraft, Message, Millis, RunConfigSnapshot, RunId,
-    SessionId, StepRecord, StepResult, ToolOutcome,
-};
-use ratchet_store::{
-    Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent,
-    IntentRecord, Lease, MessageHit, NewRun, Reconciled, RecordedIntents, RunSummary, SearchScope,
-    Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted,
-};
+use ratchet_sql::{Announcement, Backend, Configs, Db, Param, Row, SqlStore, Value};
+use ratchet_store::{Error, MessageHit, SearchScope};
+use rusqlite::types::{ToSqlOutput, ValueRef};
 use rusqlite::{Connection, OpenFlags};
 
 use writer::{Readers, Writer};
@@ -120,7 +111,7 @@ pub(crate) fn open_connection(path: &Path, read_only: bool) -> Result<Connection
     Ok(conn)
 }
 
-/// A connection as the store's operations see it, with the cache of run configurations.
+/// A connection as the transaction bodies see it, with the cache of run configurations.
 pub(crate) struct Tx<'a> {
     pub(crate) conn: &'a Connection,
     pub(crate) configs: &'a Configs,
@@ -133,55 +124,108 @@ impl std::ops::Deref for Tx<'_> {
     }
 }
 
-/// Most run configurations kept parsed; past this the cache starts over.
-const MAX_CACHED_CONFIGS: usize = 4096;
+/// Binds a statement parameter as SQLite's own value.
+struct Bound<'a>(Param<'a>);
 
-/// Parsed run configurations by run. A configuration never changes after its run is
-/// created, so a cached copy is never stale, whichever process wrote the run; caching spares
-/// every claim and commit from parsing the tool schemas again.
-#[derive(Default)]
-pub(crate) struct Configs {
-    by_run: std::sync::Mutex<std::collections::HashMap<RunId, Arc<RunConfigSnapshot>>>,
+impl rusqlite::ToSql for Bound<'_> {
+    fn to_sql(&self) -> rusqlite::Result<ToSqlOutput<'_>> {
+        let value = match self.0 {
+            Param::Int(Some(value)) => ValueRef::Integer(value),
+            Param::Real(Some(value)) => ValueRef::Real(value),
+            Param::Text(Some(value)) => ValueRef::Text(value.as_bytes()),
+            Param::Int(None) | Param::Real(None) | Param::Text(None) => ValueRef::Null,
+        };
+        Ok(ToSqlOutput::Borrowed(value))
+    }
 }
 
-impl Configs {
-    pub(crate) fn get_or_load(
-        &self,
-        run_id: &RunId,
-        load: impl FnOnce() -> Result<RunConfigSnapshot>,
-    ) -> Result<Arc<RunConfigSnapshot>> {
-        if let Some(config) = self.by_run.lock().ok().and_then(|m| m.get(run_id).cloned()) {
-            return Ok(config);
-        }
-        let config = Arc::new(load()?);
-        if let Ok(mut by_run) = self.by_run.lock() {
-            if by_run.len() >= MAX_CACHED_CONFIGS {
-                by_run.clear();
+fn bind<'a>(params: &'a [Param<'a>]) -> impl Iterator<Item = Bound<'a>> {
+    params.iter().map(|p| Bound(*p))
+}
+
+impl Db for Tx<'_> {
+    fn execute(&self, sql: &str, params: &[Param<'_>]) -> Result<u64> {
+        let changed = self
+            .prepare_cached(sql)
+            .and_then(|mut s| s.execute(rusqlite::params_from_iter(bind(params))))
+            .map_err(backend)?;
+        Ok(changed as u64)
+    }
+
+    fn query(&self, sql: &str, params: &[Param<'_>]) -> Result<Vec<Row>> {
+        let mut statement = self.prepare_cached(sql).map_err(backend)?;
+        let width = statement.column_count();
+        let mut rows = statement
+            .query(rusqlite::params_from_iter(bind(params)))
+            .map_err(backend)?;
+        let mut read = Vec::new();
+        while let Some(row) = rows.next().map_err(backend)? {
+            let mut values = Vec::with_capacity(width);
+            for column in 0..width {
+                values.push(match row.get_ref(column).map_err(backend)? {
+                    ValueRef::Null => Value::Null,
+                    ValueRef::Integer(value) => Value::Int(value),
+                    ValueRef::Real(value) => Value::Real(value),
+                    ValueRef::Text(text) => Value::Text(
+                        std::str::from_utf8(text)
+                            .map_err(|e| Error::Corrupt(format!("text column {column}: {e}")))?
+                            .to_owned(),
+                    ),
+                    ValueRef::Blob(_) => {
+                        return Err(Error::Corrupt(format!(
+                            "expected text or a number in column {column}, found a blob"
+                        )));
+                    }
+                });
             }
-            by_run.insert(run_id.clone(), Arc::clone(&config));
+            read.push(Row::new(values));
         }
-        Ok(config)
+        Ok(read)
     }
 
-    /// Drops the entry of a run that has ended; it will not be claimed again.
-    pub(crate) fn forget(&self, run_id: &RunId) {
-        if let Ok(mut by_run) = self.by_run.lock() {
-            by_run.remove(run_id);
-        }
+    /// The writer thread is the only writer: its transactions are serial already.
+    fn lock_session(&self, _session_id: &str) -> Result<()> {
+        Ok(())
+    }
+
+    fn lock_session_of_run(&self, _run_id: &str) -> Result<()> {
+        Ok(())
+    }
+
+    fn skip_locked(&self) -> &'static str {
+        ""
+    }
+
+    /// Another process on the same file finds new work and events by polling.
+    fn announce(&self, _announcement: Announcement<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    fn configs(&self) -> &Configs {
+        self.configs
     }
 }
 
-pub struct SqliteStore {
+/// The SQLite store.
+pub type SqliteStore = SqlStore<SqliteBackend>;
+
+/// Opens (creating and migrating as needed) the database a `sqlite:` url names.
+pub fn open_url(url: &str) -> Result<SqliteStore> {
+    open(SqliteOptions::from_url(url)?)
+}
+
+pub fn open(options: SqliteOptions) -> Result<SqliteStore> {
+    SqliteBackend::open(options).map(SqlStore::new)
+}
+
+/// The writer thread and the read connections of one database file.
+pub struct SqliteBackend {
     writer: Writer,
     readers: Arc<Readers>,
 }
 
-impl SqliteStore {
-    pub fn open_url(url: &str) -> Result<SqliteStore> {
-        SqliteStore::open(SqliteOptions::from_url(url)?)
-    }
-
-    pub fn open(options: SqliteOptions) -> Result<SqliteStore> {
+impl SqliteBackend {
+    fn open(options: SqliteOptions) -> Result<SqliteBackend> {
         if let Some(parent) = options.path.parent().filter(|p| !p.as_os_str().is_empty())
             && !parent.is_dir()
         {
@@ -217,311 +261,39 @@ impl SqliteStore {
         let configs = Arc::new(Configs::default());
         let writer = Writer::spawn(conn, Arc::clone(&configs))
             .map_err(|e| Error::Backend(format!("cannot start writer thread: {e}")))?;
-        Ok(SqliteStore {
+        Ok(SqliteBackend {
             writer,
             readers: Readers::new(options.path, configs),
         })
     }
 }
 
-#[async_trait]
-impl Store for SqliteStore {
-    async fn create_session(
-        &self,
-        id: &SessionId,
-        spec: SessionSpec,
-        now: Millis,
-    ) -> Result<Session> {
-        let id = id.clone();
-        self.writer
-            .write(move |c| ops::create_session(c, &id, spec, now))
-            .await
+impl Backend for SqliteBackend {
+    async fn write<R, F>(&self, body: F) -> Result<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&dyn Db) -> Result<R> + Send + 'static,
+    {
+        self.writer.write(move |tx| body(tx)).await
     }
 
-    async fn get_session(&self, id: &SessionId) -> Result<Session> {
-        let id = id.clone();
-        self.readers.read(move |c| ops::get_session(c, &id)).await
-    }
-
-    async fn list_sessions(
-        &self,
-        tenant: &str,
-        after: Option<&SessionId>,
-        limit: u32,
-    ) -> Result<Vec<Session>> {
-        let (tenant, after) = (tenant.to_owned(), after.cloned());
-        self.readers
-            .read(move |c| ops::list_sessions(c, &tenant, after.as_ref(), limit))
-            .await
-    }
-
-    async fn visible_messages(
-        &self,
-        session_id: &SessionId,
-        after_position: i64,
-        limit: u32,
-    ) -> Result<Vec<StoredMessage>> {
-        let session_id = session_id.clone();
-        self.readers
-            .read(move |c| ops::visible_messages(c, &session_id, after_position, limit))
-            .await
+    async fn read<R, F>(&self, body: F) -> Result<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&dyn Db) -> Result<R> + Send + 'static,
+    {
+        self.readers.read(move |tx| body(tx)).await
     }
 
     async fn search_messages(
         &self,
         scope: SearchScope,
-        query: &str,
+        query: String,
         limit: u32,
     ) -> Result<Vec<MessageHit>> {
-        let query = query.to_owned();
         self.writer.write(search::catch_up).await?;
         self.readers
             .read(move |c| search::search_messages(c, &scope, &query, limit))
             .await
-    }
-
-    async fn session_runs(
-        &self,
-        session_id: &SessionId,
-        after: Option<&RunId>,
-        limit: u32,
-    ) -> Result<Vec<RunSummary>> {
-        let (session_id, after) = (session_id.clone(), after.cloned());
-        self.readers
-            .read(move |c| ops::session_runs(c, &session_id, after.as_ref(), limit))
-            .await
-    }
-
-    async fn run_events_after(
-        &self,
-        run_id: &RunId,
-        after_seq: i64,
-        limit: u32,
-    ) -> Result<Vec<StoredEvent>> {
-        let run_id = run_id.clone();
-        self.readers
-            .read(move |c| ops::run_events_after(c, &run_id, after_seq, limit))
-            .await
-    }
-
-    async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted> {
-        self.writer
-            .write(move |c| ops::submit_message(c, new, now))
-            .await
-    }
-
-    async fn claim_next(
-        &self,
-        lease: Lease,
-        run: Option<&RunId>,
-        now: Millis,
-    ) -> Result<Option<ClaimedStep>> {
-        let run = run.cloned();
-        self.writer
-            .write(move |c| ops::claim_next(c, &lease, run.as_ref(), now))
-            .await
-    }
-
-    async fn heartbeat(&self, claim: &Claim, expires_at: Millis) -> Result<bool> {
-        let claim = claim.clone();
-        self.writer
-            .write(move |c| ops::heartbeat(c, &claim, expires_at))
-            .await
-    }
-
-    async fn commit_step(
-        &self,
-        claim: &Claim,
-        result: StepResult,
-        continue_with: Option<Lease>,
-        now: Millis,
-    ) -> Result<Commit> {
-        let claim = claim.clone();
-        self.writer
-            .write(move |c| ops::commit_step(c, &claim, result, continue_with, now))
-            .await
-    }
-
-    async fn retry_later(
-        &self,
-        claim: &Claim,
-        available_at: Millis,
-        event: EventDraft,
-        now: Millis,
-    ) -> Result<Option<Vec<StoredEvent>>> {
-        let claim = claim.clone();
-        self.writer
-            .write(move |c| ops::retry_later(c, &claim, available_at, event, now))
-            .await
-    }
-
-    async fn append_events(
-        &self,
-        session_id: &SessionId,
-        run_id: &RunId,
-        events: Vec<EventDraft>,
-        now: Millis,
-    ) -> Result<Vec<StoredEvent>> {
-        let (session_id, run_id) = (session_id.clone(), run_id.clone());
-        self.writer
-            .write(move |c| ops::insert_events(c, &session_id, Some(&run_id), &events, now))
-            .await
-    }
-
-    async fn record_intents(
-        &self,
-        claim: &Claim,
-        intents: Vec<Intent>,
-        events: Vec<EventDraft>,
-        now: Millis,
-    ) -> Result<RecordedIntents> {
-        let claim = claim.clone();
-        self.writer
-            .write(move |c| ops::record_intents(c, &claim, &intents, &events, now))
-            .await
-    }
-
-    async fn record_outcome(
-        &self,
-        claim: &Claim,
-        slot: u32,
-        outcome: ToolOutcome,
-        now: Millis,
-    ) -> Result<()> {
-        let claim = claim.clone();
-        self.writer
-            .write(move |c| ops::record_outcome(c, &claim, slot, &outcome, now))
-            .await
-    }
-
-    async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
-        let run_id = run_id.clone();
-        self.readers
-            .read(move |c| ops::intents(c, &run_id, step_index))
-            .await
-    }
-
-    async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
-        let run_id = run_id.clone();
-        self.writer
-            .write(move |c| ops::request_cancel(c, &run_id, now))
-            .await
-    }
-
-    async fn reconcile(
-        &self,
-        run_id: &RunId,
-        call_id: &str,
-        answer: Reconciliation,
-        result: Option<String>,
-        now: Millis,
-    ) -> Result<Reconciled> {
-        let (run_id, call_id) = (run_id.clone(), call_id.to_owned());
-        self.writer
-            .write(move |c| ops::reconcile(c, &run_id, &call_id, answer, result, now))
-            .await
-    }
-
-    async fn resume_failed(
-        &self,
-        run_id: &RunId,
-        how: Resumption,
-        now: Millis,
-    ) -> Result<Vec<StoredEvent>> {
-        let run_id = run_id.clone();
-        self.writer
-            .write(move |c| ops::resume_failed(c, &run_id, how, now))
-            .await
-    }
-
-    async fn approvals(
-        &self,
-        tenant: &str,
-        status: Option<ApprovalStatus>,
-        after: Option<&ApprovalId>,
-        limit: u32,
-    ) -> Result<Vec<Approval>> {
-        let (tenant, after) = (tenant.to_owned(), after.cloned());
-        self.readers
-            .read(move |c| ops::approvals(c, &tenant, status, after.as_ref(), limit))
-            .await
-    }
-
-    async fn get_approval(&self, id: &ApprovalId) -> Result<Approval> {
-        let id = id.clone();
-        self.readers.read(move |c| ops::get_approval(c, &id)).await
-    }
-
-    async fn answer_approval(
-        &self,
-        id: &ApprovalId,
-        answer: ApprovalAnswer,
-        now: Millis,
-    ) -> Result<Answered> {
-        let id = id.clone();
-        self.writer
-            .write(move |c| ops::answer_approval(c, &id, answer, now))
-            .await
-    }
-
-    async fn load_state(&self, run_id: &RunId) -> Result<AgentState> {
-        let run_id = run_id.clone();
-        self.readers
-            .read(move |c| ops::load_state(c, &run_id))
-            .await
-    }
-
-    async fn context(&self, session_id: &SessionId) -> Result<Vec<StoredMessage>> {
-        let session_id = session_id.clone();
-        self.readers
-            .read(move |c| ops::context(c, &session_id))
-            .await
-    }
-
-    async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
-        let session_id = session_id.clone();
-        self.readers
-            .read(move |c| ops::history(c, &session_id))
-            .await
-    }
-
-    async fn list_runs(&self) -> Result<Vec<RunSummary>> {
-        self.readers.read(ops::list_runs).await
-    }
-
-    async fn steps(&self, run_id: &RunId) -> Result<Vec<StepRecord>> {
-        let run_id = run_id.clone();
-        self.readers.read(move |c| ops::steps(c, &run_id)).await
-    }
-
-    async fn events_after(
-        &self,
-        session_id: &SessionId,
-        after_seq: i64,
-        limit: u32,
-    ) -> Result<Vec<StoredEvent>> {
-        let session_id = session_id.clone();
-        self.readers
-            .read(move |c| ops::events_after(c, &session_id, after_seq, limit))
-            .await
-    }
-
-    async fn lease_owners(&self) -> Result<Vec<String>> {
-        self.readers.read(ops::lease_owners).await
-    }
-
-    async fn release_leases(&self, owner: &str) -> Result<u64> {
-        let owner = owner.to_owned();
-        self.writer
-            .write(move |c| ops::release_leases(c, &owner))
-            .await
-    }
-
-    async fn stats(&self, now: Millis) -> Result<StoreStats> {
-        self.readers.read(move |c| ops::stats(c, now)).await
-    }
-
-    async fn runs_with_jobs(&self) -> Result<Vec<RunId>> {
-        self.readers.read(ops::runs_with_jobs).await
     }
 }

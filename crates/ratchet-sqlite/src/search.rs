@@ -7,8 +7,8 @@ use ratchet_core::{RunId, SessionId};
 use ratchet_store::{Error, MessageHit, SearchScope};
 use rusqlite::params;
 
-use crate::ops::sql_enum;
 use crate::{Result, Tx, backend};
+use ratchet_sql::sql_enum;
 
 /// Words of a query past this many are ignored: a longer query is a paste, not a search.
 const MAX_TERMS: usize = 32;

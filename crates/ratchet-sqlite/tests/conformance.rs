@@ -3,7 +3,6 @@
 
 use std::sync::Arc;
 
-use ratchet_sqlite::SqliteStore;
 use ratchet_store::Store;
 use tempfile::TempDir;
 
@@ -11,7 +10,7 @@ use tempfile::TempDir;
 async fn fresh_store() -> (Arc<dyn Store>, TempDir) {
     let dir = tempfile::tempdir().expect("create a temp dir");
     let path = dir.path().join("ratchet.db");
-    let store = SqliteStore::open_url(&format!("sqlite://{}", path.display()))
+    let store = ratchet_sqlite::open_url(&format!("sqlite://{}", path.display()))
         .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
     (Arc::new(store), dir)
 }

@@ -2,14 +2,13 @@
 //! happens when rows on disk are damaged.
 
 use ratchet_core::{MessageId, RunConfigSnapshot, RunId, SessionId};
-use ratchet_sqlite::SqliteStore;
 use ratchet_store::{Lease, NewRun, SessionSpec, Store, WhenBusy};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_whose_run_cannot_be_loaded_is_set_aside_and_the_rest_go_on() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("r.db");
-    let store = SqliteStore::open_url(&format!("sqlite://{}", path.display())).unwrap();
+    let store = ratchet_sqlite::open_url(&format!("sqlite://{}", path.display())).unwrap();
     let mut runs = Vec::new();
     for (i, at) in [(0, 1_000), (1, 2_000)] {
         let session = SessionId::from_suffix(&format!("s{i}")).unwrap();

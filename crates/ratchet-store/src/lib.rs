@@ -345,6 +345,25 @@ pub struct Answered {
     pub repeated: bool,
 }
 
+/// A change another process sharing the database has committed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// Jobs nobody holds were enqueued: idle workers should try to claim.
+    JobsReady,
+    /// Events `first_seq..=last_seq` were appended to the session.
+    Events {
+        session_id: SessionId,
+        first_seq: i64,
+        last_seq: i64,
+    },
+    /// Changes may have been missed (the connection that hears them was re-established):
+    /// whoever follows the store should look again at whatever it is waiting for.
+    Missed,
+}
+
+/// The changes of other processes, in the order they committed.
+pub type ChangeStream = std::pin::Pin<Box<dyn futures::Stream<Item = Change> + Send>>;
+
 /// Counts for monitoring.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StoreStats {
@@ -585,4 +604,11 @@ pub trait Store: Send + Sync + 'static {
     async fn runs_with_jobs(&self) -> Result<Vec<RunId>>;
 
     async fn stats(&self, now: Millis) -> Result<StoreStats>;
+
+    /// Follows what other processes sharing this database commit. `None` when no other
+    /// process can write it (each call is a new, independent follower). Hearing of a change
+    /// is a hint for latency only: a follower still polls, since a change can be missed.
+    fn changes(&self) -> Option<ChangeStream> {
+        None
+    }
 }

@@ -15,7 +15,6 @@ use futures::stream::BoxStream;
 use ratchet_core::{Limits, MemoryScope, RunConfigSnapshot};
 use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool};
 use ratchet_server::{AppState, Tokens, hash_token};
-use ratchet_sqlite::SqliteStore;
 use ratchet_store::Store;
 use ratchet_tools::Registry;
 use reqwest::header::CONTENT_TYPE;
@@ -87,7 +86,7 @@ impl Server {
         let script_path = dir.path().join("script.json");
         std::fs::write(&script_path, script.to_string()).unwrap();
         let db = format!("sqlite://{}", dir.path().join("ratchet.db").display());
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open_url(&db).unwrap());
+        let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
         let tools = Arc::new(Registry::builtin());
         let models = Arc::new(Models::new(
             tools.names().into_iter().map(str::to_owned).collect(),

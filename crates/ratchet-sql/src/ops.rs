@@ -1,23 +1,29 @@
-//! The transaction bodies. Each function runs inside the writer's transaction (or on a read
+//! The transaction bodies. Each function runs inside one write transaction (or on a read
 //! connection) and is the whole of one `Store` operation.
+//!
+//! A write that changes anything of a session locks the session first (`Db::lock_session`):
+//! with several processes on one database, that makes the writes of one session serial, so
+//! every check below (the active run, the committed step, the cancel flag) still holds when
+//! the write lands. Claims never take that lock (they take only their job's row), so that a
+//! commit, which holds the session and then waits for its job's row, cannot deadlock with one.
 
 use ratchet_core::step::{Reconciliation, Resumption, cancel_idle, start_run};
 use ratchet_core::{
-    AgentState, ApprovalAnswer, ApprovalId, EventDraft, EventKind, HumanRequest, Message, Millis,
-    Origin, Phase, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult,
-    StopReason, ToolOutcome,
+    AgentState, ApprovalAnswer, ApprovalId, EventDraft, EventKind, HumanRequest, IdError, Message,
+    Millis, Origin, Phase, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord,
+    StepResult, StopReason, ToolOutcome,
 };
 use ratchet_store::{
     Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent,
     IntentKind, IntentRecord, Lease, NewRun, Reconciled, RecordedIntents, RunSummary, Session,
     SessionSpec, Stale, StoreStats, StoredEvent, StoredMessage, Submitted, WhenBusy,
 };
-use rusqlite::{OptionalExtension, params};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
-use crate::{Result, Tx, backend};
+use crate::db::{Announcement, Db, Row};
+use crate::{Result, params};
 
 fn to_json(value: &impl Serialize) -> Result<String> {
     serde_json::to_string(value).map_err(|e| Error::Corrupt(format!("cannot encode: {e}")))
@@ -27,12 +33,29 @@ fn from_json<T: DeserializeOwned>(text: &str, what: &str) -> Result<T> {
     serde_json::from_str(text).map_err(|e| Error::Corrupt(format!("{what}: {e}")))
 }
 
-pub(crate) fn sql_enum<T: DeserializeOwned>(text: &str) -> Result<T> {
+/// Reads an enum stored as its serde name.
+pub fn sql_enum<T: DeserializeOwned>(text: &str) -> Result<T> {
     from_json(&format!("\"{text}\""), "stored enum")
 }
 
 fn sql_str<T: Serialize>(value: &T) -> Result<String> {
     Ok(to_json(value)?.trim_matches('"').to_owned())
+}
+
+fn corrupt(error: IdError) -> Error {
+    Error::Corrupt(error.to_string())
+}
+
+fn parse_run_id(text: &str) -> Result<RunId> {
+    RunId::parse(text).map_err(corrupt)
+}
+
+fn parse_session_id(text: &str) -> Result<SessionId> {
+    SessionId::parse(text).map_err(corrupt)
+}
+
+fn parse_status(text: &str) -> Result<RunStatus> {
+    RunStatus::parse(text).ok_or_else(|| Error::Corrupt(format!("unknown status {text:?}")))
 }
 
 fn run_not_found(run_id: &RunId) -> Error {
@@ -42,19 +65,23 @@ fn run_not_found(run_id: &RunId) -> Error {
     }
 }
 
+/// Locks the session a run belongs to (see the module's doc).
+fn lock_session_of_run(c: &dyn Db, run_id: &RunId) -> Result<()> {
+    c.lock_session_of_run(run_id.as_str())
+}
+
 pub(crate) fn create_session(
-    c: &Tx<'_>,
+    c: &dyn Db,
     id: &SessionId,
     spec: SessionSpec,
     now: Millis,
 ) -> Result<Session> {
     let metadata = spec.metadata.as_ref().map(to_json).transpose()?;
-    let inserted = c
-        .prepare_cached(
-            "INSERT OR IGNORE INTO sessions (id, created_at, tenant, agent, metadata_json) VALUES (?1, ?2, ?3, ?4, ?5)",
-        )
-        .and_then(|mut s| s.execute(params![id.as_str(), now, spec.tenant, spec.agent, metadata]))
-        .map_err(backend)?;
+    let inserted = c.execute(
+        "INSERT INTO sessions (id, created_at, tenant, agent, metadata_json) VALUES (?1, ?2, ?3, ?4, ?5)
+         ON CONFLICT (id) DO NOTHING",
+        &params![id.as_str(), now, &spec.tenant, &spec.agent, &metadata],
+    )?;
     if inserted == 0 {
         return Err(Error::Conflict(format!("session {id} already exists")));
     }
@@ -70,44 +97,26 @@ pub(crate) fn create_session(
 
 const SESSION_COLUMNS: &str = "id, tenant, agent, metadata_json, created_at, active_run_id";
 
-type SessionColumns = (
-    String,
-    String,
-    Option<String>,
-    Option<String>,
-    i64,
-    Option<String>,
-);
-
-fn session_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessionColumns> {
-    r.try_into()
-}
-
-fn to_session(row: SessionColumns) -> Result<Session> {
-    let (id, tenant, agent, metadata, created_at, active) = row;
-    let corrupt = |e: ratchet_core::IdError| Error::Corrupt(e.to_string());
+fn to_session(mut row: Row) -> Result<Session> {
     Ok(Session {
-        id: SessionId::parse(&id).map_err(corrupt)?,
-        tenant,
-        agent,
-        metadata: metadata
+        id: parse_session_id(&row.text(0)?)?,
+        tenant: row.text(1)?,
+        agent: row.opt_text(2)?,
+        metadata: row
+            .opt_text(3)?
             .map(|m| from_json(&m, "session metadata"))
             .transpose()?,
-        created_at,
-        active_run_id: active
-            .map(|r| RunId::parse(&r))
-            .transpose()
-            .map_err(corrupt)?,
+        created_at: row.int(4)?,
+        active_run_id: row.opt_text(5)?.as_deref().map(parse_run_id).transpose()?,
     })
 }
 
-pub(crate) fn get_session(c: &Tx<'_>, id: &SessionId) -> Result<Session> {
+pub(crate) fn get_session(c: &dyn Db, id: &SessionId) -> Result<Session> {
     let row = c
-        .prepare_cached(&format!(
-            "SELECT {SESSION_COLUMNS} FROM sessions WHERE id = ?1"
-        ))
-        .and_then(|mut s| s.query_row([id.as_str()], session_row).optional())
-        .map_err(backend)?
+        .query_opt(
+            &format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = ?1"),
+            &params![id.as_str()],
+        )?
         .ok_or_else(|| Error::NotFound {
             kind: "session",
             id: id.to_string(),
@@ -116,43 +125,35 @@ pub(crate) fn get_session(c: &Tx<'_>, id: &SessionId) -> Result<Session> {
 }
 
 pub(crate) fn list_sessions(
-    c: &Tx<'_>,
+    c: &dyn Db,
     tenant: &str,
     after: Option<&SessionId>,
     limit: u32,
 ) -> Result<Vec<Session>> {
-    let mut stmt = c
-        .prepare_cached(&format!(
+    c.query(
+        &format!(
             "SELECT {SESSION_COLUMNS} FROM sessions WHERE tenant = ?1 AND id > ?2 ORDER BY id LIMIT ?3"
-        ))
-        .map_err(backend)?;
-    let rows = stmt
-        .query_map(
-            params![tenant, after.map_or("", |a| a.as_str()), limit],
-            session_row,
-        )
-        .map_err(backend)?;
-    rows.map(|row| to_session(row.map_err(backend)?)).collect()
+        ),
+        &params![tenant, after.map_or("", |a| a.as_str()), limit],
+    )?
+    .into_iter()
+    .map(to_session)
+    .collect()
 }
 
-pub(crate) fn submit_message(c: &Tx<'_>, new: NewRun, now: Millis) -> Result<Submitted> {
-    let active: Option<Option<String>> = c
-        .prepare_cached("SELECT active_run_id FROM sessions WHERE id = ?1")
-        .and_then(|mut s| {
-            s.query_row([new.session_id.as_str()], |r| r.get(0))
-                .optional()
-        })
-        .map_err(backend)?;
-    let Some(active) = active else {
+pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Submitted> {
+    c.lock_session(new.session_id.as_str())?;
+    let Some(mut row) = c.query_opt(
+        "SELECT active_run_id FROM sessions WHERE id = ?1",
+        &params![new.session_id.as_str()],
+    )?
+    else {
         return Err(Error::NotFound {
             kind: "session",
             id: new.session_id.to_string(),
         });
     };
-    let active = active
-        .map(|id| RunId::parse(&id))
-        .transpose()
-        .map_err(|e| Error::Corrupt(e.to_string()))?;
+    let active = row.opt_text(0)?.as_deref().map(parse_run_id).transpose()?;
     if let Some(active) = active
         .as_ref()
         .filter(|_| new.when_busy == WhenBusy::Reject)
@@ -164,21 +165,18 @@ pub(crate) fn submit_message(c: &Tx<'_>, new: NewRun, now: Millis) -> Result<Sub
     }
     if let Some(active) = active.as_ref().filter(|_| new.when_busy == WhenBusy::Steer) {
         let frozen = to_json(&new.config)?;
-        c.prepare_cached(
+        c.execute(
             "INSERT INTO steers (message_id, session_id, run_id, content, config_json, created_at)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-        )
-        .and_then(|mut s| {
-            s.execute(params![
+            &params![
                 new.message_id.as_str(),
                 new.session_id.as_str(),
                 new.run_id.as_str(),
-                new.content,
-                frozen,
+                &new.content,
+                &frozen,
                 now
-            ])
-        })
-        .map_err(backend)?;
+            ],
+        )?;
         return Ok(Submitted {
             status: run_row(c, active)?.status,
             events: Vec::new(),
@@ -231,7 +229,7 @@ pub(crate) fn submit_message(c: &Tx<'_>, new: NewRun, now: Millis) -> Result<Sub
 
 /// Inserts a run waiting in its session's queue, with the message that will start it.
 fn insert_queued_run(
-    c: &Tx<'_>,
+    c: &dyn Db,
     session_id: &SessionId,
     run_id: &RunId,
     message_id: &str,
@@ -246,14 +244,18 @@ fn insert_queued_run(
         to_json(&state)?,
         to_json(&input)?,
     );
-    c.prepare_cached(
+    c.execute(
         "INSERT INTO runs (id, session_id, status, step_index, config_json, state_json, input_json, created_at)
          VALUES (?1, ?2, 'queued', 0, ?3, ?4, ?5, ?6)",
-    )
-    .and_then(|mut s| {
-        s.execute(params![run_id.as_str(), session_id.as_str(), config_json, state_json, input_json, created_at])
-    })
-    .map_err(backend)?;
+        &params![
+            run_id.as_str(),
+            session_id.as_str(),
+            &config_json,
+            &state_json,
+            &input_json,
+            created_at
+        ],
+    )?;
     let created = EventDraft::new(
         EventKind::RunCreated,
         json!({"run_id": run_id, "message_id": message_id}),
@@ -270,35 +272,35 @@ struct Steer {
 }
 
 /// Takes the session's waiting steers out of their table, oldest first.
-fn take_steers(c: &Tx<'_>, session_id: &SessionId) -> Result<Vec<Steer>> {
+fn take_steers(c: &dyn Db, session_id: &SessionId) -> Result<Vec<Steer>> {
     let steers = c
-        .prepare_cached(
+        .query(
             "SELECT message_id, run_id, content, config_json, created_at FROM steers
              WHERE session_id = ?1 ORDER BY position",
-        )
-        .and_then(|mut s| {
-            s.query_map([session_id.as_str()], |r| {
-                Ok(Steer {
-                    message_id: r.get(0)?,
-                    run_id: r.get(1)?,
-                    content: r.get(2)?,
-                    config_json: r.get(3)?,
-                    created_at: r.get(4)?,
-                })
-            })?
-            .collect::<rusqlite::Result<Vec<_>>>()
+            &params![session_id.as_str()],
+        )?
+        .into_iter()
+        .map(|mut r| {
+            Ok(Steer {
+                message_id: r.text(0)?,
+                run_id: r.text(1)?,
+                content: r.text(2)?,
+                config_json: r.text(3)?,
+                created_at: r.int(4)?,
+            })
         })
-        .map_err(backend)?;
+        .collect::<Result<Vec<_>>>()?;
     if !steers.is_empty() {
-        c.prepare_cached("DELETE FROM steers WHERE session_id = ?1")
-            .and_then(|mut s| s.execute([session_id.as_str()]))
-            .map_err(backend)?;
+        c.execute(
+            "DELETE FROM steers WHERE session_id = ?1",
+            &params![session_id.as_str()],
+        )?;
     }
     Ok(steers)
 }
 
 /// The run's next step calls the model: the session's waiting steers join its history now.
-fn absorb_steers(c: &Tx<'_>, state: &AgentState, now: Millis) -> Result<Vec<EventDraft>> {
+fn absorb_steers(c: &dyn Db, state: &AgentState, now: Millis) -> Result<Vec<EventDraft>> {
     let mut drafts = Vec::new();
     for steer in take_steers(c, &state.session_id)? {
         insert_message(
@@ -321,11 +323,14 @@ fn absorb_steers(c: &Tx<'_>, state: &AgentState, now: Millis) -> Result<Vec<Even
 
 /// Makes a queued run the session's active run: its user message enters history, its first
 /// job is enqueued.
-fn start_queued_run(c: &Tx<'_>, mut state: AgentState, now: Millis) -> Result<Vec<EventDraft>> {
-    let input: String = c
-        .prepare_cached("SELECT input_json FROM runs WHERE id = ?1")
-        .and_then(|mut s| s.query_row([state.run_id.as_str()], |r| r.get(0)))
-        .map_err(backend)?;
+fn start_queued_run(c: &dyn Db, mut state: AgentState, now: Millis) -> Result<Vec<EventDraft>> {
+    let input = c
+        .query_opt(
+            "SELECT input_json FROM runs WHERE id = ?1",
+            &params![state.run_id.as_str()],
+        )?
+        .ok_or_else(|| run_not_found(&state.run_id))?
+        .text(0)?;
     #[derive(serde::Deserialize)]
     struct Input {
         message_id: String,
@@ -342,35 +347,33 @@ fn start_queued_run(c: &Tx<'_>, mut state: AgentState, now: Millis) -> Result<Ve
     let (job, event) = start_run(&mut state, now);
     write_state(c, &state)?;
     insert_job(c, &job, now)?;
-    c.prepare_cached("UPDATE sessions SET active_run_id = ?2 WHERE id = ?1")
-        .and_then(|mut s| s.execute(params![state.session_id.as_str(), state.run_id.as_str()]))
-        .map_err(backend)?;
+    c.execute(
+        "UPDATE sessions SET active_run_id = ?2 WHERE id = ?1",
+        &params![state.session_id.as_str(), state.run_id.as_str()],
+    )?;
     Ok(vec![event])
 }
 
-fn write_state(c: &Tx<'_>, state: &AgentState) -> Result<()> {
+fn write_state(c: &dyn Db, state: &AgentState) -> Result<()> {
     let stop_reason = state.stop_reason.map(|r| r.as_str());
     let state_json = to_json(state)?;
-    c.prepare_cached(
+    c.execute(
         "UPDATE runs SET status = ?2, step_index = ?3, stop_reason = ?4, state_json = ?5, finished_at = ?6
          WHERE id = ?1",
-    )
-    .and_then(|mut s| {
-        s.execute(params![
+        &params![
             state.run_id.as_str(),
             state.status.as_str(),
             state.step_index as i64,
             stop_reason,
-            state_json,
+            &state_json,
             state.finished_at
-        ])
-    })
-    .map_err(backend)?;
+        ],
+    )?;
     Ok(())
 }
 
 fn insert_message(
-    c: &Tx<'_>,
+    c: &dyn Db,
     id: &str,
     state: &AgentState,
     message: &Message,
@@ -386,27 +389,24 @@ fn insert_message(
         sql_str(&message.visibility)?,
         sql_str(&message.origin)?,
     );
-    c.prepare_cached(
+    c.execute(
         "INSERT INTO messages (id, session_id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, created_at, keeps_from, is_error)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
-    )
-    .and_then(|mut s| {
-        s.execute(params![
+        &params![
             id,
             state.session_id.as_str(),
             state.run_id.as_str(),
-            role,
-            message.content,
-            tool_calls,
-            message.tool_call_id,
-            visibility,
-            origin,
+            &role,
+            &message.content,
+            &tool_calls,
+            &message.tool_call_id,
+            &visibility,
+            &origin,
             now,
             message.keeps_from,
             message.is_error
-        ])
-    })
-    .map_err(backend)?;
+        ],
+    )?;
     Ok(())
 }
 
@@ -438,14 +438,12 @@ impl<'a> NewJob<'a> {
     }
 }
 
-fn insert_job(c: &Tx<'_>, job: &StepJob, now: Millis) -> Result<()> {
+fn insert_job(c: &dyn Db, job: &StepJob, now: Millis) -> Result<()> {
     let row = NewJob::new(None, now);
-    c.prepare_cached(
+    c.execute(
         "INSERT INTO step_jobs (run_id, step_index, phase, attempt, epoch, lease_owner, ready_at)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-    )
-    .and_then(|mut s| {
-        s.execute(params![
+        &params![
             job.run_id.as_str(),
             job.step_index as i64,
             job.phase.as_str(),
@@ -453,50 +451,49 @@ fn insert_job(c: &Tx<'_>, job: &StepJob, now: Millis) -> Result<()> {
             row.epoch,
             row.owner,
             row.ready_at
-        ])
-    })
-    .map_err(backend)?;
-    Ok(())
+        ],
+    )?;
+    c.announce(Announcement::JobsReady)
 }
 
 /// Moves the claimed job on to `next` (or deletes it) if `claim` still holds it; false when
 /// the claim was lost and nothing was written.
 fn advance_job(
-    c: &Tx<'_>,
+    c: &dyn Db,
     claim: &Claim,
     next: Option<&StepJob>,
     row: &NewJob<'_>,
 ) -> Result<bool> {
     let (run_id, step_index) = (claim.run_id.as_str(), claim.step_index as i64);
     let changed = match next {
-        None => c
-            .prepare_cached("DELETE FROM step_jobs WHERE run_id = ?1 AND step_index = ?2 AND epoch = ?3")
-            .and_then(|mut s| s.execute(params![run_id, step_index, claim.epoch])),
-        Some(next) => c
-            .prepare_cached(
-                "UPDATE step_jobs SET step_index = ?4, phase = ?5, attempt = ?6, epoch = ?7, lease_owner = ?8, ready_at = ?9
-                 WHERE run_id = ?1 AND step_index = ?2 AND epoch = ?3",
-            )
-            .and_then(|mut s| {
-                s.execute(params![
-                    run_id,
-                    step_index,
-                    claim.epoch,
-                    next.step_index as i64,
-                    next.phase.as_str(),
-                    row.attempt,
-                    row.epoch,
-                    row.owner,
-                    row.ready_at
-                ])
-            }),
+        None => c.execute(
+            "DELETE FROM step_jobs WHERE run_id = ?1 AND step_index = ?2 AND epoch = ?3",
+            &params![run_id, step_index, claim.epoch],
+        )?,
+        Some(next) => c.execute(
+            "UPDATE step_jobs SET step_index = ?4, phase = ?5, attempt = ?6, epoch = ?7, lease_owner = ?8, ready_at = ?9
+             WHERE run_id = ?1 AND step_index = ?2 AND epoch = ?3",
+            &params![
+                run_id,
+                step_index,
+                claim.epoch,
+                next.step_index as i64,
+                next.phase.as_str(),
+                row.attempt,
+                row.epoch,
+                row.owner,
+                row.ready_at
+            ],
+        )?,
+    };
+    if changed == 1 && next.is_some() && row.owner.is_none() {
+        c.announce(Announcement::JobsReady)?;
     }
-    .map_err(backend)?;
     Ok(changed == 1)
 }
 
 pub(crate) fn insert_events(
-    c: &Tx<'_>,
+    c: &dyn Db,
     session_id: &SessionId,
     run_id: Option<&RunId>,
     drafts: &[EventDraft],
@@ -505,40 +502,31 @@ pub(crate) fn insert_events(
     if drafts.is_empty() {
         return Ok(Vec::new());
     }
-    let last: i64 = c
-        .prepare_cached(
+    let last = c
+        .query_opt(
             "UPDATE sessions SET last_seq = last_seq + ?2 WHERE id = ?1 RETURNING last_seq",
-        )
-        .and_then(|mut s| {
-            s.query_row(params![session_id.as_str(), drafts.len() as i64], |r| {
-                r.get(0)
-            })
-        })
-        .optional()
-        .map_err(backend)?
+            &params![session_id.as_str(), drafts.len() as i64],
+        )?
         .ok_or_else(|| Error::NotFound {
             kind: "session",
             id: session_id.to_string(),
-        })?;
+        })?
+        .int(0)?;
     let first = last - drafts.len() as i64 + 1;
-    let mut insert = c
-        .prepare_cached(
-            "INSERT INTO events (session_id, seq, run_id, kind, payload_json, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-        )
-        .map_err(backend)?;
     let mut stored = Vec::with_capacity(drafts.len());
     for (seq, draft) in (first..).zip(drafts) {
         let payload = to_json(&draft.payload)?;
-        insert
-            .execute(params![
+        c.execute(
+            "INSERT INTO events (session_id, seq, run_id, kind, payload_json, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            &params![
                 session_id.as_str(),
                 seq,
                 run_id.map(|r| r.as_str()),
                 draft.kind.as_str(),
-                payload,
+                &payload,
                 now
-            ])
-            .map_err(backend)?;
+            ],
+        )?;
         stored.push(StoredEvent {
             session_id: session_id.clone(),
             seq,
@@ -548,6 +536,11 @@ pub(crate) fn insert_events(
             created_at: now,
         });
     }
+    c.announce(Announcement::Events {
+        session_id: session_id.as_str(),
+        first_seq: first,
+        last_seq: last,
+    })?;
     Ok(stored)
 }
 
@@ -558,24 +551,21 @@ struct JobRow {
     epoch: i64,
 }
 
-fn lease_job(c: &Tx<'_>, run_id: &RunId, job: JobRow, lease: &Lease) -> Result<ClaimedStep> {
+fn lease_job(c: &dyn Db, run_id: &RunId, job: JobRow, lease: &Lease) -> Result<ClaimedStep> {
     let attempt = job.attempt + 1;
     let epoch = job.epoch + 1;
-    c.prepare_cached(
+    c.execute(
         "UPDATE step_jobs SET attempt = ?3, epoch = ?4, lease_owner = ?5, ready_at = ?6
          WHERE run_id = ?1 AND step_index = ?2",
-    )
-    .and_then(|mut s| {
-        s.execute(params![
+        &params![
             run_id.as_str(),
             job.step_index as i64,
             attempt,
             epoch,
-            lease.owner,
+            &lease.owner,
             lease.expires_at
-        ])
-    })
-    .map_err(backend)?;
+        ],
+    )?;
     let phase = Phase::parse(&job.phase)
         .ok_or_else(|| Error::Corrupt(format!("unknown phase {:?}", job.phase)))?;
     let state = load_state(c, run_id)?;
@@ -595,13 +585,16 @@ fn lease_job(c: &Tx<'_>, run_id: &RunId, job: JobRow, lease: &Lease) -> Result<C
     })
 }
 
-fn job_row(r: &rusqlite::Row<'_>, offset: usize) -> rusqlite::Result<JobRow> {
-    Ok(JobRow {
-        step_index: r.get::<_, i64>(offset)? as u64,
-        phase: r.get(offset + 1)?,
-        attempt: r.get(offset + 2)?,
-        epoch: r.get(offset + 3)?,
-    })
+fn to_claimable(mut r: Row) -> Result<(String, JobRow)> {
+    let run_id = r.text(0)?;
+    let job = JobRow {
+        step_index: r.int(1)? as u64,
+        phase: r.text(2)?,
+        attempt: u32::try_from(r.int(3)?)
+            .map_err(|_| Error::Corrupt("a job's attempt is out of range".into()))?,
+        epoch: r.int(4)?,
+    };
+    Ok((run_id, job))
 }
 
 /// How long a job whose run cannot be loaded is set aside before it is tried again.
@@ -610,95 +603,81 @@ const QUARANTINE_MS: Millis = 60_000;
 const MAX_SET_ASIDE: usize = 16;
 
 pub(crate) fn claim_next(
-    c: &Tx<'_>,
+    c: &dyn Db,
     lease: &Lease,
     run: Option<&RunId>,
     now: Millis,
 ) -> Result<Option<ClaimedStep>> {
     for _ in 0..MAX_SET_ASIDE {
         let found = match run {
-            None => c
-                .prepare_cached(
+            None => c.query_opt(
+                &format!(
                     "SELECT run_id, step_index, phase, attempt, epoch FROM step_jobs
-                     WHERE ready_at <= ?1 ORDER BY ready_at LIMIT 1",
-                )
-                .and_then(|mut s| {
-                    s.query_row([now], |r| Ok((r.get::<_, String>(0)?, job_row(r, 1)?)))
-                        .optional()
-                }),
-            Some(run) => c
-                .prepare_cached(
+                     WHERE ready_at <= ?1 ORDER BY ready_at LIMIT 1{}",
+                    c.skip_locked()
+                ),
+                &params![now],
+            )?,
+            Some(run) => c.query_opt(
+                &format!(
                     "SELECT run_id, step_index, phase, attempt, epoch FROM step_jobs
-                     WHERE run_id = ?1 AND ready_at <= ?2 ORDER BY step_index LIMIT 1",
-                )
-                .and_then(|mut s| {
-                    s.query_row(params![run.as_str(), now], |r| {
-                        Ok((r.get::<_, String>(0)?, job_row(r, 1)?))
-                    })
-                    .optional()
-                }),
-        }
-        .map_err(backend)?;
-        let Some((run_id, job)) = found else {
+                     WHERE run_id = ?1 AND ready_at <= ?2 ORDER BY step_index LIMIT 1{}",
+                    c.skip_locked()
+                ),
+                &params![run.as_str(), now],
+            )?,
+        };
+        let Some(found) = found else {
             return Ok(None);
         };
+        let (run_id, job) = to_claimable(found)?;
         let step_index = job.step_index;
-        statement(c, "SAVEPOINT claim")?;
-        let leased = RunId::parse(&run_id)
-            .map_err(|e| Error::Corrupt(e.to_string()))
-            .and_then(|id| lease_job(c, &id, job, lease));
+        c.execute("SAVEPOINT claim", &[])?;
+        let leased = parse_run_id(&run_id).and_then(|id| lease_job(c, &id, job, lease));
         match leased {
             Ok(claimed) => {
-                statement(c, "RELEASE claim")?;
+                c.execute("RELEASE claim", &[])?;
                 return Ok(Some(claimed));
             }
             Err(error) => {
-                statement(c, "ROLLBACK TO claim")?;
-                statement(c, "RELEASE claim")?;
+                c.execute("ROLLBACK TO claim", &[])?;
+                c.execute("RELEASE claim", &[])?;
                 if !matches!(error, Error::Corrupt(_) | Error::NotFound { .. }) {
                     return Err(error);
                 }
                 // One unreadable run must not stop every worker: set its job aside.
                 tracing::error!(run = %run_id, step = step_index, %error, "cannot load the run of a job; setting it aside");
-                c.prepare_cached(
+                c.execute(
                     "UPDATE step_jobs SET ready_at = ?3 WHERE run_id = ?1 AND step_index = ?2",
-                )
-                .and_then(|mut s| {
-                    s.execute(params![run_id, step_index as i64, now + QUARANTINE_MS])
-                })
-                .map_err(backend)?;
+                    &params![&run_id, step_index as i64, now + QUARANTINE_MS],
+                )?;
             }
         }
     }
     Ok(None)
 }
 
-fn statement(c: &Tx<'_>, sql: &str) -> Result<()> {
-    c.prepare_cached(sql)
-        .and_then(|mut s| s.execute([]))
-        .map_err(backend)?;
-    Ok(())
-}
-
-pub(crate) fn heartbeat(c: &Tx<'_>, claim: &Claim, expires_at: Millis) -> Result<bool> {
-    let changed = c
-        .prepare_cached("UPDATE step_jobs SET ready_at = ?4 WHERE run_id = ?1 AND step_index = ?2 AND epoch = ?3")
-        .and_then(|mut s| s.execute(params![claim.run_id.as_str(), claim.step_index as i64, claim.epoch, expires_at]))
-        .map_err(backend)?;
+pub(crate) fn heartbeat(c: &dyn Db, claim: &Claim, expires_at: Millis) -> Result<bool> {
+    let changed = c.execute(
+        "UPDATE step_jobs SET ready_at = ?4 WHERE run_id = ?1 AND step_index = ?2 AND epoch = ?3",
+        &params![
+            claim.run_id.as_str(),
+            claim.step_index as i64,
+            claim.epoch,
+            expires_at
+        ],
+    )?;
     Ok(changed == 1)
 }
 
-fn claim_holds(c: &Tx<'_>, claim: &Claim) -> Result<bool> {
-    let epoch: Option<i64> = c
-        .prepare_cached("SELECT epoch FROM step_jobs WHERE run_id = ?1 AND step_index = ?2")
-        .and_then(|mut s| {
-            s.query_row(
-                params![claim.run_id.as_str(), claim.step_index as i64],
-                |r| r.get(0),
-            )
-            .optional()
-        })
-        .map_err(backend)?;
+fn claim_holds(c: &dyn Db, claim: &Claim) -> Result<bool> {
+    let epoch = c
+        .query_opt(
+            "SELECT epoch FROM step_jobs WHERE run_id = ?1 AND step_index = ?2",
+            &params![claim.run_id.as_str(), claim.step_index as i64],
+        )?
+        .map(|mut r| r.int(0))
+        .transpose()?;
     Ok(epoch == Some(claim.epoch))
 }
 
@@ -709,35 +688,23 @@ struct RunRow {
     cancel_requested: bool,
 }
 
-fn run_row(c: &Tx<'_>, run_id: &RunId) -> Result<RunRow> {
-    let row = c
-        .prepare_cached(
+fn run_row(c: &dyn Db, run_id: &RunId) -> Result<RunRow> {
+    let mut row = c
+        .query_opt(
             "SELECT session_id, status, step_index, cancel_requested FROM runs WHERE id = ?1",
-        )
-        .and_then(|mut s| {
-            s.query_row([run_id.as_str()], |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, i64>(2)?,
-                    r.get::<_, bool>(3)?,
-                ))
-            })
-            .optional()
-        })
-        .map_err(backend)?
+            &params![run_id.as_str()],
+        )?
         .ok_or_else(|| run_not_found(run_id))?;
     Ok(RunRow {
-        session_id: SessionId::parse(&row.0).map_err(|e| Error::Corrupt(e.to_string()))?,
-        status: RunStatus::parse(&row.1)
-            .ok_or_else(|| Error::Corrupt(format!("unknown status {:?}", row.1)))?,
-        step_index: row.2 as u64,
-        cancel_requested: row.3,
+        session_id: parse_session_id(&row.text(0)?)?,
+        status: parse_status(&row.text(1)?)?,
+        step_index: row.int(2)? as u64,
+        cancel_requested: row.flag(3)?,
     })
 }
 
 pub(crate) fn commit_step(
-    c: &Tx<'_>,
+    c: &dyn Db,
     claim: &Claim,
     mut result: StepResult,
     continue_with: Option<Lease>,
@@ -749,6 +716,7 @@ pub(crate) fn commit_step(
             result.state.run_id, result.record.index, claim.run_id, claim.step_index
         )));
     }
+    lock_session_of_run(c, &claim.run_id)?;
     let stored = run_row(c, &claim.run_id)?;
     if stored.cancel_requested {
         result.yield_to_cancel();
@@ -784,19 +752,16 @@ pub(crate) fn commit_step(
     write_state(c, state)?;
     if let Some(HumanRequest::Approval { approval_id, calls }) = &state.pending_human {
         let calls_json = to_json(calls)?;
-        c.prepare_cached(
+        c.execute(
             "INSERT INTO approvals (id, run_id, session_id, status, calls_json, created_at) VALUES (?1, ?2, ?3, 'pending', ?4, ?5)",
-        )
-        .and_then(|mut s| {
-            s.execute(params![
+            &params![
                 approval_id.as_str(),
                 state.run_id.as_str(),
                 stored.session_id.as_str(),
-                calls_json,
+                &calls_json,
                 now
-            ])
-        })
-        .map_err(backend)?;
+            ],
+        )?;
     }
     for (i, message) in result.messages.iter().enumerate() {
         let id = format!(
@@ -809,20 +774,17 @@ pub(crate) fn commit_step(
     }
     let record = &result.record;
     let summary_json = to_json(&record.summary)?;
-    c.prepare_cached(
+    c.execute(
         "INSERT INTO steps (run_id, step_index, instruction, started_at, finished_at, summary_json) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-    )
-    .and_then(|mut s| {
-        s.execute(params![
+        &params![
             state.run_id.as_str(),
             record.index as i64,
-            record.instruction,
+            &record.instruction,
             record.started_at,
             record.finished_at,
-            summary_json
-        ])
-    })
-    .map_err(backend)?;
+            &summary_json
+        ],
+    )?;
     let mut enqueued = false;
     let mut continued = None;
     if let Some(next) = &result.next {
@@ -857,7 +819,7 @@ pub(crate) fn commit_step(
     let mut events = insert_events(c, &stored.session_id, Some(&claim.run_id), &drafts, now)?;
     let state = &result.state;
     if state.status.is_terminal() {
-        c.configs.forget(&claim.run_id);
+        c.configs().forget(&claim.run_id);
         events.extend(release_session(c, &stored.session_id, &mut enqueued, now)?);
     }
     Ok(Commit::Committed {
@@ -870,18 +832,19 @@ pub(crate) fn commit_step(
 /// The session's active run has ended: the oldest queued run (if any) starts now. Its events
 /// are stored under its own id, after the events of the run that ended.
 fn release_session(
-    c: &Tx<'_>,
+    c: &dyn Db,
     session_id: &SessionId,
     enqueued: &mut bool,
     now: Millis,
 ) -> Result<Vec<StoredEvent>> {
-    c.prepare_cached("UPDATE sessions SET active_run_id = NULL WHERE id = ?1")
-        .and_then(|mut s| s.execute([session_id.as_str()]))
-        .map_err(backend)?;
+    c.execute(
+        "UPDATE sessions SET active_run_id = NULL WHERE id = ?1",
+        &params![session_id.as_str()],
+    )?;
     // Steers the ended run never reached become runs of their own, in the order they were sent.
     let mut fell_through = Vec::new();
     for steer in take_steers(c, session_id)? {
-        let run_id = RunId::parse(&steer.run_id).map_err(|e| Error::Corrupt(e.to_string()))?;
+        let run_id = parse_run_id(&steer.run_id)?;
         let config = from_json(&steer.config_json, "steer config")?;
         let (_, created) = insert_queued_run(
             c,
@@ -894,10 +857,13 @@ fn release_session(
         )?;
         fell_through.push((run_id, created));
     }
-    let next: Option<String> = c
-        .prepare_cached("SELECT id FROM runs WHERE session_id = ?1 AND status = 'queued' ORDER BY created_at, rowid LIMIT 1")
-        .and_then(|mut s| s.query_row([session_id.as_str()], |r| r.get(0)).optional())
-        .map_err(backend)?;
+    let next = c
+        .query_opt(
+            "SELECT id FROM runs WHERE session_id = ?1 AND status = 'queued' ORDER BY created_at, rowid LIMIT 1",
+            &params![session_id.as_str()],
+        )?
+        .map(|mut r| r.text(0))
+        .transpose()?;
     let mut events = Vec::new();
     for (run_id, created) in fell_through {
         events.extend(insert_events(
@@ -911,7 +877,7 @@ fn release_session(
     let Some(next) = next else {
         return Ok(events);
     };
-    let next = RunId::parse(&next).map_err(|e| Error::Corrupt(e.to_string()))?;
+    let next = parse_run_id(&next)?;
     let state = load_state(c, &next)?;
     *enqueued = true;
     let drafts = start_queued_run(c, state, now)?;
@@ -920,23 +886,31 @@ fn release_session(
 }
 
 pub(crate) fn retry_later(
-    c: &Tx<'_>,
+    c: &dyn Db,
     claim: &Claim,
     available_at: Millis,
     event: EventDraft,
     now: Millis,
 ) -> Result<Option<Vec<StoredEvent>>> {
-    if !claim_holds(c, claim)? {
+    lock_session_of_run(c, &claim.run_id)?;
+    let released = c.execute(
+        "UPDATE step_jobs SET lease_owner = NULL, ready_at = ?4
+         WHERE run_id = ?1 AND step_index = ?2 AND epoch = ?3",
+        &params![
+            claim.run_id.as_str(),
+            claim.step_index as i64,
+            claim.epoch,
+            available_at
+        ],
+    )?;
+    if released == 0 {
         return Ok(None);
     }
-    c.prepare_cached("UPDATE step_jobs SET lease_owner = NULL, ready_at = ?3 WHERE run_id = ?1 AND step_index = ?2")
-        .and_then(|mut s| s.execute(params![claim.run_id.as_str(), claim.step_index as i64, available_at]))
-        .map_err(backend)?;
     let stored = run_row(c, &claim.run_id)?;
     insert_events(c, &stored.session_id, Some(&claim.run_id), &[event], now).map(Some)
 }
 
-fn fenced(c: &Tx<'_>, claim: &Claim) -> Result<()> {
+fn fenced(c: &dyn Db, claim: &Claim) -> Result<()> {
     if claim_holds(c, claim)? {
         Ok(())
     } else {
@@ -948,88 +922,78 @@ fn fenced(c: &Tx<'_>, claim: &Claim) -> Result<()> {
 }
 
 pub(crate) fn record_intents(
-    c: &Tx<'_>,
+    c: &dyn Db,
     claim: &Claim,
     intents: &[Intent],
     events: &[EventDraft],
     now: Millis,
 ) -> Result<RecordedIntents> {
+    lock_session_of_run(c, &claim.run_id)?;
     // The fence and the cancel check in one read: the claim must still hold the step, and
     // no cancel may have been accepted.
-    let held: Option<(i64, String, bool)> = c
-        .prepare_cached(
-            "SELECT j.epoch, r.session_id, r.cancel_requested FROM step_jobs j JOIN runs r ON r.id = j.run_id
-             WHERE j.run_id = ?1 AND j.step_index = ?2",
-        )
-        .and_then(|mut s| {
-            s.query_row(params![claim.run_id.as_str(), claim.step_index as i64], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-            })
-            .optional()
-        })
-        .map_err(backend)?;
+    let held = c.query_opt(
+        "SELECT j.epoch, r.session_id, r.cancel_requested FROM step_jobs j JOIN runs r ON r.id = j.run_id
+         WHERE j.run_id = ?1 AND j.step_index = ?2",
+        &params![claim.run_id.as_str(), claim.step_index as i64],
+    )?;
     let lost = || Error::LeaseLost {
         run_id: claim.run_id.clone(),
         step_index: claim.step_index,
     };
-    let (epoch, session, cancel_requested) = held.ok_or_else(lost)?;
-    if epoch != claim.epoch {
+    let mut held = held.ok_or_else(lost)?;
+    if held.int(0)? != claim.epoch {
         return Err(lost());
     }
-    if cancel_requested {
+    let session_id = parse_session_id(&held.text(1)?)?;
+    if held.flag(2)? {
         return Err(Error::CancelRequested {
             run_id: claim.run_id.clone(),
         });
     }
-    let session_id = SessionId::parse(&session).map_err(|e| Error::Corrupt(e.to_string()))?;
-    let mut insert = c
-        .prepare_cached(
-            "INSERT INTO intents (run_id, step_index, slot, kind, name, idempotency_key, attempts, started_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 1, ?7)
-             ON CONFLICT (run_id, step_index, slot) DO UPDATE SET attempts = attempts + 1, started_at = ?7
-             RETURNING attempts",
-        )
-        .map_err(backend)?;
     let mut attempts = Vec::with_capacity(intents.len());
     for intent in intents {
-        let count: u32 = insert
-            .query_row(
-                params![
+        let count = c
+            .query_opt(
+                "INSERT INTO intents (run_id, step_index, slot, kind, name, idempotency_key, attempts, started_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, 1, ?7)
+                 ON CONFLICT (run_id, step_index, slot) DO UPDATE SET attempts = intents.attempts + 1, started_at = ?7
+                 RETURNING attempts",
+                &params![
                     claim.run_id.as_str(),
                     claim.step_index as i64,
                     intent.slot,
                     intent.kind.as_str(),
-                    intent.name,
-                    intent.idempotency_key,
+                    &intent.name,
+                    &intent.idempotency_key,
                     now
                 ],
-                |r| r.get(0),
-            )
-            .map_err(backend)?;
-        attempts.push(count);
+            )?
+            .ok_or_else(|| Error::Backend("recording an intent returned no row".into()))?
+            .int(0)?;
+        attempts.push(
+            u32::try_from(count)
+                .map_err(|_| Error::Corrupt("an intent's attempts are out of range".into()))?,
+        );
     }
     let events = insert_events(c, &session_id, Some(&claim.run_id), events, now)?;
     Ok(RecordedIntents { events, attempts })
 }
 
 pub(crate) fn record_outcome(
-    c: &Tx<'_>,
+    c: &dyn Db,
     claim: &Claim,
     slot: u32,
     outcome: &ToolOutcome,
     now: Millis,
 ) -> Result<()> {
+    lock_session_of_run(c, &claim.run_id)?;
     fenced(c, claim)?;
     let outcome_json = to_json(outcome)?;
     let (run_id, step_index) = (&claim.run_id, claim.step_index);
-    let changed = c
-        .prepare_cached(
-            "UPDATE intents SET outcome_json = ?4, finished_at = ?5 WHERE run_id = ?1 AND step_index = ?2 AND slot = ?3",
-        )
-        .and_then(|mut s| {
-            s.execute(params![run_id.as_str(), step_index as i64, slot, outcome_json, now])
-        })
-        .map_err(backend)?;
+    let changed = c.execute(
+        "UPDATE intents SET outcome_json = ?4, finished_at = ?5 WHERE run_id = ?1 AND step_index = ?2 AND slot = ?3",
+        &params![run_id.as_str(), step_index as i64, slot, &outcome_json, now],
+    )?;
     if changed == 0 {
         return Err(Error::Conflict(format!(
             "no intent at {run_id}#{step_index}#{slot} to record an outcome for"
@@ -1038,53 +1002,40 @@ pub(crate) fn record_outcome(
     Ok(())
 }
 
-pub(crate) fn intents(c: &Tx<'_>, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
-    let mut stmt = c
-        .prepare_cached(
-            "SELECT slot, kind, name, attempts, outcome_json FROM intents WHERE run_id = ?1 AND step_index = ?2 ORDER BY slot",
-        )
-        .map_err(backend)?;
-    let rows = stmt
-        .query_map(params![run_id.as_str(), step_index as i64], |r| {
-            Ok((
-                r.get::<_, u32>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, String>(2)?,
-                r.get::<_, u32>(3)?,
-                r.get::<_, Option<String>>(4)?,
-            ))
-        })
-        .map_err(backend)?;
-    let mut records = Vec::new();
-    for row in rows {
-        let (slot, kind, name, attempts, outcome) = row.map_err(backend)?;
-        let kind = match kind.as_str() {
+pub(crate) fn intents(c: &dyn Db, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
+    let out_of_range = |what: &str| Error::Corrupt(format!("an intent's {what} is out of range"));
+    c.query(
+        "SELECT slot, kind, name, attempts, outcome_json FROM intents WHERE run_id = ?1 AND step_index = ?2 ORDER BY slot",
+        &params![run_id.as_str(), step_index as i64],
+    )?
+    .into_iter()
+    .map(|mut r| {
+        let kind = match r.text(1)?.as_str() {
             "model" => IntentKind::Model,
             "tool" => IntentKind::Tool,
             other => return Err(Error::Corrupt(format!("unknown intent kind {other:?}"))),
         };
-        let outcome = outcome
-            .map(|o| from_json(&o, "intent outcome"))
-            .transpose()?;
-        records.push(IntentRecord {
-            slot,
+        Ok(IntentRecord {
+            slot: u32::try_from(r.int(0)?).map_err(|_| out_of_range("slot"))?,
             kind,
-            name,
-            attempts,
-            outcome,
-        });
-    }
-    Ok(records)
+            name: r.text(2)?,
+            attempts: u32::try_from(r.int(3)?).map_err(|_| out_of_range("attempts"))?,
+            outcome: r
+                .opt_text(4)?
+                .map(|o| from_json(&o, "intent outcome"))
+                .transpose()?,
+        })
+    })
+    .collect()
 }
 
-pub(crate) fn request_cancel(c: &Tx<'_>, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
+pub(crate) fn request_cancel(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
+    lock_session_of_run(c, run_id)?;
     let stored = run_row(c, run_id)?;
     let mut state = load_state(c, run_id)?;
     match stored.status {
         RunStatus::Running | RunStatus::Cancelling => {
-            c.prepare_cached("UPDATE runs SET cancel_requested = 1 WHERE id = ?1")
-                .and_then(|mut s| s.execute([run_id.as_str()]))
-                .map_err(backend)?;
+            mark_cancel_requested(c, run_id)?;
             let mut drafts = Vec::new();
             if stored.status == RunStatus::Running {
                 state.status = RunStatus::Cancelling;
@@ -1100,14 +1051,13 @@ pub(crate) fn request_cancel(c: &Tx<'_>, run_id: &RunId, now: Millis) -> Result<
         RunStatus::Queued | RunStatus::WaitingHuman | RunStatus::WaitingChildren => {
             let held_session = stored.status != RunStatus::Queued;
             let drafts = cancel_idle(&mut state, now);
-            c.configs.forget(run_id);
-            c.prepare_cached("UPDATE runs SET cancel_requested = 1 WHERE id = ?1")
-                .and_then(|mut s| s.execute([run_id.as_str()]))
-                .map_err(backend)?;
+            c.configs().forget(run_id);
+            mark_cancel_requested(c, run_id)?;
             write_state(c, &state)?;
-            c.prepare_cached("DELETE FROM step_jobs WHERE run_id = ?1")
-                .and_then(|mut s| s.execute([run_id.as_str()]))
-                .map_err(backend)?;
+            c.execute(
+                "DELETE FROM step_jobs WHERE run_id = ?1",
+                &params![run_id.as_str()],
+            )?;
             let mut events = insert_events(c, &stored.session_id, Some(run_id), &drafts, now)?;
             let mut enqueued = false;
             if held_session {
@@ -1121,85 +1071,90 @@ pub(crate) fn request_cancel(c: &Tx<'_>, run_id: &RunId, now: Millis) -> Result<
     }
 }
 
-pub(crate) fn load_state(c: &Tx<'_>, run_id: &RunId) -> Result<AgentState> {
-    let (state, cancel_requested): (String, bool) = c
-        .prepare_cached("SELECT state_json, cancel_requested FROM runs WHERE id = ?1")
-        .and_then(|mut s| {
-            s.query_row([run_id.as_str()], |r| Ok((r.get(0)?, r.get(1)?)))
-                .optional()
-        })
-        .map_err(backend)?
+fn mark_cancel_requested(c: &dyn Db, run_id: &RunId) -> Result<()> {
+    c.execute(
+        "UPDATE runs SET cancel_requested = 1 WHERE id = ?1",
+        &params![run_id.as_str()],
+    )?;
+    Ok(())
+}
+
+pub(crate) fn load_state(c: &dyn Db, run_id: &RunId) -> Result<AgentState> {
+    let mut row = c
+        .query_opt(
+            "SELECT state_json, cancel_requested FROM runs WHERE id = ?1",
+            &params![run_id.as_str()],
+        )?
         .ok_or_else(|| run_not_found(run_id))?;
-    let mut state: AgentState = from_json(&state, "run state")?;
+    let mut state: AgentState = from_json(&row.text(0)?, "run state")?;
     state.config = frozen_config(c, run_id)?;
-    state.cancel_requested = cancel_requested;
+    state.cancel_requested = row.flag(1)?;
     Ok(state)
 }
 
 /// The configuration the run was created with; the only source of `state.config`.
-fn frozen_config(c: &Tx<'_>, run_id: &RunId) -> Result<std::sync::Arc<RunConfigSnapshot>> {
-    c.configs.get_or_load(run_id, || {
-        let config: String = c
-            .prepare_cached("SELECT config_json FROM runs WHERE id = ?1")
-            .and_then(|mut s| s.query_row([run_id.as_str()], |r| r.get(0)))
-            .optional()
-            .map_err(backend)?
-            .ok_or_else(|| run_not_found(run_id))?;
+fn frozen_config(c: &dyn Db, run_id: &RunId) -> Result<std::sync::Arc<RunConfigSnapshot>> {
+    c.configs().get_or_load(run_id, || {
+        let config = c
+            .query_opt(
+                "SELECT config_json FROM runs WHERE id = ?1",
+                &params![run_id.as_str()],
+            )?
+            .ok_or_else(|| run_not_found(run_id))?
+            .text(0)?;
         from_json::<RunConfigSnapshot>(&config, "run config")
     })
 }
 
+const STORED_MESSAGE_COLUMNS: &str = "rowid, id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, is_error, created_at";
+
 pub(crate) fn visible_messages(
-    c: &Tx<'_>,
+    c: &dyn Db,
     session_id: &SessionId,
     after_position: i64,
     limit: u32,
 ) -> Result<Vec<StoredMessage>> {
-    let mut stmt = c
-        .prepare_cached(
-            "SELECT rowid, id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, is_error, created_at
+    c.query(
+        &format!(
+            "SELECT {STORED_MESSAGE_COLUMNS}
              FROM messages WHERE session_id = ?1 AND visibility = 'visible' AND rowid > ?2
-             ORDER BY rowid LIMIT ?3",
-        )
-        .map_err(backend)?;
-    let rows = stmt
-        .query_map(
-            params![session_id.as_str(), after_position, limit],
-            stored_message_columns,
-        )
-        .map_err(backend)?;
-    to_stored_messages(rows)
+             ORDER BY rowid LIMIT ?3"
+        ),
+        &params![session_id.as_str(), after_position, limit],
+    )?
+    .into_iter()
+    .map(to_stored_message)
+    .collect()
 }
 
-type StoredMessageColumns = (i64, String, String, MessageColumns, Millis);
-
-fn stored_message_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<StoredMessageColumns> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        message_columns(r, 3)?,
-        r.get(11)?,
-    ))
+fn to_stored_message(mut r: Row) -> Result<StoredMessage> {
+    Ok(StoredMessage {
+        position: r.int(0)?,
+        id: r.text(1)?,
+        run_id: parse_run_id(&r.text(2)?)?,
+        message: to_message(&mut r, 3)?,
+        created_at: r.int(11)?,
+    })
 }
 
 /// What the model sees of a session: the latest summary (if the context was ever compacted)
 /// in place of every message before the first one it keeps, then the messages from there on.
-pub(crate) fn context(c: &Tx<'_>, session_id: &SessionId) -> Result<Vec<StoredMessage>> {
-    let mut stmt = c
-        .prepare_cached(
-            "SELECT rowid, id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, is_error, created_at
-             FROM messages
-             WHERE session_id = ?1
-               AND rowid >= COALESCE((SELECT MAX(keeps_from) FROM messages
-                                      WHERE session_id = ?1 AND keeps_from IS NOT NULL), 0)
-             ORDER BY rowid",
-        )
-        .map_err(backend)?;
-    let rows = stmt
-        .query_map([session_id.as_str()], stored_message_columns)
-        .map_err(backend)?;
-    let mut messages = to_stored_messages(rows)?;
+pub(crate) fn context(c: &dyn Db, session_id: &SessionId) -> Result<Vec<StoredMessage>> {
+    let mut messages = c
+        .query(
+            &format!(
+                "SELECT {STORED_MESSAGE_COLUMNS}
+                 FROM messages
+                 WHERE session_id = ?1
+                   AND rowid >= COALESCE((SELECT MAX(keeps_from) FROM messages
+                                          WHERE session_id = ?1 AND keeps_from IS NOT NULL), 0)
+                 ORDER BY rowid"
+            ),
+            &params![session_id.as_str()],
+        )?
+        .into_iter()
+        .map(to_stored_message)
+        .collect::<Result<Vec<_>>>()?;
     // Only the latest summary stands; it leads, in place of what it replaced.
     let summaries: Vec<usize> = (messages.iter().enumerate())
         .filter(|(_, m)| m.message.keeps_from.is_some())
@@ -1213,302 +1168,204 @@ pub(crate) fn context(c: &Tx<'_>, session_id: &SessionId) -> Result<Vec<StoredMe
     Ok(messages)
 }
 
-fn to_stored_messages(
-    rows: impl Iterator<Item = rusqlite::Result<StoredMessageColumns>>,
-) -> Result<Vec<StoredMessage>> {
-    let mut messages = Vec::new();
-    for row in rows {
-        let (position, id, run_id, columns, created_at) = row.map_err(backend)?;
-        messages.push(StoredMessage {
-            id,
-            run_id: RunId::parse(&run_id).map_err(|e| Error::Corrupt(e.to_string()))?,
-            position,
-            message: to_message(columns)?,
-            created_at,
-        });
-    }
-    Ok(messages)
-}
-
-type MessageColumns = (
-    String,
-    String,
-    Option<String>,
-    Option<String>,
-    String,
-    String,
-    Option<i64>,
-    bool,
-);
-
-fn message_columns(r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<MessageColumns> {
-    Ok((
-        r.get(at)?,
-        r.get(at + 1)?,
-        r.get(at + 2)?,
-        r.get(at + 3)?,
-        r.get(at + 4)?,
-        r.get(at + 5)?,
-        r.get(at + 6)?,
-        r.get(at + 7)?,
-    ))
-}
-
-fn to_message(columns: MessageColumns) -> Result<Message> {
-    let (role, content, tool_calls, tool_call_id, visibility, origin, keeps_from, is_error) =
-        columns;
+/// Reads the message columns `role, content, tool_calls_json, tool_call_id, visibility,
+/// origin, keeps_from, is_error` starting at column `at`.
+fn to_message(r: &mut Row, at: usize) -> Result<Message> {
     Ok(Message {
-        role: sql_enum(&role)?,
-        content,
-        tool_calls: tool_calls
+        role: sql_enum(&r.text(at)?)?,
+        content: r.text(at + 1)?,
+        tool_calls: r
+            .opt_text(at + 2)?
             .map(|t| from_json(&t, "tool calls"))
             .transpose()?
             .unwrap_or_default(),
-        tool_call_id,
-        visibility: sql_enum(&visibility)?,
-        origin: sql_enum(&origin)?,
-        keeps_from,
-        is_error,
+        tool_call_id: r.opt_text(at + 3)?,
+        visibility: sql_enum(&r.text(at + 4)?)?,
+        origin: sql_enum(&r.text(at + 5)?)?,
+        keeps_from: r.opt_int(at + 6)?,
+        is_error: r.flag(at + 7)?,
     })
 }
 
-pub(crate) fn history(c: &Tx<'_>, session_id: &SessionId) -> Result<Vec<Message>> {
-    let mut stmt = c
-        .prepare_cached(
-            "SELECT role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, is_error FROM messages
-             WHERE session_id = ?1 ORDER BY rowid",
-        )
-        .map_err(backend)?;
-    let rows = stmt
-        .query_map([session_id.as_str()], |r| message_columns(r, 0))
-        .map_err(backend)?;
-    rows.map(|row| to_message(row.map_err(backend)?)).collect()
+pub(crate) fn history(c: &dyn Db, session_id: &SessionId) -> Result<Vec<Message>> {
+    c.query(
+        "SELECT role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, is_error FROM messages
+         WHERE session_id = ?1 ORDER BY rowid",
+        &params![session_id.as_str()],
+    )?
+    .into_iter()
+    .map(|mut r| to_message(&mut r, 0))
+    .collect()
 }
 
 const RUN_COLUMNS: &str =
     "id, session_id, status, stop_reason, step_index, created_at, finished_at";
 
-type RunColumns = (
-    String,
-    String,
-    String,
-    Option<String>,
-    i64,
-    i64,
-    Option<i64>,
-);
-
-fn run_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<RunColumns> {
-    r.try_into()
-}
-
-fn to_run_summary(row: RunColumns) -> Result<RunSummary> {
-    let (id, session, status, stop_reason, step_index, created_at, finished_at) = row;
+fn to_run_summary(mut r: Row) -> Result<RunSummary> {
     Ok(RunSummary {
-        run_id: RunId::parse(&id).map_err(|e| Error::Corrupt(e.to_string()))?,
-        session_id: SessionId::parse(&session).map_err(|e| Error::Corrupt(e.to_string()))?,
-        status: RunStatus::parse(&status)
-            .ok_or_else(|| Error::Corrupt(format!("unknown status {status:?}")))?,
-        stop_reason: stop_reason
-            .map(|r| sql_enum::<StopReason>(&r))
+        run_id: parse_run_id(&r.text(0)?)?,
+        session_id: parse_session_id(&r.text(1)?)?,
+        status: parse_status(&r.text(2)?)?,
+        stop_reason: r
+            .opt_text(3)?
+            .map(|reason| sql_enum::<StopReason>(&reason))
             .transpose()?,
-        step_index: step_index as u64,
-        created_at,
-        finished_at,
+        step_index: r.int(4)? as u64,
+        created_at: r.int(5)?,
+        finished_at: r.opt_int(6)?,
     })
 }
 
-pub(crate) fn list_runs(c: &Tx<'_>) -> Result<Vec<RunSummary>> {
-    let mut stmt = c
-        .prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM runs ORDER BY rowid"))
-        .map_err(backend)?;
-    let rows = stmt.query_map([], run_columns).map_err(backend)?;
-    rows.map(|row| to_run_summary(row.map_err(backend)?))
-        .collect()
+pub(crate) fn list_runs(c: &dyn Db) -> Result<Vec<RunSummary>> {
+    c.query(
+        &format!("SELECT {RUN_COLUMNS} FROM runs ORDER BY rowid"),
+        &[],
+    )?
+    .into_iter()
+    .map(to_run_summary)
+    .collect()
 }
 
 pub(crate) fn session_runs(
-    c: &Tx<'_>,
+    c: &dyn Db,
     session_id: &SessionId,
     after: Option<&RunId>,
     limit: u32,
 ) -> Result<Vec<RunSummary>> {
-    let mut stmt = c
-        .prepare_cached(&format!(
+    c.query(
+        &format!(
             "SELECT {RUN_COLUMNS} FROM runs WHERE session_id = ?1 AND id > ?2 ORDER BY id LIMIT ?3"
-        ))
-        .map_err(backend)?;
-    let rows = stmt
-        .query_map(
-            params![session_id.as_str(), after.map_or("", |a| a.as_str()), limit],
-            run_columns,
-        )
-        .map_err(backend)?;
-    rows.map(|row| to_run_summary(row.map_err(backend)?))
-        .collect()
+        ),
+        &params![session_id.as_str(), after.map_or("", |a| a.as_str()), limit],
+    )?
+    .into_iter()
+    .map(to_run_summary)
+    .collect()
 }
 
-pub(crate) fn steps(c: &Tx<'_>, run_id: &RunId) -> Result<Vec<StepRecord>> {
-    let mut stmt = c
-        .prepare_cached(
-            "SELECT step_index, instruction, started_at, finished_at, summary_json FROM steps WHERE run_id = ?1 ORDER BY step_index",
-        )
-        .map_err(backend)?;
-    let rows = stmt
-        .query_map([run_id.as_str()], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, i64>(2)?,
-                r.get::<_, i64>(3)?,
-                r.get::<_, String>(4)?,
-            ))
+pub(crate) fn steps(c: &dyn Db, run_id: &RunId) -> Result<Vec<StepRecord>> {
+    c.query(
+        "SELECT step_index, instruction, started_at, finished_at, summary_json FROM steps WHERE run_id = ?1 ORDER BY step_index",
+        &params![run_id.as_str()],
+    )?
+    .into_iter()
+    .map(|mut r| {
+        Ok(StepRecord {
+            index: r.int(0)? as u64,
+            instruction: r.text(1)?,
+            started_at: r.int(2)?,
+            finished_at: r.int(3)?,
+            summary: from_json(&r.text(4)?, "step summary")?,
         })
-        .map_err(backend)?;
-    let mut steps = Vec::new();
-    for row in rows {
-        let (index, instruction, started_at, finished_at, summary) = row.map_err(backend)?;
-        steps.push(StepRecord {
-            index: index as u64,
-            instruction,
-            started_at,
-            finished_at,
-            summary: from_json(&summary, "step summary")?,
-        });
-    }
-    Ok(steps)
+    })
+    .collect()
 }
 
 const EVENT_COLUMNS: &str = "session_id, seq, run_id, kind, payload_json, created_at";
 
-type EventColumns = (String, i64, Option<String>, String, String, i64);
-
-fn event_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<EventColumns> {
-    r.try_into()
-}
-
-fn to_event(row: EventColumns) -> Result<StoredEvent> {
-    let (session, seq, run_id, kind, payload, created_at) = row;
-    let corrupt = |e: ratchet_core::IdError| Error::Corrupt(e.to_string());
+fn to_event(mut r: Row) -> Result<StoredEvent> {
     Ok(StoredEvent {
-        session_id: SessionId::parse(&session).map_err(corrupt)?,
-        seq,
-        run_id: run_id
-            .map(|r| RunId::parse(&r))
-            .transpose()
-            .map_err(corrupt)?,
-        kind,
-        payload: from_json(&payload, "event payload")?,
-        created_at,
+        session_id: parse_session_id(&r.text(0)?)?,
+        seq: r.int(1)?,
+        run_id: r.opt_text(2)?.as_deref().map(parse_run_id).transpose()?,
+        kind: r.text(3)?,
+        payload: from_json(&r.text(4)?, "event payload")?,
+        created_at: r.int(5)?,
     })
 }
 
 pub(crate) fn events_after(
-    c: &Tx<'_>,
+    c: &dyn Db,
     session_id: &SessionId,
     after_seq: i64,
     limit: u32,
 ) -> Result<Vec<StoredEvent>> {
-    let mut stmt = c
-        .prepare_cached(&format!(
+    c.query(
+        &format!(
             "SELECT {EVENT_COLUMNS} FROM events WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3"
-        ))
-        .map_err(backend)?;
-    let rows = stmt
-        .query_map(
-            params![session_id.as_str(), after_seq, limit],
-            event_columns,
-        )
-        .map_err(backend)?;
-    rows.map(|row| to_event(row.map_err(backend)?)).collect()
+        ),
+        &params![session_id.as_str(), after_seq, limit],
+    )?
+    .into_iter()
+    .map(to_event)
+    .collect()
 }
 
 pub(crate) fn run_events_after(
-    c: &Tx<'_>,
+    c: &dyn Db,
     run_id: &RunId,
     after_seq: i64,
     limit: u32,
 ) -> Result<Vec<StoredEvent>> {
-    let mut stmt = c
-        .prepare_cached(&format!(
+    c.query(
+        &format!(
             "SELECT {EVENT_COLUMNS} FROM events
              WHERE session_id = (SELECT session_id FROM runs WHERE id = ?1) AND seq > ?2 AND run_id = ?1
              ORDER BY seq LIMIT ?3"
-        ))
-        .map_err(backend)?;
-    let rows = stmt
-        .query_map(params![run_id.as_str(), after_seq, limit], event_columns)
-        .map_err(backend)?;
-    rows.map(|row| to_event(row.map_err(backend)?)).collect()
+        ),
+        &params![run_id.as_str(), after_seq, limit],
+    )?
+    .into_iter()
+    .map(to_event)
+    .collect()
 }
 
-pub(crate) fn lease_owners(c: &Tx<'_>) -> Result<Vec<String>> {
-    let mut stmt = c
-        .prepare_cached("SELECT DISTINCT lease_owner FROM step_jobs WHERE lease_owner IS NOT NULL")
-        .map_err(backend)?;
-    let owners = stmt.query_map([], |r| r.get(0)).map_err(backend)?;
-    owners.collect::<rusqlite::Result<_>>().map_err(backend)
+pub(crate) fn lease_owners(c: &dyn Db) -> Result<Vec<String>> {
+    c.query(
+        "SELECT DISTINCT lease_owner FROM step_jobs WHERE lease_owner IS NOT NULL",
+        &[],
+    )?
+    .into_iter()
+    .map(|mut r| r.text(0))
+    .collect()
 }
 
-pub(crate) fn release_leases(c: &Tx<'_>, owner: &str) -> Result<u64> {
-    let released = c
-        .prepare_cached(
-            "UPDATE step_jobs SET lease_owner = NULL, ready_at = 0 WHERE lease_owner = ?1",
-        )
-        .and_then(|mut s| s.execute([owner]))
-        .map_err(backend)?;
-    Ok(released as u64)
-}
-
-pub(crate) fn runs_with_jobs(c: &Tx<'_>) -> Result<Vec<RunId>> {
-    let mut stmt = c
-        .prepare_cached("SELECT DISTINCT run_id FROM step_jobs")
-        .map_err(backend)?;
-    let ids = stmt
-        .query_map([], |r| r.get::<_, String>(0))
-        .map_err(backend)?;
-    let mut runs = Vec::new();
-    for id in ids {
-        runs.push(RunId::parse(&id.map_err(backend)?).map_err(|e| Error::Corrupt(e.to_string()))?);
+pub(crate) fn release_leases(c: &dyn Db, owner: &str) -> Result<u64> {
+    let released = c.execute(
+        "UPDATE step_jobs SET lease_owner = NULL, ready_at = 0 WHERE lease_owner = ?1",
+        &params![owner],
+    )?;
+    if released > 0 {
+        c.announce(Announcement::JobsReady)?;
     }
-    Ok(runs)
+    Ok(released)
 }
 
-pub(crate) fn stats(c: &Tx<'_>, now: Millis) -> Result<StoreStats> {
-    let mut stmt = c
-        .prepare_cached("SELECT status, count(*) FROM runs GROUP BY status")
-        .map_err(backend)?;
-    let rows = stmt
-        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
-        .map_err(backend)?;
-    let mut runs_by_status = Vec::new();
-    for row in rows {
-        let (status, count) = row.map_err(backend)?;
-        let status = RunStatus::parse(&status)
-            .ok_or_else(|| Error::Corrupt(format!("unknown status {status:?}")))?;
-        runs_by_status.push((status, count as u64));
-    }
-    let (ready, held): (i64, i64) = c
-        .prepare_cached(
+pub(crate) fn runs_with_jobs(c: &dyn Db) -> Result<Vec<RunId>> {
+    c.query("SELECT DISTINCT run_id FROM step_jobs", &[])?
+        .into_iter()
+        .map(|mut r| parse_run_id(&r.text(0)?))
+        .collect()
+}
+
+pub(crate) fn stats(c: &dyn Db, now: Millis) -> Result<StoreStats> {
+    let runs_by_status = c
+        .query("SELECT status, count(*) FROM runs GROUP BY status", &[])?
+        .into_iter()
+        .map(|mut r| Ok((parse_status(&r.text(0)?)?, r.int(1)? as u64)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut jobs = c
+        .query_opt(
             "SELECT count(*) FILTER (WHERE ready_at <= ?1), count(*) FILTER (WHERE ready_at > ?1) FROM step_jobs",
-        )
-        .and_then(|mut s| s.query_row([now], |r| Ok((r.get(0)?, r.get(1)?))))
-        .map_err(backend)?;
+            &params![now],
+        )?
+        .ok_or_else(|| Error::Backend("counting jobs returned no row".into()))?;
     Ok(StoreStats {
         runs_by_status,
-        ready_jobs: ready as u64,
-        held_jobs: held as u64,
+        ready_jobs: jobs.int(0)? as u64,
+        held_jobs: jobs.int(1)? as u64,
     })
 }
 
 pub(crate) fn reconcile(
-    c: &Tx<'_>,
+    c: &dyn Db,
     run_id: &RunId,
     call_id: &str,
     answer: Reconciliation,
     result: Option<String>,
     now: Millis,
 ) -> Result<Reconciled> {
+    lock_session_of_run(c, run_id)?;
     let mut state = load_state(c, run_id)?;
     let (drafts, job) = ratchet_core::step::reconcile(&mut state, call_id, answer, result)?;
     write_state(c, &state)?;
@@ -1523,20 +1380,19 @@ pub(crate) fn reconcile(
 }
 
 pub(crate) fn resume_failed(
-    c: &Tx<'_>,
+    c: &dyn Db,
     run_id: &RunId,
     how: Resumption,
     now: Millis,
 ) -> Result<Vec<StoredEvent>> {
+    lock_session_of_run(c, run_id)?;
     let mut state = load_state(c, run_id)?;
     let (drafts, job) = ratchet_core::step::resume_failed(&mut state, how, now)?;
     // The run takes its session back only if nobody else holds it: one active run each.
-    let taken = c
-        .prepare_cached(
-            "UPDATE sessions SET active_run_id = ?2 WHERE id = ?1 AND active_run_id IS NULL",
-        )
-        .and_then(|mut s| s.execute([state.session_id.as_str(), run_id.as_str()]))
-        .map_err(backend)?;
+    let taken = c.execute(
+        "UPDATE sessions SET active_run_id = ?2 WHERE id = ?1 AND active_run_id IS NULL",
+        &params![state.session_id.as_str(), run_id.as_str()],
+    )?;
     if taken == 0 {
         let session = get_session(c, &state.session_id)?;
         return Err(Error::Conflict(format!(
@@ -1554,46 +1410,30 @@ pub(crate) fn resume_failed(
 
 const APPROVAL_COLUMNS: &str = "a.id, a.run_id, a.session_id, a.status, r.status, a.calls_json, a.answer_json, a.created_at, a.decided_at";
 
-type ApprovalColumns = (
-    String,
-    String,
-    String,
-    String,
-    String,
-    String,
-    Option<String>,
-    Millis,
-    Option<Millis>,
-);
-
-fn approval_columns(r: &rusqlite::Row<'_>) -> rusqlite::Result<ApprovalColumns> {
-    r.try_into()
-}
-
-fn to_approval(row: ApprovalColumns) -> Result<Approval> {
-    let (id, run_id, session_id, status, run_status, calls, answer, created_at, decided_at) = row;
-    let corrupt = |e: ratchet_core::IdError| Error::Corrupt(e.to_string());
+fn to_approval(mut r: Row) -> Result<Approval> {
+    let status = r.text(3)?;
     let mut status = ApprovalStatus::parse(&status)
         .ok_or_else(|| Error::Corrupt(format!("unknown approval status {status:?}")))?;
-    if status == ApprovalStatus::Pending && run_status != RunStatus::WaitingHuman.as_str() {
+    if status == ApprovalStatus::Pending && r.text(4)? != RunStatus::WaitingHuman.as_str() {
         status = ApprovalStatus::Cancelled;
     }
     Ok(Approval {
-        id: ApprovalId::parse(&id).map_err(corrupt)?,
-        run_id: RunId::parse(&run_id).map_err(corrupt)?,
-        session_id: SessionId::parse(&session_id).map_err(corrupt)?,
+        id: ApprovalId::parse(&r.text(0)?).map_err(corrupt)?,
+        run_id: parse_run_id(&r.text(1)?)?,
+        session_id: parse_session_id(&r.text(2)?)?,
         status,
-        calls: from_json(&calls, "approval calls")?,
-        answer: answer
+        calls: from_json(&r.text(5)?, "approval calls")?,
+        answer: r
+            .opt_text(6)?
             .map(|a| from_json(&a, "approval answer"))
             .transpose()?,
-        created_at,
-        decided_at,
+        created_at: r.int(7)?,
+        decided_at: r.opt_int(8)?,
     })
 }
 
 pub(crate) fn approvals(
-    c: &Tx<'_>,
+    c: &dyn Db,
     tenant: &str,
     status: Option<ApprovalStatus>,
     after: Option<&ApprovalId>,
@@ -1618,40 +1458,45 @@ pub(crate) fn approvals(
            {filter}
          ORDER BY a.position LIMIT ?3"
     );
-    let rows = c
-        .prepare_cached(&sql)
-        .and_then(|mut s| {
-            s.query_map(
-                params![tenant, after.map(ApprovalId::as_str), limit],
-                approval_columns,
-            )?
-            .collect::<rusqlite::Result<Vec<_>>>()
-        })
-        .map_err(backend)?;
-    rows.into_iter().map(to_approval).collect()
+    c.query(&sql, &params![tenant, after.map(ApprovalId::as_str), limit])?
+        .into_iter()
+        .map(to_approval)
+        .collect()
 }
 
-pub(crate) fn get_approval(c: &Tx<'_>, id: &ApprovalId) -> Result<Approval> {
-    let sql = format!(
-        "SELECT {APPROVAL_COLUMNS} FROM approvals a JOIN runs r ON r.id = a.run_id WHERE a.id = ?1"
-    );
+pub(crate) fn get_approval(c: &dyn Db, id: &ApprovalId) -> Result<Approval> {
     let row = c
-        .prepare_cached(&sql)
-        .and_then(|mut s| s.query_row([id.as_str()], approval_columns).optional())
-        .map_err(backend)?
-        .ok_or_else(|| Error::NotFound {
-            kind: "approval",
-            id: id.to_string(),
-        })?;
+        .query_opt(
+            &format!(
+                "SELECT {APPROVAL_COLUMNS} FROM approvals a JOIN runs r ON r.id = a.run_id WHERE a.id = ?1"
+            ),
+            &params![id.as_str()],
+        )?
+        .ok_or_else(|| approval_not_found(id))?;
     to_approval(row)
 }
 
+fn approval_not_found(id: &ApprovalId) -> Error {
+    Error::NotFound {
+        kind: "approval",
+        id: id.to_string(),
+    }
+}
+
 pub(crate) fn answer_approval(
-    c: &Tx<'_>,
+    c: &dyn Db,
     id: &ApprovalId,
     answer: ApprovalAnswer,
     now: Millis,
 ) -> Result<Answered> {
+    let session = c
+        .query_opt(
+            "SELECT session_id FROM approvals WHERE id = ?1",
+            &params![id.as_str()],
+        )?
+        .ok_or_else(|| approval_not_found(id))?
+        .text(0)?;
+    c.lock_session(&session)?;
     let approval = get_approval(c, id)?;
     let answer = answer.normalized();
     if let Some(given) = approval.answer {
@@ -1676,21 +1521,18 @@ pub(crate) fn answer_approval(
         ApprovalAnswer::Decisions(_) => ApprovalStatus::Decided,
     };
     let answer_json = to_json(&answer)?;
-    c.prepare_cached(
+    c.execute(
         "UPDATE approvals SET status = ?2, answer_json = ?3, decided_at = ?4 WHERE id = ?1",
-    )
-    .and_then(|mut s| s.execute(params![id.as_str(), status.as_str(), answer_json, now]))
-    .map_err(backend)?;
+        &params![id.as_str(), status.as_str(), &answer_json, now],
+    )?;
     if let Some(job) = &job {
         insert_job(c, job, now)?;
     }
     let mut events = insert_events(c, &state.session_id, Some(&state.run_id), &drafts, now)?;
     let mut enqueued = false;
     if state.status.is_terminal() {
-        c.configs.forget(&state.run_id);
-        c.prepare_cached("UPDATE runs SET cancel_requested = 1 WHERE id = ?1")
-            .and_then(|mut s| s.execute([state.run_id.as_str()]))
-            .map_err(backend)?;
+        c.configs().forget(&state.run_id);
+        mark_cancel_requested(c, &state.run_id)?;
         events.extend(release_session(c, &state.session_id, &mut enqueued, now)?);
     }
     Ok(Answered {

@@ -1,0 +1,238 @@
+//! The connection as the transaction bodies see it: statements with numbered parameters
+//! (`?1`, `?2`, …), rows of plain values, and the few things SQL dialects do differently.
+
+use std::sync::Arc;
+
+use ratchet_core::{RunConfigSnapshot, RunId};
+use ratchet_store::Error;
+
+use crate::Result;
+
+/// A statement parameter, borrowed from the caller for the statement's duration.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Param<'a> {
+    Int(Option<i64>),
+    Real(Option<f64>),
+    Text(Option<&'a str>),
+}
+
+impl From<i64> for Param<'_> {
+    fn from(value: i64) -> Self {
+        Param::Int(Some(value))
+    }
+}
+
+impl From<u32> for Param<'_> {
+    fn from(value: u32) -> Self {
+        Param::Int(Some(i64::from(value)))
+    }
+}
+
+/// Flags are stored as 0 or 1 in every dialect.
+impl From<bool> for Param<'_> {
+    fn from(value: bool) -> Self {
+        Param::Int(Some(i64::from(value)))
+    }
+}
+
+impl From<Option<i64>> for Param<'_> {
+    fn from(value: Option<i64>) -> Self {
+        Param::Int(value)
+    }
+}
+
+impl From<f64> for Param<'_> {
+    fn from(value: f64) -> Self {
+        Param::Real(Some(value))
+    }
+}
+
+impl<'a> From<&'a str> for Param<'a> {
+    fn from(value: &'a str) -> Self {
+        Param::Text(Some(value))
+    }
+}
+
+impl<'a> From<&'a String> for Param<'a> {
+    fn from(value: &'a String) -> Self {
+        Param::Text(Some(value))
+    }
+}
+
+impl<'a> From<Option<&'a str>> for Param<'a> {
+    fn from(value: Option<&'a str>) -> Self {
+        Param::Text(value)
+    }
+}
+
+impl<'a> From<&'a Option<String>> for Param<'a> {
+    fn from(value: &'a Option<String>) -> Self {
+        Param::Text(value.as_deref())
+    }
+}
+
+/// The parameters of one statement: `params![a, b]` is `[Param::from(a), Param::from(b)]`.
+#[macro_export]
+macro_rules! params {
+    ($($value:expr),* $(,)?) => {
+        [$($crate::Param::from($value)),*]
+    };
+}
+
+/// A column value as read.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum Value {
+    #[default]
+    Null,
+    Int(i64),
+    Real(f64),
+    Text(String),
+}
+
+/// One result row. Getters take the value out (a column is read once) and say which column
+/// held what when it is not the expected kind.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row(Vec<Value>);
+
+impl Row {
+    pub fn new(values: Vec<Value>) -> Row {
+        Row(values)
+    }
+
+    fn take(&mut self, column: usize) -> Result<Value> {
+        let found = self.0.len();
+        self.0
+            .get_mut(column)
+            .map(std::mem::take)
+            .ok_or_else(|| Error::Backend(format!("expected column {column}, the row has {found}")))
+    }
+
+    pub fn opt_int(&mut self, column: usize) -> Result<Option<i64>> {
+        match self.take(column)? {
+            Value::Null => Ok(None),
+            Value::Int(value) => Ok(Some(value)),
+            other => Err(unexpected(column, "an integer", &other)),
+        }
+    }
+
+    pub fn int(&mut self, column: usize) -> Result<i64> {
+        self.opt_int(column)?
+            .ok_or_else(|| unexpected(column, "an integer", &Value::Null))
+    }
+
+    pub fn flag(&mut self, column: usize) -> Result<bool> {
+        Ok(self.int(column)? != 0)
+    }
+
+    pub fn real(&mut self, column: usize) -> Result<f64> {
+        match self.take(column)? {
+            Value::Real(value) => Ok(value),
+            Value::Int(value) => Ok(value as f64),
+            other => Err(unexpected(column, "a number", &other)),
+        }
+    }
+
+    pub fn opt_text(&mut self, column: usize) -> Result<Option<String>> {
+        match self.take(column)? {
+            Value::Null => Ok(None),
+            Value::Text(value) => Ok(Some(value)),
+            other => Err(unexpected(column, "text", &other)),
+        }
+    }
+
+    pub fn text(&mut self, column: usize) -> Result<String> {
+        self.opt_text(column)?
+            .ok_or_else(|| unexpected(column, "text", &Value::Null))
+    }
+}
+
+fn unexpected(column: usize, expected: &str, found: &Value) -> Error {
+    Error::Corrupt(format!(
+        "expected {expected} in column {column}, found {found:?}"
+    ))
+}
+
+/// What a transaction announces to other processes sharing the database when it commits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Announcement<'a> {
+    /// Jobs nobody holds were enqueued.
+    JobsReady,
+    /// Events `first_seq..=last_seq` were appended to the session.
+    Events {
+        session_id: &'a str,
+        first_seq: i64,
+        last_seq: i64,
+    },
+}
+
+/// One open transaction (or, for reads, one connection). Statements use `?N` parameters;
+/// an adapter rewrites them for its dialect.
+pub trait Db {
+    /// Runs a statement, returning how many rows it changed.
+    fn execute(&self, sql: &str, params: &[Param<'_>]) -> Result<u64>;
+
+    /// Runs a query, returning every row.
+    fn query(&self, sql: &str, params: &[Param<'_>]) -> Result<Vec<Row>>;
+
+    /// The first row of a query, if any.
+    fn query_opt(&self, sql: &str, params: &[Param<'_>]) -> Result<Option<Row>> {
+        Ok(self.query(sql, params)?.into_iter().next())
+    }
+
+    /// Holds the session's row until the transaction ends: every write that touches a
+    /// session's runs, messages, events or jobs takes it first, so those writes are serial
+    /// even across processes. A backend with one writer has nothing to do.
+    fn lock_session(&self, session_id: &str) -> Result<()>;
+
+    /// `lock_session` of the session the run belongs to.
+    fn lock_session_of_run(&self, run_id: &str) -> Result<()>;
+
+    /// What a claim appends to its `SELECT` so that concurrent claims pass over the rows
+    /// others are taking instead of waiting for them ("" with one writer).
+    fn skip_locked(&self) -> &'static str;
+
+    /// Tells other processes what this transaction did, once it commits (nothing with one
+    /// process).
+    fn announce(&self, announcement: Announcement<'_>) -> Result<()>;
+
+    /// The process's cache of run configurations.
+    fn configs(&self) -> &Configs;
+}
+
+/// Most run configurations kept parsed; past this the cache starts over.
+const MAX_CACHED_CONFIGS: usize = 4096;
+
+/// Parsed run configurations by run. A configuration never changes after its run is
+/// created, so a cached copy is never stale, whichever process wrote the run; caching spares
+/// every claim and commit from parsing the tool schemas again.
+#[derive(Default)]
+pub struct Configs {
+    by_run: std::sync::Mutex<std::collections::HashMap<RunId, Arc<RunConfigSnapshot>>>,
+}
+
+impl Configs {
+    pub fn get_or_load(
+        &self,
+        run_id: &RunId,
+        load: impl FnOnce() -> Result<RunConfigSnapshot>,
+    ) -> Result<Arc<RunConfigSnapshot>> {
+        if let Some(config) = self.by_run.lock().ok().and_then(|m| m.get(run_id).cloned()) {
+            return Ok(config);
+        }
+        let config = Arc::new(load()?);
+        if let Ok(mut by_run) = self.by_run.lock() {
+            if by_run.len() >= MAX_CACHED_CONFIGS {
+                by_run.clear();
+            }
+            by_run.insert(run_id.clone(), Arc::clone(&config));
+        }
+        Ok(config)
+    }
+
+    /// Drops the entry of a run that has ended; it will not be claimed again.
+    pub fn forget(&self, run_id: &RunId) {
+        if let Ok(mut by_run) = self.by_run.lock() {
+            by_run.remove(run_id);
+        }
+    }
+}

@@ -1,0 +1,377 @@
+//! The store's transaction bodies, written once for every SQL backend.
+//!
+//! An adapter (SQLite, PostgreSQL) supplies a `Backend`: how a body gets a transaction (or a
+//! read connection), how its dialect differs (`Db`), its full-text search, and how it hears
+//! of other processes' changes. `SqlStore` turns any backend into a `Store`; the decisions
+//! stay in `ratchet-core`, the bodies in `ops` only read, check fences and write.
+
+mod db;
+mod ops;
+
+use std::future::Future;
+
+use async_trait::async_trait;
+use ratchet_core::step::{Reconciliation, Resumption};
+use ratchet_core::{
+    AgentState, ApprovalAnswer, ApprovalId, EventDraft, Message, Millis, RunId, SessionId,
+    StepRecord, StepResult, ToolOutcome,
+};
+use ratchet_store::{
+    Answered, Approval, ApprovalStatus, CancelOutcome, ChangeStream, Claim, ClaimedStep, Commit,
+    Error, Intent, IntentRecord, Lease, MessageHit, NewRun, Reconciled, RecordedIntents,
+    RunSummary, SearchScope, Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage,
+    Submitted,
+};
+
+pub use db::{Announcement, Configs, Db, Param, Row, Value};
+pub use ops::sql_enum;
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// How an adapter runs the transaction bodies.
+pub trait Backend: Send + Sync + 'static {
+    /// Runs `body` in a write transaction that commits when it returns `Ok` and keeps
+    /// nothing when it returns an error.
+    fn write<R, F>(&self, body: F) -> impl Future<Output = Result<R>> + Send
+    where
+        R: Send + 'static,
+        F: FnOnce(&dyn Db) -> Result<R> + Send + 'static;
+
+    /// Runs `body` on a connection that sees committed data.
+    fn read<R, F>(&self, body: F) -> impl Future<Output = Result<R>> + Send
+    where
+        R: Send + 'static,
+        F: FnOnce(&dyn Db) -> Result<R> + Send + 'static;
+
+    /// See `Store::search_messages`.
+    fn search_messages(
+        &self,
+        scope: SearchScope,
+        query: String,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<MessageHit>>> + Send;
+
+    /// See `Store::changes`.
+    fn changes(&self) -> Option<ChangeStream> {
+        None
+    }
+}
+
+/// A `Store` over a SQL backend.
+pub struct SqlStore<B> {
+    backend: B,
+}
+
+impl<B: Backend> SqlStore<B> {
+    pub fn new(backend: B) -> SqlStore<B> {
+        SqlStore { backend }
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+}
+
+#[async_trait]
+impl<B: Backend> Store for SqlStore<B> {
+    async fn create_session(
+        &self,
+        id: &SessionId,
+        spec: SessionSpec,
+        now: Millis,
+    ) -> Result<Session> {
+        let id = id.clone();
+        self.backend
+            .write(move |c| ops::create_session(c, &id, spec, now))
+            .await
+    }
+
+    async fn get_session(&self, id: &SessionId) -> Result<Session> {
+        let id = id.clone();
+        self.backend.read(move |c| ops::get_session(c, &id)).await
+    }
+
+    async fn list_sessions(
+        &self,
+        tenant: &str,
+        after: Option<&SessionId>,
+        limit: u32,
+    ) -> Result<Vec<Session>> {
+        let (tenant, after) = (tenant.to_owned(), after.cloned());
+        self.backend
+            .read(move |c| ops::list_sessions(c, &tenant, after.as_ref(), limit))
+            .await
+    }
+
+    async fn visible_messages(
+        &self,
+        session_id: &SessionId,
+        after_position: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredMessage>> {
+        let session_id = session_id.clone();
+        self.backend
+            .read(move |c| ops::visible_messages(c, &session_id, after_position, limit))
+            .await
+    }
+
+    async fn search_messages(
+        &self,
+        scope: SearchScope,
+        query: &str,
+        limit: u32,
+    ) -> Result<Vec<MessageHit>> {
+        self.backend
+            .search_messages(scope, query.to_owned(), limit)
+            .await
+    }
+
+    async fn session_runs(
+        &self,
+        session_id: &SessionId,
+        after: Option<&RunId>,
+        limit: u32,
+    ) -> Result<Vec<RunSummary>> {
+        let (session_id, after) = (session_id.clone(), after.cloned());
+        self.backend
+            .read(move |c| ops::session_runs(c, &session_id, after.as_ref(), limit))
+            .await
+    }
+
+    async fn run_events_after(
+        &self,
+        run_id: &RunId,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredEvent>> {
+        let run_id = run_id.clone();
+        self.backend
+            .read(move |c| ops::run_events_after(c, &run_id, after_seq, limit))
+            .await
+    }
+
+    async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted> {
+        self.backend
+            .write(move |c| ops::submit_message(c, new, now))
+            .await
+    }
+
+    async fn claim_next(
+        &self,
+        lease: Lease,
+        run: Option<&RunId>,
+        now: Millis,
+    ) -> Result<Option<ClaimedStep>> {
+        let run = run.cloned();
+        self.backend
+            .write(move |c| ops::claim_next(c, &lease, run.as_ref(), now))
+            .await
+    }
+
+    async fn heartbeat(&self, claim: &Claim, expires_at: Millis) -> Result<bool> {
+        let claim = claim.clone();
+        self.backend
+            .write(move |c| ops::heartbeat(c, &claim, expires_at))
+            .await
+    }
+
+    async fn commit_step(
+        &self,
+        claim: &Claim,
+        result: StepResult,
+        continue_with: Option<Lease>,
+        now: Millis,
+    ) -> Result<Commit> {
+        let claim = claim.clone();
+        self.backend
+            .write(move |c| ops::commit_step(c, &claim, result, continue_with, now))
+            .await
+    }
+
+    async fn retry_later(
+        &self,
+        claim: &Claim,
+        available_at: Millis,
+        event: EventDraft,
+        now: Millis,
+    ) -> Result<Option<Vec<StoredEvent>>> {
+        let claim = claim.clone();
+        self.backend
+            .write(move |c| ops::retry_later(c, &claim, available_at, event, now))
+            .await
+    }
+
+    async fn append_events(
+        &self,
+        session_id: &SessionId,
+        run_id: &RunId,
+        events: Vec<EventDraft>,
+        now: Millis,
+    ) -> Result<Vec<StoredEvent>> {
+        let (session_id, run_id) = (session_id.clone(), run_id.clone());
+        self.backend
+            .write(move |c| ops::insert_events(c, &session_id, Some(&run_id), &events, now))
+            .await
+    }
+
+    async fn record_intents(
+        &self,
+        claim: &Claim,
+        intents: Vec<Intent>,
+        events: Vec<EventDraft>,
+        now: Millis,
+    ) -> Result<RecordedIntents> {
+        let claim = claim.clone();
+        self.backend
+            .write(move |c| ops::record_intents(c, &claim, &intents, &events, now))
+            .await
+    }
+
+    async fn record_outcome(
+        &self,
+        claim: &Claim,
+        slot: u32,
+        outcome: ToolOutcome,
+        now: Millis,
+    ) -> Result<()> {
+        let claim = claim.clone();
+        self.backend
+            .write(move |c| ops::record_outcome(c, &claim, slot, &outcome, now))
+            .await
+    }
+
+    async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
+        let run_id = run_id.clone();
+        self.backend
+            .read(move |c| ops::intents(c, &run_id, step_index))
+            .await
+    }
+
+    async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
+        let run_id = run_id.clone();
+        self.backend
+            .write(move |c| ops::request_cancel(c, &run_id, now))
+            .await
+    }
+
+    async fn reconcile(
+        &self,
+        run_id: &RunId,
+        call_id: &str,
+        answer: Reconciliation,
+        result: Option<String>,
+        now: Millis,
+    ) -> Result<Reconciled> {
+        let (run_id, call_id) = (run_id.clone(), call_id.to_owned());
+        self.backend
+            .write(move |c| ops::reconcile(c, &run_id, &call_id, answer, result, now))
+            .await
+    }
+
+    async fn resume_failed(
+        &self,
+        run_id: &RunId,
+        how: Resumption,
+        now: Millis,
+    ) -> Result<Vec<StoredEvent>> {
+        let run_id = run_id.clone();
+        self.backend
+            .write(move |c| ops::resume_failed(c, &run_id, how, now))
+            .await
+    }
+
+    async fn approvals(
+        &self,
+        tenant: &str,
+        status: Option<ApprovalStatus>,
+        after: Option<&ApprovalId>,
+        limit: u32,
+    ) -> Result<Vec<Approval>> {
+        let (tenant, after) = (tenant.to_owned(), after.cloned());
+        self.backend
+            .read(move |c| ops::approvals(c, &tenant, status, after.as_ref(), limit))
+            .await
+    }
+
+    async fn get_approval(&self, id: &ApprovalId) -> Result<Approval> {
+        let id = id.clone();
+        self.backend.read(move |c| ops::get_approval(c, &id)).await
+    }
+
+    async fn answer_approval(
+        &self,
+        id: &ApprovalId,
+        answer: ApprovalAnswer,
+        now: Millis,
+    ) -> Result<Answered> {
+        let id = id.clone();
+        self.backend
+            .write(move |c| ops::answer_approval(c, &id, answer, now))
+            .await
+    }
+
+    async fn load_state(&self, run_id: &RunId) -> Result<AgentState> {
+        let run_id = run_id.clone();
+        self.backend
+            .read(move |c| ops::load_state(c, &run_id))
+            .await
+    }
+
+    async fn context(&self, session_id: &SessionId) -> Result<Vec<StoredMessage>> {
+        let session_id = session_id.clone();
+        self.backend
+            .read(move |c| ops::context(c, &session_id))
+            .await
+    }
+
+    async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
+        let session_id = session_id.clone();
+        self.backend
+            .read(move |c| ops::history(c, &session_id))
+            .await
+    }
+
+    async fn list_runs(&self) -> Result<Vec<RunSummary>> {
+        self.backend.read(ops::list_runs).await
+    }
+
+    async fn steps(&self, run_id: &RunId) -> Result<Vec<StepRecord>> {
+        let run_id = run_id.clone();
+        self.backend.read(move |c| ops::steps(c, &run_id)).await
+    }
+
+    async fn events_after(
+        &self,
+        session_id: &SessionId,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredEvent>> {
+        let session_id = session_id.clone();
+        self.backend
+            .read(move |c| ops::events_after(c, &session_id, after_seq, limit))
+            .await
+    }
+
+    async fn lease_owners(&self) -> Result<Vec<String>> {
+        self.backend.read(ops::lease_owners).await
+    }
+
+    async fn release_leases(&self, owner: &str) -> Result<u64> {
+        let owner = owner.to_owned();
+        self.backend
+            .write(move |c| ops::release_leases(c, &owner))
+            .await
+    }
+
+    async fn stats(&self, now: Millis) -> Result<StoreStats> {
+        self.backend.read(move |c| ops::stats(c, now)).await
+    }
+
+    async fn runs_with_jobs(&self) -> Result<Vec<RunId>> {
+        self.backend.read(ops::runs_with_jobs).await
+    }
+
+    fn changes(&self) -> Option<ChangeStream> {
+        self.backend.changes()
+    }
+}
