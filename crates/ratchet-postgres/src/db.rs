@@ -14,7 +14,7 @@ use postgres::{Client, Statement};
 use ratchet_sql::{Announcement, Configs, Db, Param, Row, Value};
 use ratchet_store::Error;
 
-use crate::{Result, backend_error, changes};
+use crate::{Result, backend_error, changes, describe};
 
 /// Most statements kept prepared on one connection; past this the cache starts over. The
 /// bodies' statements are a fixed set well below it.
@@ -167,12 +167,7 @@ impl Tx<'_> {
             .and_then(|statement| run(&mut conn.client, &statement, &refs));
         outcome.map_err(|error| {
             self.failed.set(true);
-            match backend_error(&error) {
-                Error::Backend(message) => {
-                    Error::Backend(format!("{message}; in `{}`", one_line(sql)))
-                }
-                other => other,
-            }
+            Error::Backend(format!("{}; in `{}`", describe(&error), one_line(sql)))
         })
     }
 }

@@ -315,12 +315,19 @@ pub(crate) fn backend_error(error: &postgres::Error) -> Error {
     Error::Backend(describe(error))
 }
 
-fn describe(error: &postgres::Error) -> String {
+pub(crate) fn describe(error: &postgres::Error) -> String {
     let Some(db) = error.as_db_error() else {
         if error.is_closed() {
             return format!("the connection to PostgreSQL was lost ({error})");
         }
-        return error.to_string();
+        // The driver's own text leaves out the cause (which parameter did not fit, and why).
+        let mut text = error.to_string();
+        let mut source = std::error::Error::source(error);
+        while let Some(cause) = source {
+            text = format!("{text}: {cause}");
+            source = cause.source();
+        }
+        return text;
     };
     let mut text = format!("{} (SQLSTATE {})", db.message(), db.code().code());
     if let Some(detail) = db.detail() {

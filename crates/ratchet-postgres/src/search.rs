@@ -133,4 +133,44 @@ mod tests {
         assert!(!sql.contains("?5"), "{sql}");
         assert!(sql.contains("s.tenant = ?1"), "{sql}");
     }
+
+    /// The planner can answer a search from the partial GIN index only if the search repeats
+    /// its expression and predicate word for word: with the other ways to read `messages`
+    /// taken away, the plan must still read the index rather than every row.
+    #[cfg(feature = "testkit")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_search_can_read_the_index() {
+        use ratchet_sql::Backend;
+
+        let Some(database) = crate::testkit::TestDatabase::create() else {
+            return;
+        };
+        let backend = crate::PgBackend::open_url(database.url()).unwrap();
+        let session = SessionId::parse("ses_x").unwrap();
+        for scope in [
+            SearchScope::Session(session),
+            SearchScope::Tenant("t".into()),
+        ] {
+            let plan = backend
+                .write(move |db| {
+                    db.execute("DROP INDEX messages_by_session", &[])?;
+                    db.execute("DROP INDEX messages_summaries", &[])?;
+                    db.execute("SET LOCAL enable_seqscan = off", &[])?;
+                    let params = [
+                        Param::from("key"),
+                        Param::from(10_u32),
+                        Param::from("zebra"),
+                        Param::from("pelican"),
+                    ];
+                    let plan = db.query(&format!("EXPLAIN {}", sql(&scope, 2)), &params)?;
+                    // The indexes come back with the rollback.
+                    Err::<(), _>(Error::Invalid(format!("{plan:?}")))
+                })
+                .await;
+            let Err(Error::Invalid(plan)) = plan else {
+                panic!("EXPLAIN failed: {plan:?}");
+            };
+            assert!(plan.contains("messages_search"), "{plan}");
+        }
+    }
 }
