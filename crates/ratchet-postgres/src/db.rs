@@ -61,18 +61,21 @@ impl Conn {
         !self.broken && !self.client.is_closed()
     }
 
-    /// Runs `body` in one transaction that commits when it returns `Ok` and keeps nothing
-    /// otherwise, a panic included.
-    pub(crate) fn transaction<R>(
+    /// Starts the transaction `run` runs a body in.
+    pub(crate) fn begin(&mut self, access: Access) -> Result<()> {
+        self.client
+            .batch_execute(access.begin())
+            .map_err(|e| backend_error(&e))
+    }
+
+    /// Runs `body` in the transaction `begin` started, which commits when the body returns
+    /// `Ok` and keeps nothing otherwise, a panic included.
+    pub(crate) fn run<R>(
         &mut self,
-        access: Access,
         origin: &str,
         configs: &Configs,
         body: impl FnOnce(&dyn Db) -> Result<R>,
     ) -> Result<R> {
-        self.client
-            .batch_execute(access.begin())
-            .map_err(|e| backend_error(&e))?;
         let (outcome, failed) = {
             let tx = Tx {
                 conn: RefCell::new(&mut *self),

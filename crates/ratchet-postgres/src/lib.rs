@@ -214,11 +214,27 @@ impl PgBackend {
 impl Shared {
     fn transaction<R>(&self, access: Access, body: impl FnOnce(&dyn Db) -> Result<R>) -> Result<R> {
         let mut conn = self.checkout()?;
-        let outcome = conn.transaction(access, &self.origin, &self.configs, body);
+        if let Err(error) = conn.begin(access) {
+            if conn.is_reusable() {
+                self.checkin(conn)?;
+                return Err(error);
+            }
+            // The server closed the idle connection (a restart, an idle timeout) and the
+            // client learnt it only now. Nothing of the body ran: a new connection serves it.
+            conn = connect(&self.config).map(Conn::new)?;
+            conn.begin(access)?;
+        }
+        let outcome = conn.run(&self.origin, &self.configs, body);
+        self.checkin(conn)?;
+        outcome
+    }
+
+    /// Returns a connection to the pool, unless it cannot serve again.
+    fn checkin(&self, conn: Conn) -> Result<()> {
         if conn.is_reusable() {
             self.idle.lock().map_err(|_| poisoned())?.push(conn);
         }
-        outcome
+        Ok(())
     }
 
     /// An idle connection that is still open, or a new one.

@@ -305,7 +305,8 @@ async fn a_statement_is_prepared_once_per_connection() {
     let prepared = backend
         .read(|db| {
             db.query(
-                "SELECT count(*) FROM pg_prepared_statements WHERE statement = 'SELECT $1::bigint + 1'",
+                "SELECT generic_plans + custom_plans FROM pg_prepared_statements
+                 WHERE statement = 'SELECT $1::bigint + 1'",
                 &[],
             )
         })
@@ -313,8 +314,8 @@ async fn a_statement_is_prepared_once_per_connection() {
         .unwrap();
     assert_eq!(
         prepared,
-        [Row::new(vec![Value::Int(1)])],
-        "three runs of one statement on the one connection share one prepared statement"
+        [Row::new(vec![Value::Int(3)])],
+        "three runs of one statement on the one connection ran one prepared statement"
     );
 }
 
@@ -383,6 +384,54 @@ async fn a_write_whose_body_fails_keeps_nothing() {
         .map(|mut row| row.int(0).unwrap())
         .collect();
     assert_eq!(kept, [4], "only the write that succeeded kept anything");
+}
+
+/// The server process of whichever pooled connection serves the read.
+async fn backend_pid(backend: &PgBackend) -> Result<i64, Error> {
+    backend
+        .read(|db| {
+            db.query_opt("SELECT pg_backend_pid()::bigint", &[])?
+                .expect("a row")
+                .int(0)
+        })
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_the_server_closed_is_replaced_not_reused() {
+    let Some(database) = TestDatabase::create() else {
+        return;
+    };
+    let backend = open_with(&database, |o| o.pool = 1).unwrap();
+    let other = open(&database);
+    let before = backend_pid(&backend).await.unwrap();
+    let killed = other
+        .write(move |db| db.query("SELECT pg_terminate_backend(?1::integer)", &params![before]))
+        .await
+        .unwrap();
+    assert_eq!(
+        killed,
+        [Row::new(vec![Value::Int(1)])],
+        "the idle connection was killed"
+    );
+    wait_for_count(
+        &other,
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'ratchet'
+         AND datname = current_database() AND pid <> pg_backend_pid()",
+        0,
+        "the killed connection going away",
+    )
+    .await;
+
+    let after = backend_pid(&backend)
+        .await
+        .unwrap_or_else(|e| panic!("a body is not failed by a connection closed while idle: {e}"));
+    assert_ne!(before, after, "a new connection served the read");
+    assert_eq!(
+        backend_pid(&backend).await.unwrap(),
+        after,
+        "and went back to the pool"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
