@@ -97,11 +97,15 @@ impl Conn {
         match outcome {
             Ok(value) => match self.client.batch_execute("COMMIT") {
                 Ok(()) => Ok(value),
-                Err(error) => {
-                    // A failed COMMIT has ended the transaction; only a lost connection
-                    // leaves the session in doubt, and that one is closed.
-                    Err(backend_error(&error))
-                }
+                // The server may have committed before the connection went: only the
+                // database can tell now.
+                Err(error) if self.client.is_closed() => Err(Error::Backend(format!(
+                    "the connection was lost while committing, so whether the write was kept \
+                     is unknown ({})",
+                    describe(&error)
+                ))),
+                // Any other failed COMMIT has ended the transaction, keeping nothing.
+                Err(error) => Err(backend_error(&error)),
             },
             Err(error) => {
                 if self.client.batch_execute("ROLLBACK").is_err() {
@@ -121,7 +125,7 @@ impl Conn {
             Error::Backend(format!(
                 "a statement of this transaction failed and aborted it, yet the operation went \
                  on as if it had not; nothing was kept ({})",
-                backend_error(&e)
+                describe(&e)
             ))
         })
     }

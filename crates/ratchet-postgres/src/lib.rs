@@ -15,9 +15,10 @@ mod search;
 pub mod testkit;
 
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use postgres::config::SslMode;
 use postgres::error::SqlState;
 use ratchet_sql::{Backend, Configs, Db};
 use ratchet_store::{ChangeStream, Error, MessageHit, SearchScope};
@@ -98,6 +99,13 @@ impl PgOptions {
         if config.get_hosts().is_empty() {
             return Err(bad(
                 "expected a host, as in postgres://user@host:5432/database".into(),
+            ));
+        }
+        if config.get_ssl_mode() == SslMode::Require {
+            return Err(bad(
+                "sslmode=require: this build connects without TLS; expected sslmode=disable or \
+                 prefer (through a TLS-terminating proxy or a private network)"
+                    .into(),
             ));
         }
         if config.get_application_name().is_none() {
@@ -216,7 +224,7 @@ impl Shared {
         let mut conn = self.checkout()?;
         if let Err(error) = conn.begin(access) {
             if conn.is_reusable() {
-                self.checkin(conn)?;
+                self.checkin(conn);
                 return Err(error);
             }
             // The server closed the idle connection (a restart, an idle timeout) and the
@@ -225,22 +233,27 @@ impl Shared {
             conn.begin(access)?;
         }
         let outcome = conn.run(&self.origin, &self.configs, body);
-        self.checkin(conn)?;
+        self.checkin(conn);
         outcome
     }
 
     /// Returns a connection to the pool, unless it cannot serve again.
-    fn checkin(&self, conn: Conn) -> Result<()> {
+    fn checkin(&self, conn: Conn) {
         if conn.is_reusable() {
-            self.idle.lock().map_err(|_| poisoned())?.push(conn);
+            self.idle().push(conn);
         }
-        Ok(())
+    }
+
+    /// The idle connections. Nothing panics while holding them, so a poisoned lock still
+    /// guards a whole list.
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Conn>> {
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// An idle connection that is still open, or a new one.
     fn checkout(&self) -> Result<Conn> {
         loop {
-            let idle = self.idle.lock().map_err(|_| poisoned())?.pop();
+            let idle = self.idle().pop();
             match idle {
                 Some(conn) if conn.is_reusable() => return Ok(conn),
                 // The server closed it while it was idle (a restart, an idle timeout).
@@ -255,17 +268,13 @@ impl Drop for Shared {
     fn drop(&mut self) {
         // Closing a synchronous client blocks on its own runtime, which tokio forbids on an
         // async worker, where the last handle of a backend is often dropped.
-        let idle = std::mem::take(self.idle.get_mut().unwrap_or_else(|e| e.into_inner()));
+        let idle = std::mem::take(self.idle.get_mut().unwrap_or_else(PoisonError::into_inner));
         if !idle.is_empty() {
             let _ = std::thread::Builder::new()
                 .name("ratchet-postgres-close".into())
                 .spawn(move || drop(idle));
         }
     }
-}
-
-fn poisoned() -> Error {
-    Error::Backend("the connection pool's lock is poisoned".into())
 }
 
 impl Backend for PgBackend {
@@ -408,6 +417,7 @@ mod tests {
             "{unknown}"
         );
         assert!(bad_url_reason("postgres:///z").contains("expected a host"));
+        assert!(bad_url_reason("postgres://x@y/z?sslmode=require").contains("without TLS"));
     }
 
     #[test]
