@@ -1,0 +1,220 @@
+//! Embedded migrations, applied in order and recorded in `ratchet_schema`, one row per
+//! version applied.
+//!
+//! Column names are SQLite's (`ratchet-sqlite/src/schema.rs`), since the transaction bodies
+//! are shared. Every integer is a BIGINT, flags included (0 or 1, as in SQLite); JSON stays
+//! TEXT. `messages` and `runs` get an identity column named `rowid`: the bodies order by
+//! SQLite's implicit rowid, the order of insertion.
+
+use postgres::Client;
+use ratchet_store::Error;
+
+use crate::{Result, backend_error};
+
+/// Each entry moves the schema from version `i` to `i + 1`. Never edit a released entry:
+/// append a new one.
+const MIGRATIONS: &[&str] = &[r#"
+CREATE TABLE sessions (
+    id            TEXT PRIMARY KEY,
+    created_at    BIGINT NOT NULL,
+    last_seq      BIGINT NOT NULL DEFAULT 0,
+    active_run_id TEXT,
+    tenant        TEXT NOT NULL DEFAULT 'default',
+    agent         TEXT,
+    metadata_json TEXT
+);
+CREATE INDEX sessions_by_tenant ON sessions (tenant, id);
+
+CREATE TABLE runs (
+    rowid            BIGINT GENERATED ALWAYS AS IDENTITY,
+    id               TEXT PRIMARY KEY,
+    session_id       TEXT NOT NULL REFERENCES sessions (id),
+    status           TEXT NOT NULL,
+    step_index       BIGINT NOT NULL,
+    cancel_requested BIGINT NOT NULL DEFAULT 0,
+    stop_reason      TEXT,
+    -- Frozen at creation; no statement ever updates it.
+    config_json      TEXT NOT NULL,
+    state_json       TEXT NOT NULL,
+    -- The user message that starts the run, inserted into history when the run starts.
+    input_json       TEXT NOT NULL,
+    created_at       BIGINT NOT NULL,
+    finished_at      BIGINT
+);
+CREATE INDEX runs_by_session_id ON runs (session_id, id);
+-- Queued runs start in the order their messages were sent; its prefix also serves the
+-- lookups of a session's runs by status.
+CREATE INDEX runs_queued ON runs (session_id, status, created_at);
+
+CREATE TABLE messages (
+    rowid           BIGINT GENERATED ALWAYS AS IDENTITY,
+    id              TEXT PRIMARY KEY,
+    session_id      TEXT NOT NULL,
+    run_id          TEXT NOT NULL,
+    role            TEXT NOT NULL,
+    content         TEXT NOT NULL,
+    tool_calls_json TEXT,
+    tool_call_id    TEXT,
+    visibility      TEXT NOT NULL,
+    origin          TEXT NOT NULL,
+    created_at      BIGINT NOT NULL,
+    -- A summary written by a compaction keeps the messages from this position on; in the
+    -- model's view it replaces every message before it.
+    keeps_from      BIGINT,
+    -- A tool result whose call failed.
+    is_error        BIGINT NOT NULL DEFAULT 0
+);
+CREATE INDEX messages_by_session ON messages (session_id, rowid);
+CREATE INDEX messages_summaries ON messages (session_id) WHERE keeps_from IS NOT NULL;
+-- Full-text search (see `search.rs`) reads only the messages it may find, through this
+-- expression; a search must repeat it and the predicate word for word to use the index.
+CREATE INDEX messages_search ON messages USING GIN (to_tsvector('english', content))
+    WHERE visibility = 'visible' AND role IN ('user', 'assistant');
+
+CREATE TABLE steps (
+    run_id       TEXT NOT NULL,
+    step_index   BIGINT NOT NULL,
+    instruction  TEXT NOT NULL,
+    started_at   BIGINT NOT NULL,
+    finished_at  BIGINT NOT NULL,
+    summary_json TEXT NOT NULL,
+    PRIMARY KEY (run_id, step_index)
+);
+
+-- A run's events are read through the session's range of the primary key.
+CREATE TABLE events (
+    session_id   TEXT NOT NULL,
+    seq          BIGINT NOT NULL,
+    run_id       TEXT,
+    kind         TEXT NOT NULL,
+    payload_json TEXT NOT NULL,
+    created_at   BIGINT NOT NULL,
+    PRIMARY KEY (session_id, seq)
+);
+
+-- The transactional outbox of the execution bus. A job is claimable when `ready_at` has
+-- passed: it is the lease expiry while held, the retry time after a failed attempt.
+CREATE TABLE step_jobs (
+    run_id      TEXT NOT NULL,
+    step_index  BIGINT NOT NULL,
+    phase       TEXT NOT NULL,
+    attempt     BIGINT NOT NULL,
+    epoch       BIGINT NOT NULL,
+    lease_owner TEXT,
+    ready_at    BIGINT NOT NULL,
+    PRIMARY KEY (run_id, step_index)
+);
+CREATE INDEX step_jobs_ready ON step_jobs (ready_at);
+
+CREATE TABLE intents (
+    run_id          TEXT NOT NULL,
+    step_index      BIGINT NOT NULL,
+    slot            BIGINT NOT NULL,
+    kind            TEXT NOT NULL,
+    name            TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    attempts        BIGINT NOT NULL,
+    outcome_json    TEXT,
+    started_at      BIGINT NOT NULL,
+    finished_at     BIGINT,
+    PRIMARY KEY (run_id, step_index, slot)
+);
+
+-- One row per gated tool batch. `status` is 'pending' until answered ('decided' or
+-- 'aborted'); a pending approval whose run has ended reads as 'cancelled'.
+CREATE TABLE approvals (
+    position    BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id          TEXT NOT NULL UNIQUE,
+    run_id      TEXT NOT NULL,
+    session_id  TEXT NOT NULL,
+    status      TEXT NOT NULL,
+    calls_json  TEXT NOT NULL,
+    answer_json TEXT,
+    created_at  BIGINT NOT NULL,
+    decided_at  BIGINT
+);
+CREATE INDEX approvals_by_status ON approvals (status, position);
+
+-- Messages sent with multitask "steer", waiting for the active run's next model call. If
+-- that run ends first, each becomes a queued run with `run_id`, in the order they were sent.
+CREATE TABLE steers (
+    position    BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    message_id  TEXT NOT NULL UNIQUE,
+    session_id  TEXT NOT NULL,
+    run_id      TEXT NOT NULL,
+    content     TEXT NOT NULL,
+    config_json TEXT NOT NULL,
+    created_at  BIGINT NOT NULL
+);
+CREATE INDEX steers_by_session ON steers (session_id, position);
+"#];
+
+/// The advisory lock that makes processes opening one database at once migrate it one
+/// after another ("ratchet" in ASCII). Advisory locks are per database.
+const MIGRATION_LOCK: i64 = 0x0072_6174_6368_6574;
+
+/// The schema version this build writes.
+const LATEST: u32 = MIGRATIONS.len() as u32;
+
+/// Applies the migrations the database lacks, in one transaction, and returns the version.
+pub(crate) fn migrate(client: &mut Client) -> Result<u32> {
+    let mut tx = client.transaction().map_err(|e| backend_error(&e))?;
+    // The lock comes first and alone: every statement after it takes a fresh snapshot, so a
+    // process that waited sees the migrations the one before it committed.
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+        .map_err(|e| backend_error(&e))?;
+    tx.batch_execute("CREATE TABLE IF NOT EXISTS ratchet_schema (version BIGINT PRIMARY KEY)")
+        .map_err(|e| backend_error(&e))?;
+    let version = recorded_version(&mut tx)?;
+    if version > LATEST {
+        return Err(newer(version));
+    }
+    for (index, sql) in MIGRATIONS.iter().enumerate().skip(version as usize) {
+        let next = index as i64 + 1;
+        tx.batch_execute(sql)
+            .and_then(|()| tx.execute("INSERT INTO ratchet_schema (version) VALUES ($1)", &[&next]))
+            .map_err(|e| {
+                Error::Backend(format!(
+                    "migration to schema version {next} failed: {}",
+                    backend_error(&e)
+                ))
+            })?;
+    }
+    tx.commit().map_err(|e| backend_error(&e))?;
+    Ok(LATEST)
+}
+
+/// Checks, without changing anything, that the schema is the one this build writes.
+pub(crate) fn check(client: &mut Client) -> Result<()> {
+    let exists: bool = client
+        .query_one("SELECT to_regclass('ratchet_schema') IS NOT NULL", &[])
+        .and_then(|row| row.try_get(0))
+        .map_err(|e| backend_error(&e))?;
+    let version = if exists { recorded_version(client)? } else { 0 };
+    match version.cmp(&LATEST) {
+        std::cmp::Ordering::Less => Err(Error::Conflict(format!(
+            "the database schema is at version {version} and this build needs version {}; \
+             run `ratchet migrate` first",
+            LATEST
+        ))),
+        std::cmp::Ordering::Greater => Err(newer(version)),
+        std::cmp::Ordering::Equal => Ok(()),
+    }
+}
+
+fn recorded_version(client: &mut impl postgres::GenericClient) -> Result<u32> {
+    let version: i64 = client
+        .query_one("SELECT COALESCE(MAX(version), 0) FROM ratchet_schema", &[])
+        .and_then(|row| row.try_get(0))
+        .map_err(|e| backend_error(&e))?;
+    u32::try_from(version)
+        .map_err(|_| Error::Corrupt(format!("ratchet_schema holds version {version}")))
+}
+
+fn newer(version: u32) -> Error {
+    Error::Conflict(format!(
+        "database schema version {version} is newer than this build supports ({}); upgrade \
+         ratchet",
+        LATEST
+    ))
+}
