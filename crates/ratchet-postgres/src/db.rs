@@ -201,6 +201,14 @@ impl Db for Tx<'_> {
         .map(|_| ())
     }
 
+    fn lock_session_of_run(&self, run_id: &str) -> Result<()> {
+        self.execute(
+            "SELECT 1 FROM sessions WHERE id = (SELECT session_id FROM runs WHERE id = ?1) FOR UPDATE",
+            &[Param::from(run_id)],
+        )
+        .map(|_| ())
+    }
+
     fn skip_locked(&self) -> &'static str {
         " FOR UPDATE SKIP LOCKED"
     }

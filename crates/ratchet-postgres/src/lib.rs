@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use postgres::config::SslMode;
 use postgres::error::SqlState;
-use ratchet_sql::{Backend, Configs, Db};
+use ratchet_sql::{Backend, Configs, Db, SqlStore};
 use ratchet_store::{ChangeStream, Error, MessageHit, SearchScope};
 use tokio::sync::Semaphore;
 
@@ -145,6 +145,19 @@ pub fn migrate(url: &str) -> Result<u32> {
         let mut client = connect(&options.config)?;
         schema::migrate(&mut client)
     })
+}
+
+/// The PostgreSQL store.
+pub type PgStore = SqlStore<PgBackend>;
+
+/// Connects to the database a `postgres://` url names, migrating its schema unless the url's
+/// options say otherwise.
+pub fn open_url(url: &str) -> Result<PgStore> {
+    PgBackend::open_url(url).map(SqlStore::new)
+}
+
+pub fn open(options: PgOptions) -> Result<PgStore> {
+    PgBackend::open(options).map(SqlStore::new)
 }
 
 /// The store's backend on one PostgreSQL database (see the crate documentation).

@@ -13,12 +13,14 @@ use crate::{Result, backend_error};
 
 /// Each entry moves the schema from version `i` to `i + 1`. Never edit a released entry:
 /// append a new one.
+/// Ids are compared and ordered byte-wise (`COLLATE "C"`), as in SQLite, whatever the
+/// database's default collation: pages of sessions and runs follow their time-ordered ids.
 const MIGRATIONS: &[&str] = &[r#"
 CREATE TABLE sessions (
-    id            TEXT PRIMARY KEY,
+    id            TEXT COLLATE "C" PRIMARY KEY,
     created_at    BIGINT NOT NULL,
     last_seq      BIGINT NOT NULL DEFAULT 0,
-    active_run_id TEXT,
+    active_run_id TEXT COLLATE "C",
     tenant        TEXT NOT NULL DEFAULT 'default',
     agent         TEXT,
     metadata_json TEXT
@@ -27,8 +29,8 @@ CREATE INDEX sessions_by_tenant ON sessions (tenant, id);
 
 CREATE TABLE runs (
     rowid            BIGINT GENERATED ALWAYS AS IDENTITY,
-    id               TEXT PRIMARY KEY,
-    session_id       TEXT NOT NULL REFERENCES sessions (id),
+    id               TEXT COLLATE "C" PRIMARY KEY,
+    session_id       TEXT COLLATE "C" NOT NULL REFERENCES sessions (id),
     status           TEXT NOT NULL,
     step_index       BIGINT NOT NULL,
     cancel_requested BIGINT NOT NULL DEFAULT 0,
@@ -48,9 +50,9 @@ CREATE INDEX runs_queued ON runs (session_id, status, created_at);
 
 CREATE TABLE messages (
     rowid           BIGINT GENERATED ALWAYS AS IDENTITY,
-    id              TEXT PRIMARY KEY,
-    session_id      TEXT NOT NULL,
-    run_id          TEXT NOT NULL,
+    id              TEXT COLLATE "C" PRIMARY KEY,
+    session_id      TEXT COLLATE "C" NOT NULL,
+    run_id          TEXT COLLATE "C" NOT NULL,
     role            TEXT NOT NULL,
     content         TEXT NOT NULL,
     tool_calls_json TEXT,
@@ -72,7 +74,7 @@ CREATE INDEX messages_search ON messages USING GIN (to_tsvector('english', conte
     WHERE visibility = 'visible' AND role IN ('user', 'assistant');
 
 CREATE TABLE steps (
-    run_id       TEXT NOT NULL,
+    run_id       TEXT COLLATE "C" NOT NULL,
     step_index   BIGINT NOT NULL,
     instruction  TEXT NOT NULL,
     started_at   BIGINT NOT NULL,
@@ -83,9 +85,9 @@ CREATE TABLE steps (
 
 -- A run's events are read through the session's range of the primary key.
 CREATE TABLE events (
-    session_id   TEXT NOT NULL,
+    session_id   TEXT COLLATE "C" NOT NULL,
     seq          BIGINT NOT NULL,
-    run_id       TEXT,
+    run_id       TEXT COLLATE "C",
     kind         TEXT NOT NULL,
     payload_json TEXT NOT NULL,
     created_at   BIGINT NOT NULL,
@@ -95,7 +97,7 @@ CREATE TABLE events (
 -- The transactional outbox of the execution bus. A job is claimable when `ready_at` has
 -- passed: it is the lease expiry while held, the retry time after a failed attempt.
 CREATE TABLE step_jobs (
-    run_id      TEXT NOT NULL,
+    run_id      TEXT COLLATE "C" NOT NULL,
     step_index  BIGINT NOT NULL,
     phase       TEXT NOT NULL,
     attempt     BIGINT NOT NULL,
@@ -107,7 +109,7 @@ CREATE TABLE step_jobs (
 CREATE INDEX step_jobs_ready ON step_jobs (ready_at);
 
 CREATE TABLE intents (
-    run_id          TEXT NOT NULL,
+    run_id          TEXT COLLATE "C" NOT NULL,
     step_index      BIGINT NOT NULL,
     slot            BIGINT NOT NULL,
     kind            TEXT NOT NULL,
@@ -124,9 +126,9 @@ CREATE TABLE intents (
 -- 'aborted'); a pending approval whose run has ended reads as 'cancelled'.
 CREATE TABLE approvals (
     position    BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    id          TEXT NOT NULL UNIQUE,
-    run_id      TEXT NOT NULL,
-    session_id  TEXT NOT NULL,
+    id          TEXT COLLATE "C" NOT NULL UNIQUE,
+    run_id      TEXT COLLATE "C" NOT NULL,
+    session_id  TEXT COLLATE "C" NOT NULL,
     status      TEXT NOT NULL,
     calls_json  TEXT NOT NULL,
     answer_json TEXT,
@@ -140,8 +142,8 @@ CREATE INDEX approvals_by_status ON approvals (status, position);
 CREATE TABLE steers (
     position    BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     message_id  TEXT NOT NULL UNIQUE,
-    session_id  TEXT NOT NULL,
-    run_id      TEXT NOT NULL,
+    session_id  TEXT COLLATE "C" NOT NULL,
+    run_id      TEXT COLLATE "C" NOT NULL,
     content     TEXT NOT NULL,
     config_json TEXT NOT NULL,
     created_at  BIGINT NOT NULL
