@@ -295,6 +295,11 @@ impl ToSql for Bind<'_> {
                 Type::FLOAT4 => (value as f32).to_sql(ty, out),
                 _ => Err(mismatch("a real number")),
             },
+            // PostgreSQL text cannot hold a NUL; a model's or a tool's text that has one
+            // must still commit (JSON columns escape it and are not affected).
+            Param::Text(Some(value)) if value.contains('\0') => {
+                Bind(Param::Text(Some(&value.replace('\0', "\u{FFFD}")))).to_sql(ty, out)
+            }
             Param::Text(Some(value)) => match *ty {
                 Type::TEXT | Type::VARCHAR => value.to_sql(ty, out),
                 _ => Err(mismatch("text")),

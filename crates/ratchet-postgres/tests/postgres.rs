@@ -1073,3 +1073,20 @@ async fn search_keeps_to_its_scope_and_to_visible_user_and_assistant_messages() 
         .is_empty()
     );
 }
+
+/// PostgreSQL text cannot hold a NUL: text that has one (a model's or a tool's output) is
+/// still written, with U+FFFD in the NUL's place, instead of failing its whole commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_with_a_nul_is_written_with_a_replacement_character() {
+    let Some(database) = TestDatabase::create() else {
+        return;
+    };
+    let backend = open(&database);
+    execute(&backend, "CREATE TABLE notes (body TEXT NOT NULL)").await;
+    backend
+        .write(|db| db.execute("INSERT INTO notes (body) VALUES (?1)", &params!["a\0b"]))
+        .await
+        .expect("text with a NUL is written");
+    let mut rows = query(&backend, "SELECT body FROM notes").await;
+    assert_eq!(rows[0].text(0).unwrap(), "a\u{FFFD}b");
+}
