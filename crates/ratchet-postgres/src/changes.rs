@@ -16,7 +16,7 @@ use ratchet_core::SessionId;
 use ratchet_sql::Announcement;
 use ratchet_store::{Change, ChangeStream};
 
-use crate::connect;
+use crate::Connector;
 
 /// Jobs nobody holds were enqueued. Payload: the sender's origin.
 const JOBS: &str = "ratchet_jobs";
@@ -78,13 +78,13 @@ fn events<'a>(mut fields: impl Iterator<Item = &'a str>) -> Option<Change> {
 
 /// Starts a follower. Its stream begins with `Change::Missed` once it listens (what was
 /// committed before then was not heard), and says `Missed` again after each reconnection.
-pub(crate) fn follow(config: postgres::Config, origin: String) -> Option<ChangeStream> {
+pub(crate) fn follow(connector: Connector, origin: String) -> Option<ChangeStream> {
     let (sender, receiver) = mpsc::channel(BUFFER);
     let spawned = thread::Builder::new()
         .name("ratchet-postgres-changes".into())
         .spawn(move || {
             listen(
-                &config,
+                &connector,
                 &origin,
                 &mut Outbox {
                     sender,
@@ -103,10 +103,10 @@ pub(crate) fn follow(config: postgres::Config, origin: String) -> Option<ChangeS
 
 /// The follower's loop: connect and listen until the connection fails, then again after a
 /// pause that grows with each failure, until the stream is dropped.
-fn listen(config: &postgres::Config, origin: &str, outbox: &mut Outbox) {
+fn listen(connector: &Connector, origin: &str, outbox: &mut Outbox) {
     let mut backoff = MIN_BACKOFF;
     loop {
-        let listening = connect(config).and_then(|mut client| {
+        let listening = connector.connect().and_then(|mut client| {
             client
                 .batch_execute(&format!("LISTEN {JOBS}; LISTEN {EVENTS}"))
                 .map(|()| client)

@@ -6,6 +6,14 @@
 //! others are taking (`FOR UPDATE SKIP LOCKED`); each process hears what the others commit
 //! through LISTEN/NOTIFY (`changes`). Nothing here ever retries a transaction: a body runs
 //! once, and a conflict with another process is reported, not hidden.
+//!
+//! Connections are encrypted with rustls as libpq's `sslmode` says (`tls`): `disable`;
+//! `prefer`, the default, which encrypts when the server offers it; `require`, which
+//! encrypts and, like libpq, accepts any certificate unless `sslrootcert` names the roots to
+//! trust; `verify-ca`, which checks the certificate's chain against those roots (or the
+//! system's); and `verify-full`, which also checks that the certificate names the host.
+//! Every connection of a backend (the pool's, migration's and the change follower's) goes
+//! through the same connector.
 
 mod changes;
 mod db;
@@ -13,18 +21,20 @@ mod schema;
 mod search;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+mod tls;
 
 use std::future::Future;
+use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use postgres::config::SslMode;
 use postgres::error::SqlState;
 use ratchet_sql::{Backend, Configs, Db, SqlStore};
 use ratchet_store::{ChangeStream, Error, MessageHit, SearchScope};
 use tokio::sync::Semaphore;
 
 use db::{Access, Conn};
+pub use tls::{SslMode, Tls};
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -38,7 +48,10 @@ const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone)]
 pub struct PgOptions {
     /// Where the server is and who connects (everything of the url but ratchet's options).
+    /// Its `ssl_mode` is not read: `tls` says how connections are secured.
     pub config: postgres::Config,
+    /// How every connection is secured (`sslmode`, `sslrootcert`).
+    pub tls: Tls,
     /// Most connections open at once for reads and writes; callers beyond wait for one. The
     /// follower of `changes` has a connection of its own.
     pub pool: usize,
@@ -49,8 +62,22 @@ pub struct PgOptions {
 
 impl PgOptions {
     /// Parses `postgres://user[:password]@host[:port]/database[?options]` (or
-    /// `postgresql://`). Options are libpq's (`sslmode`, `connect_timeout`, …) and ratchet's
-    /// own `pool=N`, which is taken out before the rest reaches the driver.
+    /// `postgresql://`). These options are read here and taken out before the rest reaches
+    /// the driver:
+    ///
+    /// - `pool=N`: at most N connections for reads and writes (8 when unset);
+    /// - `sslmode=disable|prefer|require|verify-ca|verify-full`, as in libpq (`prefer` when
+    ///   unset; see `SslMode`);
+    /// - `sslrootcert=FILE`: the PEM root certificates that `verify-ca` and `verify-full`
+    ///   trust instead of the system's, and that make `require` check the chain as
+    ///   `verify-ca` does; its path is percent-encoded like any option's value. `disable`
+    ///   ignores it, and `prefer` refuses it (libpq would check the chain, then fall back
+    ///   to plain when the check fails).
+    ///
+    /// The driver reads the others (`connect_timeout`, `application_name`, `sslnegotiation`,
+    /// …). An option given twice takes its last value. An unknown option or value, and a root
+    /// file that cannot be read or holds no usable certificate, are `Error::BadUrl`s that say
+    /// what was expected.
     pub fn from_url(url: &str) -> Result<PgOptions> {
         let bad = |reason: String| Error::BadUrl {
             url: redacted(url),
@@ -63,7 +90,10 @@ impl PgOptions {
         }
         let (base, query) = url.split_once('?').unwrap_or((url, ""));
         let mut pool = DEFAULT_POOL;
+        let mut ssl_mode = SslMode::default();
+        let mut root_cert = None;
         let mut passed = Vec::new();
+        // As in libpq, an option given twice takes its last value.
         for pair in query.split('&').filter(|pair| !pair.is_empty()) {
             match pair.split_once('=') {
                 Some(("pool", count)) => {
@@ -73,9 +103,31 @@ impl PgOptions {
                         ))
                     })?;
                 }
+                Some(("sslmode", mode)) => {
+                    ssl_mode = SslMode::parse(mode).ok_or_else(|| {
+                        bad(format!(
+                            "sslmode={mode}: expected disable, prefer, require, verify-ca or \
+                             verify-full"
+                        ))
+                    })?;
+                }
+                Some(("sslrootcert", path)) => {
+                    let path = percent_encoding::percent_decode_str(path)
+                        .decode_utf8()
+                        .ok()
+                        .filter(|path| !path.is_empty())
+                        .ok_or_else(|| {
+                            bad(format!(
+                                "sslrootcert={path}: expected the path of a PEM file, \
+                                 percent-encoded as UTF-8"
+                            ))
+                        })?;
+                    root_cert = Some(path.into_owned());
+                }
                 _ => passed.push(pair),
             }
         }
+        let tls = Tls::build(ssl_mode, root_cert.as_deref().map(Path::new)).map_err(bad)?;
         let rest = if passed.is_empty() {
             base.to_owned()
         } else {
@@ -91,7 +143,7 @@ impl PgOptions {
             bad(match refused {
                 Some(pair) => format!(
                     "option {pair:?} is unknown or its value is invalid; expected libpq's \
-                     options (sslmode, connect_timeout, …) or ratchet's pool=N"
+                     options (sslmode, sslrootcert, connect_timeout, …) or ratchet's pool=N"
                 ),
                 None => format!("{e}; expected postgres://user[:password]@host[:port]/database"),
             })
@@ -99,13 +151,6 @@ impl PgOptions {
         if config.get_hosts().is_empty() {
             return Err(bad(
                 "expected a host, as in postgres://user@host:5432/database".into(),
-            ));
-        }
-        if config.get_ssl_mode() == SslMode::Require {
-            return Err(bad(
-                "sslmode=require: this build connects without TLS; expected sslmode=disable or \
-                 prefer (through a TLS-terminating proxy or a private network)"
-                    .into(),
             ));
         }
         if config.get_application_name().is_none() {
@@ -116,8 +161,41 @@ impl PgOptions {
         }
         Ok(PgOptions {
             config,
+            tls,
             pool,
             migrate: true,
+        })
+    }
+
+    /// What opens this backend's connections, every one alike.
+    fn connector(&self) -> Connector {
+        let mut config = self.config.clone();
+        self.tls.configure(&mut config);
+        Connector {
+            config,
+            tls: self.tls.clone(),
+        }
+    }
+}
+
+/// Opens connections: the pool's, migration's, the change follower's and the testkit's, all
+/// through one TLS connector.
+#[derive(Clone)]
+pub(crate) struct Connector {
+    /// The options' configuration with the driver's `ssl_mode` set from `tls`.
+    config: postgres::Config,
+    tls: Tls,
+}
+
+impl Connector {
+    /// Opens one connection. Blocks: call it off the async workers (see `off_runtime`).
+    pub(crate) fn connect(&self) -> Result<postgres::Client> {
+        self.config.connect(self.tls.connector()).map_err(|e| {
+            Error::Backend(format!(
+                "cannot connect to PostgreSQL ({}): {}",
+                self.tls,
+                describe(&e)
+            ))
         })
     }
 }
@@ -140,9 +218,9 @@ fn redacted(url: &str) -> String {
 /// Brings the database's schema up to date and returns its version. Safe to run while other
 /// processes open the same database: they wait for it.
 pub fn migrate(url: &str) -> Result<u32> {
-    let options = PgOptions::from_url(url)?;
+    let connector = PgOptions::from_url(url)?.connector();
     off_runtime(|| {
-        let mut client = connect(&options.config)?;
+        let mut client = connector.connect()?;
         schema::migrate(&mut client)
     })
 }
@@ -166,7 +244,7 @@ pub struct PgBackend {
 }
 
 struct Shared {
-    config: postgres::Config,
+    connector: Connector,
     idle: Mutex<Vec<Conn>>,
     /// One permit per connection of the pool: a caller holds one while its body runs.
     slots: Arc<Semaphore>,
@@ -180,13 +258,10 @@ impl PgBackend {
     /// Connects, and migrates the schema unless `options.migrate` is false (then a schema
     /// behind this build is an error).
     pub fn open(options: PgOptions) -> Result<PgBackend> {
-        let PgOptions {
-            config,
-            pool,
-            migrate,
-        } = options;
+        let connector = options.connector();
+        let PgOptions { pool, migrate, .. } = options;
         let first = off_runtime(|| -> Result<Conn> {
-            let mut client = connect(&config)?;
+            let mut client = connector.connect()?;
             if migrate {
                 schema::migrate(&mut client)?;
             } else {
@@ -196,7 +271,7 @@ impl PgBackend {
         })?;
         Ok(PgBackend {
             shared: Arc::new(Shared {
-                config,
+                connector,
                 idle: Mutex::new(vec![first]),
                 slots: Arc::new(Semaphore::new(pool)),
                 origin: uuid::Uuid::now_v7().simple().to_string(),
@@ -242,7 +317,7 @@ impl Shared {
             }
             // The server closed the idle connection (a restart, an idle timeout) and the
             // client learnt it only now. Nothing of the body ran: a new connection serves it.
-            conn = connect(&self.config).map(Conn::new)?;
+            conn = self.connector.connect().map(Conn::new)?;
             conn.begin(access)?;
         }
         let outcome = conn.run(&self.origin, &self.configs, body);
@@ -271,7 +346,7 @@ impl Shared {
                 Some(conn) if conn.is_reusable() => return Ok(conn),
                 // The server closed it while it was idle (a restart, an idle timeout).
                 Some(_closed) => continue,
-                None => return connect(&self.config).map(Conn::new),
+                None => return self.connector.connect().map(Conn::new),
             }
         }
     }
@@ -323,15 +398,8 @@ impl Backend for PgBackend {
     }
 
     fn changes(&self) -> Option<ChangeStream> {
-        changes::follow(self.shared.config.clone(), self.shared.origin.clone())
+        changes::follow(self.shared.connector.clone(), self.shared.origin.clone())
     }
-}
-
-/// Opens one connection. Blocks: call it off the async workers (see `off_runtime`).
-fn connect(config: &postgres::Config) -> Result<postgres::Client> {
-    config
-        .connect(postgres::NoTls)
-        .map_err(|e| Error::Backend(format!("cannot connect to PostgreSQL: {}", describe(&e))))
 }
 
 /// Runs blocking connection work on a thread of its own. The synchronous client drives its
@@ -388,6 +456,8 @@ pub(crate) fn describe(error: &postgres::Error) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::path::PathBuf;
+
     use super::*;
 
     fn bad_url_reason(url: &str) -> String {
@@ -430,7 +500,174 @@ mod tests {
             "{unknown}"
         );
         assert!(bad_url_reason("postgres:///z").contains("expected a host"));
-        assert!(bad_url_reason("postgres://x@y/z?sslmode=require").contains("without TLS"));
+    }
+
+    /// A root certificate that signed no server (also used by the integration tests).
+    const UNRELATED_ROOT: &str = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/unrelated-root.pem"
+    );
+
+    fn tls_of(query: &str) -> (SslMode, Option<PathBuf>) {
+        let url = format!("postgres://app@db/x{query}");
+        let options = PgOptions::from_url(&url).unwrap_or_else(|e| panic!("{url}: {e}"));
+        (
+            options.tls.mode(),
+            options.tls.root_cert().map(Path::to_path_buf),
+        )
+    }
+
+    #[test]
+    fn sslmode_and_sslrootcert_are_read_as_libpq_reads_them() {
+        assert_eq!(tls_of(""), (SslMode::Prefer, None), "libpq's default");
+        for mode in ["disable", "prefer", "require"] {
+            assert_eq!(tls_of(&format!("?sslmode={mode}")).0.as_str(), mode);
+        }
+        // The driver refuses both verify modes and sslrootcert: these never reach it.
+        for mode in ["require", "verify-ca", "verify-full"] {
+            assert_eq!(
+                tls_of(&format!("?sslmode={mode}&sslrootcert={UNRELATED_ROOT}")),
+                (SslMode::parse(mode).unwrap(), Some(UNRELATED_ROOT.into())),
+            );
+        }
+        assert_eq!(
+            tls_of("?sslmode=require&application_name=w&sslmode=disable").0,
+            SslMode::Disable,
+            "an option given twice takes its last value"
+        );
+        assert_eq!(
+            tls_of("?sslmode=disable&sslrootcert=/nowhere/root.pem"),
+            (SslMode::Disable, None),
+            "disable reads no root file, as in libpq"
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        let spaced = dir.path().join("root ca.pem");
+        std::fs::copy(UNRELATED_ROOT, &spaced).unwrap();
+        let encoded = spaced.to_str().unwrap().replace(' ', "%20");
+        assert_eq!(
+            tls_of(&format!("?sslmode=verify-ca&sslrootcert={encoded}")).1,
+            Some(spaced),
+            "the path is percent-decoded"
+        );
+    }
+
+    #[test]
+    fn bad_tls_options_say_what_was_expected() {
+        let reason = bad_url_reason("postgres://x@y/z?sslmode=verify");
+        assert!(
+            reason.contains("sslmode=verify:") && reason.contains("verify-ca or verify-full"),
+            "{reason}"
+        );
+        let reason = bad_url_reason("postgres://x@y/z?sslmode=verify-ca&sslrootcert=");
+        assert!(
+            reason.contains("expected the path of a PEM file"),
+            "{reason}"
+        );
+        let reason = bad_url_reason("postgres://x@y/z?sslmode=verify-ca&sslrootcert=%FF");
+        assert!(reason.contains("percent-encoded as UTF-8"), "{reason}");
+
+        let reason =
+            bad_url_reason("postgres://x@y/z?sslmode=verify-full&sslrootcert=/nowhere/root.pem");
+        assert!(
+            reason.contains("sslrootcert=/nowhere/root.pem cannot be read")
+                && reason.contains("No such file")
+                && reason.contains("expected a PEM file of root certificates"),
+            "{reason}"
+        );
+
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text, expected) in [
+            ("empty.pem", "", "holds no certificate"),
+            ("words.pem", "not a certificate\n", "holds no certificate"),
+            (
+                "key.pem",
+                "-----BEGIN PRIVATE KEY-----\naGVsbG8=\n-----END PRIVATE KEY-----\n",
+                "holds no certificate",
+            ),
+            (
+                "base64.pem",
+                "-----BEGIN CERTIFICATE-----\n#not base64#\n-----END CERTIFICATE-----\n",
+                "cannot be read",
+            ),
+            (
+                "garbage.pem",
+                "-----BEGIN CERTIFICATE-----\naGVsbG8=\n-----END CERTIFICATE-----\n",
+                "holds a certificate that cannot be a root",
+            ),
+        ] {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text).unwrap();
+            let reason = bad_url_reason(&format!(
+                "postgres://x@y/z?sslmode=verify-ca&sslrootcert={}",
+                path.display()
+            ));
+            assert!(reason.contains(expected), "{name}: {reason}");
+        }
+
+        for mode in ["", "&sslmode=prefer"] {
+            let reason = bad_url_reason(&format!(
+                "postgres://x@y/z?sslrootcert={UNRELATED_ROOT}{mode}"
+            ));
+            assert!(
+                reason.contains("checks no certificate")
+                    && reason.contains("expected sslmode=require, verify-ca or verify-full"),
+                "{mode}: {reason}"
+            );
+        }
+        match Tls::new(SslMode::Prefer, Some(Path::new(UNRELATED_ROOT))) {
+            Err(Error::Invalid(reason)) => assert!(reason.contains("sslmode=prefer"), "{reason}"),
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+    }
+
+    /// A server that says no to TLS must not get a connection in plain from a mode that
+    /// requires TLS: the driver is told to require it, whatever the connector would check.
+    #[test]
+    fn a_mode_that_requires_tls_refuses_a_server_without_it() {
+        use std::io::{Read, Write};
+
+        let modes = [
+            ("sslmode=require".to_owned(), true),
+            (
+                format!("sslmode=verify-ca&sslrootcert={UNRELATED_ROOT}"),
+                true,
+            ),
+            (
+                format!("sslmode=verify-full&sslrootcert={UNRELATED_ROOT}"),
+                true,
+            ),
+            ("sslmode=prefer".to_owned(), false),
+        ];
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let clients = modes.len();
+        let server = std::thread::spawn(move || {
+            for stream in listener.incoming().take(clients) {
+                let mut stream = stream.unwrap();
+                let mut request = [0; 8];
+                stream.read_exact(&mut request).unwrap();
+                // Length 8, then the SSLRequest code 80877103.
+                assert_eq!(request, [0, 0, 0, 8, 0x04, 0xd2, 0x16, 0x2f]);
+                stream.write_all(b"N").unwrap();
+                // A client that goes on in plain sends its startup message; either way the
+                // connection ends here.
+                let _ = stream.read(&mut [0; 512]);
+            }
+        });
+        for (query, refused) in &modes {
+            let url = format!("postgres://app@127.0.0.1:{port}/x?{query}");
+            let Err(error) = PgOptions::from_url(&url).unwrap().connector().connect() else {
+                panic!("{query}: the server never lets a client in");
+            };
+            let message = error.to_string();
+            assert_eq!(
+                message.contains("server does not support TLS"),
+                *refused,
+                "{query}: {message}"
+            );
+        }
+        server.join().unwrap();
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use std::env;
 
-use crate::{PgOptions, connect, off_runtime};
+use crate::{PgOptions, off_runtime};
 
 const URL_VARIABLE: &str = "RATCHET_TEST_POSTGRES_URL";
 
@@ -31,11 +31,12 @@ impl TestDatabase {
             eprintln!("skipped: {URL_VARIABLE} is not set");
             return None;
         };
-        let options = PgOptions::from_url(&server_url)
-            .unwrap_or_else(|e| panic!("{URL_VARIABLE} is not a usable url: {e}"));
+        let connector = PgOptions::from_url(&server_url)
+            .unwrap_or_else(|e| panic!("{URL_VARIABLE} is not a usable url: {e}"))
+            .connector();
         let name = format!("ratchet_test_{}", uuid::Uuid::now_v7().simple());
         let created = off_runtime(|| -> crate::Result<()> {
-            let mut client = connect(&options.config)?;
+            let mut client = connector.connect()?;
             client
                 .batch_execute(&format!("CREATE DATABASE {name}"))
                 .unwrap_or_else(|e| panic!("cannot create test database {name}: {e}"));
@@ -63,8 +64,9 @@ impl TestDatabase {
 impl Drop for TestDatabase {
     fn drop(&mut self) {
         let dropped = off_runtime(|| {
-            let options = PgOptions::from_url(&self.server_url)?;
-            let mut client = connect(&options.config)?;
+            let mut client = PgOptions::from_url(&self.server_url)?
+                .connector()
+                .connect()?;
             client
                 .batch_execute(&format!(
                     "DROP DATABASE IF EXISTS {} WITH (FORCE)",

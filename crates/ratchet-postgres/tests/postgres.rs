@@ -1090,3 +1090,210 @@ async fn text_with_a_nul_is_written_with_a_replacement_character() {
     let mut rows = query(&backend, "SELECT body FROM notes").await;
     assert_eq!(rows[0].text(0).unwrap(), "a\u{FFFD}b");
 }
+
+// ---------------------------------------------------------------------------------------
+// TLS
+//
+// The test server is Debian's PostgreSQL with `ssl = on` and the snakeoil certificate made
+// at install: self-signed, so its own root, and valid for the name `localhost` only.
+
+/// The certificate the test server presents.
+const SERVER_CERT: &str = "/etc/ssl/certs/ssl-cert-snakeoil.pem";
+
+/// A root certificate that signed no server.
+const UNRELATED_ROOT: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/unrelated-root.pem"
+);
+
+/// `url` with its options replaced by `options`, so that a test decides them all.
+fn with_options(url: &str, options: &str) -> String {
+    let base = url.split_once('?').map_or(url, |(base, _)| base);
+    format!("{base}?{options}")
+}
+
+/// `url` with its host replaced, its port and the rest kept.
+fn with_host(url: &str, host: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(authority_end);
+    let (user, address) = match authority.rsplit_once('@') {
+        Some((user, address)) => (format!("{user}@"), address),
+        None => (String::new(), authority),
+    };
+    let port = address.rsplit_once(':').map_or("", |(_, port)| port);
+    let port = if port.is_empty() {
+        String::new()
+    } else {
+        format!(":{port}")
+    };
+    format!("{scheme}://{user}{host}{port}{path}")
+}
+
+/// Whether the server presents `SERVER_CERT`, which these tests trust. When it does not, the
+/// test is skipped on a developer's machine and fails in CI, as `TestDatabase` does.
+async fn presents_server_cert(database: &TestDatabase) -> bool {
+    let plain = PgBackend::open_url(&with_options(database.url(), "sslmode=disable")).unwrap();
+    let mut rows = query(
+        &plain,
+        "SELECT current_setting('ssl'), current_setting('ssl_cert_file')",
+    )
+    .await;
+    let (ssl, cert_file) = (rows[0].text(0).unwrap(), rows[0].text(1).unwrap());
+    if ssl == "on" && cert_file == SERVER_CERT && std::path::Path::new(SERVER_CERT).exists() {
+        return true;
+    }
+    let why = format!(
+        "the server has ssl = {ssl} with {cert_file:?}; these tests expect ssl = on with \
+         {SERVER_CERT} on this machine"
+    );
+    assert!(std::env::var("CI").as_deref() != Ok("true"), "{why}");
+    eprintln!("skipped: {why}");
+    false
+}
+
+/// Whether the connection serving a read is encrypted, as the server sees it.
+async fn encrypted(backend: &PgBackend) -> bool {
+    count(
+        backend,
+        "SELECT ssl::int FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+    )
+    .await
+        == 1
+}
+
+/// Opens `url` and starts its change follower, then counts the connections of its
+/// application that are encrypted, and those that are not.
+async fn connections_by_encryption(url: &str) -> (i64, i64) {
+    let backend = PgBackend::open_url(url).unwrap_or_else(|e| panic!("open {url}: {e}"));
+    let mut changes = backend.changes().unwrap();
+    assert_eq!(
+        next(&mut changes).await,
+        Change::Missed,
+        "the follower listens"
+    );
+    let mut rows = query(
+        &backend,
+        "SELECT count(*) FILTER (WHERE s.ssl), count(*) FILTER (WHERE NOT s.ssl)
+         FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid)
+         WHERE a.datname = current_database()
+           AND a.application_name = current_setting('application_name')",
+    )
+    .await;
+    (rows[0].int(0).unwrap(), rows[0].int(1).unwrap())
+}
+
+/// The error opening `url` gives.
+fn open_error(url: &str) -> Error {
+    match PgBackend::open_url(url) {
+        Err(error) => error,
+        Ok(_) => panic!("{url} must not open"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sslmode_says_whether_every_connection_is_encrypted() {
+    let Some(database) = TestDatabase::create() else {
+        return;
+    };
+    if !presents_server_cert(&database).await {
+        return;
+    }
+    let required = with_options(database.url(), "sslmode=require");
+    let backend = PgBackend::open_url(&required).unwrap();
+    assert!(encrypted(&backend).await, "sslmode=require encrypts");
+    let plain = PgBackend::open_url(&with_options(database.url(), "sslmode=disable")).unwrap();
+    assert!(!encrypted(&plain).await, "sslmode=disable does not");
+    assert_eq!(ratchet_postgres::migrate(&required).unwrap(), 1);
+
+    // The pool's connection and the follower's, told apart from other tests' by name.
+    for (options, expected) in [
+        ("sslmode=require&application_name=tls_require", (2, 0)),
+        ("application_name=tls_default", (2, 0)),
+        ("sslmode=disable&application_name=tls_disable", (0, 2)),
+    ] {
+        assert_eq!(
+            connections_by_encryption(&with_options(database.url(), options)).await,
+            expected,
+            "{options}: (encrypted, plain)"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sslmode_verify_ca_trusts_the_given_root_and_no_other() {
+    let Some(database) = TestDatabase::create() else {
+        return;
+    };
+    if !presents_server_cert(&database).await {
+        return;
+    }
+    // Connected by address: the chain is checked, the name is not.
+    let url = with_host(database.url(), "127.0.0.1");
+    for mode in ["verify-ca", "require"] {
+        let trusted = with_options(&url, &format!("sslmode={mode}&sslrootcert={SERVER_CERT}"));
+        let backend =
+            PgBackend::open_url(&trusted).unwrap_or_else(|e| panic!("open {trusted}: {e}"));
+        assert!(encrypted(&backend).await, "{mode}");
+
+        let untrusted = with_options(
+            &url,
+            &format!("sslmode={mode}&sslrootcert={UNRELATED_ROOT}"),
+        );
+        match open_error(&untrusted) {
+            Error::Backend(message) => assert!(
+                message.contains(&format!("sslmode={mode}, sslrootcert={UNRELATED_ROOT}"))
+                    && message.contains("invalid peer certificate: UnknownIssuer"),
+                "{mode}: {message}"
+            ),
+            other => panic!("{mode}: expected a refused certificate, got {other}"),
+        }
+        assert!(
+            ratchet_postgres::migrate(&untrusted).is_err(),
+            "{mode}: migrating connects the same way"
+        );
+    }
+
+    let missing = with_options(&url, "sslmode=verify-ca&sslrootcert=/nowhere/root.pem");
+    match open_error(&missing) {
+        Error::BadUrl { reason, .. } => {
+            assert!(
+                reason.contains("/nowhere/root.pem cannot be read"),
+                "{reason}"
+            )
+        }
+        other => panic!("a missing root file: expected BadUrl, got {other}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sslmode_verify_full_also_checks_the_host_name() {
+    let Some(database) = TestDatabase::create() else {
+        return;
+    };
+    if !presents_server_cert(&database).await {
+        return;
+    }
+    let verified = format!("sslmode=verify-full&sslrootcert={SERVER_CERT}");
+    let named = with_options(&with_host(database.url(), "localhost"), &verified);
+    let backend = PgBackend::open_url(&named).unwrap_or_else(|e| panic!("open {named}: {e}"));
+    assert!(encrypted(&backend).await);
+    let mut changes = backend.changes().unwrap();
+    assert_eq!(
+        next(&mut changes).await,
+        Change::Missed,
+        "the follower connects the same way"
+    );
+
+    let by_address = with_options(&with_host(database.url(), "127.0.0.1"), &verified);
+    match open_error(&by_address) {
+        Error::Backend(message) => assert!(
+            message.contains(
+                "certificate not valid for name \"127.0.0.1\"; certificate is only valid for \
+                 DnsName(\"localhost\")"
+            ),
+            "{message}"
+        ),
+        other => panic!("a name the certificate does not hold: expected Backend, got {other}"),
+    }
+}
