@@ -104,7 +104,11 @@ fn crates_depend_only_along_the_layers() {
         ("ratchet-llm", &["ratchet-core"]),
         ("ratchet-tools", &["ratchet-core"]),
         ("ratchet-mcp", &["ratchet-core", "ratchet-tools"]),
-        ("ratchet-sqlite", &["ratchet-core", "ratchet-store"]),
+        ("ratchet-sql", &["ratchet-core", "ratchet-store"]),
+        (
+            "ratchet-sqlite",
+            &["ratchet-core", "ratchet-store", "ratchet-sql"],
+        ),
         (
             "ratchet-engine",
             &[
