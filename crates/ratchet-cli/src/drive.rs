@@ -352,3 +352,66 @@ fn print_report(report: &RunReport, json: bool, answer_only: bool) -> anyhow::Re
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ratchet_core::{EventDraft, EventKind};
+    use serde_json::json;
+
+    use super::*;
+    use crate::runtime::open_store;
+
+    /// Events of the driven session can be published out of order, or — when another process
+    /// executes a step — not on this process's bus at all: the feed takes each exactly once,
+    /// in `seq` order, from the store when the bus does not bring it in turn.
+    #[tokio::test]
+    async fn the_feed_takes_each_event_once_in_order_whoever_published_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("r.db").display());
+        let store = open_store(&url, Schema::Migrate).unwrap();
+        let session = SessionId::from_suffix("s").unwrap();
+        store
+            .create_session(&session, SessionSpec::default(), 1)
+            .await
+            .unwrap();
+        let run = RunId::from_suffix("r").unwrap();
+        let append = |n: usize| {
+            let drafts = (0..n)
+                .map(|i| EventDraft::new(EventKind::Activity, json!({"i": i})))
+                .collect();
+            let store = Arc::clone(&store);
+            let (session, run) = (session.clone(), run.clone());
+            async move {
+                store
+                    .append_events(&session, &run, drafts, 1)
+                    .await
+                    .unwrap()
+            }
+        };
+        let seqs = |events: Vec<StoredEvent>| events.iter().map(|e| e.seq).collect::<Vec<_>>();
+        let mut feed = SessionFeed {
+            session: session.clone(),
+            seen: 0,
+        };
+        let stored = append(3).await;
+
+        let taken = feed.next(store.as_ref(), Some(Ok(stored[2].clone()))).await;
+        assert_eq!(seqs(taken.unwrap()), [1, 2, 3], "a gap is filled first");
+        for late in [&stored[0], &stored[2]] {
+            let taken = feed.next(store.as_ref(), Some(Ok(late.clone()))).await;
+            assert_eq!(seqs(taken.unwrap()), [0; 0], "never twice");
+        }
+        append(2).await;
+        let quiet = feed.next(store.as_ref(), None).await;
+        assert_eq!(seqs(quiet.unwrap()), [4, 5], "unpublished events are found");
+        let next = append(1).await;
+        let taken = feed.next(store.as_ref(), Some(Ok(next[0].clone()))).await;
+        assert_eq!(
+            seqs(taken.unwrap()),
+            [6],
+            "the next one in turn, as it came"
+        );
+    }
+}
