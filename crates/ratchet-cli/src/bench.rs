@@ -17,7 +17,7 @@ use ratchet_store::SessionSpec;
 use serde_json::json;
 use tokio::sync::{Semaphore, broadcast::error::RecvError, oneshot};
 
-use crate::runtime::{Runtime, Toolbox, open_store};
+use crate::runtime::{Runtime, Schema, Toolbox, open_store};
 
 pub struct StepsArgs {
     pub db: Option<String>,
@@ -64,7 +64,7 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         },
         memory_scope: MemoryScope::Session,
     };
-    let runtime = Runtime::new(open_store(&db)?, toolbox);
+    let runtime = Runtime::new(open_store(&db, Schema::Migrate)?, toolbox);
     let coordinator = Arc::clone(&runtime.coordinator);
     let pool = runtime.start_workers(PoolConfig {
         workers: args.concurrency,

@@ -25,7 +25,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::client::{self, Api, ClientError};
-use crate::runtime::{Runtime, Toolbox, open_store};
+use crate::runtime::{Runtime, Schema, Toolbox, open_store};
 
 /// Subscribers connecting at the same time (the rest wait their turn), so a thousand of
 /// them do not overflow the server's accept queue at once.
@@ -273,7 +273,7 @@ impl LocalServer {
             ratchet_core::MemoryScope::Session,
         )?;
         let db = format!("sqlite://{}", scratch.path().join("bench.db").display());
-        let runtime = Runtime::new(open_store(&db)?, toolbox);
+        let runtime = Runtime::new(open_store(&db, Schema::Migrate)?, toolbox);
         let pool = runtime.start_workers(PoolConfig::default());
         let shutdown = CancellationToken::new();
         let state = AppState::new(

@@ -7,17 +7,18 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::bail;
-use ratchet_core::{AgentState, RunId, RunStatus};
+use ratchet_core::{AgentState, RunId, RunStatus, SessionId};
 use ratchet_engine::{Multitask, PoolConfig};
-use ratchet_store::SessionSpec;
+use ratchet_store::{SessionSpec, Store, StoredEvent};
 use serde::Serialize;
 use tokio::sync::broadcast::error::RecvError;
 
 use crate::approve;
 use crate::client::Api;
-use crate::runtime::{Runtime, ToolOverrides, Toolbox, open_existing_store, open_store};
+use crate::runtime::{Runtime, Schema, ToolOverrides, Toolbox, open_existing_store, open_store};
 
-/// How often a driver re-reads the store in case it missed a wake-up on the event bus.
+/// How often a driver re-reads the store: events of its run may never reach its bus (another
+/// process may execute a step) and a wake-up may be missed.
 const RECHECK: Duration = Duration::from_millis(200);
 
 pub struct RunArgs {
@@ -29,6 +30,8 @@ pub struct RunArgs {
     pub profiles: BTreeMap<String, ratchet_llm::profiles::Profile>,
     pub mcp: ratchet_mcp::Config,
     pub memory_scope: ratchet_core::MemoryScope,
+    /// `--no-migrate`: refuse a database whose schema is behind instead of migrating it.
+    pub schema: Schema,
     pub json: bool,
     pub message: String,
 }
@@ -89,10 +92,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         &args.overrides,
         args.memory_scope,
     )?;
-    let runtime = Runtime::new(open_store(&args.db)?, toolbox);
+    let runtime = Runtime::new(open_store(&args.db, args.schema)?, toolbox);
     let coordinator = &runtime.coordinator;
     let mut events = coordinator.subscribe();
     let session = coordinator.create_session(SessionSpec::default()).await?.id;
+    let mut feed = SessionFeed {
+        session: session.clone(),
+        seen: 0,
+    };
     let started = coordinator
         .submit(&session, args.message.clone(), config, Multitask::Enqueue)
         .await?;
@@ -105,21 +112,25 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let mut stderr = std::io::stderr();
     // Read only once the run asks: stdin stays untouched by runs that never do.
     let mut answers = None;
+    let mut recheck = tokio::time::interval(RECHECK);
     let state = loop {
-        let event = tokio::select! {
-            event = events.recv() => event,
-            () = tokio::time::sleep(RECHECK) => Err(RecvError::Lagged(0)),
+        let received = tokio::select! {
+            event = events.recv() => Some(event),
+            _ = recheck.tick() => None,
         };
-        match event {
-            Ok(event) if event.run_id.as_ref() == Some(&run_id) => {
+        if let Some(Err(RecvError::Closed)) = received {
+            bail!("the event bus closed while run {run_id} was active");
+        }
+        // Without a live event in turn, the store decides: nothing may have been announced.
+        let mut look = !matches!(received, Some(Ok(_)));
+        for event in feed.next(coordinator.store().as_ref(), received).await? {
+            if event.run_id.as_ref() == Some(&run_id) {
                 show_progress(&mut stderr, &event.kind, &event.payload);
-                if event.kind != "run.status" && event.kind != "run.finished" {
-                    continue;
-                }
+                look |= event.kind == "run.status" || event.kind == "run.finished";
             }
-            Ok(_) => continue,
-            Err(RecvError::Closed) => bail!("the event bus closed while run {run_id} was active"),
-            Err(RecvError::Lagged(_)) => {}
+        }
+        if !look {
+            continue;
         }
         let state = coordinator.store().load_state(&run_id).await?;
         if state.status.is_terminal() {
@@ -149,6 +160,53 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let report = RunReport::of(&state);
     print_report(&report, args.json, true)?;
     Ok(report.exit_code())
+}
+
+/// One session's events in `seq` order, each exactly once, whichever process executed the
+/// steps: a live event in turn is taken as it is; one past a gap (events of a session can be
+/// published out of order, or by another process without reaching this bus), a lagged
+/// subscription or a quiet spell sends the feed to the store for everything after the last
+/// event it took.
+struct SessionFeed {
+    session: SessionId,
+    /// Every event of the session up to this `seq` has been taken.
+    seen: i64,
+}
+
+impl SessionFeed {
+    /// The events to take after `received` from the bus (`None`: nothing came for a while).
+    async fn next(
+        &mut self,
+        store: &dyn Store,
+        received: Option<Result<StoredEvent, RecvError>>,
+    ) -> anyhow::Result<Vec<StoredEvent>> {
+        match received {
+            Some(Ok(event)) if event.session_id != self.session || event.seq <= self.seen => {
+                Ok(Vec::new())
+            }
+            Some(Ok(event)) if event.seq == self.seen + 1 => {
+                self.seen = event.seq;
+                Ok(vec![event])
+            }
+            _ => self.catch_up(store).await,
+        }
+    }
+
+    async fn catch_up(&mut self, store: &dyn Store) -> anyhow::Result<Vec<StoredEvent>> {
+        const PAGE: u32 = 500;
+        let mut events = Vec::new();
+        loop {
+            let page = store.events_after(&self.session, self.seen, PAGE).await?;
+            let full = page.len() as u32 == PAGE;
+            if let Some(last) = page.last() {
+                self.seen = last.seq;
+            }
+            events.extend(page);
+            if !full {
+                return Ok(events);
+            }
+        }
+    }
 }
 
 pub struct RemoteRunArgs {
@@ -293,4 +351,67 @@ fn print_report(report: &RunReport, json: bool, answer_only: bool) -> anyhow::Re
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ratchet_core::{EventDraft, EventKind};
+    use serde_json::json;
+
+    use super::*;
+    use crate::runtime::open_store;
+
+    /// Events of the driven session can be published out of order, or — when another process
+    /// executes a step — not on this process's bus at all: the feed takes each exactly once,
+    /// in `seq` order, from the store when the bus does not bring it in turn.
+    #[tokio::test]
+    async fn the_feed_takes_each_event_once_in_order_whoever_published_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("r.db").display());
+        let store = open_store(&url, Schema::Migrate).unwrap();
+        let session = SessionId::from_suffix("s").unwrap();
+        store
+            .create_session(&session, SessionSpec::default(), 1)
+            .await
+            .unwrap();
+        let run = RunId::from_suffix("r").unwrap();
+        let append = |n: usize| {
+            let drafts = (0..n)
+                .map(|i| EventDraft::new(EventKind::Activity, json!({"i": i})))
+                .collect();
+            let store = Arc::clone(&store);
+            let (session, run) = (session.clone(), run.clone());
+            async move {
+                store
+                    .append_events(&session, &run, drafts, 1)
+                    .await
+                    .unwrap()
+            }
+        };
+        let seqs = |events: Vec<StoredEvent>| events.iter().map(|e| e.seq).collect::<Vec<_>>();
+        let mut feed = SessionFeed {
+            session: session.clone(),
+            seen: 0,
+        };
+        let stored = append(3).await;
+
+        let taken = feed.next(store.as_ref(), Some(Ok(stored[2].clone()))).await;
+        assert_eq!(seqs(taken.unwrap()), [1, 2, 3], "a gap is filled first");
+        for late in [&stored[0], &stored[2]] {
+            let taken = feed.next(store.as_ref(), Some(Ok(late.clone()))).await;
+            assert_eq!(seqs(taken.unwrap()), [0; 0], "never twice");
+        }
+        append(2).await;
+        let quiet = feed.next(store.as_ref(), None).await;
+        assert_eq!(seqs(quiet.unwrap()), [4, 5], "unpublished events are found");
+        let next = append(1).await;
+        let taken = feed.next(store.as_ref(), Some(Ok(next[0].clone()))).await;
+        assert_eq!(
+            seqs(taken.unwrap()),
+            [6],
+            "the next one in turn, as it came"
+        );
+    }
 }

@@ -44,6 +44,49 @@ struct TokenArg {
     token: Option<String>,
 }
 
+/// What `serve` and `worker` share. Each setting also comes from the config file (the same
+/// name with `_` for `-`) or a `RATCHET_*` variable; a flag wins.
+#[derive(Debug, clap::Args)]
+struct ProcessArgs {
+    /// Configuration file (TOML); `RATCHET_*` variables and flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Database URL (default sqlite://ratchet.db).
+    #[arg(long)]
+    db: Option<String>,
+    /// Steps this process runs at once (default 16).
+    #[arg(long, value_name = "N")]
+    workers: Option<u64>,
+    /// How long a claimed step stays this process's without a heartbeat, in ms (default
+    /// 15000); after it, another process takes the step over.
+    #[arg(long, value_name = "MS")]
+    lease_ms: Option<u64>,
+    /// How often a running step renews its lease, in ms (default a third of the lease).
+    #[arg(long, value_name = "MS")]
+    heartbeat_ms: Option<u64>,
+    /// How often an idle worker looks for work nobody announced, in ms (default 250).
+    #[arg(long, value_name = "MS")]
+    poll_ms: Option<u64>,
+    /// Refuse a database whose schema is behind instead of migrating it (`ratchet migrate`
+    /// applies the migrations).
+    #[arg(long)]
+    no_migrate: bool,
+}
+
+impl From<ProcessArgs> for serve::ProcessArgs {
+    fn from(args: ProcessArgs) -> Self {
+        serve::ProcessArgs {
+            config: args.config,
+            db: args.db,
+            workers: args.workers,
+            lease_ms: args.lease_ms,
+            heartbeat_ms: args.heartbeat_ms,
+            poll_ms: args.poll_ms,
+            no_migrate: args.no_migrate,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum MemoryScopeArg {
     Session,
@@ -142,6 +185,9 @@ enum Command {
         server: Option<String>,
         #[command(flatten)]
         token: TokenArg,
+        /// Refuse a database whose schema is behind instead of migrating it.
+        #[arg(long)]
+        no_migrate: bool,
         /// Print one JSON object on stdout instead of the answer.
         #[arg(long)]
         json: bool,
@@ -155,14 +201,11 @@ enum Command {
         #[command(flatten)]
         token: TokenArg,
     },
-    /// Serve the HTTP API and run the workers (SIGTERM or Ctrl-C stops it gracefully).
+    /// Serve the HTTP API and run the workers (SIGTERM or Ctrl-C stops it gracefully);
+    /// `--workers 0` serves the API only.
     Serve {
-        /// Configuration file (TOML); `RATCHET_*` variables and flags override it.
-        #[arg(long)]
-        config: Option<PathBuf>,
-        /// Database URL (default sqlite://ratchet.db).
-        #[arg(long)]
-        db: Option<String>,
+        #[command(flatten)]
+        process: ProcessArgs,
         /// Address to listen on (default 127.0.0.1:7700).
         #[arg(long)]
         listen: Option<String>,
@@ -172,6 +215,18 @@ enum Command {
         /// Directory file tools may write in (default: the current directory).
         #[arg(long)]
         workspace: Option<PathBuf>,
+    },
+    /// Run the workers alone, beside other processes on the same database: any run's steps,
+    /// and those of processes whose lease expired (SIGTERM or Ctrl-C stops it gracefully).
+    Worker {
+        #[command(flatten)]
+        process: ProcessArgs,
+    },
+    /// Apply the database's missing schema migrations (creating it if needed) and print its
+    /// schema version.
+    Migrate {
+        #[command(flatten)]
+        db: DbArg,
     },
     /// Recover every active run in the database and drive them until none is running.
     Resume {
@@ -412,6 +467,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             memory_scope,
             server: Some(server),
             token,
+            no_migrate,
             json,
             message,
         } => {
@@ -421,6 +477,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 (!require_approval.is_empty()).then_some("--require-approval"),
                 config.is_some().then_some("--config"),
                 memory_scope.is_some().then_some("--memory-scope"),
+                no_migrate.then_some("--no-migrate"),
             ];
             let mut given: Vec<&str> = local_only.into_iter().flatten().collect();
             given.extend(budget.given());
@@ -451,6 +508,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             memory_scope,
             server: None,
             token: _,
+            no_migrate,
             json,
             message,
         } => {
@@ -473,6 +531,11 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 profiles: file.models,
                 mcp: file.mcp,
                 memory_scope: memory_scope.map(Into::into).unwrap_or_default(),
+                schema: if no_migrate {
+                    runtime::Schema::Require
+                } else {
+                    runtime::Schema::Migrate
+                },
                 json,
                 message,
             })
@@ -486,20 +549,31 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             .await
         }
         Command::Serve {
-            config,
-            db,
+            process,
             listen,
             model,
             workspace,
         } => {
             serve::serve(serve::ServeArgs {
-                config,
-                db,
+                process: process.into(),
                 listen,
                 model,
                 workspace,
             })
             .await
+        }
+        Command::Worker { process } => serve::worker(process.into()).await,
+        Command::Migrate { db } => {
+            let migrated = runtime::migrate(&db.db)?;
+            if migrated.from == migrated.to {
+                println!("schema version {} (up to date)", migrated.to);
+            } else {
+                println!(
+                    "schema version {} (migrated from {})",
+                    migrated.to, migrated.from
+                );
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Command::Resume { db, config, json } => {
             let file = ratchet_server::Config::load_or_default(config.as_deref())?;

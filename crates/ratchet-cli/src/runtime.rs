@@ -1,4 +1,5 @@
 //! Assembles a runtime from a database URL: store, models, tools, coordinator and engine.
+//! Database urls become stores here and nowhere else (`open_store`).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -16,6 +17,7 @@ use ratchet_mcp::McpTools;
 use ratchet_sqlite::SqliteOptions;
 use ratchet_store::Store;
 use ratchet_tools::Registry;
+use tokio::task::JoinHandle;
 
 /// The tools and models a process offers; needs no store, so input can be checked first.
 pub struct Toolbox {
@@ -162,31 +164,92 @@ pub struct Runtime {
     pub coordinator: Arc<Coordinator>,
     engine: Arc<Engine>,
     mcp: Option<McpTools>,
+    /// Relays what other processes commit (when the store can hear it).
+    follower: Option<JoinHandle<()>>,
 }
 
-pub fn open_store(url: &str) -> anyhow::Result<Arc<dyn Store>> {
-    if url.starts_with("sqlite:") {
-        let store =
-            ratchet_sqlite::open_url(url).with_context(|| format!("cannot open database {url}"))?;
-        return Ok(Arc::new(store));
+/// Whether opening a database may change its schema.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schema {
+    /// Apply the migrations the database lacks, creating it if needed.
+    Migrate,
+    /// Refuse a database that does not exist or whose schema is behind this build
+    /// (`--no-migrate`): only `ratchet migrate` changes it.
+    Require,
+}
+
+/// A database url, by backend: the one place a url scheme is recognised. A new backend adds
+/// a variant here, and the matches below (open, migrate) say what it must provide.
+enum Database {
+    Sqlite(SqliteOptions),
+}
+
+impl Database {
+    fn parse(url: &str) -> anyhow::Result<Database> {
+        if url.starts_with("sqlite:") {
+            return Ok(Database::Sqlite(SqliteOptions::from_url(url)?));
+        }
+        bail!("unsupported database url {url:?}: expected sqlite://PATH")
     }
-    bail!("unsupported database url {url:?}: expected sqlite://PATH")
+}
+
+/// Opens the store a database url names.
+pub fn open_store(url: &str, schema: Schema) -> anyhow::Result<Arc<dyn Store>> {
+    let opened: anyhow::Result<Arc<dyn Store>> = match Database::parse(url)? {
+        Database::Sqlite(options) => {
+            let options = SqliteOptions {
+                migrate: schema == Schema::Migrate,
+                ..options
+            };
+            ratchet_sqlite::open(options)
+                .map(|store| Arc::new(store) as Arc<dyn Store>)
+                .map_err(Into::into)
+        }
+    };
+    opened.with_context(|| match schema {
+        Schema::Migrate => format!("cannot open database {url}"),
+        Schema::Require => format!(
+            "cannot open database {url} without migrating it (--no-migrate); apply the \
+             migrations first with `ratchet migrate --db {url}`"
+        ),
+    })
 }
 
 /// Opens a database that must already exist: reading commands never create one.
 pub fn open_existing_store(url: &str) -> anyhow::Result<Arc<dyn Store>> {
-    if url.starts_with("sqlite:") {
-        let options = SqliteOptions::from_url(url)?;
-        if !options.path.is_file() {
-            bail!("database {} does not exist", options.path.display());
+    match Database::parse(url)? {
+        Database::Sqlite(options) => {
+            if !options.path.is_file() {
+                bail!("database {} does not exist", options.path.display());
+            }
         }
     }
-    open_store(url)
+    open_store(url, Schema::Migrate)
+}
+
+/// A schema version before and after `migrate`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Migrated {
+    pub from: u32,
+    pub to: u32,
+}
+
+/// Applies the migrations the database lacks (creating it if needed), and nothing else.
+pub fn migrate(url: &str) -> anyhow::Result<Migrated> {
+    let migrated = match Database::parse(url)? {
+        Database::Sqlite(options) => ratchet_sqlite::migrate(&options).map(|m| Migrated {
+            from: m.from,
+            to: m.to,
+        }),
+    };
+    migrated.with_context(|| format!("cannot migrate database {url}"))
 }
 
 impl Runtime {
+    /// Must be called inside a tokio runtime: it starts following other processes.
     pub fn new(store: Arc<dyn Store>, toolbox: Toolbox) -> Runtime {
         let coordinator = Coordinator::new(store);
+        let follower = coordinator.follow_others();
         let engine = Arc::new(Engine::new(
             Arc::clone(&coordinator),
             toolbox.models,
@@ -196,6 +259,7 @@ impl Runtime {
             coordinator,
             engine,
             mcp: toolbox.mcp,
+            follower,
         }
     }
 
@@ -206,12 +270,18 @@ impl Runtime {
         }
     }
 
-    /// Takes over the steps of dead processes, then starts the workers.
-    pub async fn recover_and_start(&self, config: PoolConfig) -> anyhow::Result<WorkerPool> {
+    /// Releases the leases of dead processes on this machine, so their steps are taken over
+    /// now rather than when the leases expire (which is how other machines' are).
+    pub async fn recover(&self) -> anyhow::Result<u64> {
         self.coordinator
             .recover(owner_is_dead_local_process)
             .await
-            .context("recovering the steps of dead processes")?;
+            .context("recovering the steps of dead processes")
+    }
+
+    /// Takes over the steps of dead processes, then starts the workers.
+    pub async fn recover_and_start(&self, config: PoolConfig) -> anyhow::Result<WorkerPool> {
+        self.recover().await?;
         Ok(self.start_workers(config))
     }
 
@@ -221,6 +291,14 @@ impl Runtime {
             Arc::clone(&self.engine),
             config,
         )
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        if let Some(follower) = &self.follower {
+            follower.abort();
+        }
     }
 }
 

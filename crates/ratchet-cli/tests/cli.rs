@@ -711,6 +711,94 @@ fn reading_commands_never_create_a_database() {
     }
 }
 
+/// `serve` and `worker` check their pool settings (flags and config file alike), and every
+/// command told `--no-migrate` checks its database, before anything is opened or created.
+#[test]
+fn bad_process_settings_and_unmigrated_databases_are_refused() {
+    let cases: [(&str, &[&str], &str); 8] = [
+        (
+            "a worker without workers",
+            &["worker", "--workers", "0"],
+            "--workers must be at least 1 for `ratchet worker`",
+        ),
+        (
+            "a lease too short",
+            &["worker", "--lease-ms", "50"],
+            "lease_ms (--lease-ms) must be at least 100, found 50",
+        ),
+        (
+            "a heartbeat as long as the lease",
+            &["serve", "--lease-ms", "1000", "--heartbeat-ms", "1000"],
+            "must be at least 1 and shorter than the lease (1000 ms), found 1000",
+        ),
+        (
+            "no poll interval",
+            &["serve", "--poll-ms", "0"],
+            "poll_ms (--poll-ms) must be at least 1",
+        ),
+        (
+            "a lease too short in the config file",
+            &["worker", "--config", "short.toml"],
+            "lease_ms (--lease-ms) must be at least 100, found 10",
+        ),
+        (
+            "a worker on a database never migrated",
+            &["worker", "--no-migrate"],
+            "without migrating it (--no-migrate); apply the migrations first with `ratchet migrate",
+        ),
+        (
+            "a server on a database never migrated",
+            &["serve", "--no-migrate", "--workers", "0"],
+            "without migrating it (--no-migrate)",
+        ),
+        (
+            "a run on a database never migrated",
+            &["run", "--no-migrate", "hi"],
+            "without migrating it (--no-migrate)",
+        ),
+    ];
+    for (case, args, message) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("short.toml"), "lease_ms = 10\n").unwrap();
+        let db = db_url(dir.path());
+        let mut full = args.to_vec();
+        full.extend(["--db", &db]);
+        let output = ratchet(dir.path(), &full);
+        assert_refused(case, dir.path(), &output, 1, message);
+    }
+}
+
+/// `migrate` creates the schema, says so, changes nothing the second time, and then a process
+/// told `--no-migrate` accepts the database.
+#[test]
+fn migrate_applies_the_schema_once_and_no_migrate_then_accepts_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = db_url(dir.path());
+    let version = ratchet_sqlite::SCHEMA_VERSION;
+    let first = ratchet(dir.path(), &["migrate", "--db", &db]);
+    assert!(first.status.success(), "{}", stderr_of(&first));
+    assert_eq!(
+        stdout_of(&first),
+        format!("schema version {version} (migrated from 0)\n")
+    );
+    let again = ratchet(dir.path(), &["migrate", "--db", &db]);
+    assert_eq!(
+        stdout_of(&again),
+        format!("schema version {version} (up to date)\n")
+    );
+    let output = run(
+        dir.path(),
+        "scripted:demo",
+        &["--no-migrate", "--json", "hi"],
+    );
+    assert_eq!(
+        report(&output)["status"],
+        "completed",
+        "{}",
+        stderr_of(&output)
+    );
+}
+
 #[test]
 fn an_unknown_flag_is_a_usage_error() {
     let dir = tempfile::tempdir().unwrap();

@@ -3,16 +3,23 @@
 //! Every write goes through the store in one transaction; events are broadcast only after
 //! that transaction has committed, and new jobs wake the workers only then. Observers may
 //! lag or drop events (they replay from the store); the execution path never waits on them.
+//!
+//! When other processes share the database, `follow_others` relays what they commit: their
+//! events are read back from the store and published on the same bus, and their new jobs wake
+//! this process's workers. It never writes.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
+
+use futures::StreamExt;
 
 use ratchet_core::{MessageId, RunConfigSnapshot, RunId, RunStatus, SessionId, StepResult};
 use ratchet_store::{
-    CancelOutcome, Claim, ClaimedStep, Commit, Lease, NewRun, Session, SessionSpec, Store,
-    StoredEvent, WhenBusy,
+    CancelOutcome, Change, ChangeStream, Claim, ClaimedStep, Commit, Lease, NewRun, Session,
+    SessionSpec, Store, StoredEvent, WhenBusy,
 };
 use tokio::sync::{Notify, broadcast};
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -20,6 +27,8 @@ use crate::{Result, now_ms};
 
 /// Live events; a subscriber that falls this far behind is told it lagged and replays.
 const EVENT_BUFFER: usize = 8192;
+/// Events of another process read back from the store per query.
+const RELAY_PAGE: i64 = 500;
 
 /// What a message does when its session already has an active run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -50,6 +59,14 @@ pub struct Coordinator {
     events: broadcast::Sender<StoredEvent>,
     wake: Notify,
     in_flight: Mutex<HashMap<RunId, CancellationToken>>,
+    /// Cancelled when the Coordinator is dropped: its follower of other processes stops.
+    dropped: CancellationToken,
+}
+
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        self.dropped.cancel();
+    }
 }
 
 fn fresh_suffix() -> String {
@@ -63,7 +80,27 @@ impl Coordinator {
             events: broadcast::channel(EVENT_BUFFER).0,
             wake: Notify::new(),
             in_flight: Mutex::new(HashMap::new()),
+            dropped: CancellationToken::new(),
         })
+    }
+
+    /// Relays what other processes sharing the database commit, when the store can tell
+    /// (`Store::changes`; `None` otherwise, and then workers and event streams find others'
+    /// work by polling alone). An owned task publishes their events on the observation bus as
+    /// if they were local — read back from the store, in the order they were announced — and
+    /// wakes the workers when they enqueue jobs or when changes may have been missed. The task
+    /// holds the Coordinator weakly: it ends when the Coordinator is dropped or the change
+    /// stream ends. Call once per Coordinator, inside a tokio runtime.
+    pub fn follow_others(self: &Arc<Self>) -> Option<JoinHandle<()>> {
+        let changes = self.store.changes()?;
+        let this = Arc::downgrade(self);
+        let dropped = self.dropped.clone();
+        Some(tokio::spawn(async move {
+            tokio::select! {
+                () = relay(this, changes) => {}
+                () = dropped.cancelled() => {}
+            }
+        }))
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -316,6 +353,34 @@ impl Coordinator {
         self.wake.notified().await;
     }
 
+    /// Wakes every idle worker, and leaves a permit for one that is about to wait.
+    fn wake_all(&self) {
+        self.wake.notify_waiters();
+        self.wake.notify_one();
+    }
+
+    /// Reads events `first_seq..=last_seq` of another process from the store and publishes
+    /// them. A failed read is only logged: event streams catch up from the store by
+    /// themselves.
+    async fn relay_events(&self, session_id: &SessionId, first_seq: i64, last_seq: i64) {
+        let mut after = first_seq - 1;
+        while after < last_seq {
+            let limit = (last_seq - after).min(RELAY_PAGE) as u32;
+            let page = match self.store.events_after(session_id, after, limit).await {
+                Ok(page) => page,
+                Err(error) => {
+                    tracing::warn!(%error, session = %session_id, "cannot read another process's events");
+                    return;
+                }
+            };
+            let Some(last) = page.last() else {
+                return;
+            };
+            after = last.seq;
+            self.publish(page);
+        }
+    }
+
     pub(crate) fn wake_one(&self) {
         self.wake.notify_one();
     }
@@ -354,4 +419,26 @@ impl Coordinator {
             let _ = self.events.send(event);
         }
     }
+}
+
+/// The follower task's body: one change at a time, in the order other processes committed.
+async fn relay(coordinator: Weak<Coordinator>, mut changes: ChangeStream) {
+    while let Some(change) = changes.next().await {
+        let Some(coordinator) = coordinator.upgrade() else {
+            return;
+        };
+        match change {
+            Change::JobsReady | Change::Missed => coordinator.wake_all(),
+            Change::Events {
+                session_id,
+                first_seq,
+                last_seq,
+            } => {
+                coordinator
+                    .relay_events(&session_id, first_seq, last_seq)
+                    .await;
+            }
+        }
+    }
+    tracing::info!("the change stream of other processes ended");
 }

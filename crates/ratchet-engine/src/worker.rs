@@ -52,6 +52,7 @@ pub fn owner_is_dead_local_process(owner: &str) -> bool {
 pub struct WorkerPool {
     shutdown: CancellationToken,
     tracker: TaskTracker,
+    owner: String,
 }
 
 impl WorkerPool {
@@ -74,7 +75,16 @@ impl WorkerPool {
             tracker.spawn(worker.run());
         }
         tracker.close();
-        WorkerPool { shutdown, tracker }
+        WorkerPool {
+            shutdown,
+            tracker,
+            owner,
+        }
+    }
+
+    /// The lease owner this pool's workers claim as (`host:pid:instance`).
+    pub fn owner(&self) -> &str {
+        &self.owner
     }
 
     /// Stops claiming and waits for in-flight steps to commit.
@@ -197,9 +207,10 @@ impl Worker {
     async fn commit(
         &self,
         claimed: &ClaimedStep,
-        result: ratchet_core::StepResult,
+        mut result: ratchet_core::StepResult,
         continue_with: Option<Lease>,
     ) -> Option<ClaimedStep> {
+        sign(&mut result, &self.owner);
         let instruction = result.record.instruction.clone();
         let seconds = (result.record.finished_at - result.record.started_at) as f64 / 1000.0;
         let (before, after) = (&claimed.state.counters, &result.state.counters);
@@ -367,4 +378,19 @@ fn model_error_event(
             "final": last,
         }),
     )
+}
+
+/// Names the process that executed a step in its `step.committed` event (`"worker"`: the
+/// lease owner, `host:pid:instance`): with several processes on one database, where each
+/// step ran can be told afterwards.
+fn sign(result: &mut ratchet_core::StepResult, owner: &str) {
+    let committed = result
+        .events
+        .iter_mut()
+        .filter(|e| e.kind == EventKind::StepCommitted);
+    for event in committed {
+        if let Some(payload) = event.payload.as_object_mut() {
+            payload.insert("worker".to_owned(), json!(owner));
+        }
+    }
 }

@@ -1,5 +1,8 @@
 //! The engine end to end on real SQLite files: worker pools in competition, cancellation of
-//! an in-flight step, model retries, and takeover of a step whose worker vanished.
+//! an in-flight step, model retries, takeover of a step whose worker vanished, and the relay
+//! of other processes' changes.
+
+mod heard;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -346,4 +349,93 @@ async fn a_cancel_during_a_slow_model_stream_ends_the_run_within_a_second() {
     assert_eq!(state.status, RunStatus::Cancelled);
     assert_eq!(state.stop_reason, Some(StopReason::Cancelled));
     node.pool.shutdown().await;
+}
+
+/// What another process commits reaches this one through the store's change stream: its
+/// events are read back and published on this process's bus, in order and unchanged, and its
+/// new jobs wake workers that would otherwise sleep until their next poll. The relay holds
+/// the Coordinator weakly: it ends with the stream, or when the Coordinator is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_follower_relays_other_processes_events_and_wakes_idle_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let script = write_script(dir.path(), json!({"replies": [{"text": "heard you"}]}));
+    let sqlite: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
+    let (heard, announce) = heard::Heard::new(sqlite);
+    let here = Coordinator::new(Arc::new(heard));
+    let follower = here
+        .follow_others()
+        .expect("the store hears other processes");
+    let mut bus = here.subscribe();
+    // Workers that would not look for a minute unless woken.
+    let tools = Arc::new(Registry::builtin());
+    let models = Arc::new(Models::new(
+        tools.names().into_iter().map(str::to_owned).collect(),
+    ));
+    let engine = Arc::new(Engine::new(Arc::clone(&here), models, tools));
+    let sleepy = PoolConfig {
+        workers: 2,
+        poll: Duration::from_secs(60),
+        ..PoolConfig::default()
+    };
+    let pool = WorkerPool::start(Arc::clone(&here), engine, sleepy);
+
+    // Another process (no workers) starts a run; nothing of it reaches this bus by itself.
+    let elsewhere = Coordinator::new(Arc::new(ratchet_sqlite::open_url(&db).unwrap()));
+    let mut their_bus = elsewhere.subscribe();
+    let run = start_run(&elsewhere, "hello".into(), config(&script)).await;
+    let mut theirs = Vec::new();
+    while let Ok(event) = their_bus.try_recv() {
+        theirs.push(event);
+    }
+    let session = theirs[0].session_id.clone();
+    assert_eq!(theirs.first().map(|e| e.seq), Some(1));
+    let last_seq = theirs.last().unwrap().seq;
+    announce
+        .send(ratchet_store::Change::Events {
+            session_id: session.clone(),
+            first_seq: 1,
+            last_seq,
+        })
+        .unwrap();
+    for expected in &theirs {
+        let relayed = tokio::time::timeout(Duration::from_secs(10), bus.recv())
+            .await
+            .expect("the announced events were not relayed")
+            .unwrap();
+        assert_eq!(&relayed, expected, "relayed as stored, in order");
+    }
+
+    announce.send(ratchet_store::Change::JobsReady).unwrap();
+    let state = wait_until_terminal(&here, &run).await;
+    assert_eq!(state.final_answer.as_deref(), Some("heard you"));
+    let worker = here
+        .store()
+        .events_after(&session, 0, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|e| e.kind == "step.committed")
+        .map(|e| e.payload["worker"].clone());
+    assert_eq!(
+        worker,
+        Some(json!(pool.owner())),
+        "a step names the process that ran it"
+    );
+
+    pool.shutdown().await;
+    drop(here);
+    tokio::time::timeout(Duration::from_secs(10), follower)
+        .await
+        .expect("the relay ended with its Coordinator")
+        .unwrap();
+
+    let (heard, announce) = heard::Heard::new(Arc::new(ratchet_sqlite::open_url(&db).unwrap()));
+    let coordinator = Coordinator::new(Arc::new(heard));
+    let follower = coordinator.follow_others().unwrap();
+    drop(announce);
+    tokio::time::timeout(Duration::from_secs(10), follower)
+        .await
+        .expect("the relay ended with its stream")
+        .unwrap();
 }

@@ -2,6 +2,7 @@
 //! Unknown keys are errors, so a typo never silently falls back to a default.
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
 
 use ratchet_core::{ApprovalPolicy, ReplayPolicy};
 
@@ -9,6 +10,11 @@ use ratchet_core::MemoryScope;
 use serde::Deserialize;
 
 use crate::auth::Tokens;
+
+/// A lease shorter than this would lapse between a busy machine's heartbeats.
+const MIN_LEASE_MS: u64 = 100;
+/// More concurrent steps than any machine needs: a typo, not a setting.
+const MAX_WORKERS: u64 = 4096;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -45,6 +51,15 @@ pub struct Config {
     /// What `memory_search` looks through: `session` (the run's session, the default) or
     /// `tenant` (every session of the session's tenant).
     pub memory_scope: Option<MemoryScope>,
+    /// Steps this process runs at once (default 16); 0 on `serve` means the API only.
+    pub workers: Option<u64>,
+    /// How long a claimed step stays this process's without a heartbeat (default 15000 ms);
+    /// after it, another process takes the step over.
+    pub lease_ms: Option<u64>,
+    /// How often a running step renews its lease (default a third of the lease).
+    pub heartbeat_ms: Option<u64>,
+    /// How often an idle worker looks for work nobody announced (default 250 ms).
+    pub poll_ms: Option<u64>,
     #[serde(default)]
     pub tokens: Vec<TokenConfig>,
     /// Per-tool settings, `[tools.NAME]`.
@@ -101,8 +116,9 @@ impl Config {
         )
     }
 
-    /// `RATCHET_LISTEN`, `RATCHET_DB`, `RATCHET_MODEL`, `RATCHET_WORKSPACE` and
-    /// `RATCHET_MAX_STEPS` override the file.
+    /// `RATCHET_LISTEN`, `RATCHET_DB`, `RATCHET_MODEL`, `RATCHET_WORKSPACE`,
+    /// `RATCHET_MAX_STEPS`, `RATCHET_WORKERS`, `RATCHET_LEASE_MS`, `RATCHET_HEARTBEAT_MS` and
+    /// `RATCHET_POLL_MS` override the file.
     pub fn with_env(mut self, env: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
         for (key, slot) in [
             ("RATCHET_LISTEN", &mut self.listen),
@@ -114,15 +130,61 @@ impl Config {
                 *slot = Some(value);
             }
         }
-        if let Some(value) = env("RATCHET_MAX_STEPS") {
-            let steps = value.parse().map_err(|_| {
-                ConfigError::Invalid(format!(
-                    "RATCHET_MAX_STEPS must be a positive integer, found {value:?}"
-                ))
-            })?;
-            self.max_steps = Some(steps);
+        for (key, slot) in [
+            ("RATCHET_MAX_STEPS", &mut self.max_steps),
+            ("RATCHET_WORKERS", &mut self.workers),
+            ("RATCHET_LEASE_MS", &mut self.lease_ms),
+            ("RATCHET_HEARTBEAT_MS", &mut self.heartbeat_ms),
+            ("RATCHET_POLL_MS", &mut self.poll_ms),
+        ] {
+            if let Some(value) = env(key) {
+                let number = value.parse().map_err(|_| {
+                    ConfigError::Invalid(format!(
+                        "{key} must be a non-negative integer, found {value:?}"
+                    ))
+                })?;
+                *slot = Some(number);
+            }
         }
         Ok(self)
+    }
+
+    /// The worker pool's settings, checked: a heartbeat shorter than the lease (or the lease
+    /// would lapse while its step runs), no zero durations. `workers` may be 0 here; whether a
+    /// command can do without workers is the command's to say.
+    pub fn pool(&self) -> Result<ratchet_engine::PoolConfig, ConfigError> {
+        let defaults = ratchet_engine::PoolConfig::default();
+        let invalid = |why: String| Err(ConfigError::Invalid(why));
+        let lease = self.lease_ms.unwrap_or(defaults.lease.as_millis() as u64);
+        if lease < MIN_LEASE_MS {
+            return invalid(format!(
+                "lease_ms (--lease-ms) must be at least {MIN_LEASE_MS}, found {lease}"
+            ));
+        }
+        let heartbeat = self.heartbeat_ms.unwrap_or(lease / 3);
+        if heartbeat == 0 || heartbeat >= lease {
+            return invalid(format!(
+                "heartbeat_ms (--heartbeat-ms) must be at least 1 and shorter than the lease \
+                 ({lease} ms), found {heartbeat}"
+            ));
+        }
+        let poll = self.poll_ms.unwrap_or(defaults.poll.as_millis() as u64);
+        if poll == 0 {
+            return invalid("poll_ms (--poll-ms) must be at least 1".to_owned());
+        }
+        let workers = self.workers.unwrap_or(defaults.workers as u64);
+        if workers > MAX_WORKERS {
+            return invalid(format!(
+                "workers (--workers) must be at most {MAX_WORKERS}, found {workers}"
+            ));
+        }
+        Ok(ratchet_engine::PoolConfig {
+            workers: workers as usize,
+            lease: Duration::from_millis(lease),
+            heartbeat: Duration::from_millis(heartbeat),
+            poll: Duration::from_millis(poll),
+            ..defaults
+        })
     }
 
     /// The approval policy of every tool the file configures, by tool name. Whether the tools
@@ -362,5 +424,46 @@ mod tests {
         let steps =
             Config::default().with_env(|k| (k == "RATCHET_MAX_STEPS").then(|| "many".into()));
         assert!(steps.unwrap_err().to_string().contains("RATCHET_MAX_STEPS"));
+        let lease = Config::default().with_env(|k| (k == "RATCHET_LEASE_MS").then(|| "-1".into()));
+        assert!(lease.unwrap_err().to_string().contains("RATCHET_LEASE_MS"));
+    }
+
+    #[test]
+    fn pool_settings_come_from_the_file_and_the_environment_and_are_checked() {
+        let config = Config::from_toml("workers = 4\nlease_ms = 1500\npoll_ms = 100")
+            .unwrap()
+            .with_env(|k| (k == "RATCHET_WORKERS").then(|| "0".into()))
+            .unwrap();
+        let pool = config.pool().unwrap();
+        assert_eq!(pool.workers, 0, "the environment overrides the file");
+        assert_eq!(pool.lease, Duration::from_millis(1500));
+        assert_eq!(
+            pool.heartbeat,
+            Duration::from_millis(500),
+            "a third of the lease"
+        );
+        assert_eq!(pool.poll, Duration::from_millis(100));
+        let defaults = Config::default().pool().unwrap();
+        assert!(defaults.heartbeat < defaults.lease && defaults.workers > 0);
+
+        for (toml, expected) in [
+            (
+                "lease_ms = 50",
+                "lease_ms (--lease-ms) must be at least 100",
+            ),
+            (
+                "lease_ms = 1000\nheartbeat_ms = 1000",
+                "shorter than the lease",
+            ),
+            (
+                "heartbeat_ms = 0",
+                "heartbeat_ms (--heartbeat-ms) must be at least 1",
+            ),
+            ("poll_ms = 0", "poll_ms (--poll-ms) must be at least 1"),
+            ("workers = 100000", "workers (--workers) must be at most"),
+        ] {
+            let error = Config::from_toml(toml).unwrap().pool().unwrap_err();
+            assert!(error.to_string().contains(expected), "{toml}: {error}");
+        }
     }
 }

@@ -7,6 +7,11 @@
 //! next `seq` (events of one session can be published out of order by concurrent writers),
 //! or a lagged subscription, sends it back to the store to fill the gap. Nothing is sent
 //! twice, nothing is skipped, and order is always `seq` order.
+//!
+//! The live bus carries this process's events and those other processes announce; an
+//! announcement can be lost (or, on SQLite, never made), so a following stream that has
+//! delivered nothing for `QUIET` also looks in the store: the events of steps another process
+//! runs reach it within that delay at worst.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -33,6 +38,8 @@ use crate::{ApiError, AppState};
 const PAGE: u32 = 500;
 /// Events buffered for a slow client before the stream waits on it.
 const CLIENT_BUFFER: usize = 256;
+/// How long a following stream waits without delivering anything before it reads the store.
+const QUIET: Duration = Duration::from_secs(1);
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -210,7 +217,10 @@ impl Feed {
         if !follow {
             return Ok(());
         }
+        let quiet = tokio::time::sleep(QUIET);
+        tokio::pin!(quiet);
         loop {
+            let seen = self.seen;
             let step = tokio::select! {
                 () = self.state.shutdown.cancelled() => return Ok(()),
                 () = self.sender.closed() => return Ok(()),
@@ -219,7 +229,16 @@ impl Feed {
                     Err(RecvError::Lagged(_)) => self.catch_up().await,
                     Err(RecvError::Closed) => return Ok(()),
                 },
+                // Announcements can be lost: after a quiet spell, the store has the last word.
+                () = &mut quiet => {
+                    let caught_up = self.catch_up().await;
+                    quiet.as_mut().reset(tokio::time::Instant::now() + QUIET);
+                    caught_up
+                }
             };
+            if self.seen != seen {
+                quiet.as_mut().reset(tokio::time::Instant::now() + QUIET);
+            }
             match step {
                 Ok(()) => {}
                 Err(Stop::ClientGone) => return Ok(()),
@@ -344,5 +363,58 @@ mod tests {
                 "in seq order: {ids:#?}"
             );
         }
+    }
+
+    /// Events another process writes are never announced on this process's bus (SQLite) or
+    /// their announcement may be lost: a following stream still delivers them, from the store,
+    /// once it has been quiet for a while.
+    #[tokio::test]
+    async fn a_following_stream_finds_unannounced_events_in_the_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("r.db").display());
+        let store: Arc<dyn ratchet_store::Store> =
+            Arc::new(ratchet_sqlite::open_url(&url).unwrap());
+        let coordinator = Coordinator::new(Arc::clone(&store));
+        let session = coordinator
+            .create_session(SessionSpec::default())
+            .await
+            .unwrap()
+            .id;
+        let state = AppState::new(
+            Arc::clone(&coordinator),
+            Default::default(),
+            Default::default(),
+            CancellationToken::new(),
+        );
+        let (sender, mut receiver) = mpsc::channel(16);
+        let mut feed = Feed {
+            state,
+            scope: Scope::Session(session.clone()),
+            seen: 0,
+            sender,
+        };
+        let live = coordinator.subscribe();
+        let following = tokio::spawn(async move { feed.run(live, true).await.is_ok() });
+
+        let run = RunId::from_suffix("r").unwrap();
+        for round in 0..2 {
+            let draft = EventDraft::new(EventKind::Activity, json!({"round": round}));
+            // Straight into the store, as another process would: nothing is published here.
+            store
+                .append_events(&session, &run, vec![draft], 1)
+                .await
+                .unwrap();
+            let event = tokio::time::timeout(Duration::from_secs(10), receiver.recv())
+                .await
+                .expect("the stream did not look in the store")
+                .unwrap()
+                .unwrap();
+            assert!(
+                format!("{event:?}").contains(&format!("id: {}", round + 1)),
+                "{event:?}"
+            );
+        }
+        drop(receiver);
+        assert!(following.await.unwrap(), "ends when the client goes away");
     }
 }

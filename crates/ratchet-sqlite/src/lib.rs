@@ -16,6 +16,7 @@ use ratchet_store::{Error, MessageHit, SearchScope};
 use rusqlite::types::{ToSqlOutput, ValueRef};
 use rusqlite::{Connection, OpenFlags};
 
+pub use schema::{Migrated, VERSION as SCHEMA_VERSION};
 use writer::{Readers, Writer};
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -37,6 +38,9 @@ pub enum Durability {
 pub struct SqliteOptions {
     pub path: PathBuf,
     pub durability: Durability,
+    /// Apply the migrations the database lacks when opening it (creating it if needed). When
+    /// false, opening refuses a database that does not exist or whose schema is behind.
+    pub migrate: bool,
 }
 
 impl SqliteOptions {
@@ -71,6 +75,7 @@ impl SqliteOptions {
         Ok(SqliteOptions {
             path: PathBuf::from(path),
             durability,
+            migrate: true,
         })
     }
 }
@@ -224,40 +229,62 @@ pub struct SqliteBackend {
     readers: Arc<Readers>,
 }
 
+/// Applies the migrations the database lacks (creating it if needed) and nothing else.
+pub fn migrate(options: &SqliteOptions) -> Result<Migrated> {
+    let mut conn = prepare(options)?;
+    schema::migrate(&mut conn)
+}
+
+/// Opens the write connection: WAL, the durability asked for, foreign keys.
+fn prepare(options: &SqliteOptions) -> Result<Connection> {
+    if let Some(parent) = options.path.parent().filter(|p| !p.as_os_str().is_empty())
+        && !parent.is_dir()
+    {
+        return Err(Error::BadUrl {
+            url: options.path.display().to_string(),
+            reason: format!("directory {} does not exist", parent.display()),
+        });
+    }
+    let conn = open_connection(&options.path, false)?;
+    let journal: String = conn
+        .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
+        .map_err(backend)?;
+    if !journal.eq_ignore_ascii_case("wal") {
+        return Err(Error::Backend(format!(
+            "expected WAL journal mode, SQLite chose {journal}"
+        )));
+    }
+    let synchronous = match options.durability {
+        Durability::Full => "FULL",
+        Durability::Normal => "NORMAL",
+    };
+    conn.pragma_update(None, "synchronous", synchronous)
+        .map_err(backend)?;
+    conn.pragma_update(None, "foreign_keys", "ON")
+        .map_err(backend)?;
+    Ok(conn)
+}
+
 impl SqliteBackend {
     fn open(options: SqliteOptions) -> Result<SqliteBackend> {
-        if let Some(parent) = options.path.parent().filter(|p| !p.as_os_str().is_empty())
-            && !parent.is_dir()
-        {
-            return Err(Error::BadUrl {
-                url: options.path.display().to_string(),
-                reason: format!("directory {} does not exist", parent.display()),
+        if !options.migrate && !options.path.is_file() {
+            return Err(Error::NotFound {
+                kind: "database",
+                id: options.path.display().to_string(),
             });
         }
-        let mut conn = open_connection(&options.path, false)?;
-        let journal: String = conn
-            .query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))
-            .map_err(backend)?;
-        if !journal.eq_ignore_ascii_case("wal") {
-            return Err(Error::Backend(format!(
-                "expected WAL journal mode, SQLite chose {journal}"
-            )));
-        }
-        let synchronous = match options.durability {
-            Durability::Full => "FULL",
-            Durability::Normal => "NORMAL",
-        };
-        conn.pragma_update(None, "synchronous", synchronous)
-            .map_err(backend)?;
-        conn.pragma_update(None, "foreign_keys", "ON")
-            .map_err(backend)?;
+        let mut conn = prepare(&options)?;
         // Each group-committed operation runs in a savepoint; its statement journal stays
         // in memory instead of a temporary file.
         conn.pragma_update(None, "temp_store", "MEMORY")
             .map_err(backend)?;
         conn.pragma_update(None, "cache_size", -65_536)
             .map_err(backend)?;
-        schema::migrate(&mut conn)?;
+        if options.migrate {
+            schema::migrate(&mut conn)?;
+        } else {
+            schema::require_current(&conn)?;
+        }
         let configs = Arc::new(Configs::default());
         let writer = Writer::spawn(conn, Arc::clone(&configs))
             .map_err(|e| Error::Backend(format!("cannot start writer thread: {e}")))?;

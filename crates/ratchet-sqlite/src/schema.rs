@@ -175,26 +175,54 @@ ALTER TABLE messages ADD COLUMN is_error INTEGER NOT NULL DEFAULT 0;
 "#,
 ];
 
-pub(crate) fn migrate(conn: &mut Connection) -> Result<()> {
+/// The schema version this build migrates a database to.
+pub const VERSION: u32 = MIGRATIONS.len() as u32;
+
+/// What a migration did: the schema version before and after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Migrated {
+    pub from: u32,
+    pub to: u32,
+}
+
+fn version_of(conn: &Connection) -> Result<u32> {
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .map_err(backend)?;
+    let version = u32::try_from(version).unwrap_or(u32::MAX);
+    if version > VERSION {
+        return Err(ratchet_store::Error::Conflict(format!(
+            "database schema version {version} is newer than this build supports ({VERSION}); upgrade ratchet"
+        )));
+    }
+    Ok(version)
+}
+
+/// Applies every migration the database lacks, in one transaction.
+pub(crate) fn migrate(conn: &mut Connection) -> Result<Migrated> {
     let tx = conn
         .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
         .map_err(backend)?;
-    let version: i64 = tx
-        .query_row("PRAGMA user_version", [], |r| r.get(0))
-        .map_err(backend)?;
-    let version = usize::try_from(version).unwrap_or(usize::MAX);
-    if version > MIGRATIONS.len() {
-        return Err(ratchet_store::Error::Conflict(format!(
-            "database schema version {version} is newer than this build supports ({}); upgrade ratchet",
-            MIGRATIONS.len()
-        )));
-    }
-    for (index, sql) in MIGRATIONS.iter().enumerate().skip(version) {
+    let from = version_of(&tx)?;
+    for (index, sql) in MIGRATIONS.iter().enumerate().skip(from as usize) {
         tx.execute_batch(sql).map_err(backend)?;
         tx.pragma_update(None, "user_version", (index + 1) as i64)
             .map_err(backend)?;
     }
-    tx.commit().map_err(backend)
+    tx.commit().map_err(backend)?;
+    Ok(Migrated { from, to: VERSION })
+}
+
+/// Refuses a database whose schema is not this build's, without changing it: for processes
+/// told not to migrate, so that only an explicit migration ever changes the schema.
+pub(crate) fn require_current(conn: &Connection) -> Result<()> {
+    let version = version_of(conn)?;
+    if version < VERSION {
+        return Err(ratchet_store::Error::Conflict(format!(
+            "database schema version {version} is behind this build's ({VERSION}): its migrations have not been applied"
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -219,7 +247,16 @@ mod tests {
                       VALUES (?1, 'ses_s', 'run_r', 'user', ?2, 'visible', 'user', 0)";
         conn.execute(insert, ["msg_old", "an old zebra"]).unwrap();
 
-        migrate(&mut conn).unwrap();
+        assert!(require_current(&conn).is_err(), "the schema is behind");
+        let migrated = migrate(&mut conn).unwrap();
+        assert_eq!(
+            migrated,
+            Migrated {
+                from: before as u32,
+                to: VERSION
+            }
+        );
+        require_current(&conn).unwrap();
         conn.execute(insert, ["msg_new", "a new zebra"]).unwrap();
         let tx = crate::Tx {
             conn: &conn,

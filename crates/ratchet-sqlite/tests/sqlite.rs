@@ -67,3 +67,50 @@ async fn a_job_whose_run_cannot_be_loaded_is_set_aside_and_the_rest_go_on() {
         "the damage is reported, not hidden"
     );
 }
+
+/// A process told not to migrate refuses a database that is missing or behind this build,
+/// and changes neither; an explicit migration brings it up to date once.
+#[test]
+fn opening_without_migrating_refuses_a_missing_or_old_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r.db");
+    let url = format!("sqlite://{}", path.display());
+    let without_migrating = || ratchet_sqlite::SqliteOptions {
+        migrate: false,
+        ..ratchet_sqlite::SqliteOptions::from_url(&url).unwrap()
+    };
+    let missing = ratchet_sqlite::open(without_migrating()).err().unwrap();
+    assert!(missing.to_string().contains("not found"), "{missing}");
+    assert!(!path.exists(), "nothing was created");
+
+    rusqlite::Connection::open(&path)
+        .unwrap()
+        .pragma_update(None, "user_version", 2)
+        .unwrap();
+    let behind = ratchet_sqlite::open(without_migrating()).err().unwrap();
+    assert!(
+        behind.to_string().contains("schema version 2 is behind"),
+        "{behind}"
+    );
+    let version = |path: &std::path::Path| -> u32 {
+        rusqlite::Connection::open(path)
+            .unwrap()
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .unwrap()
+    };
+    assert_eq!(version(&path), 2, "the refused database is unchanged");
+
+    // Version 2's tables do not exist in this file: migrating from a bare version would fail,
+    // so start again from an empty file.
+    std::fs::remove_file(&path).unwrap();
+    let options = ratchet_sqlite::SqliteOptions::from_url(&url).unwrap();
+    let migrated = ratchet_sqlite::migrate(&options).unwrap();
+    assert_eq!(
+        (migrated.from, migrated.to),
+        (0, ratchet_sqlite::SCHEMA_VERSION)
+    );
+    let again = ratchet_sqlite::migrate(&options).unwrap();
+    assert_eq!((again.from, again.to), (migrated.to, migrated.to));
+    ratchet_sqlite::open(without_migrating()).unwrap();
+    assert_eq!(version(&path), ratchet_sqlite::SCHEMA_VERSION);
+}

@@ -92,6 +92,8 @@ impl Server {
             tools.names().into_iter().map(str::to_owned).collect(),
         ));
         let coordinator = Coordinator::new(store);
+        // As `ratchet serve` does; SQLite has no change stream, so this follows nothing.
+        let _follower = coordinator.follow_others();
         let engine = Arc::new(Engine::new(
             Arc::clone(&coordinator),
             Arc::clone(&models),

@@ -1,0 +1,278 @@
+//! A store that hears other processes' changes the way a PostgreSQL store does with
+//! LISTEN/NOTIFY, except that the test is the notifier: it sends each `Change` itself. Every
+//! other method is the wrapped store's.
+
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use ratchet_core::step::{Reconciliation, Resumption};
+use ratchet_core::{
+    AgentState, ApprovalAnswer, ApprovalId, EventDraft, Message, Millis, RunId, SessionId,
+    StepRecord, StepResult, ToolOutcome,
+};
+use ratchet_store::{
+    Answered, Approval, ApprovalStatus, CancelOutcome, Change, ChangeStream, Claim, ClaimedStep,
+    Commit, Intent, IntentRecord, Lease, MessageHit, NewRun, Reconciled, RecordedIntents, Result,
+    RunSummary, SearchScope, Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage,
+    Submitted,
+};
+use tokio::sync::mpsc;
+
+pub struct Heard {
+    inner: Arc<dyn Store>,
+    changes: Mutex<Option<mpsc::UnboundedReceiver<Change>>>,
+}
+
+impl Heard {
+    /// The store, and the sender through which the test announces changes to it. Its change
+    /// stream can be taken once; it ends when the sender is dropped.
+    pub fn new(inner: Arc<dyn Store>) -> (Heard, mpsc::UnboundedSender<Change>) {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let heard = Heard {
+            inner,
+            changes: Mutex::new(Some(receiver)),
+        };
+        (heard, sender)
+    }
+}
+
+#[async_trait]
+impl Store for Heard {
+    fn changes(&self) -> Option<ChangeStream> {
+        let mut receiver = self.changes.lock().unwrap().take()?;
+        Some(Box::pin(futures::stream::poll_fn(move |cx| {
+            receiver.poll_recv(cx)
+        })))
+    }
+
+    async fn create_session(
+        &self,
+        id: &SessionId,
+        spec: SessionSpec,
+        now: Millis,
+    ) -> Result<Session> {
+        self.inner.create_session(id, spec, now).await
+    }
+
+    async fn get_session(&self, id: &SessionId) -> Result<Session> {
+        self.inner.get_session(id).await
+    }
+
+    async fn list_sessions(
+        &self,
+        tenant: &str,
+        after: Option<&SessionId>,
+        limit: u32,
+    ) -> Result<Vec<Session>> {
+        self.inner.list_sessions(tenant, after, limit).await
+    }
+
+    async fn visible_messages(
+        &self,
+        session_id: &SessionId,
+        after_position: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredMessage>> {
+        self.inner
+            .visible_messages(session_id, after_position, limit)
+            .await
+    }
+
+    async fn search_messages(
+        &self,
+        scope: SearchScope,
+        query: &str,
+        limit: u32,
+    ) -> Result<Vec<MessageHit>> {
+        self.inner.search_messages(scope, query, limit).await
+    }
+
+    async fn session_runs(
+        &self,
+        session_id: &SessionId,
+        after: Option<&RunId>,
+        limit: u32,
+    ) -> Result<Vec<RunSummary>> {
+        self.inner.session_runs(session_id, after, limit).await
+    }
+
+    async fn run_events_after(
+        &self,
+        run_id: &RunId,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredEvent>> {
+        self.inner.run_events_after(run_id, after_seq, limit).await
+    }
+
+    async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted> {
+        self.inner.submit_message(new, now).await
+    }
+
+    async fn claim_next(
+        &self,
+        lease: Lease,
+        run: Option<&RunId>,
+        now: Millis,
+    ) -> Result<Option<ClaimedStep>> {
+        self.inner.claim_next(lease, run, now).await
+    }
+
+    async fn heartbeat(&self, claim: &Claim, expires_at: Millis) -> Result<bool> {
+        self.inner.heartbeat(claim, expires_at).await
+    }
+
+    async fn commit_step(
+        &self,
+        claim: &Claim,
+        result: StepResult,
+        continue_with: Option<Lease>,
+        now: Millis,
+    ) -> Result<Commit> {
+        self.inner
+            .commit_step(claim, result, continue_with, now)
+            .await
+    }
+
+    async fn retry_later(
+        &self,
+        claim: &Claim,
+        available_at: Millis,
+        event: EventDraft,
+        now: Millis,
+    ) -> Result<Option<Vec<StoredEvent>>> {
+        self.inner
+            .retry_later(claim, available_at, event, now)
+            .await
+    }
+
+    async fn append_events(
+        &self,
+        session_id: &SessionId,
+        run_id: &RunId,
+        events: Vec<EventDraft>,
+        now: Millis,
+    ) -> Result<Vec<StoredEvent>> {
+        self.inner
+            .append_events(session_id, run_id, events, now)
+            .await
+    }
+
+    async fn record_intents(
+        &self,
+        claim: &Claim,
+        intents: Vec<Intent>,
+        events: Vec<EventDraft>,
+        now: Millis,
+    ) -> Result<RecordedIntents> {
+        self.inner.record_intents(claim, intents, events, now).await
+    }
+
+    async fn record_outcome(
+        &self,
+        claim: &Claim,
+        slot: u32,
+        outcome: ToolOutcome,
+        now: Millis,
+    ) -> Result<()> {
+        self.inner.record_outcome(claim, slot, outcome, now).await
+    }
+
+    async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
+        self.inner.intents(run_id, step_index).await
+    }
+
+    async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
+        self.inner.request_cancel(run_id, now).await
+    }
+
+    async fn reconcile(
+        &self,
+        run_id: &RunId,
+        call_id: &str,
+        answer: Reconciliation,
+        result: Option<String>,
+        now: Millis,
+    ) -> Result<Reconciled> {
+        self.inner
+            .reconcile(run_id, call_id, answer, result, now)
+            .await
+    }
+
+    async fn resume_failed(
+        &self,
+        run_id: &RunId,
+        how: Resumption,
+        now: Millis,
+    ) -> Result<Vec<StoredEvent>> {
+        self.inner.resume_failed(run_id, how, now).await
+    }
+
+    async fn approvals(
+        &self,
+        tenant: &str,
+        status: Option<ApprovalStatus>,
+        after: Option<&ApprovalId>,
+        limit: u32,
+    ) -> Result<Vec<Approval>> {
+        self.inner.approvals(tenant, status, after, limit).await
+    }
+
+    async fn get_approval(&self, id: &ApprovalId) -> Result<Approval> {
+        self.inner.get_approval(id).await
+    }
+
+    async fn answer_approval(
+        &self,
+        id: &ApprovalId,
+        answer: ApprovalAnswer,
+        now: Millis,
+    ) -> Result<Answered> {
+        self.inner.answer_approval(id, answer, now).await
+    }
+
+    async fn load_state(&self, run_id: &RunId) -> Result<AgentState> {
+        self.inner.load_state(run_id).await
+    }
+
+    async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
+        self.inner.history(session_id).await
+    }
+
+    async fn context(&self, session_id: &SessionId) -> Result<Vec<StoredMessage>> {
+        self.inner.context(session_id).await
+    }
+
+    async fn list_runs(&self) -> Result<Vec<RunSummary>> {
+        self.inner.list_runs().await
+    }
+
+    async fn steps(&self, run_id: &RunId) -> Result<Vec<StepRecord>> {
+        self.inner.steps(run_id).await
+    }
+
+    async fn events_after(
+        &self,
+        session_id: &SessionId,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredEvent>> {
+        self.inner.events_after(session_id, after_seq, limit).await
+    }
+
+    async fn lease_owners(&self) -> Result<Vec<String>> {
+        self.inner.lease_owners().await
+    }
+
+    async fn release_leases(&self, owner: &str) -> Result<u64> {
+        self.inner.release_leases(owner).await
+    }
+
+    async fn runs_with_jobs(&self) -> Result<Vec<RunId>> {
+        self.inner.runs_with_jobs().await
+    }
+
+    async fn stats(&self, now: Millis) -> Result<StoreStats> {
+        self.inner.stats(now).await
+    }
+}
