@@ -14,8 +14,9 @@ use ratchet_engine::{
 };
 use ratchet_llm::profiles::Profile;
 use ratchet_mcp::McpTools;
+use ratchet_postgres::PgOptions;
 use ratchet_sqlite::SqliteOptions;
-use ratchet_store::Store;
+use ratchet_store::{Migrated, Store};
 use ratchet_tools::Registry;
 use tokio::task::JoinHandle;
 
@@ -182,6 +183,7 @@ pub enum Schema {
 /// a variant here, and the matches below (open, migrate) say what it must provide.
 enum Database {
     Sqlite(SqliteOptions),
+    Postgres(PgOptions),
 }
 
 impl Database {
@@ -189,7 +191,12 @@ impl Database {
         if url.starts_with("sqlite:") {
             return Ok(Database::Sqlite(SqliteOptions::from_url(url)?));
         }
-        bail!("unsupported database url {url:?}: expected sqlite://PATH")
+        if url.starts_with("postgres:") || url.starts_with("postgresql:") {
+            return Ok(Database::Postgres(PgOptions::from_url(url)?));
+        }
+        bail!(
+            "unsupported database url {url:?}: expected sqlite://PATH or postgres://USER@HOST:PORT/DATABASE"
+        )
     }
 }
 
@@ -202,6 +209,15 @@ pub fn open_store(url: &str, schema: Schema) -> anyhow::Result<Arc<dyn Store>> {
                 ..options
             };
             ratchet_sqlite::open(options)
+                .map(|store| Arc::new(store) as Arc<dyn Store>)
+                .map_err(Into::into)
+        }
+        Database::Postgres(options) => {
+            let options = PgOptions {
+                migrate: schema == Schema::Migrate,
+                ..options
+            };
+            ratchet_postgres::open(options)
                 .map(|store| Arc::new(store) as Arc<dyn Store>)
                 .map_err(Into::into)
         }
@@ -223,24 +239,17 @@ pub fn open_existing_store(url: &str) -> anyhow::Result<Arc<dyn Store>> {
                 bail!("database {} does not exist", options.path.display());
             }
         }
+        // A server's database is never created by opening it: a missing one fails to connect.
+        Database::Postgres(_) => {}
     }
     open_store(url, Schema::Migrate)
-}
-
-/// A schema version before and after `migrate`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Migrated {
-    pub from: u32,
-    pub to: u32,
 }
 
 /// Applies the migrations the database lacks (creating it if needed), and nothing else.
 pub fn migrate(url: &str) -> anyhow::Result<Migrated> {
     let migrated = match Database::parse(url)? {
-        Database::Sqlite(options) => ratchet_sqlite::migrate(&options).map(|m| Migrated {
-            from: m.from,
-            to: m.to,
-        }),
+        Database::Sqlite(options) => ratchet_sqlite::migrate(&options),
+        Database::Postgres(_) => ratchet_postgres::migrate(url),
     };
     migrated.with_context(|| format!("cannot migrate database {url}"))
 }

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use common::free_port;
 use futures::StreamExt;
 use ratchet_core::{RunId, RunStatus, SessionId};
+use ratchet_postgres::testkit::TestDatabase;
 use ratchet_store::{Store, StoredEvent};
 use serde_json::{Value, json};
 
@@ -33,19 +34,19 @@ macro_rules! scenarios {
         mod $backend {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn three_processes_share_two_hundred_runs_and_commit_each_step_once() {
-                let db = super::$backend();
+                let Some(db) = super::$backend() else { return };
                 super::three_processes_share_the_work(&db.url).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn runs_of_a_worker_killed_mid_step_finish_elsewhere_after_its_leases_expire() {
-                let db = super::$backend();
+                let Some(db) = super::$backend() else { return };
                 super::a_killed_worker_is_taken_over(&db.url).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn an_api_process_streams_the_steps_another_process_executes() {
-                let db = super::$backend();
+                let Some(db) = super::$backend() else { return };
                 super::events_cross_processes(&db.url).await;
             }
         }
@@ -53,30 +54,48 @@ macro_rules! scenarios {
 }
 
 scenarios!(sqlite);
+scenarios!(postgres);
 
-/// A fresh database; `_dir` keeps a file-backed one alive for the test's duration.
+/// A fresh database, kept alive (the file's directory, the server's database) for the test's
+/// duration.
 struct Database {
     url: String,
     _dir: Option<tempfile::TempDir>,
+    _server: Option<TestDatabase>,
 }
 
-fn sqlite() -> Database {
+fn sqlite() -> Option<Database> {
     let dir = tempfile::tempdir().unwrap();
     // These scenarios are about processes, not power loss: spare the disk the fsyncs.
     let url = format!(
         "sqlite://{}?synchronous=normal",
         dir.path().join("ratchet.db").display()
     );
-    Database {
+    Some(Database {
         url,
         _dir: Some(dir),
-    }
+        _server: None,
+    })
+}
+
+/// A database of its own on the server `RATCHET_TEST_POSTGRES_URL` names; `None` (the test
+/// says it is skipped) without one, outside CI.
+fn postgres() -> Option<Database> {
+    let server = TestDatabase::create()?;
+    Some(Database {
+        url: server.url().to_owned(),
+        _dir: None,
+        _server: Some(server),
+    })
 }
 
 /// The test's own view of the database, for checking what the processes stored.
 fn open(url: &str) -> Arc<dyn Store> {
     if url.starts_with("sqlite:") {
         return Arc::new(ratchet_sqlite::open_url(url).unwrap());
+    }
+    if url.starts_with("postgres:") {
+        return Arc::new(ratchet_postgres::open_url(url).unwrap());
     }
     panic!("no test backend for {url}")
 }

@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use postgres::error::SqlState;
 use ratchet_sql::{Backend, Configs, Db, SqlStore};
-use ratchet_store::{ChangeStream, Error, MessageHit, SearchScope};
+use ratchet_store::{ChangeStream, Error, MessageHit, Migrated, SearchScope};
 use tokio::sync::Semaphore;
 
 use db::{Access, Conn};
@@ -215,9 +215,9 @@ fn redacted(url: &str) -> String {
     }
 }
 
-/// Brings the database's schema up to date and returns its version. Safe to run while other
-/// processes open the same database: they wait for it.
-pub fn migrate(url: &str) -> Result<u32> {
+/// Brings the database's schema up to date, returning its version before and after. Safe to
+/// run while other processes open the same database: they wait for it.
+pub fn migrate(url: &str) -> Result<Migrated> {
     let connector = PgOptions::from_url(url)?.connector();
     off_runtime(|| {
         let mut client = connector.connect()?;

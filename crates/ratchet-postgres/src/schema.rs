@@ -7,7 +7,7 @@
 //! SQLite's implicit rowid, the order of insertion.
 
 use postgres::Client;
-use ratchet_store::Error;
+use ratchet_store::{Error, Migrated};
 
 use crate::{Result, backend_error};
 
@@ -159,7 +159,7 @@ const MIGRATION_LOCK: i64 = 0x0072_6174_6368_6574;
 const LATEST: u32 = MIGRATIONS.len() as u32;
 
 /// Applies the migrations the database lacks, in one transaction, and returns the version.
-pub(crate) fn migrate(client: &mut Client) -> Result<u32> {
+pub(crate) fn migrate(client: &mut Client) -> Result<Migrated> {
     let mut tx = client.transaction().map_err(|e| backend_error(&e))?;
     // The lock comes first and alone: every statement after it takes a fresh snapshot, so a
     // process that waited sees the migrations the one before it committed.
@@ -183,7 +183,10 @@ pub(crate) fn migrate(client: &mut Client) -> Result<u32> {
             })?;
     }
     tx.commit().map_err(|e| backend_error(&e))?;
-    Ok(LATEST)
+    Ok(Migrated {
+        from: version,
+        to: LATEST,
+    })
 }
 
 /// Checks, without changing anything, that the schema is the one this build writes.

@@ -121,7 +121,7 @@ async fn migrations_apply_once_when_three_processes_open_at_once() {
 
     let backend = open(&database);
     assert_eq!(versions(&backend).await, [1], "version 1 was applied once");
-    assert_eq!(ratchet_postgres::migrate(database.url()).unwrap(), 1);
+    assert_eq!(ratchet_postgres::migrate(database.url()).unwrap().to, 1);
     drop(open(&database));
     assert_eq!(
         versions(&backend).await,
@@ -142,7 +142,10 @@ async fn a_schema_behind_or_ahead_of_the_build_is_a_clear_error() {
         Err(other) => panic!("an unmigrated database: expected Conflict, got {other}"),
         Ok(_) => panic!("an unmigrated database must not open without migrating"),
     }
-    assert_eq!(ratchet_postgres::migrate(database.url()).unwrap(), 1);
+    assert_eq!(
+        ratchet_postgres::migrate(database.url()).unwrap(),
+        ratchet_store::Migrated { from: 0, to: 1 }
+    );
     let backend = open_with(&database, |o| o.migrate = false)
         .unwrap_or_else(|e| panic!("a migrated database opens without migrating: {e}"));
 
@@ -1204,7 +1207,7 @@ async fn sslmode_says_whether_every_connection_is_encrypted() {
     assert!(encrypted(&backend).await, "sslmode=require encrypts");
     let plain = PgBackend::open_url(&with_options(database.url(), "sslmode=disable")).unwrap();
     assert!(!encrypted(&plain).await, "sslmode=disable does not");
-    assert_eq!(ratchet_postgres::migrate(&required).unwrap(), 1);
+    assert_eq!(ratchet_postgres::migrate(&required).unwrap().to, 1);
 
     // The pool's connection and the follower's, told apart from other tests' by name.
     for (options, expected) in [

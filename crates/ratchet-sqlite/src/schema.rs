@@ -178,12 +178,7 @@ ALTER TABLE messages ADD COLUMN is_error INTEGER NOT NULL DEFAULT 0;
 /// The schema version this build migrates a database to.
 pub const VERSION: u32 = MIGRATIONS.len() as u32;
 
-/// What a migration did: the schema version before and after.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Migrated {
-    pub from: u32,
-    pub to: u32,
-}
+pub use ratchet_store::Migrated;
 
 fn version_of(conn: &Connection) -> Result<u32> {
     let version: i64 = conn

@@ -364,6 +364,13 @@ pub enum Change {
 /// The changes of other processes, in the order they committed.
 pub type ChangeStream = std::pin::Pin<Box<dyn futures::Stream<Item = Change> + Send>>;
 
+/// What a migration did: the schema version before and after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Migrated {
+    pub from: u32,
+    pub to: u32,
+}
+
 /// Counts for monitoring.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StoreStats {
