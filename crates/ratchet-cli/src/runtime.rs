@@ -183,7 +183,7 @@ pub enum Schema {
 /// a variant here, and the matches below (open, migrate) say what it must provide.
 enum Database {
     Sqlite(SqliteOptions),
-    Postgres(PgOptions),
+    Postgres(Box<PgOptions>),
 }
 
 impl Database {
@@ -192,7 +192,7 @@ impl Database {
             return Ok(Database::Sqlite(SqliteOptions::from_url(url)?));
         }
         if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-            return Ok(Database::Postgres(PgOptions::from_url(url)?));
+            return Ok(Database::Postgres(Box::new(PgOptions::from_url(url)?)));
         }
         bail!(
             "unsupported database url {url:?}: expected sqlite://PATH or postgres://USER@HOST:PORT/DATABASE"
@@ -215,7 +215,7 @@ pub fn open_store(url: &str, schema: Schema) -> anyhow::Result<Arc<dyn Store>> {
         Database::Postgres(options) => {
             let options = PgOptions {
                 migrate: schema == Schema::Migrate,
-                ..options
+                ..*options
             };
             ratchet_postgres::open(options)
                 .map(|store| Arc::new(store) as Arc<dyn Store>)
