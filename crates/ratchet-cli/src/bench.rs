@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::io::Write;
 use std::process::ExitCode;
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,6 +16,7 @@ use ratchet_core::{Limits, MemoryScope, RunConfigSnapshot, RunStatus, SessionId}
 use ratchet_engine::{Multitask, PoolConfig};
 use ratchet_store::SessionSpec;
 use serde_json::json;
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::{Semaphore, broadcast::error::RecvError, oneshot};
 
 use crate::runtime::{Runtime, Schema, Toolbox, open_store};
@@ -24,6 +26,7 @@ pub struct StepsArgs {
     pub runs: usize,
     pub concurrency: usize,
     pub turns: usize,
+    pub worker_processes: usize,
     pub json: bool,
 }
 
@@ -41,6 +44,12 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         Some(db) => db.clone(),
         None => format!("sqlite://{}", scratch.path().join("bench.db").display()),
     };
+    if args.worker_processes > 0 && db.starts_with("sqlite:") {
+        bail!(
+            "--worker-processes needs a database that tells other processes of its changes \
+             (--db postgres://…): over SQLite this process would not hear of their steps"
+        );
+    }
     let script_path = scratch.path().join("script.json");
     let mut replies: Vec<_> = (0..args.turns)
         .map(|i| json!({"tool_calls": [{"name": "add", "arguments": {"a": i, "b": 1}}]}))
@@ -66,10 +75,16 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     };
     let runtime = Runtime::new(open_store(&db, Schema::Migrate)?, toolbox);
     let coordinator = Arc::clone(&runtime.coordinator);
-    let pool = runtime.start_workers(PoolConfig {
-        workers: args.concurrency,
-        ..PoolConfig::default()
+    let pool = (args.worker_processes == 0).then(|| {
+        runtime.start_workers(PoolConfig {
+            workers: args.concurrency,
+            ..PoolConfig::default()
+        })
     });
+    let mut workers = Vec::with_capacity(args.worker_processes);
+    for _ in 0..args.worker_processes {
+        workers.push(start_worker_process(&db, args.concurrency).await?);
+    }
 
     let watches: Arc<std::sync::Mutex<HashMap<SessionId, Watch>>> = Arc::default();
     let latencies: Arc<std::sync::Mutex<Vec<Duration>>> = Arc::default();
@@ -158,7 +173,14 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         steps += state.step_index;
     }
     let elapsed = started.elapsed();
-    pool.shutdown().await;
+    if let Some(pool) = pool {
+        pool.shutdown().await;
+    }
+    // Every run has ended: nothing is in flight that a kill could interrupt.
+    for mut worker in workers {
+        worker.start_kill()?;
+        worker.wait().await?;
+    }
     listener.abort();
 
     let mut latencies = std::mem::take(&mut *latencies.lock().expect("bench latencies"));
@@ -174,6 +196,7 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         "runs": args.runs,
         "concurrency": args.concurrency,
         "turns": args.turns,
+        "worker_processes": args.worker_processes,
         "steps": steps,
         "seconds": elapsed.as_secs_f64(),
         "steps_per_s": steps as f64 / elapsed.as_secs_f64(),
@@ -188,10 +211,14 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     } else {
         writeln!(
             out,
-            "{} runs x {} steps, {} at a time: {:.0} durable steps/s, {:.1} runs/s, step latency p50 {:.2} ms, p99 {:.2} ms",
+            "{} runs x {} steps, {} at a time{}: {:.0} durable steps/s, {:.1} runs/s, step latency p50 {:.2} ms, p99 {:.2} ms",
             args.runs,
             2 * args.turns + 1,
             args.concurrency,
+            match args.worker_processes {
+                0 => String::new(),
+                n => format!(", steps run by {n} worker processes"),
+            },
             report["steps_per_s"].as_f64().unwrap_or_default(),
             report["runs_per_s"].as_f64().unwrap_or_default(),
             report["p50_ms"].as_f64().unwrap_or_default(),
@@ -199,4 +226,40 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         )?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Starts `ratchet worker` on `db` and waits until it says it runs: the benchmark's clock
+/// must not include a process starting. Its later output is read and dropped.
+async fn start_worker_process(db: &str, workers: usize) -> anyhow::Result<tokio::process::Child> {
+    let mut child = tokio::process::Command::new(std::env::current_exe()?)
+        .args(["worker", "--db", db, "--workers", &workers.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .context("cannot start a worker process")?;
+    let stderr = child.stderr.take().context("a worker's stderr")?;
+    let mut lines = BufReader::new(stderr).lines();
+    let ready = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(line) = lines.next_line().await? {
+            if line.starts_with("ratchet worker on database") {
+                return anyhow::Ok(true);
+            }
+            eprintln!("worker: {line}");
+        }
+        anyhow::Ok(false)
+    })
+    .await;
+    match ready {
+        Ok(Ok(true)) => {}
+        Ok(Ok(false)) => bail!(
+            "a worker process exited before it started: {}",
+            child.wait().await?
+        ),
+        Ok(Err(error)) => return Err(error.context("cannot read a worker's output")),
+        Err(_) => bail!("a worker process did not start within 30 s"),
+    }
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok(child)
 }

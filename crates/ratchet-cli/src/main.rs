@@ -395,6 +395,11 @@ enum BenchCommand {
         concurrency: usize,
         #[arg(long, default_value_t = 5)]
         turns: usize,
+        /// Run the steps in this many `ratchet worker` processes on the same database instead
+        /// of in this one (which then only submits and watches); needs a database that tells
+        /// other processes of its changes (postgres://).
+        #[arg(long, default_value_t = 0)]
+        worker_processes: usize,
         #[arg(long)]
         json: bool,
     },
@@ -658,6 +663,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     runs,
                     concurrency,
                     turns,
+                    worker_processes,
                     json,
                 },
         } => {
@@ -666,6 +672,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 runs,
                 concurrency,
                 turns,
+                worker_processes,
                 json,
             })
             .await

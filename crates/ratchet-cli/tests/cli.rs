@@ -577,7 +577,7 @@ fn entries(dir: &Path) -> Vec<String> {
 
 #[test]
 fn bad_run_input_is_refused_before_anything_is_written() {
-    let cases: [(&str, &[&str], &str); 12] = [
+    let cases: [(&str, &[&str], &str); 13] = [
         (
             "unknown model kind",
             &["--model", "gpt:4", "hi"],
@@ -627,8 +627,13 @@ fn bad_run_input_is_refused_before_anything_is_written() {
         ),
         (
             "unsupported database url",
-            &["--db", "postgres://x", "hi"],
-            "unsupported database url \"postgres://x\"",
+            &["--db", "mysql://x", "hi"],
+            "unsupported database url \"mysql://x\"",
+        ),
+        (
+            "unreachable database server",
+            &["--db", "postgres://nobody@127.0.0.1:1/none", "hi"],
+            "cannot connect to PostgreSQL",
         ),
     ];
     for (case, args, message) in cases {
