@@ -151,11 +151,25 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
             let run = coordinator
                 .submit(&session, "bench".into(), config, Multitask::Enqueue)
                 .await?;
-            let state = match tokio::time::timeout(Duration::from_secs(120), finished).await {
-                Ok(_) => coordinator.store().load_state(&run.run_id).await?,
-                Err(_) => bail!("run {} did not finish within 120 s", run.run_id),
-            };
-            anyhow::Ok(state)
+            // The event bus is best-effort (a relay of another process's events can fall
+            // behind and drop some): the store has the last word on whether the run ended.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+            tokio::pin!(finished);
+            loop {
+                tokio::select! {
+                    _ = &mut finished => break,
+                    () = tokio::time::sleep(Duration::from_millis(500)) => {
+                        let state = coordinator.store().load_state(&run.run_id).await?;
+                        if state.status.is_terminal() {
+                            break;
+                        }
+                    }
+                }
+                if tokio::time::Instant::now() > deadline {
+                    bail!("run {} did not finish within 120 s", run.run_id);
+                }
+            }
+            anyhow::Ok(coordinator.store().load_state(&run.run_id).await?)
         }));
     }
     let mut steps = 0;

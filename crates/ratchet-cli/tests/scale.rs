@@ -599,3 +599,68 @@ async fn events_cross_processes(db: &str) {
         );
     }
 }
+
+/// `bench steps --worker-processes N` leaves every step to `ratchet worker` processes and still
+/// sees each run through to its end (it hears their steps through the database); over SQLite,
+/// where it could not, it refuses at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_steps_runs_in_worker_processes() {
+    let bench = |db: &str| {
+        Command::new(BIN)
+            .args([
+                "bench",
+                "steps",
+                "--db",
+                db,
+                "--runs",
+                "6",
+                "--concurrency",
+                "3",
+            ])
+            .args(["--turns", "1", "--worker-processes", "2", "--json"])
+            .env_remove("RATCHET_DB")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let sqlite = sqlite().unwrap();
+    let refused = bench(&sqlite.url).wait_with_output().unwrap();
+    assert_eq!(refused.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("--worker-processes needs a database"),
+        "{said}"
+    );
+
+    let Some(db) = postgres() else { return };
+    let child = bench(&db.url);
+    let bench_pid = child.id().to_string();
+    let output = child.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let figures: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(
+        (&figures["steps"], &figures["worker_processes"]),
+        (&json!(18), &json!(2)),
+        "{figures}"
+    );
+    let store = open(&db.url);
+    let mut pids = BTreeSet::new();
+    for run in store.list_runs().await.unwrap() {
+        for event in session_events(store.as_ref(), &run.session_id).await {
+            if event.kind == "step.committed" {
+                let owner = event.payload["worker"].as_str().unwrap_or_default();
+                pids.insert(owner.split(':').nth(1).unwrap_or_default().to_owned());
+            }
+        }
+    }
+    assert!(
+        !pids.is_empty() && pids.len() <= 2 && !pids.contains(&bench_pid),
+        "every step was committed by one of the two worker processes, none by the benchmark \
+         ({bench_pid}): {pids:?}"
+    );
+}

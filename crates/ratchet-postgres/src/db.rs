@@ -76,19 +76,20 @@ impl Conn {
         configs: &Configs,
         body: impl FnOnce(&dyn Db) -> Result<R>,
     ) -> Result<R> {
-        let (outcome, failed) = {
+        let (outcome, failed, announced) = {
             let tx = Tx {
                 conn: RefCell::new(&mut *self),
                 origin,
                 configs,
                 failed: Cell::new(false),
+                announced: RefCell::new(Vec::new()),
             };
             let outcome = catch_unwind(AssertUnwindSafe(|| body(&tx))).unwrap_or_else(|_| {
                 Err(Error::Backend(
                     "a store operation panicked; it was rolled back".into(),
                 ))
             });
-            (outcome, tx.failed.get())
+            (outcome, tx.failed.get(), tx.announced.into_inner())
         };
         let outcome = match outcome {
             Ok(value) if failed => self.still_valid().map(|()| value),
@@ -96,7 +97,10 @@ impl Conn {
         };
         match outcome {
             Ok(value) => match self.client.batch_execute("COMMIT") {
-                Ok(()) => Ok(value),
+                Ok(()) => {
+                    self.notify(&announced);
+                    Ok(value)
+                }
                 // The server may have committed before the connection went: only the
                 // database can tell now.
                 Err(error) if self.client.is_closed() => Err(Error::Backend(format!(
@@ -112,6 +116,34 @@ impl Conn {
                     self.broken = true;
                 }
                 Err(error)
+            }
+        }
+    }
+
+    /// Tells other processes what the transaction that just committed did. Sent after its
+    /// `COMMIT` rather than inside it: PostgreSQL serialises the commits of transactions that
+    /// notify (a global lock held through their WAL flush), which would make every step commit
+    /// wait for the one before it. This transaction writes nothing durable, so it commits
+    /// without waiting for the disk. A notification lost here (the process dying between the
+    /// two) costs the listeners latency only: they poll.
+    fn notify(&mut self, announced: &[(&'static str, String)]) {
+        if announced.is_empty() {
+            return;
+        }
+        let calls: Vec<String> = announced
+            .iter()
+            .map(|(channel, payload)| {
+                format!("pg_notify('{channel}', '{}')", payload.replace('\'', "''"))
+            })
+            .collect();
+        let sql = format!(
+            "BEGIN; SET LOCAL synchronous_commit TO off; SELECT {}; COMMIT",
+            calls.join(", ")
+        );
+        if let Err(error) = self.client.batch_execute(&sql) {
+            tracing::warn!(error = %describe(&error), "cannot notify other processes of a commit; they will find it by polling");
+            if self.client.batch_execute("ROLLBACK").is_err() {
+                self.broken = true;
             }
         }
     }
@@ -151,6 +183,8 @@ struct Tx<'a> {
     /// Whether a statement failed: PostgreSQL then refuses every statement up to a
     /// `ROLLBACK` (to a savepoint, or of the whole transaction).
     failed: Cell<bool>,
+    /// Notifications to send once the transaction has committed, each once.
+    announced: RefCell<Vec<(&'static str, String)>>,
 }
 
 impl Tx<'_> {
@@ -214,12 +248,12 @@ impl Db for Tx<'_> {
     }
 
     fn announce(&self, announcement: Announcement<'_>) -> Result<()> {
-        let (channel, payload) = changes::notification(self.origin, announcement);
-        self.execute(
-            "SELECT pg_notify(?1, ?2)",
-            &[Param::from(channel), Param::from(payload.as_str())],
-        )
-        .map(|_| ())
+        let notification = changes::notification(self.origin, announcement);
+        let mut announced = self.announced.borrow_mut();
+        if !announced.contains(&notification) {
+            announced.push(notification);
+        }
+        Ok(())
     }
 
     fn configs(&self) -> &Configs {
