@@ -131,9 +131,12 @@ impl Tls {
         let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
         let algorithms = provider.signature_verification_algorithms;
         let verifier: Arc<dyn ServerCertVerifier> = match check {
-            Check::Nothing => Arc::new(AcceptAnyCertificate { algorithms }),
-            Check::Chain(roots) => Arc::new(VerifyChainOnly {
-                roots: Arc::new(roots),
+            Check::Nothing => Arc::new(NamesUnchecked {
+                roots: None,
+                algorithms,
+            }),
+            Check::Chain(roots) => Arc::new(NamesUnchecked {
+                roots: Some(Arc::new(roots)),
                 algorithms,
             }),
             Check::ChainAndName(roots) => {
@@ -257,59 +260,19 @@ fn system_roots(mode: SslMode) -> Result<RootCertStore, String> {
     Ok(roots)
 }
 
-/// `sslmode=require` (and `prefer`) without root certificates: any certificate is accepted,
-/// as libpq accepts it, so the connection is encrypted but the server unauthenticated. The
-/// handshake's signatures are still checked, so the server holds the key of the certificate
-/// it showed, which the channel binding of SCRAM-SHA-256-PLUS relies upon.
+/// The verifier of the modes that do not look at the certificate's names. Without `roots`
+/// (`sslmode=require` and `prefer` without root certificates) any certificate is accepted, as
+/// libpq accepts it: the connection is encrypted but the server unauthenticated. With `roots`
+/// (`verify-ca`, and `require` given root certificates) the chain must lead to one of them and
+/// be valid now. Either way the handshake's signatures are checked, so the server holds the key
+/// of the certificate it showed, which the channel binding of SCRAM-SHA-256-PLUS relies upon.
 #[derive(Debug)]
-struct AcceptAnyCertificate {
+struct NamesUnchecked {
+    roots: Option<Arc<RootCertStore>>,
     algorithms: WebPkiSupportedAlgorithms,
 }
 
-impl ServerCertVerifier for AcceptAnyCertificate {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(message, cert, dss, &self.algorithms)
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(message, cert, dss, &self.algorithms)
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.algorithms.supported_schemes()
-    }
-}
-
-/// `sslmode=verify-ca` (and `require` with root certificates): the chain must lead to one of
-/// `roots` and be valid now; the names in the certificate are not looked at.
-#[derive(Debug)]
-struct VerifyChainOnly {
-    roots: Arc<RootCertStore>,
-    algorithms: WebPkiSupportedAlgorithms,
-}
-
-impl ServerCertVerifier for VerifyChainOnly {
+impl ServerCertVerifier for NamesUnchecked {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -318,14 +281,16 @@ impl ServerCertVerifier for VerifyChainOnly {
         _ocsp_response: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        let cert = ParsedCertificate::try_from(end_entity)?;
-        verify_server_cert_signed_by_trust_anchor(
-            &cert,
-            &self.roots,
-            intermediates,
-            now,
-            self.algorithms.all,
-        )?;
+        if let Some(roots) = &self.roots {
+            let cert = ParsedCertificate::try_from(end_entity)?;
+            verify_server_cert_signed_by_trust_anchor(
+                &cert,
+                roots,
+                intermediates,
+                now,
+                self.algorithms.all,
+            )?;
+        }
         Ok(ServerCertVerified::assertion())
     }
 
@@ -380,11 +345,17 @@ mod tests {
         let algorithms =
             rustls::crypto::aws_lc_rs::default_provider().signature_verification_algorithms;
         let verifiers: [(&str, Box<dyn ServerCertVerifier>); 2] = [
-            ("any", Box::new(AcceptAnyCertificate { algorithms })),
+            (
+                "any",
+                Box::new(NamesUnchecked {
+                    roots: None,
+                    algorithms,
+                }),
+            ),
             (
                 "chain",
-                Box::new(VerifyChainOnly {
-                    roots: Arc::new(file_roots(Path::new(UNRELATED_ROOT)).unwrap()),
+                Box::new(NamesUnchecked {
+                    roots: Some(Arc::new(file_roots(Path::new(UNRELATED_ROOT)).unwrap())),
                     algorithms,
                 }),
             ),
