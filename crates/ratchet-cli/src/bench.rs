@@ -19,7 +19,7 @@ use serde_json::json;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::{Semaphore, broadcast::error::RecvError, oneshot};
 
-use crate::runtime::{Runtime, Schema, Toolbox, open_store};
+use crate::runtime::{Runtime, Schema, Toolbox, announces_changes, open_store};
 
 pub struct StepsArgs {
     pub db: Option<String>,
@@ -44,7 +44,7 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         Some(db) => db.clone(),
         None => format!("sqlite://{}", scratch.path().join("bench.db").display()),
     };
-    if args.worker_processes > 0 && db.starts_with("sqlite:") {
+    if args.worker_processes > 0 && !announces_changes(&db)? {
         bail!(
             "--worker-processes needs a database that tells other processes of its changes \
              (--db postgres://…): over SQLite this process would not hear of their steps"

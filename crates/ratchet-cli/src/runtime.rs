@@ -200,6 +200,15 @@ impl Database {
     }
 }
 
+/// Whether the processes sharing the database the url names hear of each other's changes
+/// (PostgreSQL notifies; SQLite has no notifications, so its processes only poll).
+pub fn announces_changes(url: &str) -> anyhow::Result<bool> {
+    Ok(match Database::parse(url)? {
+        Database::Sqlite(_) => false,
+        Database::Postgres(_) => true,
+    })
+}
+
 /// Opens the store a database url names.
 pub fn open_store(url: &str, schema: Schema) -> anyhow::Result<Arc<dyn Store>> {
     let opened: anyhow::Result<Arc<dyn Store>> = match Database::parse(url)? {
@@ -249,7 +258,7 @@ pub fn open_existing_store(url: &str) -> anyhow::Result<Arc<dyn Store>> {
 pub fn migrate(url: &str) -> anyhow::Result<Migrated> {
     let migrated = match Database::parse(url)? {
         Database::Sqlite(options) => ratchet_sqlite::migrate(&options),
-        Database::Postgres(_) => ratchet_postgres::migrate(url),
+        Database::Postgres(options) => ratchet_postgres::migrate(&options),
     };
     migrated.with_context(|| format!("cannot migrate database {url}"))
 }

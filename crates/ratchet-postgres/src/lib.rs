@@ -217,8 +217,8 @@ fn redacted(url: &str) -> String {
 
 /// Brings the database's schema up to date, returning its version before and after. Safe to
 /// run while other processes open the same database: they wait for it.
-pub fn migrate(url: &str) -> Result<Migrated> {
-    let connector = PgOptions::from_url(url)?.connector();
+pub fn migrate(options: &PgOptions) -> Result<Migrated> {
+    let connector = options.connector();
     off_runtime(|| {
         let mut client = connector.connect()?;
         schema::migrate(&mut client)

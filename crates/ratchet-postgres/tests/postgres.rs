@@ -121,7 +121,12 @@ async fn migrations_apply_once_when_three_processes_open_at_once() {
 
     let backend = open(&database);
     assert_eq!(versions(&backend).await, [1], "version 1 was applied once");
-    assert_eq!(ratchet_postgres::migrate(database.url()).unwrap().to, 1);
+    assert_eq!(
+        ratchet_postgres::migrate(&PgOptions::from_url(database.url()).unwrap())
+            .unwrap()
+            .to,
+        1
+    );
     drop(open(&database));
     assert_eq!(
         versions(&backend).await,
@@ -143,7 +148,7 @@ async fn a_schema_behind_or_ahead_of_the_build_is_a_clear_error() {
         Ok(_) => panic!("an unmigrated database must not open without migrating"),
     }
     assert_eq!(
-        ratchet_postgres::migrate(database.url()).unwrap(),
+        ratchet_postgres::migrate(&PgOptions::from_url(database.url()).unwrap()).unwrap(),
         ratchet_store::Migrated { from: 0, to: 1 }
     );
     let backend = open_with(&database, |o| o.migrate = false)
@@ -1207,7 +1212,12 @@ async fn sslmode_says_whether_every_connection_is_encrypted() {
     assert!(encrypted(&backend).await, "sslmode=require encrypts");
     let plain = PgBackend::open_url(&with_options(database.url(), "sslmode=disable")).unwrap();
     assert!(!encrypted(&plain).await, "sslmode=disable does not");
-    assert_eq!(ratchet_postgres::migrate(&required).unwrap().to, 1);
+    assert_eq!(
+        ratchet_postgres::migrate(&PgOptions::from_url(&required).unwrap())
+            .unwrap()
+            .to,
+        1
+    );
 
     // The pool's connection and the follower's, told apart from other tests' by name.
     for (options, expected) in [
@@ -1252,7 +1262,9 @@ async fn sslmode_verify_ca_trusts_the_given_root_and_no_other() {
             other => panic!("{mode}: expected a refused certificate, got {other}"),
         }
         assert!(
-            ratchet_postgres::migrate(&untrusted).is_err(),
+            PgOptions::from_url(&untrusted)
+                .and_then(|options| ratchet_postgres::migrate(&options))
+                .is_err(),
             "{mode}: migrating connects the same way"
         );
     }

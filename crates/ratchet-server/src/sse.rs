@@ -307,11 +307,13 @@ mod tests {
 
     use super::*;
 
-    /// Concurrent writers of one session can publish its events out of order. A live event
-    /// that skips ahead must send the stream to the store for the ones before it, and a late
-    /// one that was already delivered must not be sent again.
-    #[tokio::test]
-    async fn an_event_ahead_of_its_turn_is_filled_in_from_the_store() {
+    /// A coordinator over a fresh SQLite store with one session; the directory keeps the file.
+    async fn one_session() -> (
+        tempfile::TempDir,
+        Arc<dyn ratchet_store::Store>,
+        Arc<Coordinator>,
+        ratchet_core::SessionId,
+    ) {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("r.db").display());
         let store: Arc<dyn ratchet_store::Store> =
@@ -322,6 +324,15 @@ mod tests {
             .await
             .unwrap()
             .id;
+        (dir, store, coordinator, session)
+    }
+
+    /// Concurrent writers of one session can publish its events out of order. A live event
+    /// that skips ahead must send the stream to the store for the ones before it, and a late
+    /// one that was already delivered must not be sent again.
+    #[tokio::test]
+    async fn an_event_ahead_of_its_turn_is_filled_in_from_the_store() {
+        let (_dir, store, coordinator, session) = one_session().await;
         let run = RunId::from_suffix("r").unwrap();
         let drafts = (0..3)
             .map(|i| EventDraft::new(EventKind::Activity, json!({"i": i})))
@@ -370,16 +381,7 @@ mod tests {
     /// once it has been quiet for a while.
     #[tokio::test]
     async fn a_following_stream_finds_unannounced_events_in_the_store() {
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("r.db").display());
-        let store: Arc<dyn ratchet_store::Store> =
-            Arc::new(ratchet_sqlite::open_url(&url).unwrap());
-        let coordinator = Coordinator::new(Arc::clone(&store));
-        let session = coordinator
-            .create_session(SessionSpec::default())
-            .await
-            .unwrap()
-            .id;
+        let (_dir, store, coordinator, session) = one_session().await;
         let state = AppState::new(
             Arc::clone(&coordinator),
             Default::default(),
