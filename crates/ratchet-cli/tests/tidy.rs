@@ -132,6 +132,18 @@ fn crates_depend_only_along_the_layers() {
                 "ratchet-engine",
             ],
         ),
+        // The chaos program sees what users and operators see: the HTTP API, the event
+        // streams and the store's reads; never the engine.
+        (
+            "ratchet-chaos",
+            &[
+                "ratchet-core",
+                "ratchet-store",
+                "ratchet-sqlite",
+                "ratchet-postgres",
+                "ratchet-llm",
+            ],
+        ),
     ];
     for krate in crates() {
         let Some((_, allowed)) = rules.iter().find(|(name, _)| *name == krate) else {

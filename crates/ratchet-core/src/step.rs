@@ -109,12 +109,21 @@ pub struct StepResult {
 impl StepResult {
     /// A cancel request arrived while this step was in flight. The step's work is kept (its
     /// effects happened), but the run moves to `cancelling` and its next step only finishes.
+    /// A wait for a human the step would have started is not announced: no approval or
+    /// reconciliation exists that a client could answer.
     pub fn yield_to_cancel(&mut self) {
         if self.state.status.is_terminal() || self.state.status == RunStatus::Cancelling {
             return;
         }
         self.state.cancel_requested = true;
-        self.state.pending_human = None;
+        if self.state.pending_human.take().is_some() {
+            let waiting = serde_json::to_value(RunStatus::WaitingHuman).unwrap_or_default();
+            self.events.retain(|event| match event.kind {
+                EventKind::ApprovalRequired | EventKind::ReconciliationRequired => false,
+                EventKind::RunStatus => event.payload["status"] != waiting,
+                _ => true,
+            });
+        }
         self.state.status = RunStatus::Cancelling;
         self.events.push(status_event(&self.state));
         self.next = Some(StepJob {

@@ -313,6 +313,47 @@ fn a_cancel_during_a_step_keeps_the_work_and_finishes_next() {
 }
 
 #[test]
+fn a_cancel_during_a_step_that_would_wait_for_a_human_announces_no_wait() {
+    let mut state = fresh(50);
+    let (job, _) = start_run(&mut state, 0);
+    let reply = ModelReply {
+        tool_calls: vec![ToolCall {
+            id: "c0".into(),
+            name: "guarded".into(),
+            arguments: serde_json::json!({}),
+        }],
+        ..ModelReply::default()
+    };
+    let mut result = after_model(state, &job, reply, false, 0, 1);
+    let kinds = |result: &ratchet_core::StepResult| -> Vec<String> {
+        result
+            .events
+            .iter()
+            .map(|e| e.kind.as_str().to_owned())
+            .collect()
+    };
+    assert!(
+        kinds(&result).contains(&"approval.required".to_owned()),
+        "the batch asks for approval: {:?}",
+        kinds(&result)
+    );
+    result.yield_to_cancel();
+    assert_eq!(result.state.pending_human, None);
+    assert!(
+        !kinds(&result).contains(&"approval.required".to_owned()),
+        "no approval exists to answer: {:?}",
+        kinds(&result)
+    );
+    let statuses: Vec<&serde_json::Value> = result
+        .events
+        .iter()
+        .filter(|e| e.kind.as_str() == "run.status")
+        .map(|e| &e.payload["status"])
+        .collect();
+    assert_eq!(statuses, ["cancelling"]);
+}
+
+#[test]
 fn a_concluding_answer_completes_and_a_concluding_tool_request_exhausts_the_budget() {
     let mut state = fresh(1);
     let (job, _) = start_run(&mut state, 0);

@@ -1,0 +1,465 @@
+//! The invariants of DESIGN.md §10, checked after the chaos from the database (through the
+//! store, as the runtime itself reads it) and from what the clients received. Each finding is
+//! a sentence naming the invariant, the session or run, what was expected and what was found.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+
+use ratchet_core::{SessionId, Visibility};
+use ratchet_store::{Store, StoredEvent};
+use serde_json::Value;
+
+use crate::client::SessionLog;
+use crate::model::SUMMARY_MARK;
+use crate::plan::{GATED_DIR, LOG_DIR, parse_call_id};
+
+/// What the checks counted, besides the violations.
+#[derive(Debug, Default)]
+pub struct Tally {
+    pub runs: usize,
+    pub steps: usize,
+    pub events: usize,
+    pub hidden_messages: usize,
+    pub appends: usize,
+    pub stop_reasons: BTreeMap<String, usize>,
+    /// How often the paths that chaos should reach were taken.
+    pub events_of_kind: BTreeMap<&'static str, usize>,
+}
+
+/// The event kinds counted in the tally: each is a path the workload is meant to exercise.
+const COUNTED_KINDS: [&str; 4] = [
+    "approval.required",
+    "reconciliation.required",
+    "context.compacted",
+    "run.resumed",
+];
+
+pub async fn check(
+    store: &dyn Store,
+    logs: &[SessionLog],
+    workspace: &Path,
+) -> anyhow::Result<(Tally, Vec<String>)> {
+    let mut tally = Tally::default();
+    let mut violations = Vec::new();
+    let with_jobs: HashSet<String> = store
+        .runs_with_jobs()
+        .await?
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    for log in logs.iter().filter(|log| !log.session_id.is_empty()) {
+        let session_id = SessionId::parse(&log.session_id)
+            .map_err(|e| anyhow::anyhow!("session id {:?}: {e}", log.session_id))?;
+        let events = all_events(store, &session_id).await?;
+        tally.events += events.len();
+        for kind in COUNTED_KINDS {
+            *tally.events_of_kind.entry(kind).or_default() +=
+                events.iter().filter(|e| e.kind == kind).count();
+        }
+        check_event_log(log, &events, &mut violations);
+        check_one_active_run(&log.session_id, &events, &mut violations);
+        let session = store.get_session(&session_id).await?;
+        if let Some(active) = session.active_run_id {
+            violations.push(format!(
+                "invariant 3: session {} still has active run {active} after the chaos settled",
+                log.session_id
+            ));
+        }
+        for run in &log.runs {
+            let run_id = ratchet_core::RunId::parse(&run.run_id)
+                .map_err(|e| anyhow::anyhow!("run id {:?}: {e}", run.run_id))?;
+            let state = store.load_state(&run_id).await?;
+            let steps = store.steps(&run_id).await?;
+            tally.runs += 1;
+            tally.steps += steps.len();
+            let run_events: Vec<&StoredEvent> = events
+                .iter()
+                .filter(|e| e.run_id.as_ref() == Some(&run_id))
+                .collect();
+            let name = &run.run_id;
+
+            // 2: dense step indexes, each committed once.
+            let indexes: Vec<u64> = steps.iter().map(|s| s.index).collect();
+            let expected: Vec<u64> = (1..=state.step_index).collect();
+            if indexes != expected {
+                violations.push(format!(
+                    "invariant 2: run {name} has steps {indexes:?}, expected 1..={}",
+                    state.step_index
+                ));
+            }
+            let committed: Vec<u64> = run_events
+                .iter()
+                .filter(|e| e.kind == "step.committed")
+                .filter_map(|e| e.payload["step_index"].as_u64())
+                .collect();
+            if committed != expected {
+                violations.push(format!(
+                    "invariant 2: run {name} announced step.committed for {committed:?}, expected 1..={}",
+                    state.step_index
+                ));
+            }
+
+            // 3: nothing stranded.
+            if !state.status.is_terminal() {
+                violations.push(format!(
+                    "invariant 3: run {name} is {} after the chaos settled",
+                    state.status
+                ));
+            }
+            if state.status.is_terminal() && with_jobs.contains(name) {
+                violations.push(format!(
+                    "invariant 3: run {name} is {} but still has a job",
+                    state.status
+                ));
+            }
+            if !run.finished {
+                violations.push(format!(
+                    "invariant 3: the client never saw run {name} finish"
+                ));
+            }
+
+            // 7: the frozen configuration never changed.
+            let config_now = serde_json::to_value(&*state.config)?;
+            if config_now != run.config_at_start {
+                violations.push(format!(
+                    "invariant 7: run {name}'s configuration changed from {} to {config_now}",
+                    run.config_at_start
+                ));
+            }
+
+            // 8: one stop reason and a finish time; one run.finished per start or resume.
+            if state.status.is_terminal() {
+                match (state.stop_reason, state.finished_at) {
+                    (Some(reason), Some(_)) => {
+                        *tally.stop_reasons.entry(reason.to_string()).or_default() += 1;
+                    }
+                    (reason, finished_at) => violations.push(format!(
+                        "invariant 8: terminal run {name} has stop reason {reason:?} and finished_at {finished_at:?}"
+                    )),
+                }
+                let count = |kind: &str| run_events.iter().filter(|e| e.kind == kind).count();
+                let (finished, resumed) = (count("run.finished"), count("run.resumed"));
+                if finished != resumed + 1 {
+                    violations.push(format!(
+                        "invariant 8: run {name} has {finished} run.finished events for {resumed} resumes, expected {}",
+                        resumed + 1
+                    ));
+                }
+                let last_reason = run_events
+                    .iter()
+                    .rev()
+                    .find(|e| e.kind == "run.finished")
+                    .map(|e| e.payload["stop_reason"].clone());
+                let reason = state.stop_reason.map(|r| Value::String(r.to_string()));
+                if last_reason.is_some() && last_reason != reason {
+                    violations.push(format!(
+                        "invariant 8: run {name} ended {reason:?} but its last run.finished says {last_reason:?}"
+                    ));
+                }
+            }
+        }
+        check_history(store, &session_id, &mut tally, &mut violations).await?;
+    }
+    check_effects(workspace, &mut tally, &mut violations)?;
+    Ok((tally, violations))
+}
+
+async fn all_events(store: &dyn Store, session: &SessionId) -> anyhow::Result<Vec<StoredEvent>> {
+    let mut events: Vec<StoredEvent> = Vec::new();
+    loop {
+        let after = events.last().map_or(0, |e| e.seq);
+        let page = store.events_after(session, after, 1000).await?;
+        if page.is_empty() {
+            return Ok(events);
+        }
+        events.extend(page);
+    }
+}
+
+/// 4: the stored log is gap-free, and what the client received — across every reconnect —
+/// is exactly its first events, in order, each as stored (an event published before its
+/// commit and then lost with a crash would differ or be missing).
+fn check_event_log(log: &SessionLog, stored: &[StoredEvent], violations: &mut Vec<String>) {
+    let session = &log.session_id;
+    let seqs: Vec<i64> = stored.iter().map(|e| e.seq).collect();
+    if seqs.iter().enumerate().any(|(i, seq)| *seq != i as i64 + 1) {
+        violations.push(format!(
+            "invariant 4: session {session}'s stored seqs are not 1..={}: {seqs:?}",
+            seqs.len()
+        ));
+        return;
+    }
+    for (i, received) in log.events.iter().enumerate() {
+        let expected_seq = i as i64 + 1;
+        if received.seq != expected_seq {
+            violations.push(format!(
+                "invariant 4: session {session}'s client received seq {} where {expected_seq} was due (a gap or a repeat)",
+                received.seq
+            ));
+            return;
+        }
+        let Some(stored) = stored.get(i) else {
+            violations.push(format!(
+                "invariant 4: session {session}'s client received seq {expected_seq}, which the database does not have"
+            ));
+            return;
+        };
+        let stored_run = stored.run_id.as_ref().map(ToString::to_string);
+        if received.kind != stored.kind
+            || received.run_id != stored_run
+            || received.payload != stored.payload
+        {
+            violations.push(format!(
+                "invariant 4: session {session} seq {expected_seq}: the client received {} {}, the database has {} {}",
+                received.kind, received.payload, stored.kind, stored.payload
+            ));
+        }
+        if received.payload.to_string().contains(SUMMARY_MARK) {
+            violations.push(format!(
+                "invariant 10: session {session} seq {expected_seq} carried a hidden summary to the client"
+            ));
+        }
+    }
+}
+
+/// 1: within a session, a run holds it from its first step or holding status to its last
+/// step or status event, and these spans of different runs never overlap.
+fn check_one_active_run(session: &str, events: &[StoredEvent], violations: &mut Vec<String>) {
+    let mut spans: BTreeMap<String, (i64, i64)> = BTreeMap::new();
+    for event in events {
+        let Some(run) = event.run_id.as_ref().map(ToString::to_string) else {
+            continue;
+        };
+        let holds = match event.kind.as_str() {
+            "run.status" => event.payload["status"] != "queued",
+            "step.committed" | "run.finished" => true,
+            _ => false,
+        };
+        if holds {
+            let span = spans.entry(run).or_insert((event.seq, event.seq));
+            span.1 = event.seq;
+        }
+    }
+    let mut spans: Vec<(i64, i64, String)> = spans
+        .into_iter()
+        .map(|(run, (from, to))| (from, to, run))
+        .collect();
+    spans.sort();
+    for pair in spans.windows(2) {
+        let (_, end, earlier) = &pair[0];
+        let (start, _, later) = &pair[1];
+        if start <= end {
+            violations.push(format!(
+                "invariant 1: session {session}: run {later} is active from seq {start} while run {earlier} is active until seq {end}"
+            ));
+        }
+    }
+}
+
+/// 6 and 10 from the stored history: every batch's results follow it in call order; the
+/// messages a client can read contain no hidden one.
+async fn check_history(
+    store: &dyn Store,
+    session_id: &SessionId,
+    tally: &mut Tally,
+    violations: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    let history = store.history(session_id).await?;
+    for (i, message) in history.iter().enumerate() {
+        if message.tool_calls.is_empty() {
+            continue;
+        }
+        let results: Vec<&str> = history[i + 1..]
+            .iter()
+            .take_while(|m| m.role == ratchet_core::Role::Tool)
+            .map(|m| m.tool_call_id.as_deref().unwrap_or_default())
+            .collect();
+        let calls: Vec<&str> = message.tool_calls.iter().map(|c| c.id.as_str()).collect();
+        if !calls.starts_with(&results) {
+            violations.push(format!(
+                "invariant 6: session {session_id}: results {results:?} do not follow the calls {calls:?} in order"
+            ));
+        }
+    }
+    tally.hidden_messages += history
+        .iter()
+        .filter(|m| m.visibility == Visibility::Hidden)
+        .count();
+    let visible = store.visible_messages(session_id, 0, 10_000).await?;
+    for stored in visible {
+        if stored.message.visibility == Visibility::Hidden
+            || stored.message.content.contains(SUMMARY_MARK)
+        {
+            violations.push(format!(
+                "invariant 10: session {session_id}: hidden message {} is in client history",
+                stored.id
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// 5: the effect of a `never`-replay call (a line in a file) happened at most once.
+fn check_effects(
+    workspace: &Path,
+    tally: &mut Tally,
+    violations: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    let mut seen = HashSet::new();
+    for dir in [LOG_DIR, GATED_DIR] {
+        let Ok(entries) = std::fs::read_dir(workspace.join(dir)) else {
+            continue;
+        };
+        for entry in entries {
+            let path = entry?.path();
+            for line in std::fs::read_to_string(&path)?.lines() {
+                tally.appends += 1;
+                if parse_call_id(line).is_none() {
+                    violations.push(format!(
+                        "invariant 5: {} holds {line:?}, which no call wrote",
+                        path.display()
+                    ));
+                } else if !seen.insert(line.to_owned()) {
+                    violations.push(format!(
+                        "invariant 5: the never-replay call {line} took effect twice ({})",
+                        path.display()
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use ratchet_core::RunId;
+    use serde_json::json;
+
+    use super::*;
+    use crate::client::ClientEvent;
+
+    fn stored(seq: i64, run: &str, kind: &str, payload: Value) -> StoredEvent {
+        StoredEvent {
+            session_id: SessionId::from_suffix("s").unwrap(),
+            seq,
+            run_id: Some(RunId::from_suffix(run).unwrap()),
+            kind: kind.into(),
+            payload,
+            created_at: 0,
+        }
+    }
+
+    fn received(event: &StoredEvent) -> ClientEvent {
+        ClientEvent {
+            seq: event.seq,
+            kind: event.kind.clone(),
+            run_id: event.run_id.as_ref().map(ToString::to_string),
+            payload: event.payload.clone(),
+        }
+    }
+
+    fn log_of(events: Vec<ClientEvent>) -> SessionLog {
+        SessionLog {
+            session_id: "ses_s".into(),
+            events,
+            ..SessionLog::default()
+        }
+    }
+
+    fn status(seq: i64, run: &str, status: &str) -> StoredEvent {
+        stored(seq, run, "run.status", json!({"status": status}))
+    }
+
+    #[test]
+    fn a_client_log_that_is_the_stored_prefix_passes() {
+        let events: Vec<StoredEvent> = (1..=3).map(|s| status(s, "a", "running")).collect();
+        let mut violations = Vec::new();
+        check_event_log(
+            &log_of(vec![received(&events[0]), received(&events[1])]),
+            &events,
+            &mut violations,
+        );
+        assert_eq!(violations, Vec::<String>::new());
+    }
+
+    #[test]
+    fn gaps_repeats_and_differences_in_what_a_client_received_are_violations() {
+        let events: Vec<StoredEvent> = (1..=3).map(|s| status(s, "a", "running")).collect();
+        let cases = [
+            vec![received(&events[0]), received(&events[2])],
+            vec![received(&events[0]), received(&events[0])],
+            vec![ClientEvent {
+                payload: json!({"status": "failed"}),
+                ..received(&events[0])
+            }],
+            vec![
+                received(&events[0]),
+                received(&events[1]),
+                received(&events[2]),
+                ClientEvent {
+                    seq: 4,
+                    ..received(&events[2])
+                },
+            ],
+        ];
+        for case in cases {
+            let mut violations = Vec::new();
+            check_event_log(&log_of(case.clone()), &events, &mut violations);
+            assert_eq!(violations.len(), 1, "{case:?}: {violations:?}");
+            assert!(violations[0].starts_with("invariant 4"), "{violations:?}");
+        }
+    }
+
+    #[test]
+    fn a_gap_in_the_stored_log_is_a_violation() {
+        let events = vec![status(1, "a", "running"), status(3, "a", "completed")];
+        let mut violations = Vec::new();
+        check_event_log(&log_of(Vec::new()), &events, &mut violations);
+        assert_eq!(violations.len(), 1);
+    }
+
+    #[test]
+    fn runs_one_after_the_other_pass_and_overlapping_runs_do_not() {
+        let sequential = vec![
+            status(1, "a", "queued"),
+            status(2, "a", "running"),
+            stored(3, "a", "step.committed", json!({})),
+            stored(4, "b", "run.created", json!({})),
+            status(5, "b", "queued"),
+            status(6, "a", "completed"),
+            stored(7, "a", "run.finished", json!({})),
+            status(8, "b", "running"),
+            stored(9, "b", "step.committed", json!({})),
+        ];
+        let mut violations = Vec::new();
+        check_one_active_run("ses_s", &sequential, &mut violations);
+        assert_eq!(violations, Vec::<String>::new());
+
+        let overlapping = vec![
+            status(1, "a", "running"),
+            status(2, "b", "running"),
+            stored(3, "a", "step.committed", json!({})),
+        ];
+        check_one_active_run("ses_s", &overlapping, &mut violations);
+        assert_eq!(violations.len(), 1);
+        assert!(violations[0].starts_with("invariant 1"), "{violations:?}");
+    }
+
+    #[test]
+    fn an_effect_twice_or_from_nowhere_is_a_violation() {
+        let workspace = tempfile::tempdir().unwrap();
+        std::fs::create_dir(workspace.path().join(LOG_DIR)).unwrap();
+        let file = workspace.path().join(LOG_DIR).join("t.log");
+        std::fs::write(&file, "c-t-0-0\nc-t-0-1\n").unwrap();
+        let mut tally = Tally::default();
+        let mut violations = Vec::new();
+        check_effects(workspace.path(), &mut tally, &mut violations).unwrap();
+        assert_eq!((tally.appends, violations.len()), (2, 0));
+
+        std::fs::write(&file, "c-t-0-0\nc-t-0-1\nc-t-0-0\nstray\n").unwrap();
+        check_effects(workspace.path(), &mut tally, &mut violations).unwrap();
+        assert_eq!(violations.len(), 2, "{violations:?}");
+        assert!(violations.iter().all(|v| v.starts_with("invariant 5")));
+    }
+}

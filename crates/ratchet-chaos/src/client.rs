@@ -1,0 +1,409 @@
+//! The clients: one task per session sends its runs' messages, follows the session's event
+//! stream (reconnecting with `Last-Event-ID` whenever the server dies), answers approvals and
+//! reconciliations the way a person would, and cancels some runs. Every event it receives is
+//! kept in its log, which the checks later hold against the database.
+//!
+//! A request that dies with the server is retried when that is safe; a message is first looked
+//! for among the session's runs, since its first attempt may have committed.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow, bail};
+use ratchet_core::RunId;
+use ratchet_llm::sse::SseParser;
+use ratchet_store::Store;
+use reqwest::{Method, StatusCode};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::model::ModelState;
+use crate::plan::Plan;
+
+/// An event as a client received it.
+#[derive(Debug, Clone)]
+pub struct ClientEvent {
+    pub seq: i64,
+    pub kind: String,
+    pub run_id: Option<String>,
+    pub payload: Value,
+}
+
+/// What one session's client saw and did.
+#[derive(Debug, Default)]
+pub struct SessionLog {
+    pub session_id: String,
+    pub events: Vec<ClientEvent>,
+    pub runs: Vec<RunLog>,
+    /// Things the client saw go wrong (a run that never finished, a 5xx).
+    pub problems: Vec<String>,
+}
+
+#[derive(Debug)]
+pub struct RunLog {
+    pub run_id: String,
+    pub tag: String,
+    /// The run's frozen configuration as first read from the database.
+    pub config_at_start: Value,
+    pub finished: bool,
+}
+
+/// What every client shares.
+pub struct Clients {
+    pub api: String,
+    pub http: reqwest::Client,
+    pub stream_http: reqwest::Client,
+    pub store: Arc<dyn Store>,
+    pub model: ModelState,
+    /// Where the runs' tools write (to reconcile appends).
+    pub workspace: PathBuf,
+    /// No client waits past this: a run still going then is stranded.
+    pub deadline: Instant,
+}
+
+/// A request's failure: the server was unreachable (retry when safe) or it answered badly.
+enum Failure {
+    Unreachable,
+    Answered(anyhow::Error),
+}
+
+impl Clients {
+    pub fn new(
+        api: String,
+        store: Arc<dyn Store>,
+        model: ModelState,
+        workspace: PathBuf,
+        deadline: Instant,
+    ) -> anyhow::Result<Clients> {
+        Ok(Clients {
+            api,
+            http: reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(2))
+                .timeout(Duration::from_secs(20))
+                .build()?,
+            stream_http: reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(2))
+                .build()?,
+            store,
+            model,
+            workspace,
+            deadline,
+        })
+    }
+
+    /// Runs `plans` one after the other in a new session.
+    pub async fn drive_session(self: Arc<Self>, plans: Vec<Plan>) -> SessionLog {
+        let mut log = SessionLog::default();
+        if let Err(error) = self.drive(&plans, &mut log).await {
+            log.problems.push(format!(
+                "session {}: {error:#}",
+                if log.session_id.is_empty() {
+                    "(not created)"
+                } else {
+                    &log.session_id
+                }
+            ));
+        }
+        log
+    }
+
+    async fn drive(self: &Arc<Self>, plans: &[Plan], log: &mut SessionLog) -> anyhow::Result<()> {
+        let created = self
+            .retrying(Method::POST, "/v1/sessions", Some(json!({})))
+            .await?;
+        log.session_id = text(&created, "id")?;
+        let (events, mut received) = mpsc::unbounded_channel();
+        let stop = CancellationToken::new();
+        let _stop_following = stop.clone().drop_guard();
+        tokio::spawn(follow(
+            self.stream_http.clone(),
+            format!("{}/v1/sessions/{}/events", self.api, log.session_id),
+            events,
+            stop,
+        ));
+        for plan in plans {
+            self.model.add_plan(plan.clone());
+            let run_id = self
+                .send_message(&log.session_id, log.runs.len(), plan)
+                .await?;
+            let config_at_start = self.frozen_config(&run_id).await?;
+            log.runs.push(RunLog {
+                run_id: run_id.clone(),
+                tag: plan.tag.clone(),
+                config_at_start,
+                finished: false,
+            });
+            if let Some(after) = plan.cancel_after_ms {
+                let (client, run_id) = (Arc::clone(self), run_id.clone());
+                tokio::spawn(async move {
+                    client
+                        .cancel_later(run_id, Duration::from_millis(after))
+                        .await;
+                });
+            }
+            loop {
+                let wait = self.deadline.saturating_duration_since(Instant::now());
+                let Ok(Some(event)) = tokio::time::timeout(wait, received.recv()).await else {
+                    bail!("run {run_id} did not finish by the deadline (stranded)");
+                };
+                log.events.push(event.clone());
+                if event.run_id.as_deref() != Some(run_id.as_str()) {
+                    continue;
+                }
+                match event.kind.as_str() {
+                    "approval.required" => self.decide(&event.payload).await?,
+                    "reconciliation.required" => self.reconcile(&run_id, &event.payload).await?,
+                    "run.finished" => break,
+                    _ => {}
+                }
+            }
+            log.runs.last_mut().unwrap().finished = true;
+        }
+        Ok(())
+    }
+
+    /// Sends the run's message once; when the server died meanwhile, the message may have
+    /// committed: it counts if the session has a new run, and is sent again otherwise.
+    async fn send_message(
+        &self,
+        session_id: &str,
+        runs_before: usize,
+        plan: &Plan,
+    ) -> anyhow::Result<String> {
+        let path = format!("/v1/sessions/{session_id}/messages");
+        let body = json!({"content": plan.user_message()});
+        loop {
+            match self.once(Method::POST, &path, Some(&body)).await {
+                Ok(accepted) => return text(&accepted, "run_id"),
+                Err(Failure::Answered(error)) => return Err(error),
+                Err(Failure::Unreachable) => {}
+            }
+            let runs = self
+                .retrying(
+                    Method::GET,
+                    &format!("/v1/sessions/{session_id}/runs"),
+                    None,
+                )
+                .await?;
+            let runs = runs["items"].as_array().cloned().unwrap_or_default();
+            if runs.len() > runs_before {
+                return text(&runs[runs_before], "id");
+            }
+        }
+    }
+
+    async fn frozen_config(&self, run_id: &str) -> anyhow::Result<Value> {
+        let id = RunId::parse(run_id).map_err(|e| anyhow!("run id {run_id:?}: {e}"))?;
+        let state = self.store.load_state(&id).await?;
+        Ok(serde_json::to_value(&*state.config)?)
+    }
+
+    async fn cancel_later(&self, run_id: String, after: Duration) {
+        tokio::time::sleep(after).await;
+        let path = format!("/v1/runs/{run_id}/cancel");
+        // A cancel of a run that already ended is refused with 409: nothing to do.
+        let _ = self
+            .retrying_status(Method::POST, &path, Some(json!({})))
+            .await;
+    }
+
+    /// Answers an approval the same way every time it is asked (a retry after a crash must
+    /// not change its mind): mostly approve, sometimes deny, rarely abort the run.
+    async fn decide(&self, payload: &Value) -> anyhow::Result<()> {
+        let approval_id = text(payload, "approval_id")?;
+        let body = match stable_hash(&approval_id) % 10 {
+            9 => json!({"abort": true}),
+            choice => {
+                let decision = if choice < 7 { "approve" } else { "deny" };
+                let decisions: Vec<Value> = payload["calls"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|call| call["needs_approval"] == true)
+                    .map(|call| json!({"call_id": call["call_id"], "decision": decision}))
+                    .collect();
+                json!({"decisions": decisions})
+            }
+        };
+        self.answer(&format!("/v1/approvals/{approval_id}"), body)
+            .await
+    }
+
+    /// Says what happened to each call whose outcome the crash made unknown, as an operator
+    /// would: the effect is looked up where it would be (the line in its workspace file). A
+    /// line that is there succeeded; one that is not is skipped or failed — never run again.
+    async fn reconcile(&self, run_id: &str, payload: &Value) -> anyhow::Result<()> {
+        let calls = payload["request"]["calls"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        for call in calls {
+            let call_id = text(&call, "call_id")?;
+            let body = if self.effect_happened(&call["arguments"]) {
+                json!({"call_id": call_id, "outcome": "succeeded",
+                       "result": "the line is in the file"})
+            } else if stable_hash(&call_id).is_multiple_of(2) {
+                json!({"call_id": call_id, "outcome": "skip"})
+            } else {
+                json!({"call_id": call_id, "outcome": "failed",
+                       "result": "the line is not in the file; not written again"})
+            };
+            self.answer(&format!("/v1/runs/{run_id}/reconcile"), body)
+                .await?;
+        }
+        Ok(())
+    }
+
+    fn effect_happened(&self, arguments: &Value) -> bool {
+        let (Some(path), Some(line)) = (arguments["path"].as_str(), arguments["line"].as_str())
+        else {
+            return false;
+        };
+        std::fs::read_to_string(self.workspace.join(path))
+            .is_ok_and(|text| text.lines().any(|l| l == line))
+    }
+
+    /// A human's answer: 409 means it was already given (by an attempt that died with the
+    /// server after it committed) or the run has ended meanwhile (a cancel).
+    async fn answer(&self, path: &str, body: Value) -> anyhow::Result<()> {
+        match self.retrying_status(Method::POST, path, Some(body)).await? {
+            (status, _) if status.is_success() || status == StatusCode::CONFLICT => Ok(()),
+            (status, body) => bail!("POST {path}: {status} {body}"),
+        }
+    }
+
+    async fn retrying(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> anyhow::Result<Value> {
+        match self.retrying_status(method.clone(), path, body).await? {
+            (status, body) if status.is_success() => Ok(body),
+            (status, body) => bail!("{method} {path}: {status} {body}"),
+        }
+    }
+
+    /// Repeats a request the server may not have received until it answers.
+    async fn retrying_status(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> anyhow::Result<(StatusCode, Value)> {
+        loop {
+            match self.send(method.clone(), path, body.as_ref()).await {
+                Ok(answer) => return Ok(answer),
+                Err(error) if Instant::now() >= self.deadline => {
+                    return Err(
+                        anyhow!(error).context(format!("{method} {path} until the deadline"))
+                    );
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    }
+
+    async fn once(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Value, Failure> {
+        match self.send(method.clone(), path, body).await {
+            Ok((status, body)) if status.is_success() => Ok(body),
+            Ok((status, body)) => Err(Failure::Answered(anyhow!(
+                "{method} {path}: {status} {body}"
+            ))),
+            Err(_) => Err(Failure::Unreachable),
+        }
+    }
+
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<(StatusCode, Value), reqwest::Error> {
+        let mut request = self.http.request(method, format!("{}{path}", self.api));
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        let response = request.send().await?;
+        let status = response.status();
+        let bytes = response.bytes().await?;
+        Ok((
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        ))
+    }
+}
+
+/// Follows a session's events until `stop`, reconnecting with `Last-Event-ID` after every
+/// broken connection; forwards every event as received (checks judge the order later).
+async fn follow(
+    http: reqwest::Client,
+    url: String,
+    events: mpsc::UnboundedSender<ClientEvent>,
+    stop: CancellationToken,
+) {
+    let mut last_seq = 0i64;
+    while !stop.is_cancelled() {
+        let request = http
+            .get(&url)
+            .header("Last-Event-ID", last_seq.to_string())
+            .send();
+        let response = tokio::select! {
+            () = stop.cancelled() => return,
+            response = request => response,
+        };
+        if let Ok(mut response) = response
+            && response.status().is_success()
+        {
+            let mut parser = SseParser::default();
+            loop {
+                let chunk = tokio::select! {
+                    () = stop.cancelled() => return,
+                    chunk = response.chunk() => chunk,
+                };
+                let Ok(Some(bytes)) = chunk else { break };
+                for event in parser.feed(&bytes) {
+                    let Some(event) = parse_event(&event.data) else {
+                        continue;
+                    };
+                    last_seq = event.seq;
+                    if events.send(event).is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn parse_event(data: &str) -> Option<ClientEvent> {
+    let value: Value = serde_json::from_str(data).ok()?;
+    Some(ClientEvent {
+        seq: value["seq"].as_i64()?,
+        kind: value["kind"].as_str()?.to_owned(),
+        run_id: value["run_id"].as_str().map(str::to_owned),
+        payload: value["payload"].clone(),
+    })
+}
+
+fn text(value: &Value, field: &str) -> anyhow::Result<String> {
+    value[field]
+        .as_str()
+        .map(str::to_owned)
+        .with_context(|| format!("expected a string `{field}` in {value}"))
+}
+
+/// FNV-1a: stable across processes and runs, unlike the standard library's hasher.
+fn stable_hash(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    })
+}

@@ -1,0 +1,251 @@
+//! Chaos for Ratchet: runs a random agent workload through real `ratchet` processes while
+//! killing them with SIGKILL at random instants, then checks every invariant of the design
+//! (DESIGN.md §10) from the database and from what the clients received.
+//!
+//! The pieces: `plan` draws what each run does (parallel tool batches of safe, `never`-replay
+//! and approval-gated calls, some cancels); `model` is the model those runs talk to over the
+//! OpenAI wire protocol, living outside the killed processes; `fleet` starts, kills and
+//! restarts `ratchet serve` and `ratchet worker`; `client` drives sessions over HTTP and SSE
+//! as users would; `check` judges the result. Nothing here reaches into the runtime's
+//! internals: it sees what a user and an operator see.
+
+pub mod check;
+pub mod client;
+pub mod fleet;
+pub mod model;
+pub mod plan;
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::StreamExt;
+use ratchet_store::Store;
+use tokio_util::sync::CancellationToken;
+
+use crate::check::Tally;
+use crate::client::Clients;
+use crate::fleet::{Fleet, FleetSpec};
+use crate::model::ModelState;
+use crate::plan::Plan;
+
+#[derive(Debug, Clone)]
+pub enum Database {
+    /// A new SQLite file in the working directory.
+    Sqlite,
+    /// A PostgreSQL database (empty or not: only the sessions made here are checked).
+    Postgres { url: String },
+}
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The `ratchet` binary under test.
+    pub ratchet: PathBuf,
+    pub database: Database,
+    /// How long processes are killed and restarted.
+    pub duration: Duration,
+    /// At most how many runs the clients make (sessions of one to three runs each); no new
+    /// session starts once the kills have stopped.
+    pub runs: usize,
+    /// Sessions driven at once.
+    pub concurrency: usize,
+    /// `ratchet worker` processes beside `ratchet serve`; each is killed like the server.
+    pub worker_processes: usize,
+    /// Kills happen after a random uptime in this range.
+    pub uptime_ms: (u64, u64),
+    pub seed: u64,
+    /// Where the database file, the workspace, the configurations and the processes' logs go.
+    pub dir: PathBuf,
+    /// After the kills stop, how long the runs still going get to finish.
+    pub settle: Duration,
+}
+
+#[derive(Debug)]
+pub struct Report {
+    pub seed: u64,
+    pub kills: usize,
+    pub tally: Tally,
+    pub model_calls: u64,
+    pub compactions: u64,
+    pub chaos: Duration,
+    pub violations: Vec<String>,
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "runs {}, kills {}, steps {}, violations {}",
+            self.tally.runs,
+            self.kills,
+            self.tally.steps,
+            self.violations.len()
+        )?;
+        writeln!(
+            f,
+            "seed {}; {:.1} s of kills; {} events checked; {} model calls, {} summaries asked for ({} hidden messages); {} never-replay effects",
+            self.seed,
+            self.chaos.as_secs_f64(),
+            self.tally.events,
+            self.model_calls,
+            self.compactions,
+            self.tally.hidden_messages,
+            self.tally.appends
+        )?;
+        let reasons: Vec<String> = self
+            .tally
+            .stop_reasons
+            .iter()
+            .map(|(reason, count)| format!("{reason} {count}"))
+            .collect();
+        writeln!(f, "stop reasons: {}", reasons.join(", "))?;
+        let paths: Vec<String> = self
+            .tally
+            .events_of_kind
+            .iter()
+            .map(|(kind, count)| format!("{kind} {count}"))
+            .collect();
+        writeln!(f, "paths taken: {}", paths.join(", "))?;
+        for violation in &self.violations {
+            writeln!(f, "VIOLATION {violation}")?;
+        }
+        Ok(())
+    }
+}
+
+pub async fn run(options: Options) -> anyhow::Result<Report> {
+    let stop_model = CancellationToken::new();
+    let _stop_model = stop_model.clone().drop_guard();
+    let model = ModelState::default();
+    let model_url = model::serve(model.clone(), stop_model).await?;
+    let db_url = match &options.database {
+        Database::Sqlite => format!("sqlite://{}", options.dir.join("chaos.db").display()),
+        Database::Postgres { url } => url.clone(),
+    };
+    let spec = FleetSpec {
+        ratchet: options.ratchet.clone(),
+        dir: options.dir.clone(),
+        db_url: db_url.clone(),
+        model_url,
+        port: free_port()?,
+        worker_processes: options.worker_processes,
+    };
+    let mut fleet = Fleet::start(spec.clone()).await?;
+    let store = open_store(&options.database, &db_url).await?;
+    let deadline = Instant::now() + options.duration + options.settle;
+    let clients = Arc::new(Clients::new(
+        spec.api(),
+        Arc::clone(&store),
+        model.clone(),
+        spec.workspace(),
+        deadline,
+    )?);
+
+    let mut rng = fastrand::Rng::with_seed(options.seed);
+    let sessions = sessions_of_plans(options.runs, &mut rng);
+    let clients_done = CancellationToken::new();
+    let kills_over = CancellationToken::new();
+    let driving = {
+        let clients_done = clients_done.clone();
+        let kills_over = kills_over.clone();
+        let concurrency = options.concurrency.max(1);
+        tokio::spawn(async move {
+            let logs: Vec<_> = futures::stream::iter(sessions)
+                .take_until(kills_over.cancelled_owned())
+                .map(|plans| tokio::spawn(Arc::clone(&clients).drive_session(plans)))
+                .buffer_unordered(concurrency)
+                .collect()
+                .await;
+            clients_done.cancel();
+            logs
+        })
+    };
+
+    let started = Instant::now();
+    let mut kills = 0;
+    while started.elapsed() < options.duration && !clients_done.is_cancelled() {
+        let uptime = Duration::from_millis(rng.u64(options.uptime_ms.0..=options.uptime_ms.1));
+        tokio::select! {
+            () = tokio::time::sleep(uptime) => {}
+            () = clients_done.cancelled() => break,
+        }
+        let which = rng.usize(0..fleet.processes());
+        let downtime = Duration::from_millis(rng.u64(0..300));
+        fleet
+            .kill_and_restart(which, downtime)
+            .await
+            .context("restarting after a kill")?;
+        kills += 1;
+    }
+    let chaos = started.elapsed();
+    kills_over.cancel();
+
+    let mut logs = Vec::new();
+    for joined in driving.await? {
+        logs.push(joined.context("a client task panicked")?);
+    }
+    fleet.stop().await?;
+
+    let (tally, mut violations) = check::check(store.as_ref(), &logs, &spec.workspace()).await?;
+    violations.extend(model.violations());
+    violations.extend(logs.iter().flat_map(|log| log.problems.iter().cloned()));
+    Ok(Report {
+        seed: options.seed,
+        kills,
+        tally,
+        model_calls: model.calls(),
+        compactions: model.summaries(),
+        chaos,
+        violations,
+    })
+}
+
+/// `runs` plans in sessions of one to three runs; tags name the session and the run.
+fn sessions_of_plans(runs: usize, rng: &mut fastrand::Rng) -> Vec<Vec<Plan>> {
+    let mut sessions = Vec::new();
+    let mut made = 0;
+    while made < runs {
+        let size = rng.usize(1..=3).min(runs - made);
+        let session = sessions.len();
+        sessions.push(
+            (0..size)
+                .map(|run| Plan::random(format!("s{session}r{run}"), rng))
+                .collect(),
+        );
+        made += size;
+    }
+    sessions
+}
+
+/// The store as the processes share it; the chaos process only reads (never migrates).
+async fn open_store(database: &Database, url: &str) -> anyhow::Result<Arc<dyn Store>> {
+    let url = url.to_owned();
+    let database = database.clone();
+    tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<dyn Store>> {
+        Ok(match database {
+            Database::Sqlite => {
+                let options = ratchet_sqlite::SqliteOptions {
+                    migrate: false,
+                    ..ratchet_sqlite::SqliteOptions::from_url(&url)?
+                };
+                Arc::new(ratchet_sqlite::open(options)?)
+            }
+            Database::Postgres { .. } => {
+                let options = ratchet_postgres::PgOptions {
+                    migrate: false,
+                    ..ratchet_postgres::PgOptions::from_url(&url)?
+                };
+                Arc::new(ratchet_postgres::open(options)?)
+            }
+        })
+    })
+    .await?
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}

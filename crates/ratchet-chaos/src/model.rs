@@ -1,0 +1,285 @@
+//! The chaos model: an OpenAI-compatible chat-completions server (streamed) that answers each
+//! run from its plan. It lives in the chaos process, so it outlives every kill of the
+//! runtime, and it checks what only a model sees: that tool results come back in the order
+//! of their calls (invariant 6).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Json;
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use futures::StreamExt;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::plan::{Plan, Reply, parse_call_id};
+
+/// The text of a compaction summary starts with this, so checks can look for it where it
+/// must never appear.
+pub const SUMMARY_MARK: &str = "HIDDEN-SUMMARY";
+
+#[derive(Clone, Default)]
+pub struct ModelState {
+    inner: Arc<Mutex<Inner>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    plans: HashMap<String, Plan>,
+    violations: Vec<String>,
+    calls: u64,
+    summaries: u64,
+}
+
+impl ModelState {
+    pub fn add_plan(&self, plan: Plan) {
+        let mut inner = self.inner.lock().unwrap();
+        inner.plans.insert(plan.tag.clone(), plan);
+    }
+
+    pub fn violations(&self) -> Vec<String> {
+        self.inner.lock().unwrap().violations.clone()
+    }
+
+    pub fn calls(&self) -> u64 {
+        self.inner.lock().unwrap().calls
+    }
+
+    pub fn summaries(&self) -> u64 {
+        self.inner.lock().unwrap().summaries
+    }
+
+    fn violation(&self, text: String) {
+        self.inner.lock().unwrap().violations.push(text);
+    }
+}
+
+/// Serves the model on a loopback port until `stop`; returns the base url (`…/v1`).
+pub async fn serve(state: ModelState, stop: CancellationToken) -> anyhow::Result<String> {
+    let app = Router::new()
+        .route("/v1/chat/completions", post(complete))
+        .with_state(state);
+    let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0))).await?;
+    let address = listener.local_addr()?;
+    tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await
+    });
+    Ok(format!("http://{address}/v1"))
+}
+
+/// Where the request stands in a run, read from its last messages.
+#[derive(Debug)]
+enum Turn {
+    Round { tag: String, round: usize },
+    Summary,
+}
+
+async fn complete(State(state): State<ModelState>, Json(body): Json<Value>) -> Response {
+    let messages = body["messages"].as_array().cloned().unwrap_or_default();
+    // About four bytes a token, as providers count: long sessions grow past the prompt
+    // budget and are compacted.
+    let prompt_tokens = body["messages"].to_string().len() / 4;
+    let tools_offered = body["tools"].as_array().is_some_and(|t| !t.is_empty());
+    let turn = match read_turn(&messages) {
+        Ok(turn) => turn,
+        Err(problem) => {
+            state.violation(format!("model request: {problem}"));
+            return (StatusCode::BAD_REQUEST, problem).into_response();
+        }
+    };
+    let (reply, delay) = {
+        let mut inner = state.inner.lock().unwrap();
+        inner.calls += 1;
+        match turn {
+            Turn::Summary => {
+                inner.summaries += 1;
+                let text = format!("{SUMMARY_MARK} {}: earlier chaos turns.", inner.summaries);
+                let reply = Reply {
+                    text,
+                    tool_calls: Vec::new(),
+                };
+                (reply, 0)
+            }
+            Turn::Round { tag, round } => match inner.plans.get(&tag) {
+                Some(plan) => (plan.reply(round, tools_offered), plan.chunk_delay_ms),
+                None => {
+                    drop(inner);
+                    let problem = format!("no plan with tag {tag:?}");
+                    state.violation(format!("model request: {problem}"));
+                    return (StatusCode::BAD_REQUEST, problem).into_response();
+                }
+            },
+        }
+    };
+    stream(reply, prompt_tokens, Duration::from_millis(delay))
+}
+
+/// Finds the run's plan and round; checks that trailing tool results answer the calls of the
+/// assistant message before them, in their order.
+fn read_turn(messages: &[Value]) -> Result<Turn, String> {
+    let Some(last) = messages.last() else {
+        return Err("no messages".into());
+    };
+    match last["role"].as_str() {
+        Some("user") => {
+            let content = last["content"].as_str().unwrap_or_default();
+            Ok(match content.strip_prefix("chaos ") {
+                Some(tag) => Turn::Round {
+                    tag: tag.to_owned(),
+                    round: 0,
+                },
+                None => Turn::Summary,
+            })
+        }
+        Some("tool") => {
+            let results_start = messages
+                .iter()
+                .rposition(|m| m["role"] != "tool")
+                .map_or(0, |i| i + 1);
+            let result_ids: Vec<&str> = messages[results_start..]
+                .iter()
+                .map(|m| m["tool_call_id"].as_str().unwrap_or_default())
+                .collect();
+            let call_ids: Vec<&str> = results_start
+                .checked_sub(1)
+                .and_then(|i| messages[i]["tool_calls"].as_array())
+                .map(|calls| {
+                    calls
+                        .iter()
+                        .map(|c| c["id"].as_str().unwrap_or_default())
+                        .collect()
+                })
+                .unwrap_or_default();
+            if result_ids != call_ids {
+                return Err(format!(
+                    "invariant 6: tool results {result_ids:?} do not answer the calls {call_ids:?} in order"
+                ));
+            }
+            let last_id = result_ids.last().copied().unwrap_or_default();
+            let (tag, round, _) = parse_call_id(last_id)
+                .ok_or_else(|| format!("a tool result for a call id not made here: {last_id:?}"))?;
+            Ok(Turn::Round {
+                tag: tag.to_owned(),
+                round: round + 1,
+            })
+        }
+        other => Err(format!(
+            "expected the last message to be a user message or a tool result, found role {other:?}"
+        )),
+    }
+}
+
+/// The reply as OpenAI streams it: a role chunk, one chunk per word, the tool calls (each
+/// with its arguments in two pieces), the finish reason, the usage, `[DONE]`.
+fn stream(reply: Reply, prompt_tokens: usize, delay: Duration) -> Response {
+    let chunk = |delta: Value, finish: Option<&str>| {
+        json!({"id": "chatcmpl-chaos", "object": "chat.completion.chunk", "model": "chaos",
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    };
+    let mut chunks = vec![(
+        chunk(json!({"role": "assistant", "content": ""}), None),
+        false,
+    )];
+    for word in reply.text.split_inclusive(' ') {
+        chunks.push((chunk(json!({"content": word}), None), true));
+    }
+    for (index, call) in reply.tool_calls.iter().enumerate() {
+        let arguments = call.arguments.to_string();
+        let (head, tail) = arguments.split_at(arguments.len() / 2);
+        chunks.push((
+            chunk(
+                json!({"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                       "function": {"name": call.name, "arguments": head}}]}),
+                None,
+            ),
+            false,
+        ));
+        chunks.push((
+            chunk(
+                json!({"tool_calls": [{"index": index, "function": {"arguments": tail}}]}),
+                None,
+            ),
+            false,
+        ));
+    }
+    let finish = if reply.tool_calls.is_empty() {
+        "stop"
+    } else {
+        "tool_calls"
+    };
+    chunks.push((chunk(json!({}), Some(finish)), false));
+    let words = reply.text.split_whitespace().count();
+    chunks.push((
+        json!({"id": "chatcmpl-chaos", "object": "chat.completion.chunk", "choices": [],
+               "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": words,
+                         "total_tokens": prompt_tokens + words}}),
+        false,
+    ));
+    let lines = chunks
+        .into_iter()
+        .map(|(value, slow)| (format!("data: {value}\n\n"), slow))
+        .chain([("data: [DONE]\n\n".to_owned(), false)]);
+    let body = futures::stream::iter(lines).then(move |(line, slow)| async move {
+        if slow && !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        Ok::<_, std::convert::Infallible>(line)
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .body(Body::from_stream(body))
+        .unwrap()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tool_turn(calls: &[&str], results: &[&str]) -> Vec<Value> {
+        let mut messages = vec![
+            json!({"role": "user", "content": "chaos t1"}),
+            json!({"role": "assistant", "content": "x",
+                   "tool_calls": calls.iter().map(|id| json!({"id": id})).collect::<Vec<_>>()}),
+        ];
+        messages.extend(
+            results
+                .iter()
+                .map(|id| json!({"role": "tool", "tool_call_id": id, "content": "ok"})),
+        );
+        messages
+    }
+
+    #[test]
+    fn results_in_call_order_lead_to_the_next_round() {
+        let messages = tool_turn(&["c-t1-0-0", "c-t1-0-1"], &["c-t1-0-0", "c-t1-0-1"]);
+        assert!(matches!(
+            read_turn(&messages),
+            Ok(Turn::Round { tag, round: 1 }) if tag == "t1"
+        ));
+    }
+
+    #[test]
+    fn results_out_of_order_or_missing_are_violations() {
+        let swapped = tool_turn(&["c-t1-0-0", "c-t1-0-1"], &["c-t1-0-1", "c-t1-0-0"]);
+        assert!(read_turn(&swapped).unwrap_err().contains("invariant 6"));
+        let missing = tool_turn(&["c-t1-0-0", "c-t1-0-1"], &["c-t1-0-0"]);
+        assert!(read_turn(&missing).unwrap_err().contains("invariant 6"));
+    }
+
+    #[test]
+    fn a_user_message_starts_a_plan_and_anything_else_asks_for_a_summary() {
+        let start = [json!({"role": "user", "content": "chaos t9"})];
+        assert!(matches!(read_turn(&start), Ok(Turn::Round { tag, round: 0 }) if tag == "t9"));
+        let summary = [json!({"role": "user", "content": "Summarize the conversation above"})];
+        assert!(matches!(read_turn(&summary), Ok(Turn::Summary)));
+    }
+}
