@@ -744,9 +744,17 @@ pub(crate) fn commit_step(
     // The fence, and the first write: the claimed job becomes the next one (or goes) only
     // while the claim's epoch still holds it.
     let next_row = NewJob::new(continue_with.as_ref(), now);
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("commit.before_outbox", |_| Err(Error::Backend(
+        "failpoint commit.before_outbox".into()
+    )));
     if !advance_job(c, claim, result.next.as_ref(), &next_row)? {
         return Ok(Commit::Stale(Stale::LeaseLost));
     }
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("commit.after_outbox", |_| Err(Error::Backend(
+        "failpoint commit.after_outbox".into()
+    )));
     let steer_boundary = result.accepts_steer();
     let state = &result.state;
     write_state(c, state)?;
