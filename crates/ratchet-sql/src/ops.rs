@@ -745,16 +745,12 @@ pub(crate) fn commit_step(
     // while the claim's epoch still holds it.
     let next_row = NewJob::new(continue_with.as_ref(), now);
     #[cfg(feature = "failpoints")]
-    fail::fail_point!("commit.before_outbox", |_| Err(Error::Backend(
-        "failpoint commit.before_outbox".into()
-    )));
+    fail::fail_point!("commit.before_outbox", |_| injected("commit.before_outbox"));
     if !advance_job(c, claim, result.next.as_ref(), &next_row)? {
         return Ok(Commit::Stale(Stale::LeaseLost));
     }
     #[cfg(feature = "failpoints")]
-    fail::fail_point!("commit.after_outbox", |_| Err(Error::Backend(
-        "failpoint commit.after_outbox".into()
-    )));
+    fail::fail_point!("commit.after_outbox", |_| injected("commit.after_outbox"));
     let steer_boundary = result.accepts_steer();
     let state = &result.state;
     write_state(c, state)?;
@@ -835,6 +831,13 @@ pub(crate) fn commit_step(
         continued,
         enqueued,
     })
+}
+
+/// What a commit transaction fails with where a failpoint is told to fail it: a database
+/// error, so that the transaction keeps nothing and the worker gives the step back.
+#[cfg(feature = "failpoints")]
+fn injected<T>(failpoint: &str) -> Result<T> {
+    Err(Error::Backend(format!("failpoint {failpoint}")))
 }
 
 /// The session's active run has ended: the oldest queued run (if any) starts now. Its events
