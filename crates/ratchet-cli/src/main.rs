@@ -423,6 +423,10 @@ enum BenchCommand {
 }
 
 fn main() -> ExitCode {
+    // Only a build with fault injection reads `FAILPOINTS` (docs/ARCHITECTURE.md, "Fault
+    // injection"); the guard keeps the configuration for the life of the process.
+    #[cfg(feature = "failpoints")]
+    let _failpoints = fail::FailScenario::setup();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(error) => {

@@ -185,6 +185,8 @@ impl Coordinator {
         result: StepResult,
         continue_with: Option<Lease>,
     ) -> Result<Commit> {
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("step.before_commit", |_| std::process::abort());
         let commit = self
             .store
             .commit_step(claim, result, continue_with, now_ms())
@@ -193,6 +195,8 @@ impl Coordinator {
             events, enqueued, ..
         } = &commit
         {
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!("step.after_commit", |_| std::process::abort());
             self.publish(events.clone());
             if *enqueued {
                 self.wake.notify_one();
@@ -415,6 +419,10 @@ impl Coordinator {
 
     fn publish(&self, events: Vec<StoredEvent>) {
         for event in events {
+            #[cfg(feature = "failpoints")]
+            fail::fail_point!("events.publish", event.kind == "step.committed", |_| {
+                std::process::abort()
+            });
             // No subscriber is not an error: events are durable and replayable.
             let _ = self.events.send(event);
         }

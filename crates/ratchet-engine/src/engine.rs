@@ -266,6 +266,8 @@ impl Engine {
                             .append_events(&state.session_id, &state.run_id, vec![delta_event(state, text)])
                             .await?;
                         last_flush = Instant::now();
+                        #[cfg(feature = "failpoints")]
+                        fail::fail_point!("model.mid_stream", |_| std::process::abort());
                     }
                 }
             }
@@ -487,6 +489,8 @@ async fn run_call(
     coordinator
         .record_outcome(&claim, slot, outcome.clone())
         .await?;
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("tools.between_calls", |_| std::process::abort());
     if context.cancel.is_cancelled() {
         return Err(StepFailure::Cancelled);
     }

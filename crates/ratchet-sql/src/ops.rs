@@ -744,9 +744,13 @@ pub(crate) fn commit_step(
     // The fence, and the first write: the claimed job becomes the next one (or goes) only
     // while the claim's epoch still holds it.
     let next_row = NewJob::new(continue_with.as_ref(), now);
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("commit.before_outbox", |_| injected("commit.before_outbox"));
     if !advance_job(c, claim, result.next.as_ref(), &next_row)? {
         return Ok(Commit::Stale(Stale::LeaseLost));
     }
+    #[cfg(feature = "failpoints")]
+    fail::fail_point!("commit.after_outbox", |_| injected("commit.after_outbox"));
     let steer_boundary = result.accepts_steer();
     let state = &result.state;
     write_state(c, state)?;
@@ -827,6 +831,13 @@ pub(crate) fn commit_step(
         continued,
         enqueued,
     })
+}
+
+/// What a commit transaction fails with where a failpoint is told to fail it: a database
+/// error, so that the transaction keeps nothing and the worker gives the step back.
+#[cfg(feature = "failpoints")]
+fn injected<T>(failpoint: &str) -> Result<T> {
+    Err(Error::Backend(format!("failpoint {failpoint}")))
 }
 
 /// The session's active run has ended: the oldest queued run (if any) starts now. Its events
