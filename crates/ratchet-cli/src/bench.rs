@@ -35,8 +35,8 @@ use crate::runtime::{
 /// How long one run may take before the benchmark gives up on it. Generous: at a thousand
 /// runs at a time on a slow store, each run waits behind all the others.
 const RUN_DEADLINE: Duration = Duration::from_secs(600);
-/// How often a run's waiter asks the store whether the run ended, when the event bus may
-/// have dropped its end (see `steps`).
+/// How often the store is asked which runs ended, once the event bus may have dropped a
+/// run's end (see `steps`).
 const STORE_CHECK: Duration = Duration::from_millis(500);
 
 pub struct StepsArgs {
@@ -185,15 +185,49 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         })
     };
 
+    // The store has the last word on whether a run ended once the bus may have dropped
+    // events. One query for every run at once: a query per run, at a thousand runs in
+    // flight, would load the store under test (and, on a server, queue behind the steps).
+    let sweeper = {
+        let (store, watches, missed) = (
+            Arc::clone(coordinator.store()),
+            Arc::clone(&watches),
+            Arc::clone(&missed),
+        );
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(STORE_CHECK).await;
+                if !missed.load(Ordering::Relaxed) {
+                    continue;
+                }
+                let runs = match store.list_runs().await {
+                    Ok(runs) => runs,
+                    Err(error) => {
+                        eprintln!("warning: cannot ask the store which runs ended: {error}");
+                        continue;
+                    }
+                };
+                let mut watches = watches.lock().expect("bench watch map");
+                for run in runs.iter().filter(|run| run.status.is_terminal()) {
+                    if let Some(done) = watches
+                        .get_mut(&run.session_id)
+                        .and_then(|watch| watch.done.take())
+                    {
+                        let _ = done.send(());
+                    }
+                }
+            }
+        })
+    };
+
     let started = Instant::now();
     let permits = Arc::new(Semaphore::new(args.concurrency));
     let mut tasks = Vec::with_capacity(args.runs);
     for _ in 0..args.runs {
         let permit = Arc::clone(&permits).acquire_owned().await?;
-        let (coordinator, watches, missed, config) = (
+        let (coordinator, watches, config) = (
             Arc::clone(&coordinator),
             Arc::clone(&watches),
-            Arc::clone(&missed),
             config.clone(),
         );
         tasks.push(tokio::spawn(async move {
@@ -212,28 +246,12 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
             let run = coordinator
                 .submit(&session, "bench".into(), config, Multitask::Enqueue)
                 .await?;
-            // The store has the last word on whether the run ended once the bus may have
-            // dropped events; until then, asking it would only load the store under test.
-            let deadline = tokio::time::Instant::now() + RUN_DEADLINE;
-            tokio::pin!(finished);
-            loop {
-                tokio::select! {
-                    _ = &mut finished => break,
-                    () = tokio::time::sleep(STORE_CHECK) => {
-                        if missed.load(Ordering::Relaxed)
-                            && coordinator.store().load_state(&run.run_id).await?.status.is_terminal()
-                        {
-                            break;
-                        }
-                    }
-                }
-                if tokio::time::Instant::now() > deadline {
-                    bail!(
-                        "run {} did not finish within {} s",
-                        run.run_id,
-                        RUN_DEADLINE.as_secs()
-                    );
-                }
+            if tokio::time::timeout(RUN_DEADLINE, finished).await.is_err() {
+                bail!(
+                    "run {} did not finish within {} s",
+                    run.run_id,
+                    RUN_DEADLINE.as_secs()
+                );
             }
             anyhow::Ok(coordinator.store().load_state(&run.run_id).await?)
         }));
@@ -262,6 +280,7 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         worker.wait().await?;
     }
     listener.abort();
+    sweeper.abort();
     let bytes_after = database_bytes(&db)?;
 
     let mut latencies: Vec<f64> = std::mem::take(&mut *latencies.lock().expect("bench latencies"))
