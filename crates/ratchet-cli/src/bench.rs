@@ -140,7 +140,8 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
 
     let watches: Arc<std::sync::Mutex<HashMap<SessionId, Watch>>> = Arc::default();
     let latencies: Arc<std::sync::Mutex<Vec<Duration>>> = Arc::default();
-    // Set once the bus may have dropped a run's end: from then on, waiters ask the store.
+    // Set once the bus may have dropped a run's end: from then on, the sweeper below asks
+    // the store.
     // Steps run in other processes reach this one through a relay that may drop some.
     let missed = Arc::new(AtomicBool::new(args.worker_processes > 0));
     let mut events = coordinator.subscribe();

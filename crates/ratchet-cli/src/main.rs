@@ -386,7 +386,8 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Durable steps per second: N runs, C at a time, each K tool round-trips and an answer.
+    /// Durable steps per second: N runs, C at a time, each K tool round-trips and an answer;
+    /// with the disk's own commit rate beside them (SQLite) and the database bytes per step.
     Steps {
         /// Database URL; a fresh temporary SQLite file when absent.
         #[arg(long)]
