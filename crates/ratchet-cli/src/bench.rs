@@ -140,9 +140,9 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
 
     let watches: Arc<std::sync::Mutex<HashMap<SessionId, Watch>>> = Arc::default();
     let latencies: Arc<std::sync::Mutex<Vec<Duration>>> = Arc::default();
-    // Set once the bus may have dropped a run's end: from then on, the sweeper below asks
-    // the store.
-    // Steps run in other processes reach this one through a relay that may drop some.
+    // Set once the bus may have dropped a run's end, and from the start when other processes
+    // run the steps (their events reach this one through a relay that may drop some): from
+    // then on, the sweeper below asks the store.
     let missed = Arc::new(AtomicBool::new(args.worker_processes > 0));
     let mut events = coordinator.subscribe();
     let listener = {
