@@ -3,23 +3,41 @@
 //! Each run is K round-trips (a model call answering one `add` call, then that tool batch)
 //! and a final answer: 2K+1 durable steps. Step latency is measured as a client sees it:
 //! the time between consecutive `step.committed` events of a run (the first from submit).
+//!
+//! Beside the steps it reports what bounds them and what they cost: on SQLite, the disk's own
+//! rate of fsynced single-row commits, measured in the database's directory just before the
+//! runs (steps/s ÷ commits/s shows what group commit gains); on every store, the bytes the
+//! database grew by per committed step.
+//!
+//! The helpers every `bench` subcommand shares live here too: one way to print a report, one
+//! way to take percentiles, and starting a `ratchet` child process.
 
 use std::collections::HashMap;
 use std::io::Write;
 use std::process::ExitCode;
 use std::process::Stdio;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use ratchet_core::{Limits, MemoryScope, RunConfigSnapshot, RunStatus, SessionId};
 use ratchet_engine::{Multitask, PoolConfig};
 use ratchet_store::SessionSpec;
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::{Semaphore, broadcast::error::RecvError, oneshot};
 
-use crate::runtime::{Runtime, Schema, Toolbox, announces_changes, open_store};
+use crate::runtime::{
+    Runtime, Schema, Toolbox, announces_changes, database_bytes, database_directory, open_store,
+};
+
+/// How long one run may take before the benchmark gives up on it. Generous: at a thousand
+/// runs at a time on a slow store, each run waits behind all the others.
+const RUN_DEADLINE: Duration = Duration::from_secs(600);
+/// How often the store is asked which runs ended, once the event bus may have dropped a
+/// run's end (see `steps`).
+const STORE_CHECK: Duration = Duration::from_millis(500);
 
 pub struct StepsArgs {
     pub db: Option<String>,
@@ -27,6 +45,8 @@ pub struct StepsArgs {
     pub concurrency: usize,
     pub turns: usize,
     pub worker_processes: usize,
+    /// Single-row commits measured beside the runs (SQLite only).
+    pub commits: u32,
     pub json: bool,
 }
 
@@ -36,8 +56,16 @@ struct Watch {
 }
 
 pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
-    if args.runs == 0 || args.concurrency == 0 {
-        bail!("--runs and --concurrency must be at least 1");
+    if args.runs == 0 || args.concurrency == 0 || args.commits == 0 {
+        bail!("--runs, --concurrency and --commits must be at least 1");
+    }
+    if args.concurrency > args.runs {
+        bail!(
+            "--concurrency {} is more than --runs {}: at most {} runs can be in flight at once",
+            args.concurrency,
+            args.runs,
+            args.runs
+        );
     }
     let scratch = tempfile::tempdir().context("cannot create a scratch directory")?;
     let db = match &args.db {
@@ -73,7 +101,24 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         },
         memory_scope: MemoryScope::Session,
     };
+    // The disk's limit, on the disk the steps will wait on, just before they do.
+    let commits_per_s = match database_directory(&db)? {
+        Some(directory) => {
+            let probe = tempfile::tempdir_in(&directory).with_context(|| {
+                format!(
+                    "cannot create a scratch directory in {}",
+                    directory.display()
+                )
+            })?;
+            Some(ratchet_sqlite::single_commit_rate(
+                probe.path(),
+                args.commits,
+            )?)
+        }
+        None => None,
+    };
     let runtime = Runtime::new(open_store(&db, Schema::Migrate)?, toolbox);
+    let bytes_before = database_bytes(&db)?;
     let coordinator = Arc::clone(&runtime.coordinator);
     let pool = (args.worker_processes == 0).then(|| {
         runtime.start_workers(PoolConfig {
@@ -83,20 +128,36 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     });
     let mut workers = Vec::with_capacity(args.worker_processes);
     for _ in 0..args.worker_processes {
-        workers.push(start_worker_process(&db, args.concurrency).await?);
+        let concurrency = args.concurrency.to_string();
+        let (worker, _) = start_process(
+            "worker",
+            &["worker", "--db", &db, "--workers", &concurrency],
+            "ratchet worker on database",
+        )
+        .await?;
+        workers.push(worker);
     }
 
     let watches: Arc<std::sync::Mutex<HashMap<SessionId, Watch>>> = Arc::default();
     let latencies: Arc<std::sync::Mutex<Vec<Duration>>> = Arc::default();
+    // Set once the bus may have dropped a run's end, and from the start when other processes
+    // run the steps (their events reach this one through a relay that may drop some): from
+    // then on, the sweeper below asks the store.
+    let missed = Arc::new(AtomicBool::new(args.worker_processes > 0));
     let mut events = coordinator.subscribe();
     let listener = {
-        let (watches, latencies) = (Arc::clone(&watches), Arc::clone(&latencies));
+        let (watches, latencies, missed) = (
+            Arc::clone(&watches),
+            Arc::clone(&latencies),
+            Arc::clone(&missed),
+        );
         tokio::spawn(async move {
             loop {
                 let event = match events.recv().await {
                     Ok(event) => event,
-                    Err(RecvError::Lagged(missed)) => {
-                        eprintln!("warning: the benchmark's listener missed {missed} events");
+                    Err(RecvError::Lagged(count)) => {
+                        eprintln!("warning: the benchmark's listener missed {count} events");
+                        missed.store(true, Ordering::Relaxed);
                         continue;
                     }
                     Err(RecvError::Closed) => break,
@@ -120,6 +181,41 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
                         }
                     }
                     _ => {}
+                }
+            }
+        })
+    };
+
+    // The store has the last word on whether a run ended once the bus may have dropped
+    // events. One query for every run at once: a query per run, at a thousand runs in
+    // flight, would load the store under test (and, on a server, queue behind the steps).
+    let sweeper = {
+        let (store, watches, missed) = (
+            Arc::clone(coordinator.store()),
+            Arc::clone(&watches),
+            Arc::clone(&missed),
+        );
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(STORE_CHECK).await;
+                if !missed.load(Ordering::Relaxed) {
+                    continue;
+                }
+                let runs = match store.list_runs().await {
+                    Ok(runs) => runs,
+                    Err(error) => {
+                        eprintln!("warning: cannot ask the store which runs ended: {error}");
+                        continue;
+                    }
+                };
+                let mut watches = watches.lock().expect("bench watch map");
+                for run in runs.iter().filter(|run| run.status.is_terminal()) {
+                    if let Some(done) = watches
+                        .get_mut(&run.session_id)
+                        .and_then(|watch| watch.done.take())
+                    {
+                        let _ = done.send(());
+                    }
                 }
             }
         })
@@ -151,23 +247,12 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
             let run = coordinator
                 .submit(&session, "bench".into(), config, Multitask::Enqueue)
                 .await?;
-            // The event bus is best-effort (a relay of another process's events can fall
-            // behind and drop some): the store has the last word on whether the run ended.
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-            tokio::pin!(finished);
-            loop {
-                tokio::select! {
-                    _ = &mut finished => break,
-                    () = tokio::time::sleep(Duration::from_millis(500)) => {
-                        let state = coordinator.store().load_state(&run.run_id).await?;
-                        if state.status.is_terminal() {
-                            break;
-                        }
-                    }
-                }
-                if tokio::time::Instant::now() > deadline {
-                    bail!("run {} did not finish within 120 s", run.run_id);
-                }
+            if tokio::time::timeout(RUN_DEADLINE, finished).await.is_err() {
+                bail!(
+                    "run {} did not finish within {} s",
+                    run.run_id,
+                    RUN_DEADLINE.as_secs()
+                );
             }
             anyhow::Ok(coordinator.store().load_state(&run.run_id).await?)
         }));
@@ -186,7 +271,7 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         }
         steps += state.step_index;
     }
-    let elapsed = started.elapsed();
+    let elapsed = started.elapsed().as_secs_f64();
     if let Some(pool) = pool {
         pool.shutdown().await;
     }
@@ -196,15 +281,20 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         worker.wait().await?;
     }
     listener.abort();
+    sweeper.abort();
+    let bytes_after = database_bytes(&db)?;
 
-    let mut latencies = std::mem::take(&mut *latencies.lock().expect("bench latencies"));
-    latencies.sort();
-    let percentile = |p: f64| {
-        let index = ((latencies.len() as f64 - 1.0) * p).round() as usize;
-        latencies
-            .get(index)
-            .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
-    };
+    let mut latencies: Vec<f64> = std::mem::take(&mut *latencies.lock().expect("bench latencies"))
+        .iter()
+        .map(|d| d.as_secs_f64() * 1000.0)
+        .collect();
+    latencies.sort_by(f64::total_cmp);
+    let steps_per_s = steps as f64 / elapsed;
+    let runs_per_s = args.runs as f64 / elapsed;
+    let (p50, p99) = (percentile(&latencies, 0.50), percentile(&latencies, 0.99));
+    let over_commits = commits_per_s.map(|rate| steps_per_s / rate);
+    // What the runs added: another database's or the schema's own bytes are not theirs.
+    let bytes_per_step = (bytes_after as f64 - bytes_before as f64) / steps as f64;
     let report = json!({
         "db": if args.db.is_some() { db.as_str() } else { "sqlite (temporary file, synchronous=full)" },
         "runs": args.runs,
@@ -212,20 +302,28 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         "turns": args.turns,
         "worker_processes": args.worker_processes,
         "steps": steps,
-        "seconds": elapsed.as_secs_f64(),
-        "steps_per_s": steps as f64 / elapsed.as_secs_f64(),
-        "runs_per_s": args.runs as f64 / elapsed.as_secs_f64(),
-        "p50_ms": percentile(0.50),
-        "p99_ms": percentile(0.99),
+        "seconds": elapsed,
+        "steps_per_s": steps_per_s,
+        "runs_per_s": runs_per_s,
+        "p50_ms": p50,
+        "p99_ms": p99,
         "latency_samples": latencies.len(),
+        "commits": commits_per_s.map(|_| args.commits),
+        "commits_per_s": commits_per_s,
+        "steps_per_s_over_commits_per_s": over_commits,
+        "database_bytes_before": bytes_before,
+        "database_bytes_after": bytes_after,
+        "database_bytes_per_step": bytes_per_step,
     });
-    let mut out = std::io::stdout().lock();
-    if args.json {
-        writeln!(out, "{report}")?;
-    } else {
-        writeln!(
-            out,
-            "{} runs x {} steps, {} at a time{}: {:.0} durable steps/s, {:.1} runs/s, step latency p50 {:.2} ms, p99 {:.2} ms",
+    print_report(&report, args.json, || {
+        let disk = match (commits_per_s, over_commits) {
+            (Some(rate), Some(ratio)) => {
+                format!("; the disk: {rate:.0} fsynced single-row commits/s, so {ratio:.2}x that")
+            }
+            _ => String::new(),
+        };
+        format!(
+            "{} runs x {} steps, {} at a time{}: {steps_per_s:.0} durable steps/s, {runs_per_s:.1} runs/s, step latency p50 {p50:.2} ms, p99 {p99:.2} ms{disk}; the database grew {bytes_per_step:.0} bytes per step",
             args.runs,
             2 * args.turns + 1,
             args.concurrency,
@@ -233,47 +331,73 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
                 0 => String::new(),
                 n => format!(", steps run by {n} worker processes"),
             },
-            report["steps_per_s"].as_f64().unwrap_or_default(),
-            report["runs_per_s"].as_f64().unwrap_or_default(),
-            report["p50_ms"].as_f64().unwrap_or_default(),
-            report["p99_ms"].as_f64().unwrap_or_default(),
-        )?;
+        )
+    })
+}
+
+/// The value at quantile `p` (0 to 1) of ascending `sorted` values; 0 when there are none.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted.get(index).copied().unwrap_or_default()
+}
+
+/// How every benchmark reports: its figures as one JSON object with `--json`, else one line
+/// for people.
+pub fn print_report(
+    report: &Value,
+    json: bool,
+    line: impl FnOnce() -> String,
+) -> anyhow::Result<ExitCode> {
+    let mut out = std::io::stdout().lock();
+    if json {
+        writeln!(out, "{report}")?;
+    } else {
+        writeln!(out, "{}", line())?;
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// Starts `ratchet worker` on `db` and waits until it says it runs: the benchmark's clock
-/// must not include a process starting. Its later output is read and dropped.
-async fn start_worker_process(db: &str, workers: usize) -> anyhow::Result<tokio::process::Child> {
+/// Starts `ratchet ARGS…` and waits until it prints a line starting with `ready` on stderr,
+/// which is returned: a benchmark's clock must not include a process starting. Earlier lines
+/// are shown prefixed with `name`; later output is read and dropped. The child is killed if
+/// dropped.
+pub async fn start_process(
+    name: &str,
+    args: &[&str],
+    ready: &str,
+) -> anyhow::Result<(tokio::process::Child, String)> {
     let mut child = tokio::process::Command::new(std::env::current_exe()?)
-        .args(["worker", "--db", db, "--workers", &workers.to_string()])
+        .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
-        .context("cannot start a worker process")?;
-    let stderr = child.stderr.take().context("a worker's stderr")?;
+        .with_context(|| format!("cannot start a {name} process"))?;
+    let stderr = child
+        .stderr
+        .take()
+        .with_context(|| format!("a {name}'s stderr"))?;
     let mut lines = BufReader::new(stderr).lines();
-    let ready = tokio::time::timeout(Duration::from_secs(30), async {
+    let started = tokio::time::timeout(Duration::from_secs(30), async {
         while let Some(line) = lines.next_line().await? {
-            if line.starts_with("ratchet worker on database") {
-                return anyhow::Ok(true);
+            if line.starts_with(ready) {
+                return anyhow::Ok(Some(line));
             }
-            eprintln!("worker: {line}");
+            eprintln!("{name}: {line}");
         }
-        anyhow::Ok(false)
+        anyhow::Ok(None)
     })
     .await;
-    match ready {
-        Ok(Ok(true)) => {}
-        Ok(Ok(false)) => bail!(
-            "a worker process exited before it started: {}",
+    let line = match started {
+        Ok(Ok(Some(line))) => line,
+        Ok(Ok(None)) => bail!(
+            "a {name} process exited before it started: {}",
             child.wait().await?
         ),
-        Ok(Err(error)) => return Err(error.context("cannot read a worker's output")),
-        Err(_) => bail!("a worker process did not start within 30 s"),
-    }
+        Ok(Err(error)) => return Err(error.context(format!("cannot read a {name}'s output"))),
+        Err(_) => bail!("a {name} process did not start within 30 s"),
+    };
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok(child)
+    Ok((child, line))
 }

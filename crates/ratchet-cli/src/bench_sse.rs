@@ -10,7 +10,6 @@
 //! Without `--server`, an in-process server on 127.0.0.1 with a fresh temporary SQLite
 //! database and a scripted model without delays is started, so the bench runs standalone.
 
-use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,6 +23,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::bench::{percentile, print_report};
 use crate::client::{self, Api, ClientError};
 use crate::runtime::{Runtime, Schema, Toolbox, open_store};
 
@@ -68,12 +68,8 @@ pub async fn sse(args: SseArgs) -> anyhow::Result<ExitCode> {
         local.stop().await;
     }
     let report = outcome?;
-    let mut out = std::io::stdout().lock();
-    if args.json {
-        writeln!(out, "{report}")?;
-    } else {
-        writeln!(
-            out,
+    print_report(&report, args.json, || {
+        format!(
             "{} subscribers, {} runs: {} events delivered in {:.2} s: {:.0} events/s, delivery latency p50 {:.2} ms, p99 {:.2} ms",
             args.subscribers,
             args.runs,
@@ -82,9 +78,8 @@ pub async fn sse(args: SseArgs) -> anyhow::Result<ExitCode> {
             report["events_per_s"].as_f64().unwrap_or_default(),
             report["p50_ms"].as_f64().unwrap_or_default(),
             report["p99_ms"].as_f64().unwrap_or_default(),
-        )?;
-    }
-    Ok(ExitCode::SUCCESS)
+        )
+    })
 }
 
 async fn measure(args: &SseArgs, server: &str) -> anyhow::Result<serde_json::Value> {
@@ -172,10 +167,6 @@ async fn measure(args: &SseArgs, server: &str) -> anyhow::Result<serde_json::Val
     }
     let seconds = (last - started).as_secs_f64();
     latencies.sort_by(f64::total_cmp);
-    let percentile = |p: f64| {
-        let index = ((latencies.len() as f64 - 1.0) * p).round() as usize;
-        latencies.get(index).copied().unwrap_or_default()
-    };
     Ok(json!({
         "server": if args.server.is_some() { api.base() } else { "in-process (temporary SQLite file, scripted model)" },
         "subscribers": args.subscribers,
@@ -184,8 +175,8 @@ async fn measure(args: &SseArgs, server: &str) -> anyhow::Result<serde_json::Val
         "events_per_subscriber": per_subscriber.unwrap_or_default(),
         "seconds": seconds,
         "events_per_s": if seconds > 0.0 { events as f64 / seconds } else { 0.0 },
-        "p50_ms": percentile(0.50),
-        "p99_ms": percentile(0.99),
+        "p50_ms": percentile(&latencies, 0.50),
+        "p99_ms": percentile(&latencies, 0.99),
         "latency_samples": latencies.len(),
     }))
 }

@@ -4,6 +4,8 @@
 mod approve;
 mod bench;
 mod bench_commits;
+mod bench_memory;
+mod bench_recovery;
 mod bench_sse;
 mod chat;
 mod client;
@@ -384,7 +386,8 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Durable steps per second: N runs, C at a time, each K tool round-trips and an answer.
+    /// Durable steps per second: N runs, C at a time, each K tool round-trips and an answer;
+    /// with the disk's own commit rate beside them (SQLite) and the database bytes per step.
     Steps {
         /// Database URL; a fresh temporary SQLite file when absent.
         #[arg(long)]
@@ -400,6 +403,45 @@ enum BenchCommand {
         /// other processes of its changes (postgres://).
         #[arg(long, default_value_t = 0)]
         worker_processes: usize,
+        /// Fsynced single-row commits measured in the database's directory before the runs,
+        /// for the disk's own rate (SQLite only).
+        #[arg(long, default_value_t = 1000)]
+        commits: u32,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Recovery after SIGKILL: N runs in flight in a `ratchet worker` that is killed, then
+    /// carried on by a fresh worker; time from the kill until each went on and completed.
+    Recovery {
+        /// Database URL; a fresh temporary SQLite file when absent.
+        #[arg(long)]
+        db: Option<String>,
+        /// Runs in flight when the worker is killed.
+        #[arg(long)]
+        runs: usize,
+        /// How long the step in flight takes (a tool call that sleeps); it is done again
+        /// after the kill, and must outlast getting every run into it.
+        #[arg(long, value_name = "MS", default_value_t = 2000)]
+        step_ms: u64,
+        /// The workers' lease (default 15000, as `ratchet worker`'s).
+        #[arg(long, value_name = "MS")]
+        lease_ms: Option<u64>,
+        /// Start the fresh worker before the kill, as another machine's would be: it takes
+        /// the steps over when their leases expire. Without it, the fresh worker starts after
+        /// the kill on this machine and frees the dead process's leases at once.
+        #[arg(long)]
+        takeover: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Resident memory of a server per idle session and per run waiting for an approval.
+    Memory {
+        /// Database URL; a fresh temporary SQLite file when absent.
+        #[arg(long)]
+        db: Option<String>,
+        /// Sessions created (each with one completed run, then one waiting run).
+        #[arg(long)]
+        sessions: usize,
         #[arg(long)]
         json: bool,
     },
@@ -668,6 +710,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     concurrency,
                     turns,
                     worker_processes,
+                    commits,
                     json,
                 },
         } => {
@@ -677,10 +720,35 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 concurrency,
                 turns,
                 worker_processes,
+                commits,
                 json,
             })
             .await
         }
+        Command::Bench {
+            command:
+                BenchCommand::Recovery {
+                    db,
+                    runs,
+                    step_ms,
+                    lease_ms,
+                    takeover,
+                    json,
+                },
+        } => {
+            bench_recovery::recovery(bench_recovery::RecoveryArgs {
+                db,
+                runs,
+                step_ms,
+                lease_ms,
+                takeover,
+                json,
+            })
+            .await
+        }
+        Command::Bench {
+            command: BenchCommand::Memory { db, sessions, json },
+        } => bench_memory::memory(bench_memory::MemoryArgs { db, sessions, json }).await,
         Command::Bench {
             command:
                 BenchCommand::Sse {

@@ -2,7 +2,7 @@
 //! Database urls become stores here and nowhere else (`open_store`).
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
@@ -207,6 +207,28 @@ pub fn announces_changes(url: &str) -> anyhow::Result<bool> {
         Database::Sqlite(_) => false,
         Database::Postgres(_) => true,
     })
+}
+
+/// The directory a SQLite database's file is in, whose disk its commits wait on; `None` for a
+/// database on a server.
+pub fn database_directory(url: &str) -> anyhow::Result<Option<PathBuf>> {
+    Ok(match Database::parse(url)? {
+        Database::Sqlite(options) => Some(match options.path.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
+            _ => PathBuf::from("."),
+        }),
+        Database::Postgres(_) => None,
+    })
+}
+
+/// The bytes the database a url names takes now: SQLite's pages (those in the WAL included),
+/// PostgreSQL's `pg_database_size`.
+pub fn database_bytes(url: &str) -> anyhow::Result<u64> {
+    let bytes = match Database::parse(url)? {
+        Database::Sqlite(options) => ratchet_sqlite::database_bytes(&options.path),
+        Database::Postgres(options) => ratchet_postgres::database_bytes(&options),
+    };
+    bytes.with_context(|| format!("cannot measure the size of database {url}"))
 }
 
 /// Opens the store a database url names.

@@ -225,6 +225,20 @@ pub fn migrate(options: &PgOptions) -> Result<Migrated> {
     })
 }
 
+/// The bytes the database takes on the server's disk now (`pg_database_size`).
+pub fn database_bytes(options: &PgOptions) -> Result<u64> {
+    let connector = options.connector();
+    off_runtime(|| {
+        let mut client = connector.connect()?;
+        let row = client
+            .query_one("SELECT pg_database_size(current_database())", &[])
+            .map_err(|e| backend_error(&e))?;
+        let bytes: i64 = row.get(0);
+        u64::try_from(bytes)
+            .map_err(|_| Error::Backend(format!("pg_database_size gave {bytes}, expected a size")))
+    })
+}
+
 /// The PostgreSQL store.
 pub type PgStore = SqlStore<PgBackend>;
 

@@ -100,6 +100,20 @@ pub fn single_commit_rate(dir: &Path, count: u32) -> Result<f64> {
     Ok(f64::from(count) / started.elapsed().as_secs_f64())
 }
 
+/// The bytes the database at `path` holds as a reader sees it now: its pages, those still in
+/// the WAL included (`page_count × page_size`), whether or not a checkpoint has run.
+pub fn database_bytes(path: &Path) -> Result<u64> {
+    let conn = open_connection(path, true)?;
+    let pragma = |name: &str| -> Result<u64> {
+        let value: i64 = conn
+            .query_row(&format!("PRAGMA {name}"), [], |row| row.get(0))
+            .map_err(backend)?;
+        u64::try_from(value)
+            .map_err(|_| Error::Backend(format!("PRAGMA {name} gave {value}, expected a count")))
+    };
+    Ok(pragma("page_count")? * pragma("page_size")?)
+}
+
 pub(crate) fn open_connection(path: &Path, read_only: bool) -> Result<Connection> {
     let flags = if read_only {
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX
