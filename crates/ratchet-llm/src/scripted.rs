@@ -351,18 +351,22 @@ mod tests {
             })
     }
 
-    /// A script text and replies that are each valid.
-    fn valid_script() -> impl Strategy<Value = (String, Vec<Generated>)> {
-        proptest::collection::vec(
-            reply().prop_filter("says something", Generated::is_valid),
-            1..5,
-        )
-        .prop_map(|replies| {
+    /// A script's text and the replies it was written from.
+    fn script(
+        replies: impl Strategy<Value = Vec<Generated>>,
+    ) -> impl Strategy<Value = (String, Vec<Generated>)> {
+        replies.prop_map(|replies| {
             let json = serde_json::json!({
                 "replies": replies.iter().map(Generated::json).collect::<Vec<_>>()
             });
             (json.to_string(), replies)
         })
+    }
+
+    /// A script whose replies each say something.
+    fn valid_script() -> impl Strategy<Value = (String, Vec<Generated>)> {
+        let valid = reply().prop_filter("says something", Generated::is_valid);
+        script(proptest::collection::vec(valid, 1..5))
     }
 
     /// One edit of a document, at a char position taken modulo its length.
@@ -455,10 +459,22 @@ mod tests {
 
         #[test]
         fn a_generated_script_parses_to_what_it_says(
-            (text, replies) in valid_script(),
+            (text, replies) in script(proptest::collection::vec(reply(), 0..5)),
             known in proptest::collection::vec("[a-z_]{1,8}", 0..6),
         ) {
-            let script = Script::parse(&text).unwrap();
+            let parsed = Script::parse(&text);
+            let refused = if replies.is_empty() {
+                Some("`replies` is empty".to_owned())
+            } else {
+                let silent = replies.iter().position(|r| !r.is_valid());
+                silent.map(|i| format!("reply {i} has neither"))
+            };
+            if let Some(reason) = refused {
+                let message = parsed.unwrap_err();
+                prop_assert!(message.starts_with(&reason), "{}", message);
+                return Ok(());
+            }
+            let script = parsed.unwrap();
             prop_assert_eq!(script.replies.len(), replies.len());
             for (parsed, generated) in script.replies.iter().zip(&replies) {
                 prop_assert_eq!(&parsed.text, generated.text.as_deref().unwrap_or(""));
@@ -472,7 +488,7 @@ mod tests {
                 let calls: Vec<(&str, &Value)> = parsed.tool_calls.iter()
                     .map(|c| (c.name.as_str(), &c.arguments))
                     .collect();
-                let empty = empty_object();
+                let empty = serde_json::json!({});
                 let expected: Vec<(&str, &Value)> = generated.calls.iter()
                     .map(|(name, arguments)| (name.as_str(), arguments.as_ref().unwrap_or(&empty)))
                     .collect();

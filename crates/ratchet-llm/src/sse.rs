@@ -318,11 +318,16 @@ mod tests {
         fn any_bytes_give_the_same_events_however_they_are_split(
             bytes in proptest::collection::vec(
                 prop_oneof![
-                    3 => any::<u8>(),
-                    1 => proptest::sample::select(b"\r\n:daeitvny ".to_vec()),
+                    1 => any::<u8>().prop_map(|b| vec![b]),
+                    3 => proptest::sample::select(vec![
+                        "data: x", "data:", "event: e", "id: 7", "id", "retry: 9", ": c", "\r",
+                        "\n", "\r\n", "\u{feff}", "\u{fffd}", "é",
+                    ])
+                    .prop_map(|token| token.as_bytes().to_vec()),
                 ],
-                0..200,
-            ),
+                0..60,
+            )
+            .prop_map(|tokens| tokens.concat()),
             cuts in proptest::collection::vec(any::<proptest::sample::Index>(), 0..6),
         ) {
             let whole = parse(&bytes);
