@@ -62,10 +62,9 @@ struct Seeded {
 fn model() -> FnModel<impl Fn(ratchet_llm::ModelRequest) -> ratchet_llm::Result<ModelReply>> {
     FnModel(|request: ratchet_llm::ModelRequest| {
         let first = request.messages.first().map(|m| m.content.as_str());
-        let answered = request.messages.len() > 1;
         match first {
             Some("fail") => Err(ratchet_llm::Error::Fatal("HTTP 401: no key".into())),
-            Some("gate") if !answered => Ok(ModelReply {
+            Some("gate") => Ok(ModelReply {
                 tool_calls: vec![ToolCall {
                     id: "call_0_0".into(),
                     name: "add".into(),
