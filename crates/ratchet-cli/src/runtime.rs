@@ -344,6 +344,8 @@ impl Drop for Runtime {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     #[test]
@@ -392,5 +394,71 @@ mod tests {
                 .contains("replay policy for unknown tool \"rm_rf\""),
             "{error}"
         );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        /// A url is the backend its scheme names, read by that backend's own parser, or it
+        /// is refused with a reason.
+        #[test]
+        fn a_database_url_is_read_by_the_backend_its_scheme_names(
+            url in prop_oneof![
+                any::<String>(),
+                ("(sqlite|postgres|postgresql|mysql|)(:|://)", any::<String>())
+                    .prop_map(|(scheme, rest)| format!("{scheme}{rest}")),
+            ],
+        ) {
+            let parsed = Database::parse(&url);
+            if url.starts_with("sqlite:") {
+                prop_assert_eq!(parsed.is_ok(), SqliteOptions::from_url(&url).is_ok());
+                prop_assert!(matches!(parsed, Ok(Database::Sqlite(_)) | Err(_)));
+            } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
+                prop_assert_eq!(parsed.is_ok(), PgOptions::from_url(&url).is_ok());
+                prop_assert!(matches!(parsed, Ok(Database::Postgres(_)) | Err(_)));
+            } else {
+                let error = parsed.err().unwrap().to_string();
+                prop_assert!(error.starts_with("unsupported database url"), "{}", error);
+            }
+            if let Err(error) = Database::parse(&url) {
+                let message = format!("{error:#}");
+                prop_assert!(!message.trim().is_empty());
+            }
+        }
+
+        /// Whatever `--model` says, the template is frozen with a model it can run, or the
+        /// spec is refused with a reason.
+        #[test]
+        fn any_model_spec_is_frozen_or_refused_with_a_reason(
+            spec in prop_oneof![
+                any::<String>(),
+                ("(scripted|openai|anthropic|x|):", any::<String>())
+                    .prop_map(|(kind, rest)| format!("{kind}{rest}")),
+                Just("scripted:demo".to_owned()),
+            ],
+        ) {
+            let toolbox = Toolbox::new();
+            let dir = tempfile::tempdir().unwrap();
+            let template = toolbox.run_template(
+                &spec,
+                Some(dir.path()),
+                Limits::default(),
+                &ToolOverrides::default(),
+                MemoryScope::Session,
+            );
+            match template {
+                Ok(template) => match template.model_settings {
+                    Some(settings) => prop_assert!(
+                        spec == format!("{}:{}", settings.provider, settings.model),
+                        "{} froze {:?}", spec, settings
+                    ),
+                    None => prop_assert!(toolbox.models.resolve(&template.model).is_ok()),
+                },
+                Err(error) => {
+                    let message = format!("{error:#}");
+                    prop_assert!(!message.trim().is_empty());
+                }
+            }
+        }
     }
 }

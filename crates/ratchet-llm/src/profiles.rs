@@ -177,6 +177,8 @@ fn settings_of(
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn env(key: &str) -> Option<String> {
@@ -271,5 +273,128 @@ mod tests {
         let unknown: Result<Profile, _> =
             serde_json::from_str(r#"{"provider": "openai", "model": "m", "modle": "x"}"#);
         assert!(unknown.is_err(), "unknown keys are refused");
+    }
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    /// A profile as `ratchet.toml` could hold it, valid or not.
+    fn any_profile() -> impl Strategy<Value = Profile> {
+        let provider = prop_oneof![
+            Just("openai".to_owned()),
+            Just("anthropic".to_owned()),
+            any::<String>()
+        ];
+        let base_url = prop_oneof![
+            "https?://[a-z0-9.:]{1,20}(/[a-z0-9]{0,5}){0,2}/?",
+            any::<String>(),
+        ];
+        let price = prop_oneof![0.0f64..1000.0, any::<f64>()];
+        (
+            (provider, any::<String>(), proptest::option::of(base_url)),
+            (
+                proptest::option::of(prop_oneof![
+                    Just("MY_KEY".to_owned()),
+                    Just("UNSET".to_owned())
+                ]),
+                proptest::option::of(any::<u64>()),
+                proptest::option::of(any::<u64>()),
+                proptest::option::of(0u32..1000),
+                proptest::option::of(any::<bool>()),
+                proptest::option::of(any::<u32>()),
+                proptest::option::of((price.clone(), price)),
+            ),
+        )
+            .prop_map(
+                |(
+                    (provider, model, base_url),
+                    (api_key_env, connect, read, retries, stream, max_out, prices),
+                )| Profile {
+                    provider,
+                    model,
+                    base_url,
+                    api_key_env,
+                    connect_timeout_ms: connect,
+                    read_timeout_ms: read,
+                    max_retries: retries,
+                    stream,
+                    max_output_tokens: max_out,
+                    prices: prices.map(|(input_per_mtok, output_per_mtok)| Prices {
+                        input_per_mtok,
+                        output_per_mtok,
+                    }),
+                },
+            )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Any spec resolves or says why; `scripted:…` needs no settings, `openai:MODEL` and
+        /// `anthropic:MODEL` get the provider's defaults for exactly that model.
+        #[test]
+        fn any_spec_resolves_to_what_it_names_or_says_why(
+            spec in prop_oneof![
+                any::<String>(),
+                ("(scripted|openai|anthropic|gemini|)", any::<String>()).prop_map(|(kind, rest)| format!("{kind}:{rest}")),
+            ],
+        ) {
+            let resolved = resolve_spec(&spec, &BTreeMap::new(), &no_env);
+            match spec.split_once(':') {
+                Some(("scripted", _)) => prop_assert_eq!(resolved.unwrap(), Resolved { settings: None, max_attempts: None }),
+                Some((provider @ ("openai" | "anthropic"), model)) if !model.trim().is_empty() => {
+                    let settings = resolved.unwrap().settings.unwrap();
+                    prop_assert_eq!(settings.provider.as_str(), provider);
+                    prop_assert_eq!(settings.model.as_str(), model);
+                    let base_url = if provider == "openai" { "https://api.openai.com/v1" } else { "https://api.anthropic.com" };
+                    prop_assert_eq!(settings.base_url.as_str(), base_url);
+                }
+                _ => {
+                    let error = resolved.unwrap_err();
+                    let Error::Spec { spec: named, reason } = &error else {
+                        panic!("not a spec error: {error:?}");
+                    };
+                    prop_assert_eq!(named, &spec);
+                    prop_assert!(!reason.trim().is_empty());
+                }
+            }
+        }
+
+        /// A profile is checked at start: either it is refused with a reason, or resolving its
+        /// name gives settings that say what the profile says.
+        #[test]
+        fn a_profile_is_refused_with_a_reason_or_means_what_it_says(profile in any_profile()) {
+            let profiles = BTreeMap::from([("p".to_owned(), profile.clone())]);
+            match check_profiles(&profiles, &env) {
+                Err(Error::Spec { spec, reason }) => {
+                    prop_assert_eq!(spec, "p");
+                    prop_assert!(!reason.trim().is_empty());
+                    prop_assert!(resolve_spec("p", &profiles, &env).is_err(), "resolving agrees with the check");
+                }
+                Err(other) => prop_assert!(false, "not a spec error: {:?}", other),
+                Ok(()) => {
+                    let resolved = resolve_spec("p", &profiles, &env).unwrap();
+                    let settings = resolved.settings.unwrap();
+                    prop_assert!(["openai", "anthropic"].contains(&settings.provider.as_str()));
+                    prop_assert_eq!(&settings.provider, &profile.provider);
+                    prop_assert_eq!(&settings.model, &profile.model);
+                    prop_assert!(!settings.model.trim().is_empty());
+                    prop_assert!(settings.base_url.starts_with("http://") || settings.base_url.starts_with("https://"));
+                    if let Some(base_url) = &profile.base_url {
+                        prop_assert_eq!(settings.base_url.as_str(), base_url.trim_end_matches('/'));
+                    }
+                    prop_assert_eq!(settings.connect_timeout_ms, profile.connect_timeout_ms.unwrap_or(DEFAULT_CONNECT_TIMEOUT_MS));
+                    prop_assert_eq!(settings.read_timeout_ms, profile.read_timeout_ms.unwrap_or(DEFAULT_READ_TIMEOUT_MS));
+                    prop_assert_eq!(settings.stream, profile.stream.unwrap_or(true));
+                    prop_assert_eq!(settings.max_output_tokens, profile.max_output_tokens);
+                    prop_assert_eq!(settings.prices, profile.prices);
+                    prop_assert_eq!(resolved.max_attempts, Some(profile.max_retries.unwrap_or(DEFAULT_MAX_RETRIES) + 1));
+                    if let Some(key) = &profile.api_key_env {
+                        prop_assert!(env(key).is_some(), "a named key variable must be set");
+                    }
+                }
+            }
+        }
     }
 }

@@ -159,6 +159,7 @@ impl Model for ScriptedModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use ratchet_core::RunId;
 
     fn request(call_index: u64, attempt: u32) -> ModelRequest {
@@ -272,5 +273,270 @@ mod tests {
         assert!(err.to_string().contains("cannot read script file"), "{err}");
         let err = crate::from_spec("demo", &[]).err().unwrap();
         assert!(err.to_string().contains("expected KIND:ARGUMENT"), "{err}");
+    }
+
+    /// A generated reply and what it must mean once parsed.
+    #[derive(Debug, Clone)]
+    struct Generated {
+        text: Option<String>,
+        calls: Vec<(String, Option<Value>)>,
+        delay: Option<u64>,
+        error: Option<&'static str>,
+    }
+
+    impl Generated {
+        fn json(&self) -> Value {
+            let mut reply = serde_json::Map::new();
+            if let Some(text) = &self.text {
+                reply.insert("text".into(), text.clone().into());
+            }
+            if !self.calls.is_empty() {
+                let calls = self.calls.iter().map(|(name, arguments)| {
+                    let mut call = serde_json::json!({ "name": name });
+                    if let Some(arguments) = arguments {
+                        call["arguments"] = arguments.clone();
+                    }
+                    call
+                });
+                reply.insert("tool_calls".into(), calls.collect());
+            }
+            if let Some(delay) = self.delay {
+                reply.insert("chunk_delay_ms".into(), delay.into());
+            }
+            if let Some(error) = self.error {
+                reply.insert("error".into(), error.into());
+            }
+            Value::Object(reply)
+        }
+
+        fn is_valid(&self) -> bool {
+            self.text.as_ref().is_some_and(|t| !t.is_empty())
+                || !self.calls.is_empty()
+                || self.error.is_some()
+        }
+    }
+
+    /// JSON without floats, whose text form does not always come back bit for bit.
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<String>().prop_map(Value::from),
+        ];
+        leaf.prop_recursive(3, 24, 5, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..5).prop_map(Value::from),
+                proptest::collection::btree_map(any::<String>(), inner, 0..5)
+                    .prop_map(|map| Value::Object(map.into_iter().collect())),
+            ]
+        })
+    }
+
+    fn reply() -> impl Strategy<Value = Generated> {
+        let call = ("[a-z_]{1,8}", proptest::option::of(json_value()));
+        let error = prop_oneof![Just("http_500"), Just("http_429"), Just("timeout")];
+        (
+            proptest::option::of(any::<String>()),
+            proptest::collection::vec(call, 0..4),
+            proptest::option::of(any::<u64>()),
+            proptest::option::weighted(0.2, error),
+        )
+            .prop_map(|(text, calls, delay, error)| Generated {
+                text,
+                calls,
+                delay,
+                error,
+            })
+    }
+
+    /// A script's text and the replies it was written from.
+    fn script(
+        replies: impl Strategy<Value = Vec<Generated>>,
+    ) -> impl Strategy<Value = (String, Vec<Generated>)> {
+        replies.prop_map(|replies| {
+            let json = serde_json::json!({
+                "replies": replies.iter().map(Generated::json).collect::<Vec<_>>()
+            });
+            (json.to_string(), replies)
+        })
+    }
+
+    /// A script whose replies each say something.
+    fn valid_script() -> impl Strategy<Value = (String, Vec<Generated>)> {
+        let valid = reply().prop_filter("says something", Generated::is_valid);
+        script(proptest::collection::vec(valid, 1..5))
+    }
+
+    /// One edit of a document, at a char position taken modulo its length.
+    #[derive(Debug, Clone)]
+    enum Mutation {
+        Delete { at: usize, len: usize },
+        Insert { at: usize, text: String },
+        Replace { at: usize, with: char },
+    }
+
+    fn mutation() -> impl Strategy<Value = Mutation> {
+        let structural = prop_oneof![
+            Just(String::from("{")),
+            Just(String::from("}")),
+            Just(String::from("[")),
+            Just(String::from("\"")),
+            Just(String::from(",")),
+            Just(String::from(":")),
+            Just(String::from("null")),
+            Just(String::from("-1")),
+            Just(String::from("1e999")),
+            Just(String::from("\"\\ud800\"")),
+            any::<String>(),
+        ];
+        prop_oneof![
+            (any::<usize>(), 1usize..8).prop_map(|(at, len)| Mutation::Delete { at, len }),
+            (any::<usize>(), structural).prop_map(|(at, text)| Mutation::Insert { at, text }),
+            (any::<usize>(), any::<char>()).prop_map(|(at, with)| Mutation::Replace { at, with }),
+        ]
+    }
+
+    fn mutate(text: &str, mutations: &[Mutation]) -> String {
+        let mut chars: Vec<char> = text.chars().collect();
+        for mutation in mutations {
+            let at = |at: usize| at % (chars.len() + 1);
+            match mutation {
+                Mutation::Delete { at: start, len } => {
+                    let start = at(*start);
+                    let end = (start + len).min(chars.len());
+                    chars.drain(start..end);
+                }
+                Mutation::Insert { at: start, text } => {
+                    let start = at(*start);
+                    chars.splice(start..start, text.chars());
+                }
+                Mutation::Replace { at: start, with } => {
+                    let start = at(*start);
+                    if start < chars.len() {
+                        chars[start] = *with;
+                    }
+                }
+            }
+        }
+        chars.into_iter().collect()
+    }
+
+    /// What a parsed script must always hold, however it was written.
+    fn check_parsed(parsed: &std::result::Result<Script, String>) {
+        match parsed {
+            Ok(script) => {
+                assert!(!script.replies.is_empty(), "an accepted script has replies");
+                for reply in &script.replies {
+                    assert!(
+                        !reply.text.is_empty()
+                            || !reply.tool_calls.is_empty()
+                            || reply.error.is_some(),
+                        "an accepted reply says something: {reply:?}"
+                    );
+                }
+            }
+            Err(message) => assert!(!message.trim().is_empty(), "an error says why"),
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn any_text_is_a_script_or_a_reason(text in any::<String>()) {
+            check_parsed(&Script::parse(&text));
+        }
+
+        #[test]
+        fn a_damaged_script_is_a_script_or_a_reason(
+            (text, _) in valid_script(),
+            mutations in proptest::collection::vec(mutation(), 1..4),
+        ) {
+            check_parsed(&Script::parse(&mutate(&text, &mutations)));
+        }
+
+        #[test]
+        fn a_generated_script_parses_to_what_it_says(
+            (text, replies) in script(proptest::collection::vec(reply(), 0..5)),
+            known in proptest::collection::vec("[a-z_]{1,8}", 0..6),
+        ) {
+            let parsed = Script::parse(&text);
+            let refused = if replies.is_empty() {
+                Some("`replies` is empty".to_owned())
+            } else {
+                let silent = replies.iter().position(|r| !r.is_valid());
+                silent.map(|i| format!("reply {i} has neither"))
+            };
+            if let Some(reason) = refused {
+                let message = parsed.unwrap_err();
+                prop_assert!(message.starts_with(&reason), "{}", message);
+                return Ok(());
+            }
+            let script = parsed.unwrap();
+            prop_assert_eq!(script.replies.len(), replies.len());
+            for (parsed, generated) in script.replies.iter().zip(&replies) {
+                prop_assert_eq!(&parsed.text, generated.text.as_deref().unwrap_or(""));
+                prop_assert_eq!(parsed.chunk_delay_ms, generated.delay.unwrap_or(0));
+                let error = parsed.error.map(|e| match e {
+                    ScriptedError::Http500 => "http_500",
+                    ScriptedError::Http429 => "http_429",
+                    ScriptedError::Timeout => "timeout",
+                });
+                prop_assert_eq!(error, generated.error);
+                let calls: Vec<(&str, &Value)> = parsed.tool_calls.iter()
+                    .map(|c| (c.name.as_str(), &c.arguments))
+                    .collect();
+                let empty = serde_json::json!({});
+                let expected: Vec<(&str, &Value)> = generated.calls.iter()
+                    .map(|(name, arguments)| (name.as_str(), arguments.as_ref().unwrap_or(&empty)))
+                    .collect();
+                prop_assert_eq!(calls, expected);
+            }
+
+            let known: Vec<&str> = known.iter().map(String::as_str).collect();
+            let unknown = replies.iter().enumerate().find_map(|(i, reply)| {
+                reply.calls.iter().find(|(name, _)| !known.contains(&name.as_str())).map(|(name, _)| (i, name))
+            });
+            match (script.check_tools(&known), unknown) {
+                (Ok(()), None) => {}
+                (Err(message), Some((i, name))) => prop_assert!(
+                    message.starts_with(&format!("reply {i} calls unknown tool {name:?}")),
+                    "{}", message
+                ),
+                (checked, unknown) => prop_assert!(false, "check_tools said {:?}; first unknown call {:?}", checked, unknown),
+            }
+        }
+
+        /// Reply `i` answers call `i` (the last one every call after it), streamed in chunks
+        /// that add up to its text; a scripted error fails only the first attempt.
+        #[test]
+        fn the_model_answers_each_call_with_its_reply(
+            (_, replies) in valid_script(),
+            call_index in 0u64..8,
+            attempt in 1u32..3,
+        ) {
+            let replies: Vec<Generated> = replies.into_iter().map(|r| Generated { delay: None, ..r }).collect();
+            let text = serde_json::json!({"replies": replies.iter().map(Generated::json).collect::<Vec<_>>()});
+            let model = ScriptedModel::new(Script::parse(&text.to_string()).unwrap());
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+            let (reply, streamed) = runtime.block_on(complete(&model, request(call_index, attempt)));
+            let expected = &replies[usize::try_from(call_index).unwrap().min(replies.len() - 1)];
+            if expected.error.is_some() && attempt == 1 {
+                prop_assert!(matches!(reply, Err(Error::Transient { .. })), "{:?}", reply);
+                return Ok(());
+            }
+            let reply = reply.unwrap();
+            let text = expected.text.clone().unwrap_or_default();
+            prop_assert_eq!(&reply.text, &text);
+            prop_assert_eq!(streamed, text);
+            let names: Vec<&str> = reply.tool_calls.iter().map(|c| c.name.as_str()).collect();
+            let expected_names: Vec<&str> = expected.calls.iter().map(|(n, _)| n.as_str()).collect();
+            prop_assert_eq!(names, expected_names);
+            for (i, call) in reply.tool_calls.iter().enumerate() {
+                prop_assert_eq!(&call.id, &format!("call_{call_index}_{i}"));
+            }
+        }
     }
 }

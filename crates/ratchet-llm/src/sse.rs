@@ -142,6 +142,8 @@ impl SseParser {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn event(event: &str, data: &str, id: &str) -> SseEvent {
@@ -288,5 +290,95 @@ mod tests {
             parse_every_way(text),
             vec![event("message", "2 + 3 = 5 ✓ — fin", "")]
         );
+    }
+
+    /// Field values as a server writes them: no line ends, and (for `event` and `id`) no NUL.
+    fn value(nul: bool) -> impl Strategy<Value = String> {
+        any::<String>().prop_map(move |text| {
+            text.chars()
+                .filter(|c| !matches!(c, '\r' | '\n') && (nul || *c != '\0'))
+                .collect()
+        })
+    }
+
+    fn sent_event() -> impl Strategy<Value = (Option<String>, Vec<String>, Option<String>)> {
+        (
+            proptest::option::of(value(false).prop_filter("named", |e| !e.is_empty())),
+            proptest::collection::vec(value(true), 1..4),
+            proptest::option::of(value(false)),
+        )
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Whatever the bytes, and wherever the network splits them, the parser dispatches
+        /// the same events and never panics.
+        #[test]
+        fn any_bytes_give_the_same_events_however_they_are_split(
+            bytes in proptest::collection::vec(
+                prop_oneof![
+                    1 => any::<u8>().prop_map(|b| vec![b]),
+                    3 => proptest::sample::select(vec![
+                        "data: x", "data:", "event: e", "id: 7", "id", "retry: 9", ": c", "\r",
+                        "\n", "\r\n", "\u{feff}", "\u{fffd}", "é",
+                    ])
+                    .prop_map(|token| token.as_bytes().to_vec()),
+                ],
+                0..60,
+            )
+            .prop_map(|tokens| tokens.concat()),
+            cuts in proptest::collection::vec(any::<proptest::sample::Index>(), 0..6),
+        ) {
+            let whole = parse(&bytes);
+            let mut cuts: Vec<usize> = cuts.iter().map(|c| c.index(bytes.len() + 1)).collect();
+            cuts.sort_unstable();
+            let mut parser = SseParser::default();
+            let mut events = Vec::new();
+            let mut start = 0;
+            for cut in cuts.into_iter().chain([bytes.len()]) {
+                events.extend(parser.feed(&bytes[start..cut]));
+                start = cut;
+            }
+            prop_assert_eq!(events, whole);
+        }
+
+        /// Events written as a server writes them come back as they were sent, with any line
+        /// ending, in any chunks.
+        #[test]
+        fn written_events_are_read_back(
+            sent in proptest::collection::vec(sent_event(), 0..5),
+            eol in prop_oneof![Just("\n"), Just("\r"), Just("\r\n")],
+            cut in any::<proptest::sample::Index>(),
+        ) {
+            let mut text = String::new();
+            let mut expected = Vec::new();
+            let mut id = String::new();
+            for (kind, data, new_id) in &sent {
+                if let Some(kind) = kind {
+                    text.push_str(&format!("event: {kind}{eol}"));
+                }
+                if let Some(new_id) = new_id {
+                    text.push_str(&format!("id: {new_id}{eol}"));
+                    id.clone_from(new_id);
+                }
+                for line in data {
+                    text.push_str(&format!("data: {line}{eol}"));
+                }
+                text.push_str(eol);
+                expected.push(event(
+                    kind.as_deref().unwrap_or("message"),
+                    &data.join("\n"),
+                    &id,
+                ));
+            }
+            let bytes = text.as_bytes();
+            let cut = cut.index(bytes.len() + 1);
+            let mut parser = SseParser::default();
+            let mut events = parser.feed(&bytes[..cut]);
+            events.extend(parser.feed(&bytes[cut..]));
+            prop_assert_eq!(events, expected);
+            prop_assert_eq!(parser.last_event_id(), id.as_str());
+        }
     }
 }

@@ -140,7 +140,7 @@ impl PgOptions {
                     .parse::<postgres::Config>()
                     .is_err()
             });
-            bad(match refused {
+            bad(match refused.map(|pair| redacted(pair)) {
                 Some(pair) => format!(
                     "option {pair:?} is unknown or its value is invalid; expected libpq's \
                      options (sslmode, sslrootcert, connect_timeout, …) or ratchet's pool=N"
@@ -200,19 +200,34 @@ impl Connector {
     }
 }
 
-/// The url as it may be shown: without its password.
+/// A url, or a part of one, as it may be shown: without its password, however it was
+/// written — a mistyped scheme, a password holding `@`, `/` or `?`, a `password=` option. A
+/// strange url may have more hidden than its password, never less.
 fn redacted(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return url.to_owned();
-    };
-    match rest[..at].split_once(':') {
-        Some((user, _password)) => format!("{scheme}://{user}:***{}", &rest[at..]),
+    let shown = match url.rfind('@') {
         None => url.to_owned(),
-    }
+        Some(at) => match url[..at].find("//") {
+            Some(slashes) => match url[slashes + 2..at].split_once(':') {
+                Some((user, _password)) => {
+                    format!("{}{user}:***{}", &url[..slashes + 2], &url[at..])
+                }
+                None => url.to_owned(),
+            },
+            None => format!("***{}", &url[at..]),
+        },
+    };
+    shown
+        .split_inclusive(['?', '&'])
+        .map(|part| match part.strip_prefix("password=") {
+            Some(value) => {
+                let separator = value
+                    .ends_with(['?', '&'])
+                    .then(|| &value[value.len() - 1..]);
+                format!("password=***{}", separator.unwrap_or_default())
+            }
+            None => part.to_owned(),
+        })
+        .collect()
 }
 
 /// Brings the database's schema up to date, returning its version before and after. Safe to
@@ -472,6 +487,8 @@ pub(crate) fn describe(error: &postgres::Error) -> String {
 mod tests {
     use std::path::PathBuf;
 
+    use proptest::prelude::*;
+
     use super::*;
 
     fn bad_url_reason(url: &str) -> String {
@@ -695,5 +712,211 @@ mod tests {
             Ok(_) => panic!("pool=x is not a number"),
         }
         assert_eq!(redacted("postgres://app@host/db"), "postgres://app@host/db");
+        for (url, shown) in [
+            (
+                "postgresq//app:s3cret@host/db",
+                "postgresq//app:***@host/db",
+            ),
+            ("postgres:app:s3cret@host/db", "***@host/db"),
+            (
+                "postgres://app:s3/c?r@t@host/db",
+                "postgres://app:***@host/db",
+            ),
+            (
+                "postgres://app@host/db?pool=2&password=s3cret",
+                "postgres://app@host/db?pool=2&password=***",
+            ),
+        ] {
+            assert_eq!(redacted(url), shown);
+        }
+        let Err(error) = PgOptions::from_url("postgres://app@host/db?password=s3cret&pool=x")
+        else {
+            panic!("pool=x is not a number");
+        };
+        assert!(!error.to_string().contains("s3cret"), "{error}");
+    }
+
+    /// One of the options a generated url carries, and what it means.
+    #[derive(Debug, Clone)]
+    enum Opt {
+        Pool(usize),
+        SslMode(&'static str),
+        ApplicationName(String),
+        ConnectTimeout(u64),
+    }
+
+    impl Opt {
+        fn text(&self) -> String {
+            match self {
+                Opt::Pool(n) => format!("pool={n}"),
+                Opt::SslMode(mode) => format!("sslmode={mode}"),
+                Opt::ApplicationName(name) => format!("application_name={name}"),
+                Opt::ConnectTimeout(secs) => format!("connect_timeout={secs}"),
+            }
+        }
+    }
+
+    fn opt() -> impl Strategy<Value = Opt> {
+        prop_oneof![
+            (1usize..64).prop_map(Opt::Pool),
+            proptest::sample::select(vec!["disable", "prefer", "require"]).prop_map(Opt::SslMode),
+            "[a-z]{1,8}".prop_map(Opt::ApplicationName),
+            (1u64..100).prop_map(Opt::ConnectTimeout),
+        ]
+    }
+
+    /// A url of the documented form. The password starts with `PW`, which nothing else in
+    /// the url contains, so any appearance of it in a message is a leak.
+    #[derive(Debug, Clone)]
+    struct Url {
+        scheme: &'static str,
+        user: String,
+        password: Option<String>,
+        host: String,
+        port: Option<u16>,
+        database: String,
+        options: Vec<Opt>,
+    }
+
+    impl Url {
+        fn text(&self) -> String {
+            let password = self
+                .password
+                .as_ref()
+                .map(|p| format!(":{p}"))
+                .unwrap_or_default();
+            let port = self.port.map(|p| format!(":{p}")).unwrap_or_default();
+            let options: Vec<String> = self.options.iter().map(Opt::text).collect();
+            let query = if options.is_empty() {
+                String::new()
+            } else {
+                format!("?{}", options.join("&"))
+            };
+            format!(
+                "{}://{}{password}@{}{port}/{}{query}",
+                self.scheme, self.user, self.host, self.database
+            )
+        }
+    }
+
+    fn url() -> impl Strategy<Value = Url> {
+        (
+            proptest::sample::select(vec!["postgres", "postgresql"]),
+            "[a-z][a-z0-9_]{0,8}",
+            proptest::option::of("PW[A-Za-z0-9]{6,10}"),
+            "[a-z][a-z0-9]{0,8}(\\.[a-z0-9]{1,5}){0,2}",
+            proptest::option::of(1u16..),
+            "[a-z][a-z0-9_]{0,8}",
+            proptest::collection::vec(opt(), 0..5),
+        )
+            .prop_map(
+                |(scheme, user, password, host, port, database, options)| Url {
+                    scheme,
+                    user,
+                    password,
+                    host,
+                    port,
+                    database,
+                    options,
+                },
+            )
+    }
+
+    /// What every answer of the parser must respect: an error is a `BadUrl` with a reason,
+    /// and it never shows a password.
+    fn check_refusal(result: &Result<PgOptions>, password: Option<&str>) {
+        let Err(error) = result else { return };
+        let Error::BadUrl { reason, .. } = error else {
+            panic!("not a BadUrl: {error:?}");
+        };
+        assert!(!reason.trim().is_empty(), "{error}");
+        if let Some(password) = password {
+            assert!(
+                !error.to_string().contains(password),
+                "the password shows: {error}"
+            );
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn any_text_is_a_url_or_a_reason(
+            text in prop_oneof![
+                any::<String>(),
+                any::<String>().prop_map(|rest| format!("postgres://{rest}")),
+                "postgres://[a-z:@\\[\\]/?&=%,.0-9]{0,30}",
+            ],
+        ) {
+            check_refusal(&PgOptions::from_url(&text), None);
+        }
+
+        /// A url of the documented form is read as it says: the server's address and
+        /// credentials for the driver, ratchet's own options (the last of each) taken out.
+        #[test]
+        fn a_written_url_means_what_it_says(url in url()) {
+            let options = PgOptions::from_url(&url.text()).unwrap_or_else(|e| panic!("{}: {e}", url.text()));
+            let config = &options.config;
+            prop_assert_eq!(config.get_user(), Some(url.user.as_str()));
+            prop_assert_eq!(config.get_password(), url.password.as_deref().map(str::as_bytes));
+            prop_assert_eq!(config.get_dbname(), Some(url.database.as_str()));
+            prop_assert_eq!(config.get_hosts(), [postgres::config::Host::Tcp(url.host.clone())]);
+            prop_assert_eq!(config.get_ports(), [url.port.unwrap_or(5432)]);
+            let last = |pick: fn(&Opt) -> Option<String>| url.options.iter().rev().find_map(pick);
+            let pool = last(|o| match o { Opt::Pool(n) => Some(n.to_string()), _ => None });
+            prop_assert_eq!(options.pool.to_string(), pool.unwrap_or(DEFAULT_POOL.to_string()));
+            let mode = last(|o| match o { Opt::SslMode(m) => Some((*m).to_owned()), _ => None });
+            prop_assert_eq!(options.tls.mode().as_str(), mode.as_deref().unwrap_or("prefer"));
+            let name = last(|o| match o { Opt::ApplicationName(n) => Some(n.clone()), _ => None });
+            prop_assert_eq!(config.get_application_name(), Some(name.as_deref().unwrap_or("ratchet")));
+            let timeout = last(|o| match o { Opt::ConnectTimeout(s) => Some(s.to_string()), _ => None });
+            let timeout = timeout.map_or(DEFAULT_CONNECT_TIMEOUT, |s| Duration::from_secs(s.parse().unwrap()));
+            prop_assert_eq!(config.get_connect_timeout(), Some(&timeout));
+        }
+
+        /// A documented url with one mistake in it is refused with a reason that names the
+        /// mistake and never shows the password.
+        #[test]
+        fn a_mistake_is_named_and_the_password_stays_hidden(
+            url in url(),
+            (mistake, named) in proptest::sample::select(vec![
+                ("pool=0", "pool=0"),
+                ("pool=many", "pool=many"),
+                ("sslmode=verify", "sslmode=verify"),
+                ("colour=red", "colour=red"),
+                ("connect_timeout=soon", "connect_timeout=soon"),
+                ("sslrootcert=", "sslrootcert="),
+            ]),
+            at in any::<proptest::sample::Index>(),
+        ) {
+            let mut options: Vec<String> = url.options.iter().map(Opt::text).collect();
+            options.insert(at.index(options.len() + 1), mistake.to_owned());
+            let text = format!("{}?{}", url.text().split('?').next().unwrap(), options.join("&"));
+            let result = PgOptions::from_url(&text);
+            check_refusal(&result, url.password.as_deref());
+            let error = result.err().unwrap().to_string();
+            prop_assert!(error.contains(named), "{}: {}", text, error);
+        }
+
+        /// Damaged urls: read or refused with a reason, never a panic, never the password.
+        #[test]
+        fn a_damaged_url_is_read_or_refused(
+            url in url(),
+            edits in proptest::collection::vec(
+                (any::<usize>(), 0usize..4, "[:@/?&=%#\\[\\],a-z0-9]{0,3}"),
+                1..4,
+            ),
+        ) {
+            let mut text: Vec<char> = url.text().chars().collect();
+            for (at, delete, insert) in &edits {
+                let start = at % (text.len() + 1);
+                let end = (start + delete).min(text.len());
+                text.splice(start..end, insert.chars());
+            }
+            let text: String = text.into_iter().collect();
+            let password = url.password.as_deref().filter(|p| text.contains(&format!(":{p}@")));
+            check_refusal(&PgOptions::from_url(&text), password);
+        }
     }
 }

@@ -48,11 +48,14 @@ impl<T> Page<T> {
 }
 
 #[derive(Debug, Deserialize, ToSchema, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct PageQuery {
     /// The `next_cursor` of the previous page.
+    #[param(min_length = 1)]
     pub cursor: Option<String>,
     /// Items per page, 1–200 (default 50).
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<u32>,
 }
 
@@ -117,6 +120,8 @@ pub enum Multitask {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SendMessage {
+    /// The message; it must have some text besides white space.
+    #[schema(pattern = "\\S")]
     pub content: String,
     pub multitask: Option<Multitask>,
 }
@@ -324,6 +329,38 @@ impl From<&StoredEvent> for EventView {
     }
 }
 
+/// One event as an event stream sends it: `id: <seq>`, `event: <kind>`, `data: <EventView>`.
+#[derive(Debug, ToSchema)]
+pub struct ServerSentEvent {
+    /// The event's `seq`: a client that reconnects sends the last one as `Last-Event-ID`.
+    pub id: String,
+    /// The event's kind.
+    pub event: String,
+    /// The whole event: an `EventView` as JSON.
+    #[schema(schema_with = event_view_json)]
+    pub data: String,
+}
+
+/// A string that holds an `EventView` in JSON, as OpenAPI 3.1 describes encoded content.
+fn event_view_json() -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .content_media_type("application/json")
+        .content_schema(Some(utoipa::openapi::Ref::from_schema_name("EventView")))
+        .description(Some("The whole event: an `EventView` as JSON."))
+        .build()
+}
+
+impl From<&StoredEvent> for ServerSentEvent {
+    fn from(event: &StoredEvent) -> ServerSentEvent {
+        ServerSentEvent {
+            id: event.seq.to_string(),
+            event: event.kind.clone(),
+            data: serde_json::to_string(&EventView::from(event)).unwrap_or_default(),
+        }
+    }
+}
+
 /// A human's answer for a call whose outcome is unknown after a crash.
 #[derive(Debug, Clone, Copy, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
@@ -425,13 +462,16 @@ impl From<Approval> for ApprovalView {
 }
 
 #[derive(Debug, Deserialize, ToSchema, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ApprovalsQuery {
     /// Only approvals with this status: `pending`, `decided`, `aborted` or `cancelled`.
     pub status: Option<String>,
     /// The `next_cursor` of the previous page.
+    #[param(min_length = 1)]
     pub cursor: Option<String>,
     /// Items per page, 1–200 (default 50).
+    #[param(minimum = 1, maximum = 200)]
     pub limit: Option<u32>,
 }
 

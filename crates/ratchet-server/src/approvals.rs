@@ -82,7 +82,7 @@ async fn list_approvals(
 
 #[utoipa::path(
     get, path = "/v1/approvals/{id}", tag = "approvals",
-    params(("id" = String, Path, description = "Approval id (`apr_…`)")),
+    params(("id" = String, Path, description = "Approval id (`apr_…`)", pattern = "^apr_[A-Za-z0-9-]{1,85}$")),
     responses((status = 200, body = ApprovalView), (status = "4XX", body = ErrorBody)),
 )]
 async fn get_approval(
@@ -98,7 +98,7 @@ async fn get_approval(
 
 #[utoipa::path(
     post, path = "/v1/approvals/{id}", tag = "approvals",
-    params(("id" = String, Path, description = "Approval id (`apr_…`)")),
+    params(("id" = String, Path, description = "Approval id (`apr_…`)", pattern = "^apr_[A-Za-z0-9-]{1,85}$")),
     request_body = ApprovalRequestBody,
     responses(
         (status = 200, body = ApprovalView, description = "answered (or the same answer again)"),

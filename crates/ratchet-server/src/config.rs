@@ -276,6 +276,8 @@ impl Config {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     #[test]
@@ -464,6 +466,390 @@ mod tests {
         ] {
             let error = Config::from_toml(toml).unwrap().pool().unwrap_err();
             assert!(error.to_string().contains(expected), "{toml}: {error}");
+        }
+    }
+
+    /// Numbers a TOML integer holds.
+    fn count() -> impl Strategy<Value = u64> {
+        0..=i64::MAX as u64
+    }
+
+    fn approval() -> impl Strategy<Value = toml::Value> {
+        let glob = prop_oneof!["[a-z*?/]{0,12}", any::<String>()];
+        prop_oneof![
+            Just(toml::Value::from("always")),
+            Just(toml::Value::from("never")),
+            any::<String>().prop_map(toml::Value::from),
+            any::<i64>().prop_map(toml::Value::from),
+            proptest::collection::btree_map(any::<String>(), glob, 0..3).prop_map(|rules| {
+                toml::Value::Table(rules.into_iter().map(|(k, v)| (k, v.into())).collect())
+            }),
+        ]
+    }
+
+    fn replay() -> impl Strategy<Value = ReplayPolicy> {
+        prop_oneof![
+            Just(ReplayPolicy::Safe),
+            Just(ReplayPolicy::Keyed),
+            Just(ReplayPolicy::Never)
+        ]
+    }
+
+    fn token() -> impl Strategy<Value = TokenConfig> {
+        let hash = prop_oneof!["[0-9a-fA-F]{64}", any::<String>()];
+        let env = prop_oneof![Just("TOKEN_ONE".to_owned()), Just("UNSET".to_owned())];
+        (
+            prop_oneof!["[a-z]{1,8}", any::<String>()],
+            proptest::option::of(hash),
+            proptest::option::of(env),
+        )
+            .prop_map(|(tenant, sha256, env)| TokenConfig {
+                tenant,
+                sha256,
+                env,
+            })
+    }
+
+    fn profile() -> impl Strategy<Value = ratchet_llm::profiles::Profile> {
+        (
+            any::<String>(),
+            any::<String>(),
+            proptest::option::of(any::<String>()),
+            proptest::option::of(count()),
+            proptest::option::of(any::<u32>()),
+            proptest::option::of((0.0f64..1000.0, 0.0f64..1000.0)),
+        )
+            .prop_map(|(provider, model, base_url, read, retries, prices)| {
+                ratchet_llm::profiles::Profile {
+                    provider,
+                    model,
+                    base_url,
+                    api_key_env: None,
+                    connect_timeout_ms: None,
+                    read_timeout_ms: read,
+                    max_retries: retries,
+                    stream: None,
+                    max_output_tokens: None,
+                    prices: prices.map(|(input_per_mtok, output_per_mtok)| ratchet_core::Prices {
+                        input_per_mtok,
+                        output_per_mtok,
+                    }),
+                }
+            })
+    }
+
+    fn mcp_server() -> impl Strategy<Value = ratchet_mcp::ServerConfig> {
+        (
+            proptest::option::of(any::<String>()),
+            proptest::collection::vec(any::<String>(), 0..3),
+            proptest::option::of(any::<String>()),
+            proptest::option::of(count()),
+        )
+            .prop_map(
+                |(command, args, url, timeout_ms)| ratchet_mcp::ServerConfig {
+                    command,
+                    args,
+                    url,
+                    timeout_ms,
+                    ..Default::default()
+                },
+            )
+    }
+
+    /// A whole configuration, every field possibly set, valid or not beyond its types.
+    fn config() -> impl Strategy<Value = Config> {
+        let text = || proptest::option::of(any::<String>());
+        let number = || proptest::option::of(count());
+        let small = || proptest::option::of(0u64..5000);
+        let scope = proptest::option::of(prop_oneof![
+            Just(MemoryScope::Session),
+            Just(MemoryScope::Tenant)
+        ]);
+        let tool = (
+            proptest::option::of(approval()),
+            proptest::option::of(replay()),
+        )
+            .prop_map(|(approval, replay)| ToolConfig { approval, replay });
+        (
+            (text(), text(), text(), text()),
+            (number(), number(), number(), number(), number(), number()),
+            (scope, small(), small(), small(), small()),
+            (
+                proptest::collection::vec(token(), 0..3),
+                proptest::collection::btree_map(any::<String>(), tool, 0..3),
+                proptest::collection::btree_map(any::<String>(), profile(), 0..2),
+                proptest::collection::btree_map(any::<String>(), mcp_server(), 0..2),
+            ),
+        )
+            .prop_map(
+                |(
+                    (listen, db, model, workspace),
+                    (
+                        max_steps,
+                        max_model_calls,
+                        max_tool_calls,
+                        max_tokens,
+                        max_prompt_tokens,
+                        max_duration_ms,
+                    ),
+                    (memory_scope, workers, lease_ms, heartbeat_ms, poll_ms),
+                    (tokens, tools, models, servers),
+                )| Config {
+                    listen,
+                    db,
+                    model,
+                    workspace,
+                    max_steps,
+                    max_model_calls,
+                    max_tool_calls,
+                    max_tokens,
+                    max_prompt_tokens,
+                    max_duration_ms,
+                    memory_scope,
+                    workers,
+                    lease_ms,
+                    heartbeat_ms,
+                    poll_ms,
+                    tokens,
+                    tools,
+                    models,
+                    mcp: ratchet_mcp::Config { servers },
+                },
+            )
+    }
+
+    /// `config` as a `ratchet.toml`, written with the TOML library's own serializer so that
+    /// any string is quoted and escaped as TOML requires.
+    fn to_toml(config: &Config) -> String {
+        fn put<T: Into<toml::Value>>(table: &mut toml::Table, key: &str, value: Option<T>) {
+            if let Some(value) = value {
+                table.insert(key.to_owned(), value.into());
+            }
+        }
+        let int = |n: Option<u64>| n.map(|n| i64::try_from(n).unwrap());
+        let mut root = toml::Table::new();
+        put(&mut root, "listen", config.listen.clone());
+        put(&mut root, "db", config.db.clone());
+        put(&mut root, "model", config.model.clone());
+        put(&mut root, "workspace", config.workspace.clone());
+        for (key, value) in [
+            ("max_steps", config.max_steps),
+            ("max_model_calls", config.max_model_calls),
+            ("max_tool_calls", config.max_tool_calls),
+            ("max_tokens", config.max_tokens),
+            ("max_prompt_tokens", config.max_prompt_tokens),
+            ("max_duration_ms", config.max_duration_ms),
+            ("workers", config.workers),
+            ("lease_ms", config.lease_ms),
+            ("heartbeat_ms", config.heartbeat_ms),
+            ("poll_ms", config.poll_ms),
+        ] {
+            put(&mut root, key, int(value));
+        }
+        put(
+            &mut root,
+            "memory_scope",
+            config.memory_scope.map(|s| s.as_str()),
+        );
+        let tokens: Vec<toml::Value> = (config.tokens.iter())
+            .map(|token| {
+                let mut table = toml::Table::new();
+                put(&mut table, "tenant", Some(token.tenant.clone()));
+                put(&mut table, "sha256", token.sha256.clone());
+                put(&mut table, "env", token.env.clone());
+                table.into()
+            })
+            .collect();
+        if !tokens.is_empty() {
+            root.insert("tokens".into(), tokens.into());
+        }
+        let mut tools = toml::Table::new();
+        for (name, tool) in &config.tools {
+            let mut table = toml::Table::new();
+            put(&mut table, "approval", tool.approval.clone());
+            put(&mut table, "replay", tool.replay.map(|r| r.as_str()));
+            tools.insert(name.clone(), table.into());
+        }
+        root.insert("tools".into(), tools.into());
+        let mut models = toml::Table::new();
+        for (name, profile) in &config.models {
+            let mut table = toml::Table::new();
+            put(&mut table, "provider", Some(profile.provider.clone()));
+            put(&mut table, "model", Some(profile.model.clone()));
+            put(&mut table, "base_url", profile.base_url.clone());
+            put(&mut table, "read_timeout_ms", int(profile.read_timeout_ms));
+            put(
+                &mut table,
+                "max_retries",
+                profile.max_retries.map(i64::from),
+            );
+            if let Some(prices) = profile.prices {
+                let mut price = toml::Table::new();
+                put(&mut price, "input_per_mtok", Some(prices.input_per_mtok));
+                put(&mut price, "output_per_mtok", Some(prices.output_per_mtok));
+                table.insert("prices".into(), price.into());
+            }
+            models.insert(name.clone(), table.into());
+        }
+        root.insert("models".into(), models.into());
+        let mut servers = toml::Table::new();
+        for (name, server) in &config.mcp.servers {
+            let mut table = toml::Table::new();
+            put(&mut table, "command", server.command.clone());
+            put(&mut table, "args", Some(server.args.clone()));
+            put(&mut table, "url", server.url.clone());
+            put(&mut table, "timeout_ms", int(server.timeout_ms));
+            servers.insert(name.clone(), table.into());
+        }
+        let mut mcp = toml::Table::new();
+        mcp.insert("servers".into(), servers.into());
+        root.insert("mcp".into(), mcp.into());
+        toml::to_string(&root).unwrap()
+    }
+
+    /// One edit of a document at a char position taken modulo its length.
+    fn mutate(text: &str, edits: &[(usize, usize, String)]) -> String {
+        let mut chars: Vec<char> = text.chars().collect();
+        for (at, delete, insert) in edits {
+            let start = at % (chars.len() + 1);
+            let end = (start + delete).min(chars.len());
+            chars.splice(start..end, insert.chars());
+        }
+        chars.into_iter().collect()
+    }
+
+    fn edit() -> impl Strategy<Value = (usize, usize, String)> {
+        let insert = prop_oneof![
+            Just(String::new()),
+            Just("[".to_owned()),
+            Just("]]".to_owned()),
+            Just("\"".to_owned()),
+            Just("=".to_owned()),
+            Just("\n".to_owned()),
+            Just("-1".to_owned()),
+            Just("99999999999999999999".to_owned()),
+            Just("inf".to_owned()),
+            Just("{ path = \"[\" }".to_owned()),
+            any::<String>(),
+        ];
+        (any::<usize>(), 0usize..6, insert)
+    }
+
+    /// What an error says beyond its kind.
+    fn reason(error: &ConfigError) -> &str {
+        match error {
+            ConfigError::Read { reason, .. } | ConfigError::Invalid(reason) => reason,
+        }
+    }
+
+    /// Whatever a file said, the checks that follow loading never panic, and an error says why.
+    fn checks_hold(config: Config) {
+        let env = |key: &str| (key == "TOKEN_ONE").then(|| "one".to_owned());
+        let named = |error: ConfigError| assert!(!reason(&error).trim().is_empty(), "{error:?}");
+        if let Err(error) = config.clone().with_env(env) {
+            named(error);
+        }
+        match config.pool() {
+            Ok(pool) => {
+                assert!(pool.lease >= Duration::from_millis(MIN_LEASE_MS));
+                assert!(!pool.heartbeat.is_zero() && pool.heartbeat < pool.lease);
+                assert!(!pool.poll.is_zero() && pool.workers as u64 <= MAX_WORKERS);
+            }
+            Err(error) => named(error),
+        }
+        match config.approval_policies() {
+            Ok(policies) => {
+                for policy in policies.values() {
+                    assert!(policy.validate().is_ok(), "{policy:?}");
+                }
+            }
+            Err(error) => named(error),
+        }
+        if let Err(error) = config.tokens(env) {
+            named(error);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn any_text_is_a_configuration_or_a_reason(text in any::<String>()) {
+            match Config::from_toml(&text) {
+                Ok(config) => checks_hold(config),
+                Err(error) => prop_assert!(!reason(&error).trim().is_empty()),
+            }
+        }
+
+        /// A written configuration reads back as exactly what was written.
+        #[test]
+        fn a_written_configuration_reads_back_the_same(config in config()) {
+            let text = to_toml(&config);
+            let read = Config::from_toml(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+            prop_assert_eq!(&read, &config);
+            checks_hold(read);
+        }
+
+        #[test]
+        fn a_damaged_configuration_is_read_or_refused_with_a_reason(
+            config in config(),
+            edits in proptest::collection::vec(edit(), 1..4),
+        ) {
+            match Config::from_toml(&mutate(&to_toml(&config), &edits)) {
+                Ok(config) => checks_hold(config),
+                Err(error) => prop_assert!(!reason(&error).trim().is_empty()),
+            }
+        }
+
+        /// Each `RATCHET_*` variable replaces the file's value; a number that is not one is
+        /// refused, naming the variable and the value.
+        #[test]
+        fn the_environment_overrides_the_file(
+            config in config(),
+            env in proptest::collection::btree_map(
+                proptest::sample::select(vec![
+                    "RATCHET_LISTEN", "RATCHET_DB", "RATCHET_MODEL", "RATCHET_WORKSPACE",
+                    "RATCHET_MAX_STEPS", "RATCHET_WORKERS", "RATCHET_LEASE_MS",
+                    "RATCHET_HEARTBEAT_MS", "RATCHET_POLL_MS", "RATCHET_OTHER",
+                ]),
+                prop_oneof![count().prop_map(|n| n.to_string()), any::<String>()],
+                0..5,
+            ),
+        ) {
+            let overlaid = config.clone().with_env(|key| env.get(key).cloned());
+            let numbers = ["RATCHET_MAX_STEPS", "RATCHET_WORKERS", "RATCHET_LEASE_MS", "RATCHET_HEARTBEAT_MS", "RATCHET_POLL_MS"];
+            let refused: Vec<_> = env.iter()
+                .filter(|(key, value)| numbers.contains(key) && value.parse::<u64>().is_err())
+                .collect();
+            let overlaid = match (overlaid, refused.is_empty()) {
+                (Err(error), false) => {
+                    let message = error.to_string();
+                    let named = refused.iter().any(|(key, value)| {
+                        message.contains(*key) && message.contains(&format!("{value:?}"))
+                    });
+                    prop_assert!(named, "{} names none of {:?}", message, refused);
+                    return Ok(());
+                }
+                (Ok(overlaid), true) => overlaid,
+                (result, refused) => {
+                    return Err(TestCaseError::fail(format!("{result:?} for {refused:?}")));
+                }
+            };
+            let text = |key: &str, file: &Option<String>| env.get(key).cloned().or_else(|| file.clone());
+            let number = |key: &str, file: Option<u64>| env.get(key).map(|v| v.parse().unwrap()).or(file);
+            let expected = Config {
+                listen: text("RATCHET_LISTEN", &config.listen),
+                db: text("RATCHET_DB", &config.db),
+                model: text("RATCHET_MODEL", &config.model),
+                workspace: text("RATCHET_WORKSPACE", &config.workspace),
+                max_steps: number("RATCHET_MAX_STEPS", config.max_steps),
+                workers: number("RATCHET_WORKERS", config.workers),
+                lease_ms: number("RATCHET_LEASE_MS", config.lease_ms),
+                heartbeat_ms: number("RATCHET_HEARTBEAT_MS", config.heartbeat_ms),
+                poll_ms: number("RATCHET_POLL_MS", config.poll_ms),
+                ..config.clone()
+            };
+            prop_assert_eq!(overlaid, expected);
         }
     }
 }

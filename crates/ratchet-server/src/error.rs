@@ -3,6 +3,7 @@
 
 use std::any::Any;
 
+use axum::body::{Body, Bytes};
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::StatusCode;
@@ -98,7 +99,8 @@ fn code_for(status: StatusCode) -> &'static str {
 }
 
 /// `axum::Json` whose rejections are API errors: malformed JSON 400, wrong types or unknown
-/// fields 422, a missing JSON content type 415, an oversized body 413.
+/// fields 422, a body that is not a JSON object 422, a missing JSON content type 415, an
+/// oversized body 413.
 pub struct ApiJson<T>(pub T);
 
 impl<T, S> FromRequest<S> for ApiJson<T>
@@ -109,7 +111,21 @@ where
     type Rejection = ApiError;
 
     async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
+        let (head, body) = request.into_parts();
+        let bytes = Bytes::from_request(Request::from_parts(head.clone(), body), state)
+            .await
+            .map_err(|rejection| {
+                let status = rejection.status();
+                ApiError::new(status, code_for(status), rejection.body_text())
+            })?;
+        // serde reads a struct from a JSON array too (its fields in order): `[null, null]`
+        // would create a session. Every body is an object.
+        let object = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+        let request = Request::from_parts(head, Body::from(bytes));
         match axum::Json::<T>::from_request(request, state).await {
+            Ok(_) if !object => Err(ApiError::unprocessable(
+                "invalid request body: expected a JSON object, found an array",
+            )),
             Ok(axum::Json(value)) => Ok(ApiJson(value)),
             Err(rejection) => {
                 let status = rejection.status();

@@ -58,7 +58,7 @@ impl AppState {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Ratchet", description = "A durable runtime for LLM agents."),
-    components(schemas(api::ErrorBody))
+    components(schemas(api::ErrorBody, api::EventView))
 )]
 struct ApiDoc;
 

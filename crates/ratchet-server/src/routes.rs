@@ -134,7 +134,7 @@ async fn list_sessions(
 
 #[utoipa::path(
     get, path = "/v1/sessions/{id}", tag = "sessions",
-    params(("id" = String, Path, description = "Session id (`ses_…`)")),
+    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$")),
     responses((status = 200, body = SessionView), (status = "4XX", body = ErrorBody)),
 )]
 async fn get_session(
@@ -150,7 +150,7 @@ async fn get_session(
 
 #[utoipa::path(
     post, path = "/v1/sessions/{id}/messages", tag = "messages",
-    params(("id" = String, Path, description = "Session id (`ses_…`)")),
+    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$")),
     request_body = SendMessage,
     responses(
         (status = 202, body = MessageAccepted),
@@ -193,7 +193,7 @@ async fn send_message(
 
 #[utoipa::path(
     get, path = "/v1/sessions/{id}/messages", tag = "messages",
-    params(("id" = String, Path, description = "Session id (`ses_…`)"), PageQuery),
+    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"), PageQuery),
     responses((status = 200, body = Page<MessageView>), (status = "4XX", body = ErrorBody)),
 )]
 async fn list_messages(
@@ -218,7 +218,7 @@ async fn list_messages(
 
 #[utoipa::path(
     get, path = "/v1/sessions/{id}/runs", tag = "runs",
-    params(("id" = String, Path, description = "Session id (`ses_…`)"), PageQuery),
+    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"), PageQuery),
     responses((status = 200, body = Page<RunSummaryView>), (status = "4XX", body = ErrorBody)),
 )]
 async fn list_session_runs(
@@ -244,7 +244,7 @@ async fn list_session_runs(
 
 #[utoipa::path(
     get, path = "/v1/runs/{id}", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
     responses((status = 200, body = RunView), (status = "4XX", body = ErrorBody)),
 )]
 async fn get_run(
@@ -258,7 +258,7 @@ async fn get_run(
 
 #[utoipa::path(
     get, path = "/v1/runs/{id}/steps", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)"), PageQuery),
+    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$"), PageQuery),
     responses((status = 200, body = Page<StepView>), (status = "4XX", body = ErrorBody)),
 )]
 async fn list_steps(
@@ -285,7 +285,7 @@ async fn list_steps(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/cancel", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
     responses((status = 200, body = CancelView), (status = "4XX", body = ErrorBody)),
 )]
 async fn cancel_run(
@@ -308,7 +308,7 @@ async fn cancel_run(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/reconcile", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
     request_body = ReconcileRequest,
     responses(
         (status = 200, body = ReconcileView),
@@ -348,7 +348,7 @@ async fn reconcile_run(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/retry", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
     responses(
         (status = 200, body = ResumedView),
         (status = 409, body = ErrorBody, description = "the run has not failed, or its session has another active run"),
@@ -366,7 +366,7 @@ async fn retry_run(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/continue", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)")),
+    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
     request_body = ContinueRequest,
     responses(
         (status = 200, body = ResumedView),

@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::api::{ErrorBody, EventView};
+use crate::api::{ErrorBody, ServerSentEvent};
 use crate::auth::Tenant;
 use crate::error::{ApiPath, ApiQuery};
 use crate::routes::{parse_run_id, parse_session_id, tenant_run, tenant_session};
@@ -48,10 +48,12 @@ pub fn router() -> OpenApiRouter<AppState> {
 }
 
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct StreamQuery {
     /// Replay events with `seq` greater than this (default: from the beginning). The
     /// `Last-Event-ID` header takes precedence.
+    #[param(minimum = 0)]
     after: Option<i64>,
     /// `false` ends the stream after the stored backlog instead of following live events.
     follow: Option<bool>,
@@ -99,10 +101,10 @@ fn start_after(headers: &HeaderMap, query: &StreamQuery) -> Result<i64, ApiError
 
 #[utoipa::path(
     get, path = "/v1/sessions/{id}/events", tag = "events",
-    params(("id" = String, Path, description = "Session id (`ses_…`)"), StreamQuery),
+    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"), StreamQuery),
     responses(
-        (status = 200, content_type = "text/event-stream", body = EventView,
-         description = "`id: <seq>`, `event: <kind>`, `data: <EventView>`; keep-alive comments"),
+        (status = 200, content_type = "text/event-stream", body = ServerSentEvent,
+         description = "One `ServerSentEvent` per event; keep-alive comments"),
         (status = "4XX", body = ErrorBody),
     ),
 )]
@@ -126,9 +128,9 @@ async fn session_events(
 
 #[utoipa::path(
     get, path = "/v1/runs/{id}/events", tag = "events",
-    params(("id" = String, Path, description = "Run id (`run_…`)"), StreamQuery),
+    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$"), StreamQuery),
     responses(
-        (status = 200, content_type = "text/event-stream", body = EventView,
+        (status = 200, content_type = "text/event-stream", body = ServerSentEvent,
          description = "The run's events only; `seq` is the session's"),
         (status = "4XX", body = ErrorBody),
     ),
@@ -283,11 +285,11 @@ impl Feed {
         if !self.scope.includes(event) {
             return Ok(());
         }
-        let data = serde_json::to_string(&EventView::from(event)).unwrap_or_default();
+        let sent = ServerSentEvent::from(event);
         let sse = Event::default()
-            .id(event.seq.to_string())
-            .event(&event.kind)
-            .data(data);
+            .id(sent.id)
+            .event(sent.event)
+            .data(sent.data);
         self.sender
             .send(Ok(sse))
             .await

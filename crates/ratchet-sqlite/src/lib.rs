@@ -338,3 +338,57 @@ impl Backend for SqliteBackend {
             .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn any_text_is_a_url_or_a_reason(
+            text in prop_oneof![
+                any::<String>(),
+                any::<String>().prop_map(|rest| format!("sqlite://{rest}")),
+                "sqlite:(//)?[a-z/.:?&=]{0,20}",
+            ],
+        ) {
+            match SqliteOptions::from_url(&text) {
+                Ok(options) => {
+                    prop_assert!(text.starts_with("sqlite:"));
+                    prop_assert!(!options.path.as_os_str().is_empty());
+                    prop_assert!(options.migrate);
+                }
+                Err(Error::BadUrl { url, reason }) => {
+                    prop_assert_eq!(url, text);
+                    prop_assert!(!reason.trim().is_empty());
+                }
+                Err(other) => prop_assert!(false, "not a BadUrl: {:?}", other),
+            }
+        }
+
+        /// `sqlite://PATH?synchronous=…` names the file PATH, with the last durability given.
+        #[test]
+        fn a_written_url_means_what_it_says(
+            slashes in prop_oneof![Just("//"), Just("")],
+            path in "[^?]{1,30}".prop_filter("a file", |p| p != ":memory:"),
+            modes in proptest::collection::vec(prop_oneof![Just("full"), Just("normal")], 0..3),
+        ) {
+            // `sqlite:` followed by `//` is the `sqlite://` form.
+            prop_assume!(slashes == "//" || !path.starts_with("//"));
+            let options: Vec<String> = modes.iter().map(|m| format!("synchronous={m}")).collect();
+            let query = if options.is_empty() { String::new() } else { format!("?{}", options.join("&")) };
+            let url = format!("sqlite:{slashes}{path}{query}");
+            let parsed = SqliteOptions::from_url(&url).unwrap_or_else(|e| panic!("{url}: {e}"));
+            prop_assert_eq!(parsed.path, PathBuf::from(&path));
+            let durability = match modes.last() {
+                Some(&"normal") => Durability::Normal,
+                _ => Durability::Full,
+            };
+            prop_assert_eq!(parsed.durability, durability);
+        }
+    }
+}
