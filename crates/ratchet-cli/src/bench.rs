@@ -336,6 +336,24 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// The value at quantile `p` (0 to 1) of ascending `sorted` values; 0 when there are none.
+/// A scratch directory for a benchmark, and the database it runs on: `db`, or a new SQLite
+/// file in that directory.
+pub fn scratch_database(db: Option<&str>) -> anyhow::Result<(tempfile::TempDir, String)> {
+    let scratch = tempfile::tempdir().context("cannot create a scratch directory")?;
+    let db = db.map_or_else(
+        || format!("sqlite://{}", scratch.path().join("bench.db").display()),
+        str::to_owned,
+    );
+    Ok((scratch, db))
+}
+
+/// Writes the scripted model's `replies` into `dir`; returns the model's spec.
+pub fn scripted_model(dir: &std::path::Path, replies: Value) -> anyhow::Result<String> {
+    let script = dir.join("script.json");
+    std::fs::write(&script, json!({"replies": replies}).to_string())?;
+    Ok(format!("scripted:{}", script.display()))
+}
+
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted.get(index).copied().unwrap_or_default()

@@ -22,7 +22,7 @@ use ratchet_core::{ApprovalAnswer, CallDecision, RunStatus, Verdict};
 use serde_json::json;
 
 use crate::approve;
-use crate::bench::{print_report, start_process};
+use crate::bench::{print_report, scratch_database, scripted_model, start_process};
 use crate::client::{self, Api, RunView};
 use crate::runtime::database_bytes;
 
@@ -62,20 +62,16 @@ pub async fn memory(args: MemoryArgs) -> anyhow::Result<ExitCode> {
     if args.sessions == 0 {
         bail!("--sessions must be at least 1");
     }
-    let scratch = tempfile::tempdir().context("cannot create a scratch directory")?;
-    let db = match &args.db {
-        Some(db) => db.clone(),
-        None => format!("sqlite://{}", scratch.path().join("bench.db").display()),
-    };
-    let script = scratch.path().join("script.json");
-    let replies = json!({"replies": [
-        {"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]},
-        {"text": "2 + 3 = 5."},
-    ]});
-    std::fs::write(&script, replies.to_string())?;
+    let (scratch, db) = scratch_database(args.db.as_deref())?;
+    let model = scripted_model(
+        scratch.path(),
+        json!([
+            {"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]},
+            {"text": "2 + 3 = 5."},
+        ]),
+    )?;
     let config = scratch.path().join("ratchet.toml");
     std::fs::write(&config, "[tools.add]\napproval = \"always\"\n")?;
-    let model = format!("scripted:{}", script.display());
     let workspace = scratch.path().display().to_string();
     let config = config.display().to_string();
     let (mut server, ready) = start_process(

@@ -30,7 +30,7 @@ use ratchet_engine::{Coordinator, Multitask, PoolConfig};
 use ratchet_store::{SessionSpec, Store};
 use serde_json::json;
 
-use crate::bench::{percentile, print_report, start_process};
+use crate::bench::{percentile, print_report, scratch_database, scripted_model, start_process};
 use crate::runtime::{Runtime, Schema, Toolbox, open_store};
 
 /// How long each stage (getting every run into its slow step, then ending every run) may
@@ -55,19 +55,15 @@ pub async fn recovery(args: RecoveryArgs) -> anyhow::Result<ExitCode> {
     if args.runs == 0 || args.step_ms == 0 {
         bail!("--runs and --step-ms must be at least 1");
     }
-    let scratch = tempfile::tempdir().context("cannot create a scratch directory")?;
-    let db = match &args.db {
-        Some(db) => db.clone(),
-        None => format!("sqlite://{}", scratch.path().join("bench.db").display()),
-    };
-    let script = scratch.path().join("script.json");
-    let replies = json!({"replies": [
-        {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": args.step_ms}}]},
-        {"text": "recovered"},
-    ]});
-    std::fs::write(&script, replies.to_string())?;
+    let (scratch, db) = scratch_database(args.db.as_deref())?;
+    let model = scripted_model(
+        scratch.path(),
+        json!([
+            {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": args.step_ms}}]},
+            {"text": "recovered"},
+        ]),
+    )?;
     let toolbox = Toolbox::new();
-    let model = format!("scripted:{}", script.display());
     toolbox.models.resolve(&model)?;
     let config = RunConfigSnapshot {
         model,

@@ -18,9 +18,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Arc;
 
-use common::output_within_deadline;
+use common::{Database, output_within_deadline, postgres, sqlite};
 use ratchet_core::{AgentState, Message, Role, RunStatus, StepRecord, StopReason};
-use ratchet_postgres::testkit::TestDatabase;
 use ratchet_store::{IntentRecord, Store, StoredEvent};
 use serde_json::{Value, json};
 
@@ -172,39 +171,6 @@ macro_rules! scenarios {
 
 scenarios!(sqlite);
 scenarios!(postgres);
-
-/// A fresh database, kept alive (the file's directory, the server's database) for the test's
-/// duration.
-struct Database {
-    url: String,
-    _dir: Option<tempfile::TempDir>,
-    _server: Option<TestDatabase>,
-}
-
-fn sqlite() -> Option<Database> {
-    let dir = tempfile::tempdir().unwrap();
-    // The processes here die, the machine does not: spare the disk the fsyncs.
-    let url = format!(
-        "sqlite://{}?synchronous=normal",
-        dir.path().join("ratchet.db").display()
-    );
-    Some(Database {
-        url,
-        _dir: Some(dir),
-        _server: None,
-    })
-}
-
-/// A database of its own on the server `RATCHET_TEST_POSTGRES_URL` names; `None` (the test
-/// says it is skipped) without one.
-fn postgres() -> Option<Database> {
-    let server = TestDatabase::create()?;
-    Some(Database {
-        url: server.url().to_owned(),
-        _dir: None,
-        _server: Some(server),
-    })
-}
 
 /// What the database and the workspace hold about the one run, read while no `ratchet`
 /// process runs.

@@ -16,10 +16,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::free_port;
+use common::{free_port, postgres, sqlite};
 use futures::StreamExt;
 use ratchet_core::{RunId, RunStatus, SessionId};
-use ratchet_postgres::testkit::TestDatabase;
 use ratchet_store::{Store, StoredEvent};
 use serde_json::{Value, json};
 
@@ -55,39 +54,6 @@ macro_rules! scenarios {
 
 scenarios!(sqlite);
 scenarios!(postgres);
-
-/// A fresh database, kept alive (the file's directory, the server's database) for the test's
-/// duration.
-struct Database {
-    url: String,
-    _dir: Option<tempfile::TempDir>,
-    _server: Option<TestDatabase>,
-}
-
-fn sqlite() -> Option<Database> {
-    let dir = tempfile::tempdir().unwrap();
-    // These scenarios are about processes, not power loss: spare the disk the fsyncs.
-    let url = format!(
-        "sqlite://{}?synchronous=normal",
-        dir.path().join("ratchet.db").display()
-    );
-    Some(Database {
-        url,
-        _dir: Some(dir),
-        _server: None,
-    })
-}
-
-/// A database of its own on the server `RATCHET_TEST_POSTGRES_URL` names; `None` (the test
-/// says it is skipped) without one, outside CI.
-fn postgres() -> Option<Database> {
-    let server = TestDatabase::create()?;
-    Some(Database {
-        url: server.url().to_owned(),
-        _dir: None,
-        _server: Some(server),
-    })
-}
 
 /// The test's own view of the database, for checking what the processes stored.
 fn open(url: &str) -> Arc<dyn Store> {

@@ -116,3 +116,49 @@ pub fn report(output: &Output) -> serde_json::Value {
     );
     values[0].clone()
 }
+
+/// A fresh database, kept alive (the file's directory, the server's database) for the test's
+/// duration.
+#[allow(
+    dead_code,
+    reason = "only the multi-process test binaries use databases this way"
+)]
+pub struct Database {
+    pub url: String,
+    _dir: Option<tempfile::TempDir>,
+    _server: Option<ratchet_postgres::testkit::TestDatabase>,
+}
+
+/// A new SQLite file. The tests that use it kill processes, not the machine: it spares the
+/// disk the fsyncs.
+#[allow(
+    dead_code,
+    reason = "only the multi-process test binaries use databases this way"
+)]
+pub fn sqlite() -> Option<Database> {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!(
+        "sqlite://{}?synchronous=normal",
+        dir.path().join("ratchet.db").display()
+    );
+    Some(Database {
+        url,
+        _dir: Some(dir),
+        _server: None,
+    })
+}
+
+/// A database of its own on the server `RATCHET_TEST_POSTGRES_URL` names; `None` (the test
+/// says it is skipped) without one, outside CI.
+#[allow(
+    dead_code,
+    reason = "only the multi-process test binaries use databases this way"
+)]
+pub fn postgres() -> Option<Database> {
+    let server = ratchet_postgres::testkit::TestDatabase::create()?;
+    Some(Database {
+        url: server.url().to_owned(),
+        _dir: None,
+        _server: Some(server),
+    })
+}
