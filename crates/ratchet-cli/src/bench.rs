@@ -67,40 +67,24 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
             args.runs
         );
     }
-    let scratch = tempfile::tempdir().context("cannot create a scratch directory")?;
-    let db = match &args.db {
-        Some(db) => db.clone(),
-        None => format!("sqlite://{}", scratch.path().join("bench.db").display()),
-    };
+    let (scratch, db) = scratch_database(args.db.as_deref())?;
     if args.worker_processes > 0 && !announces_changes(&db)? {
         bail!(
             "--worker-processes needs a database that tells other processes of its changes \
              (--db postgres://…): over SQLite this process would not hear of their steps"
         );
     }
-    let script_path = scratch.path().join("script.json");
     let mut replies: Vec<_> = (0..args.turns)
         .map(|i| json!({"tool_calls": [{"name": "add", "arguments": {"a": i, "b": 1}}]}))
         .collect();
     replies.push(json!({"text": "done"}));
-    std::fs::write(&script_path, json!({"replies": replies}).to_string())?;
-    let toolbox = Toolbox::new();
-    let tools = toolbox.tools.specs();
-    let model = format!("scripted:{}", script_path.display());
-    toolbox.models.resolve(&model)?;
-    let config = RunConfigSnapshot {
-        model,
-        model_settings: None,
-        workspace: None,
-        system_prompt: String::new(),
-        tools,
-        // Room for every round-trip without the budget forcing a concluding call.
-        limits: Limits {
-            max_steps: 2 * args.turns as u64 + 3,
-            ..Limits::default()
-        },
-        memory_scope: MemoryScope::Session,
+    let model = scripted_model(scratch.path(), Value::Array(replies))?;
+    // Room for every round-trip without the budget forcing a concluding call.
+    let limits = Limits {
+        max_steps: 2 * args.turns as u64 + 3,
+        ..Limits::default()
     };
+    let (toolbox, config) = scripted_run_config(model, limits)?;
     // The disk's limit, on the disk the steps will wait on, just before they do.
     let commits_per_s = match database_directory(&db)? {
         Some(directory) => {
@@ -345,6 +329,26 @@ pub fn scratch_database(db: Option<&str>) -> anyhow::Result<(tempfile::TempDir, 
         str::to_owned,
     );
     Ok((scratch, db))
+}
+
+/// A bare run configuration over the built-in tools for a scripted model, and the toolbox it
+/// runs with: no system prompt and no workspace, so a benchmark measures the runtime alone.
+pub fn scripted_run_config(
+    model: String,
+    limits: Limits,
+) -> anyhow::Result<(Toolbox, RunConfigSnapshot)> {
+    let toolbox = Toolbox::new();
+    toolbox.models.resolve(&model)?;
+    let config = RunConfigSnapshot {
+        model,
+        model_settings: None,
+        workspace: None,
+        system_prompt: String::new(),
+        tools: toolbox.tools.specs(),
+        limits,
+        memory_scope: MemoryScope::Session,
+    };
+    Ok((toolbox, config))
 }
 
 /// Writes the scripted model's `replies` into `dir`; returns the model's spec.

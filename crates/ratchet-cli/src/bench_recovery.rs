@@ -25,13 +25,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use futures::{StreamExt, TryStreamExt};
-use ratchet_core::{Limits, MemoryScope, Millis, RunConfigSnapshot, RunId, RunStatus};
+use ratchet_core::{Limits, Millis, RunConfigSnapshot, RunId, RunStatus};
 use ratchet_engine::{Coordinator, Multitask, PoolConfig};
 use ratchet_store::{SessionSpec, Store};
 use serde_json::json;
 
-use crate::bench::{percentile, print_report, scratch_database, scripted_model, start_process};
-use crate::runtime::{Runtime, Schema, Toolbox, open_store};
+use crate::bench::{
+    percentile, print_report, scratch_database, scripted_model, scripted_run_config, start_process,
+};
+use crate::runtime::{Runtime, Schema, open_store};
 
 /// How long each stage (getting every run into its slow step, then ending every run) may
 /// take before the benchmark gives up.
@@ -63,17 +65,7 @@ pub async fn recovery(args: RecoveryArgs) -> anyhow::Result<ExitCode> {
             {"text": "recovered"},
         ]),
     )?;
-    let toolbox = Toolbox::new();
-    toolbox.models.resolve(&model)?;
-    let config = RunConfigSnapshot {
-        model,
-        model_settings: None,
-        workspace: None,
-        system_prompt: String::new(),
-        tools: toolbox.tools.specs(),
-        limits: Limits::default(),
-        memory_scope: MemoryScope::Session,
-    };
+    let (toolbox, config) = scripted_run_config(model, Limits::default())?;
     // Passed explicitly, so that the lease reported is the one the workers hold.
     let lease_ms = args
         .lease_ms

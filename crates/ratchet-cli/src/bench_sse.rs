@@ -249,15 +249,16 @@ struct LocalServer {
 impl LocalServer {
     async fn start() -> anyhow::Result<LocalServer> {
         let scratch = tempfile::tempdir().context("cannot create a scratch directory")?;
-        let script = scratch.path().join("script.json");
-        let replies = json!({"replies": [
-            {"text": "Let me add those.", "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]},
-            {"text": "1 + 2 = 3."},
-        ]});
-        std::fs::write(&script, replies.to_string())?;
+        let model = crate::bench::scripted_model(
+            scratch.path(),
+            json!([
+                {"text": "Let me add those.", "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]},
+                {"text": "1 + 2 = 3."},
+            ]),
+        )?;
         let toolbox = Toolbox::new();
         let template = toolbox.run_template(
-            &format!("scripted:{}", script.display()),
+            &model,
             Some(scratch.path()),
             ratchet_core::Limits::default(),
             &crate::runtime::ToolOverrides::default(),
