@@ -347,6 +347,7 @@ pub fn scripted_run_config(
         tools: toolbox.tools.specs(),
         limits,
         memory_scope: MemoryScope::Session,
+        ..RunConfigSnapshot::default()
     };
     Ok((toolbox, config))
 }

@@ -102,6 +102,7 @@ impl Toolbox {
             tools,
             limits,
             memory_scope,
+            ..RunConfigSnapshot::default()
         })
     }
 

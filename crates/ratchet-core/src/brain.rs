@@ -58,9 +58,12 @@ pub fn decide(state: &AgentState, phase: Phase, now: Millis) -> Instruction {
                 Instruction::Finish(StopReason::Completed)
             }
         }
-        // The batch a human was asked about is finished by a tools step even when every
-        // outcome is now known: that step is what hands the results to the model, in order.
-        Phase::HumanDecided if state.checkpoint.is_some() => Instruction::CallToolsBatch,
+        // The batch a human was asked about (or whose children ran) is finished by a tools
+        // step even when every outcome is now known: that step is what hands the results to
+        // the model, in order.
+        Phase::HumanDecided | Phase::ChildrenJoined if state.checkpoint.is_some() => {
+            Instruction::CallToolsBatch
+        }
         Phase::ToolsBatchResult
             if state.counters.consecutive_parse_failures
                 >= state.limits().max_consecutive_parse_failures =>
@@ -73,6 +76,7 @@ pub fn decide(state: &AgentState, phase: Phase, now: Millis) -> Instruction {
         Phase::UserInput
         | Phase::ToolsBatchResult
         | Phase::HumanDecided
+        | Phase::ChildrenJoined
         | Phase::Resumed
         | Phase::ContextCompacted => next_model_call(state, now),
         Phase::Cancel => Instruction::Finish(StopReason::Cancelled),
@@ -154,6 +158,7 @@ mod tests {
                     replay: ReplayPolicy::Safe,
                     completes_run: true,
                     approval: ApprovalPolicy::Never,
+                    delegation: Default::default(),
                 },
                 ToolSpec {
                     name: "guarded".into(),
@@ -162,6 +167,7 @@ mod tests {
                     replay: ReplayPolicy::Never,
                     completes_run: false,
                     approval: ApprovalPolicy::Always,
+                    delegation: Default::default(),
                 },
             ],
             limits: Limits {
@@ -278,7 +284,7 @@ mod tests {
             Phase::LlmResult if gated => AskApproval,
             Phase::LlmResult if pending => CallToolsBatch,
             Phase::LlmResult => Finish(StopReason::Completed),
-            Phase::HumanDecided if checkpoint != 0 => CallToolsBatch,
+            Phase::HumanDecided | Phase::ChildrenJoined if checkpoint != 0 => CallToolsBatch,
             Phase::ToolsBatchResult if parse_failures >= 3 => Finish(StopReason::ParseFailures),
             Phase::ToolsBatchResult if checkpoint == 2 => Finish(StopReason::Completed),
             _ => model_call(),

@@ -21,11 +21,13 @@ pub enum EventKind {
     RunResumed,
     MessageSteered,
     ContextCompacted,
+    SubagentStarted,
+    SubagentFinished,
     RunFinished,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 17] = [
+    pub const ALL: [EventKind; 19] = [
         EventKind::RunCreated,
         EventKind::RunStatus,
         EventKind::StepCommitted,
@@ -42,6 +44,8 @@ impl EventKind {
         EventKind::RunResumed,
         EventKind::MessageSteered,
         EventKind::ContextCompacted,
+        EventKind::SubagentStarted,
+        EventKind::SubagentFinished,
         EventKind::RunFinished,
     ];
 
@@ -63,6 +67,8 @@ impl EventKind {
             EventKind::RunResumed => "run.resumed",
             EventKind::MessageSteered => "message.steered",
             EventKind::ContextCompacted => "context.compacted",
+            EventKind::SubagentStarted => "subagent.started",
+            EventKind::SubagentFinished => "subagent.finished",
             EventKind::RunFinished => "run.finished",
         }
     }

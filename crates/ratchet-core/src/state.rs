@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::approval::{ApprovalCall, ApprovalPolicy};
+use crate::delegation::{AgentRef, DelegationConfig, Lineage, ToolDelegation};
 use crate::{ApprovalId, Millis, RunId, RunStatus, SessionId, StopReason, ToolCall, ToolOutcome};
 
 /// What may happen when a tool call has an intent but no result after a crash.
@@ -43,6 +44,9 @@ pub struct ToolSpec {
     /// When a call of this tool waits for a human before its batch runs.
     #[serde(default)]
     pub approval: ApprovalPolicy,
+    /// Whether child runs may be offered this tool.
+    #[serde(default)]
+    pub delegation: ToolDelegation,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -166,6 +170,12 @@ pub struct RunConfigSnapshot {
     /// What `memory_search` searches (configs frozen before it existed read as `session`).
     #[serde(default)]
     pub memory_scope: MemoryScope,
+    /// The catalog definition this run was started from, when it was started from one.
+    #[serde(default)]
+    pub agent: Option<AgentRef>,
+    /// What this run may hand to other agents.
+    #[serde(default)]
+    pub delegation: DelegationConfig,
 }
 
 impl RunConfigSnapshot {
@@ -295,6 +305,9 @@ pub struct AgentState {
     pub just_compacted: bool,
     /// The last assistant text, so that a finished run can answer without reading history.
     pub final_answer: Option<String>,
+    /// Where a child run stands in its tree; None for a run a user started.
+    #[serde(default)]
+    pub lineage: Option<Lineage>,
     pub created_at: Millis,
     pub started_at: Option<Millis>,
     pub finished_at: Option<Millis>,
@@ -344,6 +357,7 @@ impl AgentState {
             extension: BudgetExtension::default(),
             just_compacted: false,
             final_answer: None,
+            lineage: None,
             created_at: now,
             started_at: None,
             finished_at: None,

@@ -27,10 +27,12 @@ pub enum Phase {
     Resumed,
     /// The context was compacted: the model is called with the shorter prompt.
     ContextCompacted,
+    /// Every child of the run's delegation has ended: the batch goes on with their results.
+    ChildrenJoined,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 7] = [
+    pub const ALL: [Phase; 8] = [
         Phase::UserInput,
         Phase::LlmResult,
         Phase::ToolsBatchResult,
@@ -38,6 +40,7 @@ impl Phase {
         Phase::Cancel,
         Phase::Resumed,
         Phase::ContextCompacted,
+        Phase::ChildrenJoined,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -49,6 +52,7 @@ impl Phase {
             Phase::Cancel => "cancel",
             Phase::Resumed => "resumed",
             Phase::ContextCompacted => "context_compacted",
+            Phase::ChildrenJoined => "children_joined",
         }
     }
 
@@ -104,22 +108,28 @@ pub struct StepResult {
     pub events: Vec<EventDraft>,
     pub record: StepRecord,
     pub next: Option<StepJob>,
+    /// Child runs that start in this commit (the run waits for them).
+    pub children: Vec<crate::delegation::ChildRun>,
 }
 
 impl StepResult {
     /// A cancel request arrived while this step was in flight. The step's work is kept (its
     /// effects happened), but the run moves to `cancelling` and its next step only finishes.
-    /// A wait for a human the step would have started is not announced: no approval or
-    /// reconciliation exists that a client could answer.
+    /// A wait the step would have started is not announced and not begun: no approval or
+    /// reconciliation exists that a client could answer, and no child run starts.
     pub fn yield_to_cancel(&mut self) {
         if self.state.status.is_terminal() || self.state.status == RunStatus::Cancelling {
             return;
         }
         self.state.cancel_requested = true;
-        if self.state.pending_human.take().is_some() {
-            let waiting = serde_json::to_value(RunStatus::WaitingHuman).unwrap_or_default();
+        if self.state.status.is_waiting() {
+            self.state.pending_human = None;
+            self.children.clear();
+            let waiting = serde_json::to_value(self.state.status).unwrap_or_default();
             self.events.retain(|event| match event.kind {
-                EventKind::ApprovalRequired | EventKind::ReconciliationRequired => false,
+                EventKind::ApprovalRequired
+                | EventKind::ReconciliationRequired
+                | EventKind::SubagentStarted => false,
                 EventKind::RunStatus => event.payload["status"] != waiting,
                 _ => true,
             });
@@ -386,6 +396,7 @@ pub fn await_reconciliation(
         messages: Vec::new(),
         events,
         next: None,
+        children: Vec::new(),
     }
 }
 
@@ -604,6 +615,7 @@ pub fn finish_step(
         messages: Vec::new(),
         events,
         next: None,
+        children: Vec::new(),
     }
 }
 
@@ -630,6 +642,7 @@ pub fn ask_approval_step(
         messages: Vec::new(),
         events,
         next: None,
+        children: Vec::new(),
     }
 }
 
@@ -684,6 +697,7 @@ fn close_step(
         messages,
         events,
         next,
+        children: Vec::new(),
     }
 }
 
@@ -718,7 +732,7 @@ pub(crate) fn status_event(state: &AgentState) -> EventDraft {
 }
 
 /// Counts `job`'s step as committed in the state; returns its record and its event.
-fn mark_committed(
+pub(crate) fn mark_committed(
     state: &mut AgentState,
     job: &StepJob,
     instruction: Instruction,

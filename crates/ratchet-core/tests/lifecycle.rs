@@ -48,6 +48,7 @@ fn fresh(max_steps: u64) -> AgentState {
         replay: ReplayPolicy::Safe,
         completes_run,
         approval,
+        delegation: Default::default(),
     };
     let config = RunConfigSnapshot {
         model: "scripted:demo".into(),

@@ -15,8 +15,8 @@ use futures::StreamExt;
 
 use ratchet_core::{MessageId, RunConfigSnapshot, RunId, RunStatus, SessionId, StepResult};
 use ratchet_store::{
-    CancelOutcome, Change, ChangeStream, Claim, ClaimedStep, Commit, Lease, NewRun, Session,
-    SessionSpec, Store, StoredEvent, WhenBusy,
+    CancelOutcome, Change, ChangeStream, Claim, ClaimedStep, Commit, Lease, NewRun, RunQuota,
+    Session, SessionSpec, Store, StoredEvent, WhenBusy,
 };
 use tokio::sync::{Notify, broadcast};
 use tokio::task::JoinHandle;
@@ -61,6 +61,8 @@ pub struct Coordinator {
     in_flight: Mutex<HashMap<RunId, CancellationToken>>,
     /// Cancelled when the Coordinator is dropped: its follower of other processes stops.
     dropped: CancellationToken,
+    /// Limits on unfinished runs, checked when a message or a delegation admits new ones.
+    quota: RunQuota,
 }
 
 impl Drop for Coordinator {
@@ -69,19 +71,29 @@ impl Drop for Coordinator {
     }
 }
 
-fn fresh_suffix() -> String {
+pub(crate) fn fresh_suffix() -> String {
     Uuid::now_v7().simple().to_string()
 }
 
 impl Coordinator {
     pub fn new(store: Arc<dyn Store>) -> Arc<Coordinator> {
+        Coordinator::with_quota(store, RunQuota::default())
+    }
+
+    /// A Coordinator that admits new runs only within `quota`.
+    pub fn with_quota(store: Arc<dyn Store>, quota: RunQuota) -> Arc<Coordinator> {
         Arc::new(Coordinator {
             store,
             events: broadcast::channel(EVENT_BUFFER).0,
             wake: Notify::new(),
             in_flight: Mutex::new(HashMap::new()),
             dropped: CancellationToken::new(),
+            quota,
         })
+    }
+
+    pub fn quota(&self) -> RunQuota {
+        self.quota
     }
 
     /// Relays what other processes sharing the database commit, when the store can tell
@@ -142,6 +154,7 @@ impl Coordinator {
                 Multitask::Interrupt => WhenBusy::Interrupt,
                 Multitask::Steer => WhenBusy::Steer,
             },
+            quota: self.quota,
         };
         let submitted = self.store.submit_message(new, now_ms()).await?;
         self.publish(submitted.events);
@@ -280,18 +293,34 @@ impl Coordinator {
         match &outcome {
             CancelOutcome::Cancelled { events, enqueued } => {
                 self.forget_token(run_id);
+                self.cancel_descendants(events);
                 self.publish(events.clone());
                 if *enqueued {
                     self.wake.notify_one();
                 }
             }
             CancelOutcome::Cancelling { events } => {
+                self.cancel_descendants(events);
                 self.publish(events.clone());
                 token.cancel();
             }
             CancelOutcome::AlreadyTerminal(_) => self.forget_token(run_id),
         }
         Ok(outcome)
+    }
+
+    /// A cancel reaches the runs a delegation started too: those the store moved to
+    /// `cancelling` have their step in this process (if any) cancelled now.
+    fn cancel_descendants(&self, events: &[StoredEvent]) {
+        let cancelling = RunStatus::Cancelling.as_str();
+        let tokens = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        for event in events {
+            let moved = event.kind == ratchet_core::EventKind::RunStatus.as_str()
+                && event.payload["status"] == cancelling;
+            if let Some(token) = event.run_id.as_ref().filter(|_| moved).and_then(|r| tokens.get(r)) {
+                token.cancel();
+            }
+        }
     }
 
     /// Records a human's answer for a call in doubt; once all are answered the run goes on.

@@ -14,9 +14,11 @@ use ratchet_core::step::{
     Compaction, after_compaction, after_model, after_tools, ask_approval_step,
     await_reconciliation, finish_step,
 };
+use ratchet_core::delegation::{AGENT_TASK_TOOL, DELEGATE_TOOL, await_children};
 use ratchet_core::{
     AgentState, EventDraft, EventKind, HumanRequest, Instruction, Message, ReplayPolicy,
-    RunConfigSnapshot, StepJob, StepResult, ToolCall, ToolOutcome, UnknownCall, decide,
+    RunConfigSnapshot, SessionId, StepJob, StepResult, ToolCall, ToolDelegation, ToolOutcome,
+    UnknownCall, decide,
 };
 use ratchet_llm::ModelRequest;
 use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, IntentRecord, StoredMessage};
@@ -25,6 +27,8 @@ use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::delegation::{AgentTask, Delegation, admit, read_delegate};
+use crate::gates::{PermitLimits, StepPermits};
 use crate::memory::StoreMemory;
 use crate::{Coordinator, Models, now_ms};
 
@@ -85,6 +89,7 @@ pub struct Engine {
     coordinator: Arc<Coordinator>,
     models: Arc<Models>,
     tools: Arc<Registry>,
+    permits: StepPermits,
 }
 
 impl Engine {
@@ -93,7 +98,14 @@ impl Engine {
             coordinator,
             models,
             tools,
+            permits: StepPermits::default(),
         }
+    }
+
+    /// Limits the model calls and tool calls this engine makes at once.
+    pub fn with_permits(mut self, limits: PermitLimits) -> Engine {
+        self.permits = StepPermits::new(limits);
+        self
     }
 
     pub async fn execute(
@@ -247,6 +259,10 @@ impl Engine {
             messages,
             tools,
         };
+        let _permit = tokio::select! {
+            permit = self.permits.model_call(root_session(state)) => permit,
+            () = cancel.cancelled() => return Err(StepFailure::Cancelled),
+        };
         let (deltas, mut incoming) = mpsc::unbounded_channel();
         let completion = model.complete(request, deltas, cancel.clone());
         tokio::pin!(completion);
@@ -342,6 +358,7 @@ impl Engine {
         let mut to_run = Vec::new();
         let mut invalid = 0;
         let mut unknown = Vec::new();
+        let mut delegations = Vec::new();
         for (slot, (call, known)) in (0u32..).zip(&calls) {
             let started_before = earlier.get(&slot);
             if let Some(known) = known
@@ -363,7 +380,24 @@ impl Engine {
                 outcomes.push(None);
                 continue;
             }
-            match self.check_call(&state.config, call) {
+            let injected = (state.config.tool(&call.name))
+                .is_some_and(|spec| spec.delegation == ToolDelegation::RuntimeInjected);
+            let checked = match call.name.as_str() {
+                DELEGATE_TOOL if injected => match read_delegate(&state, &call.arguments) {
+                    Ok(request) => {
+                        delegations.push(Delegation { slot, request });
+                        outcomes.push(None);
+                        continue;
+                    }
+                    Err(message) => Err(message),
+                },
+                AGENT_TASK_TOOL if injected => Ok(Arc::new(AgentTask {
+                    coordinator: Arc::clone(&self.coordinator),
+                    caller: state.run_id.clone(),
+                }) as Arc<dyn Tool>),
+                _ => self.check_call(&state.config, call),
+            };
+            match checked {
                 Err(message) => {
                     invalid += 1;
                     outcomes.push(Some(ToolOutcome::error(message)));
@@ -386,6 +420,14 @@ impl Engine {
                 now_ms(),
             ));
         }
+        if !delegations.is_empty() {
+            let tasks = delegations.iter().map(|d| d.request.tasks.len()).sum();
+            if let Err(refusal) = admit(&self.coordinator, &state, tasks).await? {
+                for refused in delegations.drain(..) {
+                    outcomes[refused.slot as usize] = Some(ToolOutcome::error(refusal.clone()));
+                }
+            }
+        }
         let workspace = state.config.workspace.as_ref().map(PathBuf::from);
         let parallel = state.config.limits.max_parallel.max(1) as usize;
         let memory: Arc<dyn MemorySearch> = Arc::new(StoreMemory::new(
@@ -404,6 +446,8 @@ impl Engine {
                 };
                 run_call(
                     Arc::clone(&self.coordinator),
+                    &self.permits,
+                    root_session(&state),
                     claimed.claim.clone(),
                     slot,
                     tool,
@@ -419,6 +463,18 @@ impl Engine {
         for done in finished {
             let (slot, outcome) = done?;
             outcomes[slot as usize] = Some(outcome);
+        }
+        if !delegations.is_empty() {
+            let children = crate::delegation::children(&state, job, &delegations)
+                .map_err(|e| StepFailure::Fatal(e.to_string()))?;
+            return Ok(await_children(
+                state,
+                job,
+                outcomes,
+                children,
+                started,
+                now_ms(),
+            ));
         }
         let outcomes = outcomes
             .into_iter()
@@ -452,8 +508,14 @@ impl Engine {
 /// Records the intent, runs the call, records its outcome. A panicking tool is an error
 /// outcome, never a crashed worker. A call that ran has its outcome recorded even when the
 /// step was cancelled meanwhile: the effect happened.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "one call site; each argument is a different part of the call's surroundings"
+)]
 async fn run_call(
     coordinator: Arc<Coordinator>,
+    permits: &StepPermits,
+    session: &SessionId,
     claim: Claim,
     slot: u32,
     tool: Arc<dyn Tool>,
@@ -479,6 +541,10 @@ async fn run_call(
     if context.cancel.is_cancelled() {
         return Err(StepFailure::Cancelled);
     }
+    let permit = tokio::select! {
+        permit = permits.tool_call(session) => permit,
+        () = context.cancel.cancelled() => return Err(StepFailure::Cancelled),
+    };
     coordinator
         .record_intents(&claim, vec![intent], vec![announce])
         .await?;
@@ -486,6 +552,7 @@ async fn run_call(
         .catch_unwind()
         .await
         .unwrap_or_else(|_| ToolOutcome::error(format!("tool {} panicked", call.name)));
+    drop(permit);
     coordinator
         .record_outcome(&claim, slot, outcome.clone())
         .await?;
@@ -495,6 +562,14 @@ async fn run_call(
         return Err(StepFailure::Cancelled);
     }
     Ok((slot, outcome))
+}
+
+/// The session a run's permits are counted against: its tree's root session.
+fn root_session(state: &AgentState) -> &SessionId {
+    state
+        .lineage
+        .as_ref()
+        .map_or(&state.session_id, |l| &l.root_session_id)
 }
 
 /// Deterministic per call, so a tool sees the same key after a crash: `{run}#{step}#{slot}`.

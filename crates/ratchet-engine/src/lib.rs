@@ -5,7 +5,9 @@
 //! This crate depends on the storage *port* only, never on an adapter.
 
 mod coordinator;
+mod delegation;
 mod engine;
+mod gates;
 mod memory;
 mod models;
 mod worker;
@@ -14,6 +16,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use coordinator::{Coordinator, Multitask, StartedRun};
 pub use engine::{Engine, StepFailure};
+pub use gates::{PermitLimits, StepPermits};
 pub use models::Models;
 pub use worker::{WorkerPool, owner_is_dead_local_process, process_owner};
 

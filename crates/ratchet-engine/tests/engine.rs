@@ -50,6 +50,7 @@ fn config(script: &std::path::Path) -> RunConfigSnapshot {
         tools: Registry::builtin().specs(),
         limits: Limits::default(),
         memory_scope: MemoryScope::Session,
+        ..RunConfigSnapshot::default()
     }
 }
 

@@ -630,6 +630,7 @@ mod tests {
             replay: ratchet_core::ReplayPolicy::Safe,
             completes_run: false,
             approval: Default::default(),
+            delegation: Default::default(),
         }];
         let body = model.body(&request, &WireNames::for_request(&request));
         assert_eq!(

@@ -91,6 +91,7 @@ async fn run(node: &Node, script: &Path, message: &str) -> (RunId, AgentState) {
         tools: node.registry.specs(),
         limits: Limits::default(),
         memory_scope: MemoryScope::Session,
+        ..RunConfigSnapshot::default()
     };
     let session = node
         .coordinator

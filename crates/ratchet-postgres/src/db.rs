@@ -229,7 +229,7 @@ impl Db for Tx<'_> {
 
     fn lock_session(&self, session_id: &str) -> Result<()> {
         self.execute(
-            "SELECT 1 FROM sessions WHERE id = ?1 FOR UPDATE",
+            "SELECT 1 FROM sessions WHERE id = COALESCE((SELECT root_session_id FROM sessions WHERE id = ?1), ?1) FOR UPDATE",
             &[Param::from(session_id)],
         )
         .map(|_| ())
@@ -237,7 +237,7 @@ impl Db for Tx<'_> {
 
     fn lock_session_of_run(&self, run_id: &str) -> Result<()> {
         self.execute(
-            "SELECT 1 FROM sessions WHERE id = (SELECT session_id FROM runs WHERE id = ?1) FOR UPDATE",
+            "SELECT 1 FROM sessions WHERE id = (SELECT COALESCE(s.root_session_id, s.id) FROM runs r JOIN sessions s ON s.id = r.session_id WHERE r.id = ?1) FOR UPDATE",
             &[Param::from(run_id)],
         )
         .map(|_| ())

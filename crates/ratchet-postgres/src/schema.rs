@@ -149,6 +149,23 @@ CREATE TABLE steers (
     created_at  BIGINT NOT NULL
 );
 CREATE INDEX steers_by_session ON steers (session_id, position);
+"#, r#"
+-- Sub-agents. A child run lives in a session of its own, below its root session: writes to any
+-- session of a tree lock the root's row. NULL parents and roots mean "a root itself".
+ALTER TABLE sessions ADD COLUMN parent_session_id TEXT COLLATE "C";
+ALTER TABLE sessions ADD COLUMN root_session_id TEXT COLLATE "C";
+ALTER TABLE runs ADD COLUMN parent_run_id TEXT COLLATE "C";
+ALTER TABLE runs ADD COLUMN parent_step BIGINT;
+ALTER TABLE runs ADD COLUMN parent_slot BIGINT;
+ALTER TABLE runs ADD COLUMN task_index BIGINT;
+ALTER TABLE runs ADD COLUMN root_run_id TEXT COLLATE "C";
+ALTER TABLE runs ADD COLUMN agent TEXT;
+ALTER TABLE runs ADD COLUMN depth BIGINT NOT NULL DEFAULT 0;
+CREATE INDEX runs_children ON runs (parent_run_id, parent_step) WHERE parent_run_id IS NOT NULL;
+CREATE INDEX runs_by_root ON runs (root_run_id) WHERE root_run_id IS NOT NULL;
+CREATE INDEX sessions_by_root ON sessions (root_session_id) WHERE root_session_id IS NOT NULL;
+-- Run quotas count the non-terminal runs.
+CREATE INDEX runs_by_status ON runs (status);
 "#];
 
 /// The advisory lock that makes processes opening one database at once migrate it one

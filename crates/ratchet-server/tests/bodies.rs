@@ -99,6 +99,7 @@ async fn seed() -> Seeded {
         tools: Registry::builtin().specs(),
         limits: Limits::default(),
         memory_scope: MemoryScope::Session,
+        ..RunConfigSnapshot::default()
     };
     let add = template.tools.iter_mut().find(|t| t.name == "add").unwrap();
     add.approval = ApprovalPolicy::Always;

@@ -181,7 +181,10 @@ pub trait Db {
 
     /// Holds the session's row until the transaction ends: every write that touches a
     /// session's runs, messages, events or jobs takes it first, so those writes are serial
-    /// even across processes. A backend with one writer has nothing to do.
+    /// even across processes. A backend with one writer has nothing to do. The sessions of a
+    /// delegation tree share one lock, their root session's: a child's end writes its parent
+    /// and a parent's cancel writes its children, and one lock per tree cannot be taken in
+    /// two orders.
     fn lock_session(&self, session_id: &str) -> Result<()>;
 
     /// `lock_session` of the session the run belongs to.

@@ -17,10 +17,10 @@ use ratchet_core::{
     StepRecord, StepResult, ToolOutcome,
 };
 use ratchet_store::{
-    Answered, Approval, ApprovalStatus, CancelOutcome, ChangeStream, Claim, ClaimedStep, Commit,
+    Admission, Answered, Approval, ApprovalStatus, CancelOutcome, ChangeStream, Claim, ClaimedStep, Commit,
     Error, Intent, IntentRecord, Lease, MessageHit, NewRun, Reconciled, RecordedIntents,
     RunSummary, SearchScope, Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage,
-    Submitted,
+    Submitted, TreeNode,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -314,6 +314,20 @@ impl<B: Backend> Store for SqlStore<B> {
         let run_id = run_id.clone();
         self.backend
             .read(move |c| ops::load_state(c, &run_id))
+            .await
+    }
+
+    async fn run_tree(&self, run_id: &RunId) -> Result<Vec<TreeNode>> {
+        let run_id = run_id.clone();
+        self.backend
+            .read(move |c| ops::run_tree(c, &run_id))
+            .await
+    }
+
+    async fn admission(&self, run_id: &RunId) -> Result<Admission> {
+        let run_id = run_id.clone();
+        self.backend
+            .read(move |c| ops::admission(c, &run_id))
             .await
     }
 

@@ -7,6 +7,7 @@
 //! the write lands. Claims never take that lock (they take only their job's row), so that a
 //! commit, which holds the session and then waits for its job's row, cannot deadlock with one.
 
+use ratchet_core::delegation::{ChildResult, ChildRun, child_finished, join_children};
 use ratchet_core::step::{Reconciliation, Resumption, cancel_idle, start_run};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalId, EventDraft, EventKind, HumanRequest, IdError, Message,
@@ -14,9 +15,10 @@ use ratchet_core::{
     StepResult, StopReason, ToolOutcome,
 };
 use ratchet_store::{
-    Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, Error, Intent,
-    IntentKind, IntentRecord, Lease, NewRun, Reconciled, RecordedIntents, RunSummary, Session,
-    SessionSpec, Stale, StoreStats, StoredEvent, StoredMessage, Submitted, WhenBusy,
+    Admission, Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, Error,
+    Intent, IntentKind, IntentRecord, Lease, NewRun, Reconciled, RecordedIntents, RunSummary,
+    Session, SessionSpec, Stale, StoreStats, StoredEvent, StoredMessage, Submitted, TreeNode,
+    WhenBusy,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -144,7 +146,7 @@ pub(crate) fn list_sessions(
 pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Submitted> {
     c.lock_session(new.session_id.as_str())?;
     let Some(mut row) = c.query_opt(
-        "SELECT active_run_id FROM sessions WHERE id = ?1",
+        "SELECT active_run_id, root_session_id FROM sessions WHERE id = ?1",
         &params![new.session_id.as_str()],
     )?
     else {
@@ -154,6 +156,15 @@ pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Sub
         });
     };
     let active = row.opt_text(0)?.as_deref().map(parse_run_id).transpose()?;
+    if let Some(root) = row.opt_text(1)? {
+        return Err(Error::Invalid(format!(
+            "session {} holds a delegated run; send messages to its root session {root}",
+            new.session_id
+        )));
+    }
+    if new.when_busy != WhenBusy::Steer || active.is_none() {
+        check_quota(c, &new.session_id, 1, new.quota)?;
+    }
     if let Some(active) = active
         .as_ref()
         .filter(|_| new.when_busy == WhenBusy::Reject)
@@ -224,6 +235,301 @@ pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Sub
         events,
         interrupted,
         steered_into: None,
+    })
+}
+
+/// The statuses a run quota counts.
+const ACTIVE_STATUSES: &str =
+    "('queued', 'running', 'waiting_human', 'waiting_children', 'cancelling')";
+
+/// Non-terminal runs of a root session, the runs of its delegations included.
+fn active_in_session(c: &dyn Db, root_session: &SessionId) -> Result<u64> {
+    count(
+        c,
+        &format!(
+            "SELECT count(*) FROM runs r JOIN sessions s ON s.id = r.session_id
+             WHERE (s.id = ?1 OR s.root_session_id = ?1) AND r.status IN {ACTIVE_STATUSES}"
+        ),
+        &params![root_session.as_str()],
+    )
+}
+
+fn count(c: &dyn Db, sql: &str, params: &[crate::db::Param<'_>]) -> Result<u64> {
+    let n = c
+        .query_opt(sql, params)?
+        .ok_or_else(|| Error::Backend("a count returned no row".into()))?
+        .int(0)?;
+    Ok(n.max(0) as u64)
+}
+
+/// Refuses to admit `adding` runs to `root_session` beyond the quota.
+fn check_quota(c: &dyn Db, root_session: &SessionId, adding: u64, quota: ratchet_store::RunQuota) -> Result<()> {
+    if let Some(max) = quota.per_session {
+        let active = active_in_session(c, root_session)?;
+        if active + adding > max {
+            return Err(Error::QuotaExceeded(format!(
+                "session {root_session} has {active} unfinished runs and may have at most {max}; wait for some to end"
+            )));
+        }
+    }
+    if let Some(max) = quota.global {
+        let active = count(
+            c,
+            &format!("SELECT count(*) FROM runs WHERE status IN {ACTIVE_STATUSES}"),
+            &[],
+        )?;
+        if active + adding > max {
+            return Err(Error::QuotaExceeded(format!(
+                "{active} runs are unfinished and at most {max} may be; wait for some to end"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Runs of the tree whose root run is `root`, ended ones included.
+fn tree_runs(c: &dyn Db, root: &RunId) -> Result<u64> {
+    count(
+        c,
+        "SELECT count(*) FROM runs WHERE id = ?1 OR root_run_id = ?1",
+        &params![root.as_str()],
+    )
+}
+
+/// Starts the children a parent's step created, each the active run of a new session below
+/// the parent's, with its task as its first message and its first job enqueued.
+fn start_children(
+    c: &dyn Db,
+    parent: &AgentState,
+    children: &[ChildRun],
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
+    let root = parent
+        .lineage
+        .as_ref()
+        .map_or(&parent.run_id, |l| &l.root_run_id);
+    let limit = parent.config.delegation.max_tree_runs;
+    let existing = tree_runs(c, root)?;
+    if existing + children.len() as u64 > limit {
+        return Err(Error::QuotaExceeded(format!(
+            "the run tree of {root} has {existing} runs and may have at most {limit}"
+        )));
+    }
+    let tenant = c
+        .query_opt(
+            "SELECT tenant FROM sessions WHERE id = ?1",
+            &params![parent.session_id.as_str()],
+        )?
+        .ok_or_else(|| Error::NotFound {
+            kind: "session",
+            id: parent.session_id.to_string(),
+        })?
+        .text(0)?;
+    let mut events = Vec::new();
+    for child in children {
+        let lineage = &child.lineage;
+        c.execute(
+            "INSERT INTO sessions (id, created_at, tenant, agent, parent_session_id, root_session_id)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            &params![
+                child.session_id.as_str(),
+                now,
+                &tenant,
+                &lineage.agent,
+                parent.session_id.as_str(),
+                lineage.root_session_id.as_str()
+            ],
+        )?;
+        let (mut state, created) = insert_queued_run(
+            c,
+            &child.session_id,
+            &child.run_id,
+            child.message_id.as_str(),
+            &child.task,
+            child.config.clone(),
+            now,
+        )?;
+        c.execute(
+            "UPDATE runs SET parent_run_id = ?2, parent_step = ?3, parent_slot = ?4, task_index = ?5,
+                             root_run_id = ?6, agent = ?7, depth = ?8
+             WHERE id = ?1",
+            &params![
+                child.run_id.as_str(),
+                lineage.parent_run_id.as_str(),
+                lineage.parent_step as i64,
+                lineage.parent_slot,
+                lineage.task_index,
+                lineage.root_run_id.as_str(),
+                &lineage.agent,
+                lineage.depth
+            ],
+        )?;
+        state.lineage = Some(lineage.clone());
+        let mut drafts = vec![created];
+        drafts.extend(start_queued_run(c, state, now)?);
+        events.extend(insert_events(
+            c,
+            &child.session_id,
+            Some(&child.run_id),
+            &drafts,
+            now,
+        )?);
+    }
+    Ok(events)
+}
+
+/// A run has just ended (its terminal state written): its session's queue moves on, and — if
+/// it is a child — its parent hears of it and, when this was the last of the children it
+/// waits for, is joined: running again with every child's result, its next job enqueued.
+fn run_ended(
+    c: &dyn Db,
+    state: &AgentState,
+    enqueued: &mut bool,
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
+    c.configs().forget(&state.run_id);
+    let mut events = release_session(c, &state.session_id, enqueued, now)?;
+    let Some(lineage) = &state.lineage else {
+        return Ok(events);
+    };
+    let parent_id = &lineage.parent_run_id;
+    let finished = ChildResult {
+        run_id: state.run_id.clone(),
+        parent_slot: lineage.parent_slot,
+        task_index: lineage.task_index,
+        agent: lineage.agent.clone(),
+        status: state.status,
+        stop_reason: state.stop_reason,
+        answer: state.final_answer.clone(),
+    };
+    let mut parent = load_state(c, parent_id)?;
+    let mut drafts = vec![child_finished(parent_id, &finished)];
+    let waiting_on_this = parent.status == RunStatus::WaitingChildren
+        && parent.step_index == lineage.parent_step;
+    if waiting_on_this {
+        let unfinished = count(
+            c,
+            &format!(
+                "SELECT count(*) FROM runs WHERE parent_run_id = ?1 AND parent_step = ?2
+                 AND status IN {ACTIVE_STATUSES}"
+            ),
+            &params![parent_id.as_str(), lineage.parent_step as i64],
+        )?;
+        if unfinished == 0 {
+            let results = children_results(c, parent_id, lineage.parent_step)?;
+            let (joined, job) = join_children(&mut parent, results)?;
+            write_state(c, &parent)?;
+            insert_job(c, &job, now)?;
+            *enqueued = true;
+            drafts.extend(joined);
+        }
+    }
+    events.extend(insert_events(
+        c,
+        &parent.session_id,
+        Some(parent_id),
+        &drafts,
+        now,
+    )?);
+    Ok(events)
+}
+
+/// How every child of a parent's step ended, read from their states.
+fn children_results(c: &dyn Db, parent: &RunId, step: u64) -> Result<Vec<ChildResult>> {
+    let ids = c
+        .query(
+            "SELECT id FROM runs WHERE parent_run_id = ?1 AND parent_step = ?2",
+            &params![parent.as_str(), step as i64],
+        )?
+        .into_iter()
+        .map(|mut r| parse_run_id(&r.text(0)?))
+        .collect::<Result<Vec<_>>>()?;
+    ids.iter()
+        .map(|id| {
+            let child = load_state(c, id)?;
+            let lineage = child
+                .lineage
+                .ok_or_else(|| Error::Corrupt(format!("child run {id} has no lineage")))?;
+            Ok(ChildResult {
+                run_id: child.run_id,
+                parent_slot: lineage.parent_slot,
+                task_index: lineage.task_index,
+                agent: lineage.agent,
+                status: child.status,
+                stop_reason: child.stop_reason,
+                answer: child.final_answer,
+            })
+        })
+        .collect()
+}
+
+pub(crate) fn run_tree(c: &dyn Db, run_id: &RunId) -> Result<Vec<TreeNode>> {
+    let root = c
+        .query_opt(
+            "SELECT COALESCE(root_run_id, id) FROM runs WHERE id = ?1",
+            &params![run_id.as_str()],
+        )?
+        .ok_or_else(|| run_not_found(run_id))?
+        .text(0)?;
+    let nodes = c
+        .query(
+            "SELECT id, session_id, parent_run_id, agent, depth, status, stop_reason, step_index, created_at, finished_at
+             FROM runs WHERE id = ?1 OR root_run_id = ?1 ORDER BY depth, created_at, id",
+            &params![&root],
+        )?
+        .into_iter()
+        .map(|mut r| {
+            Ok(TreeNode {
+                run_id: parse_run_id(&r.text(0)?)?,
+                session_id: parse_session_id(&r.text(1)?)?,
+                parent_run_id: r.opt_text(2)?.as_deref().map(parse_run_id).transpose()?,
+                agent: r.opt_text(3)?,
+                depth: u32::try_from(r.int(4)?)
+                    .map_err(|_| Error::Corrupt("a run's depth is out of range".into()))?,
+                status: parse_status(&r.text(5)?)?,
+                stop_reason: r
+                    .opt_text(6)?
+                    .map(|reason| sql_enum::<StopReason>(&reason))
+                    .transpose()?,
+                step_index: r.int(7)? as u64,
+                created_at: r.int(8)?,
+                finished_at: r.opt_int(9)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // Only the asked-for run and what lies below it: parents come before their children.
+    let mut below = vec![run_id.clone()];
+    Ok(nodes
+        .into_iter()
+        .filter(|node| {
+            let inside = node.run_id == *run_id
+                || node.parent_run_id.as_ref().is_some_and(|p| below.contains(p));
+            if inside && node.run_id != *run_id {
+                below.push(node.run_id.clone());
+            }
+            inside
+        })
+        .collect())
+}
+
+pub(crate) fn admission(c: &dyn Db, run_id: &RunId) -> Result<Admission> {
+    let mut row = c
+        .query_opt(
+            "SELECT COALESCE(r.root_run_id, r.id), COALESCE(s.root_session_id, s.id)
+             FROM runs r JOIN sessions s ON s.id = r.session_id WHERE r.id = ?1",
+            &params![run_id.as_str()],
+        )?
+        .ok_or_else(|| run_not_found(run_id))?;
+    let root_run = parse_run_id(&row.text(0)?)?;
+    let root_session = parse_session_id(&row.text(1)?)?;
+    Ok(Admission {
+        active_global: count(
+            c,
+            &format!("SELECT count(*) FROM runs WHERE status IN {ACTIVE_STATUSES}"),
+            &[],
+        )?,
+        active_in_session: active_in_session(c, &root_session)?,
+        tree_runs: tree_runs(c, &root_run)?,
     })
 }
 
@@ -621,7 +927,8 @@ pub(crate) fn claim_next(
             Some(run) => c.query_opt(
                 &format!(
                     "SELECT run_id, step_index, phase, attempt, epoch FROM step_jobs
-                     WHERE run_id = ?1 AND ready_at <= ?2 ORDER BY step_index LIMIT 1{}",
+                     WHERE run_id IN (SELECT id FROM runs WHERE id = ?1 OR root_run_id = ?1)
+                       AND ready_at <= ?2 ORDER BY ready_at LIMIT 1{}",
                     c.skip_locked()
                 ),
                 &params![run.as_str(), now],
@@ -821,10 +1128,12 @@ pub(crate) fn commit_step(
         drafts.extend(absorb_steers(c, &result.state, now)?);
     }
     let mut events = insert_events(c, &stored.session_id, Some(&claim.run_id), &drafts, now)?;
-    let state = &result.state;
-    if state.status.is_terminal() {
-        c.configs().forget(&claim.run_id);
-        events.extend(release_session(c, &stored.session_id, &mut enqueued, now)?);
+    if !result.children.is_empty() {
+        events.extend(start_children(c, &result.state, &result.children, now)?);
+        enqueued = true;
+    }
+    if result.state.status.is_terminal() {
+        events.extend(run_ended(c, &result.state, &mut enqueued, now)?);
     }
     Ok(Commit::Committed {
         events,
@@ -1042,6 +1351,37 @@ pub(crate) fn intents(c: &dyn Db, run_id: &RunId, step_index: u64) -> Result<Vec
 
 pub(crate) fn request_cancel(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
     lock_session_of_run(c, run_id)?;
+    let mut outcome = cancel_one(c, run_id, now)?;
+    let children = c
+        .query(
+            &format!(
+                "SELECT id FROM runs WHERE parent_run_id = ?1 AND status IN {ACTIVE_STATUSES} ORDER BY created_at, id"
+            ),
+            &params![run_id.as_str()],
+        )?
+        .into_iter()
+        .map(|mut r| parse_run_id(&r.text(0)?))
+        .collect::<Result<Vec<_>>>()?;
+    for child in children {
+        let (more, child_enqueued) = match request_cancel(c, &child, now)? {
+            CancelOutcome::Cancelled { events, enqueued } => (events, enqueued),
+            CancelOutcome::Cancelling { events } => (events, false),
+            CancelOutcome::AlreadyTerminal(_) => (Vec::new(), false),
+        };
+        match &mut outcome {
+            CancelOutcome::Cancelled { events, enqueued } => {
+                events.extend(more);
+                *enqueued |= child_enqueued;
+            }
+            CancelOutcome::Cancelling { events } => events.extend(more),
+            CancelOutcome::AlreadyTerminal(_) => {}
+        }
+    }
+    Ok(outcome)
+}
+
+/// Cancels one run, without looking at its children.
+fn cancel_one(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
     let stored = run_row(c, run_id)?;
     let mut state = load_state(c, run_id)?;
     match stored.status {
@@ -1062,7 +1402,6 @@ pub(crate) fn request_cancel(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<
         RunStatus::Queued | RunStatus::WaitingHuman | RunStatus::WaitingChildren => {
             let held_session = stored.status != RunStatus::Queued;
             let drafts = cancel_idle(&mut state, now);
-            c.configs().forget(run_id);
             mark_cancel_requested(c, run_id)?;
             write_state(c, &state)?;
             c.execute(
@@ -1072,7 +1411,9 @@ pub(crate) fn request_cancel(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<
             let mut events = insert_events(c, &stored.session_id, Some(run_id), &drafts, now)?;
             let mut enqueued = false;
             if held_session {
-                events.extend(release_session(c, &stored.session_id, &mut enqueued, now)?);
+                events.extend(run_ended(c, &state, &mut enqueued, now)?);
+            } else {
+                c.configs().forget(run_id);
             }
             Ok(CancelOutcome::Cancelled { events, enqueued })
         }
@@ -1398,6 +1739,12 @@ pub(crate) fn resume_failed(
 ) -> Result<Vec<StoredEvent>> {
     lock_session_of_run(c, run_id)?;
     let mut state = load_state(c, run_id)?;
+    if let Some(lineage) = &state.lineage {
+        return Err(Error::Conflict(format!(
+            "run {run_id} was delegated by {} and its result was already handed back; continue the parent instead",
+            lineage.parent_run_id
+        )));
+    }
     let (drafts, job) = ratchet_core::step::resume_failed(&mut state, how, now)?;
     // The run takes its session back only if nobody else holds it: one active run each.
     let taken = c.execute(
@@ -1542,9 +1889,8 @@ pub(crate) fn answer_approval(
     let mut events = insert_events(c, &state.session_id, Some(&state.run_id), &drafts, now)?;
     let mut enqueued = false;
     if state.status.is_terminal() {
-        c.configs().forget(&state.run_id);
         mark_cancel_requested(c, &state.run_id)?;
-        events.extend(release_session(c, &state.session_id, &mut enqueued, now)?);
+        events.extend(run_ended(c, &state, &mut enqueued, now)?);
     }
     Ok(Answered {
         events,

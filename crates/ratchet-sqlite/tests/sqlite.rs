@@ -24,6 +24,7 @@ async fn a_job_whose_run_cannot_be_loaded_is_set_aside_and_the_rest_go_on() {
             content: "hi".into(),
             config: RunConfigSnapshot::default(),
             when_busy: WhenBusy::Enqueue,
+            quota: Default::default(),
         };
         store.submit_message(new, at).await.unwrap();
         runs.push(run_id);

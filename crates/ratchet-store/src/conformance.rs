@@ -9,6 +9,8 @@
 //! here sleeps. Step results are built with the pure functions of `ratchet_core::step`, the
 //! same ones the engine uses, so the store is exercised with realistic transitions.
 
+mod delegation;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -17,10 +19,12 @@ use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalPolicy, BudgetExtension, CallDecision, EventDraft,
     EventKind, HumanRequest, Limits, MemoryScope, Message, MessageId, Millis, ModelReply, Phase,
     ReplayPolicy, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord,
-    StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, UnknownCall, Usage, Verdict,
+    StepResult, StopReason, ToolCall, ToolDelegation, ToolOutcome, ToolSpec, UnknownCall, Usage, Verdict,
     Visibility,
 };
 use serde_json::{Value, json};
+
+pub use delegation::*;
 
 use crate::{
     Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, DEFAULT_TENANT, Error,
@@ -70,6 +74,11 @@ macro_rules! store_conformance_tests {
             search_ranks_better_matches_first_and_respects_the_limit,
             search_reads_query_syntax_as_plain_words,
             the_model_sees_the_latest_summary_in_place_of_what_it_replaces,
+            a_delegation_starts_children_in_sessions_of_their_own_and_joins_once,
+            cancelling_a_waiting_parent_cancels_its_tree,
+            a_delegation_beyond_its_tree_limit_writes_nothing,
+            run_quotas_refuse_new_runs_beyond_them,
+            a_delegated_run_is_not_continued_on_its_own,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -182,6 +191,7 @@ async fn submit(
         content: content.into(),
         config,
         when_busy: WhenBusy::Enqueue,
+        quota: Default::default(),
     };
     let submitted = store
         .submit_message(new, now)
@@ -382,6 +392,7 @@ pub async fn submit_starts_a_run_or_queues_it_behind_the_active_one(store: &dyn 
         content: "not now".into(),
         config: config(),
         when_busy: WhenBusy::Reject,
+        quota: Default::default(),
     };
     match store.submit_message(refused, T0 + 1).await {
         Err(Error::Conflict(message)) => assert!(message.contains("active run"), "{message}"),
@@ -935,6 +946,7 @@ pub async fn an_interrupting_message_cancels_the_active_run_and_follows_it(store
         content: content.into(),
         config: config(),
         when_busy: WhenBusy::Interrupt,
+        quota: Default::default(),
     };
     // A running run with a step in flight.
     let session = new_session(store).await;
@@ -1789,6 +1801,7 @@ pub async fn missing_and_duplicate_entities_are_errors(store: &dyn Store) {
         content: "hello?".into(),
         config: config(),
         when_busy: WhenBusy::Enqueue,
+        quota: Default::default(),
     };
     match store.submit_message(new, T0).await {
         Err(Error::NotFound { .. }) => {}
@@ -1858,12 +1871,14 @@ pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
             approval: ApprovalPolicy::WhenArguments(
                 [("q".to_owned(), "secret*".to_owned())].into(),
             ),
+            delegation: ToolDelegation::Delegatable,
         }],
         limits: Limits {
             max_steps: 7,
             ..Limits::default()
         },
         memory_scope: MemoryScope::Tenant,
+        ..RunConfigSnapshot::default()
     };
     let tampered = RunConfigSnapshot {
         model: "scripted:tampered".into(),
@@ -1935,6 +1950,7 @@ fn guarded_config() -> RunConfigSnapshot {
         replay: ReplayPolicy::Never,
         completes_run: false,
         approval,
+        delegation: Default::default(),
     };
     RunConfigSnapshot {
         tools: vec![
@@ -2317,6 +2333,7 @@ async fn submit_as(
         content: content.into(),
         config: config(),
         when_busy,
+        quota: Default::default(),
     };
     let submitted = store
         .submit_message(new, now)

@@ -36,6 +36,9 @@ pub enum Error {
     /// A cancel of the run was accepted: no new effect may start.
     #[error("run {run_id} is being cancelled")]
     CancelRequested { run_id: RunId },
+    /// Admitting the run would exceed a run quota; nothing was written.
+    #[error("{0}")]
+    QuotaExceeded(String),
     #[error("invalid database url {url:?}: {reason}")]
     BadUrl { url: String, reason: String },
     #[error("stored data is corrupt: {0}")]
@@ -168,6 +171,43 @@ pub struct NewRun {
     pub content: String,
     pub config: RunConfigSnapshot,
     pub when_busy: WhenBusy,
+    /// Refused with `Error::QuotaExceeded` when admitting the run would exceed it.
+    pub quota: RunQuota,
+}
+
+/// Limits on non-terminal runs (queued, running, waiting, cancelling). A session's count
+/// includes the runs of its delegations.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RunQuota {
+    pub global: Option<u64>,
+    pub per_session: Option<u64>,
+}
+
+/// Counts a delegation is admitted against.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Admission {
+    /// Non-terminal runs in the whole database.
+    pub active_global: u64,
+    /// Non-terminal runs of the run's root session, its delegations included.
+    pub active_in_session: u64,
+    /// Runs of the run's tree, ended ones included.
+    pub tree_runs: u64,
+}
+
+/// One run of a tree, as `Store::run_tree` lists it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TreeNode {
+    pub run_id: RunId,
+    pub session_id: SessionId,
+    pub parent_run_id: Option<RunId>,
+    /// The catalog agent it runs, when it was started from one.
+    pub agent: Option<String>,
+    pub depth: u32,
+    pub status: RunStatus,
+    pub stop_reason: Option<StopReason>,
+    pub step_index: u64,
+    pub created_at: Millis,
+    pub finished_at: Option<Millis>,
 }
 
 /// What a message does when its session already has an active run.
@@ -464,8 +504,8 @@ pub trait Store: Send + Sync + 'static {
     /// `queued` until the runs before it end.
     async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted>;
 
-    /// Claims the oldest available job — of `run` only, when given: never claimed, released
-    /// for retry, or with an expired lease. A reclaim increments the job's attempt and epoch.
+    /// Claims the oldest available job — of `run` and the runs of its delegations only, when
+    /// given: never claimed, released for retry, or with an expired lease. A reclaim increments the job's attempt and epoch.
     /// A job whose run cannot be loaded is set aside for a while instead of blocking the
     /// jobs behind it.
     async fn claim_next(
@@ -482,6 +522,12 @@ pub trait Store: Send + Sync + 'static {
     /// `job.step_index - 1` and the status edge, then writes state, messages, events, the
     /// step record and the next job in one transaction. A stale commit writes nothing.
     /// A cancel request recorded meanwhile turns a still-running result into `cancelling`.
+    ///
+    /// The result's child runs start in the same transaction, each in a session of its own;
+    /// `Error::QuotaExceeded` (nothing written) when they would make the tree larger than its
+    /// frozen `max_tree_runs`. A run that ends in this commit and is a child is reported to its
+    /// parent (`subagent.finished`); when it is the last of its parent's waiting children, the
+    /// parent is joined and its next job enqueued, in this same transaction.
     async fn commit_step(
         &self,
         claim: &Claim,
@@ -533,6 +579,8 @@ pub trait Store: Send + Sync + 'static {
 
     async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>>;
 
+    /// Cancels a run (see `CancelOutcome`) and, in the same transaction, every non-terminal run
+    /// its delegations started, down the tree.
     async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome>;
 
     /// Records a human's answer for one call whose outcome was unknown (see
@@ -581,6 +629,13 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Answered>;
 
     async fn load_state(&self, run_id: &RunId) -> Result<AgentState>;
+
+    /// The run and every run below it (the children its delegations started, theirs, …),
+    /// parents before their children, each level in creation order.
+    async fn run_tree(&self, run_id: &RunId) -> Result<Vec<TreeNode>>;
+
+    /// What admitting more runs below `run_id` is checked against.
+    async fn admission(&self, run_id: &RunId) -> Result<Admission>;
 
     /// The session's messages in order, hidden ones included.
     async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>>;

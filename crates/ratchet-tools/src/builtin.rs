@@ -6,7 +6,7 @@ use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use ratchet_core::{ReplayPolicy, ToolOutcome};
+use ratchet_core::{ReplayPolicy, ToolDelegation, ToolOutcome};
 use serde_json::{Value, json};
 
 use crate::{Tool, ToolContext};
@@ -28,6 +28,10 @@ impl Tool for Add {
             "required": ["a", "b"],
             "additionalProperties": false
         })
+    }
+    /// Reads nothing but its arguments and writes nothing: any run may have it.
+    fn delegation(&self) -> ToolDelegation {
+        ToolDelegation::Delegatable
     }
     fn replay(&self) -> ReplayPolicy {
         ReplayPolicy::Safe
@@ -62,6 +66,10 @@ impl Tool for Now {
     fn parameters(&self) -> Value {
         json!({"type": "object", "properties": {}, "additionalProperties": false})
     }
+    /// Reads nothing but its arguments and writes nothing: any run may have it.
+    fn delegation(&self) -> ToolDelegation {
+        ToolDelegation::Delegatable
+    }
     fn replay(&self) -> ReplayPolicy {
         ReplayPolicy::Safe
     }
@@ -92,6 +100,10 @@ impl Tool for SleepMs {
             "required": ["ms"],
             "additionalProperties": false
         })
+    }
+    /// Reads nothing but its arguments and writes nothing: any run may have it.
+    fn delegation(&self) -> ToolDelegation {
+        ToolDelegation::Delegatable
     }
     fn replay(&self) -> ReplayPolicy {
         ReplayPolicy::Safe

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use ratchet_core::{ApprovalPolicy, ReplayPolicy, SessionId, ToolOutcome, ToolSpec};
+use ratchet_core::{ApprovalPolicy, ReplayPolicy, SessionId, ToolDelegation, ToolOutcome, ToolSpec};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
@@ -45,6 +45,11 @@ pub trait Tool: Send + Sync {
     /// lets it act unseen.
     fn approval(&self) -> ApprovalPolicy {
         ApprovalPolicy::Never
+    }
+    /// Whether child runs may be offered this tool. Root runs only unless the tool says
+    /// otherwise: a tool nobody thought about is never handed down a delegation.
+    fn delegation(&self) -> ToolDelegation {
+        ToolDelegation::RootOnly
     }
     /// Runs the call with arguments already validated against `parameters`. Failures are
     /// outcomes the model sees, not errors of the runtime.
@@ -120,6 +125,7 @@ impl Registry {
                 replay: e.tool.replay(),
                 completes_run: false,
                 approval: e.tool.approval(),
+                delegation: e.tool.delegation(),
             })
             .collect()
     }

@@ -7,7 +7,7 @@
 use std::fmt::Debug;
 
 use async_trait::async_trait;
-use ratchet_core::{Millis, ReplayPolicy, Role, RunId, SessionId, ToolOutcome};
+use ratchet_core::{Millis, ReplayPolicy, Role, RunId, SessionId, ToolDelegation, ToolOutcome};
 use serde::Serialize;
 use serde_json::{Value, json};
 
@@ -80,6 +80,10 @@ impl Tool for MemorySearchTool {
             "required": ["query"],
             "additionalProperties": false
         })
+    }
+    /// Searches the history of the caller's own session (or tenant): safe to hand down.
+    fn delegation(&self) -> ToolDelegation {
+        ToolDelegation::Delegatable
     }
     fn replay(&self) -> ReplayPolicy {
         ReplayPolicy::Safe

@@ -235,6 +235,14 @@ impl Store for Heard {
         self.inner.load_state(run_id).await
     }
 
+    async fn run_tree(&self, run_id: &RunId) -> Result<Vec<ratchet_store::TreeNode>> {
+        self.inner.run_tree(run_id).await
+    }
+
+    async fn admission(&self, run_id: &RunId) -> Result<ratchet_store::Admission> {
+        self.inner.admission(run_id).await
+    }
+
     async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
         self.inner.history(session_id).await
     }

@@ -272,6 +272,7 @@ pub fn tool(name: &str) -> ToolSpec {
         replay: ReplayPolicy::Safe,
         completes_run: false,
         approval: Default::default(),
+        delegation: Default::default(),
     }
 }
 

@@ -107,6 +107,7 @@ impl Server {
             tools: Registry::builtin().specs(),
             limits: Limits::default(),
             memory_scope: MemoryScope::Session,
+            ..RunConfigSnapshot::default()
         };
         configure(&mut run_template, &models);
         let tokens = Tokens::new(HashMap::from([

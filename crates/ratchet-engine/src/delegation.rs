@@ -1,0 +1,242 @@
+//! The engine's side of sub-agents: turning a batch's `delegate` calls into child runs
+//! (admitted against the tree's limits and the run quota), and the `agent_task` tool a run
+//! looks after the runs below it with.
+//!
+//! Nothing here writes: children are created by the commit of the step that asked for them,
+//! so a step redone after a crash creates none twice.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use ratchet_core::delegation::{ChildRun, DelegateRequest, parse_delegate};
+use ratchet_core::{
+    AgentState, Lineage, MessageId, ReplayPolicy, RunId, RunStatus, SessionId, StepJob, ToolOutcome,
+};
+use ratchet_store::{RunQuota, TreeNode};
+use ratchet_tools::{Tool, ToolContext};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::Coordinator;
+use crate::coordinator::fresh_suffix;
+
+/// A `delegate` call of the batch that passed its checks, at its slot.
+pub(crate) struct Delegation {
+    pub slot: u32,
+    pub request: DelegateRequest,
+}
+
+/// Reads a `delegate` call; the error is the call's outcome, shown to the model.
+pub(crate) fn read_delegate(state: &AgentState, arguments: &Value) -> Result<DelegateRequest, String> {
+    let depth = state.lineage.as_ref().map_or(0, |l| l.depth);
+    parse_delegate(arguments, &state.config.delegation, depth)
+}
+
+/// Checks that the batch's delegations fit the tree's size limit and the run quota. The
+/// commit checks the tree's size again, exactly; this is what lets a redone step tell the
+/// model instead of failing its commit again.
+pub(crate) async fn admit(
+    coordinator: &Coordinator,
+    state: &AgentState,
+    tasks: usize,
+) -> crate::Result<Result<(), String>> {
+    let admission = coordinator.store().admission(&state.run_id).await?;
+    let adding = tasks as u64;
+    let tree_limit = state.config.delegation.max_tree_runs;
+    if admission.tree_runs + adding > tree_limit {
+        return Ok(Err(format!(
+            "this run tree already has {} runs and may have at most {tree_limit}; {adding} more do not fit — do the work yourself or delegate fewer tasks",
+            admission.tree_runs
+        )));
+    }
+    let RunQuota { global, per_session } = coordinator.quota();
+    if let Some(max) = per_session.filter(|&max| admission.active_in_session + adding > max) {
+        return Ok(Err(format!(
+            "the session may have at most {max} unfinished runs and has {}; delegate fewer tasks or do the work yourself",
+            admission.active_in_session
+        )));
+    }
+    if let Some(max) = global.filter(|&max| admission.active_global + adding > max) {
+        return Ok(Err(format!(
+            "the runtime may have at most {max} unfinished runs and has {}; delegate fewer tasks or do the work yourself",
+            admission.active_global
+        )));
+    }
+    Ok(Ok(()))
+}
+
+/// The child runs of the batch's delegations, in call order and task order. Each starts from
+/// its agent's frozen configuration, under the tree's limits (the root's).
+pub(crate) fn children(
+    state: &AgentState,
+    job: &StepJob,
+    delegations: &[Delegation],
+) -> Result<Vec<ChildRun>, ratchet_core::IdError> {
+    let parent = &state.config.delegation;
+    let (root_run_id, root_session_id, depth) = match &state.lineage {
+        Some(l) => (l.root_run_id.clone(), l.root_session_id.clone(), l.depth),
+        None => (state.run_id.clone(), state.session_id.clone(), 0),
+    };
+    let mut children = Vec::new();
+    for delegation in delegations {
+        for (index, task) in (0u32..).zip(&delegation.request.tasks) {
+            let Some(profile) = parent.agent(&task.agent) else {
+                continue;
+            };
+            let mut config = profile.config.clone();
+            config.delegation.max_depth = parent.max_depth;
+            config.delegation.max_tree_runs = parent.max_tree_runs;
+            let suffix = fresh_suffix();
+            children.push(ChildRun {
+                run_id: RunId::from_suffix(&suffix)?,
+                session_id: SessionId::from_suffix(&suffix)?,
+                message_id: MessageId::from_suffix(&suffix)?,
+                task: task.message(),
+                config,
+                lineage: Lineage {
+                    parent_run_id: state.run_id.clone(),
+                    parent_step: job.step_index,
+                    parent_slot: delegation.slot,
+                    task_index: index,
+                    root_run_id: root_run_id.clone(),
+                    root_session_id: root_session_id.clone(),
+                    depth: depth + 1,
+                    agent: task.agent.clone(),
+                },
+            });
+        }
+    }
+    Ok(children)
+}
+
+/// `agent_task`: get, list, get_result or cancel the runs below the caller in its tree —
+/// never the caller itself, its ancestors or another tree.
+pub(crate) struct AgentTask {
+    pub coordinator: Arc<Coordinator>,
+    pub caller: RunId,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AgentTaskRequest {
+    action: Action,
+    #[serde(default)]
+    run_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+enum Action {
+    List,
+    Get,
+    GetResult,
+    Cancel,
+}
+
+#[async_trait]
+impl Tool for AgentTask {
+    fn name(&self) -> &str {
+        ratchet_core::delegation::AGENT_TASK_TOOL
+    }
+
+    fn description(&self) -> &str {
+        "looks after the runs below the caller"
+    }
+
+    fn parameters(&self) -> Value {
+        ratchet_core::delegation::agent_task_tool().parameters
+    }
+
+    fn replay(&self) -> ReplayPolicy {
+        ReplayPolicy::Safe
+    }
+
+    async fn call(&self, arguments: Value, _context: &ToolContext) -> ToolOutcome {
+        let request: AgentTaskRequest = match serde_json::from_value(arguments) {
+            Ok(request) => request,
+            Err(e) => {
+                return ToolOutcome::error(format!(
+                    "invalid agent_task arguments: {e}; expected {{\"action\": \"list\" | \"get\" | \"get_result\" | \"cancel\", \"run_id\": ID}}"
+                ));
+            }
+        };
+        match self.answer(request).await {
+            Ok(outcome) => outcome,
+            Err(error) => ToolOutcome::error(format!("agent_task failed: {error}")),
+        }
+    }
+}
+
+impl AgentTask {
+    async fn answer(&self, request: AgentTaskRequest) -> crate::Result<ToolOutcome> {
+        let store = self.coordinator.store();
+        let tree = store.run_tree(&self.caller).await?;
+        let below: Vec<&TreeNode> = tree.iter().filter(|n| n.run_id != self.caller).collect();
+        let node = match request.action {
+            Action::List => {
+                let runs: Vec<Value> = below.iter().map(|n| node_json(n)).collect();
+                return Ok(ToolOutcome::ok(json!({"runs": runs}).to_string()));
+            }
+            Action::Get | Action::GetResult | Action::Cancel => match pick(&below, request.run_id) {
+                Ok(node) => node,
+                Err(refusal) => return Ok(refusal),
+            },
+        };
+        match request.action {
+            Action::List | Action::Get => Ok(ToolOutcome::ok(node_json(node).to_string())),
+            Action::GetResult => {
+                if !node.status.is_terminal() {
+                    return Ok(ToolOutcome::error(format!(
+                        "run {} has not ended (it is {}); ask again later",
+                        node.run_id, node.status
+                    )));
+                }
+                let state = store.load_state(&node.run_id).await?;
+                let mut result = node_json(node);
+                result["answer"] = json!(state.final_answer);
+                Ok(ToolOutcome::ok(result.to_string()))
+            }
+            Action::Cancel => {
+                let outcome = self.coordinator.request_cancel(&node.run_id).await?;
+                let status = match outcome {
+                    ratchet_store::CancelOutcome::Cancelled { .. } => RunStatus::Cancelled,
+                    ratchet_store::CancelOutcome::Cancelling { .. } => RunStatus::Cancelling,
+                    ratchet_store::CancelOutcome::AlreadyTerminal(status) => status,
+                };
+                Ok(ToolOutcome::ok(
+                    json!({"run_id": node.run_id, "status": status}).to_string(),
+                ))
+            }
+        }
+    }
+}
+
+/// The run `wanted` names among those below the caller, or the refusal the model reads.
+fn pick<'a>(below: &[&'a TreeNode], wanted: Option<String>) -> Result<&'a TreeNode, ToolOutcome> {
+    let Some(wanted) = wanted else {
+        return Err(ToolOutcome::error(
+            "this action needs \"run_id\": one of the runs `list` shows",
+        ));
+    };
+    below
+        .iter()
+        .find(|n| n.run_id.as_str() == wanted)
+        .copied()
+        .ok_or_else(|| {
+            ToolOutcome::error(format!(
+                "run {wanted:?} is not below this run in its tree; only runs you (or your delegates) started can be reached"
+            ))
+        })
+}
+
+fn node_json(node: &TreeNode) -> Value {
+    json!({
+        "run_id": node.run_id,
+        "agent": node.agent,
+        "parent_run_id": node.parent_run_id,
+        "depth": node.depth,
+        "status": node.status,
+        "stop_reason": node.stop_reason,
+        "steps": node.step_index,
+    })
+}
