@@ -134,7 +134,7 @@ pub(crate) fn list_sessions(
 ) -> Result<Vec<Session>> {
     c.query(
         &format!(
-            "SELECT {SESSION_COLUMNS} FROM sessions WHERE tenant = ?1 AND id > ?2 ORDER BY id LIMIT ?3"
+            "SELECT {SESSION_COLUMNS} FROM sessions WHERE tenant = ?1 AND id > ?2 AND root_session_id IS NULL ORDER BY id LIMIT ?3"
         ),
         &params![tenant, after.map_or("", |a| a.as_str()), limit],
     )?

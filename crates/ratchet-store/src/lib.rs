@@ -446,7 +446,8 @@ pub trait Store: Send + Sync + 'static {
 
     async fn get_session(&self, id: &SessionId) -> Result<Session>;
 
-    /// A tenant's sessions in id order (ids are time-ordered), after `after` when given.
+    /// A tenant's sessions in id order (ids are time-ordered), after `after` when given. The
+    /// sessions of delegated runs are not listed: they are reached through their run tree.
     async fn list_sessions(
         &self,
         tenant: &str,

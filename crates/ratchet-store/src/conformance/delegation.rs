@@ -169,6 +169,12 @@ pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_onc
     assert!(tree[1..].iter().all(|n| n.status == RunStatus::Running && n.agent.as_deref() == Some("worker")));
     let child_sessions: Vec<&SessionId> = tree[1..].iter().map(|n| &n.session_id).collect();
     assert!(!child_sessions.contains(&&session), "each child runs in a session of its own");
+    let listed = store.list_sessions(crate::DEFAULT_TENANT, None, 1_000).await.unwrap();
+    assert!(listed.iter().any(|s| s.id == session));
+    assert!(
+        !listed.iter().any(|s| child_sessions.contains(&&s.id)),
+        "the sessions of delegated runs are reached through their tree, not listed"
+    );
     for (i, child_session) in child_sessions.iter().enumerate() {
         let history = store.history(child_session).await.unwrap();
         assert_eq!(history.iter().map(|m| m.content.as_str()).collect::<Vec<_>>(), [format!("task {i}")]);
