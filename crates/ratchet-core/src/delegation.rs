@@ -13,8 +13,8 @@ use crate::step::{
     DecisionError, Phase, StepJob, StepResult, back_to_running, mark_committed, status_event,
 };
 use crate::{
-    AgentState, EventDraft, EventKind, Instruction, MessageId, Millis, ReplayPolicy, RunConfigSnapshot,
-    RunId, RunStatus, SessionId, StopReason, ToolOutcome, ToolSpec,
+    AgentState, EventDraft, EventKind, Instruction, MessageId, Millis, ReplayPolicy,
+    RunConfigSnapshot, RunId, RunStatus, SessionId, StopReason, ToolOutcome, ToolSpec,
 };
 
 /// The tool a model hands work to other agents with.
@@ -185,7 +185,10 @@ pub fn parse_delegate(
             ));
         }
         if task.task.trim().is_empty() {
-            return Err(format!("task {i}: the task is empty; say what {} should do", task.agent));
+            return Err(format!(
+                "task {i}: the task is empty; say what {} should do",
+                task.agent
+            ));
         }
     }
     Ok(request)
@@ -442,10 +445,19 @@ mod tests {
         assert_eq!(request.tasks[0].message(), "draft\n\nContext:\nbrief");
         let refused = |arguments: Value, depth: u32, expected: &str| {
             let error = parse_delegate(&arguments, &delegation(), depth).unwrap_err();
-            assert!(error.contains(expected), "{error:?} should say {expected:?}");
+            assert!(
+                error.contains(expected),
+                "{error:?} should say {expected:?}"
+            );
         };
-        refused(json!({"mode": "foreground", "tasks": []}), 0, "1 to 64 tasks, found 0");
-        let many: Vec<Value> = (0..65).map(|_| json!({"agent": "writer", "task": "x"})).collect();
+        refused(
+            json!({"mode": "foreground", "tasks": []}),
+            0,
+            "1 to 64 tasks, found 0",
+        );
+        let many: Vec<Value> = (0..65)
+            .map(|_| json!({"agent": "writer", "task": "x"}))
+            .collect();
         refused(json!({"mode": "foreground", "tasks": many}), 0, "found 65");
         refused(
             json!({"mode": "foreground", "tasks": [{"agent": "boss", "task": "x"}]}),
@@ -484,7 +496,10 @@ mod tests {
             tool("delegate", ToolDelegation::RuntimeInjected),
         ];
         let listed = ["read", "write", "delegate"].map(String::from).to_vec();
-        let names: Vec<String> = child_tools(&offered, &listed).into_iter().map(|t| t.name).collect();
+        let names: Vec<String> = child_tools(&offered, &listed)
+            .into_iter()
+            .map(|t| t.name)
+            .collect();
         assert_eq!(names, ["read"]);
     }
 
@@ -542,7 +557,10 @@ mod tests {
         let outcome = |slot: usize| {
             let progress = &state.checkpoint.as_ref().unwrap().calls[slot];
             let outcome = progress.outcome.clone().unwrap();
-            assert!(!outcome.is_error, "a child's failure is a result, not an error");
+            assert!(
+                !outcome.is_error,
+                "a child's failure is a result, not an error"
+            );
             serde_json::from_str::<Value>(&outcome.content).unwrap()
         };
         assert_eq!(
@@ -560,7 +578,10 @@ mod tests {
             "the batch is finished by a tools step, which hands the results over in order"
         );
         let again = join_children(&mut state, results).unwrap_err();
-        assert!(matches!(again, DecisionError::NotWaiting { .. }), "a second join is refused");
+        assert!(
+            matches!(again, DecisionError::NotWaiting { .. }),
+            "a second join is refused"
+        );
     }
 
     #[test]
@@ -594,13 +615,21 @@ mod tests {
         }];
         let mut result = await_children(state, &job, vec![None, None, None], children, 0, 1);
         assert_eq!(result.state.status, RunStatus::WaitingChildren);
-        assert!(result.events.iter().any(|e| e.kind == EventKind::SubagentStarted));
+        assert!(
+            result
+                .events
+                .iter()
+                .any(|e| e.kind == EventKind::SubagentStarted)
+        );
         result.yield_to_cancel();
         assert_eq!(result.state.status, RunStatus::Cancelling);
         assert!(result.children.is_empty());
         assert!(
-            !result.events.iter().any(|e| e.kind == EventKind::SubagentStarted
-                || e.payload["status"] == "waiting_children"),
+            !result
+                .events
+                .iter()
+                .any(|e| e.kind == EventKind::SubagentStarted
+                    || e.payload["status"] == "waiting_children"),
             "{:?}",
             result.events
         );

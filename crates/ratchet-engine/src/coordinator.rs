@@ -317,7 +317,12 @@ impl Coordinator {
         for event in events {
             let moved = event.kind == ratchet_core::EventKind::RunStatus.as_str()
                 && event.payload["status"] == cancelling;
-            if let Some(token) = event.run_id.as_ref().filter(|_| moved).and_then(|r| tokens.get(r)) {
+            if let Some(token) = event
+                .run_id
+                .as_ref()
+                .filter(|_| moved)
+                .and_then(|r| tokens.get(r))
+            {
                 token.cancel();
             }
         }

@@ -27,7 +27,10 @@ pub(crate) struct Delegation {
 }
 
 /// Reads a `delegate` call; the error is the call's outcome, shown to the model.
-pub(crate) fn read_delegate(state: &AgentState, arguments: &Value) -> Result<DelegateRequest, String> {
+pub(crate) fn read_delegate(
+    state: &AgentState,
+    arguments: &Value,
+) -> Result<DelegateRequest, String> {
     let depth = state.lineage.as_ref().map_or(0, |l| l.depth);
     parse_delegate(arguments, &state.config.delegation, depth)
 }
@@ -49,7 +52,10 @@ pub(crate) async fn admit(
             admission.tree_runs
         )));
     }
-    let RunQuota { global, per_session } = coordinator.quota();
+    let RunQuota {
+        global,
+        per_session,
+    } = coordinator.quota();
     if let Some(max) = per_session.filter(|&max| admission.active_in_session + adding > max) {
         return Ok(Err(format!(
             "the session may have at most {max} unfinished runs and has {}; delegate fewer tasks or do the work yourself",
@@ -177,10 +183,12 @@ impl AgentTask {
                 let runs: Vec<Value> = below.iter().map(|n| node_json(n)).collect();
                 return Ok(ToolOutcome::ok(json!({"runs": runs}).to_string()));
             }
-            Action::Get | Action::GetResult | Action::Cancel => match pick(&below, request.run_id) {
-                Ok(node) => node,
-                Err(refusal) => return Ok(refusal),
-            },
+            Action::Get | Action::GetResult | Action::Cancel => {
+                match pick(&below, request.run_id) {
+                    Ok(node) => node,
+                    Err(refusal) => return Ok(refusal),
+                }
+            }
         };
         match request.action {
             Action::List | Action::Get => Ok(ToolOutcome::ok(node_json(node).to_string())),

@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use futures::stream::{self, StreamExt};
+use ratchet_core::delegation::{AGENT_TASK_TOOL, DELEGATE_TOOL, await_children};
 use ratchet_core::message::answer_dangling_calls;
 use ratchet_core::step::{
     Compaction, after_compaction, after_model, after_tools, ask_approval_step,
     await_reconciliation, finish_step,
 };
-use ratchet_core::delegation::{AGENT_TASK_TOOL, DELEGATE_TOOL, await_children};
 use ratchet_core::{
     AgentState, EventDraft, EventKind, HumanRequest, Instruction, Message, ReplayPolicy,
     RunConfigSnapshot, SessionId, StepJob, StepResult, ToolCall, ToolDelegation, ToolOutcome,

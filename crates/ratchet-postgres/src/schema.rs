@@ -15,7 +15,8 @@ use crate::{Result, backend_error};
 /// append a new one.
 /// Ids are compared and ordered byte-wise (`COLLATE "C"`), as in SQLite, whatever the
 /// database's default collation: pages of sessions and runs follow their time-ordered ids.
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE sessions (
     id            TEXT COLLATE "C" PRIMARY KEY,
     created_at    BIGINT NOT NULL,
@@ -149,7 +150,8 @@ CREATE TABLE steers (
     created_at  BIGINT NOT NULL
 );
 CREATE INDEX steers_by_session ON steers (session_id, position);
-"#, r#"
+"#,
+    r#"
 -- Sub-agents. A child run lives in a session of its own, below its root session: writes to any
 -- session of a tree lock the root's row. NULL parents and roots mean "a root itself".
 ALTER TABLE sessions ADD COLUMN parent_session_id TEXT COLLATE "C";
@@ -166,7 +168,8 @@ CREATE INDEX runs_by_root ON runs (root_run_id) WHERE root_run_id IS NOT NULL;
 CREATE INDEX sessions_by_root ON sessions (root_session_id) WHERE root_session_id IS NOT NULL;
 -- Run quotas count the non-terminal runs.
 CREATE INDEX runs_by_status ON runs (status);
-"#];
+"#,
+];
 
 /// The advisory lock that makes processes opening one database at once migrate it one
 /// after another ("ratchet" in ASCII). Advisory locks are per database.

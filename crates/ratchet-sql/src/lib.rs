@@ -17,8 +17,8 @@ use ratchet_core::{
     StepRecord, StepResult, ToolOutcome,
 };
 use ratchet_store::{
-    Admission, Answered, Approval, ApprovalStatus, CancelOutcome, ChangeStream, Claim, ClaimedStep, Commit,
-    Error, Intent, IntentRecord, Lease, MessageHit, NewRun, Reconciled, RecordedIntents,
+    Admission, Answered, Approval, ApprovalStatus, CancelOutcome, ChangeStream, Claim, ClaimedStep,
+    Commit, Error, Intent, IntentRecord, Lease, MessageHit, NewRun, Reconciled, RecordedIntents,
     RunSummary, SearchScope, Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage,
     Submitted, TreeNode,
 };
@@ -319,16 +319,12 @@ impl<B: Backend> Store for SqlStore<B> {
 
     async fn run_tree(&self, run_id: &RunId) -> Result<Vec<TreeNode>> {
         let run_id = run_id.clone();
-        self.backend
-            .read(move |c| ops::run_tree(c, &run_id))
-            .await
+        self.backend.read(move |c| ops::run_tree(c, &run_id)).await
     }
 
     async fn admission(&self, run_id: &RunId) -> Result<Admission> {
         let run_id = run_id.clone();
-        self.backend
-            .read(move |c| ops::admission(c, &run_id))
-            .await
+        self.backend.read(move |c| ops::admission(c, &run_id)).await
     }
 
     async fn context(&self, session_id: &SessionId) -> Result<Vec<StoredMessage>> {

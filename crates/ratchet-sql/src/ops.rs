@@ -15,10 +15,10 @@ use ratchet_core::{
     StepResult, StopReason, ToolOutcome,
 };
 use ratchet_store::{
-    Admission, Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, Error,
-    Intent, IntentKind, IntentRecord, Lease, NewRun, Reconciled, RecordedIntents, RunSummary,
-    Session, SessionSpec, Stale, StoreStats, StoredEvent, StoredMessage, Submitted, TreeNode,
-    WhenBusy,
+    Admission, Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit,
+    Error, Intent, IntentKind, IntentRecord, Lease, NewRun, Reconciled, RecordedIntents,
+    RunSummary, Session, SessionSpec, Stale, StoreStats, StoredEvent, StoredMessage, Submitted,
+    TreeNode, WhenBusy,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -263,7 +263,12 @@ fn count(c: &dyn Db, sql: &str, params: &[crate::db::Param<'_>]) -> Result<u64> 
 }
 
 /// Refuses to admit `adding` runs to `root_session` beyond the quota.
-fn check_quota(c: &dyn Db, root_session: &SessionId, adding: u64, quota: ratchet_store::RunQuota) -> Result<()> {
+fn check_quota(
+    c: &dyn Db,
+    root_session: &SessionId,
+    adding: u64,
+    quota: ratchet_store::RunQuota,
+) -> Result<()> {
     if let Some(max) = quota.per_session {
         let active = active_in_session(c, root_session)?;
         if active + adding > max {
@@ -404,8 +409,8 @@ fn run_ended(
     };
     let mut parent = load_state(c, parent_id)?;
     let mut drafts = vec![child_finished(parent_id, &finished)];
-    let waiting_on_this = parent.status == RunStatus::WaitingChildren
-        && parent.step_index == lineage.parent_step;
+    let waiting_on_this =
+        parent.status == RunStatus::WaitingChildren && parent.step_index == lineage.parent_step;
     if waiting_on_this {
         let unfinished = count(
             c,
@@ -503,7 +508,10 @@ pub(crate) fn run_tree(c: &dyn Db, run_id: &RunId) -> Result<Vec<TreeNode>> {
         .into_iter()
         .filter(|node| {
             let inside = node.run_id == *run_id
-                || node.parent_run_id.as_ref().is_some_and(|p| below.contains(p));
+                || node
+                    .parent_run_id
+                    .as_ref()
+                    .is_some_and(|p| below.contains(p));
             if inside && node.run_id != *run_id {
                 below.push(node.run_id.clone());
             }

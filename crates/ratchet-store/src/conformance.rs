@@ -19,8 +19,8 @@ use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalPolicy, BudgetExtension, CallDecision, EventDraft,
     EventKind, HumanRequest, Limits, MemoryScope, Message, MessageId, Millis, ModelReply, Phase,
     ReplayPolicy, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord,
-    StepResult, StopReason, ToolCall, ToolDelegation, ToolOutcome, ToolSpec, UnknownCall, Usage, Verdict,
-    Visibility,
+    StepResult, StopReason, ToolCall, ToolDelegation, ToolOutcome, ToolSpec, UnknownCall, Usage,
+    Verdict, Visibility,
 };
 use serde_json::{Value, json};
 

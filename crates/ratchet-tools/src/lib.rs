@@ -12,7 +12,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use ratchet_core::{ApprovalPolicy, ReplayPolicy, SessionId, ToolDelegation, ToolOutcome, ToolSpec};
+use ratchet_core::{
+    ApprovalPolicy, ReplayPolicy, SessionId, ToolDelegation, ToolOutcome, ToolSpec,
+};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 

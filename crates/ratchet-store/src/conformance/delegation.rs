@@ -5,14 +5,14 @@
 use ratchet_core::delegation::{ChildRun, await_children, delegate_tool};
 use ratchet_core::step::{after_model, finish_step};
 use ratchet_core::{
-    AgentProfile, DelegationConfig, Lineage, MessageId, ModelReply, Phase, RunConfigSnapshot, RunId,
-    RunStatus, SessionId, StopReason, ToolCall, ToolOutcome,
+    AgentProfile, DelegationConfig, Lineage, MessageId, ModelReply, Phase, RunConfigSnapshot,
+    RunId, RunStatus, SessionId, StopReason, ToolCall, ToolOutcome,
 };
 use serde_json::{Value, json};
 
 use super::{
-    LEASE_MS, OWNER_A, T0, commit, commit_stale, config, kinds, lease, load, new_session,
-    snapshot, submit, text_reply, unique,
+    LEASE_MS, OWNER_A, T0, commit, commit_stale, config, kinds, lease, load, new_session, snapshot,
+    submit, text_reply, unique,
 };
 use crate::{CancelOutcome, ClaimedStep, Error, NewRun, RunQuota, Store, WhenBusy};
 
@@ -77,7 +77,11 @@ fn children_of(parent: &ClaimedStep, tasks: usize) -> Vec<ChildRun> {
         Some(l) => (l.root_run_id.clone(), l.root_session_id.clone(), l.depth),
         None => (state.run_id.clone(), state.session_id.clone(), 0),
     };
-    let profile = state.config.delegation.agent("worker").expect("worker profile");
+    let profile = state
+        .config
+        .delegation
+        .agent("worker")
+        .expect("worker profile");
     (0..tasks as u32)
         .map(|index| {
             let suffix = unique();
@@ -106,18 +110,35 @@ fn children_of(parent: &ClaimedStep, tasks: usize) -> Vec<ChildRun> {
 /// a tools step that starts them; returns the children's ids.
 async fn delegate(store: &dyn Store, run: &RunId, tasks: usize, now: i64) -> Vec<RunId> {
     let model = claim_run(store, run, now).await;
-    let asked = after_model(model.state, &model.job, delegate_reply(tasks), false, now, now + 1);
+    let asked = after_model(
+        model.state,
+        &model.job,
+        delegate_reply(tasks),
+        false,
+        now,
+        now + 1,
+    );
     commit(store, &model.claim, asked, None, now + 1).await;
     let tools = claim_run(store, run, now + 2).await;
     let children = children_of(&tools, tasks);
     let ids = children.iter().map(|c| c.run_id.clone()).collect();
     let outcomes = vec![None, Some(ToolOutcome::ok("looked up"))];
-    let waiting = await_children(tools.state, &tools.job, outcomes, children, now + 2, now + 3);
+    let waiting = await_children(
+        tools.state,
+        &tools.job,
+        outcomes,
+        children,
+        now + 2,
+        now + 3,
+    );
     let (events, continued, enqueued) = commit(store, &tools.claim, waiting, None, now + 3).await;
     assert!(continued.is_none(), "a waiting parent has no next job");
     assert!(enqueued, "the children's first jobs were enqueued");
     assert_eq!(
-        kinds(&events).iter().filter(|k| **k == "subagent.started").count(),
+        kinds(&events)
+            .iter()
+            .filter(|k| **k == "subagent.started")
+            .count(),
         tasks,
         "one subagent.started per child: {:?}",
         kinds(&events)
@@ -137,21 +158,40 @@ async fn claim_run(store: &dyn Store, run: &RunId, now: i64) -> ClaimedStep {
 }
 
 /// A claimed child step answers and completes (`Ok(text)`) or fails with `reason`.
-async fn finish_claimed(store: &dyn Store, step: &ClaimedStep, ending: Result<&str, StopReason>, now: i64) {
+async fn finish_claimed(
+    store: &dyn Store,
+    step: &ClaimedStep,
+    ending: Result<&str, StopReason>,
+    now: i64,
+) {
     let result = match ending {
-        Ok(text) => after_model(step.state.clone(), &step.job, text_reply(text), false, now, now + 1),
+        Ok(text) => after_model(
+            step.state.clone(),
+            &step.job,
+            text_reply(text),
+            false,
+            now,
+            now + 1,
+        ),
         Err(reason) => finish_step(step.state.clone(), &step.job, reason, now, now + 1),
     };
     commit(store, &step.claim, result, None, now + 1).await;
 }
 
-async fn end_child(store: &dyn Store, child: &RunId, ending: Result<&str, StopReason>, now: i64) -> ClaimedStep {
+async fn end_child(
+    store: &dyn Store,
+    child: &RunId,
+    ending: Result<&str, StopReason>,
+    now: i64,
+) -> ClaimedStep {
     let step = claim_run(store, child, now).await;
     finish_claimed(store, &step, ending, now).await;
     step
 }
 
-pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_once(store: &dyn Store) {
+pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_once(
+    store: &dyn Store,
+) {
     let session = new_session(store).await;
     let (parent, _) = submit(store, &session, "split the work", delegating_config(16), T0).await;
     let children = delegate(store, &parent, 3, T0 + 10).await;
@@ -159,17 +199,29 @@ pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_onc
     assert_eq!(state.status, RunStatus::WaitingChildren);
     let tree = store.run_tree(&parent).await.unwrap();
     assert_eq!(
-        tree.iter().map(|n| (&n.run_id, n.depth, n.parent_run_id.as_ref())).collect::<Vec<_>>(),
+        tree.iter()
+            .map(|n| (&n.run_id, n.depth, n.parent_run_id.as_ref()))
+            .collect::<Vec<_>>(),
         [(&parent, 0, None)]
             .into_iter()
             .chain(children.iter().map(|c| (c, 1, Some(&parent))))
             .collect::<Vec<_>>(),
         "the tree lists the parent, then its children in task order"
     );
-    assert!(tree[1..].iter().all(|n| n.status == RunStatus::Running && n.agent.as_deref() == Some("worker")));
+    assert!(
+        tree[1..]
+            .iter()
+            .all(|n| n.status == RunStatus::Running && n.agent.as_deref() == Some("worker"))
+    );
     let child_sessions: Vec<&SessionId> = tree[1..].iter().map(|n| &n.session_id).collect();
-    assert!(!child_sessions.contains(&&session), "each child runs in a session of its own");
-    let listed = store.list_sessions(crate::DEFAULT_TENANT, None, 1_000).await.unwrap();
+    assert!(
+        !child_sessions.contains(&&session),
+        "each child runs in a session of its own"
+    );
+    let listed = store
+        .list_sessions(crate::DEFAULT_TENANT, None, 1_000)
+        .await
+        .unwrap();
     assert!(listed.iter().any(|s| s.id == session));
     assert!(
         !listed.iter().any(|s| child_sessions.contains(&&s.id)),
@@ -177,7 +229,13 @@ pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_onc
     );
     for (i, child_session) in child_sessions.iter().enumerate() {
         let history = store.history(child_session).await.unwrap();
-        assert_eq!(history.iter().map(|m| m.content.as_str()).collect::<Vec<_>>(), [format!("task {i}")]);
+        assert_eq!(
+            history
+                .iter()
+                .map(|m| m.content.as_str())
+                .collect::<Vec<_>>(),
+            [format!("task {i}")]
+        );
         let refused = store
             .submit_message(
                 NewRun {
@@ -192,7 +250,10 @@ pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_onc
                 T0 + 20,
             )
             .await;
-        assert!(matches!(refused, Err(Error::Invalid(_))), "a child's session takes no messages: {refused:?}");
+        assert!(
+            matches!(refused, Err(Error::Invalid(_))),
+            "a child's session takes no messages: {refused:?}"
+        );
     }
     assert!(
         !store.runs_with_jobs().await.unwrap().contains(&parent),
@@ -204,7 +265,10 @@ pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_onc
         .await
         .unwrap()
         .expect("a claim limited to a run's tree takes its children's jobs");
-    let first = children.iter().position(|c| c == &through_root.job.run_id).unwrap();
+    let first = children
+        .iter()
+        .position(|c| c == &through_root.job.run_id)
+        .unwrap();
     finish_claimed(store, &through_root, Ok("done"), T0 + 30).await;
     let (second, last) = match first {
         0 => (2, 1),
@@ -212,13 +276,28 @@ pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_onc
         _ => (0, 1),
     };
     end_child(store, &children[second], Ok("done"), T0 + 40).await;
-    assert_eq!(load(store, &parent).await.status, RunStatus::WaitingChildren, "one child still runs");
-    let last_step = end_child(store, &children[last], Err(StopReason::BudgetExhausted), T0 + 50).await;
+    assert_eq!(
+        load(store, &parent).await.status,
+        RunStatus::WaitingChildren,
+        "one child still runs"
+    );
+    let last_step = end_child(
+        store,
+        &children[last],
+        Err(StopReason::BudgetExhausted),
+        T0 + 50,
+    )
+    .await;
 
     let joined = load(store, &parent).await;
-    assert_eq!(joined.status, RunStatus::Running, "the last child's end joins the parent");
+    assert_eq!(
+        joined.status,
+        RunStatus::Running,
+        "the last child's end joins the parent"
+    );
     let checkpoint = joined.checkpoint.clone().unwrap();
-    let results: Value = serde_json::from_str(&checkpoint.calls[0].outcome.as_ref().unwrap().content).unwrap();
+    let results: Value =
+        serde_json::from_str(&checkpoint.calls[0].outcome.as_ref().unwrap().content).unwrap();
     let summary: Vec<(Value, Value)> = results["results"]
         .as_array()
         .unwrap()
@@ -226,19 +305,47 @@ pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_onc
         .map(|r| (r["run_id"].clone(), r["status"].clone()))
         .collect();
     let expected: Vec<(Value, Value)> = (0..3)
-        .map(|i| (json!(children[i]), json!(if i == last { "failed" } else { "completed" })))
+        .map(|i| {
+            (
+                json!(children[i]),
+                json!(if i == last { "failed" } else { "completed" }),
+            )
+        })
         .collect();
-    assert_eq!(summary, expected, "one result per task, in request order; a failed child is a result");
+    assert_eq!(
+        summary, expected,
+        "one result per task, in request order; a failed child is a result"
+    );
     assert_eq!(results["results"][first]["answer"], "done");
-    assert_eq!(checkpoint.calls[1].outcome, Some(ToolOutcome::ok("looked up")), "the batch's other call keeps its result");
+    assert_eq!(
+        checkpoint.calls[1].outcome,
+        Some(ToolOutcome::ok("looked up")),
+        "the batch's other call keeps its result"
+    );
     let events = store.events_after(&session, 0, 1_000).await.unwrap();
-    assert_eq!(kinds(&events).iter().filter(|k| **k == "subagent.finished").count(), 3);
+    assert_eq!(
+        kinds(&events)
+            .iter()
+            .filter(|k| **k == "subagent.finished")
+            .count(),
+        3
+    );
 
     // The child's step committed again (a worker that lost its lease) changes nothing.
     let before = snapshot(store, &parent, &session).await;
-    let again = finish_step(last_step.state.clone(), &last_step.job, StopReason::BudgetExhausted, T0 + 60, T0 + 61);
+    let again = finish_step(
+        last_step.state.clone(),
+        &last_step.job,
+        StopReason::BudgetExhausted,
+        T0 + 60,
+        T0 + 61,
+    );
     commit_stale(store, &last_step.claim, again, None, T0 + 61).await;
-    assert_eq!(snapshot(store, &parent, &session).await, before, "the join happens once");
+    assert_eq!(
+        snapshot(store, &parent, &session).await,
+        before,
+        "the join happens once"
+    );
 
     let resumed = claim_run(store, &parent, T0 + 70).await;
     assert_eq!(
@@ -252,7 +359,10 @@ pub async fn cancelling_a_waiting_parent_cancels_its_tree(store: &dyn Store) {
     let (root, _) = submit(store, &session, "split", delegating_config(16), T0).await;
     let children = delegate(store, &root, 2, T0 + 10).await;
     let grandchildren = delegate(store, &children[0], 1, T0 + 20).await;
-    assert_eq!(load(store, &children[0]).await.status, RunStatus::WaitingChildren);
+    assert_eq!(
+        load(store, &children[0]).await.status,
+        RunStatus::WaitingChildren
+    );
 
     let outcome = store.request_cancel(&root, T0 + 30).await.unwrap();
     let CancelOutcome::Cancelled { events, .. } = outcome else {
@@ -261,7 +371,12 @@ pub async fn cancelling_a_waiting_parent_cancels_its_tree(store: &dyn Store) {
     let moved: Vec<(String, Value)> = events
         .iter()
         .filter(|e| e.kind == "run.status")
-        .map(|e| (e.payload["run_id"].as_str().unwrap().to_owned(), e.payload["status"].clone()))
+        .map(|e| {
+            (
+                e.payload["run_id"].as_str().unwrap().to_owned(),
+                e.payload["status"].clone(),
+            )
+        })
         .collect();
     for (run, status) in [
         (&root, "cancelled"),
@@ -269,19 +384,38 @@ pub async fn cancelling_a_waiting_parent_cancels_its_tree(store: &dyn Store) {
         (&grandchildren[0], "cancelling"),
         (&children[1], "cancelling"),
     ] {
-        assert!(moved.contains(&(run.to_string(), json!(status))), "{run} should be {status}: {moved:?}");
+        assert!(
+            moved.contains(&(run.to_string(), json!(status))),
+            "{run} should be {status}: {moved:?}"
+        );
         assert_eq!(load(store, run).await.status.as_str(), status);
     }
     // Running descendants finish their step by cancelling; nobody wakes the parents.
     for run in [&grandchildren[0], &children[1]] {
         let step = claim_run(store, run, T0 + 40).await;
         assert_eq!(step.job.phase, Phase::UserInput);
-        let ended = finish_step(step.state.clone(), &step.job, StopReason::Cancelled, T0 + 40, T0 + 41);
+        let ended = finish_step(
+            step.state.clone(),
+            &step.job,
+            StopReason::Cancelled,
+            T0 + 40,
+            T0 + 41,
+        );
         commit(store, &step.claim, ended, None, T0 + 41).await;
     }
     let tree = store.run_tree(&root).await.unwrap();
-    assert!(tree.iter().all(|n| n.status == RunStatus::Cancelled), "{tree:?}");
-    assert!(store.runs_with_jobs().await.unwrap().iter().all(|r| !tree.iter().any(|n| &n.run_id == r)));
+    assert!(
+        tree.iter().all(|n| n.status == RunStatus::Cancelled),
+        "{tree:?}"
+    );
+    assert!(
+        store
+            .runs_with_jobs()
+            .await
+            .unwrap()
+            .iter()
+            .all(|r| !tree.iter().any(|n| &n.run_id == r))
+    );
     assert_eq!(
         store.run_tree(&children[0]).await.unwrap().len(),
         2,
@@ -293,15 +427,36 @@ pub async fn a_delegation_beyond_its_tree_limit_writes_nothing(store: &dyn Store
     let session = new_session(store).await;
     let (parent, _) = submit(store, &session, "split", delegating_config(3), T0).await;
     let model = claim_run(store, &parent, T0 + 1).await;
-    let asked = after_model(model.state, &model.job, delegate_reply(3), false, T0 + 1, T0 + 2);
+    let asked = after_model(
+        model.state,
+        &model.job,
+        delegate_reply(3),
+        false,
+        T0 + 1,
+        T0 + 2,
+    );
     commit(store, &model.claim, asked, None, T0 + 2).await;
     let tools = claim_run(store, &parent, T0 + 3).await;
     let before = snapshot(store, &parent, &session).await;
     let children = children_of(&tools, 3);
-    let waiting = await_children(tools.state.clone(), &tools.job, vec![None, None], children, T0 + 3, T0 + 4);
+    let waiting = await_children(
+        tools.state.clone(),
+        &tools.job,
+        vec![None, None],
+        children,
+        T0 + 3,
+        T0 + 4,
+    );
     let refused = store.commit_step(&tools.claim, waiting, None, T0 + 4).await;
-    assert!(matches!(refused, Err(Error::QuotaExceeded(_))), "{refused:?}");
-    assert_eq!(snapshot(store, &parent, &session).await, before, "nothing of the step was written");
+    assert!(
+        matches!(refused, Err(Error::QuotaExceeded(_))),
+        "{refused:?}"
+    );
+    assert_eq!(
+        snapshot(store, &parent, &session).await,
+        before,
+        "nothing of the step was written"
+    );
     let admission = store.admission(&parent).await.unwrap();
     assert_eq!(admission.tree_runs, 1);
     assert_eq!(admission.active_in_session, 1);
@@ -339,7 +494,10 @@ pub async fn run_quotas_refuse_new_runs_beyond_them(store: &dyn Store) {
     let Err(Error::QuotaExceeded(message)) = refused else {
         panic!("a third unfinished run of the session is refused: {refused:?}");
     };
-    assert!(message.contains("has 2 unfinished runs and may have at most 2"), "{message}");
+    assert!(
+        message.contains("has 2 unfinished runs and may have at most 2"),
+        "{message}"
+    );
     let other = new_session(store).await;
     let (first_elsewhere, _) = submit(store, &other, "elsewhere", config(), T0 + 3).await;
     let admission = store.admission(&first_elsewhere).await.unwrap();
@@ -348,13 +506,18 @@ pub async fn run_quotas_refuse_new_runs_beyond_them(store: &dyn Store) {
         global: Some(admission.active_global),
         per_session: None,
     };
-    assert!(matches!(send(global, T0 + 4).await, Err(Error::QuotaExceeded(_))));
+    assert!(matches!(
+        send(global, T0 + 4).await,
+        Err(Error::QuotaExceeded(_))
+    ));
     let queued_run = (store.list_runs().await.unwrap().into_iter())
         .find(|r| r.session_id == session && r.status == RunStatus::Queued)
         .expect("the queued run")
         .run_id;
     store.request_cancel(&queued_run, T0 + 5).await.unwrap();
-    send(global, T0 + 6).await.expect("an ended run frees its place");
+    send(global, T0 + 6)
+        .await
+        .expect("an ended run frees its place");
     assert_eq!(
         store.list_runs().await.unwrap().len(),
         4,
@@ -367,7 +530,11 @@ pub async fn a_delegated_run_is_not_continued_on_its_own(store: &dyn Store) {
     let (parent, _) = submit(store, &session, "split", delegating_config(16), T0).await;
     let children = delegate(store, &parent, 1, T0 + 10).await;
     end_child(store, &children[0], Err(StopReason::LlmError), T0 + 20).await;
-    assert_eq!(load(store, &parent).await.status, RunStatus::Running, "joined with the failure");
+    assert_eq!(
+        load(store, &parent).await.status,
+        RunStatus::Running,
+        "joined with the failure"
+    );
     let refused = store
         .resume_failed(&children[0], ratchet_core::step::Resumption::Retry, T0 + 30)
         .await;

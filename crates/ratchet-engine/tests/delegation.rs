@@ -1,0 +1,473 @@
+//! Sub-agents end to end on real SQLite files: foreground delegations of 1, 3 and 64 tasks,
+//! three levels of nesting under one model-call permit, a parent's cancel reaching its
+//! children, and `agent_task` confined to the runs below its caller.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ratchet_core::delegation::{agent_task_tool, delegate_tool};
+use ratchet_core::{
+    AgentProfile, DelegationConfig, Message, ModelReply, Role, RunConfigSnapshot, RunId, RunStatus,
+    ToolCall,
+};
+use ratchet_engine::{
+    Coordinator, Engine, Models, Multitask, PermitLimits, PoolConfig, WorkerPool,
+};
+use ratchet_llm::{Model, ModelRequest};
+use ratchet_store::{SessionSpec, Store};
+use ratchet_tools::Registry;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// What a test's model answers, given the request.
+type Policy = dyn Fn(&ModelRequest) -> ModelReply + Send + Sync;
+
+/// A model whose answers a test writes as a function of the conversation; it counts how many
+/// of its calls are in flight at once, and holds each call for `hold`.
+struct PolicyModel {
+    policy: Box<Policy>,
+    hold: Duration,
+    in_flight: AtomicUsize,
+    most_in_flight: AtomicUsize,
+}
+
+impl PolicyModel {
+    fn new(
+        hold: Duration,
+        policy: impl Fn(&ModelRequest) -> ModelReply + Send + Sync + 'static,
+    ) -> Arc<PolicyModel> {
+        Arc::new(PolicyModel {
+            policy: Box::new(policy),
+            hold,
+            in_flight: AtomicUsize::new(0),
+            most_in_flight: AtomicUsize::new(0),
+        })
+    }
+}
+
+#[async_trait]
+impl Model for PolicyModel {
+    async fn complete(
+        &self,
+        request: ModelRequest,
+        _deltas: mpsc::UnboundedSender<String>,
+        cancel: CancellationToken,
+    ) -> ratchet_llm::Result<ModelReply> {
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most_in_flight.fetch_max(now, Ordering::SeqCst);
+        let held = tokio::select! {
+            () = tokio::time::sleep(self.hold) => Ok((self.policy)(&request)),
+            () = cancel.cancelled() => Err(ratchet_llm::Error::Cancelled),
+        };
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        held
+    }
+}
+
+struct Node {
+    coordinator: Arc<Coordinator>,
+    _pool: WorkerPool,
+    _dir: tempfile::TempDir,
+}
+
+/// One process: the policy model runs whose spec is `test:policy` (and, when given,
+/// `test:quick`) talk to, a worker pool, and a fresh database.
+fn node(model: Arc<PolicyModel>, quick: Option<Arc<PolicyModel>>, permits: PermitLimits) -> Node {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
+    let tools = Arc::new(Registry::builtin());
+    let models = Arc::new(Models::new(
+        tools.names().into_iter().map(str::to_owned).collect(),
+    ));
+    models.register("test:policy", model);
+    if let Some(quick) = quick {
+        models.register("test:quick", quick);
+    }
+    let coordinator = Coordinator::new(store);
+    let engine =
+        Arc::new(Engine::new(Arc::clone(&coordinator), models, tools).with_permits(permits));
+    let pool = WorkerPool::start(
+        Arc::clone(&coordinator),
+        engine,
+        PoolConfig {
+            workers: 6,
+            poll: Duration::from_millis(10),
+            ..PoolConfig::default()
+        },
+    );
+    Node {
+        coordinator,
+        _pool: pool,
+        _dir: dir,
+    }
+}
+
+/// An agent's configuration: the policy model, and — when it has delegates — the `delegate`
+/// and `agent_task` tools over them.
+fn agent(id: &str, delegates: Vec<AgentProfile>) -> AgentProfile {
+    let mut config = RunConfigSnapshot {
+        model: "test:policy".into(),
+        system_prompt: format!("you are {id}"),
+        ..RunConfigSnapshot::default()
+    };
+    if !delegates.is_empty() {
+        config.tools = vec![delegate_tool(&delegates), agent_task_tool()];
+        config.delegation = DelegationConfig {
+            agents: delegates,
+            ..DelegationConfig::default()
+        };
+    }
+    AgentProfile {
+        id: id.into(),
+        description: format!("the {id}"),
+        config,
+    }
+}
+
+fn call(name: &str, arguments: Value) -> ModelReply {
+    ModelReply {
+        tool_calls: vec![ToolCall {
+            id: format!("call-{name}"),
+            name: name.into(),
+            arguments,
+        }],
+        ..ModelReply::default()
+    }
+}
+
+fn text(answer: String) -> ModelReply {
+    ModelReply {
+        text: answer,
+        ..ModelReply::default()
+    }
+}
+
+fn first_user_message(request: &ModelRequest) -> &str {
+    request
+        .messages
+        .iter()
+        .find(|m| m.role == Role::User)
+        .map_or("", |m| m.content.as_str())
+}
+
+fn tool_results(messages: &[Message]) -> Vec<&str> {
+    messages
+        .iter()
+        .filter(|m| m.role == Role::Tool)
+        .map(|m| m.content.as_str())
+        .collect()
+}
+
+fn offers(request: &ModelRequest, tool: &str) -> bool {
+    request.tools.iter().any(|t| t.name == tool)
+}
+
+/// The common policy: a run offered `delegate` hands `fan_out` tasks (named after its own
+/// task) to `to`, then answers with the joined results; any other run answers its task.
+fn fan_out_policy(
+    fan_out: usize,
+    to: &'static str,
+) -> impl Fn(&ModelRequest) -> ModelReply + Send + Sync {
+    move |request| {
+        let task = first_user_message(request).to_owned();
+        let results = tool_results(&request.messages);
+        if offers(request, "delegate") && results.is_empty() {
+            let tasks: Vec<Value> = (0..fan_out)
+                .map(|i| json!({"agent": to, "task": format!("{task}/{i}")}))
+                .collect();
+            return call("delegate", json!({"mode": "foreground", "tasks": tasks}));
+        }
+        match results.first() {
+            Some(joined) => text(format!("joined {joined}")),
+            None => text(format!("did {task}")),
+        }
+    }
+}
+
+async fn start(coordinator: &Coordinator, task: &str, config: RunConfigSnapshot) -> RunId {
+    let session = coordinator
+        .create_session(SessionSpec::default())
+        .await
+        .unwrap()
+        .id;
+    coordinator
+        .submit(&session, task.into(), config, Multitask::Enqueue)
+        .await
+        .unwrap()
+        .run_id
+}
+
+async fn wait_for(
+    coordinator: &Coordinator,
+    run: &RunId,
+    done: impl Fn(RunStatus) -> bool,
+) -> ratchet_core::AgentState {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let state = coordinator.store().load_state(run).await.unwrap();
+        if done(state.status) {
+            return state;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "run {run} stuck in {}",
+            state.status
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn answers_of(joined: &Value) -> Vec<String> {
+    joined["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["answer"].as_str().unwrap_or("-").to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delegations_of_one_three_and_sixty_four_tasks_hand_back_every_result_in_order() {
+    for tasks in [1, 3, 64] {
+        let model = PolicyModel::new(Duration::from_millis(1), fan_out_policy(tasks, "worker"));
+        let node = node(Arc::clone(&model), None, PermitLimits::default());
+        let boss = agent("boss", vec![agent("worker", Vec::new())]);
+        let root = start(&node.coordinator, "job", boss.config).await;
+        let state = wait_for(&node.coordinator, &root, RunStatus::is_terminal).await;
+        assert_eq!(
+            state.status,
+            RunStatus::Completed,
+            "{tasks} tasks: {state:?}"
+        );
+        let joined: Value = serde_json::from_str(
+            state
+                .final_answer
+                .as_deref()
+                .unwrap()
+                .strip_prefix("joined ")
+                .unwrap(),
+        )
+        .unwrap();
+        let expected: Vec<String> = (0..tasks).map(|i| format!("did job/{i}")).collect();
+        assert_eq!(
+            answers_of(&joined),
+            expected,
+            "{tasks} tasks: one result per task, in order"
+        );
+        let tree = node.coordinator.store().run_tree(&root).await.unwrap();
+        assert_eq!(tree.len(), tasks + 1);
+        assert!(
+            tree.iter().all(|n| n.status == RunStatus::Completed),
+            "{tree:?}"
+        );
+        let started = node
+            .coordinator
+            .store()
+            .run_events_after(&root, 0, 10_000)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.kind == "subagent.started")
+            .count();
+        assert_eq!(started, tasks);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_levels_of_delegation_complete_with_one_model_call_permit() {
+    async fn tree_of(node: &Node) -> (ratchet_core::AgentState, Vec<ratchet_store::TreeNode>) {
+        let leaf = agent("leaf", Vec::new());
+        let mid = agent("mid", vec![leaf]);
+        let top = agent("top", vec![mid]);
+        let root = start(&node.coordinator, "job", top.config).await;
+        let state = wait_for(&node.coordinator, &root, RunStatus::is_terminal).await;
+        let tree = node.coordinator.store().run_tree(&root).await.unwrap();
+        (state, tree)
+    }
+    let policy = || {
+        move |request: &ModelRequest| {
+            let to = if offers(request, "delegate") && request.system_prompt == "you are top" {
+                "mid"
+            } else {
+                "leaf"
+            };
+            fan_out_policy(2, to)(request)
+        }
+    };
+
+    let one_permit = PermitLimits {
+        model_calls: Some(1),
+        model_calls_per_session: Some(1),
+        ..PermitLimits::default()
+    };
+    let model = PolicyModel::new(Duration::from_millis(30), policy());
+    let node = node(Arc::clone(&model), None, one_permit);
+    let (state, tree) = tree_of(&node).await;
+    assert_eq!(state.status, RunStatus::Completed, "{state:?}");
+    assert_eq!(
+        tree.iter().map(|n| n.depth).collect::<Vec<_>>(),
+        [0, 1, 1, 2, 2, 2, 2],
+        "a root, two mids, four leaves"
+    );
+    assert!(tree.iter().all(|n| n.status == RunStatus::Completed));
+    assert_eq!(
+        model.most_in_flight.load(Ordering::SeqCst),
+        1,
+        "one model call at a time"
+    );
+    assert!(
+        state.final_answer.unwrap().contains("did job/0/1"),
+        "the leaves' answers reach the root"
+    );
+
+    // The same tree without the permit's limit overlaps its calls: the limit above is what
+    // kept them one at a time.
+    let model = PolicyModel::new(Duration::from_millis(30), policy());
+    let node = self::node(Arc::clone(&model), None, PermitLimits::default());
+    let (state, _) = tree_of(&node).await;
+    assert_eq!(state.status, RunStatus::Completed);
+    assert!(model.most_in_flight.load(Ordering::SeqCst) > 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_a_parent_mid_delegation_cancels_its_children() {
+    // Workers think for a minute: only a cancel ends them.
+    let model = PolicyModel::new(Duration::from_secs(60), fan_out_policy(3, "worker"));
+    let quick = PolicyModel::new(Duration::from_millis(1), fan_out_policy(3, "worker"));
+    let node = node(Arc::clone(&model), Some(quick), PermitLimits::default());
+    // The boss's own calls are quick; its workers' are slow.
+    let mut boss = agent("boss", vec![agent("worker", Vec::new())]);
+    boss.config.model = "test:quick".into();
+    let root = start(&node.coordinator, "job", boss.config).await;
+    wait_for(&node.coordinator, &root, |s| {
+        s == RunStatus::WaitingChildren
+    })
+    .await;
+    let store = node.coordinator.store();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while store
+        .run_tree(&root)
+        .await
+        .unwrap()
+        .iter()
+        .filter(|n| n.status == RunStatus::Running)
+        .count()
+        < 3
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the workers never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    node.coordinator.request_cancel(&root).await.unwrap();
+    assert_eq!(
+        store.load_state(&root).await.unwrap().status,
+        RunStatus::Cancelled,
+        "a waiting parent is cancelled at once"
+    );
+    for child in store.run_tree(&root).await.unwrap().iter().skip(1) {
+        let state = wait_for(&node.coordinator, &child.run_id, RunStatus::is_terminal).await;
+        assert_eq!(state.status, RunStatus::Cancelled, "{}", child.run_id);
+    }
+    assert_eq!(
+        store.load_state(&root).await.unwrap().status,
+        RunStatus::Cancelled,
+        "no join woke the cancelled parent"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_task_reaches_only_the_runs_below_its_caller() {
+    let policy = |request: &ModelRequest| {
+        let results = tool_results(&request.messages);
+        let task = first_user_message(request).to_owned();
+        let agent_task = |action: &str, run: Option<&str>| {
+            call("agent_task", json!({"action": action, "run_id": run}))
+        };
+        let delegate = |agent: &str, task: String| {
+            call(
+                "delegate",
+                json!({"mode": "foreground", "tasks": [{"agent": agent, "task": task}]}),
+            )
+        };
+        match (request.system_prompt.as_str(), results.len()) {
+            ("you are top", 0) => delegate("mid", format!("root is {}", request.run_id)),
+            ("you are top", 1) => agent_task("get", task.strip_prefix("other tree: ")),
+            ("you are mid", 0) => delegate("leaf", "leaf work".into()),
+            ("you are mid", 1) => agent_task("list", None),
+            ("you are mid", 2) => agent_task("get_result", Some(&leaf_of(results[0]))),
+            ("you are mid", 3) => agent_task("get", task.strip_prefix("root is ")),
+            ("you are mid", 4) => agent_task("cancel", task.strip_prefix("root is ")),
+            ("you are leaf", _) => text("leaf done".into()),
+            _ => text(results.join("\n")),
+        }
+    };
+    let model = PolicyModel::new(Duration::from_millis(1), policy);
+    let node = node(model, None, PermitLimits::default());
+    let store = node.coordinator.store();
+    let other = start(&node.coordinator, "alone", agent("leaf", Vec::new()).config).await;
+    wait_for(&node.coordinator, &other, RunStatus::is_terminal).await;
+    let top = agent("top", vec![agent("mid", vec![agent("leaf", Vec::new())])]);
+    let root = start(
+        &node.coordinator,
+        &format!("other tree: {other}"),
+        top.config,
+    )
+    .await;
+    let state = wait_for(&node.coordinator, &root, RunStatus::is_terminal).await;
+    assert_eq!(
+        state.status,
+        RunStatus::Completed,
+        "a child could not cancel its root: {state:?}"
+    );
+
+    let tree = store.run_tree(&root).await.unwrap();
+    let (mid, leaf) = (&tree[1], &tree[2]);
+    let mid_history = store.history(&mid.session_id).await.unwrap();
+    let mid_results = tool_results(&mid_history);
+    let listed: Value = serde_json::from_str(mid_results[1]).unwrap();
+    let listed: Vec<&str> = listed["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["run_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        listed,
+        [leaf.run_id.as_str()],
+        "list shows the runs below the caller only"
+    );
+    let result: Value = serde_json::from_str(mid_results[2]).unwrap();
+    assert_eq!(
+        (result["status"].as_str(), result["answer"].as_str()),
+        (Some("completed"), Some("leaf done"))
+    );
+    for refused in [mid_results[3], mid_results[4]] {
+        assert!(
+            refused.contains("is not below this run"),
+            "an ancestor is out of reach: {refused}"
+        );
+    }
+    let root_history = store.history(&state.session_id).await.unwrap();
+    let root_results = tool_results(&root_history);
+    assert!(
+        root_results[1].contains("is not below this run"),
+        "another tree is out of reach: {}",
+        root_results[1]
+    );
+    assert_eq!(
+        store.load_state(&other).await.unwrap().status,
+        RunStatus::Completed
+    );
+}
+
+/// The run id of the first child in a `delegate` result.
+fn leaf_of(joined: &str) -> String {
+    let joined: Value = serde_json::from_str(joined).unwrap();
+    joined["results"][0]["run_id"].as_str().unwrap().to_owned()
+}
