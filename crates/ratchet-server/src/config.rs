@@ -71,6 +71,47 @@ pub struct Config {
     /// MCP servers whose tools runs are offered, `[mcp.servers.NAME]`.
     #[serde(default)]
     pub mcp: ratchet_mcp::Config,
+    /// Directory of agent definitions (Markdown with YAML frontmatter) sessions may pick.
+    pub agents: Option<String>,
+    /// How many runs may be unfinished and how many calls may be in flight, `[gates]`.
+    #[serde(default)]
+    pub gates: GatesConfig,
+    /// The limits of every delegation tree, `[delegation]`.
+    #[serde(default)]
+    pub delegation: DelegationLimits,
+}
+
+/// `[gates]`: a run quota (unfinished runs: queued, running, waiting, cancelling) and step
+/// permits (model and tool calls in flight in this process), each global and per session
+/// (a session's count includes its delegations' runs). Absent means no limit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatesConfig {
+    pub max_active_runs: Option<u64>,
+    pub max_active_runs_per_session: Option<u64>,
+    pub model_calls: Option<u64>,
+    pub model_calls_per_session: Option<u64>,
+    pub tool_calls: Option<u64>,
+    pub tool_calls_per_session: Option<u64>,
+}
+
+/// A limit of `[gates]`: absent for none, never 0.
+fn gate(name: &str, value: Option<u64>) -> Result<Option<u64>, ConfigError> {
+    if value == Some(0) {
+        return Err(ConfigError::Invalid(format!(
+            "gates.{name} must be at least 1 (or absent for no limit), found 0"
+        )));
+    }
+    Ok(value)
+}
+
+/// `[delegation]`: how deep a tree of delegated runs may grow below its root run, and how
+/// many runs it may hold. An agent's own `limits` may lower them for the trees it roots.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DelegationLimits {
+    pub max_depth: Option<u32>,
+    pub max_tree_runs: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -184,6 +225,35 @@ impl Config {
             heartbeat: Duration::from_millis(heartbeat),
             poll: Duration::from_millis(poll),
             ..defaults
+        })
+    }
+
+    /// The run quota of `[gates]`, checked: a limit of 0 would refuse every run.
+    pub fn quota(&self) -> Result<ratchet_store::RunQuota, ConfigError> {
+        let gates = &self.gates;
+        Ok(ratchet_store::RunQuota {
+            global: gate("max_active_runs", gates.max_active_runs)?,
+            per_session: gate(
+                "max_active_runs_per_session",
+                gates.max_active_runs_per_session,
+            )?,
+        })
+    }
+
+    /// The step permits of `[gates]`, checked: a limit of 0 would let no call through.
+    pub fn permits(&self) -> Result<ratchet_engine::PermitLimits, ConfigError> {
+        let gates = &self.gates;
+        let permits = |name, value| {
+            gate(name, value).map(|n| n.map(|n| usize::try_from(n).unwrap_or(usize::MAX)))
+        };
+        Ok(ratchet_engine::PermitLimits {
+            model_calls: permits("model_calls", gates.model_calls)?,
+            model_calls_per_session: permits(
+                "model_calls_per_session",
+                gates.model_calls_per_session,
+            )?,
+            tool_calls: permits("tool_calls", gates.tool_calls)?,
+            tool_calls_per_session: permits("tool_calls_per_session", gates.tool_calls_per_session)?,
         })
     }
 
@@ -431,6 +501,35 @@ mod tests {
     }
 
     #[test]
+    fn gates_and_delegation_limits_are_read_and_checked() {
+        let config = Config::from_toml(
+            "agents = \"agents\"\n[gates]\nmax_active_runs = 100\nmax_active_runs_per_session = 8\nmodel_calls = 4\ntool_calls_per_session = 2\n[delegation]\nmax_depth = 2\nmax_tree_runs = 40\n",
+        )
+        .unwrap();
+        assert_eq!(config.agents.as_deref(), Some("agents"));
+        let quota = config.quota().unwrap();
+        assert_eq!((quota.global, quota.per_session), (Some(100), Some(8)));
+        let permits = config.permits().unwrap();
+        assert_eq!(
+            (permits.model_calls, permits.model_calls_per_session, permits.tool_calls, permits.tool_calls_per_session),
+            (Some(4), None, None, Some(2))
+        );
+        assert_eq!(
+            config.delegation,
+            DelegationLimits { max_depth: Some(2), max_tree_runs: Some(40) }
+        );
+        let zero = Config::from_toml("[gates]\nmodel_calls_per_session = 0\n").unwrap();
+        assert_eq!(
+            zero.permits().unwrap_err().to_string(),
+            "invalid configuration: gates.model_calls_per_session must be at least 1 (or absent for no limit), found 0"
+        );
+        let zero = Config::from_toml("[gates]\nmax_active_runs = 0\n").unwrap();
+        assert!(zero.quota().is_err());
+        let unknown = Config::from_toml("[gates]\nmodel_call = 3\n").unwrap_err();
+        assert!(unknown.to_string().contains("unknown field `model_call`"), "{unknown}");
+    }
+
+    #[test]
     fn pool_settings_come_from_the_file_and_the_environment_and_are_checked() {
         let config = Config::from_toml("workers = 4\nlease_ms = 1500\npoll_ms = 100")
             .unwrap()
@@ -614,6 +713,9 @@ mod tests {
                     tools,
                     models,
                     mcp: ratchet_mcp::Config { servers },
+                    agents: None,
+                    gates: GatesConfig::default(),
+                    delegation: DelegationLimits::default(),
                 },
             )
     }
