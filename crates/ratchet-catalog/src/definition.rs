@@ -1,0 +1,165 @@
+//! What one agent definition holds once its file has been checked: the agent's identity,
+//! model, tools, delegates, budgets, approval policies, signal contract and system prompt.
+//!
+//! The budget and signal types carry their own range checks in `Deserialize`, so a value
+//! out of range is refused wherever it is read, with the parser's line.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use ratchet_core::ApprovalPolicy;
+use serde::de::{Error as _, Unexpected};
+use serde::{Deserialize, Deserializer, Serialize};
+
+/// One agent of a catalog, from its Markdown file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentDefinition {
+    pub id: String,
+    /// What a delegating model is shown to choose this agent.
+    pub description: String,
+    /// A model spec; a scripted model's file is an absolute path.
+    pub model: String,
+    pub tools: Vec<String>,
+    /// Ids of the agents of the same catalog this one may hand work to.
+    pub delegates: Vec<String>,
+    pub limits: AgentLimits,
+    pub approval: BTreeMap<String, ApprovalPolicy>,
+    pub signal: Option<SignalContract>,
+    /// The file's body, trimmed.
+    pub system_prompt: String,
+    /// Lowercase hex SHA-256 of the file's bytes: a run records which version it ran.
+    pub hash: String,
+    /// The definition file, absolute.
+    pub path: PathBuf,
+}
+
+/// The budgets an agent's runs get. Every value is at least 1; an absent one is left to the
+/// runtime's default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentLimits {
+    #[serde(default, deserialize_with = "at_least_one")]
+    pub max_steps: Option<u64>,
+    #[serde(default, deserialize_with = "at_least_one")]
+    pub max_model_calls: Option<u64>,
+    #[serde(default, deserialize_with = "at_least_one")]
+    pub max_tool_calls: Option<u64>,
+    #[serde(default, deserialize_with = "at_least_one")]
+    pub max_tokens: Option<u64>,
+    #[serde(default, deserialize_with = "at_least_one")]
+    pub max_prompt_tokens: Option<u64>,
+    #[serde(default, deserialize_with = "at_least_one")]
+    pub max_duration_ms: Option<u64>,
+    /// Tool calls of one batch run at once.
+    #[serde(default, deserialize_with = "at_least_one")]
+    pub max_parallel: Option<u32>,
+    /// How deep delegation below this agent may go.
+    #[serde(default, deserialize_with = "at_least_one")]
+    pub max_depth: Option<u32>,
+    /// Runs the whole tree of delegations under one run of this agent may start.
+    #[serde(default, deserialize_with = "at_least_one")]
+    pub max_tree_runs: Option<u64>,
+}
+
+/// Largest signal payload a contract may allow.
+pub const MAX_SIGNAL_BYTES: u32 = 65536;
+
+/// What an agent running in the background may send its parent, and how the parent gets it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SignalContract {
+    /// Signals one run may send in all (at least 1).
+    #[serde(deserialize_with = "positive")]
+    pub max_count: u32,
+    /// Least time between two signals.
+    pub min_interval_ms: u64,
+    /// Largest payload of one signal, 1 to 65536 bytes.
+    #[serde(deserialize_with = "signal_bytes")]
+    pub max_bytes: u32,
+    /// The severities a signal may carry; not empty, each at most once.
+    #[serde(deserialize_with = "severities")]
+    pub severities: Vec<Severity>,
+    /// A signal equal to one sent this recently is dropped.
+    pub dedupe_window_ms: u64,
+    #[serde(default)]
+    pub delivery: SignalDelivery,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    Info,
+    Warning,
+    Critical,
+}
+
+impl Severity {
+    pub fn name(self) -> &'static str {
+        match self {
+            Severity::Info => "info",
+            Severity::Warning => "warning",
+            Severity::Critical => "critical",
+        }
+    }
+}
+
+/// How a signal reaches the parent's run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SignalDelivery {
+    /// As a message queued behind the parent's active run.
+    #[default]
+    Queue,
+    /// Into the parent's active run, before its next model call.
+    Steer,
+}
+
+fn positive<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de> + Into<u64> + Copy,
+{
+    let value = T::deserialize(deserializer)?;
+    if value.into() == 0 {
+        return Err(D::Error::invalid_value(
+            Unexpected::Unsigned(0),
+            &"an integer of at least 1",
+        ));
+    }
+    Ok(value)
+}
+
+fn at_least_one<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de> + Into<u64> + Copy,
+{
+    positive(deserializer).map(Some)
+}
+
+fn signal_bytes<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u32, D::Error> {
+    let bytes: u32 = positive(deserializer)?;
+    if bytes > MAX_SIGNAL_BYTES {
+        return Err(D::Error::invalid_value(
+            Unexpected::Unsigned(bytes.into()),
+            &"at most 65536 bytes",
+        ));
+    }
+    Ok(bytes)
+}
+
+fn severities<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<Severity>, D::Error> {
+    let severities = Vec::<Severity>::deserialize(deserializer)?;
+    if severities.is_empty() {
+        return Err(D::Error::invalid_length(0, &"at least one severity"));
+    }
+    for (i, severity) in severities.iter().enumerate() {
+        if severities[..i].contains(severity) {
+            return Err(D::Error::custom(format!(
+                "severity `{}` is listed twice; list each at most once",
+                severity.name()
+            )));
+        }
+    }
+    Ok(severities)
+}
