@@ -5,10 +5,11 @@
 //! out of range is refused wherever it is read, with the parser's line.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::path::PathBuf;
 
 use ratchet_core::ApprovalPolicy;
-use serde::de::{Error as _, Unexpected};
+use serde::de::{self, Error as _, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
 /// One agent of a catalog, from its Markdown file.
@@ -72,6 +73,7 @@ pub struct SignalContract {
     #[serde(deserialize_with = "positive")]
     pub max_count: u32,
     /// Least time between two signals.
+    #[serde(deserialize_with = "non_negative")]
     pub min_interval_ms: u64,
     /// Largest payload of one signal, 1 to 65536 bytes.
     #[serde(deserialize_with = "signal_bytes")]
@@ -80,6 +82,7 @@ pub struct SignalContract {
     #[serde(deserialize_with = "severities")]
     pub severities: Vec<Severity>,
     /// A signal equal to one sent this recently is dropped.
+    #[serde(deserialize_with = "non_negative")]
     pub dedupe_window_ms: u64,
     #[serde(default)]
     pub delivery: SignalDelivery,
@@ -114,36 +117,67 @@ pub enum SignalDelivery {
     Steer,
 }
 
-fn positive<'de, D, T>(deserializer: D) -> Result<T, D::Error>
+/// Reads any integer, so that the error for a negative or oversized one can name it.
+struct Integer;
+
+impl Visitor<'_> for Integer {
+    type Value = i128;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an integer")
+    }
+
+    fn visit_i64<E: de::Error>(self, value: i64) -> Result<i128, E> {
+        Ok(value.into())
+    }
+
+    fn visit_u64<E: de::Error>(self, value: u64) -> Result<i128, E> {
+        Ok(value.into())
+    }
+}
+
+/// An integer of at least `least` that fits a `T`.
+fn integer<'de, D, T>(deserializer: D, least: i128) -> Result<T, D::Error>
 where
     D: Deserializer<'de>,
-    T: Deserialize<'de> + Into<u64> + Copy,
+    T: TryFrom<i128>,
 {
-    let value = T::deserialize(deserializer)?;
-    if value.into() == 0 {
-        return Err(D::Error::invalid_value(
-            Unexpected::Unsigned(0),
-            &"an integer of at least 1",
-        ));
+    let value = deserializer.deserialize_any(Integer)?;
+    if value < least {
+        return Err(D::Error::custom(format!(
+            "expected an integer of at least {least}, found {value}"
+        )));
     }
-    Ok(value)
+    T::try_from(value).map_err(|_| {
+        D::Error::custom(format!(
+            "expected an integer that fits a {}, found {value}",
+            std::any::type_name::<T>()
+        ))
+    })
+}
+
+fn positive<'de, D: Deserializer<'de>, T: TryFrom<i128>>(deserializer: D) -> Result<T, D::Error> {
+    integer(deserializer, 1)
 }
 
 fn at_least_one<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
 where
     D: Deserializer<'de>,
-    T: Deserialize<'de> + Into<u64> + Copy,
+    T: TryFrom<i128>,
 {
-    positive(deserializer).map(Some)
+    integer(deserializer, 1).map(Some)
+}
+
+fn non_negative<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+    integer(deserializer, 0)
 }
 
 fn signal_bytes<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u32, D::Error> {
-    let bytes: u32 = positive(deserializer)?;
+    let bytes: u32 = integer(deserializer, 1)?;
     if bytes > MAX_SIGNAL_BYTES {
-        return Err(D::Error::invalid_value(
-            Unexpected::Unsigned(bytes.into()),
-            &"at most 65536 bytes",
-        ));
+        return Err(D::Error::custom(format!(
+            "expected at most {MAX_SIGNAL_BYTES} bytes, found {bytes}"
+        )));
     }
     Ok(bytes)
 }
@@ -151,7 +185,9 @@ fn signal_bytes<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u32, D::Er
 fn severities<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<Severity>, D::Error> {
     let severities = Vec::<Severity>::deserialize(deserializer)?;
     if severities.is_empty() {
-        return Err(D::Error::invalid_length(0, &"at least one severity"));
+        return Err(D::Error::custom(
+            "expected at least one severity, found an empty list",
+        ));
     }
     for (i, severity) in severities.iter().enumerate() {
         if severities[..i].contains(severity) {

@@ -83,7 +83,9 @@ impl<'de> Visitor<'de> for PolicyVisitor {
             rules.insert(argument, glob);
         }
         if rules.is_empty() {
-            return Err(de::Error::invalid_length(0, &self));
+            return Err(de::Error::custom(
+                "expected at least one argument glob, found an empty map",
+            ));
         }
         Ok(Policy(ApprovalPolicy::WhenArguments(rules)))
     }

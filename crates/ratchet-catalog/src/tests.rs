@@ -306,7 +306,9 @@ fn a_directory_that_is_missing_a_file_or_empty_is_a_problem() {
 fn limits_and_signal_values_out_of_range_are_problems_at_their_line() {
     for (extra, line, says) in [
         ("limits:\n  max_steps: 5\n  max_depth: 0\n", 7, "at least 1"),
-        ("limits:\n  max_parallel: -1\n", 6, "-1"),
+        ("limits:\n  max_parallel: -1\n", 6, "at least 1, found -1"),
+        ("limits:\n  max_parallel: 5000000000\n", 6, "fits a u32"),
+        ("limits:\n  max_tokens: \"5\"\n", 6, "string \"5\""),
         ("limits:\n  max_turns: 3\n", 6, "max_turns"),
         (
             "signal:\n  max_count: 1\n  min_interval_ms: 0\n  max_bytes: 65537\n  severities: [info]\n  dedupe_window_ms: 0\n",
@@ -587,3 +589,4 @@ proptest! {
         }
     }
 }
+
