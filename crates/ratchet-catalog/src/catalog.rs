@@ -141,8 +141,8 @@ fn read_definition(path: &Path, canonical_dir: &Path) -> Result<Option<Vec<u8>>,
             )));
         }
     }
-    let metadata =
-        std::fs::metadata(path).map_err(|e| fail(format!("cannot read the file's metadata: {e}")))?;
+    let metadata = std::fs::metadata(path)
+        .map_err(|e| fail(format!("cannot read the file's metadata: {e}")))?;
     if metadata.is_dir() {
         return Ok(None);
     }

@@ -28,7 +28,7 @@ pub struct AgentDefinition {
     pub signal: Option<SignalContract>,
     /// The file's body, trimmed.
     pub system_prompt: String,
-    /// Lowercase hex SHA-256 of the file's bytes: a run records which version it ran.
+    /// Lowercase hex SHA-256 of the file's bytes: any edit of the file changes it.
     pub hash: String,
     /// The definition file, absolute.
     pub path: PathBuf,

@@ -155,7 +155,7 @@ fn yaml_message(error: &serde_saphyr::Error) -> String {
 }
 
 /// Whether an id matches `[a-z][a-z0-9_-]{0,63}`.
-pub(crate) fn is_valid_id(id: &str) -> bool {
+fn is_valid_id(id: &str) -> bool {
     let mut chars = id.chars();
     chars.next().is_some_and(|c| c.is_ascii_lowercase())
         && id.len() <= 64
@@ -271,7 +271,10 @@ pub(crate) fn parse(
     for delegate in frontmatter.delegates {
         let line = file_line(delegate.referenced);
         if delegates.contains(&delegate.value) {
-            report(line, format!("delegate {:?} is listed twice", delegate.value));
+            report(
+                line,
+                format!("delegate {:?} is listed twice", delegate.value),
+            );
             continue;
         }
         delegates.push(delegate.value);
@@ -290,7 +293,9 @@ pub(crate) fn parse(
             };
             report(
                 line,
-                format!("approval policy for tool {tool:?}, which this agent does not list; {offered}"),
+                format!(
+                    "approval policy for tool {tool:?}, which this agent does not list; {offered}"
+                ),
             );
         }
         if let Err(why) = policy.validate() {
@@ -335,7 +340,10 @@ pub(crate) fn parse(
 /// A scripted model's file, relative to the catalog, as an absolute path; other specs as
 /// written.
 fn resolve_model(spec: &str, dir: &Path) -> Result<String, String> {
-    let Some(file) = spec.strip_prefix("scripted:").filter(|file| *file != "demo") else {
+    let Some(file) = spec
+        .strip_prefix("scripted:")
+        .filter(|file| *file != "demo")
+    else {
         return Ok(spec.to_owned());
     };
     let looked_for = dir.join(file);

@@ -388,6 +388,7 @@ enum AgentsCommand {
     /// Load a directory of agent definitions (`*.md`) against this process's tools and
     /// models; print each agent, or every problem and exit 1 (the catalog is rejected whole).
     Check {
+        /// The catalog: a directory of agent definitions.
         dir: PathBuf,
         /// A ratchet.toml whose `[models.NAME]` profiles and `[mcp.servers]` tools the
         /// definitions may name.
