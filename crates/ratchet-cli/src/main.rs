@@ -1,6 +1,7 @@
 //! The `ratchet` binary: the composition root that wires the store, models, tools and
 //! workers together, and the command-line interface on top of them.
 
+mod agents;
 mod approve;
 mod bench;
 mod bench_commits;
@@ -250,6 +251,11 @@ enum Command {
         #[command(subcommand)]
         command: ApprovalsCommand,
     },
+    /// Check agent catalogs.
+    Agents {
+        #[command(subcommand)]
+        command: AgentsCommand,
+    },
     /// Measure the runtime.
     Bench {
         #[command(subcommand)]
@@ -374,6 +380,20 @@ enum ApprovalsCommand {
         abort: bool,
         #[command(flatten)]
         target: ApprovalsTarget,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum AgentsCommand {
+    /// Load a directory of agent definitions (`*.md`) against this process's tools and
+    /// models; print each agent, or every problem and exit 1 (the catalog is rejected whole).
+    Check {
+        /// The catalog: a directory of agent definitions.
+        dir: PathBuf,
+        /// A ratchet.toml whose `[models.NAME]` profiles and `[mcp.servers]` tools the
+        /// definitions may name.
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
     },
 }
 
@@ -699,6 +719,9 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             };
             approve::decide(target.target()?, decide).await
         }
+        Command::Agents {
+            command: AgentsCommand::Check { dir, config },
+        } => agents::check(&dir, config.as_deref()).await,
         Command::Bench {
             command: BenchCommand::Commits { count, json },
         } => bench_commits::commits(count, json),

@@ -12,7 +12,7 @@ use ratchet_core::{
 use ratchet_engine::{
     Coordinator, Engine, Models, PoolConfig, WorkerPool, owner_is_dead_local_process,
 };
-use ratchet_llm::profiles::Profile;
+use ratchet_llm::profiles::{Profile, Resolved};
 use ratchet_mcp::McpTools;
 use ratchet_postgres::PgOptions;
 use ratchet_sqlite::SqliteOptions;
@@ -74,14 +74,10 @@ impl Toolbox {
             }
             _ => model.to_owned(),
         };
-        let env = |name: &str| std::env::var(name).ok();
-        let resolved = ratchet_llm::profiles::resolve_spec(&model, &self.profiles, &env)?;
+        let resolved = self.resolve_model(&model)?;
         let mut limits = limits;
         if let Some(attempts) = resolved.max_attempts {
             limits.max_model_attempts = attempts;
-        }
-        if resolved.settings.is_none() {
-            self.models.resolve(&model)?;
         }
         let mut tools = self.tools.specs();
         for (name, policy) in &overrides.approval {
@@ -104,6 +100,17 @@ impl Toolbox {
             memory_scope,
             ..RunConfigSnapshot::default()
         })
+    }
+
+    /// Checks a model spec (a scripted model's file as given) as a run would be frozen with
+    /// it: a provider's settings resolved, any other model built, its script read and checked.
+    pub(crate) fn resolve_model(&self, model: &str) -> anyhow::Result<Resolved> {
+        let env = |name: &str| std::env::var(name).ok();
+        let resolved = ratchet_llm::profiles::resolve_spec(model, &self.profiles, &env)?;
+        if resolved.settings.is_none() {
+            self.models.resolve(model)?;
+        }
+        Ok(resolved)
     }
 
     pub fn new() -> Toolbox {
@@ -132,6 +139,13 @@ impl Toolbox {
         let mcp = ratchet_mcp::connect_all(config).await?;
         let registry = Registry::new([Registry::builtin_tools(), mcp.tools()].concat())?;
         Ok(Toolbox::of(registry, Some(mcp)))
+    }
+
+    /// Ends the MCP servers' connections, for a process that only checks its input.
+    pub(crate) async fn close(&self) {
+        if let Some(mcp) = &self.mcp {
+            mcp.close().await;
+        }
     }
 
     /// The `[models.NAME]` profiles a model spec may name; each is checked now.

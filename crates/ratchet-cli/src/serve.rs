@@ -84,7 +84,7 @@ impl Process {
     }
 }
 
-async fn toolbox(config: &Config) -> anyhow::Result<Toolbox> {
+pub(crate) async fn toolbox(config: &Config) -> anyhow::Result<Toolbox> {
     Toolbox::with_mcp(&config.mcp)
         .await?
         .with_profiles(config.models.clone())

@@ -103,6 +103,7 @@ fn crates_depend_only_along_the_layers() {
         ("ratchet-store", &["ratchet-core"]),
         ("ratchet-llm", &["ratchet-core"]),
         ("ratchet-tools", &["ratchet-core"]),
+        ("ratchet-catalog", &["ratchet-core"]),
         ("ratchet-mcp", &["ratchet-core", "ratchet-tools"]),
         ("ratchet-sql", &["ratchet-core", "ratchet-store"]),
         (
