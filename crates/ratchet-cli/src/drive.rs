@@ -34,6 +34,17 @@ pub struct RunArgs {
     pub schema: Schema,
     pub json: bool,
     pub message: String,
+    /// The catalog agent that answers, instead of the flags' model.
+    pub catalog: Option<Pick>,
+    pub quota: ratchet_store::RunQuota,
+    pub permits: ratchet_engine::PermitLimits,
+}
+
+/// A catalog and the agent of it that answers.
+pub struct Pick {
+    pub dir: PathBuf,
+    pub agent: String,
+    pub tree: crate::agents::TreeLimits,
 }
 
 /// What `run` and `resume` print for each run.
@@ -85,14 +96,33 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let toolbox = Toolbox::with_mcp(&args.mcp)
         .await?
         .with_profiles(args.profiles.clone())?;
-    let config = toolbox.run_template(
+    let mut config = toolbox.run_template(
         &args.model,
         args.workspace.as_deref(),
         args.limits,
         &args.overrides,
         args.memory_scope,
     )?;
-    let runtime = Runtime::new(open_store(&args.db, args.schema)?, toolbox);
+    if let Some(pick) = &args.catalog {
+        let catalog = crate::agents::load(&pick.dir, &toolbox)?;
+        let profiles = crate::agents::profiles(&catalog, &toolbox, &config, pick.tree)?;
+        let Some(profile) = profiles.into_iter().find(|p| p.id == pick.agent) else {
+            let known: Vec<&str> = catalog.agents().map(|a| a.id.as_str()).collect();
+            bail!(
+                "no agent {:?} in {}; its agents are: {}",
+                pick.agent,
+                pick.dir.display(),
+                known.join(", ")
+            );
+        };
+        config = profile.config;
+    }
+    let runtime = Runtime::gated(
+        open_store(&args.db, args.schema)?,
+        toolbox,
+        args.quota,
+        args.permits,
+    );
     let coordinator = &runtime.coordinator;
     let mut events = coordinator.subscribe();
     let session = coordinator.create_session(SessionSpec::default()).await?.id;
@@ -136,8 +166,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         if state.status.is_terminal() {
             break state;
         }
-        if state.status.is_waiting() {
-            let Some((id, calls)) = approve::pending(state.pending_human.as_ref()) else {
+        // The run, or a run its delegations started, may wait for a person.
+        if let Some(waiting) = waiting_for_human(coordinator.store().as_ref(), &state).await? {
+            let Some((id, calls)) = approve::pending(waiting.pending_human.as_ref()) else {
                 break state;
             };
             let lines = answers.get_or_insert_with(approve::stdin_lines);
@@ -160,6 +191,25 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let report = RunReport::of(&state);
     print_report(&report, args.json, true)?;
     Ok(report.exit_code())
+}
+
+/// The run waiting for a person: `state`'s own run, or — while it waits for its children —
+/// the first run below it that does.
+async fn waiting_for_human(
+    store: &dyn Store,
+    state: &AgentState,
+) -> anyhow::Result<Option<AgentState>> {
+    match state.status {
+        RunStatus::WaitingHuman => Ok(Some(state.clone())),
+        RunStatus::WaitingChildren => {
+            let tree = store.run_tree(&state.run_id).await?;
+            match tree.iter().find(|n| n.status == RunStatus::WaitingHuman) {
+                Some(node) => Ok(Some(store.load_state(&node.run_id).await?)),
+                None => Ok(None),
+            }
+        }
+        _ => Ok(None),
+    }
 }
 
 /// One session's events in `seq` order, each exactly once, whichever process executed the
@@ -254,7 +304,10 @@ pub async fn resume(db: &str, json: bool, mcp: &ratchet_mcp::Config) -> anyhow::
         .filter(|r| {
             matches!(
                 r.status,
-                RunStatus::Running | RunStatus::Cancelling | RunStatus::Queued
+                RunStatus::Running
+                    | RunStatus::Cancelling
+                    | RunStatus::Queued
+                    | RunStatus::WaitingChildren
             )
         })
         .map(|r| r.run_id)

@@ -186,6 +186,13 @@ enum Command {
         /// server's configuration decides the model, workspace and step budget.
         #[arg(long, value_name = "URL")]
         server: Option<String>,
+        /// A directory of agent definitions (default: the config file's `agents`); `--agent`
+        /// picks the one that answers.
+        #[arg(long, value_name = "DIR")]
+        agents: Option<PathBuf>,
+        /// The catalog agent that answers: its model, prompt, tools, limits and delegates.
+        #[arg(long, value_name = "ID")]
+        agent: Option<String>,
         #[command(flatten)]
         token: TokenArg,
         /// Refuse a database whose schema is behind instead of migrating it.
@@ -218,6 +225,10 @@ enum Command {
         /// Directory file tools may write in (default: the current directory).
         #[arg(long)]
         workspace: Option<PathBuf>,
+        /// Directory of agent definitions sessions may pick (`{"agent": ID}`); checked whole
+        /// at start (default: the config file's `agents`).
+        #[arg(long, value_name = "DIR")]
+        agents: Option<PathBuf>,
     },
     /// Run the workers alone, beside other processes on the same database: any run's steps,
     /// and those of processes whose lease expired (SIGTERM or Ctrl-C stops it gracefully).
@@ -537,12 +548,16 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             config,
             memory_scope,
             server: Some(server),
+            agents,
+            agent,
             token,
             no_migrate,
             json,
             message,
         } => {
             let local_only = [
+                agents.is_some().then_some("--agents"),
+                agent.is_some().then_some("--agent"),
                 model.is_some().then_some("--model"),
                 workspace.is_some().then_some("--workspace"),
                 (!require_approval.is_empty()).then_some("--require-approval"),
@@ -555,7 +570,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             if !given.is_empty() {
                 bail!(
                     "{} cannot be used with --server: the server's configuration decides the \
-                     model, the workspace, the step budget, the approvals and the memory scope",
+                     agents, the model, the workspace, the step budget, the approvals and the \
+                     memory scope",
                     given.join(", ")
                 );
             }
@@ -578,12 +594,36 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             config,
             memory_scope,
             server: None,
+            agents,
+            agent,
             token: _,
             no_migrate,
             json,
             message,
         } => {
             let file = ratchet_server::Config::load_or_default(config.as_deref())?;
+            if let (Some(dir), None) = (&agents, &agent) {
+                bail!(
+                    "--agents {} needs --agent ID: the agent that answers",
+                    dir.display()
+                );
+            }
+            let agents = agents.or_else(|| file.agents.as_ref().map(PathBuf::from));
+            let catalog = match (agents, agent) {
+                (Some(dir), Some(agent)) => Some(drive::Pick {
+                    dir,
+                    agent,
+                    tree: agents::TreeLimits::of(&file),
+                }),
+                (None, Some(agent)) => bail!(
+                    "--agent {agent} needs a catalog: give --agents DIR (or `agents` in the config file)"
+                ),
+                (_, None) => None,
+            };
+            if catalog.is_some() && model.is_some() {
+                bail!("--model cannot be used with --agent: the agent's definition names its model");
+            }
+            let (quota, permits) = (file.quota()?, file.permits()?);
             let mut overrides = runtime::ToolOverrides {
                 approval: file.approval_policies()?,
                 replay: file.replay_policies(),
@@ -609,6 +649,9 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 },
                 json,
                 message,
+                catalog,
+                quota,
+                permits,
             })
             .await
         }
@@ -624,12 +667,14 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             listen,
             model,
             workspace,
+            agents,
         } => {
             serve::serve(serve::ServeArgs {
                 process: process.into(),
                 listen,
                 model,
                 workspace,
+                agents,
             })
             .await
         }

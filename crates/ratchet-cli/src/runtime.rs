@@ -10,13 +10,13 @@ use ratchet_core::{
     ApprovalPolicy, Limits, MemoryScope, ReplayPolicy, RunConfigSnapshot, ToolSpec,
 };
 use ratchet_engine::{
-    Coordinator, Engine, Models, PoolConfig, WorkerPool, owner_is_dead_local_process,
+    Coordinator, Engine, Models, PermitLimits, PoolConfig, WorkerPool, owner_is_dead_local_process,
 };
 use ratchet_llm::profiles::{Profile, Resolved};
 use ratchet_mcp::McpTools;
 use ratchet_postgres::PgOptions;
 use ratchet_sqlite::SqliteOptions;
-use ratchet_store::{Migrated, Store};
+use ratchet_store::{Migrated, RunQuota, Store};
 use ratchet_tools::Registry;
 use tokio::task::JoinHandle;
 
@@ -303,13 +303,22 @@ pub fn migrate(url: &str) -> anyhow::Result<Migrated> {
 impl Runtime {
     /// Must be called inside a tokio runtime: it starts following other processes.
     pub fn new(store: Arc<dyn Store>, toolbox: Toolbox) -> Runtime {
-        let coordinator = Coordinator::new(store);
+        Runtime::gated(store, toolbox, RunQuota::default(), PermitLimits::default())
+    }
+
+    /// A runtime that admits runs within `quota` and makes calls within `permits`.
+    pub fn gated(
+        store: Arc<dyn Store>,
+        toolbox: Toolbox,
+        quota: RunQuota,
+        permits: PermitLimits,
+    ) -> Runtime {
+        let coordinator = Coordinator::with_quota(store, quota);
         let follower = coordinator.follow_others();
-        let engine = Arc::new(Engine::new(
-            Arc::clone(&coordinator),
-            toolbox.models,
-            toolbox.tools,
-        ));
+        let engine = Arc::new(
+            Engine::new(Arc::clone(&coordinator), toolbox.models, toolbox.tools)
+                .with_permits(permits),
+        );
         Runtime {
             coordinator,
             engine,

@@ -35,6 +35,7 @@ pub struct ServeArgs {
     pub listen: Option<String>,
     pub model: Option<String>,
     pub workspace: Option<PathBuf>,
+    pub agents: Option<PathBuf>,
 }
 
 /// File, then `RATCHET_*` environment, then flags.
@@ -75,7 +76,12 @@ impl Process {
         } else {
             Schema::Migrate
         };
-        let runtime = Runtime::new(open_store(&db, schema)?, toolbox);
+        let runtime = Runtime::gated(
+            open_store(&db, schema)?,
+            toolbox,
+            config.quota()?,
+            config.permits()?,
+        );
         runtime
             .recover()
             .await
@@ -100,6 +106,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     }
     if let Some(workspace) = &args.workspace {
         config.workspace = Some(workspace.display().to_string());
+    }
+    if let Some(agents) = &args.agents {
+        config.agents = Some(agents.display().to_string());
     }
     let pool_config = config.pool()?;
     let tokens = config.tokens(|key| std::env::var(key).ok())?;
@@ -132,6 +141,14 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         },
         config.memory_scope.unwrap_or_default(),
     )?;
+    let agents = match &config.agents {
+        Some(dir) => {
+            let catalog = crate::agents::load(std::path::Path::new(dir), &toolbox)?;
+            let limits = crate::agents::TreeLimits::of(&config);
+            crate::agents::profiles(&catalog, &toolbox, &template, limits)?
+        }
+        None => Vec::new(),
+    };
     let Process { db, runtime } = Process::open(&config, toolbox, args.process.no_migrate).await?;
     let listener = tokio::net::TcpListener::bind(address)
         .await
@@ -139,20 +156,26 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // `--workers 0`: the API only; other processes sharing the database run the steps.
     let pool = (pool_config.workers > 0).then(|| runtime.start_workers(pool_config.clone()));
     let shutdown = CancellationToken::new();
+    let agent_count = agents.len();
     let state = AppState::new(
         runtime.coordinator.clone(),
         template,
         tokens,
         shutdown.clone(),
-    );
+    )
+    .with_agents(agents);
     let app = ratchet_server::app(state);
     eprintln!(
-        "ratchet listening on http://{} (database {db}{}; {})",
+        "ratchet listening on http://{} (database {db}{}{}; {})",
         listener.local_addr()?,
         if config.tokens.is_empty() {
             ", no authentication"
         } else {
             ""
+        },
+        match agent_count {
+            0 => String::new(),
+            n => format!(", {n} agents"),
         },
         describe_pool(pool.as_ref(), &pool_config),
     );

@@ -24,7 +24,11 @@ impl Models {
         Models::with_secrets(known_tools, Arc::new(|name| std::env::var(name).ok()))
     }
 
-    pub fn with_secrets(known_tools: Vec<String>, secrets: Secrets) -> Models {
+    /// `known_tools` are the registry's; the tools the runtime injects (`delegate`,
+    /// `agent_task`, `emit_signal`) are known too, so that a script may call them.
+    pub fn with_secrets(mut known_tools: Vec<String>, secrets: Secrets) -> Models {
+        use ratchet_core::delegation::{AGENT_TASK_TOOL, DELEGATE_TOOL, EMIT_SIGNAL_TOOL};
+        known_tools.extend([DELEGATE_TOOL, AGENT_TASK_TOOL, EMIT_SIGNAL_TOOL].map(str::to_owned));
         Models {
             known_tools,
             secrets,

@@ -1,0 +1,175 @@
+//! Sub-agents through the binary: an agent of a catalog delegates with `ratchet run --agents
+//! DIR --agent ID`, the process is killed with SIGKILL while the children run, and `ratchet
+//! resume` finishes every child, joins the parent exactly once and completes it — on SQLite
+//! and on PostgreSQL.
+
+mod common;
+
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{output_within_deadline, postgres, sqlite, stderr_of};
+use ratchet_core::{RunId, RunStatus};
+use ratchet_store::Store;
+use serde_json::json;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ratchet");
+const DEADLINE: Duration = Duration::from_secs(120);
+const TASKS: usize = 3;
+
+macro_rules! scenarios {
+    ($backend:ident) => {
+        mod $backend {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_delegating_run_killed_while_its_children_run_resumes_and_joins_once() {
+                let Some(db) = super::$backend() else { return };
+                super::killed_while_children_run(&db.url).await;
+            }
+        }
+    };
+}
+
+scenarios!(sqlite);
+scenarios!(postgres);
+
+fn open(url: &str) -> Arc<dyn Store> {
+    if url.starts_with("sqlite:") {
+        return Arc::new(ratchet_sqlite::open_url(url).unwrap());
+    }
+    Arc::new(ratchet_postgres::open_url(url).unwrap())
+}
+
+/// A catalog of two agents: `boss` hands three tasks to `worker`s and answers once they are
+/// done; a `worker` sleeps (long enough to be killed in the middle of) and answers.
+fn write_catalog(dir: &Path, sleep_ms: u64) {
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|i| json!({"agent": "worker", "task": format!("part {i}")}))
+        .collect();
+    let boss = json!({"replies": [
+        {"tool_calls": [{"name": "delegate", "arguments": {"mode": "foreground", "tasks": tasks}}]},
+        {"text": "boss done"}
+    ]});
+    let worker = json!({"replies": [
+        {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": sleep_ms}}]},
+        {"text": "worker done"}
+    ]});
+    std::fs::write(dir.join("boss.json"), boss.to_string()).unwrap();
+    std::fs::write(dir.join("worker.json"), worker.to_string()).unwrap();
+    std::fs::write(
+        dir.join("boss.md"),
+        "---\nid: boss\ndescription: splits the job\nmodel: scripted:boss.json\ndelegates: [worker]\n---\nYou split jobs.\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("worker.md"),
+        "---\nid: worker\ndescription: does one part\nmodel: scripted:worker.json\ntools: [sleep_ms]\n---\nYou do one part.\n",
+    )
+    .unwrap();
+}
+
+async fn killed_while_children_run(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = dir.path().join("agents");
+    std::fs::create_dir(&catalog).unwrap();
+    write_catalog(&catalog, 1_500);
+    let mut run = Command::new(BIN)
+        .args(["run", "--json", "--db", url, "--agents"])
+        .arg(&catalog)
+        .args(["--agent", "boss", "--workspace"])
+        .arg(dir.path())
+        .arg("do the job")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let store = open(url);
+    let started = Instant::now();
+    // Kill it while every child sleeps in its tool call.
+    let root = loop {
+        let runs = store.list_runs().await.unwrap();
+        let sleeping = runs.iter().filter(|r| r.status == RunStatus::Running && r.step_index == 1).count();
+        let root = runs.iter().find(|r| r.status == RunStatus::WaitingChildren);
+        if let (Some(root), TASKS) = (root, sleeping) {
+            break root.run_id.clone();
+        }
+        if let Some(status) = run.try_wait().unwrap() {
+            panic!("ratchet run ended ({status}) before its children ran: {runs:?}");
+        }
+        assert!(started.elapsed() < DEADLINE, "the children never ran: {runs:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    run.kill().unwrap();
+    assert_eq!(run.wait().unwrap().signal(), Some(9));
+    let tree = store.run_tree(&root).await.unwrap();
+    assert_eq!(tree.len(), TASKS + 1);
+    assert!(tree[1..].iter().all(|n| !n.status.is_terminal()), "killed before any child ended: {tree:?}");
+
+    let resumed = output_within_deadline(Command::new(BIN).args(["resume", "--json", "--db", url]), "");
+    assert!(resumed.status.success(), "resume failed: {}", stderr_of(&resumed));
+    let reports: Vec<serde_json::Value> = String::from_utf8_lossy(&resumed.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let root_report = reports
+        .iter()
+        .find(|r| r["run_id"] == root.as_str())
+        .unwrap_or_else(|| panic!("resume reports the waiting root too: {reports:?}"));
+    assert_eq!(root_report["status"], "completed");
+    assert_eq!(root_report["final_answer"], "boss done");
+
+    let tree = store.run_tree(&root).await.unwrap();
+    assert_eq!(tree.len(), TASKS + 1, "no child was started twice: {tree:?}");
+    for child in &tree[1..] {
+        let state = store.load_state(&child.run_id).await.unwrap();
+        assert_eq!(
+            (state.status, state.final_answer.as_deref()),
+            (RunStatus::Completed, Some("worker done")),
+            "{}",
+            child.run_id
+        );
+    }
+    assert_joined_once(store.as_ref(), &root).await;
+}
+
+/// The parent went from `waiting_children` back to `running` exactly once, its batch handed
+/// every child's answer over in task order, and it took exactly four steps: the model's
+/// delegation, the tools step that started the children, the tools step after the join, and
+/// the answer.
+async fn assert_joined_once(store: &dyn Store, root: &RunId) {
+    let events = store.run_events_after(root, 0, 10_000).await.unwrap();
+    let statuses: Vec<&str> = events
+        .iter()
+        .filter(|e| e.kind == "run.status")
+        .filter_map(|e| e.payload["status"].as_str())
+        .collect();
+    assert_eq!(
+        statuses,
+        ["running", "waiting_children", "running", "completed"],
+        "the join happened once"
+    );
+    let finished = events.iter().filter(|e| e.kind == "subagent.finished").count();
+    assert_eq!(finished, TASKS);
+    let steps = store.steps(root).await.unwrap();
+    assert_eq!(
+        steps.iter().map(|s| s.instruction.as_str()).collect::<Vec<_>>(),
+        ["call_llm", "call_tools_batch", "call_tools_batch", "call_llm"]
+    );
+    let state = store.load_state(root).await.unwrap();
+    let history = store.history(&state.session_id).await.unwrap();
+    let result = history
+        .iter()
+        .find(|m| m.role == ratchet_core::Role::Tool)
+        .expect("the delegation's result");
+    let result: serde_json::Value = serde_json::from_str(&result.content).unwrap();
+    let answers: Vec<&str> = result["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["answer"].as_str().unwrap())
+        .collect();
+    assert_eq!(answers, ["worker done"; TASKS]);
+}
