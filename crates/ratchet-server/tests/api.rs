@@ -376,6 +376,12 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/runs/{id}/events", vec!["get"]),
     ]);
     assert_eq!(paths, expected);
+    let message_answers = &openapi.body["paths"]["/v1/sessions/{id}/messages"]["post"]["responses"];
+    assert_eq!(
+        keys(message_answers),
+        ["202", "409", "429", "4XX"],
+        "a message may be refused by a run quota"
+    );
 }
 
 /// Reconciliation answers only a run that waits for that call; a finished run says so.
