@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use ratchet_core::step::Reconciliation;
 use ratchet_core::{HumanRequest, RunId};
+use ratchet_store::TreeNode;
 use serde_json::json;
 
 use crate::runtime::open_existing_store;
@@ -41,6 +42,12 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
         .await
         .with_context(|| format!("cannot show run {run_id}"))?;
     let steps = store.steps(&run_id).await?;
+    let mut tree = store.run_tree(&run_id).await?;
+    // The store knows the agent of delegated runs only; a run a message started in an
+    // agent's session has it in its frozen configuration.
+    if let Some(node) = tree.first_mut().filter(|n| n.agent.is_none()) {
+        node.agent = state.config.agent.as_ref().map(|a| a.id.clone());
+    }
     let mut out = std::io::stdout().lock();
     if json {
         let body = json!({
@@ -58,6 +65,7 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
                 "duration_ms": s.finished_at - s.started_at,
                 "summary": s.summary,
             })).collect::<Vec<_>>(),
+            "tree": tree,
         });
         writeln!(out, "{}", serde_json::to_string_pretty(&body)?)?;
         return Ok(ExitCode::SUCCESS);
@@ -116,7 +124,56 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
     if let Some(answer) = answer {
         writeln!(out, "answer       {answer}")?;
     }
+    if tree.len() > 1 {
+        writeln!(out, "tree:")?;
+        for line in draw_tree(&tree) {
+            writeln!(out, "{line}")?;
+        }
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The lines of a run tree as `Store::run_tree` lists it (its first node at the top, parents
+/// before their children): each run below its parent, joined by box-drawing branches.
+fn draw_tree(nodes: &[TreeNode]) -> Vec<String> {
+    let Some(top) = nodes.first() else {
+        return Vec::new();
+    };
+    let mut lines = vec![describe(top)];
+    draw_children(nodes, top, "", &mut lines);
+    lines
+}
+
+fn draw_children(nodes: &[TreeNode], parent: &TreeNode, indent: &str, lines: &mut Vec<String>) {
+    let children: Vec<&TreeNode> = nodes
+        .iter()
+        .filter(|n| n.parent_run_id.as_ref() == Some(&parent.run_id))
+        .collect();
+    for (i, child) in children.iter().enumerate() {
+        let last = i + 1 == children.len();
+        let (branch, below) = if last {
+            ("└─ ", "   ")
+        } else {
+            ("├─ ", "│  ")
+        };
+        lines.push(format!("{indent}{branch}{}", describe(child)));
+        draw_children(nodes, child, &format!("{indent}{below}"), lines);
+    }
+}
+
+/// `run_…  AGENT  STATUS (STOP REASON)  N steps`, the agent and a stop reason that only
+/// repeats the status left out.
+fn describe(node: &TreeNode) -> String {
+    let mut parts = vec![node.run_id.to_string()];
+    parts.extend(node.agent.clone());
+    let status = node.status.as_str();
+    parts.push(match node.stop_reason.map(|r| r.as_str()) {
+        Some(reason) if reason != status => format!("{status} ({reason})"),
+        _ => status.to_owned(),
+    });
+    let plural = if node.step_index == 1 { "" } else { "s" };
+    parts.push(format!("{} step{plural}", node.step_index));
+    parts.join("  ")
 }
 
 /// A human's answer about a call in doubt, as the command line spells it.

@@ -312,7 +312,7 @@ enum RunsCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Show one run: status, steps and any pending human request.
+    /// Show one run: status, steps, any pending human request and the runs below it.
     Show {
         run_id: String,
         #[command(flatten)]

@@ -851,6 +851,214 @@ fn runs_show_refuses_missing_and_malformed_ids() {
     assert_eq!(runs[0]["run_id"], existing["run_id"]);
 }
 
+/// The ids of the tree `write_tree` stores: a root that delegated to `a` and `b`, and `b` to
+/// `c`. Ids are chosen so that runs started together are listed in this order.
+const TREE: [&str; 4] = ["run_tree-root", "run_tree-a", "run_tree-b", "run_tree-c"];
+
+/// Writes a run tree through the store, as the workers would: the root delegates two tasks
+/// to `worker` (a completes; b delegates one task, c, which fails on its budget). The root
+/// still waits for its children; b was woken by c's end and is running again.
+fn write_tree(db: &str) {
+    use ratchet_core::delegation::{ChildRun, await_children, delegate_tool};
+    use ratchet_core::step::{after_model, finish_step};
+    use ratchet_core::{
+        AgentProfile, DelegationConfig, Lineage, MessageId, ModelReply, RunConfigSnapshot, RunId,
+        SessionId, StepResult, StopReason, ToolCall,
+    };
+    use ratchet_store::{ClaimedStep, Commit, Lease, NewRun, SessionSpec, Store, WhenBusy};
+
+    let leaf = RunConfigSnapshot {
+        model: "scripted:demo".into(),
+        ..RunConfigSnapshot::default()
+    };
+    let delegating = |config: RunConfigSnapshot| {
+        let worker = AgentProfile {
+            id: "worker".into(),
+            description: "does the work".into(),
+            config,
+        };
+        RunConfigSnapshot {
+            tools: vec![delegate_tool(std::slice::from_ref(&worker))],
+            delegation: DelegationConfig {
+                agents: vec![worker],
+                ..DelegationConfig::default()
+            },
+            ..leaf.clone()
+        }
+    };
+    let root_config = delegating(delegating(leaf.clone()));
+    let run = |id: &str| RunId::parse(id).unwrap();
+    let now = 1_800_000_000_000;
+    let store = ratchet_sqlite::open_url(db).unwrap();
+    let claim = async |store: &dyn Store, id: &RunId| -> ClaimedStep {
+        let lease = Lease {
+            owner: "test".into(),
+            expires_at: now + 60_000,
+        };
+        let claimed = store.claim_next(lease, Some(id), now).await.unwrap();
+        let claimed = claimed.unwrap_or_else(|| panic!("no job of {id}"));
+        assert_eq!(&claimed.job.run_id, id);
+        claimed
+    };
+    let commit = async |store: &dyn Store, step: &ClaimedStep, result: StepResult| {
+        let committed = store.commit_step(&step.claim, result, None, now).await;
+        assert!(
+            matches!(committed, Ok(Commit::Committed { .. })),
+            "{committed:?}"
+        );
+    };
+    // A model step asking `worker` for one task each of `tasks`, then the tools step that
+    // starts them as children with the given ids.
+    let delegate = async |store: &dyn Store, parent: &RunId, tasks: &[&str]| {
+        let model = claim(store, parent).await;
+        let arguments = json!({"mode": "foreground", "tasks": tasks
+            .iter()
+            .map(|t| json!({"agent": "worker", "task": t}))
+            .collect::<Vec<_>>()});
+        let reply = ModelReply {
+            tool_calls: vec![ToolCall {
+                id: "call-d".into(),
+                name: "delegate".into(),
+                arguments,
+            }],
+            ..ModelReply::default()
+        };
+        let asked = after_model(model.state.clone(), &model.job, reply, false, now, now);
+        commit(store, &model, asked).await;
+        let tools = claim(store, parent).await;
+        let state = &tools.state;
+        let (root_run_id, root_session_id, depth) = match &state.lineage {
+            Some(l) => (l.root_run_id.clone(), l.root_session_id.clone(), l.depth),
+            None => (state.run_id.clone(), state.session_id.clone(), 0),
+        };
+        let worker = state.config.delegation.agent("worker").unwrap();
+        let children = (0u32..)
+            .zip(tasks)
+            .map(|(index, id)| ChildRun {
+                run_id: run(id),
+                session_id: SessionId::parse(&id.replace("run_", "ses_")).unwrap(),
+                message_id: MessageId::parse(&id.replace("run_", "msg_")).unwrap(),
+                task: format!("task for {id}"),
+                config: worker.config.clone(),
+                lineage: Lineage {
+                    parent_run_id: parent.clone(),
+                    parent_step: tools.job.step_index,
+                    parent_slot: 0,
+                    task_index: index,
+                    root_run_id: root_run_id.clone(),
+                    root_session_id: root_session_id.clone(),
+                    depth: depth + 1,
+                    agent: "worker".into(),
+                },
+            })
+            .collect();
+        let waiting = await_children(
+            tools.state.clone(),
+            &tools.job,
+            vec![None],
+            children,
+            now,
+            now,
+        );
+        commit(store, &tools, waiting).await;
+    };
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let store: &dyn Store = &store;
+        let session = SessionId::parse("ses_tree-root").unwrap();
+        store
+            .create_session(&session, SessionSpec::default(), now)
+            .await
+            .unwrap();
+        let root = NewRun {
+            session_id: session,
+            run_id: run(TREE[0]),
+            message_id: MessageId::parse("msg_tree-root").unwrap(),
+            content: "split the work".into(),
+            config: root_config,
+            when_busy: WhenBusy::Enqueue,
+            quota: Default::default(),
+        };
+        store.submit_message(root, now).await.unwrap();
+        delegate(store, &run(TREE[0]), &TREE[1..3]).await;
+        let a = claim(store, &run(TREE[1])).await;
+        let answered = ModelReply {
+            text: "done".into(),
+            ..ModelReply::default()
+        };
+        commit(
+            store,
+            &a,
+            after_model(a.state.clone(), &a.job, answered, false, now, now),
+        )
+        .await;
+        delegate(store, &run(TREE[2]), &TREE[3..]).await;
+        let c = claim(store, &run(TREE[3])).await;
+        let spent = finish_step(
+            c.state.clone(),
+            &c.job,
+            StopReason::BudgetExhausted,
+            now,
+            now,
+        );
+        commit(store, &c, spent).await;
+    });
+}
+
+#[test]
+fn runs_show_draws_the_runs_below_a_run_and_lists_them_in_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = db_url(dir.path());
+    write_tree(&db);
+    let [root, a, b, c] = TREE;
+    let output = ratchet(dir.path(), &["runs", "show", root, "--db", &db]);
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    let text = stdout_of(&output);
+    let drawn: Vec<&str> = text.lines().skip_while(|line| *line != "tree:").collect();
+    assert_eq!(
+        drawn,
+        [
+            "tree:".to_owned(),
+            format!("{root}  waiting_children  2 steps"),
+            format!("├─ {a}  worker  completed  1 step"),
+            format!("└─ {b}  worker  running  2 steps"),
+            format!("   └─ {c}  worker  failed (budget_exhausted)  1 step"),
+        ],
+        "{text}"
+    );
+
+    let shown = show(dir.path(), root);
+    let nodes: Vec<(&str, Option<&str>, u64, &str)> = shown["tree"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            (
+                n["run_id"].as_str().unwrap(),
+                n["parent_run_id"].as_str(),
+                n["depth"].as_u64().unwrap(),
+                n["status"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        nodes,
+        [
+            (root, None, 0, "waiting_children"),
+            (a, Some(root), 1, "completed"),
+            (b, Some(root), 1, "running"),
+            (c, Some(b), 2, "failed"),
+        ]
+    );
+
+    // A run with nothing below it draws no tree; its JSON tree is the run alone.
+    let leaf = ratchet(dir.path(), &["runs", "show", a, "--db", &db]);
+    assert!(leaf.status.success(), "{}", stderr_of(&leaf));
+    assert!(!stdout_of(&leaf).contains("tree:"), "{}", stdout_of(&leaf));
+    let leaf_tree = &show(dir.path(), a)["tree"];
+    assert_eq!(leaf_tree.as_array().unwrap().len(), 1, "{leaf_tree}");
+    assert_eq!(leaf_tree[0]["run_id"], a);
+}
+
 /// A batch of a guarded `append_line` and an unguarded `add`, then an answer.
 fn guarded_script() -> Value {
     json!({"replies": [

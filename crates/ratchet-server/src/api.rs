@@ -1,8 +1,8 @@
 //! Wire types: what the API accepts and returns. They are converted from core and store
 //! types here, so the API stays stable while the core changes.
 
-use ratchet_core::{AgentState, Millis, StepRecord};
-use ratchet_store::{Approval, RunSummary, Session, StoredEvent, StoredMessage};
+use ratchet_core::{AgentProfile, AgentState, Millis, StepRecord};
+use ratchet_store::{Approval, RunSummary, Session, StoredEvent, StoredMessage, TreeNode};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
@@ -21,7 +21,8 @@ pub struct ErrorBody {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ErrorDetail {
     /// Stable machine-readable code: `bad_request`, `invalid_request`, `unauthorized`,
-    /// `not_found`, `conflict`, `payload_too_large`, `unsupported_media_type`, `internal`.
+    /// `not_found`, `conflict`, `payload_too_large`, `unsupported_media_type`,
+    /// `quota_exceeded`, `internal`.
     pub code: String,
     pub message: String,
 }
@@ -74,7 +75,9 @@ impl PageQuery {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSession {
-    /// The agent that answers in this session; only `default` exists for now.
+    /// The agent that answers in this session: the id of an agent of the catalog
+    /// (`GET /v1/agents`), or `default` (the same as leaving it out) for the server's own run
+    /// configuration. Its runs are frozen with that agent's configuration.
     pub agent: Option<String>,
     /// Free-form JSON object kept with the session.
     pub metadata: Option<serde_json::Map<String, Value>>,
@@ -240,6 +243,87 @@ impl From<AgentState> for RunView {
             created_at: state.created_at,
             started_at: state.started_at,
             finished_at: state.finished_at,
+        }
+    }
+}
+
+/// An agent of the server's catalog, as a session can name it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AgentView {
+    pub id: String,
+    pub description: String,
+    /// The hash of the definition its runs are frozen from; absent for an agent that was not
+    /// read from a catalog file.
+    pub hash: Option<String>,
+    /// The model spec its runs call.
+    pub model: String,
+    /// The tools its runs are offered, by name.
+    pub tools: Vec<String>,
+    /// The agents its runs may delegate to, by id.
+    pub delegates: Vec<String>,
+}
+
+impl From<&AgentProfile> for AgentView {
+    fn from(profile: &AgentProfile) -> AgentView {
+        let config = &profile.config;
+        AgentView {
+            id: profile.id.clone(),
+            description: profile.description.clone(),
+            hash: config.agent.as_ref().map(|a| a.hash.clone()),
+            model: config.model.clone(),
+            tools: config.tools.iter().map(|t| t.name.clone()).collect(),
+            delegates: config
+                .delegation
+                .agents
+                .iter()
+                .map(|a| a.id.clone())
+                .collect(),
+        }
+    }
+}
+
+/// A run and every run below it: the children its delegations started, theirs, and so on.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RunTreeView {
+    /// The run asked about: the first node.
+    pub run_id: String,
+    /// Parents before their children, each level in creation order.
+    pub nodes: Vec<TreeNodeView>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TreeNodeView {
+    pub run_id: String,
+    /// Each delegated run has a session of its own.
+    pub session_id: String,
+    /// The run whose delegation started it; absent for a run started by a message.
+    pub parent_run_id: Option<String>,
+    /// The catalog agent it runs, when it was started from one.
+    pub agent: Option<String>,
+    /// Levels below the run a message started, at the top of its whole tree (0 for that run),
+    /// also when the tree is asked about a run further down.
+    pub depth: u32,
+    pub status: String,
+    pub stop_reason: Option<String>,
+    /// Its committed steps.
+    pub steps: u64,
+    pub created_at: Millis,
+    pub finished_at: Option<Millis>,
+}
+
+impl From<TreeNode> for TreeNodeView {
+    fn from(node: TreeNode) -> TreeNodeView {
+        TreeNodeView {
+            run_id: node.run_id.to_string(),
+            session_id: node.session_id.to_string(),
+            parent_run_id: node.parent_run_id.map(|r| r.to_string()),
+            agent: node.agent,
+            depth: node.depth,
+            status: node.status.to_string(),
+            stop_reason: node.stop_reason.map(|r| r.to_string()),
+            steps: node.step_index,
+            created_at: node.created_at,
+            finished_at: node.finished_at,
         }
     }
 }

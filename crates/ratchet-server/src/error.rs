@@ -74,6 +74,9 @@ impl From<ratchet_store::Error> for ApiError {
             Error::NotFound { kind, id } => ApiError::not_found(format!("no {kind} {id}")),
             Error::Conflict(message) => ApiError::new(StatusCode::CONFLICT, "conflict", message),
             Error::Invalid(message) => ApiError::unprocessable(message),
+            Error::QuotaExceeded(message) => {
+                ApiError::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", message)
+            }
             other => ApiError::internal(&other),
         }
     }

@@ -16,7 +16,7 @@ mod sse;
 use std::sync::Arc;
 
 use axum::Router;
-use ratchet_core::RunConfigSnapshot;
+use ratchet_core::{AgentProfile, RunConfigSnapshot};
 use ratchet_engine::Coordinator;
 use tokio_util::sync::CancellationToken;
 use utoipa::OpenApi;
@@ -30,8 +30,11 @@ pub use error::ApiError;
 #[derive(Clone)]
 pub struct AppState {
     pub coordinator: Arc<Coordinator>,
-    /// The configuration every new run is frozen with.
+    /// The configuration a new run is frozen with when its session names no agent.
     pub run_template: Arc<RunConfigSnapshot>,
+    /// The catalog's agents in id order: a session that names one has its runs frozen with
+    /// that agent's configuration.
+    pub agents: Arc<Vec<AgentProfile>>,
     pub tokens: Arc<Tokens>,
     /// Cancelled when the server shuts down: event streams end cleanly.
     pub shutdown: CancellationToken,
@@ -48,12 +51,34 @@ impl AppState {
         AppState {
             coordinator,
             run_template: Arc::new(run_template),
+            agents: Arc::new(Vec::new()),
             tokens: Arc::new(tokens),
             shutdown,
             metrics: metrics::Metrics::install(),
         }
     }
+
+    /// The same state with the catalog's agents.
+    pub fn with_agents(mut self, mut agents: Vec<AgentProfile>) -> AppState {
+        agents.sort_by(|a, b| a.id.cmp(&b.id));
+        self.agents = Arc::new(agents);
+        self
+    }
+
+    pub(crate) fn agent(&self, id: &str) -> Option<&AgentProfile> {
+        self.agents.iter().find(|a| a.id == id)
+    }
+
+    /// What a session may name, for error messages: `default`, then the catalog's agents.
+    pub(crate) fn available_agents(&self) -> String {
+        let mut names = vec![DEFAULT_AGENT];
+        names.extend(self.agents.iter().map(|a| a.id.as_str()));
+        names.join(", ")
+    }
 }
+
+/// The agent name that means the server's run template, like naming none.
+pub(crate) const DEFAULT_AGENT: &str = "default";
 
 #[derive(OpenApi)]
 #[openapi(

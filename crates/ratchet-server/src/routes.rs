@@ -1,29 +1,32 @@
-//! The JSON endpoints under `/v1`: sessions, messages, runs, steps and cancellation.
+//! The JSON endpoints under `/v1`: the catalog's agents, sessions, messages, runs, run trees,
+//! steps and cancellation.
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use ratchet_core::{AgentState, RunId, SessionId};
+use ratchet_core::{AgentState, RunConfigSnapshot, RunId, SessionId};
 use ratchet_engine::Multitask as EngineMultitask;
 use ratchet_store::{Session, SessionSpec};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::api::{
-    CancelView, ContinueRequest, CreateSession, ErrorBody, MessageAccepted, MessageView, Multitask,
-    Page, PageQuery, ReconcileOutcome, ReconcileRequest, ReconcileView, ResumedView,
-    RunSummaryView, RunView, SendMessage, SessionView, StepView,
+    AgentView, CancelView, ContinueRequest, CreateSession, ErrorBody, MessageAccepted, MessageView,
+    Multitask, Page, PageQuery, ReconcileOutcome, ReconcileRequest, ReconcileView, ResumedView,
+    RunSummaryView, RunTreeView, RunView, SendMessage, SessionView, StepView,
 };
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
-use crate::{ApiError, AppState};
+use crate::{ApiError, AppState, DEFAULT_AGENT};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
+        .routes(routes!(list_agents))
         .routes(routes!(create_session, list_sessions))
         .routes(routes!(get_session))
         .routes(routes!(send_message, list_messages))
         .routes(routes!(list_session_runs))
         .routes(routes!(get_run))
+        .routes(routes!(get_run_tree))
         .routes(routes!(list_steps))
         .routes(routes!(cancel_run))
         .routes(routes!(reconcile_run))
@@ -82,6 +85,43 @@ pub(crate) async fn tenant_run(
     Ok(run)
 }
 
+/// The configuration a new run of a session with `agent` is frozen with: the agent's, or the
+/// server's template for a session that names none.
+fn run_config(state: &AppState, agent: Option<&str>) -> Result<RunConfigSnapshot, ApiError> {
+    match agent {
+        None | Some(DEFAULT_AGENT) => Ok(state.run_template.as_ref().clone()),
+        Some(id) => match state.agent(id) {
+            Some(profile) => Ok(profile.config.clone()),
+            None => Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "conflict",
+                format!(
+                    "this session's agent {id:?} is no longer in the server's catalog; available agents: {}; start a new session",
+                    state.available_agents()
+                ),
+            )),
+        },
+    }
+}
+
+#[utoipa::path(
+    get, path = "/v1/agents", tag = "agents",
+    responses(
+        (status = 200, body = Page<AgentView>, description = "The whole catalog in id order, on one page (`next_cursor` is always null)"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn list_agents(
+    State(state): State<AppState>,
+    _tenant: Tenant,
+) -> Result<axum::Json<Page<AgentView>>, ApiError> {
+    let items = state.agents.iter().map(AgentView::from).collect();
+    Ok(axum::Json(Page {
+        items,
+        next_cursor: None,
+    }))
+}
+
 #[utoipa::path(
     post, path = "/v1/sessions", tag = "sessions",
     request_body = CreateSession,
@@ -95,9 +135,13 @@ async fn create_session(
     tenant: Tenant,
     ApiJson(body): ApiJson<CreateSession>,
 ) -> Result<(StatusCode, axum::Json<SessionView>), ApiError> {
-    if let Some(agent) = body.agent.as_deref().filter(|a| *a != "default") {
+    if let Some(agent) = body.agent.as_deref()
+        && agent != DEFAULT_AGENT
+        && state.agent(agent).is_none()
+    {
         return Err(ApiError::unprocessable(format!(
-            "unknown agent {agent:?}; available agents: default"
+            "unknown agent {agent:?}; available agents: {}",
+            state.available_agents()
         )));
     }
     let spec = SessionSpec {
@@ -154,7 +198,8 @@ async fn get_session(
     request_body = SendMessage,
     responses(
         (status = 202, body = MessageAccepted),
-        (status = 409, body = ErrorBody, description = "`multitask: reject` while a run is active"),
+        (status = 409, body = ErrorBody, description = "`multitask: reject` while a run is active, or the session's agent is no longer in the catalog"),
+        (status = 429, body = ErrorBody, description = "the run would exceed a run quota (`quota_exceeded`); nothing was recorded"),
         (status = "4XX", body = ErrorBody),
     ),
 )]
@@ -170,14 +215,14 @@ async fn send_message(
             "content is empty; expected the message text",
         ));
     }
-    tenant_session(&state, &tenant, &id).await?;
+    let session = tenant_session(&state, &tenant, &id).await?;
+    let config = run_config(&state, session.agent.as_deref())?;
     let multitask = match body.multitask.unwrap_or_default() {
         Multitask::Enqueue => EngineMultitask::Enqueue,
         Multitask::Reject => EngineMultitask::Reject,
         Multitask::Interrupt => EngineMultitask::Interrupt,
         Multitask::Steer => EngineMultitask::Steer,
     };
-    let config = state.run_template.as_ref().clone();
     let started = state
         .coordinator
         .submit(&id, body.content, config, multitask)
@@ -254,6 +299,30 @@ async fn get_run(
 ) -> Result<axum::Json<RunView>, ApiError> {
     let id = parse_run_id(&id)?;
     Ok(axum::Json(tenant_run(&state, &tenant, &id).await?.into()))
+}
+
+#[utoipa::path(
+    get, path = "/v1/runs/{id}/tree", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    responses((status = 200, body = RunTreeView), (status = "4XX", body = ErrorBody)),
+)]
+async fn get_run_tree(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+) -> Result<axum::Json<RunTreeView>, ApiError> {
+    let id = parse_run_id(&id)?;
+    let run = tenant_run(&state, &tenant, &id).await?;
+    let mut nodes = state.coordinator.store().run_tree(&id).await?;
+    // The store knows the agent of delegated runs only; a run a message started in an
+    // agent's session has it in its frozen configuration.
+    if let Some(node) = nodes.first_mut().filter(|n| n.agent.is_none()) {
+        node.agent = run.config.agent.as_ref().map(|a| a.id.clone());
+    }
+    Ok(axum::Json(RunTreeView {
+        run_id: id.to_string(),
+        nodes: nodes.into_iter().map(Into::into).collect(),
+    }))
 }
 
 #[utoipa::path(

@@ -358,6 +358,7 @@ async fn health_metrics_and_the_openapi_document() {
         .map(|(path, item)| (path.as_str(), keys(item)))
         .collect();
     let expected = BTreeMap::from([
+        ("/v1/agents", vec!["get"]),
         ("/v1/sessions", vec!["get", "post"]),
         ("/v1/sessions/{id}", vec!["get"]),
         ("/v1/sessions/{id}/messages", vec!["get", "post"]),
@@ -365,6 +366,7 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/sessions/{id}/events", vec!["get"]),
         ("/v1/runs/{id}", vec!["get"]),
         ("/v1/runs/{id}/steps", vec!["get"]),
+        ("/v1/runs/{id}/tree", vec!["get"]),
         ("/v1/runs/{id}/cancel", vec!["post"]),
         ("/v1/runs/{id}/reconcile", vec!["post"]),
         ("/v1/runs/{id}/retry", vec!["post"]),
@@ -374,6 +376,12 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/runs/{id}/events", vec!["get"]),
     ]);
     assert_eq!(paths, expected);
+    let message_answers = &openapi.body["paths"]["/v1/sessions/{id}/messages"]["post"]["responses"];
+    assert_eq!(
+        keys(message_answers),
+        ["202", "409", "429", "4XX"],
+        "a message may be refused by a run quota"
+    );
 }
 
 /// Reconciliation answers only a run that waits for that call; a finished run says so.
@@ -434,6 +442,7 @@ async fn a_tenant_sees_nothing_of_another_tenants_sessions_runs_and_events() {
         format!("/v1/sessions/{a_session}/events?follow=false"),
         format!("/v1/runs/{a_run}"),
         format!("/v1/runs/{a_run}/steps"),
+        format!("/v1/runs/{a_run}/tree"),
         format!("/v1/runs/{a_run}/events"),
     ];
     for path in &reads {
@@ -685,7 +694,7 @@ async fn bad_input_gets_the_right_status_and_a_json_error() {
         }
     }
     for bad_run in ["nope", "run_", "ses_abc"] {
-        for suffix in ["", "/steps", "/events"] {
+        for suffix in ["", "/steps", "/tree", "/events"] {
             gets.push((format!("/v1/runs/{bad_run}{suffix}"), bad));
         }
     }
@@ -695,7 +704,7 @@ async fn bad_input_gets_the_right_status_and_a_json_error() {
             StatusCode::NOT_FOUND,
         ));
     }
-    for suffix in ["", "/steps", "/events"] {
+    for suffix in ["", "/steps", "/tree", "/events"] {
         gets.push((
             format!("/v1/runs/{missing_run}{suffix}"),
             StatusCode::NOT_FOUND,

@@ -7,12 +7,14 @@
 )]
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::BoxStream;
-use ratchet_core::{Limits, MemoryScope, RunConfigSnapshot};
+use ratchet_core::delegation::{AGENT_TASK_TOOL, DELEGATE_TOOL};
+use ratchet_core::{AgentProfile, Limits, MemoryScope, RunConfigSnapshot};
 use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool};
 use ratchet_server::{AppState, Tokens, hash_token};
 use ratchet_store::Store;
@@ -82,15 +84,33 @@ impl Server {
         script: Value,
         configure: impl FnOnce(&mut RunConfigSnapshot, &Models),
     ) -> Server {
+        Server::launch(script, configure, |_, _| Vec::new()).await
+    }
+
+    /// A server whose catalog holds the agents `catalog` makes from the run template and the
+    /// server's directory (where their scripts can go).
+    pub async fn start_with_agents(
+        script: Value,
+        catalog: impl FnOnce(&RunConfigSnapshot, &Path) -> Vec<AgentProfile>,
+    ) -> Server {
+        Server::launch(script, |_, _| {}, catalog).await
+    }
+
+    async fn launch(
+        script: Value,
+        configure: impl FnOnce(&mut RunConfigSnapshot, &Models),
+        catalog: impl FnOnce(&RunConfigSnapshot, &Path) -> Vec<AgentProfile>,
+    ) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let script_path = dir.path().join("script.json");
         std::fs::write(&script_path, script.to_string()).unwrap();
         let db = format!("sqlite://{}", dir.path().join("ratchet.db").display());
         let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
         let tools = Arc::new(Registry::builtin());
-        let models = Arc::new(Models::new(
-            tools.names().into_iter().map(str::to_owned).collect(),
-        ));
+        // Scripts of delegating agents call the runtime's own tools besides the registry's.
+        let mut known_tools: Vec<String> = tools.names().into_iter().map(str::to_owned).collect();
+        known_tools.extend([DELEGATE_TOOL, AGENT_TASK_TOOL].map(str::to_owned));
+        let models = Arc::new(Models::new(known_tools));
         let coordinator = Coordinator::new(store);
         // As `ratchet serve` does; SQLite has no change stream, so this follows nothing.
         let _follower = coordinator.follow_others();
@@ -110,6 +130,7 @@ impl Server {
             ..RunConfigSnapshot::default()
         };
         configure(&mut run_template, &models);
+        let agents = catalog(&run_template, dir.path());
         let tokens = Tokens::new(HashMap::from([
             (hash_token(TOKEN_A), "tenant-a".to_owned()),
             (hash_token(TOKEN_B), "tenant-b".to_owned()),
@@ -121,7 +142,8 @@ impl Server {
             run_template,
             tokens,
             shutdown.clone(),
-        );
+        )
+        .with_agents(agents);
         let pool = WorkerPool::start(
             coordinator,
             engine,

@@ -1,0 +1,481 @@
+//! Sub-agents over HTTP: the catalog's agents (`GET /v1/agents`), sessions that name one and
+//! the configuration their runs are frozen with, a delegation run to its end through the API
+//! with its run tree (`GET /v1/runs/{id}/tree`), and the answers a message gets when its
+//! session's agent left the catalog (409) or a run quota is full (429).
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ratchet_core::delegation::delegate_tool;
+use ratchet_core::{AgentProfile, AgentRef, RunConfigSnapshot};
+use ratchet_engine::Coordinator;
+use ratchet_server::{AppState, Tokens};
+use ratchet_store::{RunQuota, Store};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use common::*;
+
+/// A catalog agent whose runs start from `template` with a script of their own (written to
+/// `dir/ID.json`), offered the `delegate` tool when it has `delegates`.
+fn agent(
+    id: &str,
+    template: &RunConfigSnapshot,
+    dir: &Path,
+    script: Value,
+    delegates: Vec<AgentProfile>,
+) -> AgentProfile {
+    let path = dir.join(format!("{id}.json"));
+    std::fs::write(&path, script.to_string()).unwrap();
+    let mut config = template.clone();
+    config.model = format!("scripted:{}", path.display());
+    config.agent = Some(AgentRef {
+        id: id.to_owned(),
+        hash: format!("hash-of-{id}"),
+    });
+    if !delegates.is_empty() {
+        config.tools.push(delegate_tool(&delegates));
+        config.delegation.agents = delegates;
+    }
+    AgentProfile {
+        id: id.to_owned(),
+        description: format!("the {id} agent"),
+        config,
+    }
+}
+
+fn answer(text: &str) -> Value {
+    json!({"replies": [{"text": text}]})
+}
+
+/// `writer` answers "written"; `boss` may delegate to `writer`. Listed out of id order.
+fn writer_and_boss(template: &RunConfigSnapshot, dir: &Path) -> Vec<AgentProfile> {
+    let writer = agent("writer", template, dir, answer("written"), Vec::new());
+    let boss = agent(
+        "boss",
+        template,
+        dir,
+        answer("bossed"),
+        vec![writer.clone()],
+    );
+    vec![writer, boss]
+}
+
+async fn create_session_with(server: &Server, token: &str, body: Value) -> Reply {
+    call(server.post(token, "/v1/sessions", body)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_catalog_is_listed_in_id_order_with_each_agents_model_tools_and_delegates() {
+    let server = Server::start_with_agents(quick_script(), writer_and_boss).await;
+    let page = server.get_ok(TOKEN_B, "/v1/agents").await;
+    assert_eq!(keys(&page), ["items", "next_cursor"], "{page}");
+    assert!(page["next_cursor"].is_null(), "{page}");
+    assert_eq!(ids(&page["items"]), ["boss", "writer"]);
+    let template_tools: Vec<String> = ratchet_tools::Registry::builtin()
+        .names()
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    let boss = &page["items"][0];
+    assert_eq!(
+        keys(boss),
+        ["delegates", "description", "hash", "id", "model", "tools"],
+        "{boss}"
+    );
+    assert_eq!(boss["description"], "the boss agent");
+    assert_eq!(boss["hash"], "hash-of-boss");
+    assert!(
+        boss["model"].as_str().unwrap().ends_with("boss.json"),
+        "{boss}"
+    );
+    assert_eq!(boss["delegates"], json!(["writer"]));
+    let mut boss_tools = tools_of(boss);
+    assert_eq!(boss_tools.pop().as_deref(), Some("delegate"), "{boss}");
+    assert_eq!(sorted(boss_tools), sorted(template_tools.clone()));
+    let writer = &page["items"][1];
+    assert_eq!(writer["delegates"], json!([]));
+    assert_eq!(sorted(tools_of(writer)), sorted(template_tools));
+
+    let anonymous = call(server.http.get(server.url("/v1/agents"))).await;
+    assert_error(
+        "no token",
+        &anonymous,
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
+}
+
+fn tools_of(agent: &Value) -> Vec<String> {
+    agent["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn sorted(mut names: Vec<String>) -> Vec<String> {
+    names.sort();
+    names
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_of_an_agent_runs_with_its_configuration_and_an_unknown_agent_is_refused() {
+    let server = Server::start_with_agents(quick_script(), writer_and_boss).await;
+    let created = create_session_with(&server, TOKEN_A, json!({"agent": "writer"})).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    assert_eq!(created.body["agent"], "writer");
+    let session = created.body["id"].as_str().unwrap();
+    let run = server.send(TOKEN_A, session, "write something").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let ended = server.finish(&run).await;
+    assert_eq!(ended["final_answer"], "written", "{ended}");
+
+    for template in [json!({}), json!({"agent": "default"})] {
+        let created = create_session_with(&server, TOKEN_A, template.clone()).await;
+        assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+        let session = created.body["id"].as_str().unwrap();
+        let run = server.send(TOKEN_A, session, "add").await["run_id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let ended = server.finish(&run).await;
+        assert_eq!(
+            ended["final_answer"], "The sum is 5.",
+            "{template} runs with the server's template: {ended}"
+        );
+    }
+
+    let refused = create_session_with(&server, TOKEN_A, json!({"agent": "nobody"})).await;
+    assert_error(
+        "unknown agent",
+        &refused,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_request",
+    );
+    assert_eq!(
+        refused.body["error"]["message"],
+        "unknown agent \"nobody\"; available agents: default, boss, writer"
+    );
+    let listed = server.get_ok(TOKEN_A, "/v1/sessions").await;
+    assert_eq!(
+        listed["items"].as_array().unwrap().len(),
+        3,
+        "the refused session was not created: {listed}"
+    );
+}
+
+/// `lead` hands two tasks to `worker` in one `delegate` call, then answers "done".
+fn lead_and_worker(template: &RunConfigSnapshot, dir: &Path) -> Vec<AgentProfile> {
+    let worker = agent("worker", template, dir, answer("worked"), Vec::new());
+    let delegate = json!({"replies": [
+        {"tool_calls": [{"name": "delegate", "arguments": {"mode": "foreground", "tasks": [
+            {"agent": "worker", "task": "t1"},
+            {"agent": "worker", "task": "t2"}
+        ]}}]},
+        {"text": "done"}
+    ]});
+    let lead = agent("lead", template, dir, delegate, vec![worker.clone()]);
+    vec![lead, worker]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delegation_runs_through_the_api_and_its_tree_lists_the_children() {
+    let server = Server::start_with_agents(quick_script(), lead_and_worker).await;
+    let created = create_session_with(&server, TOKEN_A, json!({"agent": "lead"})).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let session = created.body["id"].as_str().unwrap().to_owned();
+    let root = server.send(TOKEN_A, &session, "split the work").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let ended = server.finish(&root).await;
+    assert_eq!(
+        (&ended["status"], &ended["final_answer"]),
+        (&json!("completed"), &json!("done")),
+        "{ended}"
+    );
+
+    let tree = server
+        .get_ok(TOKEN_A, &format!("/v1/runs/{root}/tree"))
+        .await;
+    assert_eq!(keys(&tree), ["nodes", "run_id"], "{tree}");
+    assert_eq!(tree["run_id"], root.as_str());
+    let nodes = tree["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 3, "the root and its two children: {tree}");
+    assert_eq!(
+        keys(&nodes[0]),
+        [
+            "agent",
+            "created_at",
+            "depth",
+            "finished_at",
+            "parent_run_id",
+            "run_id",
+            "session_id",
+            "status",
+            "steps",
+            "stop_reason",
+        ]
+    );
+    let root_node = &nodes[0];
+    assert_eq!(root_node["run_id"], root.as_str());
+    assert_eq!(root_node["session_id"], session.as_str());
+    assert!(root_node["parent_run_id"].is_null(), "{root_node}");
+    assert_eq!(
+        (
+            &root_node["agent"],
+            &root_node["depth"],
+            &root_node["status"]
+        ),
+        (&json!("lead"), &json!(0), &json!("completed"))
+    );
+    assert_eq!(root_node["steps"], ended["step_index"]);
+    let children = &nodes[1..];
+    for child in children {
+        assert_eq!(
+            (
+                &child["parent_run_id"],
+                &child["depth"],
+                &child["agent"],
+                &child["status"],
+                &child["stop_reason"],
+            ),
+            (
+                &json!(root),
+                &json!(1),
+                &json!("worker"),
+                &json!("completed"),
+                &json!("completed"),
+            ),
+            "{child}"
+        );
+        assert_ne!(child["session_id"], session.as_str(), "{child}");
+        assert!(child["steps"].as_u64().unwrap() >= 1, "{child}");
+        assert!(child["finished_at"].is_i64(), "{child}");
+    }
+    let child_ids: Vec<&str> = children
+        .iter()
+        .map(|c| c["run_id"].as_str().unwrap())
+        .collect();
+
+    // The root's last model call saw one result per task, in task order.
+    let messages = server.messages(&session).await;
+    let roles: Vec<&str> = messages
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant"]);
+    let results: Value = serde_json::from_str(messages[2]["content"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        results,
+        json!({"results": [
+            {"agent": "worker", "run_id": child_ids[0], "status": "completed", "answer": "worked"},
+            {"agent": "worker", "run_id": child_ids[1], "status": "completed", "answer": "worked"},
+        ]})
+    );
+    assert_eq!(messages[3]["content"], "done");
+
+    // The parent's session tells of each child's start and end.
+    let events = server
+        .replay(&format!("/v1/sessions/{session}/events?follow=false"), None)
+        .await;
+    let of_kind = |kind: &str| -> Vec<Value> {
+        events
+            .iter()
+            .filter(|e| e.kind == kind)
+            .map(|e| e.data["payload"].clone())
+            .collect()
+    };
+    let started = of_kind("subagent.started");
+    assert_eq!(started.len(), 2, "{started:?}");
+    for (payload, (child, task)) in started.iter().zip(children.iter().zip(["t1", "t2"])) {
+        assert_eq!(
+            payload,
+            &json!({
+                "run_id": root,
+                "child_run_id": child["run_id"],
+                "child_session_id": child["session_id"],
+                "agent": "worker",
+                "task": task,
+                "depth": 1,
+            })
+        );
+    }
+    let mut finished: Vec<String> = Vec::new();
+    for payload in &of_kind("subagent.finished") {
+        let child = payload["child_run_id"].as_str().unwrap();
+        assert_eq!(
+            payload,
+            &json!({
+                "run_id": root,
+                "child_run_id": child,
+                "agent": "worker",
+                "status": "completed",
+                "stop_reason": "completed",
+            })
+        );
+        finished.push(child.to_owned());
+    }
+    finished.sort_unstable();
+    let mut expected: Vec<String> = child_ids.iter().map(|c| c.to_string()).collect();
+    expected.sort_unstable();
+    assert_eq!(finished, expected, "one subagent.finished per child");
+
+    // A child's tree is the child alone; another tenant sees no tree at all.
+    let child_tree = server
+        .get_ok(TOKEN_A, &format!("/v1/runs/{}/tree", child_ids[0]))
+        .await;
+    assert_eq!(
+        child_tree["nodes"].as_array().unwrap().len(),
+        1,
+        "{child_tree}"
+    );
+    assert_eq!(child_tree["nodes"][0]["depth"], 1);
+    for run in [root.as_str(), child_ids[0]] {
+        let path = format!("/v1/runs/{run}/tree");
+        let foreign = call(server.get(TOKEN_B, &path)).await;
+        assert_error(&path, &foreign, StatusCode::NOT_FOUND, "not_found");
+        assert_eq!(
+            foreign.body["error"]["message"],
+            format!("no run {run}"),
+            "as for a run that does not exist"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Refusals, on a server without workers: nothing moves between requests.
+
+/// A server on `coordinator`'s database whose catalog is `agents`, without tokens (every
+/// request is the default tenant's) and without workers. Stops when `stop` is cancelled.
+async fn serve_idle(
+    coordinator: &Arc<Coordinator>,
+    agents: Vec<AgentProfile>,
+    stop: &CancellationToken,
+) -> String {
+    let template = RunConfigSnapshot {
+        model: "scripted:demo".into(),
+        ..RunConfigSnapshot::default()
+    };
+    let state = AppState::new(
+        Arc::clone(coordinator),
+        template,
+        Tokens::default(),
+        stop.clone(),
+    )
+    .with_agents(agents);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let stop = stop.clone();
+    tokio::spawn(async move {
+        axum::serve(listener, ratchet_server::app(state))
+            .with_graceful_shutdown(stop.cancelled_owned())
+            .await
+            .unwrap();
+    });
+    format!("http://{address}")
+}
+
+fn sqlite(dir: &tempfile::TempDir) -> Arc<dyn Store> {
+    let db = format!("sqlite://{}", dir.path().join("ratchet.db").display());
+    Arc::new(ratchet_sqlite::open_url(&db).unwrap())
+}
+
+fn plain_agent(id: &str) -> AgentProfile {
+    AgentProfile {
+        id: id.to_owned(),
+        description: format!("the {id} agent"),
+        config: RunConfigSnapshot {
+            model: "scripted:demo".into(),
+            ..RunConfigSnapshot::default()
+        },
+    }
+}
+
+async fn user_messages(http: &reqwest::Client, base: &str, session: &str) -> Vec<String> {
+    let page = call(http.get(format!("{base}/v1/sessions/{session}/messages"))).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    page.body["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "user")
+        .map(|m| m["content"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_to_a_session_whose_agent_left_the_catalog_is_a_conflict() {
+    let dir = tempfile::tempdir().unwrap();
+    let coordinator = Coordinator::new(sqlite(&dir));
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let before = CancellationToken::new();
+    let base = serve_idle(&coordinator, vec![plain_agent("retired")], &before).await;
+    let created = call(
+        http.post(format!("{base}/v1/sessions"))
+            .json(&json!({"agent": "retired"})),
+    )
+    .await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let session = created.body["id"].as_str().unwrap().to_owned();
+    before.cancel();
+
+    // The server comes back over the same database with another catalog.
+    let after = CancellationToken::new();
+    let base = serve_idle(&coordinator, vec![plain_agent("worker")], &after).await;
+    let path = format!("{base}/v1/sessions/{session}/messages");
+    let refused = call(http.post(&path).json(&json!({"content": "still there?"}))).await;
+    assert_error("retired agent", &refused, StatusCode::CONFLICT, "conflict");
+    let message = refused.body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("agent \"retired\" is no longer in the server's catalog")
+            && message.contains("available agents: default, worker"),
+        "{message}"
+    );
+    assert!(
+        user_messages(&http, &base, &session).await.is_empty(),
+        "nothing was recorded"
+    );
+    after.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_beyond_the_run_quota_is_too_many_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let quota = RunQuota {
+        per_session: Some(1),
+        global: None,
+    };
+    let coordinator = Coordinator::with_quota(sqlite(&dir), quota);
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let stop = CancellationToken::new();
+    let base = serve_idle(&coordinator, Vec::new(), &stop).await;
+    let created = call(http.post(format!("{base}/v1/sessions")).json(&json!({}))).await;
+    let session = created.body["id"].as_str().unwrap().to_owned();
+    let path = format!("{base}/v1/sessions/{session}/messages");
+
+    let first = call(http.post(&path).json(&json!({"content": "first"}))).await;
+    assert_eq!(first.status, StatusCode::ACCEPTED, "{}", first.body);
+    assert_eq!(first.body["run_status"], "running", "no worker ends it");
+    let second = call(http.post(&path).json(&json!({"content": "second"}))).await;
+    assert_error(
+        "second message",
+        &second,
+        StatusCode::TOO_MANY_REQUESTS,
+        "quota_exceeded",
+    );
+    let message = second.body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("has 1 unfinished runs and may have at most 1"),
+        "{message}"
+    );
+    assert_eq!(user_messages(&http, &base, &session).await, ["first"]);
+    stop.cancel();
+}
