@@ -79,7 +79,10 @@ impl TreeLimits {
         let defaults = DelegationConfig::default();
         TreeLimits {
             max_depth: config.delegation.max_depth.unwrap_or(defaults.max_depth),
-            max_tree_runs: config.delegation.max_tree_runs.unwrap_or(defaults.max_tree_runs),
+            max_tree_runs: config
+                .delegation
+                .max_tree_runs
+                .unwrap_or(defaults.max_tree_runs),
         }
     }
 }
@@ -114,7 +117,10 @@ pub fn profiles(
         .agents()
         .map(|definition| {
             let tree = TreeLimits {
-                max_depth: definition.limits.max_depth.map_or(limits.max_depth, |d| d.min(limits.max_depth)),
+                max_depth: definition
+                    .limits
+                    .max_depth
+                    .map_or(limits.max_depth, |d| d.min(limits.max_depth)),
                 max_tree_runs: (definition.limits.max_tree_runs)
                     .map_or(limits.max_tree_runs, |n| n.min(limits.max_tree_runs)),
             };

@@ -621,7 +621,9 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 (_, None) => None,
             };
             if catalog.is_some() && model.is_some() {
-                bail!("--model cannot be used with --agent: the agent's definition names its model");
+                bail!(
+                    "--model cannot be used with --agent: the agent's definition names its model"
+                );
             }
             let (quota, permits) = (file.quota()?, file.permits()?);
             let mut overrides = runtime::ToolOverrides {

@@ -90,7 +90,10 @@ async fn killed_while_children_run(url: &str) {
     // Kill it while every child sleeps in its tool call.
     let root = loop {
         let runs = store.list_runs().await.unwrap();
-        let sleeping = runs.iter().filter(|r| r.status == RunStatus::Running && r.step_index == 1).count();
+        let sleeping = runs
+            .iter()
+            .filter(|r| r.status == RunStatus::Running && r.step_index == 1)
+            .count();
         let root = runs.iter().find(|r| r.status == RunStatus::WaitingChildren);
         if let (Some(root), TASKS) = (root, sleeping) {
             break root.run_id.clone();
@@ -98,7 +101,10 @@ async fn killed_while_children_run(url: &str) {
         if let Some(status) = run.try_wait().unwrap() {
             panic!("ratchet run ended ({status}) before its children ran: {runs:?}");
         }
-        assert!(started.elapsed() < DEADLINE, "the children never ran: {runs:?}");
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the children never ran: {runs:?}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -106,10 +112,20 @@ async fn killed_while_children_run(url: &str) {
     assert_eq!(run.wait().unwrap().signal(), Some(9));
     let tree = store.run_tree(&root).await.unwrap();
     assert_eq!(tree.len(), TASKS + 1);
-    assert!(tree[1..].iter().all(|n| !n.status.is_terminal()), "killed before any child ended: {tree:?}");
+    assert!(
+        tree[1..].iter().all(|n| !n.status.is_terminal()),
+        "killed before any child ended: {tree:?}"
+    );
 
-    let resumed = output_within_deadline(Command::new(BIN).args(["resume", "--json", "--db", url]), "");
-    assert!(resumed.status.success(), "resume failed: {}", stderr_of(&resumed));
+    let resumed = output_within_deadline(
+        Command::new(BIN).args(["resume", "--json", "--db", url]),
+        "",
+    );
+    assert!(
+        resumed.status.success(),
+        "resume failed: {}",
+        stderr_of(&resumed)
+    );
     let reports: Vec<serde_json::Value> = String::from_utf8_lossy(&resumed.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -122,7 +138,11 @@ async fn killed_while_children_run(url: &str) {
     assert_eq!(root_report["final_answer"], "boss done");
 
     let tree = store.run_tree(&root).await.unwrap();
-    assert_eq!(tree.len(), TASKS + 1, "no child was started twice: {tree:?}");
+    assert_eq!(
+        tree.len(),
+        TASKS + 1,
+        "no child was started twice: {tree:?}"
+    );
     for child in &tree[1..] {
         let state = store.load_state(&child.run_id).await.unwrap();
         assert_eq!(
@@ -151,12 +171,23 @@ async fn assert_joined_once(store: &dyn Store, root: &RunId) {
         ["running", "waiting_children", "running", "completed"],
         "the join happened once"
     );
-    let finished = events.iter().filter(|e| e.kind == "subagent.finished").count();
+    let finished = events
+        .iter()
+        .filter(|e| e.kind == "subagent.finished")
+        .count();
     assert_eq!(finished, TASKS);
     let steps = store.steps(root).await.unwrap();
     assert_eq!(
-        steps.iter().map(|s| s.instruction.as_str()).collect::<Vec<_>>(),
-        ["call_llm", "call_tools_batch", "call_tools_batch", "call_llm"]
+        steps
+            .iter()
+            .map(|s| s.instruction.as_str())
+            .collect::<Vec<_>>(),
+        [
+            "call_llm",
+            "call_tools_batch",
+            "call_tools_batch",
+            "call_llm"
+        ]
     );
     let state = store.load_state(root).await.unwrap();
     let history = store.history(&state.session_id).await.unwrap();

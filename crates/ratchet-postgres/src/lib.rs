@@ -34,6 +34,7 @@ use ratchet_store::{ChangeStream, Error, MessageHit, Migrated, SearchScope};
 use tokio::sync::Semaphore;
 
 use db::{Access, Conn};
+pub use schema::LATEST as SCHEMA_VERSION;
 pub use tls::{SslMode, Tls};
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -176,7 +176,7 @@ CREATE INDEX runs_by_status ON runs (status);
 const MIGRATION_LOCK: i64 = 0x0072_6174_6368_6574;
 
 /// The schema version this build writes.
-const LATEST: u32 = MIGRATIONS.len() as u32;
+pub const LATEST: u32 = MIGRATIONS.len() as u32;
 
 /// Applies the migrations the database lacks, in one transaction, and returns the version.
 pub(crate) fn migrate(client: &mut Client) -> Result<Migrated> {

@@ -120,17 +120,18 @@ async fn migrations_apply_once_when_three_processes_open_at_once() {
     }
 
     let backend = open(&database);
-    assert_eq!(versions(&backend).await, [1], "version 1 was applied once");
+    let every: Vec<i64> = (1..=i64::from(ratchet_postgres::SCHEMA_VERSION)).collect();
+    assert_eq!(versions(&backend).await, every, "each version was applied once");
     assert_eq!(
         ratchet_postgres::migrate(&PgOptions::from_url(database.url()).unwrap())
             .unwrap()
             .to,
-        1
+        ratchet_postgres::SCHEMA_VERSION
     );
     drop(open(&database));
     assert_eq!(
         versions(&backend).await,
-        [1],
+        every,
         "opening again changes nothing"
     );
 }
@@ -149,12 +150,19 @@ async fn a_schema_behind_or_ahead_of_the_build_is_a_clear_error() {
     }
     assert_eq!(
         ratchet_postgres::migrate(&PgOptions::from_url(database.url()).unwrap()).unwrap(),
-        ratchet_store::Migrated { from: 0, to: 1 }
+        ratchet_store::Migrated {
+            from: 0,
+            to: ratchet_postgres::SCHEMA_VERSION
+        }
     );
     let backend = open_with(&database, |o| o.migrate = false)
         .unwrap_or_else(|e| panic!("a migrated database opens without migrating: {e}"));
 
-    execute(&backend, "INSERT INTO ratchet_schema (version) VALUES (2)").await;
+    let newer = format!(
+        "INSERT INTO ratchet_schema (version) VALUES ({})",
+        ratchet_postgres::SCHEMA_VERSION + 1
+    );
+    execute(&backend, newer.leak()).await;
     for migrate in [true, false] {
         match open_with(&database, |o| o.migrate = migrate) {
             Err(Error::Conflict(message)) => {
@@ -1216,7 +1224,7 @@ async fn sslmode_says_whether_every_connection_is_encrypted() {
         ratchet_postgres::migrate(&PgOptions::from_url(&required).unwrap())
             .unwrap()
             .to,
-        1
+        ratchet_postgres::SCHEMA_VERSION
     );
 
     // The pool's connection and the follower's, told apart from other tests' by name.

@@ -253,7 +253,10 @@ impl Config {
                 gates.model_calls_per_session,
             )?,
             tool_calls: permits("tool_calls", gates.tool_calls)?,
-            tool_calls_per_session: permits("tool_calls_per_session", gates.tool_calls_per_session)?,
+            tool_calls_per_session: permits(
+                "tool_calls_per_session",
+                gates.tool_calls_per_session,
+            )?,
         })
     }
 
@@ -511,12 +514,20 @@ mod tests {
         assert_eq!((quota.global, quota.per_session), (Some(100), Some(8)));
         let permits = config.permits().unwrap();
         assert_eq!(
-            (permits.model_calls, permits.model_calls_per_session, permits.tool_calls, permits.tool_calls_per_session),
+            (
+                permits.model_calls,
+                permits.model_calls_per_session,
+                permits.tool_calls,
+                permits.tool_calls_per_session
+            ),
             (Some(4), None, None, Some(2))
         );
         assert_eq!(
             config.delegation,
-            DelegationLimits { max_depth: Some(2), max_tree_runs: Some(40) }
+            DelegationLimits {
+                max_depth: Some(2),
+                max_tree_runs: Some(40)
+            }
         );
         let zero = Config::from_toml("[gates]\nmodel_calls_per_session = 0\n").unwrap();
         assert_eq!(
@@ -526,7 +537,10 @@ mod tests {
         let zero = Config::from_toml("[gates]\nmax_active_runs = 0\n").unwrap();
         assert!(zero.quota().is_err());
         let unknown = Config::from_toml("[gates]\nmodel_call = 3\n").unwrap_err();
-        assert!(unknown.to_string().contains("unknown field `model_call`"), "{unknown}");
+        assert!(
+            unknown.to_string().contains("unknown field `model_call`"),
+            "{unknown}"
+        );
     }
 
     #[test]

@@ -558,16 +558,18 @@ fn insert_queued_run(
         to_json(&state)?,
         to_json(&input)?,
     );
+    let agent = state.config.agent.as_ref().map(|a| a.id.as_str());
     c.execute(
-        "INSERT INTO runs (id, session_id, status, step_index, config_json, state_json, input_json, created_at)
-         VALUES (?1, ?2, 'queued', 0, ?3, ?4, ?5, ?6)",
+        "INSERT INTO runs (id, session_id, status, step_index, config_json, state_json, input_json, created_at, agent)
+         VALUES (?1, ?2, 'queued', 0, ?3, ?4, ?5, ?6, ?7)",
         &params![
             run_id.as_str(),
             session_id.as_str(),
             &config_json,
             &state_json,
             &input_json,
-            created_at
+            created_at,
+            agent
         ],
     )?;
     let created = EventDraft::new(
