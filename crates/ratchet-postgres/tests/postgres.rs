@@ -121,7 +121,11 @@ async fn migrations_apply_once_when_three_processes_open_at_once() {
 
     let backend = open(&database);
     let every: Vec<i64> = (1..=i64::from(ratchet_postgres::SCHEMA_VERSION)).collect();
-    assert_eq!(versions(&backend).await, every, "each version was applied once");
+    assert_eq!(
+        versions(&backend).await,
+        every,
+        "each version was applied once"
+    );
     assert_eq!(
         ratchet_postgres::migrate(&PgOptions::from_url(database.url()).unwrap())
             .unwrap()
