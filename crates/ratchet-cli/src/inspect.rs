@@ -42,12 +42,7 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
         .await
         .with_context(|| format!("cannot show run {run_id}"))?;
     let steps = store.steps(&run_id).await?;
-    let mut tree = store.run_tree(&run_id).await?;
-    // The store knows the agent of delegated runs only; a run a message started in an
-    // agent's session has it in its frozen configuration.
-    if let Some(node) = tree.first_mut().filter(|n| n.agent.is_none()) {
-        node.agent = state.config.agent.as_ref().map(|a| a.id.clone());
-    }
+    let tree = store.run_tree(&run_id).await?;
     let mut out = std::io::stdout().lock();
     if json {
         let body = json!({

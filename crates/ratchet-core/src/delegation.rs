@@ -10,11 +10,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::step::{
-    DecisionError, Phase, StepJob, StepResult, back_to_running, mark_committed, status_event,
+    DecisionError, Phase, StepJob, StepResult, back_to_running, park_batch, status_event,
 };
 use crate::{
-    AgentState, EventDraft, EventKind, Instruction, MessageId, Millis, ReplayPolicy,
-    RunConfigSnapshot, RunId, RunStatus, SessionId, StopReason, ToolOutcome, ToolSpec,
+    AgentState, EventDraft, EventKind, MessageId, Millis, ReplayPolicy, RunConfigSnapshot, RunId,
+    RunStatus, SessionId, StopReason, ToolOutcome, ToolSpec,
 };
 
 /// The tool a model hands work to other agents with.
@@ -293,22 +293,10 @@ pub fn await_children(
     started_at: Millis,
     now: Millis,
 ) -> StepResult {
-    if let Some(checkpoint) = state.checkpoint.as_mut() {
-        for (progress, outcome) in checkpoint.calls.iter_mut().zip(outcomes) {
-            progress.outcome = outcome;
-        }
-    }
     let summary = json!({
         "children": children.iter().map(|c| &c.run_id).collect::<Vec<_>>(),
     });
-    let (record, committed) = mark_committed(
-        &mut state,
-        job,
-        Instruction::CallToolsBatch,
-        summary,
-        started_at,
-        now,
-    );
+    let (record, committed) = park_batch(&mut state, job, outcomes, summary, started_at, now);
     state.status = RunStatus::WaitingChildren;
     let mut events: Vec<EventDraft> = children
         .iter()
@@ -574,7 +562,7 @@ mod tests {
         assert_eq!(outcome(2)["results"][0]["error"], "the run was cancelled");
         assert_eq!(
             crate::decide(&state, job.phase, 0),
-            Instruction::CallToolsBatch,
+            crate::Instruction::CallToolsBatch,
             "the batch is finished by a tools step, which hands the results over in order"
         );
         let again = join_children(&mut state, results).unwrap_err();

@@ -366,20 +366,8 @@ pub fn await_reconciliation(
     started_at: Millis,
     now: Millis,
 ) -> StepResult {
-    if let Some(checkpoint) = state.checkpoint.as_mut() {
-        for (progress, outcome) in checkpoint.calls.iter_mut().zip(known) {
-            progress.outcome = outcome;
-        }
-    }
     let summary = json!({"reconciliation": request});
-    let (record, committed) = mark_committed(
-        &mut state,
-        job,
-        Instruction::CallToolsBatch,
-        summary,
-        started_at,
-        now,
-    );
+    let (record, committed) = park_batch(&mut state, job, known, summary, started_at, now);
     state.status = RunStatus::WaitingHuman;
     state.pending_human = Some(request.clone());
     let events = vec![
@@ -398,6 +386,31 @@ pub fn await_reconciliation(
         next: None,
         children: Vec::new(),
     }
+}
+
+/// Commits a tools step that leaves its batch unfinished, waiting on something outside the
+/// run: the outcomes known so far (in call order) are kept in the checkpoint.
+pub(crate) fn park_batch(
+    state: &mut AgentState,
+    job: &StepJob,
+    known: Vec<Option<ToolOutcome>>,
+    summary: Value,
+    started_at: Millis,
+    now: Millis,
+) -> (StepRecord, EventDraft) {
+    if let Some(checkpoint) = state.checkpoint.as_mut() {
+        for (progress, outcome) in checkpoint.calls.iter_mut().zip(known) {
+            progress.outcome = outcome;
+        }
+    }
+    mark_committed(
+        state,
+        job,
+        Instruction::CallToolsBatch,
+        summary,
+        started_at,
+        now,
+    )
 }
 
 /// What a human says happened to a call whose outcome was unknown.
@@ -732,7 +745,7 @@ pub(crate) fn status_event(state: &AgentState) -> EventDraft {
 }
 
 /// Counts `job`'s step as committed in the state; returns its record and its event.
-pub(crate) fn mark_committed(
+fn mark_committed(
     state: &mut AgentState,
     job: &StepJob,
     instruction: Instruction,

@@ -312,13 +312,8 @@ async fn get_run_tree(
     ApiPath(id): ApiPath<String>,
 ) -> Result<axum::Json<RunTreeView>, ApiError> {
     let id = parse_run_id(&id)?;
-    let run = tenant_run(&state, &tenant, &id).await?;
-    let mut nodes = state.coordinator.store().run_tree(&id).await?;
-    // The store knows the agent of delegated runs only; a run a message started in an
-    // agent's session has it in its frozen configuration.
-    if let Some(node) = nodes.first_mut().filter(|n| n.agent.is_none()) {
-        node.agent = run.config.agent.as_ref().map(|a| a.id.clone());
-    }
+    tenant_run(&state, &tenant, &id).await?;
+    let nodes = state.coordinator.store().run_tree(&id).await?;
     Ok(axum::Json(RunTreeView {
         run_id: id.to_string(),
         nodes: nodes.into_iter().map(Into::into).collect(),
