@@ -216,6 +216,17 @@ pub struct RunView {
     pub created_at: Millis,
     pub started_at: Option<Millis>,
     pub finished_at: Option<Millis>,
+    /// The catalog agent the run was started from: its id and the SHA-256 of its definition
+    /// file as it was then.
+    pub agent: Option<RunAgentView>,
+    /// The run that delegated this one, for a child run.
+    pub parent_run_id: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RunAgentView {
+    pub id: String,
+    pub hash: String,
 }
 
 impl From<AgentState> for RunView {
@@ -243,6 +254,11 @@ impl From<AgentState> for RunView {
             created_at: state.created_at,
             started_at: state.started_at,
             finished_at: state.finished_at,
+            agent: state.config.agent.as_ref().map(|a| RunAgentView {
+                id: a.id.clone(),
+                hash: a.hash.clone(),
+            }),
+            parent_run_id: state.lineage.map(|l| l.parent_run_id.to_string()),
         }
     }
 }

@@ -201,6 +201,12 @@ async fn a_delegation_runs_through_the_api_and_its_tree_lists_the_children() {
         (&json!("completed"), &json!("done")),
         "{ended}"
     );
+    assert_eq!(
+        ended["agent"],
+        json!({"id": "lead", "hash": "hash-of-lead"}),
+        "a run records the definition it was started from"
+    );
+    assert!(ended["parent_run_id"].is_null());
 
     let tree = server
         .get_ok(TOKEN_A, &format!("/v1/runs/{root}/tree"))
@@ -338,6 +344,11 @@ async fn a_delegation_runs_through_the_api_and_its_tree_lists_the_children() {
         "{child_tree}"
     );
     assert_eq!(child_tree["nodes"][0]["depth"], 1);
+    let child = server
+        .get_ok(TOKEN_A, &format!("/v1/runs/{}", child_ids[0]))
+        .await;
+    assert_eq!(child["parent_run_id"], root.as_str());
+    assert_eq!(child["agent"]["id"], "worker");
     for run in [root.as_str(), child_ids[0]] {
         let path = format!("/v1/runs/{run}/tree");
         let foreign = call(server.get(TOKEN_B, &path)).await;
