@@ -59,8 +59,9 @@ struct Gate {
 impl Gate {
     fn new(global: Option<usize>, per_session: Option<usize>) -> Gate {
         Gate {
-            global: global.map(|n| Arc::new(Semaphore::new(n.max(1)))),
-            per_session: per_session.map(|n| n.max(1)),
+            // A configured limit may be any integer; a semaphore holds at most MAX_PERMITS.
+            global: global.map(|n| Arc::new(Semaphore::new(n.clamp(1, Semaphore::MAX_PERMITS)))),
+            per_session: per_session.map(|n| n.clamp(1, Semaphore::MAX_PERMITS)),
             sessions: Mutex::new(HashMap::new()),
         }
     }
@@ -166,6 +167,18 @@ mod tests {
         assert_eq!(permits.tool.sessions.lock().unwrap().len(), 1);
         drop(held);
         assert!(permits.tool.sessions.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_limit_beyond_what_a_semaphore_holds_is_no_limit_in_practice() {
+        let permits = StepPermits::new(PermitLimits {
+            model_calls: Some(usize::MAX),
+            model_calls_per_session: Some(usize::MAX),
+            ..PermitLimits::default()
+        });
+        let a = session("a");
+        let held: Vec<_> = futures::future::join_all((0..10).map(|_| permits.model_call(&a))).await;
+        assert_eq!(held.len(), 10);
     }
 
     #[tokio::test]

@@ -163,7 +163,7 @@ pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Sub
         )));
     }
     if new.when_busy != WhenBusy::Steer || active.is_none() {
-        check_quota(c, &new.session_id, 1, new.quota)?;
+        check_quota(c, &new.session_id, new.quota)?;
     }
     if let Some(active) = active
         .as_ref()
@@ -262,16 +262,11 @@ fn count(c: &dyn Db, sql: &str, params: &[crate::db::Param<'_>]) -> Result<u64> 
     Ok(n.max(0) as u64)
 }
 
-/// Refuses to admit `adding` runs to `root_session` beyond the quota.
-fn check_quota(
-    c: &dyn Db,
-    root_session: &SessionId,
-    adding: u64,
-    quota: ratchet_store::RunQuota,
-) -> Result<()> {
+/// Refuses to admit one more run to `root_session` beyond the quota.
+fn check_quota(c: &dyn Db, root_session: &SessionId, quota: ratchet_store::RunQuota) -> Result<()> {
     if let Some(max) = quota.per_session {
         let active = active_in_session(c, root_session)?;
-        if active + adding > max {
+        if active >= max {
             return Err(Error::QuotaExceeded(format!(
                 "session {root_session} has {active} unfinished runs and may have at most {max}; wait for some to end"
             )));
@@ -283,7 +278,7 @@ fn check_quota(
             &format!("SELECT count(*) FROM runs WHERE status IN {ACTIVE_STATUSES}"),
             &[],
         )?;
-        if active + adding > max {
+        if active >= max {
             return Err(Error::QuotaExceeded(format!(
                 "{active} runs are unfinished and at most {max} may be; wait for some to end"
             )));
