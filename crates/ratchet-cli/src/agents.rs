@@ -179,6 +179,7 @@ fn profile(
         agents: Vec::new(),
         max_depth: tree.max_depth,
         max_tree_runs: tree.max_tree_runs,
+        inbox: template.delegation.inbox,
     };
     if !definition.delegates.is_empty() && depth < tree.max_depth {
         let agents = (definition.delegates.iter())

@@ -949,6 +949,7 @@ fn write_tree(db: &str) {
                     root_session_id: root_session_id.clone(),
                     depth: depth + 1,
                     agent: "worker".into(),
+                    background: None,
                 },
             })
             .collect();

@@ -9,6 +9,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
+use crate::inbox::{CompletionPolicy, InboxPolicy};
 use crate::step::{
     DecisionError, Phase, StepJob, StepResult, back_to_running, park_batch, status_event,
 };
@@ -77,6 +78,8 @@ pub struct DelegationConfig {
     pub max_depth: u32,
     /// How many runs a tree may hold, its root included.
     pub max_tree_runs: u64,
+    /// How this run's background work reports back to its root session.
+    pub inbox: InboxPolicy,
 }
 
 impl Default for DelegationConfig {
@@ -85,6 +88,7 @@ impl Default for DelegationConfig {
             agents: Vec::new(),
             max_depth: 3,
             max_tree_runs: 256,
+            inbox: InboxPolicy::default(),
         }
     }
 }
@@ -109,6 +113,26 @@ pub struct Lineage {
     /// 1 for a child of a root run.
     pub depth: u32,
     pub agent: String,
+    /// Set for a background run: it reports to the root session's inbox, not to its parent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub background: Option<BackgroundGroup>,
+}
+
+/// The background runs one `delegate` call started, and when they report back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackgroundGroup {
+    /// `{parent run}#{step}#{slot}`: one group per call.
+    pub group: String,
+    pub policy: CompletionPolicy,
+}
+
+impl BackgroundGroup {
+    pub fn new(parent: &RunId, step: u64, slot: u32, policy: CompletionPolicy) -> Self {
+        BackgroundGroup {
+            group: format!("{parent}#{step}#{slot}"),
+            policy,
+        }
+    }
 }
 
 /// Whether the `delegate` call waits for its children or returns at once.
@@ -125,6 +149,9 @@ pub enum DelegationMode {
 pub struct DelegateRequest {
     pub mode: DelegationMode,
     pub tasks: Vec<DelegateTask>,
+    /// Background only: one report when all runs have ended (the default), or one each.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_policy: Option<CompletionPolicy>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -157,11 +184,13 @@ pub fn parse_delegate(
 ) -> Result<DelegateRequest, String> {
     let request: DelegateRequest = serde_json::from_value(arguments.clone()).map_err(|e| {
         format!(
-            "invalid delegate arguments: {e}; expected {{\"mode\": \"foreground\", \"tasks\": [{{\"agent\": ID, \"task\": TEXT, \"context\": TEXT (optional)}}]}}"
+            "invalid delegate arguments: {e}; expected {{\"mode\": \"foreground\" | \"background\", \"tasks\": [{{\"agent\": ID, \"task\": TEXT, \"context\": TEXT (optional)}}], \"completion_policy\": \"all\" | \"each\" (background only)}}"
         )
     })?;
-    if request.mode == DelegationMode::Background {
-        return Err("background delegation is not available here; use mode \"foreground\"".into());
+    if request.mode == DelegationMode::Foreground && request.completion_policy.is_some() {
+        return Err(
+            "completion_policy applies to mode \"background\" only; a foreground call always returns every result together".into(),
+        );
     }
     if request.tasks.is_empty() || request.tasks.len() > MAX_TASKS_PER_CALL {
         return Err(format!(
@@ -214,13 +243,14 @@ pub fn delegate_tool(agents: &[AgentProfile]) -> ToolSpec {
     ToolSpec {
         name: DELEGATE_TOOL.to_owned(),
         description: format!(
-            "Hand tasks to other agents and wait for all of them: they run concurrently, and you get one result per task, in order (its status and final answer, or why it failed). The agents:\n{}",
+            "Hand tasks to other agents; they run concurrently. With mode \"foreground\" you wait for all of them and get one result per task, in order (its status and final answer, or why it failed). With mode \"background\" you get their run ids at once and go on; their results reach the conversation later, in a turn of their own (completion_policy \"all\": one report when every task has ended; \"each\": one per task). The agents:\n{}",
             listing.join("\n")
         ),
         parameters: json!({
             "type": "object",
             "properties": {
-                "mode": {"type": "string", "enum": ["foreground"]},
+                "mode": {"type": "string", "enum": ["foreground", "background"]},
+                "completion_policy": {"type": "string", "enum": ["all", "each"]},
                 "tasks": {
                     "type": "array",
                     "minItems": 1,
@@ -338,6 +368,22 @@ pub struct ChildResult {
     pub answer: Option<String>,
 }
 
+impl ChildResult {
+    /// How the child run `state` ended; None for a run that is not a child.
+    pub fn of(state: &AgentState) -> Option<ChildResult> {
+        let lineage = state.lineage.as_ref()?;
+        Some(ChildResult {
+            run_id: state.run_id.clone(),
+            parent_slot: lineage.parent_slot,
+            task_index: lineage.task_index,
+            agent: lineage.agent.clone(),
+            status: state.status,
+            stop_reason: state.stop_reason,
+            answer: state.final_answer.clone(),
+        })
+    }
+}
+
 /// What a child's end tells its parent: the `subagent.finished` event.
 pub fn child_finished(parent: &RunId, child: &ChildResult) -> EventDraft {
     EventDraft::new(
@@ -383,6 +429,32 @@ pub fn join_children(
     let mut events = Vec::new();
     let job = back_to_running(state, Phase::ChildrenJoined, &mut events);
     Ok((events, job))
+}
+
+/// The outcome of a background `delegate` call: the runs it started, at once.
+pub fn background_started(children: &[&ChildRun], policy: CompletionPolicy) -> ToolOutcome {
+    let runs: Vec<Value> = children
+        .iter()
+        .map(|c| json!({"agent": c.lineage.agent, "run_id": c.run_id}))
+        .collect();
+    ToolOutcome::ok(
+        json!({
+            "mode": "background",
+            "completion_policy": policy,
+            "runs": runs,
+            "note": "these runs go on in the background; their results will reach you in a later turn",
+        })
+        .to_string(),
+    )
+}
+
+/// What a background completion reports: how each of its runs ended, in task order.
+pub fn completion_report(parent: &RunId, mut results: Vec<ChildResult>) -> Value {
+    results.sort_by_key(|r| (r.parent_slot, r.task_index));
+    json!({
+        "delegated_by": parent,
+        "results": results.iter().map(result_json).collect::<Vec<_>>(),
+    })
 }
 
 fn result_json(result: &ChildResult) -> Value {
@@ -592,6 +664,7 @@ mod tests {
             root_session_id: state.session_id.clone(),
             depth: 1,
             agent: "writer".into(),
+            background: None,
         };
         let children = vec![ChildRun {
             run_id: RunId::from_suffix("c").unwrap(),

@@ -23,11 +23,20 @@ pub enum EventKind {
     ContextCompacted,
     SubagentStarted,
     SubagentFinished,
+    InboxReserved,
+    InboxPending,
+    InboxLeased,
+    InboxConsumed,
+    InboxReleased,
+    InboxDeadLettered,
+    InboxSuperseded,
+    SignalEmitted,
+    SessionClosed,
     RunFinished,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 19] = [
+    pub const ALL: [EventKind; 28] = [
         EventKind::RunCreated,
         EventKind::RunStatus,
         EventKind::StepCommitted,
@@ -46,6 +55,15 @@ impl EventKind {
         EventKind::ContextCompacted,
         EventKind::SubagentStarted,
         EventKind::SubagentFinished,
+        EventKind::InboxReserved,
+        EventKind::InboxPending,
+        EventKind::InboxLeased,
+        EventKind::InboxConsumed,
+        EventKind::InboxReleased,
+        EventKind::InboxDeadLettered,
+        EventKind::InboxSuperseded,
+        EventKind::SignalEmitted,
+        EventKind::SessionClosed,
         EventKind::RunFinished,
     ];
 
@@ -69,6 +87,15 @@ impl EventKind {
             EventKind::ContextCompacted => "context.compacted",
             EventKind::SubagentStarted => "subagent.started",
             EventKind::SubagentFinished => "subagent.finished",
+            EventKind::InboxReserved => "inbox.reserved",
+            EventKind::InboxPending => "inbox.pending",
+            EventKind::InboxLeased => "inbox.leased",
+            EventKind::InboxConsumed => "inbox.consumed",
+            EventKind::InboxReleased => "inbox.released",
+            EventKind::InboxDeadLettered => "inbox.dead_lettered",
+            EventKind::InboxSuperseded => "inbox.superseded",
+            EventKind::SignalEmitted => "signal.emitted",
+            EventKind::SessionClosed => "session.closed",
             EventKind::RunFinished => "run.finished",
         }
     }

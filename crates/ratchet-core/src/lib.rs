@@ -10,6 +10,7 @@ pub mod brain;
 pub mod delegation;
 pub mod event;
 pub mod id;
+pub mod inbox;
 pub mod message;
 pub mod state;
 pub mod status;
@@ -20,6 +21,7 @@ pub use brain::{Instruction, decide};
 pub use delegation::{AgentProfile, AgentRef, DelegationConfig, Lineage, ToolDelegation};
 pub use event::{EventDraft, EventKind};
 pub use id::{ApprovalId, IdError, MessageId, RunId, SessionId};
+pub use inbox::{CompletionPolicy, Delivery, InboxKind, InboxPolicy, InboxStatus};
 pub use message::{Message, Origin, Role, ToolCall, ToolOutcome, Visibility};
 pub use state::{
     AgentState, BudgetExtension, CallProgress, Counters, HumanRequest, Limits, MemoryScope,

@@ -176,6 +176,10 @@ pub struct RunConfigSnapshot {
     /// What this run may hand to other agents.
     #[serde(default)]
     pub delegation: DelegationConfig,
+    /// A continuation turn: the runtime started it to report background work back; its
+    /// messages are marked `continuation`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub continuation: bool,
 }
 
 impl RunConfigSnapshot {

@@ -122,9 +122,10 @@ impl StepResult {
             return;
         }
         self.state.cancel_requested = true;
+        // No run starts after a cancel was accepted, background ones included.
+        self.children.clear();
         if self.state.status.is_waiting() {
             self.state.pending_human = None;
-            self.children.clear();
             let waiting = serde_json::to_value(self.state.status).unwrap_or_default();
             self.events.retain(|event| match event.kind {
                 EventKind::ApprovalRequired
@@ -156,6 +157,15 @@ impl StepResult {
                 Instruction::CallLlm { .. }
             )
         })
+    }
+}
+
+/// Whose words a run's assistant and tool messages are: a continuation turn's are marked so.
+fn agent_origin(state: &AgentState) -> crate::Origin {
+    if state.config.continuation {
+        crate::Origin::Continuation
+    } else {
+        crate::Origin::Agent
     }
 }
 
@@ -198,7 +208,10 @@ pub fn after_model(
     state.checkpoint =
         (!reply.tool_calls.is_empty()).then(|| ToolCheckpoint::new(reply.tool_calls));
     state.final_answer = Some(reply.text.clone());
-    let message = Message::assistant(reply.text, offered);
+    let message = Message {
+        origin: agent_origin(&state),
+        ..Message::assistant(reply.text, offered)
+    };
     // The provider measured the prompt it was sent; the answer is now part of the next one.
     let prompt = match reply.usage.input_tokens {
         0 => state.counters.context_tokens,
@@ -316,7 +329,10 @@ pub fn after_tools(
     let mut messages = Vec::with_capacity(outcomes.len());
     let mut events = Vec::with_capacity(outcomes.len());
     for (progress, outcome) in checkpoint.calls.iter_mut().zip(outcomes) {
-        let message = Message::tool_result(&progress.call.id, &outcome);
+        let message = Message {
+            origin: agent_origin(&state),
+            ..Message::tool_result(&progress.call.id, &outcome)
+        };
         state.counters.context_tokens += message.estimated_tokens();
         messages.push(message);
         events.push(EventDraft::new(

@@ -374,6 +374,34 @@ impl Coordinator {
         Ok(answered)
     }
 
+    /// Starts the continuation turns that are due: in every free root session with inbox
+    /// events whose time has come (a released event's retry, one that fell due while nothing
+    /// committed). Returns how many started.
+    pub async fn serve_inboxes(&self) -> Result<usize> {
+        let served = self.store.serve_inboxes(now_ms()).await?;
+        self.publish(served.events);
+        if !served.started.is_empty() {
+            self.wake.notify_one();
+        }
+        Ok(served.started.len())
+    }
+
+    /// Archives or deletes a root session: its runs are cancelled (their steps in this
+    /// process too) and its inbox emptied into the dead letter.
+    pub async fn close_session(
+        &self,
+        id: &SessionId,
+        how: ratchet_store::Closing,
+    ) -> Result<ratchet_store::Closed> {
+        let closed = self.store.close_session(id, how, now_ms()).await?;
+        self.cancel_descendants(&closed.events);
+        self.publish(closed.events.clone());
+        if closed.enqueued {
+            self.wake.notify_one();
+        }
+        Ok(closed)
+    }
+
     /// Releases the leases of processes on this machine that no longer exist, so their steps
     /// are taken over now instead of after lease expiry. Returns how many jobs were freed.
     pub async fn recover(&self, is_dead: impl Fn(&str) -> bool) -> Result<u64> {

@@ -8,9 +8,12 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use ratchet_core::delegation::{ChildRun, DelegateRequest, parse_delegate};
+use ratchet_core::delegation::{
+    BackgroundGroup, ChildRun, DelegateRequest, DelegationMode, parse_delegate,
+};
 use ratchet_core::{
-    AgentState, Lineage, MessageId, ReplayPolicy, RunId, RunStatus, SessionId, StepJob, ToolOutcome,
+    AgentState, CompletionPolicy, Lineage, MessageId, ReplayPolicy, RunId, RunStatus, SessionId,
+    StepJob, ToolOutcome,
 };
 use ratchet_store::{RunQuota, TreeNode};
 use ratchet_tools::{Tool, ToolContext};
@@ -35,16 +38,37 @@ pub(crate) fn read_delegate(
     parse_delegate(arguments, &state.config.delegation, depth)
 }
 
-/// Checks that the batch's delegations fit the tree's size limit and the run quota. The
-/// commit checks the tree's size again, exactly; this is what lets a redone step tell the
-/// model instead of failing its commit again.
+/// Checks that the batch's delegations fit the tree's size limit, the run quota and — for
+/// background ones — the root session's inbox. The commit checks the tree's size and the
+/// inbox again, exactly; this is what lets a redone step tell the model instead of failing its
+/// commit again.
 pub(crate) async fn admit(
     coordinator: &Coordinator,
     state: &AgentState,
-    tasks: usize,
+    delegations: &[Delegation],
 ) -> crate::Result<Result<(), String>> {
     let admission = coordinator.store().admission(&state.run_id).await?;
-    let adding = tasks as u64;
+    let adding: u64 = delegations
+        .iter()
+        .map(|d| d.request.tasks.len() as u64)
+        .sum();
+    let places: u64 = delegations
+        .iter()
+        .map(|d| match (d.request.mode, d.request.completion_policy) {
+            (DelegationMode::Foreground, _) => 0,
+            (DelegationMode::Background, Some(CompletionPolicy::Each)) => {
+                d.request.tasks.len() as u64
+            }
+            (DelegationMode::Background, _) => 1,
+        })
+        .sum();
+    let inbox = state.config.delegation.inbox.capacity;
+    if places > 0 && admission.inbox_held + places > u64::from(inbox) {
+        return Ok(Err(format!(
+            "the session's inbox holds {} reports and reservations and may hold {inbox}; background work needing {places} more cannot start — wait for earlier background work to report back, or delegate in the foreground",
+            admission.inbox_held
+        )));
+    }
     let tree_limit = state.config.delegation.max_tree_runs;
     if admission.tree_runs + adding > tree_limit {
         return Ok(Err(format!(
@@ -108,6 +132,16 @@ pub(crate) fn children(
                     root_session_id: root_session_id.clone(),
                     depth: depth + 1,
                     agent: task.agent.clone(),
+                    background: (delegation.request.mode == DelegationMode::Background).then(
+                        || {
+                            BackgroundGroup::new(
+                                &state.run_id,
+                                job.step_index,
+                                delegation.slot,
+                                delegation.request.completion_policy.unwrap_or_default(),
+                            )
+                        },
+                    ),
                 },
             });
         }

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use futures::FutureExt;
 use futures::stream::{self, StreamExt};
-use ratchet_core::delegation::{AGENT_TASK_TOOL, DELEGATE_TOOL, await_children};
+use ratchet_core::delegation::{
+    AGENT_TASK_TOOL, ChildRun, DELEGATE_TOOL, DelegationMode, await_children, background_started,
+};
 use ratchet_core::message::answer_dangling_calls;
 use ratchet_core::step::{
     Compaction, after_compaction, after_model, after_tools, ask_approval_step,
@@ -421,8 +423,7 @@ impl Engine {
             ));
         }
         if !delegations.is_empty() {
-            let tasks = delegations.iter().map(|d| d.request.tasks.len()).sum();
-            if let Err(refusal) = admit(&self.coordinator, &state, tasks).await? {
+            if let Err(refusal) = admit(&self.coordinator, &state, &delegations).await? {
                 for refused in delegations.drain(..) {
                     outcomes[refused.slot as usize] = Some(ToolOutcome::error(refusal.clone()));
                 }
@@ -464,9 +465,23 @@ impl Engine {
             let (slot, outcome) = done?;
             outcomes[slot as usize] = Some(outcome);
         }
-        if !delegations.is_empty() {
-            let children = crate::delegation::children(&state, job, &delegations)
-                .map_err(|e| StepFailure::Fatal(e.to_string()))?;
+        let children = crate::delegation::children(&state, job, &delegations)
+            .map_err(|e| StepFailure::Fatal(e.to_string()))?;
+        // A background call's outcome is known now: the runs it starts, with their ids.
+        for delegation in &delegations {
+            if delegation.request.mode == DelegationMode::Background {
+                let started: Vec<&ChildRun> = children
+                    .iter()
+                    .filter(|c| c.lineage.parent_slot == delegation.slot)
+                    .collect();
+                let policy = delegation.request.completion_policy.unwrap_or_default();
+                outcomes[delegation.slot as usize] = Some(background_started(&started, policy));
+            }
+        }
+        let waits = delegations
+            .iter()
+            .any(|d| d.request.mode == DelegationMode::Foreground);
+        if waits {
             return Ok(await_children(
                 state,
                 job,
@@ -480,14 +495,11 @@ impl Engine {
             .into_iter()
             .map(|o| o.unwrap_or_else(|| ToolOutcome::error("the call produced no outcome")))
             .collect();
-        Ok(after_tools(
-            state,
-            job,
-            outcomes,
-            invalid,
-            started,
-            now_ms(),
-        ))
+        let mut result = after_tools(state, job, outcomes, invalid, started, now_ms());
+        if !result.state.status.is_terminal() {
+            result.children = children;
+        }
+        Ok(result)
     }
 
     /// A call may run when the run's frozen config offers the tool, this process has it, and

@@ -120,6 +120,15 @@ impl Worker {
                     self.run_streak(claimed).await;
                 }
                 Ok(None) => {
+                    if only.is_none() {
+                        match self.coordinator.serve_inboxes().await {
+                            Ok(0) => {}
+                            Ok(_) => continue,
+                            Err(error) => {
+                                tracing::warn!(%error, "starting due continuation turns failed");
+                            }
+                        }
+                    }
                     tokio::select! {
                         () = self.coordinator.woken() => {}
                         () = tokio::time::sleep(self.config.poll) => {}

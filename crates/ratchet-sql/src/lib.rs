@@ -6,6 +6,7 @@
 //! stay in `ratchet-core`, the bodies in `ops` only read, check fences and write.
 
 mod db;
+mod inbox;
 mod ops;
 
 use std::future::Future;
@@ -13,14 +14,14 @@ use std::future::Future;
 use async_trait::async_trait;
 use ratchet_core::step::{Reconciliation, Resumption};
 use ratchet_core::{
-    AgentState, ApprovalAnswer, ApprovalId, EventDraft, Message, Millis, RunId, SessionId,
-    StepRecord, StepResult, ToolOutcome,
+    AgentState, ApprovalAnswer, ApprovalId, EventDraft, InboxStatus, Message, Millis, RunId,
+    SessionId, StepRecord, StepResult, ToolOutcome,
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, CancelOutcome, ChangeStream, Claim, ClaimedStep,
-    Commit, Error, Intent, IntentRecord, Lease, MessageHit, NewRun, Reconciled, RecordedIntents,
-    RunSummary, SearchScope, Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage,
-    Submitted, TreeNode,
+    Closed, Closing, Commit, Error, InboxEvent, Intent, IntentRecord, Lease, MessageHit, NewRun,
+    Reconciled, RecordedIntents, RunSummary, SearchScope, Served, Session, SessionSpec, Store,
+    StoreStats, StoredEvent, StoredMessage, Submitted, TreeNode,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -325,6 +326,43 @@ impl<B: Backend> Store for SqlStore<B> {
     async fn admission(&self, run_id: &RunId) -> Result<Admission> {
         let run_id = run_id.clone();
         self.backend.read(move |c| ops::admission(c, &run_id)).await
+    }
+
+    async fn inbox(
+        &self,
+        session_id: &SessionId,
+        status: Option<InboxStatus>,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<InboxEvent>> {
+        let session_id = session_id.clone();
+        self.backend
+            .read(move |c| inbox::list(c, &session_id, status, after, limit))
+            .await
+    }
+
+    async fn serve_inboxes(&self, now: Millis) -> Result<Served> {
+        let candidates = self
+            .backend
+            .read(move |c| inbox::servable_sessions(c, now))
+            .await?;
+        let mut served = Served::default();
+        for session in candidates {
+            let (events, started) = self
+                .backend
+                .write(move |c| inbox::serve_session(c, &session, now))
+                .await?;
+            served.events.extend(events);
+            served.started.extend(started);
+        }
+        Ok(served)
+    }
+
+    async fn close_session(&self, id: &SessionId, how: Closing, now: Millis) -> Result<Closed> {
+        let id = id.clone();
+        self.backend
+            .write(move |c| inbox::close_session(c, &id, how, now))
+            .await
     }
 
     async fn context(&self, session_id: &SessionId) -> Result<Vec<StoredMessage>> {

@@ -8,11 +8,12 @@
 //! commit, which holds the session and then waits for its job's row, cannot deadlock with one.
 
 use ratchet_core::delegation::{ChildResult, ChildRun, child_finished, join_children};
+use ratchet_core::inbox::NextTurn;
 use ratchet_core::step::{Reconciliation, Resumption, cancel_idle, start_run};
 use ratchet_core::{
-    AgentState, ApprovalAnswer, ApprovalId, EventDraft, EventKind, HumanRequest, IdError, Message,
-    Millis, Origin, Phase, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord,
-    StepResult, StopReason, ToolOutcome,
+    AgentState, ApprovalAnswer, ApprovalId, EventDraft, EventKind, HumanRequest, IdError,
+    InboxPolicy, Message, Millis, Origin, Phase, RunConfigSnapshot, RunId, RunStatus, SessionId,
+    StepJob, StepRecord, StepResult, StopReason, ToolOutcome, Visibility,
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit,
@@ -27,11 +28,11 @@ use serde_json::json;
 use crate::db::{Announcement, Db, Row};
 use crate::{Result, params};
 
-fn to_json(value: &impl Serialize) -> Result<String> {
+pub(crate) fn to_json(value: &impl Serialize) -> Result<String> {
     serde_json::to_string(value).map_err(|e| Error::Corrupt(format!("cannot encode: {e}")))
 }
 
-fn from_json<T: DeserializeOwned>(text: &str, what: &str) -> Result<T> {
+pub(crate) fn from_json<T: DeserializeOwned>(text: &str, what: &str) -> Result<T> {
     serde_json::from_str(text).map_err(|e| Error::Corrupt(format!("{what}: {e}")))
 }
 
@@ -48,11 +49,11 @@ fn corrupt(error: IdError) -> Error {
     Error::Corrupt(error.to_string())
 }
 
-fn parse_run_id(text: &str) -> Result<RunId> {
+pub(crate) fn parse_run_id(text: &str) -> Result<RunId> {
     RunId::parse(text).map_err(corrupt)
 }
 
-fn parse_session_id(text: &str) -> Result<SessionId> {
+pub(crate) fn parse_session_id(text: &str) -> Result<SessionId> {
     SessionId::parse(text).map_err(corrupt)
 }
 
@@ -94,10 +95,13 @@ pub(crate) fn create_session(
         metadata: spec.metadata,
         created_at: now,
         active_run_id: None,
+        archived_at: None,
+        deleted_at: None,
     })
 }
 
-const SESSION_COLUMNS: &str = "id, tenant, agent, metadata_json, created_at, active_run_id";
+const SESSION_COLUMNS: &str =
+    "id, tenant, agent, metadata_json, created_at, active_run_id, archived_at, deleted_at";
 
 fn to_session(mut row: Row) -> Result<Session> {
     Ok(Session {
@@ -110,6 +114,8 @@ fn to_session(mut row: Row) -> Result<Session> {
             .transpose()?,
         created_at: row.int(4)?,
         active_run_id: row.opt_text(5)?.as_deref().map(parse_run_id).transpose()?,
+        archived_at: row.opt_int(6)?,
+        deleted_at: row.opt_int(7)?,
     })
 }
 
@@ -134,7 +140,7 @@ pub(crate) fn list_sessions(
 ) -> Result<Vec<Session>> {
     c.query(
         &format!(
-            "SELECT {SESSION_COLUMNS} FROM sessions WHERE tenant = ?1 AND id > ?2 AND root_session_id IS NULL ORDER BY id LIMIT ?3"
+            "SELECT {SESSION_COLUMNS} FROM sessions WHERE tenant = ?1 AND id > ?2 AND root_session_id IS NULL AND deleted_at IS NULL ORDER BY id LIMIT ?3"
         ),
         &params![tenant, after.map_or("", |a| a.as_str()), limit],
     )?
@@ -145,16 +151,23 @@ pub(crate) fn list_sessions(
 
 pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Submitted> {
     c.lock_session(new.session_id.as_str())?;
-    let Some(mut row) = c.query_opt(
-        "SELECT active_run_id, root_session_id FROM sessions WHERE id = ?1",
-        &params![new.session_id.as_str()],
-    )?
+    let Some(mut row) = c
+        .query_opt(
+            "SELECT active_run_id, root_session_id, archived_at FROM sessions WHERE id = ?1 AND deleted_at IS NULL",
+            &params![new.session_id.as_str()],
+        )?
     else {
         return Err(Error::NotFound {
             kind: "session",
             id: new.session_id.to_string(),
         });
     };
+    if row.opt_int(2)?.is_some() {
+        return Err(Error::Conflict(format!(
+            "session {} is archived and takes no more messages; start a new session",
+            new.session_id
+        )));
+    }
     let active = row.opt_text(0)?.as_deref().map(parse_run_id).transpose()?;
     if let Some(root) = row.opt_text(1)? {
         return Err(Error::Invalid(format!(
@@ -239,7 +252,7 @@ pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Sub
 }
 
 /// The statuses a run quota counts.
-const ACTIVE_STATUSES: &str =
+pub(crate) const ACTIVE_STATUSES: &str =
     "('queued', 'running', 'waiting_human', 'waiting_children', 'cancelling')";
 
 /// Non-terminal runs of a root session, the runs of its delegations included.
@@ -254,7 +267,7 @@ fn active_in_session(c: &dyn Db, root_session: &SessionId) -> Result<u64> {
     )
 }
 
-fn count(c: &dyn Db, sql: &str, params: &[crate::db::Param<'_>]) -> Result<u64> {
+pub(crate) fn count(c: &dyn Db, sql: &str, params: &[crate::db::Param<'_>]) -> Result<u64> {
     let n = c
         .query_opt(sql, params)?
         .ok_or_else(|| Error::Backend("a count returned no row".into()))?
@@ -325,7 +338,7 @@ fn start_children(
             id: parent.session_id.to_string(),
         })?
         .text(0)?;
-    let mut events = Vec::new();
+    let mut events = crate::inbox::reserve(c, parent, children, now)?;
     for child in children {
         let lineage = &child.lineage;
         c.execute(
@@ -351,7 +364,7 @@ fn start_children(
         )?;
         c.execute(
             "UPDATE runs SET parent_run_id = ?2, parent_step = ?3, parent_slot = ?4, task_index = ?5,
-                             root_run_id = ?6, agent = ?7, depth = ?8
+                             root_run_id = ?6, agent = ?7, depth = ?8, inbox_group = ?9
              WHERE id = ?1",
             &params![
                 child.run_id.as_str(),
@@ -361,7 +374,8 @@ fn start_children(
                 lineage.task_index,
                 lineage.root_run_id.as_str(),
                 &lineage.agent,
-                lineage.depth
+                lineage.depth,
+                lineage.background.as_ref().map(|b| b.group.as_str())
             ],
         )?;
         state.lineage = Some(lineage.clone());
@@ -388,30 +402,32 @@ fn run_ended(
     now: Millis,
 ) -> Result<Vec<StoredEvent>> {
     c.configs().forget(&state.run_id);
-    let mut events = release_session(c, &state.session_id, enqueued, now)?;
-    let Some(lineage) = &state.lineage else {
+    let mut events = Vec::new();
+    if state.config.continuation {
+        events.extend(crate::inbox::continuation_ended(c, state, now)?);
+    }
+    events.extend(release_session(
+        c,
+        &state.session_id,
+        &state.config.delegation.inbox,
+        enqueued,
+        now,
+    )?);
+    let (Some(lineage), Some(finished)) = (&state.lineage, ChildResult::of(state)) else {
         return Ok(events);
     };
     let parent_id = &lineage.parent_run_id;
-    let finished = ChildResult {
-        run_id: state.run_id.clone(),
-        parent_slot: lineage.parent_slot,
-        task_index: lineage.task_index,
-        agent: lineage.agent.clone(),
-        status: state.status,
-        stop_reason: state.stop_reason,
-        answer: state.final_answer.clone(),
-    };
     let mut parent = load_state(c, parent_id)?;
     let mut drafts = vec![child_finished(parent_id, &finished)];
-    let waiting_on_this =
-        parent.status == RunStatus::WaitingChildren && parent.step_index == lineage.parent_step;
+    let waiting_on_this = lineage.background.is_none()
+        && parent.status == RunStatus::WaitingChildren
+        && parent.step_index == lineage.parent_step;
     if waiting_on_this {
         let unfinished = count(
             c,
             &format!(
                 "SELECT count(*) FROM runs WHERE parent_run_id = ?1 AND parent_step = ?2
-                 AND status IN {ACTIVE_STATUSES}"
+                 AND inbox_group IS NULL AND status IN {ACTIVE_STATUSES}"
             ),
             &params![parent_id.as_str(), lineage.parent_step as i64],
         )?;
@@ -431,6 +447,7 @@ fn run_ended(
         &drafts,
         now,
     )?);
+    events.extend(crate::inbox::background_ended(c, state, enqueued, now)?);
     Ok(events)
 }
 
@@ -438,7 +455,7 @@ fn run_ended(
 fn children_results(c: &dyn Db, parent: &RunId, step: u64) -> Result<Vec<ChildResult>> {
     let ids = c
         .query(
-            "SELECT id FROM runs WHERE parent_run_id = ?1 AND parent_step = ?2",
+            "SELECT id FROM runs WHERE parent_run_id = ?1 AND parent_step = ?2 AND inbox_group IS NULL",
             &params![parent.as_str(), step as i64],
         )?
         .into_iter()
@@ -446,19 +463,8 @@ fn children_results(c: &dyn Db, parent: &RunId, step: u64) -> Result<Vec<ChildRe
         .collect::<Result<Vec<_>>>()?;
     ids.iter()
         .map(|id| {
-            let child = load_state(c, id)?;
-            let lineage = child
-                .lineage
-                .ok_or_else(|| Error::Corrupt(format!("child run {id} has no lineage")))?;
-            Ok(ChildResult {
-                run_id: child.run_id,
-                parent_slot: lineage.parent_slot,
-                task_index: lineage.task_index,
-                agent: lineage.agent,
-                status: child.status,
-                stop_reason: child.stop_reason,
-                answer: child.final_answer,
-            })
+            ChildResult::of(&load_state(c, id)?)
+                .ok_or_else(|| Error::Corrupt(format!("child run {id} has no lineage")))
         })
         .collect()
 }
@@ -533,11 +539,12 @@ pub(crate) fn admission(c: &dyn Db, run_id: &RunId) -> Result<Admission> {
         )?,
         active_in_session: active_in_session(c, &root_session)?,
         tree_runs: tree_runs(c, &root_run)?,
+        inbox_held: crate::inbox::held(c, &root_session)?,
     })
 }
 
 /// Inserts a run waiting in its session's queue, with the message that will start it.
-fn insert_queued_run(
+pub(crate) fn insert_queued_run(
     c: &dyn Db,
     session_id: &SessionId,
     run_id: &RunId,
@@ -574,16 +581,16 @@ fn insert_queued_run(
     Ok((state, created))
 }
 
-struct Steer {
-    message_id: String,
-    run_id: String,
-    content: String,
-    config_json: String,
-    created_at: Millis,
+pub(crate) struct Steer {
+    pub message_id: String,
+    pub run_id: String,
+    pub content: String,
+    pub config_json: String,
+    pub created_at: Millis,
 }
 
 /// Takes the session's waiting steers out of their table, oldest first.
-fn take_steers(c: &dyn Db, session_id: &SessionId) -> Result<Vec<Steer>> {
+pub(crate) fn take_steers(c: &dyn Db, session_id: &SessionId) -> Result<Vec<Steer>> {
     let steers = c
         .query(
             "SELECT message_id, run_id, content, config_json, created_at FROM steers
@@ -634,7 +641,11 @@ fn absorb_steers(c: &dyn Db, state: &AgentState, now: Millis) -> Result<Vec<Even
 
 /// Makes a queued run the session's active run: its user message enters history, its first
 /// job is enqueued.
-fn start_queued_run(c: &dyn Db, mut state: AgentState, now: Millis) -> Result<Vec<EventDraft>> {
+pub(crate) fn start_queued_run(
+    c: &dyn Db,
+    mut state: AgentState,
+    now: Millis,
+) -> Result<Vec<EventDraft>> {
     let input = c
         .query_opt(
             "SELECT input_json FROM runs WHERE id = ?1",
@@ -648,19 +659,30 @@ fn start_queued_run(c: &dyn Db, mut state: AgentState, now: Millis) -> Result<Ve
         content: String,
     }
     let input: Input = from_json(&input, "run input")?;
-    insert_message(
-        c,
-        &input.message_id,
-        &state,
-        &Message::user(input.content),
-        now,
-    )?;
+    // A continuation's first message is the runtime's trigger: the model reads it, clients never.
+    let continuation = state.config.continuation;
+    let message = if continuation {
+        Message {
+            visibility: Visibility::Hidden,
+            origin: Origin::Continuation,
+            ..Message::user(input.content)
+        }
+    } else {
+        Message::user(input.content)
+    };
+    insert_message(c, &input.message_id, &state, &message, now)?;
     let (job, event) = start_run(&mut state, now);
     write_state(c, &state)?;
     insert_job(c, &job, now)?;
     c.execute(
-        "UPDATE sessions SET active_run_id = ?2 WHERE id = ?1",
-        &params![state.session_id.as_str(), state.run_id.as_str()],
+        "UPDATE sessions SET active_run_id = ?2,
+                user_turns_in_a_row = CASE WHEN ?3 = 1 THEN 0 ELSE user_turns_in_a_row + 1 END
+         WHERE id = ?1",
+        &params![
+            state.session_id.as_str(),
+            state.run_id.as_str(),
+            continuation
+        ],
     )?;
     Ok(vec![event])
 }
@@ -1154,11 +1176,13 @@ fn injected<T>(failpoint: &str) -> Result<T> {
     Err(Error::Backend(format!("failpoint {failpoint}")))
 }
 
-/// The session's active run has ended: the oldest queued run (if any) starts now. Its events
-/// are stored under its own id, after the events of the run that ended.
+/// The session's active run has ended: the oldest queued run (if any) starts now, or a
+/// continuation turn when due inbox events have waited their turn (`NextTurn`). The new run's
+/// events are stored under its own id, after the events of the run that ended.
 fn release_session(
     c: &dyn Db,
     session_id: &SessionId,
+    policy: &InboxPolicy,
     enqueued: &mut bool,
     now: Millis,
 ) -> Result<Vec<StoredEvent>> {
@@ -1199,14 +1223,20 @@ fn release_session(
             now,
         )?);
     }
-    let Some(next) = next else {
-        return Ok(events);
-    };
-    let next = parse_run_id(&next)?;
-    let state = load_state(c, &next)?;
-    *enqueued = true;
-    let drafts = start_queued_run(c, state, now)?;
-    events.extend(insert_events(c, session_id, Some(&next), &drafts, now)?);
+    match crate::inbox::choose_next_turn(c, session_id, next.is_some(), policy, now)? {
+        NextTurn::Idle => {}
+        NextTurn::Continuation => {
+            *enqueued = true;
+            events.extend(crate::inbox::start_continuation(c, session_id, now)?);
+        }
+        NextTurn::User => {
+            let next = parse_run_id(next.as_deref().unwrap_or_default())?;
+            let state = load_state(c, &next)?;
+            *enqueued = true;
+            let drafts = start_queued_run(c, state, now)?;
+            events.extend(insert_events(c, session_id, Some(&next), &drafts, now)?);
+        }
+    }
     Ok(events)
 }
 
@@ -1360,7 +1390,7 @@ pub(crate) fn request_cancel(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<
     let children = c
         .query(
             &format!(
-                "SELECT id FROM runs WHERE parent_run_id = ?1 AND status IN {ACTIVE_STATUSES} ORDER BY created_at, id"
+                "SELECT id FROM runs WHERE parent_run_id = ?1 AND inbox_group IS NULL AND status IN {ACTIVE_STATUSES} ORDER BY created_at, id"
             ),
             &params![run_id.as_str()],
         )?
@@ -1386,7 +1416,7 @@ pub(crate) fn request_cancel(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<
 }
 
 /// Cancels one run, without looking at its children.
-fn cancel_one(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
+pub(crate) fn cancel_one(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
     let stored = run_row(c, run_id)?;
     let mut state = load_state(c, run_id)?;
     match stored.status {
@@ -1450,7 +1480,10 @@ pub(crate) fn load_state(c: &dyn Db, run_id: &RunId) -> Result<AgentState> {
 }
 
 /// The configuration the run was created with; the only source of `state.config`.
-fn frozen_config(c: &dyn Db, run_id: &RunId) -> Result<std::sync::Arc<RunConfigSnapshot>> {
+pub(crate) fn frozen_config(
+    c: &dyn Db,
+    run_id: &RunId,
+) -> Result<std::sync::Arc<RunConfigSnapshot>> {
     c.configs().get_or_load(run_id, || {
         let config = c
             .query_opt(
@@ -1748,6 +1781,11 @@ pub(crate) fn resume_failed(
         return Err(Error::Conflict(format!(
             "run {run_id} was delegated by {} and its result was already handed back; continue the parent instead",
             lineage.parent_run_id
+        )));
+    }
+    if state.config.continuation {
+        return Err(Error::Conflict(format!(
+            "run {run_id} is a continuation turn: its inbox events are offered to a new one (see the session's inbox)"
         )));
     }
     let (drafts, job) = ratchet_core::step::resume_failed(&mut state, how, now)?;

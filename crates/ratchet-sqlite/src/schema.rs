@@ -191,6 +191,45 @@ CREATE INDEX sessions_by_root ON sessions(root_session_id) WHERE root_session_id
 -- Run quotas count the non-terminal runs.
 CREATE INDEX runs_by_status ON runs(status);
 "#,
+    r#"
+-- Background work and the inbox. A background run carries its `delegate` call's group; what it
+-- reports lands in its root session's inbox. An event's place is taken when the work is
+-- admitted ('reserved'), so an accepted run always has room to report. Rows are never deleted:
+-- consumed, dead and superseded events stay as the audit trail.
+ALTER TABLE runs ADD COLUMN inbox_group TEXT;
+CREATE INDEX runs_by_inbox_group ON runs(inbox_group) WHERE inbox_group IS NOT NULL;
+ALTER TABLE sessions ADD COLUMN archived_at INTEGER;
+ALTER TABLE sessions ADD COLUMN deleted_at INTEGER;
+-- User turns started since the session's last continuation turn (fairness).
+ALTER TABLE sessions ADD COLUMN user_turns_in_a_row INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE inbox (
+    id            INTEGER PRIMARY KEY,
+    session_id    TEXT NOT NULL,
+    kind          TEXT NOT NULL,
+    status        TEXT NOT NULL,
+    delivery      TEXT NOT NULL,
+    parent_run_id TEXT NOT NULL,
+    source_run_id TEXT,
+    group_id      TEXT,
+    -- Set once the event has something to report (NULL while reserved).
+    payload_json  TEXT,
+    -- A signal's: one per emitting call, and its dedupe key.
+    call_key      TEXT UNIQUE,
+    dedupe_key    TEXT,
+    attempts      INTEGER NOT NULL DEFAULT 0,
+    max_attempts  INTEGER NOT NULL,
+    available_at  INTEGER,
+    lease_run_id  TEXT,
+    reason        TEXT,
+    created_at    INTEGER NOT NULL,
+    updated_at    INTEGER NOT NULL
+);
+CREATE INDEX inbox_by_session ON inbox(session_id, status, available_at);
+CREATE INDEX inbox_due ON inbox(status, available_at);
+CREATE INDEX inbox_by_source ON inbox(source_run_id) WHERE source_run_id IS NOT NULL;
+CREATE INDEX inbox_by_group ON inbox(group_id) WHERE group_id IS NOT NULL;
+CREATE INDEX inbox_by_lease ON inbox(lease_run_id) WHERE lease_run_id IS NOT NULL;
+"#,
 ];
 
 /// The schema version this build migrates a database to.

@@ -9,9 +9,9 @@ use async_trait::async_trait;
 use ratchet_core::step::Reconciliation;
 use ratchet_core::step::{DecisionError, Resumption};
 use ratchet_core::{
-    AgentState, ApprovalAnswer, ApprovalCall, ApprovalId, EventDraft, IllegalEdge, Message,
-    MessageId, Millis, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord,
-    StepResult, StopReason, ToolOutcome,
+    AgentState, ApprovalAnswer, ApprovalCall, ApprovalId, Delivery, EventDraft, IllegalEdge,
+    InboxKind, InboxStatus, Message, MessageId, Millis, Role, RunConfigSnapshot, RunId, RunStatus,
+    SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -124,6 +124,70 @@ pub struct Session {
     pub created_at: Millis,
     /// The session's one non-terminal, non-queued run, if any.
     pub active_run_id: Option<RunId>,
+    /// Closed: its runs were cancelled, its inbox emptied, and it takes no more messages.
+    pub archived_at: Option<Millis>,
+    /// Closed like an archived session, and hidden from its tenant; its records stay.
+    pub deleted_at: Option<Millis>,
+}
+
+/// How a session is closed (see `Store::close_session`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Closing {
+    Archive,
+    Delete,
+}
+
+impl Closing {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Closing::Archive => "archived",
+            Closing::Delete => "deleted",
+        }
+    }
+}
+
+/// What closing a session did.
+#[derive(Debug, Clone)]
+pub struct Closed {
+    pub events: Vec<StoredEvent>,
+    /// Cancelling the session's runs enqueued jobs (runs winding down, parents joined).
+    pub enqueued: bool,
+}
+
+/// An event of a root session's inbox, as `Store::inbox` lists it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct InboxEvent {
+    pub id: i64,
+    pub session_id: SessionId,
+    pub kind: InboxKind,
+    pub status: InboxStatus,
+    pub delivery: Delivery,
+    /// The run whose `delegate` call started the work reported on.
+    pub parent_run_id: RunId,
+    /// The run reported on (a completion's, a signal's); None for a group's.
+    pub source_run_id: Option<RunId>,
+    pub group: Option<String>,
+    /// None while the event is a reservation.
+    pub payload: Option<Value>,
+    /// Continuation turns that held it so far, and how many may.
+    pub attempts: u32,
+    pub max_attempts: u32,
+    /// When a pending event is due.
+    pub available_at: Option<Millis>,
+    /// The continuation run holding (or, once consumed, that consumed) it.
+    pub lease_run_id: Option<RunId>,
+    /// Why it was dead-lettered or superseded, or why its last attempt failed.
+    pub reason: Option<String>,
+    pub created_at: Millis,
+    pub updated_at: Millis,
+}
+
+/// What `Store::serve_inboxes` started.
+#[derive(Debug, Clone, Default)]
+pub struct Served {
+    pub events: Vec<StoredEvent>,
+    /// The continuation runs started (their first jobs enqueued).
+    pub started: Vec<RunId>,
 }
 
 /// A message as stored: its id, run and place in the session (`position`, increasing; the
@@ -192,6 +256,8 @@ pub struct Admission {
     pub active_in_session: u64,
     /// Runs of the run's tree, ended ones included.
     pub tree_runs: u64,
+    /// Events and reservations the root session's inbox holds.
+    pub inbox_held: u64,
 }
 
 /// One run of a tree, as `Store::run_tree` lists it.
@@ -637,6 +703,28 @@ pub trait Store: Send + Sync + 'static {
 
     /// What admitting more runs below `run_id` is checked against.
     async fn admission(&self, run_id: &RunId) -> Result<Admission>;
+
+    /// A root session's inbox events in order, after `after` (an event id), with the given
+    /// status only when given.
+    async fn inbox(
+        &self,
+        session_id: &SessionId,
+        status: Option<InboxStatus>,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<InboxEvent>>;
+
+    /// Starts a continuation turn in every open root session that has no active run and has
+    /// inbox events due by `now` (an event released for a later attempt becomes due without a
+    /// commit to start it). Each start is its own transaction under the session's lock.
+    async fn serve_inboxes(&self, now: Millis) -> Result<Served>;
+
+    /// Archives or deletes a root session in one transaction: every non-terminal run of its
+    /// tree is cancelled (background runs included), its waiting steers are recorded as
+    /// cancelled runs, and every held inbox event — reservations included — is dead-lettered.
+    /// No continuation starts in it afterwards and it takes no more messages; nothing is
+    /// erased. Closing a closed session again is `Error::Conflict`.
+    async fn close_session(&self, id: &SessionId, how: Closing, now: Millis) -> Result<Closed>;
 
     /// The session's messages in order, hidden ones included.
     async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>>;

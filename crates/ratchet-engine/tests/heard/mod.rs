@@ -243,6 +243,29 @@ impl Store for Heard {
         self.inner.admission(run_id).await
     }
 
+    async fn inbox(
+        &self,
+        session_id: &SessionId,
+        status: Option<ratchet_core::InboxStatus>,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<ratchet_store::InboxEvent>> {
+        self.inner.inbox(session_id, status, after, limit).await
+    }
+
+    async fn serve_inboxes(&self, now: Millis) -> Result<ratchet_store::Served> {
+        self.inner.serve_inboxes(now).await
+    }
+
+    async fn close_session(
+        &self,
+        id: &SessionId,
+        how: ratchet_store::Closing,
+        now: Millis,
+    ) -> Result<ratchet_store::Closed> {
+        self.inner.close_session(id, how, now).await
+    }
+
     async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
         self.inner.history(session_id).await
     }

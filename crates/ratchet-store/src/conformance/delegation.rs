@@ -30,6 +30,7 @@ fn delegating_config(max_tree_runs: u64) -> RunConfigSnapshot {
         agents: vec![worker],
         max_depth: 3,
         max_tree_runs,
+        ..DelegationConfig::default()
     };
     config
 }
@@ -100,6 +101,7 @@ fn children_of(parent: &ClaimedStep, tasks: usize) -> Vec<ChildRun> {
                     root_session_id: root_session_id.clone(),
                     depth: depth + 1,
                     agent: "worker".into(),
+                    background: None,
                 },
             }
         })

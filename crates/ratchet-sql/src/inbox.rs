@@ -1,0 +1,682 @@
+//! The inbox's transaction bodies: places reserved when background work is admitted, reports
+//! written when background runs end, continuation turns that lease due events and consume
+//! them when they complete, and closing a session.
+//!
+//! Every status change goes through `move_events`, which asks the core's edge table first.
+//! All of a root session's inbox is written under its tree lock (the root session's), so the
+//! capacity count and the choice of the next turn cannot race.
+
+use ratchet_core::delegation::{ChildResult, ChildRun, completion_report};
+use ratchet_core::inbox::{
+    DueEvent, NextTurn, Waiting, continuation_config, continuation_trigger, next_turn,
+};
+use ratchet_core::{
+    AgentState, CompletionPolicy, Delivery, EventDraft, EventKind, InboxKind, InboxPolicy,
+    InboxStatus, MessageId, Millis, RunId, RunStatus, SessionId,
+};
+use ratchet_store::{Closed, Closing, Error, InboxEvent, StoredEvent};
+use serde_json::json;
+
+use crate::db::{Db, Row};
+use crate::ops::{
+    ACTIVE_STATUSES, cancel_one, count, from_json, frozen_config, insert_events, insert_queued_run,
+    load_state, parse_run_id, parse_session_id, sql_enum, start_queued_run, take_steers, to_json,
+};
+use crate::{Result, params};
+
+const HELD: &str = "('reserved', 'pending', 'leased')";
+
+/// Events and reservations a root session's inbox holds.
+pub(crate) fn held(c: &dyn Db, root_session: &SessionId) -> Result<u64> {
+    count(
+        c,
+        &format!("SELECT count(*) FROM inbox WHERE session_id = ?1 AND status IN {HELD}"),
+        &params![root_session.as_str()],
+    )
+}
+
+/// Moves the events `ids` that are still in `from` to `to`, noting `reason` when given.
+/// Returns the ids that moved.
+fn move_events(
+    c: &dyn Db,
+    ids: &[i64],
+    from: InboxStatus,
+    to: InboxStatus,
+    reason: Option<&str>,
+    now: Millis,
+) -> Result<Vec<i64>> {
+    from.edge(to)
+        .map_err(|e| Error::Conflict(format!("inbox: {e}")))?;
+    let mut moved = Vec::new();
+    for id in ids {
+        let changed = c.execute(
+            "UPDATE inbox SET status = ?3, reason = COALESCE(?4, reason), updated_at = ?5
+             WHERE id = ?1 AND status = ?2",
+            &params![*id, from.as_str(), to.as_str(), reason, now],
+        )?;
+        if changed == 1 {
+            moved.push(*id);
+        }
+    }
+    Ok(moved)
+}
+
+fn ids_where(c: &dyn Db, sql: &str, params: &[crate::db::Param<'_>]) -> Result<Vec<i64>> {
+    c.query(sql, params)?
+        .into_iter()
+        .map(|mut r| r.int(0))
+        .collect()
+}
+
+/// Reserves the inbox places the background children of a parent's step will report to: one
+/// per child (`each`) or one per call (`all`). Refused with `Error::QuotaExceeded` when the
+/// root session's inbox has no room for them all.
+pub(crate) fn reserve(
+    c: &dyn Db,
+    parent: &AgentState,
+    children: &[ChildRun],
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
+    let mut places: Vec<(InboxKind, Option<&RunId>, &str)> = Vec::new();
+    for child in children {
+        let Some(group) = &child.lineage.background else {
+            continue;
+        };
+        match group.policy {
+            CompletionPolicy::Each => {
+                places.push((InboxKind::Completion, Some(&child.run_id), &group.group));
+            }
+            CompletionPolicy::All => {
+                if !places.iter().any(|(_, _, g)| *g == group.group) {
+                    places.push((InboxKind::GroupCompletion, None, &group.group));
+                }
+            }
+        }
+    }
+    let Some(first) = children.iter().find(|c| c.lineage.background.is_some()) else {
+        return Ok(Vec::new());
+    };
+    let root = &first.lineage.root_session_id;
+    let policy = parent.config.delegation.inbox;
+    let holding = held(c, root)?;
+    if holding + places.len() as u64 > u64::from(policy.capacity) {
+        return Err(Error::QuotaExceeded(format!(
+            "the inbox of session {root} holds {holding} events and reservations and may hold {}; {} more do not fit",
+            policy.capacity,
+            places.len()
+        )));
+    }
+    let mut drafts = Vec::new();
+    for (kind, source, group) in places {
+        let id = c
+            .query_opt(
+                "INSERT INTO inbox (session_id, kind, status, delivery, parent_run_id, source_run_id, group_id, max_attempts, created_at, updated_at)
+                 VALUES (?1, ?2, 'reserved', 'queue', ?3, ?4, ?5, ?6, ?7, ?7) RETURNING id",
+                &params![
+                    root.as_str(),
+                    kind.as_str(),
+                    parent.run_id.as_str(),
+                    source.map(|r| r.as_str()),
+                    group,
+                    policy.max_attempts,
+                    now
+                ],
+            )?
+            .ok_or_else(|| Error::Backend("an insert returned no id".into()))?
+            .int(0)?;
+        drafts.push(EventDraft::new(
+            EventKind::InboxReserved,
+            json!({"event": id, "kind": kind, "run_id": source, "group": group, "delegated_by": parent.run_id}),
+        ));
+    }
+    insert_events(c, root, None, &drafts, now)
+}
+
+/// Whether a session was closed (archived or deleted).
+fn is_closed(c: &dyn Db, session: &SessionId) -> Result<bool> {
+    Ok(c.query_opt(
+        "SELECT 1 FROM sessions WHERE id = ?1 AND (archived_at IS NOT NULL OR deleted_at IS NOT NULL)",
+        &params![session.as_str()],
+    )?
+    .is_some())
+}
+
+/// A background run has ended: its report fills its reserved place — its own (`each`), or its
+/// group's once the group's last run has ended (`all`) — and, when the root session is free,
+/// a continuation turn starts with it in this same transaction.
+pub(crate) fn background_ended(
+    c: &dyn Db,
+    child: &AgentState,
+    enqueued: &mut bool,
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
+    let Some(lineage) = &child.lineage else {
+        return Ok(Vec::new());
+    };
+    let Some(group) = &lineage.background else {
+        return Ok(Vec::new());
+    };
+    let (place, results) = match group.policy {
+        CompletionPolicy::Each => (
+            ids_where(
+                c,
+                "SELECT id FROM inbox WHERE source_run_id = ?1 AND kind = 'completion' AND status = 'reserved'",
+                &params![child.run_id.as_str()],
+            )?,
+            ChildResult::of(child).into_iter().collect(),
+        ),
+        CompletionPolicy::All => {
+            let unfinished = count(
+                c,
+                &format!(
+                    "SELECT count(*) FROM runs WHERE inbox_group = ?1 AND status IN {ACTIVE_STATUSES}"
+                ),
+                &params![group.group.as_str()],
+            )?;
+            if unfinished > 0 {
+                return Ok(Vec::new());
+            }
+            let members = c
+                .query(
+                    "SELECT id FROM runs WHERE inbox_group = ?1",
+                    &params![group.group.as_str()],
+                )?
+                .into_iter()
+                .map(|mut r| parse_run_id(&r.text(0)?))
+                .collect::<Result<Vec<_>>>()?;
+            let mut results = Vec::new();
+            for member in &members {
+                results.extend(ChildResult::of(&load_state(c, member)?));
+            }
+            (
+                ids_where(
+                    c,
+                    "SELECT id FROM inbox WHERE group_id = ?1 AND kind = 'group_completion' AND status = 'reserved'",
+                    &params![group.group.as_str()],
+                )?,
+                results,
+            )
+        }
+    };
+    let root = &lineage.root_session_id;
+    let report = to_json(&completion_report(&lineage.parent_run_id, results))?;
+    let closed = is_closed(c, root)?;
+    let mut drafts = Vec::new();
+    for id in place {
+        c.execute(
+            "UPDATE inbox SET payload_json = ?2, available_at = ?3 WHERE id = ?1",
+            &params![id, &report, now],
+        )?;
+        if closed {
+            let dead = move_events(
+                c,
+                &[id],
+                InboxStatus::Reserved,
+                InboxStatus::DeadLetter,
+                Some("the session was closed"),
+                now,
+            )?;
+            drafts.push(dead_lettered(&dead, "the session was closed"));
+        } else {
+            move_events(
+                c,
+                &[id],
+                InboxStatus::Reserved,
+                InboxStatus::Pending,
+                None,
+                now,
+            )?;
+            drafts.push(EventDraft::new(
+                EventKind::InboxPending,
+                json!({"event": id, "kind": if group.policy == CompletionPolicy::Each { InboxKind::Completion } else { InboxKind::GroupCompletion }, "run_id": child.run_id}),
+            ));
+        }
+    }
+    let mut events = insert_events(c, root, None, &drafts, now)?;
+    if !closed {
+        events.extend(serve_if_free(c, root, enqueued, now)?);
+    }
+    Ok(events)
+}
+
+fn dead_lettered(ids: &[i64], reason: &str) -> EventDraft {
+    EventDraft::new(
+        EventKind::InboxDeadLettered,
+        json!({"events": ids, "reason": reason}),
+    )
+}
+
+/// Starts a continuation turn in a root session that has no active run and has due events.
+fn serve_if_free(
+    c: &dyn Db,
+    session: &SessionId,
+    enqueued: &mut bool,
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
+    let free = c
+        .query_opt(
+            "SELECT 1 FROM sessions WHERE id = ?1 AND active_run_id IS NULL
+             AND archived_at IS NULL AND deleted_at IS NULL",
+            &params![session.as_str()],
+        )?
+        .is_some();
+    if !free || oldest_due(c, session, now)?.is_none() {
+        return Ok(Vec::new());
+    }
+    *enqueued = true;
+    start_continuation(c, session, now)
+}
+
+fn oldest_due(c: &dyn Db, session: &SessionId, now: Millis) -> Result<Option<Millis>> {
+    c.query_opt(
+        "SELECT MIN(available_at) FROM inbox WHERE session_id = ?1 AND status = 'pending' AND available_at <= ?2",
+        &params![session.as_str(), now],
+    )?
+    .map(|mut r| r.opt_int(0))
+    .transpose()
+    .map(Option::flatten)
+}
+
+/// What a freed session does next (see `ratchet_core::inbox::next_turn`): the oldest queued
+/// user run, a continuation turn, or nothing. A closed session starts nothing.
+pub(crate) fn choose_next_turn(
+    c: &dyn Db,
+    session: &SessionId,
+    queued_user: bool,
+    policy: &InboxPolicy,
+    now: Millis,
+) -> Result<NextTurn> {
+    let mut row = c
+        .query_opt(
+            "SELECT archived_at IS NOT NULL OR deleted_at IS NOT NULL, user_turns_in_a_row FROM sessions WHERE id = ?1",
+            &params![session.as_str()],
+        )?
+        .ok_or_else(|| Error::NotFound {
+            kind: "session",
+            id: session.to_string(),
+        })?;
+    if row.flag(0)? {
+        return Ok(NextTurn::Idle);
+    }
+    let waiting = Waiting {
+        queued_user,
+        oldest_due: oldest_due(c, session, now)?,
+        user_turns_in_a_row: u32::try_from(row.int(1)?).unwrap_or(u32::MAX),
+    };
+    Ok(next_turn(waiting, policy, now))
+}
+
+/// Most events one continuation turn is handed.
+const EVENTS_PER_TURN: u32 = 32;
+
+/// Starts a continuation run in a free root session: its due events (oldest first) are leased
+/// to it, and it starts with a hidden trigger that carries their reports.
+pub(crate) fn start_continuation(
+    c: &dyn Db,
+    session: &SessionId,
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
+    let due = c
+        .query(
+            "SELECT id, kind, payload_json, attempts FROM inbox
+             WHERE session_id = ?1 AND status = 'pending' AND available_at <= ?2
+             ORDER BY id LIMIT ?3",
+            &params![session.as_str(), now, EVENTS_PER_TURN],
+        )?
+        .into_iter()
+        .map(|mut r| {
+            let kind = r.text(1)?;
+            Ok((
+                DueEvent {
+                    id: r.int(0)?,
+                    kind: InboxKind::parse(&kind)
+                        .ok_or_else(|| Error::Corrupt(format!("unknown inbox kind {kind:?}")))?,
+                    payload: from_json(&r.text(2)?, "inbox payload")?,
+                },
+                r.int(3)?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let Some((first, attempts)) = due.first() else {
+        return Ok(Vec::new());
+    };
+    let latest = c
+        .query_opt(
+            "SELECT id FROM runs WHERE session_id = ?1 ORDER BY created_at DESC, id DESC LIMIT 1",
+            &params![session.as_str()],
+        )?
+        .ok_or_else(|| Error::Corrupt(format!("session {session} has inbox events but no run")))?
+        .text(0)?;
+    let config = continuation_config(&*frozen_config(c, &parse_run_id(&latest)?)?);
+    // Time-ordered like every run id, and unique: an event is leased by one run at a time.
+    let suffix = format!("{now:012x}-k{}-{}", first.id, attempts + 1);
+    let run_id = RunId::from_suffix(&suffix).map_err(|e| Error::Corrupt(e.to_string()))?;
+    let message_id = MessageId::from_suffix(&suffix).map_err(|e| Error::Corrupt(e.to_string()))?;
+    let events: Vec<DueEvent> = due.iter().map(|(e, _)| e.clone()).collect();
+    let (state, created) = insert_queued_run(
+        c,
+        session,
+        &run_id,
+        message_id.as_str(),
+        &continuation_trigger(&events),
+        config,
+        now,
+    )?;
+    let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
+    let leased = move_events(
+        c,
+        &ids,
+        InboxStatus::Pending,
+        InboxStatus::Leased,
+        None,
+        now,
+    )?;
+    for id in &leased {
+        c.execute(
+            "UPDATE inbox SET lease_run_id = ?2, attempts = attempts + 1 WHERE id = ?1",
+            &params![*id, run_id.as_str()],
+        )?;
+    }
+    let mut drafts = vec![created];
+    drafts.extend(start_queued_run(c, state, now)?);
+    drafts.push(EventDraft::new(
+        EventKind::InboxLeased,
+        json!({"events": leased, "run_id": run_id}),
+    ));
+    insert_events(c, session, Some(&run_id), &drafts, now)
+}
+
+/// A continuation run has ended: the events it held are consumed when it completed; when it
+/// failed each goes back to pending for a later attempt (or to the dead letter after its last);
+/// when it was cancelled they are dead-lettered, so that a stopped turn does not start again.
+pub(crate) fn continuation_ended(
+    c: &dyn Db,
+    state: &AgentState,
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
+    let held = c
+        .query(
+            "SELECT id, attempts, max_attempts FROM inbox WHERE lease_run_id = ?1 AND status = 'leased' ORDER BY id",
+            &params![state.run_id.as_str()],
+        )?
+        .into_iter()
+        .map(|mut r| Ok((r.int(0)?, r.int(1)?, r.int(2)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let ids: Vec<i64> = held.iter().map(|(id, _, _)| *id).collect();
+    let run = &state.run_id;
+    let mut drafts = Vec::new();
+    match state.status {
+        RunStatus::Completed => {
+            let consumed = move_events(
+                c,
+                &ids,
+                InboxStatus::Leased,
+                InboxStatus::Consumed,
+                None,
+                now,
+            )?;
+            drafts.push(EventDraft::new(
+                EventKind::InboxConsumed,
+                json!({"events": consumed, "run_id": run}),
+            ));
+        }
+        RunStatus::Cancelled => {
+            let reason = format!("the continuation run {run} was cancelled");
+            let dead = move_events(
+                c,
+                &ids,
+                InboxStatus::Leased,
+                InboxStatus::DeadLetter,
+                Some(&reason),
+                now,
+            )?;
+            drafts.push(dead_lettered(&dead, &reason));
+        }
+        _ => {
+            let reason = format!(
+                "the continuation run {run} failed ({})",
+                state.stop_reason.map_or("unknown", |r| r.as_str())
+            );
+            let policy = state.config.delegation.inbox;
+            let (mut released, mut dead) = (Vec::new(), Vec::new());
+            for (id, attempts, max_attempts) in held {
+                let policy = InboxPolicy {
+                    max_attempts: u32::try_from(max_attempts).unwrap_or(u32::MAX),
+                    ..policy
+                };
+                match policy.retry_at(u32::try_from(attempts).unwrap_or(u32::MAX), now) {
+                    Some(at) => {
+                        move_events(
+                            c,
+                            &[id],
+                            InboxStatus::Leased,
+                            InboxStatus::Pending,
+                            Some(&reason),
+                            now,
+                        )?;
+                        c.execute(
+                            "UPDATE inbox SET available_at = ?2 WHERE id = ?1",
+                            &params![id, at],
+                        )?;
+                        released.push(json!({"event": id, "available_at": at}));
+                    }
+                    None => {
+                        dead.extend(move_events(
+                            c,
+                            &[id],
+                            InboxStatus::Leased,
+                            InboxStatus::DeadLetter,
+                            Some(&reason),
+                            now,
+                        )?);
+                    }
+                }
+            }
+            if !released.is_empty() {
+                drafts.push(EventDraft::new(
+                    EventKind::InboxReleased,
+                    json!({"events": released, "run_id": run, "reason": reason}),
+                ));
+            }
+            if !dead.is_empty() {
+                drafts.push(dead_lettered(&dead, &reason));
+            }
+        }
+    }
+    insert_events(c, &state.session_id, Some(run), &drafts, now)
+}
+
+/// Root sessions a continuation could start in now.
+pub(crate) fn servable_sessions(c: &dyn Db, now: Millis) -> Result<Vec<SessionId>> {
+    c.query(
+        "SELECT DISTINCT i.session_id FROM inbox i JOIN sessions s ON s.id = i.session_id
+         WHERE i.status = 'pending' AND i.available_at <= ?1 AND s.active_run_id IS NULL
+           AND s.archived_at IS NULL AND s.deleted_at IS NULL
+         ORDER BY i.session_id LIMIT 64",
+        &params![now],
+    )?
+    .into_iter()
+    .map(|mut r| parse_session_id(&r.text(0)?))
+    .collect()
+}
+
+/// Starts a continuation in `session` if it is still free with due events.
+pub(crate) fn serve_session(
+    c: &dyn Db,
+    session: &SessionId,
+    now: Millis,
+) -> Result<(Vec<StoredEvent>, Option<RunId>)> {
+    c.lock_session(session.as_str())?;
+    let mut enqueued = false;
+    let events = serve_if_free(c, session, &mut enqueued, now)?;
+    let started = c
+        .query_opt(
+            "SELECT active_run_id FROM sessions WHERE id = ?1",
+            &params![session.as_str()],
+        )?
+        .map(|mut r| r.opt_text(0))
+        .transpose()?
+        .flatten()
+        .filter(|_| enqueued)
+        .map(|id| parse_run_id(&id))
+        .transpose()?;
+    Ok((events, started))
+}
+
+pub(crate) fn close_session(
+    c: &dyn Db,
+    session: &SessionId,
+    how: Closing,
+    now: Millis,
+) -> Result<Closed> {
+    c.lock_session(session.as_str())?;
+    let not_found = || Error::NotFound {
+        kind: "session",
+        id: session.to_string(),
+    };
+    let mut row = c
+        .query_opt(
+            "SELECT root_session_id, archived_at, deleted_at FROM sessions WHERE id = ?1",
+            &params![session.as_str()],
+        )?
+        .ok_or_else(not_found)?;
+    if row.opt_int(2)?.is_some() {
+        return Err(not_found());
+    }
+    if let Some(root) = row.opt_text(0)? {
+        return Err(Error::Invalid(format!(
+            "session {session} holds a delegated run; close its root session {root}"
+        )));
+    }
+    if how == Closing::Archive && row.opt_int(1)?.is_some() {
+        return Err(Error::Conflict(format!(
+            "session {session} is already archived"
+        )));
+    }
+    c.execute(
+        "UPDATE sessions SET archived_at = COALESCE(archived_at, ?2), deleted_at = ?3 WHERE id = ?1",
+        &params![
+            session.as_str(),
+            now,
+            (how == Closing::Delete).then_some(now)
+        ],
+    )?;
+    // Waiting steers are user messages: they stay on record, as runs cancelled with the rest.
+    for steer in take_steers(c, session)? {
+        let run_id = parse_run_id(&steer.run_id)?;
+        let config = from_json(&steer.config_json, "steer config")?;
+        insert_queued_run(
+            c,
+            session,
+            &run_id,
+            &steer.message_id,
+            &steer.content,
+            config,
+            steer.created_at,
+        )?;
+    }
+    let runs = c
+        .query(
+            &format!(
+                "SELECT r.id FROM runs r JOIN sessions s ON s.id = r.session_id
+                 WHERE (s.id = ?1 OR s.root_session_id = ?1) AND r.status IN {ACTIVE_STATUSES}
+                 ORDER BY r.depth, r.created_at, r.id"
+            ),
+            &params![session.as_str()],
+        )?
+        .into_iter()
+        .map(|mut r| parse_run_id(&r.text(0)?))
+        .collect::<Result<Vec<_>>>()?;
+    let mut events = Vec::new();
+    let mut enqueued = false;
+    for run in runs {
+        match cancel_one(c, &run, now)? {
+            ratchet_store::CancelOutcome::Cancelled {
+                events: more,
+                enqueued: more_enqueued,
+            } => {
+                events.extend(more);
+                enqueued |= more_enqueued;
+            }
+            ratchet_store::CancelOutcome::Cancelling { events: more } => events.extend(more),
+            ratchet_store::CancelOutcome::AlreadyTerminal(_) => {}
+        }
+    }
+    let reason = format!("the session was {}", how.as_str());
+    let mut drafts = Vec::new();
+    for from in [
+        InboxStatus::Reserved,
+        InboxStatus::Pending,
+        InboxStatus::Leased,
+    ] {
+        let ids = ids_where(
+            c,
+            "SELECT id FROM inbox WHERE session_id = ?1 AND status = ?2 ORDER BY id",
+            &params![session.as_str(), from.as_str()],
+        )?;
+        let dead = move_events(c, &ids, from, InboxStatus::DeadLetter, Some(&reason), now)?;
+        if !dead.is_empty() {
+            drafts.push(dead_lettered(&dead, &reason));
+        }
+    }
+    drafts.push(EventDraft::new(
+        EventKind::SessionClosed,
+        json!({"session_id": session, "how": how.as_str()}),
+    ));
+    events.extend(insert_events(c, session, None, &drafts, now)?);
+    Ok(Closed { events, enqueued })
+}
+
+const INBOX_COLUMNS: &str = "id, session_id, kind, status, delivery, parent_run_id, source_run_id, group_id, payload_json, attempts, max_attempts, available_at, lease_run_id, reason, created_at, updated_at";
+
+fn to_inbox_event(mut r: Row) -> Result<InboxEvent> {
+    let kind = r.text(2)?;
+    let status = r.text(3)?;
+    Ok(InboxEvent {
+        id: r.int(0)?,
+        session_id: parse_session_id(&r.text(1)?)?,
+        kind: InboxKind::parse(&kind)
+            .ok_or_else(|| Error::Corrupt(format!("unknown inbox kind {kind:?}")))?,
+        status: InboxStatus::parse(&status)
+            .ok_or_else(|| Error::Corrupt(format!("unknown inbox status {status:?}")))?,
+        delivery: sql_enum::<Delivery>(&r.text(4)?)?,
+        parent_run_id: parse_run_id(&r.text(5)?)?,
+        source_run_id: r.opt_text(6)?.as_deref().map(parse_run_id).transpose()?,
+        group: r.opt_text(7)?,
+        payload: r
+            .opt_text(8)?
+            .map(|p| from_json(&p, "inbox payload"))
+            .transpose()?,
+        attempts: u32::try_from(r.int(9)?).unwrap_or(u32::MAX),
+        max_attempts: u32::try_from(r.int(10)?).unwrap_or(u32::MAX),
+        available_at: r.opt_int(11)?,
+        lease_run_id: r.opt_text(12)?.as_deref().map(parse_run_id).transpose()?,
+        reason: r.opt_text(13)?,
+        created_at: r.int(14)?,
+        updated_at: r.int(15)?,
+    })
+}
+
+pub(crate) fn list(
+    c: &dyn Db,
+    session: &SessionId,
+    status: Option<InboxStatus>,
+    after: i64,
+    limit: u32,
+) -> Result<Vec<InboxEvent>> {
+    let rows = match status {
+        None => c.query(
+            &format!(
+                "SELECT {INBOX_COLUMNS} FROM inbox WHERE session_id = ?1 AND id > ?2 ORDER BY id LIMIT ?3"
+            ),
+            &params![session.as_str(), after, limit],
+        )?,
+        Some(status) => c.query(
+            &format!(
+                "SELECT {INBOX_COLUMNS} FROM inbox WHERE session_id = ?1 AND id > ?2 AND status = ?3 ORDER BY id LIMIT ?4"
+            ),
+            &params![session.as_str(), after, status.as_str(), limit],
+        )?,
+    };
+    rows.into_iter().map(to_inbox_event).collect()
+}
