@@ -126,7 +126,7 @@ pub(crate) fn reserve(
             .int(0)?;
         drafts.push(EventDraft::new(
             EventKind::InboxReserved,
-            json!({"event": id, "kind": kind, "run_id": source, "group": group, "delegated_by": parent.run_id}),
+            json!({"event": id, "kind": kind, "source_run_id": source, "group": group, "delegated_by": parent.run_id}),
         ));
     }
     insert_events(c, root, None, &drafts, now)
@@ -228,7 +228,7 @@ pub(crate) fn background_ended(
             )?;
             drafts.push(EventDraft::new(
                 EventKind::InboxPending,
-                json!({"event": id, "kind": if group.policy == CompletionPolicy::Each { InboxKind::Completion } else { InboxKind::GroupCompletion }, "run_id": child.run_id}),
+                json!({"event": id, "kind": if group.policy == CompletionPolicy::Each { InboxKind::Completion } else { InboxKind::GroupCompletion }, "source_run_id": child.run_id}),
             ));
         }
     }
@@ -277,13 +277,20 @@ fn oldest_due(c: &dyn Db, session: &SessionId, now: Millis) -> Result<Option<Mil
     .map(Option::flatten)
 }
 
-/// What a freed session does next (see `ratchet_core::inbox::next_turn`): the oldest queued
-/// user run, a continuation turn, or nothing. A closed session starts nothing.
+/// The inbox rules an event follows: those frozen with the run that delegated its work.
+fn policy_of(c: &dyn Db, delegated_by: &str) -> Result<InboxPolicy> {
+    Ok(frozen_config(c, &parse_run_id(delegated_by)?)?
+        .delegation
+        .inbox)
+}
+
+/// What a freed session does next (see `ratchet_core::inbox::next_turn`, under the rules of
+/// the oldest due event): the oldest queued user run, a continuation turn, or nothing. A
+/// closed session starts nothing.
 pub(crate) fn choose_next_turn(
     c: &dyn Db,
     session: &SessionId,
     queued_user: bool,
-    policy: &InboxPolicy,
     now: Millis,
 ) -> Result<NextTurn> {
     let mut row = c
@@ -298,12 +305,25 @@ pub(crate) fn choose_next_turn(
     if row.flag(0)? {
         return Ok(NextTurn::Idle);
     }
+    let oldest = c
+        .query_opt(
+            "SELECT available_at, parent_run_id FROM inbox
+             WHERE session_id = ?1 AND status = 'pending' AND available_at <= ?2
+             ORDER BY available_at, id LIMIT 1",
+            &params![session.as_str(), now],
+        )?
+        .map(|mut r| Ok::<_, Error>((r.int(0)?, r.text(1)?)))
+        .transpose()?;
+    let policy = match &oldest {
+        Some((_, delegated_by)) => policy_of(c, delegated_by)?,
+        None => InboxPolicy::default(),
+    };
     let waiting = Waiting {
         queued_user,
-        oldest_due: oldest_due(c, session, now)?,
+        oldest_due: oldest.map(|(due, _)| due),
         user_turns_in_a_row: u32::try_from(row.int(1)?).unwrap_or(u32::MAX),
     };
-    Ok(next_turn(waiting, policy, now))
+    Ok(next_turn(waiting, &policy, now))
 }
 
 /// Most events one continuation turn is handed.
@@ -396,11 +416,11 @@ pub(crate) fn continuation_ended(
 ) -> Result<Vec<StoredEvent>> {
     let held = c
         .query(
-            "SELECT id, attempts, max_attempts FROM inbox WHERE lease_run_id = ?1 AND status = 'leased' ORDER BY id",
+            "SELECT id, attempts, parent_run_id FROM inbox WHERE lease_run_id = ?1 AND status = 'leased' ORDER BY id",
             &params![state.run_id.as_str()],
         )?
         .into_iter()
-        .map(|mut r| Ok((r.int(0)?, r.int(1)?, r.int(2)?)))
+        .map(|mut r| Ok((r.int(0)?, r.int(1)?, r.text(2)?)))
         .collect::<Result<Vec<_>>>()?;
     let ids: Vec<i64> = held.iter().map(|(id, _, _)| *id).collect();
     let run = &state.run_id;
@@ -437,13 +457,9 @@ pub(crate) fn continuation_ended(
                 "the continuation run {run} failed ({})",
                 state.stop_reason.map_or("unknown", |r| r.as_str())
             );
-            let policy = state.config.delegation.inbox;
             let (mut released, mut dead) = (Vec::new(), Vec::new());
-            for (id, attempts, max_attempts) in held {
-                let policy = InboxPolicy {
-                    max_attempts: u32::try_from(max_attempts).unwrap_or(u32::MAX),
-                    ..policy
-                };
+            for (id, attempts, delegated_by) in held {
+                let policy = policy_of(c, &delegated_by)?;
                 match policy.retry_at(u32::try_from(attempts).unwrap_or(u32::MAX), now) {
                     Some(at) => {
                         move_events(

@@ -11,9 +11,9 @@ use ratchet_core::delegation::{ChildResult, ChildRun, child_finished, join_child
 use ratchet_core::inbox::NextTurn;
 use ratchet_core::step::{Reconciliation, Resumption, cancel_idle, start_run};
 use ratchet_core::{
-    AgentState, ApprovalAnswer, ApprovalId, EventDraft, EventKind, HumanRequest, IdError,
-    InboxPolicy, Message, Millis, Origin, Phase, RunConfigSnapshot, RunId, RunStatus, SessionId,
-    StepJob, StepRecord, StepResult, StopReason, ToolOutcome, Visibility,
+    AgentState, ApprovalAnswer, ApprovalId, EventDraft, EventKind, HumanRequest, IdError, Message,
+    Millis, Origin, Phase, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord,
+    StepResult, StopReason, ToolOutcome, Visibility,
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit,
@@ -406,13 +406,7 @@ fn run_ended(
     if state.config.continuation {
         events.extend(crate::inbox::continuation_ended(c, state, now)?);
     }
-    events.extend(release_session(
-        c,
-        &state.session_id,
-        &state.config.delegation.inbox,
-        enqueued,
-        now,
-    )?);
+    events.extend(release_session(c, &state.session_id, enqueued, now)?);
     let (Some(lineage), Some(finished)) = (&state.lineage, ChildResult::of(state)) else {
         return Ok(events);
     };
@@ -1182,7 +1176,6 @@ fn injected<T>(failpoint: &str) -> Result<T> {
 fn release_session(
     c: &dyn Db,
     session_id: &SessionId,
-    policy: &InboxPolicy,
     enqueued: &mut bool,
     now: Millis,
 ) -> Result<Vec<StoredEvent>> {
@@ -1223,7 +1216,7 @@ fn release_session(
             now,
         )?);
     }
-    match crate::inbox::choose_next_turn(c, session_id, next.is_some(), policy, now)? {
+    match crate::inbox::choose_next_turn(c, session_id, next.is_some(), now)? {
         NextTurn::Idle => {}
         NextTurn::Continuation => {
             *enqueued = true;

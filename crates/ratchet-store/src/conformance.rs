@@ -10,6 +10,7 @@
 //! same ones the engine uses, so the store is exercised with realistic transitions.
 
 mod delegation;
+mod inbox;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,6 +26,7 @@ use ratchet_core::{
 use serde_json::{Value, json};
 
 pub use delegation::*;
+pub use inbox::*;
 
 use crate::{
     Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, DEFAULT_TENANT, Error,
@@ -79,6 +81,11 @@ macro_rules! store_conformance_tests {
             a_delegation_beyond_its_tree_limit_writes_nothing,
             run_quotas_refuse_new_runs_beyond_them,
             a_delegated_run_is_not_continued_on_its_own,
+            a_full_inbox_refuses_background_work_and_never_loses_an_accepted_report,
+            a_group_reports_once_when_its_last_run_ends,
+            a_failing_continuation_is_retried_then_dead_lettered,
+            users_and_the_inbox_take_turns,
+            closing_a_session_cancels_its_background_work_and_empties_its_inbox,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,

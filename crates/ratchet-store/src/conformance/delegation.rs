@@ -18,7 +18,7 @@ use crate::{CancelOutcome, ClaimedStep, Error, NewRun, RunQuota, Store, WhenBusy
 
 /// A configuration that may delegate to `worker` (whose runs start with `config()`), in a
 /// tree of at most `max_tree_runs` runs.
-fn delegating_config(max_tree_runs: u64) -> RunConfigSnapshot {
+pub(super) fn delegating_config(max_tree_runs: u64) -> RunConfigSnapshot {
     let worker = AgentProfile {
         id: "worker".into(),
         description: "does the work".into(),
@@ -149,7 +149,7 @@ async fn delegate(store: &dyn Store, run: &RunId, tasks: usize, now: i64) -> Vec
 }
 
 /// Claims the next job of `run` (a claim limited to its tree: it has no delegation running).
-async fn claim_run(store: &dyn Store, run: &RunId, now: i64) -> ClaimedStep {
+pub(super) async fn claim_run(store: &dyn Store, run: &RunId, now: i64) -> ClaimedStep {
     let claimed = store
         .claim_next(lease(OWNER_A, now + LEASE_MS), Some(run), now)
         .await
@@ -160,7 +160,7 @@ async fn claim_run(store: &dyn Store, run: &RunId, now: i64) -> ClaimedStep {
 }
 
 /// A claimed child step answers and completes (`Ok(text)`) or fails with `reason`.
-async fn finish_claimed(
+pub(super) async fn finish_claimed(
     store: &dyn Store,
     step: &ClaimedStep,
     ending: Result<&str, StopReason>,
@@ -180,7 +180,7 @@ async fn finish_claimed(
     commit(store, &step.claim, result, None, now + 1).await;
 }
 
-async fn end_child(
+pub(super) async fn end_child(
     store: &dyn Store,
     child: &RunId,
     ending: Result<&str, StopReason>,

@@ -1,0 +1,604 @@
+//! Conformance of background work and the inbox: a place is reserved when background work is
+//! admitted (and refused when the inbox is full), the report fills it when the work ends, a
+//! continuation turn leases due events and consumes them when it completes, a failed one gives
+//! them back for a later attempt and finally to the dead letter, users and the inbox take
+//! turns, and a closed session keeps its records but starts nothing.
+
+use ratchet_core::delegation::{BackgroundGroup, ChildRun, background_started};
+use ratchet_core::step::{after_model, after_tools};
+use ratchet_core::{
+    CompletionPolicy, EventDraft, EventKind, InboxPolicy, InboxStatus, Lineage, MessageId,
+    ModelReply, Origin, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StopReason, ToolCall,
+    Visibility,
+};
+use serde_json::json;
+
+use super::delegation::{claim_run, delegating_config, end_child, finish_claimed};
+use super::{
+    LEASE_MS, OWNER_A, T0, commit, config, kinds, lease, load, new_session, submit, unique,
+};
+use crate::{ClaimedStep, Closing, Commit, Error, InboxEvent, Store};
+
+fn inbox_config(policy: InboxPolicy) -> RunConfigSnapshot {
+    let mut config = delegating_config(64);
+    config.delegation.inbox = policy;
+    config
+}
+
+/// Drives `parent` through a model step asking for `tasks` background tasks and the tools
+/// step that starts them; returns the children, or the commit's refusal.
+async fn background(
+    store: &dyn Store,
+    parent: &RunId,
+    tasks: usize,
+    policy: CompletionPolicy,
+    now: i64,
+) -> Result<Vec<RunId>, Error> {
+    let model = claim_own(store, parent, now).await;
+    let list: Vec<_> = (0..tasks)
+        .map(|i| json!({"agent": "worker", "task": format!("background {i}")}))
+        .collect();
+    let reply = ModelReply {
+        text: "starting background work".into(),
+        tool_calls: vec![ToolCall {
+            id: "call-b".into(),
+            name: "delegate".into(),
+            arguments: json!({"mode": "background", "completion_policy": policy, "tasks": list}),
+        }],
+        ..ModelReply::default()
+    };
+    let asked = after_model(model.state, &model.job, reply, false, now, now + 1);
+    commit(store, &model.claim, asked, None, now + 1).await;
+    let tools = claim_own(store, parent, now + 2).await;
+    let state = &tools.state;
+    let group = BackgroundGroup::new(&state.run_id, tools.job.step_index, 0, policy);
+    let children: Vec<ChildRun> = (0..tasks as u32)
+        .map(|index| {
+            let suffix = unique();
+            ChildRun {
+                run_id: RunId::from_suffix(&suffix).unwrap(),
+                session_id: SessionId::from_suffix(&suffix).unwrap(),
+                message_id: MessageId::from_suffix(&suffix).unwrap(),
+                task: format!("background {index}"),
+                config: config(),
+                lineage: Lineage {
+                    parent_run_id: state.run_id.clone(),
+                    parent_step: tools.job.step_index,
+                    parent_slot: 0,
+                    task_index: index,
+                    root_run_id: state.run_id.clone(),
+                    root_session_id: state.session_id.clone(),
+                    depth: 1,
+                    agent: "worker".into(),
+                    background: Some(group.clone()),
+                },
+            }
+        })
+        .collect();
+    let ids = children.iter().map(|c| c.run_id.clone()).collect();
+    let outcome = background_started(&children.iter().collect::<Vec<_>>(), policy);
+    let mut result = after_tools(
+        tools.state.clone(),
+        &tools.job,
+        vec![outcome],
+        0,
+        now + 2,
+        now + 3,
+    );
+    assert_eq!(
+        result.state.status,
+        RunStatus::Running,
+        "the parent goes on"
+    );
+    result.children = children;
+    match store
+        .commit_step(&tools.claim, result, None, now + 3)
+        .await?
+    {
+        Commit::Committed { .. } => Ok(ids),
+        Commit::Stale(stale) => panic!("the tools step was refused as stale: {stale:?}"),
+    }
+}
+
+/// Claims `run`'s own job. A claim limited to a run takes its whole tree's jobs, and the
+/// background runs of this suite go on beside their parent: any of theirs claimed on the way
+/// is handed back.
+async fn claim_own(store: &dyn Store, run: &RunId, now: i64) -> ClaimedStep {
+    for _ in 0..16 {
+        let claimed = store
+            .claim_next(lease(OWNER_A, now + LEASE_MS), Some(run), now)
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("no job of {run}'s tree at {now}"));
+        if &claimed.job.run_id == run {
+            return claimed;
+        }
+        let back = EventDraft::new(EventKind::Activity, json!({"activity": "handed back"}));
+        store
+            .retry_later(&claimed.claim, now, back, now)
+            .await
+            .unwrap();
+    }
+    panic!("{run}'s own job could not be claimed at {now}")
+}
+
+async fn inbox(store: &dyn Store, session: &SessionId) -> Vec<InboxEvent> {
+    store.inbox(session, None, 0, 1_000).await.unwrap()
+}
+
+fn statuses(events: &[InboxEvent]) -> Vec<InboxStatus> {
+    events.iter().map(|e| e.status).collect()
+}
+
+/// The session's active run, which must be a continuation holding exactly `events`.
+async fn continuation_holding(store: &dyn Store, session: &SessionId, events: &[i64]) -> RunId {
+    let active = store
+        .get_session(session)
+        .await
+        .unwrap()
+        .active_run_id
+        .expect("a continuation runs");
+    assert!(
+        load(store, &active).await.config.continuation,
+        "{active} is a continuation turn"
+    );
+    let held: Vec<i64> = inbox(store, session)
+        .await
+        .into_iter()
+        .filter(|e| e.status == InboxStatus::Leased && e.lease_run_id.as_ref() == Some(&active))
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(held, events, "the events {active} holds");
+    active
+}
+
+pub async fn a_full_inbox_refuses_background_work_and_never_loses_an_accepted_report(
+    store: &dyn Store,
+) {
+    let session = new_session(store).await;
+    let policy = InboxPolicy {
+        capacity: 2,
+        ..InboxPolicy::default()
+    };
+    let (parent, _) = submit(store, &session, "start work", inbox_config(policy), T0).await;
+    let children = background(store, &parent, 2, CompletionPolicy::Each, T0 + 10)
+        .await
+        .unwrap();
+    let reserved = inbox(store, &session).await;
+    assert_eq!(statuses(&reserved), [InboxStatus::Reserved; 2]);
+    assert_eq!(
+        reserved
+            .iter()
+            .map(|e| e.source_run_id.clone())
+            .collect::<Vec<_>>(),
+        children.iter().cloned().map(Some).collect::<Vec<_>>(),
+        "one place per run (completion_policy each)"
+    );
+    assert_eq!(store.admission(&parent).await.unwrap().inbox_held, 2);
+
+    let refused = background(store, &parent, 1, CompletionPolicy::All, T0 + 20).await;
+    assert!(
+        matches!(&refused, Err(Error::QuotaExceeded(m)) if m.contains("may hold 2")),
+        "a full inbox refuses more background work: {refused:?}"
+    );
+    assert_eq!(
+        inbox(store, &session).await,
+        reserved,
+        "nothing was written"
+    );
+    assert_eq!(store.run_tree(&parent).await.unwrap().len(), 3);
+    assert_eq!(
+        load(store, &parent).await.step_index,
+        3,
+        "the refused step did not commit"
+    );
+
+    // A report that arrives while the session is busy waits; none is dropped.
+    end_child(store, &children[0], Ok("first result"), T0 + 30).await;
+    let after_first = inbox(store, &session).await;
+    assert_eq!(
+        statuses(&after_first),
+        [InboxStatus::Pending, InboxStatus::Reserved]
+    );
+    assert_eq!(
+        after_first[0].payload.as_ref().unwrap()["results"][0]["answer"],
+        "first result"
+    );
+    assert_eq!(
+        store.get_session(&session).await.unwrap().active_run_id,
+        Some(parent.clone()),
+        "no continuation while the session's run goes on"
+    );
+    assert_eq!(store.serve_inboxes(T0 + 35).await.unwrap().started, []);
+    // The refused step is redone once its lease has run out, without the delegation; the run
+    // ends and the turn is free.
+    let redo = claim_own(store, &parent, T0 + 40 + LEASE_MS).await;
+    finish_claimed(store, &redo, Ok("working on it"), T0 + 40 + LEASE_MS).await;
+    assert_eq!(load(store, &parent).await.status, RunStatus::Completed);
+    let first = continuation_holding(store, &session, &[after_first[0].id]).await;
+
+    end_child(store, &children[1], Ok("second result"), T0 + LEASE_MS + 50).await;
+    assert_eq!(
+        statuses(&inbox(store, &session).await),
+        [InboxStatus::Leased, InboxStatus::Pending]
+    );
+    let step = claim_run(store, &first, T0 + LEASE_MS + 60).await;
+    finish_claimed(
+        store,
+        &step,
+        Ok("the first task is done"),
+        T0 + LEASE_MS + 60,
+    )
+    .await;
+    let second = continuation_holding(store, &session, &[after_first[1].id]).await;
+    assert_ne!(first, second);
+    let step = claim_run(store, &second, T0 + LEASE_MS + 70).await;
+    finish_claimed(
+        store,
+        &step,
+        Ok("the second task is done"),
+        T0 + LEASE_MS + 70,
+    )
+    .await;
+
+    let done = inbox(store, &session).await;
+    assert_eq!(statuses(&done), [InboxStatus::Consumed; 2]);
+    assert_eq!(
+        done.iter()
+            .map(|e| e.lease_run_id.clone())
+            .collect::<Vec<_>>(),
+        [Some(first.clone()), Some(second.clone())]
+    );
+    assert_eq!(done.iter().map(|e| e.attempts).collect::<Vec<_>>(), [1, 1]);
+    assert_eq!(
+        store.get_session(&session).await.unwrap().active_run_id,
+        None
+    );
+
+    let visible = store.visible_messages(&session, 0, 1_000).await.unwrap();
+    let shown: Vec<(Role, Origin, &str)> = visible
+        .iter()
+        .map(|m| (m.message.role, m.message.origin, m.message.content.as_str()))
+        .collect();
+    assert_eq!(
+        shown[shown.len() - 2..],
+        [
+            (
+                Role::Assistant,
+                Origin::Continuation,
+                "the first task is done"
+            ),
+            (
+                Role::Assistant,
+                Origin::Continuation,
+                "the second task is done"
+            ),
+        ],
+        "the continuations' answers are visible, marked as continuation"
+    );
+    assert!(
+        !visible
+            .iter()
+            .any(|m| m.message.content.contains("[runtime]")),
+        "the hidden triggers never reach client history"
+    );
+    let history = store.history(&session).await.unwrap();
+    let triggers: Vec<_> = history
+        .iter()
+        .filter(|m| m.origin == Origin::Continuation && m.role == Role::User)
+        .collect();
+    assert_eq!(triggers.len(), 2, "one hidden trigger per continuation");
+    assert!(triggers.iter().all(|m| m.visibility == Visibility::Hidden
+        && m.content.contains("the user did not write this message")));
+    assert!(triggers[0].content.contains("first result"));
+
+    let events = store.events_after(&session, 0, 10_000).await.unwrap();
+    let inbox_kinds: Vec<&str> = kinds(&events)
+        .into_iter()
+        .filter(|k| k.starts_with("inbox."))
+        .collect();
+    assert_eq!(
+        inbox_kinds,
+        [
+            "inbox.reserved",
+            "inbox.reserved",
+            "inbox.pending",
+            "inbox.leased",
+            "inbox.pending",
+            "inbox.consumed",
+            "inbox.leased",
+            "inbox.consumed"
+        ]
+    );
+    assert_eq!(store.admission(&parent).await.unwrap().inbox_held, 0);
+}
+
+pub async fn a_group_reports_once_when_its_last_run_ends(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (parent, _) = submit(
+        store,
+        &session,
+        "start work",
+        inbox_config(InboxPolicy::default()),
+        T0,
+    )
+    .await;
+    let children = background(store, &parent, 3, CompletionPolicy::All, T0 + 10)
+        .await
+        .unwrap();
+    let step = claim_own(store, &parent, T0 + 20).await;
+    finish_claimed(store, &step, Ok("they are running"), T0 + 20).await;
+    let place = inbox(store, &session).await;
+    assert_eq!(
+        statuses(&place),
+        [InboxStatus::Reserved],
+        "one place for the group"
+    );
+    assert!(place[0].group.is_some() && place[0].source_run_id.is_none());
+
+    end_child(store, &children[2], Ok("c"), T0 + 30).await;
+    end_child(
+        store,
+        &children[0],
+        Err(StopReason::BudgetExhausted),
+        T0 + 40,
+    )
+    .await;
+    assert_eq!(
+        statuses(&inbox(store, &session).await),
+        [InboxStatus::Reserved],
+        "the group reports when its last run ends"
+    );
+    assert_eq!(
+        store.get_session(&session).await.unwrap().active_run_id,
+        None
+    );
+    end_child(store, &children[1], Ok("b"), T0 + 50).await;
+    let reported = inbox(store, &session).await;
+    assert_eq!(statuses(&reported), [InboxStatus::Leased]);
+    let results = &reported[0].payload.as_ref().unwrap()["results"];
+    assert_eq!(
+        (0..3)
+            .map(|i| (results[i]["run_id"].clone(), results[i]["status"].clone()))
+            .collect::<Vec<_>>(),
+        [
+            (json!(children[0]), json!("failed")),
+            (json!(children[1]), json!("completed")),
+            (json!(children[2]), json!("completed")),
+        ],
+        "every run's outcome, in task order"
+    );
+    continuation_holding(store, &session, &[reported[0].id]).await;
+}
+
+pub async fn a_failing_continuation_is_retried_then_dead_lettered(store: &dyn Store) {
+    let session = new_session(store).await;
+    let policy = InboxPolicy {
+        max_attempts: 2,
+        retry_backoff_ms: 1_000,
+        ..InboxPolicy::default()
+    };
+    let (parent, _) = submit(store, &session, "start work", inbox_config(policy), T0).await;
+    let children = background(store, &parent, 1, CompletionPolicy::Each, T0 + 10)
+        .await
+        .unwrap();
+    let step = claim_own(store, &parent, T0 + 20).await;
+    finish_claimed(store, &step, Ok("it runs"), T0 + 20).await;
+    end_child(store, &children[0], Ok("result"), T0 + 30).await;
+    let event = inbox(store, &session).await[0].id;
+    let first = continuation_holding(store, &session, &[event]).await;
+
+    let step = claim_run(store, &first, T0 + 40).await;
+    finish_claimed(store, &step, Err(StopReason::LlmError), T0 + 40).await;
+    let released = inbox(store, &session).await;
+    assert_eq!(
+        (
+            released[0].status,
+            released[0].attempts,
+            released[0].available_at
+        ),
+        (InboxStatus::Pending, 1, Some(T0 + 41 + 1_000)),
+        "a failed continuation gives its events back for a later attempt"
+    );
+    assert!(released[0].reason.as_deref().unwrap().contains("llm_error"));
+    assert_eq!(
+        store.get_session(&session).await.unwrap().active_run_id,
+        None
+    );
+    assert_eq!(
+        store.serve_inboxes(T0 + 1_000).await.unwrap().started,
+        [],
+        "not before its backoff"
+    );
+    let served = store.serve_inboxes(T0 + 1_041).await.unwrap();
+    assert_eq!(served.started.len(), 1);
+    let second = continuation_holding(store, &session, &[event]).await;
+    assert_eq!(served.started, [second.clone()]);
+    assert!(kinds(&served.events).contains(&"inbox.leased"));
+    assert_eq!(
+        store.serve_inboxes(T0 + 1_042).await.unwrap().started,
+        [],
+        "one continuation at a time"
+    );
+
+    let step = claim_run(store, &second, T0 + 1_050).await;
+    finish_claimed(store, &step, Err(StopReason::LlmError), T0 + 1_050).await;
+    let dead = inbox(store, &session).await;
+    assert_eq!(
+        (dead[0].status, dead[0].attempts),
+        (InboxStatus::DeadLetter, 2),
+        "the last attempt's failure dead-letters the event"
+    );
+    assert_eq!(
+        store
+            .inbox(&session, Some(InboxStatus::DeadLetter), 0, 10)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    assert_eq!(store.serve_inboxes(T0 + 100_000).await.unwrap().started, []);
+    assert_eq!(store.admission(&parent).await.unwrap().inbox_held, 0);
+    let refused = store
+        .resume_failed(&second, ratchet_core::step::Resumption::Retry, T0 + 100_000)
+        .await;
+    assert!(
+        matches!(refused, Err(Error::Conflict(_))),
+        "a continuation is retried by the inbox, not by hand: {refused:?}"
+    );
+}
+
+pub async fn users_and_the_inbox_take_turns(store: &dyn Store) {
+    let session = new_session(store).await;
+    let policy = InboxPolicy {
+        user_turns_before_inbox: 2,
+        ..InboxPolicy::default()
+    };
+    let (parent, _) = submit(store, &session, "start work", inbox_config(policy), T0).await;
+    let children = background(store, &parent, 1, CompletionPolicy::Each, T0 + 10)
+        .await
+        .unwrap();
+    let (second_user, _) = submit(store, &session, "next question", config(), T0 + 12).await;
+    let (third_user, _) = submit(store, &session, "and another", config(), T0 + 13).await;
+    end_child(store, &children[0], Ok("result"), T0 + 20).await;
+    let event = inbox(store, &session).await[0].id;
+
+    let step = claim_own(store, &parent, T0 + 30).await;
+    finish_claimed(store, &step, Ok("first answer"), T0 + 30).await;
+    assert_eq!(
+        store.get_session(&session).await.unwrap().active_run_id,
+        Some(second_user.clone()),
+        "a user turn goes first while the inbox has not waited too long"
+    );
+    let step = claim_run(store, &second_user, T0 + 40).await;
+    finish_claimed(store, &step, Ok("second answer"), T0 + 40).await;
+    let continuation = continuation_holding(store, &session, &[event]).await;
+    assert_eq!(
+        load(store, &third_user).await.status,
+        RunStatus::Queued,
+        "after two user turns in a row, the due event goes before the third"
+    );
+    let step = claim_run(store, &continuation, T0 + 50).await;
+    finish_claimed(store, &step, Ok("reported"), T0 + 50).await;
+    assert_eq!(
+        store.get_session(&session).await.unwrap().active_run_id,
+        Some(third_user),
+        "then the queued user turn"
+    );
+}
+
+pub async fn closing_a_session_cancels_its_background_work_and_empties_its_inbox(
+    store: &dyn Store,
+) {
+    let session = new_session(store).await;
+    let (parent, _) = submit(
+        store,
+        &session,
+        "start work",
+        inbox_config(InboxPolicy::default()),
+        T0,
+    )
+    .await;
+    let children = background(store, &parent, 2, CompletionPolicy::Each, T0 + 10)
+        .await
+        .unwrap();
+    end_child(store, &children[0], Ok("result"), T0 + 20).await;
+    let cancel = store.request_cancel(&parent, T0 + 25).await.unwrap();
+    assert!(matches!(cancel, crate::CancelOutcome::Cancelling { .. }));
+    assert_eq!(
+        load(store, &children[1]).await.status,
+        RunStatus::Running,
+        "a background run outlives its parent's cancel: it belongs to the session"
+    );
+    let (queued, _) = submit(store, &session, "later", config(), T0 + 26).await;
+
+    let closed = store
+        .close_session(&session, Closing::Archive, T0 + 30)
+        .await
+        .unwrap();
+    assert!(kinds(&closed.events).contains(&"session.closed"));
+    assert_eq!(
+        load(store, &children[1]).await.status,
+        RunStatus::Cancelling
+    );
+    assert_eq!(load(store, &queued).await.status, RunStatus::Cancelled);
+    let dead = inbox(store, &session).await;
+    assert_eq!(statuses(&dead), [InboxStatus::DeadLetter; 2]);
+    assert!(
+        dead.iter()
+            .all(|e| e.reason.as_deref() == Some("the session was archived"))
+    );
+    let archived = store.get_session(&session).await.unwrap();
+    assert!(archived.archived_at.is_some() && archived.deleted_at.is_none());
+
+    // The runs wind down; nothing reports and nothing starts.
+    let step = claim_run(store, &children[1], T0 + 40).await;
+    finish_claimed(store, &step, Ok("late"), T0 + 40).await;
+    let step = claim_own(store, &parent, T0 + 41).await;
+    finish_claimed(store, &step, Ok("late"), T0 + 41).await;
+    assert_eq!(
+        statuses(&inbox(store, &session).await),
+        [InboxStatus::DeadLetter; 2]
+    );
+    assert_eq!(store.serve_inboxes(T0 + 100_000).await.unwrap().started, []);
+    assert_eq!(
+        store.get_session(&session).await.unwrap().active_run_id,
+        None
+    );
+    let refused = store
+        .submit_message(
+            crate::NewRun {
+                session_id: session.clone(),
+                run_id: RunId::from_suffix(&unique()).unwrap(),
+                message_id: MessageId::from_suffix(&unique()).unwrap(),
+                content: "hello?".into(),
+                config: config(),
+                when_busy: crate::WhenBusy::Enqueue,
+                quota: Default::default(),
+            },
+            T0 + 50,
+        )
+        .await;
+    assert!(matches!(refused, Err(Error::Conflict(_))), "{refused:?}");
+    assert!(matches!(
+        store
+            .close_session(&session, Closing::Archive, T0 + 51)
+            .await,
+        Err(Error::Conflict(_))
+    ));
+
+    store
+        .close_session(&session, Closing::Delete, T0 + 60)
+        .await
+        .unwrap();
+    assert!(
+        store
+            .get_session(&session)
+            .await
+            .unwrap()
+            .deleted_at
+            .is_some()
+    );
+    let listed = store
+        .list_sessions(crate::DEFAULT_TENANT, None, 10_000)
+        .await
+        .unwrap();
+    assert!(
+        !listed.iter().any(|s| s.id == session),
+        "a deleted session is not listed"
+    );
+    assert_eq!(inbox(store, &session).await.len(), 2, "its records stay");
+    assert!(matches!(
+        store
+            .close_session(&session, Closing::Delete, T0 + 61)
+            .await,
+        Err(Error::NotFound { .. })
+    ));
+    let child_session = store.run_tree(&parent).await.unwrap()[1].session_id.clone();
+    assert!(matches!(
+        store
+            .close_session(&child_session, Closing::Archive, T0 + 62)
+            .await,
+        Err(Error::Invalid(_))
+    ));
+}
