@@ -123,7 +123,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let toolbox = toolbox(&config).await?;
-    let template = toolbox.run_template(
+    let mut template = toolbox.run_template(
         config.model.as_deref().unwrap_or("scripted:demo"),
         config.workspace.as_deref().map(std::path::Path::new),
         Limits {
@@ -141,6 +141,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         },
         config.memory_scope.unwrap_or_default(),
     )?;
+    template.delegation.inbox = config.inbox_policy()?;
     let agents = match &config.agents {
         Some(dir) => {
             let catalog = crate::agents::load(std::path::Path::new(dir), &toolbox)?;

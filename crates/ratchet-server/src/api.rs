@@ -91,6 +91,8 @@ pub struct SessionView {
     pub metadata: Option<Value>,
     /// The run currently holding the session, if any.
     pub active_run_id: Option<String>,
+    /// When the session was archived: it takes no more messages.
+    pub archived_at: Option<Millis>,
 }
 
 impl From<Session> for SessionView {
@@ -101,6 +103,7 @@ impl From<Session> for SessionView {
             agent: session.agent,
             metadata: session.metadata,
             active_run_id: session.active_run_id.map(|r| r.to_string()),
+            archived_at: session.archived_at,
         }
     }
 }

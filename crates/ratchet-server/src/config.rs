@@ -79,6 +79,29 @@ pub struct Config {
     /// The limits of every delegation tree, `[delegation]`.
     #[serde(default)]
     pub delegation: DelegationLimits,
+    /// How background work reports back, `[inbox]`.
+    #[serde(default)]
+    pub inbox: InboxSettings,
+}
+
+/// `[inbox]`: each root session's inbox of background reports, and its continuation turns.
+/// Absent keys keep their defaults (see `ratchet_core::InboxPolicy`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InboxSettings {
+    /// Reports and reservations a session's inbox may hold (default 64).
+    pub capacity: Option<u32>,
+    /// Continuation turns a report is offered to before it is dead-lettered (default 3).
+    pub max_attempts: Option<u32>,
+    /// Wait before a report's second attempt, doubling after (default 5000).
+    pub retry_backoff_ms: Option<u64>,
+    /// User turns that may start in a row while reports are due (default 3).
+    pub user_turns_before_inbox: Option<u32>,
+    /// How long a due report may wait before it goes ahead of queued user turns (default
+    /// 60000).
+    pub max_wait_ms: Option<u64>,
+    /// How long a continuation turn may take (default 300000).
+    pub continuation_max_duration_ms: Option<u64>,
 }
 
 /// `[gates]`: a run quota (unfinished runs: queued, running, waiting, cancelling) and step
@@ -237,6 +260,33 @@ impl Config {
                 "max_active_runs_per_session",
                 gates.max_active_runs_per_session,
             )?,
+        })
+    }
+
+    /// The rules of `[inbox]`, checked: a capacity or attempt count of 0 would drop reports.
+    pub fn inbox_policy(&self) -> Result<ratchet_core::InboxPolicy, ConfigError> {
+        let settings = &self.inbox;
+        let defaults = ratchet_core::InboxPolicy::default();
+        let at_least_one = |name: &str, value: Option<u32>| match value {
+            Some(0) => Err(ConfigError::Invalid(format!(
+                "inbox.{name} must be at least 1, found 0"
+            ))),
+            _ => Ok(value),
+        };
+        Ok(ratchet_core::InboxPolicy {
+            capacity: at_least_one("capacity", settings.capacity)?.unwrap_or(defaults.capacity),
+            max_attempts: at_least_one("max_attempts", settings.max_attempts)?
+                .unwrap_or(defaults.max_attempts),
+            retry_backoff_ms: settings
+                .retry_backoff_ms
+                .unwrap_or(defaults.retry_backoff_ms),
+            user_turns_before_inbox: settings
+                .user_turns_before_inbox
+                .unwrap_or(defaults.user_turns_before_inbox),
+            max_wait_ms: settings.max_wait_ms.unwrap_or(defaults.max_wait_ms),
+            continuation_max_duration_ms: settings
+                .continuation_max_duration_ms
+                .unwrap_or(defaults.continuation_max_duration_ms),
         })
     }
 
@@ -504,6 +554,26 @@ mod tests {
     }
 
     #[test]
+    fn inbox_settings_are_read_checked_and_default_the_rest() {
+        let config: Config = toml::from_str("[inbox]\ncapacity = 8\nmax_wait_ms = 10\n").unwrap();
+        let policy = config.inbox_policy().unwrap();
+        assert_eq!((policy.capacity, policy.max_wait_ms), (8, 10));
+        assert_eq!(
+            policy.max_attempts,
+            ratchet_core::InboxPolicy::default().max_attempts
+        );
+        for zero in ["capacity", "max_attempts"] {
+            let config: Config = toml::from_str(&format!("[inbox]\n{zero} = 0\n")).unwrap();
+            let error = config.inbox_policy().unwrap_err().to_string();
+            assert!(
+                error.contains(&format!("inbox.{zero} must be at least 1")),
+                "{error}"
+            );
+        }
+        assert!(toml::from_str::<Config>("[inbox]\ncapasity = 8\n").is_err());
+    }
+
+    #[test]
     fn gates_and_delegation_limits_are_read_and_checked() {
         let config = Config::from_toml(
             "agents = \"agents\"\n[gates]\nmax_active_runs = 100\nmax_active_runs_per_session = 8\nmodel_calls = 4\ntool_calls_per_session = 2\n[delegation]\nmax_depth = 2\nmax_tree_runs = 40\n",
@@ -730,6 +800,7 @@ mod tests {
                     agents: None,
                     gates: GatesConfig::default(),
                     delegation: DelegationLimits::default(),
+                    inbox: InboxSettings::default(),
                 },
             )
     }

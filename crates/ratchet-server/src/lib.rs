@@ -9,6 +9,7 @@ mod approvals;
 mod auth;
 mod config;
 mod error;
+mod inbox;
 mod metrics;
 mod routes;
 mod sse;
@@ -92,6 +93,7 @@ pub fn app(state: AppState) -> Router {
     let (router, openapi) = OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(routes::router())
         .merge(approvals::router())
+        .merge(inbox::router())
         .merge(sse::router())
         .merge(metrics::router())
         .split_for_parts();

@@ -52,15 +52,15 @@ fn numeric_cursor<T: std::str::FromStr + Default>(cursor: Option<&str>) -> Resul
     }
 }
 
-/// The session, if it exists and belongs to the tenant; another tenant's session answers
-/// exactly as a missing one does.
+/// The session, if it exists, belongs to the tenant and was not deleted; another tenant's
+/// session, or a deleted one, answers exactly as a missing one does.
 pub(crate) async fn tenant_session(
     state: &AppState,
     tenant: &Tenant,
     id: &SessionId,
 ) -> Result<Session, ApiError> {
     match state.coordinator.store().get_session(id).await {
-        Ok(session) if session.tenant == tenant.0 => Ok(session),
+        Ok(session) if session.tenant == tenant.0 && session.deleted_at.is_none() => Ok(session),
         Ok(_) | Err(ratchet_store::Error::NotFound { .. }) => {
             Err(ApiError::not_found(format!("no session {id}")))
         }

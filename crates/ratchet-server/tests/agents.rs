@@ -490,3 +490,177 @@ async fn a_message_beyond_the_run_quota_is_too_many_requests() {
     assert_eq!(user_messages(&http, &base, &session).await, ["first"]);
     stop.cancel();
 }
+
+// ---------------------------------------------------------------------------------------
+// Background work, the inbox and the end of a session.
+
+/// `lead` hands two tasks to `worker` in the background, then answers "started"; a later turn
+/// of the same script reports.
+fn lead_in_the_background(template: &RunConfigSnapshot, dir: &Path) -> Vec<AgentProfile> {
+    let worker = agent("worker", template, dir, answer("worked"), Vec::new());
+    let script = json!({"replies": [
+        {"tool_calls": [{"name": "delegate", "arguments": {"mode": "background", "tasks": [
+            {"agent": "worker", "task": "t1"},
+            {"agent": "worker", "task": "t2"}
+        ]}}]},
+        {"text": "started"}
+    ]});
+    let lead = agent("lead", template, dir, script, vec![worker.clone()]);
+    vec![lead, worker]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_work_reports_back_in_a_continuation_turn_and_an_archived_session_takes_nothing()
+{
+    let server = Server::start_with_agents(quick_script(), lead_in_the_background).await;
+    let created = create_session_with(&server, TOKEN_A, json!({"agent": "lead"})).await;
+    let session = created.body["id"].as_str().unwrap().to_owned();
+    let mut events = server
+        .stream(&format!("/v1/sessions/{session}/events"), None)
+        .await;
+    let root = server.send(TOKEN_A, &session, "start the work").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let ended = server.finish(&root).await;
+    assert_eq!(ended["final_answer"], "started", "{ended}");
+    let seen = events.until(|e| e.kind == "inbox.consumed").await;
+    let inbox_kinds: Vec<&str> = kinds(&seen)
+        .into_iter()
+        .filter(|k| k.starts_with("inbox."))
+        .collect();
+    assert_eq!(
+        inbox_kinds,
+        [
+            "inbox.reserved",
+            "inbox.pending",
+            "inbox.leased",
+            "inbox.consumed"
+        ],
+        "one place for the group, filled once, consumed by one continuation"
+    );
+
+    let inbox = server
+        .get_ok(TOKEN_A, &format!("/v1/sessions/{session}/inbox"))
+        .await;
+    let items = inbox["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "{inbox}");
+    let event = &items[0];
+    assert_eq!(
+        (&event["kind"], &event["status"], &event["attempts"]),
+        (&json!("group_completion"), &json!("consumed"), &json!(1)),
+        "{event}"
+    );
+    assert_eq!(event["parent_run_id"], root.as_str());
+    let answers: Vec<&Value> = event["payload"]["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| &r["answer"])
+        .collect();
+    assert_eq!(answers, [&json!("worked"), &json!("worked")], "{event}");
+    let continuation = event["lease_run_id"].as_str().unwrap().to_owned();
+    let turn = server.finish(&continuation).await;
+    assert_eq!(turn["status"], "completed", "{turn}");
+
+    let messages = server.messages(&session).await;
+    let origins: Vec<(&str, &str)> = messages
+        .iter()
+        .map(|m| (m["role"].as_str().unwrap(), m["origin"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        origins[..3],
+        [("user", "user"), ("assistant", "agent"), ("tool", "agent")],
+        "{messages:?}"
+    );
+    assert!(
+        origins[4..]
+            .iter()
+            .all(|(_, origin)| *origin == "continuation"),
+        "everything after the first turn is the continuation's: {origins:?}"
+    );
+    assert!(
+        !messages
+            .iter()
+            .any(|m| m["content"].as_str().unwrap().contains("[runtime]")),
+        "the hidden trigger never reaches client history"
+    );
+    assert_eq!(
+        messages.iter().filter(|m| m["role"] == "user").count(),
+        1,
+        "the continuation shows no user message"
+    );
+    let refused_delegation = messages.iter().find(|m| {
+        m["origin"] == "continuation"
+            && m["role"] == "tool"
+            && m["content"].as_str().unwrap().contains("delegate")
+    });
+    assert!(
+        refused_delegation.is_some(),
+        "the script asks the continuation to delegate, and a continuation may not: {messages:?}"
+    );
+
+    for (query, status) in [
+        ("?status=dead_letter", StatusCode::OK),
+        ("?status=lost", StatusCode::BAD_REQUEST),
+        ("?cursor=x", StatusCode::BAD_REQUEST),
+    ] {
+        let reply =
+            call(server.get(TOKEN_A, &format!("/v1/sessions/{session}/inbox{query}"))).await;
+        assert_eq!(reply.status, status, "{query}: {}", reply.body);
+    }
+    let foreign = call(server.get(TOKEN_B, &format!("/v1/sessions/{session}/inbox"))).await;
+    assert_error(
+        "another tenant's inbox",
+        &foreign,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    );
+
+    let archived = call(server.post(
+        TOKEN_A,
+        &format!("/v1/sessions/{session}/archive"),
+        json!({}),
+    ))
+    .await;
+    assert_eq!(archived.status, StatusCode::OK, "{}", archived.body);
+    assert!(archived.body["archived_at"].is_i64(), "{}", archived.body);
+    let path = format!("/v1/sessions/{session}/messages");
+    let refused = call(server.post(TOKEN_A, &path, json!({"content": "more"}))).await;
+    assert_error(
+        "a message to an archived session",
+        &refused,
+        StatusCode::CONFLICT,
+        "conflict",
+    );
+    let again = call(server.post(
+        TOKEN_A,
+        &format!("/v1/sessions/{session}/archive"),
+        json!({}),
+    ))
+    .await;
+    assert_error("archiving twice", &again, StatusCode::CONFLICT, "conflict");
+    assert_eq!(
+        server.messages(&session).await.len(),
+        messages.len(),
+        "archived, still readable"
+    );
+
+    let deleted = server
+        .http
+        .delete(server.url(&format!("/v1/sessions/{session}")))
+        .bearer_auth(TOKEN_A)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), StatusCode::NO_CONTENT);
+    let gone = call(server.get(TOKEN_A, &format!("/v1/sessions/{session}"))).await;
+    assert_error(
+        "a deleted session",
+        &gone,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    );
+    let listed = server.get_ok(TOKEN_A, "/v1/sessions").await;
+    assert!(!ids(&listed["items"]).contains(&session), "{listed}");
+}

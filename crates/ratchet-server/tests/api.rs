@@ -360,7 +360,9 @@ async fn health_metrics_and_the_openapi_document() {
     let expected = BTreeMap::from([
         ("/v1/agents", vec!["get"]),
         ("/v1/sessions", vec!["get", "post"]),
-        ("/v1/sessions/{id}", vec!["get"]),
+        ("/v1/sessions/{id}", vec!["delete", "get"]),
+        ("/v1/sessions/{id}/archive", vec!["post"]),
+        ("/v1/sessions/{id}/inbox", vec!["get"]),
         ("/v1/sessions/{id}/messages", vec!["get", "post"]),
         ("/v1/sessions/{id}/runs", vec!["get"]),
         ("/v1/sessions/{id}/events", vec!["get"]),
