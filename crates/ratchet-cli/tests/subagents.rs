@@ -1,7 +1,8 @@
-//! Sub-agents through the binary: an agent of a catalog delegates with `ratchet run --agents
-//! DIR --agent ID`, the process is killed with SIGKILL while the children run, and `ratchet
-//! resume` finishes every child, joins the parent exactly once and completes it — on SQLite
-//! and on PostgreSQL.
+//! Sub-agents through the binary, on SQLite and on PostgreSQL: an agent of a catalog delegates
+//! with `ratchet run --agents DIR --agent ID`, the process is killed with SIGKILL while the
+//! children run, and `ratchet resume` finishes every child, joins the parent exactly once and
+//! completes it; and `ratchet serve` is killed with SIGKILL while a continuation turn reports
+//! background work, and `ratchet resume` finishes that turn, consuming its event exactly once.
 
 mod common;
 
@@ -11,8 +12,8 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{output_within_deadline, postgres, sqlite, stderr_of};
-use ratchet_core::{RunId, RunStatus};
+use common::{free_port, output_within_deadline, postgres, sqlite, stderr_of};
+use ratchet_core::{InboxStatus, Origin, Role, RunId, RunStatus, SessionId, Visibility};
 use ratchet_store::Store;
 use serde_json::json;
 
@@ -27,6 +28,12 @@ macro_rules! scenarios {
             async fn a_delegating_run_killed_while_its_children_run_resumes_and_joins_once() {
                 let Some(db) = super::$backend() else { return };
                 super::killed_while_children_run(&db.url).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_server_killed_during_a_continuation_turn_resumes_and_consumes_once() {
+                let Some(db) = super::$backend() else { return };
+                super::killed_during_a_continuation(&db.url).await;
             }
         }
     };
@@ -203,4 +210,169 @@ async fn assert_joined_once(store: &dyn Store, root: &RunId) {
         .map(|r| r["answer"].as_str().unwrap_or("(no answer)"))
         .collect();
     assert_eq!(answers, ["worker done"; TASKS]);
+}
+
+/// `lead` starts one `worker` in the background, sleeps, and answers; every turn of its runs
+/// follows the same script, so the continuation turn that reports the worker's result sleeps
+/// too (its `delegate` call is refused: a continuation may only read).
+fn write_background_catalog(dir: &Path) {
+    let lead = json!({"replies": [
+        {"tool_calls": [{"name": "delegate", "arguments": {"mode": "background", "tasks": [
+            {"agent": "worker", "task": "the part"}
+        ]}}]},
+        {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 1_500}}]},
+        {"text": "lead done"}
+    ]});
+    std::fs::write(dir.join("lead.json"), lead.to_string()).unwrap();
+    std::fs::write(
+        dir.join("worker.json"),
+        json!({"replies": [{"text": "worker done"}]}).to_string(),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("lead.md"),
+        "---\nid: lead\ndescription: starts background work\nmodel: scripted:lead.json\ndelegates: [worker]\ntools: [sleep_ms]\n---\nYou lead.\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("worker.md"),
+        "---\nid: worker\ndescription: does one part\nmodel: scripted:worker.json\n---\nYou do one part.\n",
+    )
+    .unwrap();
+}
+
+async fn killed_during_a_continuation(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = dir.path().join("agents");
+    std::fs::create_dir(&catalog).unwrap();
+    write_background_catalog(&catalog);
+    let port = free_port();
+    let mut serve = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--db",
+            url,
+            "--agents",
+        ])
+        .arg(&catalog)
+        .arg("--workspace")
+        .arg(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(started.elapsed() < DEADLINE, "ratchet serve did not listen");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let session: serde_json::Value = http
+        .post(format!("{base}/v1/sessions"))
+        .json(&json!({"agent": "lead"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let session = SessionId::parse(session["id"].as_str().unwrap()).unwrap();
+    let sent = http
+        .post(format!("{base}/v1/sessions/{session}/messages"))
+        .json(&json!({"content": "start the work"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(sent.status().is_success());
+
+    // Kill it while the continuation turn sleeps in its tool call.
+    let store = open(url);
+    let continuation = loop {
+        let runs = store.session_runs(&session, None, 10).await.unwrap();
+        let sleeping = runs
+            .iter()
+            .skip(1)
+            .find(|r| r.status == RunStatus::Running && r.step_index >= 3);
+        if let Some(run) = sleeping {
+            break run.run_id.clone();
+        }
+        if let Some(status) = serve.try_wait().unwrap() {
+            panic!("ratchet serve ended ({status}): {runs:?}");
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "no continuation ran: {runs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    serve.kill().unwrap();
+    assert_eq!(serve.wait().unwrap().signal(), Some(9));
+    let leased = store.inbox(&session, None, 0, 10).await.unwrap();
+    assert_eq!(
+        leased
+            .iter()
+            .map(|e| (e.status, e.lease_run_id.clone()))
+            .collect::<Vec<_>>(),
+        [(InboxStatus::Leased, Some(continuation.clone()))],
+        "killed while the continuation held the event"
+    );
+
+    let resumed = output_within_deadline(
+        Command::new(BIN).args(["resume", "--json", "--db", url]),
+        "",
+    );
+    assert!(
+        resumed.status.success(),
+        "resume failed: {}",
+        stderr_of(&resumed)
+    );
+    let turn = store.load_state(&continuation).await.unwrap();
+    assert_eq!(
+        (turn.status, turn.final_answer.as_deref()),
+        (RunStatus::Completed, Some("lead done"))
+    );
+    let consumed = store.inbox(&session, None, 0, 10).await.unwrap();
+    assert_eq!(
+        consumed
+            .iter()
+            .map(|e| (e.status, e.attempts, e.lease_run_id.clone()))
+            .collect::<Vec<_>>(),
+        [(InboxStatus::Consumed, 1, Some(continuation.clone()))],
+        "consumed exactly once, by the turn that was killed"
+    );
+    let runs = store.session_runs(&session, None, 10).await.unwrap();
+    assert_eq!(
+        runs.len(),
+        2,
+        "the first turn and one continuation: {runs:?}"
+    );
+    let events = store.events_after(&session, 0, 10_000).await.unwrap();
+    let count = |kind: &str| events.iter().filter(|e| e.kind == kind).count();
+    assert_eq!((count("inbox.leased"), count("inbox.consumed")), (1, 1));
+
+    let visible = store.visible_messages(&session, 0, 1_000).await.unwrap();
+    assert!(
+        !visible
+            .iter()
+            .any(|m| m.message.content.contains("[runtime]")),
+        "the hidden trigger never reaches client history"
+    );
+    assert_eq!(
+        visible
+            .last()
+            .map(|m| (m.message.origin, m.message.content.as_str())),
+        Some((Origin::Continuation, "lead done"))
+    );
+    let history = store.history(&session).await.unwrap();
+    let triggers: Vec<_> = history
+        .iter()
+        .filter(|m| m.role == Role::User && m.origin == Origin::Continuation)
+        .collect();
+    assert_eq!(triggers.len(), 1, "one trigger, written once");
+    assert_eq!(triggers[0].visibility, Visibility::Hidden);
+    assert!(triggers[0].content.contains("worker done"));
 }
