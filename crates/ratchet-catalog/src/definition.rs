@@ -8,7 +8,8 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
 
-use ratchet_core::ApprovalPolicy;
+use ratchet_core::inbox::{Severity, SignalContract};
+use ratchet_core::{ApprovalPolicy, Delivery};
 use serde::de::{self, Error as _, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
 
@@ -65,56 +66,41 @@ pub struct AgentLimits {
 /// Largest signal payload a contract may allow.
 pub const MAX_SIGNAL_BYTES: u32 = 65536;
 
-/// What an agent running in the background may send its parent, and how the parent gets it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// A `signal` block as written: each value range-checked as it is read. It becomes the
+/// core's `SignalContract`, which runs are frozen with.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct SignalContract {
+pub(crate) struct SignalSpec {
     /// Signals one run may send in all (at least 1).
     #[serde(deserialize_with = "positive")]
-    pub max_count: u32,
+    max_count: u32,
     /// Least time between two signals.
     #[serde(deserialize_with = "non_negative")]
-    pub min_interval_ms: u64,
+    min_interval_ms: u64,
     /// Largest payload of one signal, 1 to 65536 bytes.
     #[serde(deserialize_with = "signal_bytes")]
-    pub max_bytes: u32,
+    max_bytes: u32,
     /// The severities a signal may carry; not empty, each at most once.
     #[serde(deserialize_with = "severities")]
-    pub severities: Vec<Severity>,
-    /// A signal equal to one sent this recently is dropped.
+    severities: Vec<Severity>,
+    /// A signal with the key of one sent this recently is not sent again.
     #[serde(deserialize_with = "non_negative")]
-    pub dedupe_window_ms: u64,
+    dedupe_window_ms: u64,
     #[serde(default)]
-    pub delivery: SignalDelivery,
+    delivery: Delivery,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Severity {
-    Info,
-    Warning,
-    Critical,
-}
-
-impl Severity {
-    pub fn name(self) -> &'static str {
-        match self {
-            Severity::Info => "info",
-            Severity::Warning => "warning",
-            Severity::Critical => "critical",
+impl From<SignalSpec> for SignalContract {
+    fn from(spec: SignalSpec) -> SignalContract {
+        SignalContract {
+            max_count: spec.max_count,
+            min_interval_ms: spec.min_interval_ms,
+            max_bytes: spec.max_bytes,
+            severities: spec.severities,
+            dedupe_window_ms: spec.dedupe_window_ms,
+            delivery: spec.delivery,
         }
     }
-}
-
-/// How a signal reaches the parent's run.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SignalDelivery {
-    /// As a message queued behind the parent's active run.
-    #[default]
-    Queue,
-    /// Into the parent's active run, before its next model call.
-    Steer,
 }
 
 /// Reads any integer, so that the error for a negative or oversized one can name it.
@@ -193,7 +179,7 @@ fn severities<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<Severity
         if severities[..i].contains(severity) {
             return Err(D::Error::custom(format!(
                 "severity `{}` is listed twice; list each at most once",
-                severity.name()
+                severity.as_str()
             )));
         }
     }

@@ -12,7 +12,8 @@ use serde::de::{self, MapAccess, Unexpected, Visitor};
 use serde_saphyr::{Location, MessageFormatter, Spanned, UserMessageFormatter};
 use sha2::{Digest, Sha256};
 
-use crate::{AgentDefinition, AgentLimits, Known, Problem, SignalContract};
+use crate::definition::SignalSpec;
+use crate::{AgentDefinition, AgentLimits, Known, Problem};
 
 /// Longest description a delegating model is shown.
 const MAX_DESCRIPTION_CHARS: usize = 1024;
@@ -47,7 +48,7 @@ struct Frontmatter {
     limits: AgentLimits,
     #[serde(default)]
     approval: BTreeMap<String, Spanned<Policy>>,
-    signal: Option<SignalContract>,
+    signal: Option<SignalSpec>,
 }
 
 /// An approval policy as a definition writes it: `always`, `never`, or a map of argument
@@ -324,7 +325,7 @@ pub(crate) fn parse(
         delegates,
         limits: frontmatter.limits,
         approval,
-        signal: frontmatter.signal,
+        signal: frontmatter.signal.map(Into::into),
         system_prompt,
         hash,
         path: path.to_path_buf(),

@@ -10,9 +10,7 @@ use std::fmt;
 use std::path::PathBuf;
 
 pub use catalog::{Catalog, MAX_FILE_BYTES};
-pub use definition::{
-    AgentDefinition, AgentLimits, MAX_SIGNAL_BYTES, Severity, SignalContract, SignalDelivery,
-};
+pub use definition::{AgentDefinition, AgentLimits, MAX_SIGNAL_BYTES};
 
 /// What the runtime loading a catalog offers; definitions may only name these.
 pub trait Known {

@@ -5,12 +5,11 @@
 use std::path::{Path, PathBuf};
 
 use proptest::prelude::*;
-use ratchet_core::ApprovalPolicy;
+use ratchet_core::inbox::{Severity, SignalContract};
+use ratchet_core::{ApprovalPolicy, Delivery};
 use tempfile::TempDir;
 
-use crate::{
-    AgentLimits, Catalog, Known, MAX_FILE_BYTES, Problem, Severity, SignalContract, SignalDelivery,
-};
+use crate::{AgentLimits, Catalog, Known, MAX_FILE_BYTES, Problem};
 
 /// A runtime offering three tools, scripted models (whose files must arrive resolved) and
 /// `openai:` models.
@@ -533,7 +532,7 @@ fn a_valid_catalog_loads_every_field() {
             max_bytes: 2048,
             severities: vec![Severity::Warning, Severity::Critical],
             dedupe_window_ms: 60000,
-            delivery: SignalDelivery::Steer,
+            delivery: Delivery::Steer,
         })
     );
 
@@ -561,7 +560,7 @@ fn a_signal_contract_delivers_to_the_queue_unless_it_says_otherwise() {
     let dir = catalog(&[("researcher.md", &text), ("writer.md", WRITER)]);
     let catalog = Catalog::load(dir.path(), &Runtime).unwrap();
     let signal = catalog.get("researcher").unwrap().signal.clone().unwrap();
-    assert_eq!(signal.delivery, SignalDelivery::Queue);
+    assert_eq!(signal.delivery, Delivery::Queue);
 }
 
 #[test]

@@ -171,6 +171,7 @@ fn profile(
     limits.max_prompt_tokens = own.max_prompt_tokens.or(limits.max_prompt_tokens);
     limits.max_duration_ms = own.max_duration_ms.or(limits.max_duration_ms);
     limits.max_parallel = own.max_parallel.unwrap_or(limits.max_parallel);
+    config.signal = definition.signal.clone();
     config.agent = Some(AgentRef {
         id: id.clone(),
         hash: definition.hash.clone(),

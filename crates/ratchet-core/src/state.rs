@@ -176,6 +176,9 @@ pub struct RunConfigSnapshot {
     /// What this run may hand to other agents.
     #[serde(default)]
     pub delegation: DelegationConfig,
+    /// What this run may report while it runs in the background (`emit_signal`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<crate::inbox::SignalContract>,
     /// A continuation turn: the runtime started it to report background work back; its
     /// messages are marked `continuation`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

@@ -374,6 +374,20 @@ impl Coordinator {
         Ok(answered)
     }
 
+    /// Sends a background run's signal to its root session's inbox (see `Store::emit_signal`).
+    pub async fn emit_signal(
+        &self,
+        claim: &Claim,
+        signal: ratchet_store::NewSignal,
+    ) -> Result<ratchet_store::SignalOutcome> {
+        let emitted = self.store.emit_signal(claim, signal, now_ms()).await?;
+        self.publish(emitted.events);
+        if emitted.enqueued {
+            self.wake.notify_one();
+        }
+        Ok(emitted.outcome)
+    }
+
     /// Starts the continuation turns that are due: in every free root session with inbox
     /// events whose time has come (a released event's retry, one that fell due while nothing
     /// committed). Returns how many started.

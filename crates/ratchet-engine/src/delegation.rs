@@ -11,11 +11,13 @@ use async_trait::async_trait;
 use ratchet_core::delegation::{
     BackgroundGroup, ChildRun, DelegateRequest, DelegationMode, parse_delegate,
 };
+use ratchet_core::inbox::SignalContract;
+use ratchet_core::inbox::{emit_signal_tool, parse_signal};
 use ratchet_core::{
     AgentState, CompletionPolicy, Lineage, MessageId, ReplayPolicy, RunId, RunStatus, SessionId,
     StepJob, ToolOutcome,
 };
-use ratchet_store::{RunQuota, TreeNode};
+use ratchet_store::{Claim, NewSignal, RunQuota, SignalOutcome, TreeNode};
 use ratchet_tools::{Tool, ToolContext};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -116,6 +118,12 @@ pub(crate) fn children(
             let mut config = profile.config.clone();
             config.delegation.max_depth = parent.max_depth;
             config.delegation.max_tree_runs = parent.max_tree_runs;
+            let background = delegation.request.mode == DelegationMode::Background;
+            // Only a background run may report before it ends, and only under its contract.
+            match (&config.signal, background) {
+                (Some(contract), true) => config.tools.push(emit_signal_tool(contract)),
+                _ => config.signal = None,
+            }
             let suffix = fresh_suffix();
             children.push(ChildRun {
                 run_id: RunId::from_suffix(&suffix)?,
@@ -132,16 +140,14 @@ pub(crate) fn children(
                     root_session_id: root_session_id.clone(),
                     depth: depth + 1,
                     agent: task.agent.clone(),
-                    background: (delegation.request.mode == DelegationMode::Background).then(
-                        || {
-                            BackgroundGroup::new(
-                                &state.run_id,
-                                job.step_index,
-                                delegation.slot,
-                                delegation.request.completion_policy.unwrap_or_default(),
-                            )
-                        },
-                    ),
+                    background: background.then(|| {
+                        BackgroundGroup::new(
+                            &state.run_id,
+                            job.step_index,
+                            delegation.slot,
+                            delegation.request.completion_policy.unwrap_or_default(),
+                        )
+                    }),
                 },
             });
         }
@@ -281,4 +287,61 @@ fn node_json(node: &TreeNode) -> Value {
         "stop_reason": node.stop_reason,
         "steps": node.step_index,
     })
+}
+
+/// `emit_signal`: a background run tells its root session something before it ends, under its
+/// signal contract; the store keeps one signal per call, so a redone step sends nothing twice.
+pub(crate) struct EmitSignal {
+    pub coordinator: Arc<Coordinator>,
+    pub claim: Claim,
+    pub contract: SignalContract,
+    pub agent: Option<String>,
+}
+
+#[async_trait]
+impl Tool for EmitSignal {
+    fn name(&self) -> &str {
+        ratchet_core::delegation::EMIT_SIGNAL_TOOL
+    }
+
+    fn description(&self) -> &str {
+        "sends a signal to the root session"
+    }
+
+    fn parameters(&self) -> Value {
+        emit_signal_tool(&self.contract).parameters
+    }
+
+    fn replay(&self) -> ReplayPolicy {
+        ReplayPolicy::Safe
+    }
+
+    async fn call(&self, arguments: Value, context: &ToolContext) -> ToolOutcome {
+        let request = match parse_signal(&arguments, &self.contract) {
+            Ok(request) => request,
+            Err(refusal) => return ToolOutcome::error(refusal),
+        };
+        let signal = NewSignal {
+            call_key: context.idempotency_key.clone(),
+            dedupe_key: request.dedupe_key().to_owned(),
+            payload: json!({
+                "from_run_id": self.claim.run_id,
+                "agent": self.agent,
+                "severity": request.severity,
+                "summary": request.summary,
+                "details": request.details,
+            }),
+        };
+        match self.coordinator.emit_signal(&self.claim, signal).await {
+            Ok(SignalOutcome::Sent(event)) => {
+                ToolOutcome::ok(json!({"sent": true, "event": event}).to_string())
+            }
+            Ok(SignalOutcome::Duplicate(event)) => ToolOutcome::ok(
+                json!({"sent": false, "event": event, "note": "the same signal was sent recently; it stands for this one"})
+                    .to_string(),
+            ),
+            Ok(SignalOutcome::Refused(why)) => ToolOutcome::error(why),
+            Err(error) => ToolOutcome::error(format!("emit_signal failed: {error}")),
+        }
+    }
 }

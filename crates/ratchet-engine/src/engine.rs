@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use futures::stream::{self, StreamExt};
 use ratchet_core::delegation::{
-    AGENT_TASK_TOOL, ChildRun, DELEGATE_TOOL, DelegationMode, await_children, background_started,
+    AGENT_TASK_TOOL, ChildRun, DELEGATE_TOOL, DelegationMode, EMIT_SIGNAL_TOOL, await_children,
+    background_started,
 };
 use ratchet_core::message::answer_dangling_calls;
 use ratchet_core::step::{
@@ -29,7 +30,7 @@ use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::delegation::{AgentTask, Delegation, admit, read_delegate};
+use crate::delegation::{AgentTask, Delegation, EmitSignal, admit, read_delegate};
 use crate::gates::{PermitLimits, StepPermits};
 use crate::memory::StoreMemory;
 use crate::{Coordinator, Models, now_ms};
@@ -392,6 +393,15 @@ impl Engine {
                         continue;
                     }
                     Err(message) => Err(message),
+                },
+                EMIT_SIGNAL_TOOL if injected => match &state.config.signal {
+                    Some(contract) => Ok(Arc::new(EmitSignal {
+                        coordinator: Arc::clone(&self.coordinator),
+                        claim: claimed.claim.clone(),
+                        contract: contract.clone(),
+                        agent: state.lineage.as_ref().map(|l| l.agent.clone()),
+                    }) as Arc<dyn Tool>),
+                    None => Err("this run has no signal contract".to_owned()),
                 },
                 AGENT_TASK_TOOL if injected => Ok(Arc::new(AgentTask {
                     coordinator: Arc::clone(&self.coordinator),

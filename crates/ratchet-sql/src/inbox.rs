@@ -8,19 +8,23 @@
 
 use ratchet_core::delegation::{ChildResult, ChildRun, completion_report};
 use ratchet_core::inbox::{
-    DueEvent, NextTurn, Waiting, continuation_config, continuation_trigger, next_turn,
+    DueEvent, EarlierSignal, NextTurn, SignalAdmission, Waiting, admit_signal, continuation_config,
+    continuation_trigger, next_turn, steered_signal,
 };
 use ratchet_core::{
     AgentState, CompletionPolicy, Delivery, EventDraft, EventKind, InboxKind, InboxPolicy,
     InboxStatus, MessageId, Millis, RunId, RunStatus, SessionId,
 };
-use ratchet_store::{Closed, Closing, Error, InboxEvent, StoredEvent};
+use ratchet_store::{
+    Claim, Closed, Closing, EmittedSignal, Error, InboxEvent, NewSignal, SignalOutcome, StoredEvent,
+};
 use serde_json::json;
 
 use crate::db::{Db, Row};
 use crate::ops::{
-    ACTIVE_STATUSES, cancel_one, count, from_json, frozen_config, insert_events, insert_queued_run,
-    load_state, parse_run_id, parse_session_id, sql_enum, start_queued_run, take_steers, to_json,
+    ACTIVE_STATUSES, cancel_one, count, fenced, from_json, frozen_config, insert_events,
+    insert_message, insert_queued_run, load_state, parse_run_id, parse_session_id, sql_enum,
+    start_queued_run, take_steers, to_json,
 };
 use crate::{Result, params};
 
@@ -199,6 +203,29 @@ pub(crate) fn background_ended(
         }
     };
     let root = &lineage.root_session_id;
+    let mut events = Vec::new();
+    if child.status == RunStatus::Cancelled {
+        let unread = ids_where(
+            c,
+            "SELECT id FROM inbox WHERE source_run_id = ?1 AND kind = 'signal' AND status = 'pending' ORDER BY id",
+            &params![child.run_id.as_str()],
+        )?;
+        let superseded = move_events(
+            c,
+            &unread,
+            InboxStatus::Pending,
+            InboxStatus::Superseded,
+            Some("its run was cancelled"),
+            now,
+        )?;
+        if !superseded.is_empty() {
+            let draft = EventDraft::new(
+                EventKind::InboxSuperseded,
+                json!({"events": superseded, "source_run_id": child.run_id}),
+            );
+            events.extend(insert_events(c, root, None, &[draft], now)?);
+        }
+    }
     let report = to_json(&completion_report(&lineage.parent_run_id, results))?;
     let closed = is_closed(c, root)?;
     let mut drafts = Vec::new();
@@ -232,7 +259,7 @@ pub(crate) fn background_ended(
             ));
         }
     }
-    let mut events = insert_events(c, root, None, &drafts, now)?;
+    events.extend(insert_events(c, root, None, &drafts, now)?);
     if !closed {
         events.extend(serve_if_free(c, root, enqueued, now)?);
     }
@@ -695,4 +722,170 @@ pub(crate) fn list(
         )?,
     };
     rows.into_iter().map(to_inbox_event).collect()
+}
+
+pub(crate) fn emit_signal(
+    c: &dyn Db,
+    claim: &Claim,
+    signal: NewSignal,
+    now: Millis,
+) -> Result<EmittedSignal> {
+    c.lock_session_of_run(claim.run_id.as_str())?;
+    fenced(c, claim)?;
+    let state = load_state(c, &claim.run_id)?;
+    if state.cancel_requested {
+        return Err(Error::CancelRequested {
+            run_id: claim.run_id.clone(),
+        });
+    }
+    let refused = |why: String| EmittedSignal {
+        outcome: SignalOutcome::Refused(why),
+        events: Vec::new(),
+        enqueued: false,
+    };
+    let (Some(lineage), Some(contract)) = (&state.lineage, &state.config.signal) else {
+        return Ok(refused(
+            "only a background run whose agent has a signal contract may send signals".into(),
+        ));
+    };
+    if lineage.background.is_none() {
+        return Ok(refused(
+            "only a background run may send signals; a foreground run reports in its answer".into(),
+        ));
+    }
+    let duplicate = |id| EmittedSignal {
+        outcome: SignalOutcome::Duplicate(id),
+        events: Vec::new(),
+        enqueued: false,
+    };
+    if let Some(mut same_call) = c.query_opt(
+        "SELECT id FROM inbox WHERE call_key = ?1",
+        &params![&signal.call_key],
+    )? {
+        return Ok(duplicate(same_call.int(0)?));
+    }
+    let earlier = c
+        .query(
+            "SELECT id, dedupe_key, created_at FROM inbox WHERE source_run_id = ?1 AND kind = 'signal' ORDER BY id",
+            &params![claim.run_id.as_str()],
+        )?
+        .into_iter()
+        .map(|mut r| {
+            Ok(EarlierSignal {
+                event: r.int(0)?,
+                dedupe_key: r.opt_text(1)?.unwrap_or_default(),
+                created_at: r.int(2)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    match admit_signal(contract, &earlier, &signal.dedupe_key, now) {
+        SignalAdmission::Accept => {}
+        SignalAdmission::Duplicate(id) => return Ok(duplicate(id)),
+        SignalAdmission::Refuse(why) => return Ok(refused(why)),
+    }
+    let root = &lineage.root_session_id;
+    if is_closed(c, root)? {
+        return Ok(refused(format!(
+            "session {root} was closed; nobody will read this signal"
+        )));
+    }
+    let policy = policy_of(c, lineage.parent_run_id.as_str())?;
+    let holding = held(c, root)?;
+    if holding >= u64::from(policy.capacity) {
+        return Ok(refused(format!(
+            "the inbox of session {root} is full ({holding} of {}); the signal was not sent — put it in your final answer",
+            policy.capacity
+        )));
+    }
+    let payload = to_json(&signal.payload)?;
+    let id = c
+        .query_opt(
+            "INSERT INTO inbox (session_id, kind, status, delivery, parent_run_id, source_run_id, payload_json, call_key, dedupe_key, max_attempts, available_at, created_at, updated_at)
+             VALUES (?1, 'signal', 'pending', ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, ?9) RETURNING id",
+            &params![
+                root.as_str(),
+                contract.delivery.as_str(),
+                lineage.parent_run_id.as_str(),
+                claim.run_id.as_str(),
+                &payload,
+                &signal.call_key,
+                &signal.dedupe_key,
+                policy.max_attempts,
+                now
+            ],
+        )?
+        .ok_or_else(|| Error::Backend("an insert returned no id".into()))?
+        .int(0)?;
+    let drafts = [
+        EventDraft::new(
+            EventKind::SignalEmitted,
+            json!({"event": id, "source_run_id": claim.run_id, "delivery": contract.delivery, "signal": signal.payload}),
+        ),
+        EventDraft::new(
+            EventKind::InboxPending,
+            json!({"event": id, "kind": InboxKind::Signal, "source_run_id": claim.run_id}),
+        ),
+    ];
+    let mut events = insert_events(c, root, None, &drafts, now)?;
+    let mut enqueued = false;
+    events.extend(serve_if_free(c, root, &mut enqueued, now)?);
+    Ok(EmittedSignal {
+        outcome: SignalOutcome::Sent(id),
+        events,
+        enqueued,
+    })
+}
+
+/// The root session's run reaches a model call: the steered signals waiting for it join its
+/// history now, hidden, and are consumed by it — in the commit that reached the boundary.
+pub(crate) fn absorb_signals(
+    c: &dyn Db,
+    state: &AgentState,
+    step_index: u64,
+    now: Millis,
+) -> Result<Vec<EventDraft>> {
+    if state.lineage.is_some() {
+        return Ok(Vec::new());
+    }
+    let waiting = c
+        .query(
+            "SELECT id, payload_json FROM inbox
+             WHERE session_id = ?1 AND status = 'pending' AND delivery = 'steer' ORDER BY id",
+            &params![state.session_id.as_str()],
+        )?
+        .into_iter()
+        .map(|mut r| Ok((r.int(0)?, r.text(1)?)))
+        .collect::<Result<Vec<_>>>()?;
+    if waiting.is_empty() {
+        return Ok(Vec::new());
+    }
+    for (id, payload) in &waiting {
+        let payload: serde_json::Value = from_json(payload, "signal payload")?;
+        let message = ratchet_core::Message {
+            visibility: ratchet_core::Visibility::Hidden,
+            origin: ratchet_core::Origin::Steer,
+            ..ratchet_core::Message::user(steered_signal(&payload))
+        };
+        let message_id = format!("msg_{}-{step_index}-s{id}", &state.run_id.as_str()[4..]);
+        insert_message(c, &message_id, state, &message, now)?;
+    }
+    let ids: Vec<i64> = waiting.iter().map(|(id, _)| *id).collect();
+    let consumed = move_events(
+        c,
+        &ids,
+        InboxStatus::Pending,
+        InboxStatus::Consumed,
+        None,
+        now,
+    )?;
+    for id in &consumed {
+        c.execute(
+            "UPDATE inbox SET lease_run_id = ?2 WHERE id = ?1",
+            &params![*id, state.run_id.as_str()],
+        )?;
+    }
+    Ok(vec![EventDraft::new(
+        EventKind::InboxConsumed,
+        json!({"events": consumed, "run_id": state.run_id, "steered": true}),
+    )])
 }

@@ -19,9 +19,9 @@ use ratchet_core::{
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, CancelOutcome, ChangeStream, Claim, ClaimedStep,
-    Closed, Closing, Commit, Error, InboxEvent, Intent, IntentRecord, Lease, MessageHit, NewRun,
-    Reconciled, RecordedIntents, RunSummary, SearchScope, Served, Session, SessionSpec, Store,
-    StoreStats, StoredEvent, StoredMessage, Submitted, TreeNode,
+    Closed, Closing, Commit, EmittedSignal, Error, InboxEvent, Intent, IntentRecord, Lease,
+    MessageHit, NewRun, NewSignal, Reconciled, RecordedIntents, RunSummary, SearchScope, Served,
+    Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted, TreeNode,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -338,6 +338,18 @@ impl<B: Backend> Store for SqlStore<B> {
         let session_id = session_id.clone();
         self.backend
             .read(move |c| inbox::list(c, &session_id, status, after, limit))
+            .await
+    }
+
+    async fn emit_signal(
+        &self,
+        claim: &Claim,
+        signal: NewSignal,
+        now: Millis,
+    ) -> Result<EmittedSignal> {
+        let claim = claim.clone();
+        self.backend
+            .write(move |c| inbox::emit_signal(c, &claim, signal, now))
             .await
     }
 

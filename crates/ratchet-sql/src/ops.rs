@@ -699,7 +699,7 @@ fn write_state(c: &dyn Db, state: &AgentState) -> Result<()> {
     Ok(())
 }
 
-fn insert_message(
+pub(crate) fn insert_message(
     c: &dyn Db,
     id: &str,
     state: &AgentState,
@@ -1147,6 +1147,12 @@ pub(crate) fn commit_step(
     let mut drafts = std::mem::take(&mut result.events);
     if steer_boundary {
         drafts.extend(absorb_steers(c, &result.state, now)?);
+        drafts.extend(crate::inbox::absorb_signals(
+            c,
+            &result.state,
+            claim.step_index,
+            now,
+        )?);
     }
     let mut events = insert_events(c, &stored.session_id, Some(&claim.run_id), &drafts, now)?;
     if !result.children.is_empty() {
@@ -1258,7 +1264,7 @@ pub(crate) fn retry_later(
     insert_events(c, &stored.session_id, Some(&claim.run_id), &[event], now).map(Some)
 }
 
-fn fenced(c: &dyn Db, claim: &Claim) -> Result<()> {
+pub(crate) fn fenced(c: &dyn Db, claim: &Claim) -> Result<()> {
     if claim_holds(c, claim)? {
         Ok(())
     } else {

@@ -182,6 +182,35 @@ pub struct InboxEvent {
     pub updated_at: Millis,
 }
 
+/// A signal a background run's `emit_signal` call sends (see `Store::emit_signal`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewSignal {
+    /// The call's idempotency key: one signal per call, however often its step is redone.
+    pub call_key: String,
+    pub dedupe_key: String,
+    pub payload: Value,
+}
+
+/// What became of a signal.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SignalOutcome {
+    /// Sent: the inbox event that carries it.
+    Sent(i64),
+    /// The same signal went out within the dedupe window (or this call already sent it): the
+    /// earlier event stands for it.
+    Duplicate(i64),
+    /// The contract or the inbox's capacity refuses it; nothing was written.
+    Refused(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct EmittedSignal {
+    pub outcome: SignalOutcome,
+    pub events: Vec<StoredEvent>,
+    /// A continuation turn started with it (the root session was free).
+    pub enqueued: bool,
+}
+
 /// What `Store::serve_inboxes` started.
 #[derive(Debug, Clone, Default)]
 pub struct Served {
@@ -713,6 +742,19 @@ pub trait Store: Send + Sync + 'static {
         after: i64,
         limit: u32,
     ) -> Result<Vec<InboxEvent>>;
+
+    /// Sends a signal of the claimed step's run (a background run with a signal contract) to
+    /// its root session's inbox, under the contract's count, interval and dedupe window and
+    /// the inbox's capacity. Fenced like `record_intents`. A `steer` signal joins the root
+    /// session's active run at its next model call; with none, or if that run ends first, it
+    /// is reported by a continuation turn like a `queue` one — started now when the session is
+    /// free.
+    async fn emit_signal(
+        &self,
+        claim: &Claim,
+        signal: NewSignal,
+        now: Millis,
+    ) -> Result<EmittedSignal>;
 
     /// Starts a continuation turn in every open root session that has no active run and has
     /// inbox events due by `now` (an event released for a later attempt becomes due without a

@@ -253,6 +253,15 @@ impl Store for Heard {
         self.inner.inbox(session_id, status, after, limit).await
     }
 
+    async fn emit_signal(
+        &self,
+        claim: &Claim,
+        signal: ratchet_store::NewSignal,
+        now: Millis,
+    ) -> Result<ratchet_store::EmittedSignal> {
+        self.inner.emit_signal(claim, signal, now).await
+    }
+
     async fn serve_inboxes(&self, now: Millis) -> Result<ratchet_store::Served> {
         self.inner.serve_inboxes(now).await
     }
