@@ -618,4 +618,90 @@ mod tests {
             assert!(text.contains(needle), "{needle} in {text}");
         }
     }
+    fn contract() -> SignalContract {
+        SignalContract {
+            max_count: 2,
+            min_interval_ms: 100,
+            max_bytes: 80,
+            severities: vec![Severity::Warning],
+            dedupe_window_ms: 1_000,
+            delivery: Delivery::Queue,
+        }
+    }
+
+    #[test]
+    fn a_signal_is_read_against_its_contract_and_refusals_say_why() {
+        let ok = parse_signal(
+            &json!({"severity": "warning", "summary": "disk at 90%"}),
+            &contract(),
+        )
+        .unwrap();
+        assert_eq!(
+            ok.dedupe_key(),
+            "disk at 90%",
+            "the summary is the key by default"
+        );
+        let refused = |arguments: Value, expected: &str| {
+            let error = parse_signal(&arguments, &contract()).unwrap_err();
+            assert!(
+                error.contains(expected),
+                "{error:?} should say {expected:?}"
+            );
+        };
+        refused(
+            json!({"severity": "info", "summary": "x"}),
+            "allowed: warning",
+        );
+        refused(
+            json!({"severity": "warning", "summary": " "}),
+            "the summary is empty",
+        );
+        refused(
+            json!({"severity": "warning", "summary": "x".repeat(80)}),
+            "at most 80",
+        );
+        refused(
+            json!({"severity": "warning", "summary": "x", "colour": 1}),
+            "unknown field `colour`",
+        );
+    }
+
+    #[test]
+    fn count_interval_and_dedupe_window_decide_over_earlier_signals() {
+        let earlier = |at: &[(i64, &str)]| -> Vec<EarlierSignal> {
+            at.iter()
+                .enumerate()
+                .map(|(i, (created_at, key))| EarlierSignal {
+                    event: i as i64 + 1,
+                    dedupe_key: (*key).to_owned(),
+                    created_at: *created_at,
+                })
+                .collect()
+        };
+        let c = contract();
+        assert_eq!(admit_signal(&c, &[], "a", 0), SignalAdmission::Accept);
+        let one = earlier(&[(1_000, "a")]);
+        assert_eq!(
+            admit_signal(&c, &one, "a", 1_999),
+            SignalAdmission::Duplicate(1)
+        );
+        assert!(
+            matches!(admit_signal(&c, &one, "b", 1_050), SignalAdmission::Refuse(m) if m.contains("wait 50 ms"))
+        );
+        assert_eq!(admit_signal(&c, &one, "b", 1_100), SignalAdmission::Accept);
+        assert_eq!(
+            admit_signal(&c, &one, "a", 2_000),
+            SignalAdmission::Accept,
+            "past the window a repeat is news again"
+        );
+        let two = earlier(&[(1_000, "a"), (2_000, "b")]);
+        assert!(
+            matches!(admit_signal(&c, &two, "c", 9_000), SignalAdmission::Refuse(m) if m.contains("at most 2"))
+        );
+        assert_eq!(
+            admit_signal(&c, &two, "b", 2_500),
+            SignalAdmission::Duplicate(2),
+            "a repeat is not refused for the count: the earlier one stands for it"
+        );
+    }
 }

@@ -86,11 +86,14 @@ macro_rules! store_conformance_tests {
             a_failing_continuation_is_retried_then_dead_lettered,
             users_and_the_inbox_take_turns,
             closing_a_session_cancels_its_background_work_and_empties_its_inbox,
+            signals_follow_their_contract_and_a_cancelled_runs_unread_ones_are_superseded,
+            a_steered_signal_joins_the_active_run_at_its_next_model_call,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
             concurrent_commits_of_one_claim_have_one_winner,
             event_seqs_are_dense_per_session,
+            a_steer_racing_the_end_of_a_run_lands_exactly_once,
         );
     };
     (@borrowed $make:expr; $($name:ident),+ $(,)?) => {

@@ -5,11 +5,12 @@
 //! turns, and a closed session keeps its records but starts nothing.
 
 use ratchet_core::delegation::{BackgroundGroup, ChildRun, background_started};
+use ratchet_core::inbox::{Severity, SignalContract};
 use ratchet_core::step::{after_model, after_tools};
 use ratchet_core::{
-    CompletionPolicy, EventDraft, EventKind, InboxPolicy, InboxStatus, Lineage, MessageId,
-    ModelReply, Origin, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, StopReason, ToolCall,
-    Visibility,
+    CompletionPolicy, Delivery, EventDraft, EventKind, InboxPolicy, InboxStatus, Lineage,
+    MessageId, ModelReply, Origin, Role, RunConfigSnapshot, RunId, RunStatus, SessionId,
+    StopReason, ToolCall, Visibility,
 };
 use serde_json::json;
 
@@ -17,7 +18,7 @@ use super::delegation::{claim_run, delegating_config, end_child, finish_claimed}
 use super::{
     LEASE_MS, OWNER_A, T0, commit, config, kinds, lease, load, new_session, submit, unique,
 };
-use crate::{ClaimedStep, Closing, Commit, Error, InboxEvent, Store};
+use crate::{ClaimedStep, Closing, Commit, Error, InboxEvent, NewSignal, SignalOutcome, Store};
 
 fn inbox_config(policy: InboxPolicy) -> RunConfigSnapshot {
     let mut config = delegating_config(64);
@@ -32,6 +33,18 @@ async fn background(
     parent: &RunId,
     tasks: usize,
     policy: CompletionPolicy,
+    now: i64,
+) -> Result<Vec<RunId>, Error> {
+    background_signalling(store, parent, tasks, policy, None, now).await
+}
+
+/// `background`, with children that may signal under `contract`.
+async fn background_signalling(
+    store: &dyn Store,
+    parent: &RunId,
+    tasks: usize,
+    policy: CompletionPolicy,
+    contract: Option<SignalContract>,
     now: i64,
 ) -> Result<Vec<RunId>, Error> {
     let model = claim_own(store, parent, now).await;
@@ -60,7 +73,10 @@ async fn background(
                 session_id: SessionId::from_suffix(&suffix).unwrap(),
                 message_id: MessageId::from_suffix(&suffix).unwrap(),
                 task: format!("background {index}"),
-                config: config(),
+                config: RunConfigSnapshot {
+                    signal: contract.clone(),
+                    ..config()
+                },
                 lineage: Lineage {
                     parent_run_id: state.run_id.clone(),
                     parent_step: tools.job.step_index,
@@ -601,4 +617,298 @@ pub async fn closing_a_session_cancels_its_background_work_and_empties_its_inbox
             .await,
         Err(Error::Invalid(_))
     ));
+}
+
+fn contract(delivery: Delivery) -> SignalContract {
+    SignalContract {
+        max_count: 2,
+        min_interval_ms: 100,
+        max_bytes: 1_000,
+        severities: vec![Severity::Info, Severity::Warning],
+        dedupe_window_ms: 1_000,
+        delivery,
+    }
+}
+
+/// A signal of the claimed step's call `call` (keys are per run, as the engine's are).
+fn signal(step: &ClaimedStep, call: &str, key: &str) -> NewSignal {
+    NewSignal {
+        call_key: format!("{}#{call}", step.claim.run_id),
+        dedupe_key: key.to_owned(),
+        payload: json!({"summary": key}),
+    }
+}
+
+async fn emit(
+    store: &dyn Store,
+    step: &ClaimedStep,
+    call: &str,
+    key: &str,
+    now: i64,
+) -> SignalOutcome {
+    store
+        .emit_signal(&step.claim, signal(step, call, key), now)
+        .await
+        .unwrap()
+        .outcome
+}
+
+pub async fn signals_follow_their_contract_and_a_cancelled_runs_unread_ones_are_superseded(
+    store: &dyn Store,
+) {
+    let session = new_session(store).await;
+    let (parent, _) = submit(
+        store,
+        &session,
+        "start work",
+        inbox_config(InboxPolicy::default()),
+        T0,
+    )
+    .await;
+    let children = background_signalling(
+        store,
+        &parent,
+        1,
+        CompletionPolicy::Each,
+        Some(contract(Delivery::Queue)),
+        T0 + 10,
+    )
+    .await
+    .unwrap();
+    let child = claim_run(store, &children[0], T0 + 20).await;
+    let sent = emit(store, &child, "c1", "half way", T0 + 20).await;
+    let SignalOutcome::Sent(first) = sent else {
+        panic!("the first signal is sent: {sent:?}");
+    };
+    assert_eq!(
+        emit(store, &child, "c1", "half way", T0 + 21).await,
+        SignalOutcome::Duplicate(first),
+        "the same call sends nothing twice"
+    );
+    assert_eq!(
+        emit(store, &child, "c2", "half way", T0 + 500).await,
+        SignalOutcome::Duplicate(first),
+        "a repeat within the dedupe window is not sent"
+    );
+    assert!(
+        matches!(emit(store, &child, "c3", "more", T0 + 50).await, SignalOutcome::Refused(m) if m.contains("100 ms apart")),
+        "too soon after the last one"
+    );
+    let SignalOutcome::Sent(second) = emit(store, &child, "c4", "more", T0 + 200).await else {
+        panic!("a signal after the interval is sent");
+    };
+    assert!(
+        matches!(emit(store, &child, "c5", "even more", T0 + 400).await, SignalOutcome::Refused(m) if m.contains("at most 2")),
+        "the contract's count is a limit"
+    );
+    let own = claim_own(store, &parent, T0 + 410).await;
+    let foreground = store
+        .emit_signal(&own.claim, signal(&own, "p1", "x"), T0 + 410)
+        .await
+        .unwrap()
+        .outcome;
+    assert!(
+        matches!(foreground, SignalOutcome::Refused(_)),
+        "a run that is not in the background sends no signal: {foreground:?}"
+    );
+    let pending: Vec<(i64, InboxStatus)> = inbox(store, &session)
+        .await
+        .iter()
+        .filter(|e| e.kind == ratchet_core::InboxKind::Signal)
+        .map(|e| (e.id, e.status))
+        .collect();
+    assert_eq!(
+        pending,
+        [
+            (first, InboxStatus::Pending),
+            (second, InboxStatus::Pending)
+        ],
+        "signals wait while the session is busy"
+    );
+
+    let cancel = store.request_cancel(&children[0], T0 + 420).await.unwrap();
+    assert!(matches!(cancel, crate::CancelOutcome::Cancelling { .. }));
+    let refused = store
+        .emit_signal(&child.claim, signal(&child, "c6", "late"), T0 + 430)
+        .await;
+    assert!(
+        matches!(refused, Err(Error::CancelRequested { .. })),
+        "no signal after a cancel: {refused:?}"
+    );
+    let step = ratchet_core::step::finish_step(
+        child.state.clone(),
+        &child.job,
+        StopReason::Cancelled,
+        T0 + 440,
+        T0 + 441,
+    );
+    commit(store, &child.claim, step, None, T0 + 441).await;
+    assert_eq!(load(store, &children[0]).await.status, RunStatus::Cancelled);
+    let after: Vec<(ratchet_core::InboxKind, InboxStatus)> = inbox(store, &session)
+        .await
+        .iter()
+        .map(|e| (e.kind, e.status))
+        .collect();
+    assert_eq!(
+        after,
+        [
+            (ratchet_core::InboxKind::Completion, InboxStatus::Pending),
+            (ratchet_core::InboxKind::Signal, InboxStatus::Superseded),
+            (ratchet_core::InboxKind::Signal, InboxStatus::Superseded),
+        ],
+        "the cancelled run's unread signals are superseded; its completion still reports"
+    );
+}
+
+pub async fn a_steered_signal_joins_the_active_run_at_its_next_model_call(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (parent, _) = submit(
+        store,
+        &session,
+        "start work",
+        inbox_config(InboxPolicy::default()),
+        T0,
+    )
+    .await;
+    let children = background_signalling(
+        store,
+        &parent,
+        1,
+        CompletionPolicy::Each,
+        Some(contract(Delivery::Steer)),
+        T0 + 10,
+    )
+    .await
+    .unwrap();
+    let child = claim_run(store, &children[0], T0 + 20).await;
+    let SignalOutcome::Sent(id) = emit(store, &child, "c1", "found it", T0 + 20).await else {
+        panic!("sent");
+    };
+    // The parent's next step asks for a tool: not yet a model call.
+    let model = claim_own(store, &parent, T0 + 30).await;
+    let asked = after_model(
+        model.state,
+        &model.job,
+        super::tool_reply(),
+        false,
+        T0 + 30,
+        T0 + 31,
+    );
+    commit(store, &model.claim, asked, None, T0 + 31).await;
+    assert_eq!(
+        statuses(&inbox(store, &session).await)[1],
+        InboxStatus::Pending
+    );
+    // The tools step leads to a model call: the boundary.
+    let tools = claim_own(store, &parent, T0 + 40).await;
+    let done = after_tools(
+        tools.state,
+        &tools.job,
+        vec![ratchet_core::ToolOutcome::ok("looked up")],
+        0,
+        T0 + 40,
+        T0 + 41,
+    );
+    let (events, _, _) = commit(store, &tools.claim, done, None, T0 + 41).await;
+    assert!(
+        kinds(&events).contains(&"inbox.consumed"),
+        "{:?}",
+        kinds(&events)
+    );
+    let event = inbox(store, &session)
+        .await
+        .into_iter()
+        .find(|e| e.id == id)
+        .unwrap();
+    assert_eq!(
+        (event.status, event.lease_run_id),
+        (InboxStatus::Consumed, Some(parent.clone())),
+        "consumed by the run it steered"
+    );
+    let history = store.history(&session).await.unwrap();
+    let steered: Vec<_> = history
+        .iter()
+        .filter(|m| m.origin == Origin::Steer)
+        .collect();
+    assert_eq!(steered.len(), 1);
+    assert_eq!(steered[0].visibility, Visibility::Hidden);
+    assert!(steered[0].content.contains("found it"));
+    assert_eq!(
+        history.last().map(|m| m.origin),
+        Some(Origin::Steer),
+        "after the tool result, before the model's next call"
+    );
+}
+
+/// A steered signal and the commit that ends its session's run, at the same time: the signal
+/// is delivered once — never absorbed by the ended run, never lost — by a continuation turn.
+pub async fn a_steer_racing_the_end_of_a_run_lands_exactly_once(store: std::sync::Arc<dyn Store>) {
+    for round in 0..8 {
+        let store = &*store;
+        let session = new_session(store).await;
+        let (parent, _) = submit(
+            store,
+            &session,
+            "start work",
+            inbox_config(InboxPolicy::default()),
+            T0,
+        )
+        .await;
+        let children = background_signalling(
+            store,
+            &parent,
+            1,
+            CompletionPolicy::Each,
+            Some(contract(Delivery::Steer)),
+            T0 + 10,
+        )
+        .await
+        .unwrap();
+        let child = claim_run(store, &children[0], T0 + 20).await;
+        let last = claim_own(store, &parent, T0 + 20).await;
+        let ending = after_model(
+            last.state.clone(),
+            &last.job,
+            super::text_reply("done"),
+            false,
+            T0 + 20,
+            T0 + 21,
+        );
+        let (sent, committed) = tokio::join!(
+            store.emit_signal(&child.claim, signal(&child, "c1", "news"), T0 + 21),
+            store.commit_step(&last.claim, ending, None, T0 + 21),
+        );
+        let SignalOutcome::Sent(id) = sent.unwrap().outcome else {
+            panic!("round {round}: the signal was not sent");
+        };
+        assert!(matches!(committed.unwrap(), Commit::Committed { .. }));
+        assert_eq!(load(store, &parent).await.status, RunStatus::Completed);
+        let event = inbox(store, &session)
+            .await
+            .into_iter()
+            .find(|e| e.id == id)
+            .unwrap();
+        let holder = event.lease_run_id.clone().expect("someone holds it");
+        assert_eq!(event.status, InboxStatus::Leased, "round {round}");
+        assert_ne!(
+            holder, parent,
+            "round {round}: the ended run did not take it"
+        );
+        assert!(load(store, &holder).await.config.continuation);
+        let history = store.history(&session).await.unwrap();
+        assert!(
+            !history.iter().any(|m| m.origin == Origin::Steer),
+            "round {round}: it was not absorbed as well"
+        );
+        let step = claim_run(store, &holder, T0 + 30).await;
+        finish_claimed(store, &step, Ok("told"), T0 + 30).await;
+        let after = inbox(store, &session).await;
+        let consumed = after
+            .iter()
+            .filter(|e| e.id == id && e.status == InboxStatus::Consumed)
+            .count();
+        assert_eq!(consumed, 1, "round {round}");
+        let continuations = store.session_runs(&session, None, 100).await.unwrap().len() - 1;
+        assert!(continuations >= 1, "round {round}");
+    }
 }
