@@ -25,13 +25,14 @@ use ratchet_core::{
 };
 use ratchet_llm::ModelRequest;
 use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, IntentRecord, StoredMessage};
-use ratchet_tools::{MemorySearch, Registry, Tool, ToolContext};
+use ratchet_tools::{InputWatch, MemorySearch, Registry, Tool, ToolContext};
 use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::delegation::{AgentTask, Delegation, EmitSignal, admit, read_delegate};
 use crate::gates::{PermitLimits, StepPermits};
+use crate::input::SessionInput;
 use crate::memory::StoreMemory;
 use crate::{Coordinator, Models, now_ms};
 
@@ -454,6 +455,12 @@ impl Engine {
                     cancel: cancel.child_token(),
                     session_id: state.session_id.clone(),
                     memory: Some(Arc::clone(&memory)),
+                    input: state.lineage.is_none().then(|| {
+                        Arc::new(SessionInput::new(
+                            Arc::clone(&self.coordinator),
+                            state.session_id.clone(),
+                        )) as Arc<dyn InputWatch>
+                    }),
                 };
                 run_call(
                     Arc::clone(&self.coordinator),

@@ -8,6 +8,7 @@ mod coordinator;
 mod delegation;
 mod engine;
 mod gates;
+mod input;
 mod memory;
 mod models;
 mod worker;

@@ -440,3 +440,63 @@ async fn the_follower_relays_other_processes_events_and_wakes_idle_workers() {
         .expect("the relay ended with its stream")
         .unwrap();
 }
+
+/// `sleep` ends when input for the session arrives: a run sleeping for ten minutes answers as
+/// soon as a second message is queued behind it, and tells the model what woke it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sleeping_run_wakes_when_a_message_is_queued_behind_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let node = node(&db, fast_pool());
+    let script = write_script(
+        dir.path(),
+        json!({"replies": [
+            {"tool_calls": [{"name": "sleep", "arguments": {"ms": 600000}}]},
+            {"text": "awake"}
+        ]}),
+    );
+    let mut events = node.coordinator.subscribe();
+    let first = start_run(&node.coordinator, "wait for me".into(), config(&script)).await;
+    let session = node
+        .coordinator
+        .store()
+        .load_state(&first)
+        .await
+        .unwrap()
+        .session_id;
+    loop {
+        let event = tokio::time::timeout(Duration::from_secs(30), events.recv())
+            .await
+            .expect("the run never called sleep")
+            .unwrap();
+        if event.kind == "tool.call" && event.payload["tool"] == "sleep" {
+            break;
+        }
+    }
+    let answer = dir.path().join("answer.json");
+    std::fs::write(&answer, json!({"replies": [{"text": "hello"}]}).to_string()).unwrap();
+    let second = node
+        .coordinator
+        .submit(
+            &session,
+            "here I am".into(),
+            config(&answer),
+            Multitask::Enqueue,
+        )
+        .await
+        .unwrap()
+        .run_id;
+    let ended = wait_until_terminal(&node.coordinator, &first).await;
+    assert_eq!(ended.final_answer.as_deref(), Some("awake"));
+    let history = node.coordinator.store().history(&session).await.unwrap();
+    let result = history
+        .iter()
+        .find(|m| m.role == ratchet_core::Role::Tool)
+        .expect("the sleep's result");
+    let woke: serde_json::Value = serde_json::from_str(&result.content).unwrap();
+    assert_eq!(woke["woke"], "input", "{woke}");
+    assert_eq!(woke["waiting"]["queued_messages"], 1, "{woke}");
+    assert!(woke["slept_ms"].as_u64().unwrap() < 600_000);
+    wait_until_terminal(&node.coordinator, &second).await;
+    node.pool.shutdown().await;
+}

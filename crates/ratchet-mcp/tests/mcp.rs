@@ -46,6 +46,7 @@ fn context(cancel: CancellationToken) -> ToolContext {
         cancel,
         session_id: SessionId::parse("ses_1").unwrap(),
         memory: None,
+        input: None,
     }
 }
 

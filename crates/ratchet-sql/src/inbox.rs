@@ -889,3 +889,20 @@ pub(crate) fn absorb_signals(
         json!({"events": consumed, "run_id": state.run_id, "steered": true}),
     )])
 }
+
+pub(crate) fn pending_input(
+    c: &dyn Db,
+    session: &SessionId,
+    now: Millis,
+) -> Result<ratchet_store::PendingInput> {
+    let counted = |sql: &str| count(c, sql, &params![session.as_str(), now]);
+    Ok(ratchet_store::PendingInput {
+        queued_messages: counted(
+            "SELECT count(*) FROM runs WHERE session_id = ?1 AND status = 'queued' AND created_at <= ?2",
+        )?,
+        steers: counted("SELECT count(*) FROM steers WHERE session_id = ?1 AND created_at <= ?2")?,
+        inbox_events: counted(
+            "SELECT count(*) FROM inbox WHERE session_id = ?1 AND status = 'pending' AND available_at <= ?2",
+        )?,
+    })
+}

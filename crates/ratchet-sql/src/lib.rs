@@ -20,8 +20,9 @@ use ratchet_core::{
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, CancelOutcome, ChangeStream, Claim, ClaimedStep,
     Closed, Closing, Commit, EmittedSignal, Error, InboxEvent, Intent, IntentRecord, Lease,
-    MessageHit, NewRun, NewSignal, Reconciled, RecordedIntents, RunSummary, SearchScope, Served,
-    Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted, TreeNode,
+    MessageHit, NewRun, NewSignal, PendingInput, Reconciled, RecordedIntents, RunSummary,
+    SearchScope, Served, Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage,
+    Submitted, TreeNode,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -350,6 +351,13 @@ impl<B: Backend> Store for SqlStore<B> {
         let claim = claim.clone();
         self.backend
             .write(move |c| inbox::emit_signal(c, &claim, signal, now))
+            .await
+    }
+
+    async fn pending_input(&self, session_id: &SessionId, now: Millis) -> Result<PendingInput> {
+        let session_id = session_id.clone();
+        self.backend
+            .read(move |c| inbox::pending_input(c, &session_id, now))
             .await
     }
 

@@ -182,6 +182,23 @@ pub struct InboxEvent {
     pub updated_at: Millis,
 }
 
+/// Input waiting for a session besides its active run (counts only).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PendingInput {
+    /// User messages queued behind the active run.
+    pub queued_messages: u64,
+    /// Messages waiting to steer the active run.
+    pub steers: u64,
+    /// Inbox events due (reports of background work, signals).
+    pub inbox_events: u64,
+}
+
+impl PendingInput {
+    pub fn any(&self) -> bool {
+        self.queued_messages + self.steers + self.inbox_events > 0
+    }
+}
+
 /// A signal a background run's `emit_signal` call sends (see `Store::emit_signal`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewSignal {
@@ -755,6 +772,9 @@ pub trait Store: Send + Sync + 'static {
         signal: NewSignal,
         now: Millis,
     ) -> Result<EmittedSignal>;
+
+    /// What waits for `session_id` besides its active run, as of `now`.
+    async fn pending_input(&self, session_id: &SessionId, now: Millis) -> Result<PendingInput>;
 
     /// Starts a continuation turn in every open root session that has no active run and has
     /// inbox events due by `now` (an event released for a later attempt becomes due without a

@@ -117,6 +117,55 @@ impl Tool for SleepMs {
     }
 }
 
+/// Waits until its time is up or new input arrives for the session, whichever comes first:
+/// for a run that has nothing to do until someone (a user, its background work) says more.
+pub struct Sleep;
+
+#[async_trait]
+impl Tool for Sleep {
+    fn name(&self) -> &str {
+        "sleep"
+    }
+    fn description(&self) -> &str {
+        "Waits up to the given number of milliseconds (at most 600000), ending early when new input arrives for this conversation (a user message, or a report of background work you started). Says which it was."
+    }
+    fn parameters(&self) -> Value {
+        json!({
+            "type": "object",
+            "properties": {"ms": {"type": "integer", "minimum": 0, "maximum": MAX_SLEEP_MS}},
+            "required": ["ms"],
+            "additionalProperties": false
+        })
+    }
+    /// A child's sleep wakes on its timer or cancel only; nothing else differs.
+    fn delegation(&self) -> ToolDelegation {
+        ToolDelegation::Delegatable
+    }
+    fn replay(&self) -> ReplayPolicy {
+        ReplayPolicy::Safe
+    }
+    async fn call(&self, arguments: Value, context: &ToolContext) -> ToolOutcome {
+        let ms = arguments["ms"].as_u64().unwrap_or(0).min(MAX_SLEEP_MS);
+        let started = std::time::Instant::now();
+        let input = async {
+            match &context.input {
+                Some(watch) => watch.arrived().await,
+                None => std::future::pending().await,
+            }
+        };
+        let slept = || started.elapsed().as_millis() as u64;
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(ms)) => {
+                ToolOutcome::ok(json!({"woke": "timer", "slept_ms": slept()}).to_string())
+            }
+            waiting = input => {
+                ToolOutcome::ok(json!({"woke": "input", "slept_ms": slept(), "waiting": waiting}).to_string())
+            }
+            () = context.cancel.cancelled() => ToolOutcome::error("cancelled"),
+        }
+    }
+}
+
 pub struct AppendLine;
 
 #[async_trait]
@@ -226,6 +275,8 @@ fn confine(workspace: &Path, relative: &str) -> Result<PathBuf, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
     use tokio_util::sync::CancellationToken;
 
     fn context(workspace: Option<&Path>) -> ToolContext {
@@ -235,6 +286,7 @@ mod tests {
             cancel: CancellationToken::new(),
             session_id: ratchet_core::SessionId::from_suffix("s").unwrap(),
             memory: None,
+            input: None,
         }
     }
 
@@ -320,5 +372,45 @@ mod tests {
         ctx.cancel.cancel();
         let outcome = SleepMs.call(json!({"ms": 600000}), &ctx).await;
         assert_eq!(outcome, ToolOutcome::error("cancelled"));
+    }
+
+    #[derive(Debug)]
+    struct ArrivesAfter(Duration);
+
+    #[async_trait]
+    impl crate::InputWatch for ArrivesAfter {
+        async fn arrived(&self) -> Value {
+            tokio::time::sleep(self.0).await;
+            json!({"queued_messages": 1})
+        }
+    }
+
+    #[tokio::test]
+    async fn sleep_ends_on_input_its_timer_or_cancel_whichever_comes_first() {
+        let woke =
+            |outcome: ToolOutcome| -> Value { serde_json::from_str(&outcome.content).unwrap() };
+        let mut ctx = context(None);
+        ctx.input = Some(Arc::new(ArrivesAfter(Duration::from_millis(10))));
+        let early = woke(Sleep.call(json!({"ms": 600000}), &ctx).await);
+        assert_eq!(
+            (&early["woke"], &early["waiting"]),
+            (&json!("input"), &json!({"queued_messages": 1}))
+        );
+        ctx.input = Some(Arc::new(ArrivesAfter(Duration::from_secs(600))));
+        assert_eq!(
+            woke(Sleep.call(json!({"ms": 5}), &ctx).await)["woke"],
+            "timer"
+        );
+        let child = context(None);
+        assert_eq!(
+            woke(Sleep.call(json!({"ms": 5}), &child).await)["woke"],
+            "timer",
+            "without an input watch (a child run) only the timer ends it"
+        );
+        ctx.cancel.cancel();
+        assert_eq!(
+            Sleep.call(json!({"ms": 600000}), &ctx).await,
+            ToolOutcome::error("cancelled")
+        );
     }
 }

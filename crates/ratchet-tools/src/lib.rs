@@ -18,7 +18,7 @@ use ratchet_core::{
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-pub use builtin::{Add, AppendLine, Now, SleepMs};
+pub use builtin::{Add, AppendLine, Now, Sleep, SleepMs};
 pub use memory::{MemoryHit, MemorySearch, MemorySearchTool};
 
 /// What a running tool call may know about its surroundings.
@@ -33,6 +33,17 @@ pub struct ToolContext {
     pub session_id: SessionId,
     /// The history `memory_search` may look through; None when this runtime offers none.
     pub memory: Option<Arc<dyn MemorySearch>>,
+    /// New input for the run's session (a user message, a steer, an inbox report), which ends
+    /// a `sleep` early. None for a child run: its sleep ends on its timer or its cancel only.
+    pub input: Option<Arc<dyn InputWatch>>,
+}
+
+/// Tells a waiting tool that input for its session has arrived.
+#[async_trait]
+pub trait InputWatch: Send + Sync + std::fmt::Debug {
+    /// Returns once new input is waiting for the session (at once if some already is), with
+    /// what it is: counts, never contents.
+    async fn arrived(&self) -> Value;
 }
 
 #[async_trait]
@@ -108,6 +119,7 @@ impl Registry {
             Arc::new(Add),
             Arc::new(Now),
             Arc::new(SleepMs),
+            Arc::new(Sleep),
             Arc::new(AppendLine),
             Arc::new(MemorySearchTool),
         ]

@@ -190,6 +190,7 @@ mod tests {
             cancel: CancellationToken::new(),
             session_id: session("mine"),
             memory,
+            input: None,
         }
     }
 

@@ -262,6 +262,14 @@ impl Store for Heard {
         self.inner.emit_signal(claim, signal, now).await
     }
 
+    async fn pending_input(
+        &self,
+        session_id: &SessionId,
+        now: Millis,
+    ) -> Result<ratchet_store::PendingInput> {
+        self.inner.pending_input(session_id, now).await
+    }
+
     async fn serve_inboxes(&self, now: Millis) -> Result<ratchet_store::Served> {
         self.inner.serve_inboxes(now).await
     }
