@@ -664,3 +664,126 @@ async fn background_work_reports_back_in_a_continuation_turn_and_an_archived_ses
     let listed = server.get_ok(TOKEN_A, "/v1/sessions").await;
     assert!(!ids(&listed["items"]).contains(&session), "{listed}");
 }
+
+/// A continuation whose model call keeps failing: the failed turn gives its report back, a
+/// later turn tries again, and after the last attempt the report goes to the dead letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continuation_whose_model_keeps_failing_is_retried_then_dead_lettered() {
+    let server = Server::start_with(quick_script(), |template, models| {
+        // Delegates when it may, answers otherwise, and fails whenever it is asked to report.
+        let picky = common::FnModel(|request: ratchet_llm::ModelRequest| {
+            let reporting = request
+                .messages
+                .last()
+                .is_some_and(|m| m.content.starts_with("[runtime]"));
+            if reporting {
+                return Err(ratchet_llm::Error::transient("HTTP 503 while reporting"));
+            }
+            let delegates = request.tools.iter().any(|t| t.name == "delegate");
+            let reply = match (delegates, request.call_index) {
+                (true, 0) => ratchet_core::ModelReply {
+                    tool_calls: vec![ratchet_core::ToolCall {
+                        id: "call-1".into(),
+                        name: "delegate".into(),
+                        arguments: json!({"mode": "background", "tasks": [{"agent": "worker", "task": "t1"}]}),
+                    }],
+                    ..Default::default()
+                },
+                (true, _) => ratchet_core::ModelReply {
+                    text: "started".into(),
+                    ..Default::default()
+                },
+                (false, _) => ratchet_core::ModelReply {
+                    text: "worked".into(),
+                    ..Default::default()
+                },
+            };
+            Ok(reply)
+        });
+        models.register("picky", Arc::new(picky));
+        template.model = "picky".into();
+        template.limits.max_model_attempts = 2;
+        template.delegation.inbox.max_attempts = 2;
+        template.delegation.inbox.retry_backoff_ms = 20;
+        let worker = AgentProfile {
+            id: "worker".into(),
+            description: "works".into(),
+            config: template.clone(),
+        };
+        template.tools.push(delegate_tool(std::slice::from_ref(&worker)));
+        template.delegation.agents = vec![worker];
+    })
+    .await;
+    let session = server.create_session(TOKEN_A).await;
+    let mut events = server
+        .stream(&format!("/v1/sessions/{session}/events"), None)
+        .await;
+    let root = server.send(TOKEN_A, &session, "start").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(server.finish(&root).await["final_answer"], "started");
+    let seen = events.until(|e| e.kind == "inbox.dead_lettered").await;
+    let inbox_kinds: Vec<&str> = kinds(&seen)
+        .into_iter()
+        .filter(|k| k.starts_with("inbox."))
+        .collect();
+    assert_eq!(
+        inbox_kinds,
+        [
+            "inbox.reserved",
+            "inbox.pending",
+            "inbox.leased",
+            "inbox.released",
+            "inbox.leased",
+            "inbox.dead_lettered"
+        ]
+    );
+    let dead = server
+        .get_ok(
+            TOKEN_A,
+            &format!("/v1/sessions/{session}/inbox?status=dead_letter"),
+        )
+        .await;
+    let event = &dead["items"][0];
+    assert_eq!(
+        (&event["attempts"], &event["max_attempts"]),
+        (&json!(2), &json!(2)),
+        "{dead}"
+    );
+    assert!(
+        event["reason"].as_str().unwrap().contains("llm_error"),
+        "{event}"
+    );
+    let runs = server
+        .get_ok(TOKEN_A, &format!("/v1/sessions/{session}/runs"))
+        .await;
+    let statuses: Vec<(&str, &str)> = runs["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["status"].as_str().unwrap(),
+                r["stop_reason"].as_str().unwrap_or("-"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        statuses,
+        [
+            ("completed", "completed"),
+            ("failed", "llm_error"),
+            ("failed", "llm_error")
+        ],
+        "the first turn, then two continuations that failed"
+    );
+    assert!(
+        !server
+            .messages(&session)
+            .await
+            .iter()
+            .any(|m| m["content"].as_str().unwrap().contains("[runtime]")),
+        "failed triggers stay hidden too"
+    );
+}

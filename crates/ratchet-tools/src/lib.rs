@@ -192,7 +192,7 @@ mod tests {
         let registry = Registry::builtin();
         assert_eq!(
             registry.names(),
-            ["add", "append_line", "memory_search", "now", "sleep_ms"]
+            ["add", "append_line", "memory_search", "now", "sleep", "sleep_ms"]
         );
         assert!(registry.validate("add", &json!({"a": 1, "b": 2.5})).is_ok());
         let err = registry
@@ -265,7 +265,7 @@ mod tests {
             };
             assert_eq!(spec.approval, expected, "{}", spec.name);
         }
-        assert_eq!(specs.len(), 6);
+        assert_eq!(specs.len(), 7);
     }
 
     #[test]
