@@ -156,11 +156,14 @@ fn draw_children(nodes: &[TreeNode], parent: &TreeNode, indent: &str, lines: &mu
     }
 }
 
-/// `run_…  AGENT  STATUS (STOP REASON)  N steps`, the agent and a stop reason that only
-/// repeats the status left out.
+/// `run_…  AGENT  [background]  STATUS (STOP REASON)  N steps`, the agent and a stop reason
+/// that only repeats the status left out.
 fn describe(node: &TreeNode) -> String {
     let mut parts = vec![node.run_id.to_string()];
     parts.extend(node.agent.clone());
+    if node.background {
+        parts.push("background".to_owned());
+    }
     let status = node.status.as_str();
     parts.push(match node.stop_reason.map(|r| r.as_str()) {
         Some(reason) if reason != status => format!("{status} ({reason})"),

@@ -375,4 +375,16 @@ async fn killed_during_a_continuation(url: &str) {
     assert_eq!(triggers.len(), 1, "one trigger, written once");
     assert_eq!(triggers[0].visibility, Visibility::Hidden);
     assert!(triggers[0].content.contains("worker done"));
+
+    let root = &runs[0].run_id;
+    let shown = output_within_deadline(
+        Command::new(BIN).args(["runs", "show", root.as_str(), "--db", url]),
+        "",
+    );
+    let text = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        text.lines()
+            .any(|l| l.contains("worker  background  completed")),
+        "the tree marks the background run: {text}"
+    );
 }

@@ -433,11 +433,11 @@ impl Engine {
                 now_ms(),
             ));
         }
-        if !delegations.is_empty() {
-            if let Err(refusal) = admit(&self.coordinator, &state, &delegations).await? {
-                for refused in delegations.drain(..) {
-                    outcomes[refused.slot as usize] = Some(ToolOutcome::error(refusal.clone()));
-                }
+        if !delegations.is_empty()
+            && let Err(refusal) = admit(&self.coordinator, &state, &delegations).await?
+        {
+            for refused in delegations.drain(..) {
+                outcomes[refused.slot as usize] = Some(ToolOutcome::error(refusal.clone()));
             }
         }
         let workspace = state.config.workspace.as_ref().map(PathBuf::from);

@@ -322,6 +322,8 @@ pub struct TreeNodeView {
     /// Levels below the run a message started, at the top of its whole tree (0 for that run),
     /// also when the tree is asked about a run further down.
     pub depth: u32,
+    /// Started with `mode: "background"`: it reports to the session's inbox.
+    pub background: bool,
     pub status: String,
     pub stop_reason: Option<String>,
     /// Its committed steps.
@@ -337,6 +339,7 @@ impl From<TreeNode> for TreeNodeView {
             session_id: node.session_id.to_string(),
             parent_run_id: node.parent_run_id.map(|r| r.to_string()),
             agent: node.agent,
+            background: node.background,
             depth: node.depth,
             status: node.status.to_string(),
             stop_reason: node.stop_reason.map(|r| r.to_string()),

@@ -219,6 +219,7 @@ async fn a_delegation_runs_through_the_api_and_its_tree_lists_the_children() {
         keys(&nodes[0]),
         [
             "agent",
+            "background",
             "created_at",
             "depth",
             "finished_at",

@@ -473,7 +473,7 @@ pub(crate) fn run_tree(c: &dyn Db, run_id: &RunId) -> Result<Vec<TreeNode>> {
         .text(0)?;
     let nodes = c
         .query(
-            "SELECT id, session_id, parent_run_id, agent, depth, status, stop_reason, step_index, created_at, finished_at
+            "SELECT id, session_id, parent_run_id, agent, depth, status, stop_reason, step_index, created_at, finished_at, inbox_group IS NOT NULL
              FROM runs WHERE id = ?1 OR root_run_id = ?1 ORDER BY depth, created_at, id",
             &params![&root],
         )?
@@ -494,6 +494,7 @@ pub(crate) fn run_tree(c: &dyn Db, run_id: &RunId) -> Result<Vec<TreeNode>> {
                 step_index: r.int(7)? as u64,
                 created_at: r.int(8)?,
                 finished_at: r.opt_int(9)?,
+                background: r.flag(10)?,
             })
         })
         .collect::<Result<Vec<_>>>()?;

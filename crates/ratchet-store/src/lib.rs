@@ -315,6 +315,8 @@ pub struct TreeNode {
     /// The catalog agent it runs, when it was started from one.
     pub agent: Option<String>,
     pub depth: u32,
+    /// Started in the background: it reports to the root session's inbox.
+    pub background: bool,
     pub status: RunStatus,
     pub stop_reason: Option<StopReason>,
     pub step_index: u64,

@@ -192,7 +192,14 @@ mod tests {
         let registry = Registry::builtin();
         assert_eq!(
             registry.names(),
-            ["add", "append_line", "memory_search", "now", "sleep", "sleep_ms"]
+            [
+                "add",
+                "append_line",
+                "memory_search",
+                "now",
+                "sleep",
+                "sleep_ms"
+            ]
         );
         assert!(registry.validate("add", &json!({"a": 1, "b": 2.5})).is_ok());
         let err = registry

@@ -429,7 +429,7 @@ pub async fn a_failing_continuation_is_retried_then_dead_lettered(store: &dyn St
     let served = store.serve_inboxes(T0 + 1_041).await.unwrap();
     assert_eq!(served.started.len(), 1);
     let second = continuation_holding(store, &session, &[event]).await;
-    assert_eq!(served.started, [second.clone()]);
+    assert_eq!(served.started, std::slice::from_ref(&second));
     assert!(kinds(&served.events).contains(&"inbox.leased"));
     assert_eq!(
         store.serve_inboxes(T0 + 1_042).await.unwrap().started,
