@@ -94,12 +94,7 @@ impl Tool for SleepMs {
         "Waits the given number of milliseconds (at most 600000)."
     }
     fn parameters(&self) -> Value {
-        json!({
-            "type": "object",
-            "properties": {"ms": {"type": "integer", "minimum": 0, "maximum": MAX_SLEEP_MS}},
-            "required": ["ms"],
-            "additionalProperties": false
-        })
+        sleep_parameters()
     }
     /// Reads nothing but its arguments and writes nothing: any run may have it.
     fn delegation(&self) -> ToolDelegation {
@@ -117,6 +112,16 @@ impl Tool for SleepMs {
     }
 }
 
+/// `{"ms": N}`, as `sleep_ms` and `sleep` take it.
+fn sleep_parameters() -> Value {
+    json!({
+        "type": "object",
+        "properties": {"ms": {"type": "integer", "minimum": 0, "maximum": MAX_SLEEP_MS}},
+        "required": ["ms"],
+        "additionalProperties": false
+    })
+}
+
 /// Waits until its time is up or new input arrives for the session, whichever comes first:
 /// for a run that has nothing to do until someone (a user, its background work) says more.
 pub struct Sleep;
@@ -130,12 +135,7 @@ impl Tool for Sleep {
         "Waits up to the given number of milliseconds (at most 600000), ending early when new input arrives for this conversation (a user message, or a report of background work you started). Says which it was."
     }
     fn parameters(&self) -> Value {
-        json!({
-            "type": "object",
-            "properties": {"ms": {"type": "integer", "minimum": 0, "maximum": MAX_SLEEP_MS}},
-            "required": ["ms"],
-            "additionalProperties": false
-        })
+        sleep_parameters()
     }
     /// A child's sleep wakes on its timer or cancel only; nothing else differs.
     fn delegation(&self) -> ToolDelegation {

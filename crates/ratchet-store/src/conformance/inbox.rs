@@ -653,29 +653,29 @@ async fn emit(
         .outcome
 }
 
+/// A new session whose run has started one background run that may signal under
+/// `contract(delivery)`, and that run's first step, claimed.
+async fn signalling_child(
+    store: &dyn Store,
+    delivery: Delivery,
+) -> (SessionId, RunId, ClaimedStep) {
+    let session = new_session(store).await;
+    let config = inbox_config(InboxPolicy::default());
+    let (parent, _) = submit(store, &session, "start work", config, T0).await;
+    let contract = Some(contract(delivery));
+    let children =
+        background_signalling(store, &parent, 1, CompletionPolicy::Each, contract, T0 + 10)
+            .await
+            .unwrap();
+    let child = claim_run(store, &children[0], T0 + 20).await;
+    (session, parent, child)
+}
+
 pub async fn signals_follow_their_contract_and_a_cancelled_runs_unread_ones_are_superseded(
     store: &dyn Store,
 ) {
-    let session = new_session(store).await;
-    let (parent, _) = submit(
-        store,
-        &session,
-        "start work",
-        inbox_config(InboxPolicy::default()),
-        T0,
-    )
-    .await;
-    let children = background_signalling(
-        store,
-        &parent,
-        1,
-        CompletionPolicy::Each,
-        Some(contract(Delivery::Queue)),
-        T0 + 10,
-    )
-    .await
-    .unwrap();
-    let child = claim_run(store, &children[0], T0 + 20).await;
+    let (session, parent, child) = signalling_child(store, Delivery::Queue).await;
+    let child_run = child.job.run_id.clone();
     let sent = emit(store, &child, "c1", "half way", T0 + 20).await;
     let SignalOutcome::Sent(first) = sent else {
         panic!("the first signal is sent: {sent:?}");
@@ -726,7 +726,7 @@ pub async fn signals_follow_their_contract_and_a_cancelled_runs_unread_ones_are_
         "signals wait while the session is busy"
     );
 
-    let cancel = store.request_cancel(&children[0], T0 + 420).await.unwrap();
+    let cancel = store.request_cancel(&child_run, T0 + 420).await.unwrap();
     assert!(matches!(cancel, crate::CancelOutcome::Cancelling { .. }));
     let refused = store
         .emit_signal(&child.claim, signal(&child, "c6", "late"), T0 + 430)
@@ -743,7 +743,7 @@ pub async fn signals_follow_their_contract_and_a_cancelled_runs_unread_ones_are_
         T0 + 441,
     );
     commit(store, &child.claim, step, None, T0 + 441).await;
-    assert_eq!(load(store, &children[0]).await.status, RunStatus::Cancelled);
+    assert_eq!(load(store, &child_run).await.status, RunStatus::Cancelled);
     let after: Vec<(ratchet_core::InboxKind, InboxStatus)> = inbox(store, &session)
         .await
         .iter()
@@ -761,26 +761,7 @@ pub async fn signals_follow_their_contract_and_a_cancelled_runs_unread_ones_are_
 }
 
 pub async fn a_steered_signal_joins_the_active_run_at_its_next_model_call(store: &dyn Store) {
-    let session = new_session(store).await;
-    let (parent, _) = submit(
-        store,
-        &session,
-        "start work",
-        inbox_config(InboxPolicy::default()),
-        T0,
-    )
-    .await;
-    let children = background_signalling(
-        store,
-        &parent,
-        1,
-        CompletionPolicy::Each,
-        Some(contract(Delivery::Steer)),
-        T0 + 10,
-    )
-    .await
-    .unwrap();
-    let child = claim_run(store, &children[0], T0 + 20).await;
+    let (session, parent, child) = signalling_child(store, Delivery::Steer).await;
     let SignalOutcome::Sent(id) = emit(store, &child, "c1", "found it", T0 + 20).await else {
         panic!("sent");
     };
@@ -845,26 +826,7 @@ pub async fn a_steered_signal_joins_the_active_run_at_its_next_model_call(store:
 pub async fn a_steer_racing_the_end_of_a_run_lands_exactly_once(store: std::sync::Arc<dyn Store>) {
     for round in 0..8 {
         let store = &*store;
-        let session = new_session(store).await;
-        let (parent, _) = submit(
-            store,
-            &session,
-            "start work",
-            inbox_config(InboxPolicy::default()),
-            T0,
-        )
-        .await;
-        let children = background_signalling(
-            store,
-            &parent,
-            1,
-            CompletionPolicy::Each,
-            Some(contract(Delivery::Steer)),
-            T0 + 10,
-        )
-        .await
-        .unwrap();
-        let child = claim_run(store, &children[0], T0 + 20).await;
+        let (session, parent, child) = signalling_child(store, Delivery::Steer).await;
         let last = claim_own(store, &parent, T0 + 20).await;
         let ending = after_model(
             last.state.clone(),
