@@ -471,3 +471,58 @@ fn leaf_of(joined: &str) -> String {
     let joined: Value = serde_json::from_str(joined).unwrap();
     joined["results"][0]["run_id"].as_str().unwrap().to_owned()
 }
+
+/// A child's `sleep` ends on its timer only: a message queued in its root session, which would
+/// wake the root's own sleep, does not reach it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_childs_sleep_is_not_woken_by_input_to_its_root_session() {
+    let model = PolicyModel::new(Duration::from_millis(1), |request| {
+        let results = tool_results(&request.messages);
+        match (offers(request, "delegate"), results.first()) {
+            (true, None) => call(
+                "delegate",
+                json!({"mode": "foreground", "tasks": [{"agent": "sleeper", "task": "nap"}]}),
+            ),
+            (true, Some(joined)) => text(format!("joined {joined}")),
+            (false, None) => call("sleep", json!({"ms": 700})),
+            (false, Some(slept)) => text((*slept).to_owned()),
+        }
+    });
+    let node = node(model, None, PermitLimits::default());
+    let mut sleeper = agent("sleeper", Vec::new());
+    sleeper.config.tools = Registry::builtin()
+        .specs()
+        .into_iter()
+        .filter(|t| t.name == "sleep")
+        .collect();
+    let boss = agent("boss", vec![sleeper]);
+    let root = start(&node.coordinator, "job", boss.config.clone()).await;
+    let session = node
+        .coordinator
+        .store()
+        .load_state(&root)
+        .await
+        .unwrap()
+        .session_id;
+    let child = loop {
+        let tree = node.coordinator.store().run_tree(&root).await.unwrap();
+        if let Some(child) = tree.get(1).filter(|c| c.step_index >= 1) {
+            break child.run_id.clone();
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    node.coordinator
+        .submit(
+            &session,
+            "meanwhile".into(),
+            boss.config,
+            Multitask::Enqueue,
+        )
+        .await
+        .unwrap();
+    let ended = wait_for(&node.coordinator, &child, RunStatus::is_terminal).await;
+    let slept: Value = serde_json::from_str(ended.final_answer.as_deref().unwrap()).unwrap();
+    assert_eq!(slept["woke"], "timer", "{slept}");
+    assert!(slept["slept_ms"].as_u64().unwrap() >= 700, "{slept}");
+    wait_for(&node.coordinator, &root, RunStatus::is_terminal).await;
+}
