@@ -188,9 +188,48 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     pool.shutdown().await;
     runtime.close_tools().await;
+    tell_of_background_work(coordinator.store().as_ref(), &state, &args.db).await?;
     let report = RunReport::of(&state);
     print_report(&report, args.json, true)?;
     Ok(report.exit_code())
+}
+
+/// `ratchet run` drives the run it started and the runs it waits for; background work it
+/// started, and the continuation turn that reports it, go on without it. Says so, and how to
+/// finish them.
+async fn tell_of_background_work(
+    store: &dyn Store,
+    state: &AgentState,
+    db: &str,
+) -> anyhow::Result<()> {
+    let tree = store.run_tree(&state.run_id).await?;
+    let running = tree
+        .iter()
+        .filter(|n| n.background && !n.status.is_terminal())
+        .count();
+    let session = store.get_session(&state.session_id).await?;
+    // Reports waiting for a later attempt count too: every pending one, whenever it is due.
+    let pending = store
+        .pending_input(&state.session_id, ratchet_core::Millis::MAX)
+        .await?;
+    let continuing = session
+        .active_run_id
+        .filter(|r| r != &state.run_id)
+        .is_some();
+    if running > 0 || continuing || pending.inbox_events > 0 {
+        eprintln!(
+            "background work goes on in session {}: {running} background run(s), {} report(s) waiting{}; \
+             `ratchet resume --db {db}` (or a `ratchet serve` on this database) finishes it",
+            state.session_id,
+            pending.inbox_events,
+            if continuing {
+                ", a continuation turn started"
+            } else {
+                ""
+            }
+        );
+    }
+    Ok(())
 }
 
 /// The run waiting for a person: `state`'s own run, or — while it waits for its children —

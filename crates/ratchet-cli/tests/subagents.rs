@@ -31,6 +31,12 @@ macro_rules! scenarios {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn ratchet_run_tells_of_background_work_and_resume_finishes_it() {
+                let Some(db) = super::$backend() else { return };
+                super::run_leaves_background_work_to_resume(&db.url).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_server_killed_during_a_continuation_turn_resumes_and_consumes_once() {
                 let Some(db) = super::$backend() else { return };
                 super::killed_during_a_continuation(&db.url).await;
@@ -386,5 +392,54 @@ async fn killed_during_a_continuation(url: &str) {
         text.lines()
             .any(|l| l.contains("worker  background  completed")),
         "the tree marks the background run: {text}"
+    );
+}
+
+async fn run_leaves_background_work_to_resume(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = dir.path().join("agents");
+    std::fs::create_dir(&catalog).unwrap();
+    write_background_catalog(&catalog);
+    let ran = output_within_deadline(
+        Command::new(BIN)
+            .args(["run", "--json", "--db", url, "--agents"])
+            .arg(&catalog)
+            .args(["--agent", "lead", "--workspace"])
+            .arg(dir.path())
+            .arg("start the work"),
+        "",
+    );
+    assert!(ran.status.success(), "run failed: {}", stderr_of(&ran));
+    let stderr = stderr_of(&ran);
+    assert!(
+        stderr.contains("background work goes on in session")
+            && stderr.contains(&format!("ratchet resume --db {url}")),
+        "{stderr}"
+    );
+    let report: serde_json::Value = serde_json::from_slice(&ran.stdout).unwrap();
+    assert_eq!(report["final_answer"], "lead done");
+    let session = SessionId::parse(report["session_id"].as_str().unwrap()).unwrap();
+
+    let resumed = output_within_deadline(
+        Command::new(BIN).args(["resume", "--json", "--db", url]),
+        "",
+    );
+    assert!(
+        resumed.status.success(),
+        "resume failed: {}",
+        stderr_of(&resumed)
+    );
+    let store = open(url);
+    let inbox = store.inbox(&session, None, 0, 10).await.unwrap();
+    assert_eq!(
+        inbox.iter().map(|e| e.status).collect::<Vec<_>>(),
+        [InboxStatus::Consumed],
+        "the report was delivered"
+    );
+    let runs = store.session_runs(&session, None, 10).await.unwrap();
+    assert_eq!(
+        runs.iter().map(|r| r.status).collect::<Vec<_>>(),
+        [RunStatus::Completed, RunStatus::Completed],
+        "the run and its continuation"
     );
 }
