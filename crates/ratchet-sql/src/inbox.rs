@@ -145,9 +145,10 @@ fn is_closed(c: &dyn Db, session: &SessionId) -> Result<bool> {
     .is_some())
 }
 
-/// A background run has ended: its report fills its reserved place — its own (`each`), or its
-/// group's once the group's last run has ended (`all`) — and, when the root session is free,
-/// a continuation turn starts with it in this same transaction.
+/// A background run has ended: if it was cancelled, its unread signals are superseded; its
+/// report fills its reserved place — its own (`each`), or its group's once the group's last run
+/// has ended (`all`) — and, when the root session is free, a continuation turn starts with it
+/// in this same transaction.
 pub(crate) fn background_ended(
     c: &dyn Db,
     child: &AgentState,
@@ -159,48 +160,6 @@ pub(crate) fn background_ended(
     };
     let Some(group) = &lineage.background else {
         return Ok(Vec::new());
-    };
-    let (place, results) = match group.policy {
-        CompletionPolicy::Each => (
-            ids_where(
-                c,
-                "SELECT id FROM inbox WHERE source_run_id = ?1 AND kind = 'completion' AND status = 'reserved'",
-                &params![child.run_id.as_str()],
-            )?,
-            ChildResult::of(child).into_iter().collect(),
-        ),
-        CompletionPolicy::All => {
-            let unfinished = count(
-                c,
-                &format!(
-                    "SELECT count(*) FROM runs WHERE inbox_group = ?1 AND status IN {ACTIVE_STATUSES}"
-                ),
-                &params![group.group.as_str()],
-            )?;
-            if unfinished > 0 {
-                return Ok(Vec::new());
-            }
-            let members = c
-                .query(
-                    "SELECT id FROM runs WHERE inbox_group = ?1",
-                    &params![group.group.as_str()],
-                )?
-                .into_iter()
-                .map(|mut r| parse_run_id(&r.text(0)?))
-                .collect::<Result<Vec<_>>>()?;
-            let mut results = Vec::new();
-            for member in &members {
-                results.extend(ChildResult::of(&load_state(c, member)?));
-            }
-            (
-                ids_where(
-                    c,
-                    "SELECT id FROM inbox WHERE group_id = ?1 AND kind = 'group_completion' AND status = 'reserved'",
-                    &params![group.group.as_str()],
-                )?,
-                results,
-            )
-        }
     };
     let root = &lineage.root_session_id;
     let mut events = Vec::new();
@@ -226,6 +185,48 @@ pub(crate) fn background_ended(
             events.extend(insert_events(c, root, None, &[draft], now)?);
         }
     }
+    let (place, results) = match group.policy {
+        CompletionPolicy::Each => (
+            ids_where(
+                c,
+                "SELECT id FROM inbox WHERE source_run_id = ?1 AND kind = 'completion' AND status = 'reserved'",
+                &params![child.run_id.as_str()],
+            )?,
+            ChildResult::of(child).into_iter().collect(),
+        ),
+        CompletionPolicy::All => {
+            let unfinished = count(
+                c,
+                &format!(
+                    "SELECT count(*) FROM runs WHERE inbox_group = ?1 AND status IN {ACTIVE_STATUSES}"
+                ),
+                &params![group.group.as_str()],
+            )?;
+            if unfinished > 0 {
+                return Ok(events);
+            }
+            let members = c
+                .query(
+                    "SELECT id FROM runs WHERE inbox_group = ?1",
+                    &params![group.group.as_str()],
+                )?
+                .into_iter()
+                .map(|mut r| parse_run_id(&r.text(0)?))
+                .collect::<Result<Vec<_>>>()?;
+            let mut results = Vec::new();
+            for member in &members {
+                results.extend(ChildResult::of(&load_state(c, member)?));
+            }
+            (
+                ids_where(
+                    c,
+                    "SELECT id FROM inbox WHERE group_id = ?1 AND kind = 'group_completion' AND status = 'reserved'",
+                    &params![group.group.as_str()],
+                )?,
+                results,
+            )
+        }
+    };
     let report = to_json(&completion_report(&lineage.parent_run_id, results))?;
     let closed = is_closed(c, root)?;
     let mut drafts = Vec::new();

@@ -653,20 +653,21 @@ async fn emit(
         .outcome
 }
 
-/// A new session whose run has started one background run that may signal under
-/// `contract(delivery)`, and that run's first step, claimed.
+/// A new session whose run has started `tasks` background runs (one group, reporting under
+/// `policy`) that may signal under `contract(delivery)`, and the first one's first step, claimed.
 async fn signalling_child(
     store: &dyn Store,
     delivery: Delivery,
+    tasks: usize,
+    policy: CompletionPolicy,
 ) -> (SessionId, RunId, ClaimedStep) {
     let session = new_session(store).await;
     let config = inbox_config(InboxPolicy::default());
     let (parent, _) = submit(store, &session, "start work", config, T0).await;
     let contract = Some(contract(delivery));
-    let children =
-        background_signalling(store, &parent, 1, CompletionPolicy::Each, contract, T0 + 10)
-            .await
-            .unwrap();
+    let children = background_signalling(store, &parent, tasks, policy, contract, T0 + 10)
+        .await
+        .unwrap();
     let child = claim_run(store, &children[0], T0 + 20).await;
     (session, parent, child)
 }
@@ -674,7 +675,8 @@ async fn signalling_child(
 pub async fn signals_follow_their_contract_and_a_cancelled_runs_unread_ones_are_superseded(
     store: &dyn Store,
 ) {
-    let (session, parent, child) = signalling_child(store, Delivery::Queue).await;
+    let (session, parent, child) =
+        signalling_child(store, Delivery::Queue, 2, CompletionPolicy::All).await;
     let child_run = child.job.run_id.clone();
     let sent = emit(store, &child, "c1", "half way", T0 + 20).await;
     let SignalOutcome::Sent(first) = sent else {
@@ -752,16 +754,20 @@ pub async fn signals_follow_their_contract_and_a_cancelled_runs_unread_ones_are_
     assert_eq!(
         after,
         [
-            (ratchet_core::InboxKind::Completion, InboxStatus::Pending),
+            (
+                ratchet_core::InboxKind::GroupCompletion,
+                InboxStatus::Reserved
+            ),
             (ratchet_core::InboxKind::Signal, InboxStatus::Superseded),
             (ratchet_core::InboxKind::Signal, InboxStatus::Superseded),
         ],
-        "the cancelled run's unread signals are superseded; its completion still reports"
+        "the cancelled run's unread signals are superseded at once; its group reports when its other run ends"
     );
 }
 
 pub async fn a_steered_signal_joins_the_active_run_at_its_next_model_call(store: &dyn Store) {
-    let (session, parent, child) = signalling_child(store, Delivery::Steer).await;
+    let (session, parent, child) =
+        signalling_child(store, Delivery::Steer, 1, CompletionPolicy::Each).await;
     let SignalOutcome::Sent(id) = emit(store, &child, "c1", "found it", T0 + 20).await else {
         panic!("sent");
     };
@@ -826,7 +832,8 @@ pub async fn a_steered_signal_joins_the_active_run_at_its_next_model_call(store:
 pub async fn a_steer_racing_the_end_of_a_run_lands_exactly_once(store: std::sync::Arc<dyn Store>) {
     for round in 0..8 {
         let store = &*store;
-        let (session, parent, child) = signalling_child(store, Delivery::Steer).await;
+        let (session, parent, child) =
+            signalling_child(store, Delivery::Steer, 1, CompletionPolicy::Each).await;
         let last = claim_own(store, &parent, T0 + 20).await;
         let ending = after_model(
             last.state.clone(),
