@@ -512,10 +512,10 @@ impl Engine {
             .into_iter()
             .map(|o| o.unwrap_or_else(|| ToolOutcome::error("the call produced no outcome")))
             .collect();
+        // Background runs start even when this step ends the run: the call's outcome named them,
+        // and they report to the session, not to this run.
         let mut result = after_tools(state, job, outcomes, invalid, started, now_ms());
-        if !result.state.status.is_terminal() {
-            result.children = children;
-        }
+        result.children = children;
         Ok(result)
     }
 
