@@ -193,6 +193,12 @@ impl Default for InboxPolicy {
     }
 }
 
+/// A configured duration as `Millis`: one too long for it (a config may say anything) is
+/// forever, never a wrapped, negative one.
+fn millis(ms: u64) -> Millis {
+    Millis::try_from(ms).unwrap_or(Millis::MAX)
+}
+
 /// The longest wait between two attempts of one event.
 const MAX_BACKOFF_MS: u64 = 3_600_000;
 
@@ -322,7 +328,7 @@ pub fn admit_signal(
     dedupe_key: &str,
     now: Millis,
 ) -> SignalAdmission {
-    let window = contract.dedupe_window_ms as Millis;
+    let window = millis(contract.dedupe_window_ms);
     if let Some(same) = earlier
         .iter()
         .rev()
@@ -339,7 +345,7 @@ pub fn admit_signal(
     }
     if let Some(last) = earlier.iter().map(|e| e.created_at).max() {
         let since = now.saturating_sub(last);
-        let wait = (contract.min_interval_ms as Millis).saturating_sub(since);
+        let wait = millis(contract.min_interval_ms).saturating_sub(since);
         if wait > 0 {
             return SignalAdmission::Refuse(format!(
                 "signals must be at least {} ms apart and the last one was sent {since} ms ago; wait {wait} ms",
@@ -418,7 +424,7 @@ pub fn next_turn(waiting: Waiting, policy: &InboxPolicy, now: Millis) -> NextTur
         (false, Some(_)) => NextTurn::Continuation,
         (true, Some(due)) => {
             let starved = waiting.user_turns_in_a_row >= policy.user_turns_before_inbox
-                || now.saturating_sub(due) >= policy.max_wait_ms as Millis;
+                || now.saturating_sub(due) >= millis(policy.max_wait_ms);
             if starved {
                 NextTurn::Continuation
             } else {
@@ -556,6 +562,42 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn durations_too_long_for_millis_mean_forever() {
+        let patient = InboxPolicy {
+            user_turns_before_inbox: u32::MAX,
+            max_wait_ms: u64::MAX,
+            ..InboxPolicy::default()
+        };
+        let waiting = Waiting {
+            queued_user: true,
+            oldest_due: Some(0),
+            user_turns_in_a_row: 0,
+        };
+        assert_eq!(next_turn(waiting, &patient, 1_000_000), NextTurn::User);
+        let strict = SignalContract {
+            max_count: 10,
+            min_interval_ms: u64::MAX,
+            max_bytes: 100,
+            severities: vec![Severity::Info],
+            dedupe_window_ms: u64::MAX,
+            delivery: Delivery::Queue,
+        };
+        let earlier = [EarlierSignal {
+            event: 1,
+            dedupe_key: "a".into(),
+            created_at: 0,
+        }];
+        assert_eq!(
+            admit_signal(&strict, &earlier, "a", 1_000_000),
+            SignalAdmission::Duplicate(1)
+        );
+        assert!(matches!(
+            admit_signal(&strict, &earlier, "b", 1_000_000),
+            SignalAdmission::Refuse(_)
+        ));
     }
 
     #[test]

@@ -64,8 +64,11 @@ impl WorkerPool {
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
         let owner = process_owner();
-        for _ in 0..config.workers.max(1) {
+        for index in 0..config.workers.max(1) {
             let worker = Worker {
+                // One worker of the pool looks for due continuations: the others would only
+                // repeat its query.
+                serves_inboxes: index == 0 && config.only_run.is_none(),
                 coordinator: Arc::clone(&coordinator),
                 engine: Arc::clone(&engine),
                 config: config.clone(),
@@ -95,6 +98,7 @@ impl WorkerPool {
 }
 
 struct Worker {
+    serves_inboxes: bool,
     coordinator: Arc<Coordinator>,
     engine: Arc<Engine>,
     config: PoolConfig,
@@ -120,7 +124,7 @@ impl Worker {
                     self.run_streak(claimed).await;
                 }
                 Ok(None) => {
-                    if only.is_none() {
+                    if self.serves_inboxes {
                         match self.coordinator.serve_inboxes().await {
                             Ok(0) => {}
                             Ok(_) => continue,
