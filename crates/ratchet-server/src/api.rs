@@ -62,13 +62,45 @@ pub struct PageQuery {
 
 impl PageQuery {
     pub fn limit(&self) -> Result<u32, crate::ApiError> {
-        match self.limit {
-            None => Ok(DEFAULT_PAGE),
-            Some(limit @ 1..=MAX_PAGE) => Ok(limit),
-            Some(other) => Err(crate::ApiError::bad_request(format!(
-                "limit must be between 1 and {MAX_PAGE}, found {other}"
-            ))),
-        }
+        page_limit(self.limit)
+    }
+}
+
+/// `GET /v1/sessions`: a page of the tenant's sessions, from either end of the id order.
+#[derive(Debug, Deserialize, ToSchema, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct SessionsQuery {
+    /// The `next_cursor` of the previous page.
+    #[param(min_length = 1)]
+    pub cursor: Option<String>,
+    /// Items per page, 1–200 (default 50).
+    #[param(minimum = 1, maximum = 200)]
+    pub limit: Option<u32>,
+    /// `oldest` first (the default) or `newest` first; ids are time-ordered.
+    pub order: Option<SessionOrder>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionOrder {
+    Oldest,
+    Newest,
+}
+
+impl SessionsQuery {
+    pub fn limit(&self) -> Result<u32, crate::ApiError> {
+        page_limit(self.limit)
+    }
+}
+
+fn page_limit(limit: Option<u32>) -> Result<u32, crate::ApiError> {
+    match limit {
+        None => Ok(DEFAULT_PAGE),
+        Some(limit @ 1..=MAX_PAGE) => Ok(limit),
+        Some(other) => Err(crate::ApiError::bad_request(format!(
+            "limit must be between 1 and {MAX_PAGE}, found {other}"
+        ))),
     }
 }
 
@@ -93,6 +125,10 @@ pub struct SessionView {
     pub active_run_id: Option<String>,
     /// When the session was archived: it takes no more messages.
     pub archived_at: Option<Millis>,
+    /// `archived`, the active run's status (`running`, `waiting_human`, …), or `idle`.
+    pub status: String,
+    /// When the session's latest event was written (its creation, before any).
+    pub last_activity_at: Millis,
 }
 
 impl From<Session> for SessionView {
@@ -104,6 +140,12 @@ impl From<Session> for SessionView {
             metadata: session.metadata,
             active_run_id: session.active_run_id.map(|r| r.to_string()),
             archived_at: session.archived_at,
+            status: match (session.archived_at, session.active_run_status) {
+                (Some(_), _) => "archived".to_owned(),
+                (None, Some(status)) => status.as_str().to_owned(),
+                (None, None) => "idle".to_owned(),
+            },
+            last_activity_at: session.last_activity_at,
         }
     }
 }

@@ -8,6 +8,7 @@ mod api;
 mod approvals;
 mod auth;
 mod config;
+mod console;
 mod error;
 mod inbox;
 mod metrics;
@@ -106,6 +107,7 @@ pub fn app(state: AppState) -> Router {
                 async move { axum::Json(openapi.as_ref().clone()) }
             }),
         )
+        .merge(console::router())
         .fallback(error::not_found)
         .method_not_allowed_fallback(error::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY_BYTES))

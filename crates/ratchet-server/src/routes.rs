@@ -5,14 +5,15 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use ratchet_core::{AgentState, RunConfigSnapshot, RunId, SessionId};
 use ratchet_engine::Multitask as EngineMultitask;
-use ratchet_store::{Session, SessionSpec};
+use ratchet_store::{ListOrder, Session, SessionSpec};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::api::{
     AgentView, CancelView, ContinueRequest, CreateSession, ErrorBody, MessageAccepted, MessageView,
     Multitask, Page, PageQuery, ReconcileOutcome, ReconcileRequest, ReconcileView, ResumedView,
-    RunSummaryView, RunTreeView, RunView, SendMessage, SessionView, StepView,
+    RunSummaryView, RunTreeView, RunView, SendMessage, SessionOrder, SessionView, SessionsQuery,
+    StepView,
 };
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
@@ -155,20 +156,24 @@ async fn create_session(
 
 #[utoipa::path(
     get, path = "/v1/sessions", tag = "sessions",
-    params(PageQuery),
+    params(SessionsQuery),
     responses((status = 200, body = Page<SessionView>), (status = "4XX", body = ErrorBody)),
 )]
 async fn list_sessions(
     State(state): State<AppState>,
     tenant: Tenant,
-    ApiQuery(query): ApiQuery<PageQuery>,
+    ApiQuery(query): ApiQuery<SessionsQuery>,
 ) -> Result<axum::Json<Page<SessionView>>, ApiError> {
     let limit = query.limit()?;
     let after = query.cursor.as_deref().map(parse_session_id).transpose()?;
+    let order = match query.order {
+        None | Some(SessionOrder::Oldest) => ListOrder::OldestFirst,
+        Some(SessionOrder::Newest) => ListOrder::NewestFirst,
+    };
     let sessions = state
         .coordinator
         .store()
-        .list_sessions(&tenant.0, after.as_ref(), limit)
+        .list_sessions(&tenant.0, order, after.as_ref(), limit)
         .await?;
     let items = sessions.into_iter().map(SessionView::from).collect();
     Ok(axum::Json(Page::new(items, limit, |s: &SessionView| {

@@ -20,9 +20,9 @@ use ratchet_core::{
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, CancelOutcome, ChangeStream, Claim, ClaimedStep,
     Closed, Closing, Commit, EmittedSignal, Error, InboxEvent, Intent, IntentRecord, Lease,
-    MessageHit, NewRun, NewSignal, PendingInput, Reconciled, RecordedIntents, RunSummary,
-    SearchScope, Served, Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage,
-    Submitted, TreeNode,
+    ListOrder, MessageHit, NewRun, NewSignal, PendingInput, Reconciled, RecordedIntents,
+    RunSummary, SearchScope, Served, Session, SessionSpec, Store, StoreStats, StoredEvent,
+    StoredMessage, Submitted, TreeNode,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -96,12 +96,13 @@ impl<B: Backend> Store for SqlStore<B> {
     async fn list_sessions(
         &self,
         tenant: &str,
+        order: ListOrder,
         after: Option<&SessionId>,
         limit: u32,
     ) -> Result<Vec<Session>> {
         let (tenant, after) = (tenant.to_owned(), after.cloned());
         self.backend
-            .read(move |c| ops::list_sessions(c, &tenant, after.as_ref(), limit))
+            .read(move |c| ops::list_sessions(c, &tenant, order, after.as_ref(), limit))
             .await
     }
 

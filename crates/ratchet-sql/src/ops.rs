@@ -17,7 +17,7 @@ use ratchet_core::{
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit,
-    Error, Intent, IntentKind, IntentRecord, Lease, NewRun, Reconciled, RecordedIntents,
+    Error, Intent, IntentKind, IntentRecord, Lease, ListOrder, NewRun, Reconciled, RecordedIntents,
     RunSummary, Session, SessionSpec, Stale, StoreStats, StoredEvent, StoredMessage, Submitted,
     TreeNode, WhenBusy,
 };
@@ -97,13 +97,18 @@ pub(crate) fn create_session(
         active_run_id: None,
         archived_at: None,
         deleted_at: None,
+        active_run_status: None,
+        last_activity_at: now,
     })
 }
 
-const SESSION_COLUMNS: &str =
-    "id, tenant, agent, metadata_json, created_at, active_run_id, archived_at, deleted_at";
+// The last two read the active run's status and the latest event's time, each by a primary key.
+const SESSION_COLUMNS: &str = "id, tenant, agent, metadata_json, created_at, active_run_id, archived_at, deleted_at,
+     (SELECT status FROM runs WHERE runs.id = sessions.active_run_id),
+     (SELECT created_at FROM events WHERE events.session_id = sessions.id ORDER BY seq DESC LIMIT 1)";
 
 fn to_session(mut row: Row) -> Result<Session> {
+    let created_at = row.int(4)?;
     Ok(Session {
         id: parse_session_id(&row.text(0)?)?,
         tenant: row.text(1)?,
@@ -112,10 +117,12 @@ fn to_session(mut row: Row) -> Result<Session> {
             .opt_text(3)?
             .map(|m| from_json(&m, "session metadata"))
             .transpose()?,
-        created_at: row.int(4)?,
+        created_at,
         active_run_id: row.opt_text(5)?.as_deref().map(parse_run_id).transpose()?,
         archived_at: row.opt_int(6)?,
         deleted_at: row.opt_int(7)?,
+        active_run_status: row.opt_text(8)?.as_deref().map(parse_status).transpose()?,
+        last_activity_at: row.opt_int(9)?.unwrap_or(created_at),
     })
 }
 
@@ -135,13 +142,25 @@ pub(crate) fn get_session(c: &dyn Db, id: &SessionId) -> Result<Session> {
 pub(crate) fn list_sessions(
     c: &dyn Db,
     tenant: &str,
+    order: ListOrder,
     after: Option<&SessionId>,
     limit: u32,
 ) -> Result<Vec<Session>> {
-    c.query(
-        &format!(
-            "SELECT {SESSION_COLUMNS} FROM sessions WHERE tenant = ?1 AND id > ?2 AND root_session_id IS NULL AND deleted_at IS NULL ORDER BY id LIMIT ?3"
+    let visible = "tenant = ?1 AND root_session_id IS NULL AND deleted_at IS NULL";
+    let sql = match (order, after) {
+        (ListOrder::OldestFirst, _) => format!(
+            "SELECT {SESSION_COLUMNS} FROM sessions WHERE {visible} AND id > ?2 ORDER BY id LIMIT ?3"
         ),
+        (ListOrder::NewestFirst, Some(_)) => format!(
+            "SELECT {SESSION_COLUMNS} FROM sessions WHERE {visible} AND id < ?2 ORDER BY id DESC LIMIT ?3"
+        ),
+        // Every id is greater than "", so the first page of this order has no bound.
+        (ListOrder::NewestFirst, None) => format!(
+            "SELECT {SESSION_COLUMNS} FROM sessions WHERE {visible} AND id > ?2 ORDER BY id DESC LIMIT ?3"
+        ),
+    };
+    c.query(
+        &sql,
         &params![tenant, after.map_or("", |a| a.as_str()), limit],
     )?
     .into_iter()
@@ -569,10 +588,14 @@ pub(crate) fn insert_queued_run(
             agent
         ],
     )?;
-    let created = EventDraft::new(
-        EventKind::RunCreated,
-        json!({"run_id": run_id, "message_id": message_id}),
-    );
+    // The message rides along so that a client can draw a queued turn from the events alone;
+    // a continuation's trigger is hidden from clients, so only its origin is told.
+    let created = if state.config.continuation {
+        json!({"run_id": run_id, "message_id": message_id, "origin": "continuation"})
+    } else {
+        json!({"run_id": run_id, "message_id": message_id, "content": content})
+    };
+    let created = EventDraft::new(EventKind::RunCreated, created);
     Ok((state, created))
 }
 

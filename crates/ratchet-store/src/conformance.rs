@@ -30,8 +30,8 @@ pub use inbox::*;
 
 use crate::{
     Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, DEFAULT_TENANT, Error,
-    Intent, IntentKind, IntentRecord, Lease, MessageHit, NewRun, RunSummary, SearchScope, Session,
-    SessionSpec, Stale, Store, StoredEvent, Submitted, WhenBusy,
+    Intent, IntentKind, IntentRecord, Lease, ListOrder, MessageHit, NewRun, RunSummary,
+    SearchScope, Session, SessionSpec, Stale, Store, StoredEvent, Submitted, WhenBusy,
 };
 
 /// Expands to one `#[tokio::test]` per conformance test. `$make` is an expression of a
@@ -752,8 +752,9 @@ pub async fn concurrent_claims_of_one_step_have_one_winner(store: Arc<dyn Store>
     );
 }
 
-/// Sessions belong to a tenant: a listing shows only that tenant's, in id order, a page at a
-/// time after a cursor; a session keeps its agent and metadata.
+/// Sessions belong to a tenant: a listing shows only that tenant's, in id order from either
+/// end, a page at a time after a cursor; a session keeps its agent and metadata and tells its
+/// active run's status and when its latest event was written.
 pub async fn sessions_are_listed_per_tenant_in_pages(store: &dyn Store) {
     let prefix = unique();
     let spec = |tenant: &str, i: usize| SessionSpec {
@@ -781,33 +782,40 @@ pub async fn sessions_are_listed_per_tenant_in_pages(store: &dyn Store) {
             .await
             .unwrap();
     }
-    let first = store.list_sessions("acme", None, 2).await.unwrap();
+    let first = store
+        .list_sessions("acme", ListOrder::OldestFirst, None, 2)
+        .await
+        .unwrap();
     let ids = |page: &[Session]| page.iter().map(|s| s.id.clone()).collect::<Vec<_>>();
     assert_eq!(ids(&first), acme[..2]);
     let second = store
-        .list_sessions("acme", Some(&acme[1]), 2)
+        .list_sessions("acme", ListOrder::OldestFirst, Some(&acme[1]), 2)
         .await
         .unwrap();
     assert_eq!(ids(&second), acme[2..4]);
     let last = store
-        .list_sessions("acme", Some(&acme[3]), 2)
+        .list_sessions("acme", ListOrder::OldestFirst, Some(&acme[3]), 2)
         .await
         .unwrap();
     assert_eq!(ids(&last), acme[4..]);
     assert!(
         store
-            .list_sessions("acme", Some(&acme[4]), 2)
+            .list_sessions("acme", ListOrder::OldestFirst, Some(&acme[4]), 2)
             .await
             .unwrap()
             .is_empty()
     );
     assert_eq!(
-        store.list_sessions("globex", None, 10).await.unwrap().len(),
+        store
+            .list_sessions("globex", ListOrder::OldestFirst, None, 10)
+            .await
+            .unwrap()
+            .len(),
         2
     );
     assert!(
         store
-            .list_sessions("initech", None, 10)
+            .list_sessions("initech", ListOrder::OldestFirst, None, 10)
             .await
             .unwrap()
             .is_empty()
@@ -818,10 +826,44 @@ pub async fn sessions_are_listed_per_tenant_in_pages(store: &dyn Store) {
     assert_eq!(third.agent.as_deref(), Some("agent-3"));
     assert_eq!(third.metadata, Some(json!({"n": 3})));
     assert_eq!(third.created_at, T0 + 3);
-    let (run, _) = submit(store, &acme[3], "hello", config(), T0 + 10).await;
     assert_eq!(
-        store.get_session(&acme[3]).await.unwrap().active_run_id,
-        Some(run)
+        (third.last_activity_at, third.active_run_status),
+        (T0 + 3, None),
+        "a session without events was last active when it was created"
+    );
+    let newest = store
+        .list_sessions("acme", ListOrder::NewestFirst, None, 2)
+        .await
+        .unwrap();
+    assert_eq!(ids(&newest), [acme[4].clone(), acme[3].clone()]);
+    let older = store
+        .list_sessions("acme", ListOrder::NewestFirst, Some(&acme[3]), 2)
+        .await
+        .unwrap();
+    assert_eq!(ids(&older), [acme[2].clone(), acme[1].clone()]);
+    let oldest = store
+        .list_sessions("acme", ListOrder::NewestFirst, Some(&acme[1]), 2)
+        .await
+        .unwrap();
+    assert_eq!(ids(&oldest), [acme[0].clone()]);
+
+    let (run, _) = submit(store, &acme[3], "hello", config(), T0 + 10).await;
+    let busy = store.get_session(&acme[3]).await.unwrap();
+    assert_eq!(busy.active_run_id, Some(run));
+    assert_eq!(busy.active_run_status, Some(RunStatus::Running));
+    assert_eq!(
+        busy.last_activity_at,
+        T0 + 10,
+        "run.created is its latest event"
+    );
+    let listed = store
+        .list_sessions("acme", ListOrder::NewestFirst, None, 2)
+        .await
+        .unwrap();
+    assert_eq!(
+        (listed[1].active_run_status, listed[1].last_activity_at),
+        (Some(RunStatus::Running), T0 + 10),
+        "a listing reads them too"
     );
     let missing = SessionId::from_suffix(&format!("{prefix}-none")).unwrap();
     assert!(matches!(

@@ -128,6 +128,18 @@ pub struct Session {
     pub archived_at: Option<Millis>,
     /// Closed like an archived session, and hidden from its tenant; its records stay.
     pub deleted_at: Option<Millis>,
+    /// The status of `active_run_id`'s run, read with the session.
+    pub active_run_status: Option<RunStatus>,
+    /// When the session's latest event was written (its creation, before any).
+    pub last_activity_at: Millis,
+}
+
+/// Which end of the id order a list starts from (ids are time-ordered).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ListOrder {
+    #[default]
+    OldestFirst,
+    NewestFirst,
 }
 
 /// How a session is closed (see `Store::close_session`).
@@ -560,11 +572,13 @@ pub trait Store: Send + Sync + 'static {
 
     async fn get_session(&self, id: &SessionId) -> Result<Session>;
 
-    /// A tenant's sessions in id order (ids are time-ordered), after `after` when given. The
-    /// sessions of delegated runs are not listed: they are reached through their run tree.
+    /// A tenant's sessions in id order (ids are time-ordered) from the end `order` names,
+    /// past `after` when given. The sessions of delegated runs are not listed: they are
+    /// reached through their run tree.
     async fn list_sessions(
         &self,
         tenant: &str,
+        order: ListOrder,
         after: Option<&SessionId>,
         limit: u32,
     ) -> Result<Vec<Session>>;

@@ -12,9 +12,9 @@ use ratchet_core::{
 };
 use ratchet_store::{
     Answered, Approval, ApprovalStatus, CancelOutcome, Change, ChangeStream, Claim, ClaimedStep,
-    Commit, Intent, IntentRecord, Lease, MessageHit, NewRun, Reconciled, RecordedIntents, Result,
-    RunSummary, SearchScope, Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage,
-    Submitted,
+    Commit, Intent, IntentRecord, Lease, ListOrder, MessageHit, NewRun, Reconciled,
+    RecordedIntents, Result, RunSummary, SearchScope, Session, SessionSpec, Store, StoreStats,
+    StoredEvent, StoredMessage, Submitted,
 };
 use tokio::sync::mpsc;
 
@@ -61,10 +61,11 @@ impl Store for Heard {
     async fn list_sessions(
         &self,
         tenant: &str,
+        order: ListOrder,
         after: Option<&SessionId>,
         limit: u32,
     ) -> Result<Vec<Session>> {
-        self.inner.list_sessions(tenant, after, limit).await
+        self.inner.list_sessions(tenant, order, after, limit).await
     }
 
     async fn visible_messages(

@@ -221,7 +221,12 @@ pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_onc
         "each child runs in a session of its own"
     );
     let listed = store
-        .list_sessions(crate::DEFAULT_TENANT, None, 1_000)
+        .list_sessions(
+            crate::DEFAULT_TENANT,
+            crate::ListOrder::OldestFirst,
+            None,
+            1_000,
+        )
         .await
         .unwrap();
     assert!(listed.iter().any(|s| s.id == session));

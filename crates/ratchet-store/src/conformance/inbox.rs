@@ -596,7 +596,12 @@ pub async fn closing_a_session_cancels_its_background_work_and_empties_its_inbox
             .is_some()
     );
     let listed = store
-        .list_sessions(crate::DEFAULT_TENANT, None, 10_000)
+        .list_sessions(
+            crate::DEFAULT_TENANT,
+            crate::ListOrder::OldestFirst,
+            None,
+            10_000,
+        )
         .await
         .unwrap();
     assert!(

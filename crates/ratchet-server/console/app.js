@@ -1,0 +1,1170 @@
+// The Ratchet console: a client of the public API (`/v1`) and its event streams, nothing more.
+// Every view is drawn from what the server says; the only state kept here is the access token
+// (sessionStorage: this tab only) and what the current view has folded from its events.
+
+const TOKEN_KEY = "ratchet.token";
+const TERMINAL = new Set(["completed", "failed", "cancelled"]);
+
+// ---------------------------------------------------------------------------------------------
+// DOM helpers. Text always goes in as text nodes: nothing the server sends is parsed as HTML.
+
+function h(tag, attrs = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (value === undefined || value === null || value === false) continue;
+    if (key === "on") {
+      for (const [event, handler] of Object.entries(value)) el.addEventListener(event, handler);
+    } else if (key === "text") {
+      el.textContent = value;
+    } else if (key === "class") {
+      el.className = value;
+    } else if (key in el && !key.includes("-")) {
+      el[key] = value;
+    } else {
+      el.setAttribute(key, value === true ? "" : value);
+    }
+  }
+  for (const child of children.flat()) {
+    if (child === undefined || child === null || child === false) continue;
+    el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return el;
+}
+
+function chip(status) {
+  return h("span", { class: "chip", "data-status": status, text: status.replaceAll("_", " ") });
+}
+
+function when(millis) {
+  if (!millis) return "";
+  return new Date(millis).toLocaleString();
+}
+
+function ago(millis) {
+  const seconds = Math.max(0, Math.round((Date.now() - millis) / 1000));
+  if (seconds < 60) return `${seconds}s ago`;
+  if (seconds < 3600) return `${Math.floor(seconds / 60)} min ago`;
+  if (seconds < 86400) return `${Math.floor(seconds / 3600)} h ago`;
+  return new Date(millis).toLocaleDateString();
+}
+
+function timeAgo(millis) {
+  return h("time", { datetime: new Date(millis).toISOString(), title: when(millis), text: ago(millis) });
+}
+
+function json(value) {
+  return JSON.stringify(value, null, 2);
+}
+
+function sleep(ms) {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The access token and the API.
+
+class ApiError extends Error {
+  constructor(status, code, message) {
+    super(message);
+    this.status = status;
+    this.code = code;
+  }
+}
+
+let tokenPrompt = null;
+
+// Resolves once the person has entered a token; every caller waiting on a 401 shares one prompt.
+function askForToken(refused) {
+  if (tokenPrompt) return tokenPrompt;
+  const dialog = document.getElementById("token-dialog");
+  const form = document.getElementById("token-form");
+  const input = document.getElementById("token-input");
+  const error = document.getElementById("token-error");
+  error.hidden = !refused;
+  error.textContent = refused ? "The server refused that token. Enter another." : "";
+  input.value = "";
+  tokenPrompt = new Promise((resolve) => {
+    form.addEventListener(
+      "submit",
+      () => {
+        sessionStorage.setItem(TOKEN_KEY, input.value.trim());
+        updateSignOut();
+        tokenPrompt = null;
+        resolve();
+      },
+      { once: true },
+    );
+  });
+  if (!dialog.open) dialog.showModal();
+  input.focus();
+  return tokenPrompt;
+}
+
+function authHeaders() {
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  return token ? { Authorization: `Bearer ${token}` } : {};
+}
+
+function updateSignOut() {
+  document.getElementById("sign-out").hidden = !sessionStorage.getItem(TOKEN_KEY);
+}
+
+async function api(path, { method = "GET", body } = {}) {
+  for (;;) {
+    const headers = authHeaders();
+    if (body !== undefined) headers["Content-Type"] = "application/json";
+    let response;
+    try {
+      response = await fetch(path, {
+        method,
+        headers,
+        body: body === undefined ? undefined : JSON.stringify(body),
+        cache: "no-store",
+      });
+    } catch {
+      throw new ApiError(0, "unreachable", "The server cannot be reached. Is it running?");
+    }
+    if (response.status === 401) {
+      // A refused request changed nothing, so asking again after a new token is safe.
+      await askForToken(Boolean(sessionStorage.getItem(TOKEN_KEY)));
+      continue;
+    }
+    if (response.status === 204) return null;
+    const data = await response.json().catch(() => null);
+    if (!response.ok) {
+      throw new ApiError(
+        response.status,
+        data?.error?.code ?? "error",
+        data?.error?.message ?? `The server answered ${response.status}.`,
+      );
+    }
+    return data;
+  }
+}
+
+async function allPages(path) {
+  const items = [];
+  let cursor = null;
+  do {
+    const sep = path.includes("?") ? "&" : "?";
+    const page = await api(`${path}${sep}limit=200${cursor ? `&cursor=${encodeURIComponent(cursor)}` : ""}`);
+    items.push(...page.items);
+    cursor = page.next_cursor;
+  } while (cursor);
+  return items;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Event streams: Server-Sent Events read with fetch, so the token travels in a header rather
+// than the URL. A dropped stream reconnects with backoff and `Last-Event-ID`, and the server
+// replays exactly what was missed; a `seq` already seen is never applied twice.
+
+const connection = {
+  set(state, text) {
+    const el = document.getElementById("connection");
+    el.dataset.state = state;
+    el.textContent = text;
+  },
+};
+
+class EventStream {
+  constructor(path, onEvent) {
+    this.path = path;
+    this.onEvent = onEvent;
+    this.lastSeq = 0;
+    this.stopped = false;
+    this.controller = null;
+  }
+
+  start() {
+    this.loop();
+    return this;
+  }
+
+  stop() {
+    this.stopped = true;
+    this.controller?.abort();
+  }
+
+  async loop() {
+    let backoff = 500;
+    while (!this.stopped) {
+      this.controller = new AbortController();
+      try {
+        const headers = { Accept: "text/event-stream", ...authHeaders() };
+        if (this.lastSeq > 0) headers["Last-Event-ID"] = String(this.lastSeq);
+        const response = await fetch(this.path, { headers, signal: this.controller.signal, cache: "no-store" });
+        if (response.status === 401) {
+          await askForToken(Boolean(sessionStorage.getItem(TOKEN_KEY)));
+          continue;
+        }
+        if (!response.ok) {
+          const data = await response.json().catch(() => null);
+          connection.set("error", data?.error?.message ?? `Events unavailable (${response.status})`);
+          if (response.status >= 400 && response.status < 500) return;
+        } else {
+          connection.set("live", "Live");
+          backoff = 500;
+          await this.read(response.body);
+        }
+      } catch {
+        // A dropped connection or an aborted one: the loop decides below.
+      }
+      if (this.stopped) return;
+      connection.set("reconnecting", "Reconnecting…");
+      await sleep(backoff);
+      backoff = Math.min(backoff * 2, 8000);
+    }
+  }
+
+  async read(body) {
+    const reader = body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = "";
+    let id = null;
+    let data = [];
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += value;
+      let end;
+      while ((end = buffer.indexOf("\n")) >= 0) {
+        const line = buffer.slice(0, end).replace(/\r$/, "");
+        buffer = buffer.slice(end + 1);
+        if (line === "") {
+          if (data.length > 0) this.dispatch(id, data.join("\n"));
+          id = null;
+          data = [];
+        } else if (!line.startsWith(":")) {
+          const colon = line.indexOf(":");
+          const field = colon < 0 ? line : line.slice(0, colon);
+          const text = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+          if (field === "id") id = text;
+          else if (field === "data") data.push(text);
+        }
+      }
+    }
+  }
+
+  dispatch(id, data) {
+    const event = JSON.parse(data);
+    const seq = Number(id ?? event.seq);
+    if (seq <= this.lastSeq) return;
+    this.lastSeq = seq;
+    this.onEvent(event);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared pieces of views.
+
+function errorRegion() {
+  return h("p", { class: "error", role: "alert", hidden: true });
+}
+
+function showError(region, error) {
+  region.textContent = error instanceof ApiError || error instanceof Error ? error.message : String(error);
+  region.hidden = false;
+}
+
+function clearError(region) {
+  region.textContent = "";
+  region.hidden = true;
+}
+
+// Runs `action` with the button disabled, reporting a failure in `region`.
+async function act(button, region, action) {
+  button.disabled = true;
+  clearError(region);
+  try {
+    await action();
+  } catch (error) {
+    showError(region, error);
+  } finally {
+    button.disabled = false;
+  }
+}
+
+function runLink(runId) {
+  return h("a", { href: `#/runs/${runId}`, class: "mono", text: runId });
+}
+
+// Cancel, retry and continue for one run, enabled by what its status allows.
+function runControls(onChange) {
+  const region = errorRegion();
+  const status = h("p", { class: "muted" });
+  const cancel = h("button", { type: "button", class: "danger", text: "Cancel run" });
+  const retry = h("button", { type: "button", text: "Retry" });
+  const extra = h("input", { type: "number", min: "1", value: "10", id: `extra-${Math.random().toString(36).slice(2)}`, class: "narrow" });
+  const cont = h("button", { type: "button", text: "Continue" });
+  let run = null;
+  const el = h(
+    "div",
+    { class: "controls" },
+    status,
+    h("div", { class: "actions" }, cancel, retry),
+    h(
+      "div",
+      { class: "inline" },
+      h("div", { class: "field" }, h("label", { for: extra.id, text: "Extra steps" }), extra),
+      cont,
+    ),
+    region,
+  );
+  // After an action the run's new status decides which buttons are enabled, not the action.
+  cancel.addEventListener("click", () =>
+    act(cancel, region, async () => onChange(await api(`/v1/runs/${run.id}/cancel`, { method: "POST" }))).then(
+      () => update(run),
+    ),
+  );
+  retry.addEventListener("click", () =>
+    act(retry, region, async () => onChange(await api(`/v1/runs/${run.id}/retry`, { method: "POST" }))).then(
+      () => update(run),
+    ),
+  );
+  cont.addEventListener("click", () =>
+    act(cont, region, async () => {
+      const steps = Number(extra.value);
+      const body = Number.isInteger(steps) && steps > 0 ? { extra_steps: steps } : {};
+      return onChange(await api(`/v1/runs/${run.id}/continue`, { method: "POST", body }));
+    }).then(() => update(run)),
+  );
+  function update(next) {
+    run = next;
+    el.hidden = !run;
+    if (!run) return;
+    status.replaceChildren(
+      "Run ",
+      runLink(run.id),
+      ": ",
+      chip(run.status),
+      run.stop_reason && run.stop_reason !== run.status ? ` (${run.stop_reason.replaceAll("_", " ")})` : "",
+    );
+    cancel.disabled = TERMINAL.has(run.status) || run.status === "cancelling";
+    retry.disabled = !(run.status === "failed" && run.stop_reason === "llm_error");
+    cont.disabled = run.status !== "failed";
+  }
+  update(null);
+  return { el, update };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sessions.
+
+function showSessions(view) {
+  const region = errorRegion();
+  const agents = h("select", { id: "new-agent", name: "agent" }, h("option", { value: "default", text: "default" }));
+  const create = h("button", { type: "submit", class: "primary", text: "Create session" });
+  const body = h("tbody");
+  const more = h("button", { type: "button", text: "Older sessions", hidden: true });
+  let shown = 50;
+  let nextCursor = null;
+
+  const form = h(
+    "form",
+    { "aria-label": "New session", class: "inline" },
+    h("div", { class: "field" }, h("label", { for: "new-agent", text: "Agent" }), agents),
+    create,
+  );
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    act(create, region, async () => {
+      const session = await api("/v1/sessions", { method: "POST", body: { agent: agents.value } });
+      location.hash = `#/sessions/${session.id}`;
+    });
+  });
+
+  view.append(
+    h("h1", { text: "Sessions" }),
+    form,
+    region,
+    h(
+      "div",
+      { class: "scroll" },
+      h(
+        "table",
+        {},
+        h("caption", { text: "Newest first; refreshed every few seconds." }),
+        h(
+          "thead",
+          {},
+          h(
+            "tr",
+            {},
+            h("th", { scope: "col", text: "Session" }),
+            h("th", { scope: "col", text: "Agent" }),
+            h("th", { scope: "col", text: "Status" }),
+            h("th", { scope: "col", text: "Last activity" }),
+            h("th", { scope: "col", class: "hide-narrow", text: "Created" }),
+          ),
+        ),
+        body,
+      ),
+    ),
+    h("div", { class: "actions" }, more),
+  );
+
+  function row(session) {
+    return h(
+      "tr",
+      { "data-session": session.id },
+      h("td", {}, h("a", { href: `#/sessions/${session.id}`, class: "mono", text: session.id })),
+      h("td", { text: session.agent ?? "default" }),
+      h("td", {}, chip(session.status)),
+      h("td", {}, timeAgo(session.last_activity_at)),
+      h("td", { class: "hide-narrow", text: when(session.created_at) }),
+    );
+  }
+
+  async function refresh() {
+    try {
+      const page = await api(`/v1/sessions?order=newest&limit=${Math.min(shown, 200)}`);
+      body.replaceChildren(...page.items.map(row));
+      if (page.items.length === 0) {
+        body.append(h("tr", {}, h("td", { colspan: "5", class: "muted", text: "No sessions yet: create one above." })));
+      }
+      nextCursor = page.next_cursor;
+      more.hidden = !nextCursor || shown >= 200;
+      clearError(region);
+    } catch (error) {
+      showError(region, error);
+    }
+  }
+
+  more.addEventListener("click", () => {
+    shown = Math.min(shown + 50, 200);
+    refresh();
+  });
+
+  api("/v1/agents")
+    .then((page) => {
+      for (const agent of page.items) {
+        agents.append(h("option", { value: agent.id, text: agent.description ? `${agent.id} — ${agent.description}` : agent.id }));
+      }
+    })
+    .catch((error) => showError(region, error));
+  refresh();
+  const timer = setInterval(refresh, 3000);
+  connection.set("idle", "");
+  return () => clearInterval(timer);
+}
+
+// ---------------------------------------------------------------------------------------------
+// A session: its conversation, folded from the session's events, live.
+
+function showSession(view, sessionId) {
+  const region = errorRegion();
+  const title = h("h1", {}, "Session ", h("span", { class: "mono", text: sessionId }));
+  const facts = h("p", { class: "muted" });
+  const log = h("ol", { class: "log", role: "log", "aria-label": "Conversation", "aria-live": "polite" });
+  const controls = runControls((changed) => refreshRun(changed.run_id ?? changed.id));
+  const runsList = h("ul", { class: "runs" });
+  const content = h("textarea", { id: "message", name: "content", rows: 3, required: true });
+  const multitask = h(
+    "select",
+    { id: "multitask", name: "multitask" },
+    h("option", { value: "enqueue", text: "Queue it after the active run" }),
+    h("option", { value: "steer", text: "Steer the active run" }),
+    h("option", { value: "interrupt", text: "Interrupt the active run" }),
+    h("option", { value: "reject", text: "Refuse if a run is active" }),
+  );
+  const send = h("button", { type: "submit", class: "primary", text: "Send" });
+  const composer = h(
+    "form",
+    { class: "composer", "aria-label": "Send a message" },
+    h("div", { class: "field" }, h("label", { for: "message", text: "Message" }), content),
+    h(
+      "div",
+      { class: "inline" },
+      h("div", { class: "field" }, h("label", { for: "multitask", text: "While a run is active" }), multitask),
+      send,
+    ),
+    h("p", { class: "notice", text: "Ctrl+Enter sends." }),
+  );
+  const archive = h("button", { type: "button", class: "danger", text: "Archive session" });
+
+  view.append(
+    title,
+    facts,
+    region,
+    h(
+      "div",
+      { class: "session" },
+      h("div", {}, log, composer),
+      h(
+        "aside",
+        { class: "side", "aria-label": "Session details" },
+        h("section", { "aria-labelledby": "latest-run" }, h("h2", { id: "latest-run", text: "Latest run" }), controls.el),
+        h("section", { "aria-labelledby": "runs-title" }, h("h2", { id: "runs-title", text: "Runs" }), runsList),
+        h(
+          "section",
+          { "aria-labelledby": "more-title" },
+          h("h2", { id: "more-title", text: "More" }),
+          h("p", {}, h("a", { href: `#/sessions/${sessionId}/inbox`, text: "Inbox and dead letters" })),
+          h("div", { class: "actions" }, archive),
+        ),
+      ),
+    ),
+  );
+
+  const runs = new Map(); // run id -> { status, stopReason, assistant (the streaming item), tools: Map }
+  let latestRunId = null;
+  let archived = false;
+
+  // An archived session takes no more messages: its controls stay disabled whatever ran last.
+  function closeIfArchived() {
+    send.disabled = archived;
+    content.disabled = archived;
+    archive.disabled = archived;
+  }
+
+  function runOf(runId) {
+    if (!runs.has(runId)) runs.set(runId, { status: "queued", assistant: null, tools: new Map() });
+    return runs.get(runId);
+  }
+
+  function append(item) {
+    log.append(item);
+    item.scrollIntoView?.({ block: "nearest" });
+    return item;
+  }
+
+  function notice(text, ...extra) {
+    return append(h("li", { class: "item item-notice" }, text, ...extra));
+  }
+
+  function assistantItem(runId) {
+    const run = runOf(runId);
+    if (!run.assistant) {
+      run.assistant = append(
+        h(
+          "li",
+          { class: "item item-assistant", "data-run": runId, "data-streaming": "true" },
+          h("div", { class: "who", text: "Assistant" }),
+          h("div", { class: "text" }),
+        ),
+      );
+    }
+    return run.assistant;
+  }
+
+  function toolItem(runId, callId, name, args) {
+    const run = runOf(runId);
+    let item = run.tools.get(callId);
+    if (!item) {
+      item = append(
+        h(
+          "li",
+          { class: "item item-tool", "data-call": callId },
+          h("div", { class: "who" }, "Tool ", h("code", { text: name })),
+          h("details", {}, h("summary", { text: "Arguments" }), h("pre", { text: json(args) })),
+          h("div", { class: "result muted", text: "Waiting to run…" }),
+        ),
+      );
+      run.tools.set(callId, item);
+    }
+    return item;
+  }
+
+  function approvalCard(event) {
+    const { approval_id: approvalId, calls } = event.payload;
+    const cardRegion = errorRegion();
+    const decide = h("button", { type: "submit", class: "primary", text: "Submit decisions" });
+    const abort = h("button", { type: "button", class: "danger", text: "Abort run" });
+    const state = h("p", { class: "muted", text: "Waiting for your decision: no call of this batch runs until then." });
+    const groups = calls.map((call, index) => {
+      const name = `decision-${approvalId}-${index}`;
+      const note = h("input", { type: "text", id: `${name}-note`, name: `${name}-note` });
+      if (!call.needs_approval) {
+        return {
+          call,
+          el: h("p", {}, h("code", { text: call.tool }), " ", h("span", { class: "mono", text: call.call_id }), " runs with its batch once it is approved."),
+        };
+      }
+      const radio = (value, label, checked) =>
+        h("label", {}, h("input", { type: "radio", name, value, checked }), ` ${label}`);
+      return {
+        call,
+        note,
+        name,
+        el: h(
+          "fieldset",
+          {},
+          h("legend", {}, h("code", { text: call.tool }), " ", h("span", { class: "mono", text: call.call_id })),
+          h("pre", { text: json(call.arguments) }),
+          h("div", { class: "actions" }, radio("approve", "Approve", true), radio("deny", "Deny", false)),
+          h("div", { class: "field" }, h("label", { for: note.id, text: "Note (optional)" }), note),
+        ),
+      };
+    });
+    const form = h(
+      "form",
+      {},
+      ...groups.map((g) => g.el),
+      h("div", { class: "actions" }, decide, abort),
+    );
+    const card = h(
+      "li",
+      { class: "item card", "data-approval": approvalId, "data-state": "pending" },
+      h("section", { "aria-label": `Approval ${approvalId}` }, h("div", { class: "who", text: "Approval needed" }), state, form, cardRegion),
+    );
+    form.addEventListener("submit", (submitted) => {
+      submitted.preventDefault();
+      act(decide, cardRegion, async () => {
+        const decisions = groups
+          .filter((g) => g.name)
+          .map((g) => {
+            const decision = form.querySelector(`input[name="${g.name}"]:checked`).value;
+            const note = g.note.value.trim();
+            return note ? { call_id: g.call.call_id, decision, note } : { call_id: g.call.call_id, decision };
+          });
+        await api(`/v1/approvals/${approvalId}`, { method: "POST", body: { decisions } });
+      });
+    });
+    abort.addEventListener("click", () =>
+      act(abort, cardRegion, () => api(`/v1/approvals/${approvalId}`, { method: "POST", body: { abort: true } })),
+    );
+    card.decided = (answer) => {
+      card.dataset.state = "decided";
+      form.hidden = true;
+      state.textContent = answer === "abort" || answer?.abort ? "Aborted: the run was cancelled." : "Decided.";
+    };
+    return card;
+  }
+
+  function reconciliationCard(event) {
+    const runId = event.run_id;
+    const calls = event.payload.request?.calls ?? [];
+    const cards = new Map();
+    const card = h(
+      "li",
+      { class: "item card", "data-reconciliation": runId, "data-state": "pending" },
+      h("div", { class: "who", text: "Reconciliation needed" }),
+      h("p", {}, "The process stopped while these calls ran, so whether they took effect is unknown. Say what happened to each; nothing runs again until you do."),
+    );
+    calls.forEach((call, index) => {
+      const cardRegion = errorRegion();
+      const id = `reconcile-${runId}-${index}`;
+      const outcome = h(
+        "select",
+        { id: `${id}-outcome` },
+        h("option", { value: "succeeded", text: "It succeeded" }),
+        h("option", { value: "failed", text: "It failed" }),
+        h("option", { value: "retry", text: "Run it again" }),
+        h("option", { value: "skip", text: "Skip it" }),
+      );
+      const result = h("input", { type: "text", id: `${id}-result` });
+      const record = h("button", { type: "submit", class: "primary", text: "Record outcome" });
+      const form = h(
+        "form",
+        {},
+        h("div", { class: "inline" }, h("div", { class: "field" }, h("label", { for: outcome.id, text: "Outcome" }), outcome),
+          h("div", { class: "field" }, h("label", { for: result.id, text: "Result the model reads (optional)" }), result), record),
+      );
+      const section = h(
+        "section",
+        { "aria-label": `Reconcile ${call.call_id}` },
+        h("p", {}, h("code", { text: call.tool }), " ", h("span", { class: "mono", text: call.call_id }), ` · key ${call.idempotency_key}`),
+        h("pre", { text: json(call.arguments) }),
+        form,
+        cardRegion,
+      );
+      form.addEventListener("submit", (submitted) => {
+        submitted.preventDefault();
+        act(record, cardRegion, async () => {
+          const body = { call_id: call.call_id, outcome: outcome.value };
+          if (result.value.trim()) body.result = result.value.trim();
+          await api(`/v1/runs/${runId}/reconcile`, { method: "POST", body });
+        });
+      });
+      cards.set(call.call_id, { section, form });
+      card.append(section);
+    });
+    card.decided = (callId, answer) => {
+      const entry = cards.get(callId);
+      if (!entry) return;
+      entry.form.hidden = true;
+      entry.section.append(h("p", { class: "muted", text: `Recorded: ${typeof answer === "string" ? answer : (answer?.outcome ?? json(answer))}.` }));
+      if ([...cards.values()].every((c) => c.form.hidden)) card.dataset.state = "decided";
+    };
+    return card;
+  }
+
+  const approvals = new Map();
+  const reconciliations = new Map();
+
+  function apply(event) {
+    const p = event.payload ?? {};
+    const runId = event.run_id ?? p.run_id;
+    switch (event.kind) {
+      case "run.created": {
+        latestRunId = runId;
+        const run = runOf(runId);
+        run.status = "queued";
+        append(h("li", { class: "item item-run" }, "Run ", runLink(runId), p.origin === "continuation" ? " — a continuation turn: background work reports back" : ""));
+        if (p.content !== undefined) {
+          append(h("li", { class: "item item-user", "data-message": p.message_id }, h("div", { class: "who", text: "You" }), h("div", { class: "text", text: p.content })));
+        }
+        break;
+      }
+      case "message.steered":
+        append(h("li", { class: "item item-user", "data-message": p.message_id }, h("div", { class: "who", text: "You (steering)" }), h("div", { class: "text", text: p.content })));
+        break;
+      case "run.status":
+        runOf(runId).status = p.status;
+        break;
+      case "run.resumed":
+        notice(`Run resumed (${p.how ?? "continued"}).`);
+        break;
+      case "assistant.delta": {
+        const item = assistantItem(runId);
+        item.querySelector(".text").append(p.text);
+        break;
+      }
+      case "assistant.message": {
+        const run = runOf(runId);
+        const content = p.content ?? "";
+        if (content || run.assistant) {
+          const item = assistantItem(runId);
+          item.querySelector(".text").textContent = content;
+          item.dataset.streaming = "false";
+          if (!content) item.remove();
+        }
+        run.assistant = null;
+        for (const call of p.tool_calls ?? []) toolItem(runId, call.id, call.name, call.arguments);
+        break;
+      }
+      case "model.error": {
+        const run = runOf(runId);
+        run.assistant?.remove();
+        run.assistant = null;
+        notice(`The model call failed (attempt ${p.attempt ?? "?"}): ${p.message ?? p.error ?? "unknown error"}`);
+        break;
+      }
+      case "tool.call": {
+        const item = toolItem(runId, p.call_id, p.tool, p.arguments);
+        item.querySelector(".result").textContent = "Running…";
+        break;
+      }
+      case "tool.result": {
+        const item = toolItem(runId, p.call_id, p.tool, {});
+        const result = item.querySelector(".result");
+        result.className = "result";
+        result.replaceChildren(h("span", { class: "muted", text: p.is_error ? "Error: " : "Result: " }), h("pre", { text: String(p.content) }));
+        item.dataset.error = String(Boolean(p.is_error));
+        break;
+      }
+      case "approval.required": {
+        const card = approvalCard(event);
+        approvals.set(p.approval_id, card);
+        append(card);
+        break;
+      }
+      case "approval.decided":
+        approvals.get(p.approval_id)?.decided(p.answer);
+        break;
+      case "reconciliation.required": {
+        const card = reconciliationCard(event);
+        reconciliations.set(runId, card);
+        append(card);
+        break;
+      }
+      case "reconciliation.decided":
+        reconciliations.get(runId)?.decided(p.call_id, p.answer);
+        break;
+      case "subagent.started":
+        notice(`Started ${p.agent} `, runLink(p.child_run_id), ` for: ${p.task}`);
+        break;
+      case "subagent.finished":
+        notice(`${p.agent} `, runLink(p.child_run_id), ` ended: ${p.status}.`);
+        break;
+      case "context.compacted":
+        notice("Older turns were summarised to fit the model's context.");
+        break;
+      case "inbox.dead_lettered":
+        notice("A background report went to the dead letter: ", h("a", { href: `#/sessions/${sessionId}/inbox`, text: "see the inbox" }), ".");
+        break;
+      case "session.closed":
+        notice(`This session was ${p.how}.`);
+        break;
+      case "run.finished": {
+        const run = runOf(runId);
+        run.status = p.status;
+        run.stopReason = p.stop_reason;
+        if (run.assistant) run.assistant.dataset.streaming = "false";
+        run.assistant = null;
+        if (p.status !== "completed") notice(`Run ended: ${p.status}${p.stop_reason && p.stop_reason !== p.status ? ` (${p.stop_reason.replaceAll("_", " ")})` : ""}.`);
+        break;
+      }
+      default:
+        break;
+    }
+    if (["run.created", "run.status", "run.finished", "run.resumed"].includes(event.kind)) scheduleRefresh();
+  }
+
+  // The side panel re-reads runs from the API when the events say they moved; bursts of
+  // events cause one read.
+  let refreshTimer = null;
+  function scheduleRefresh() {
+    clearTimeout(refreshTimer);
+    refreshTimer = setTimeout(refreshSide, 150);
+  }
+
+  async function refreshRun(runId) {
+    if (runId) latestRunId = runId;
+    await refreshSide();
+  }
+
+  async function refreshSide() {
+    try {
+      const [session, runPage] = await Promise.all([
+        api(`/v1/sessions/${sessionId}`),
+        api(`/v1/sessions/${sessionId}/runs?limit=200`),
+      ]);
+      facts.replaceChildren(
+        `Agent ${session.agent ?? "default"} · `,
+        chip(session.status),
+        ` · created ${when(session.created_at)}`,
+      );
+      archived = Boolean(session.archived_at);
+      closeIfArchived();
+      runsList.replaceChildren(
+        ...runPage.items
+          .slice()
+          .reverse()
+          .map((run) => h("li", {}, runLink(run.id), " ", chip(run.status))),
+      );
+      // The events saw every run of the session; the list is its first 200.
+      const latest = latestRunId ?? runPage.items.at(-1)?.id;
+      controls.update(latest ? await api(`/v1/runs/${latest}`) : null);
+    } catch (error) {
+      showError(region, error);
+    }
+  }
+
+  composer.addEventListener("submit", (submitted) => {
+    submitted.preventDefault();
+    const text = content.value;
+    if (!text.trim()) return;
+    act(send, region, async () => {
+      await api(`/v1/sessions/${sessionId}/messages`, { method: "POST", body: { content: text, multitask: multitask.value } });
+      content.value = "";
+      content.focus();
+    }).then(closeIfArchived);
+  });
+  content.addEventListener("keydown", (key) => {
+    if (key.key === "Enter" && (key.ctrlKey || key.metaKey)) composer.requestSubmit();
+  });
+  archive.addEventListener("click", () => {
+    if (!confirm("Archive this session? Its unfinished runs are cancelled and it takes no more messages.")) return;
+    act(archive, region, async () => {
+      await api(`/v1/sessions/${sessionId}/archive`, { method: "POST" });
+      await refreshSide();
+    }).then(closeIfArchived);
+  });
+
+  const stream = new EventStream(`/v1/sessions/${sessionId}/events`, apply).start();
+  refreshSide();
+  return () => {
+    stream.stop();
+    clearTimeout(refreshTimer);
+  };
+}
+
+// ---------------------------------------------------------------------------------------------
+// A session's inbox, dead letters included.
+
+function showInbox(view, sessionId) {
+  const region = errorRegion();
+  const filter = h(
+    "select",
+    { id: "inbox-status" },
+    ...["all", "reserved", "pending", "leased", "consumed", "dead_letter", "superseded"].map((s) =>
+      h("option", { value: s, text: s.replaceAll("_", " ") }),
+    ),
+  );
+  const body = h("tbody");
+  view.append(
+    h("h1", {}, "Inbox of ", h("a", { href: `#/sessions/${sessionId}`, class: "mono", text: sessionId })),
+    h("p", { class: "muted", text: "Reports from background work, in order. Dead letters are reports no continuation could deliver." }),
+    h("div", { class: "inline" }, h("div", { class: "field" }, h("label", { for: "inbox-status", text: "Status" }), filter)),
+    region,
+    h(
+      "div",
+      { class: "scroll" },
+      h(
+        "table",
+        {},
+        h("caption", { text: "Inbox events" }),
+        h(
+          "thead",
+          {},
+          h(
+            "tr",
+            {},
+            ...["#", "Kind", "Status", "Attempts", "From", "Payload"].map((t) => h("th", { scope: "col", text: t })),
+          ),
+        ),
+        body,
+      ),
+    ),
+  );
+
+  async function refresh() {
+    try {
+      const query = filter.value === "all" ? "" : `?status=${filter.value}`;
+      const items = await allPages(`/v1/sessions/${sessionId}/inbox${query}`);
+      body.replaceChildren(
+        ...items.map((item) =>
+          h(
+            "tr",
+            { "data-inbox": item.id },
+            h("td", { text: item.id }),
+            h("td", { text: item.kind.replaceAll("_", " ") }),
+            h("td", {}, chip(item.status), item.reason ? h("div", { class: "muted", text: item.reason }) : null),
+            h("td", { text: `${item.attempts} of ${item.max_attempts}` }),
+            h("td", {}, item.parent_run_id ? runLink(item.parent_run_id) : ""),
+            h("td", {}, h("details", {}, h("summary", { text: "Payload" }), h("pre", { text: json(item.payload) }))),
+          ),
+        ),
+      );
+      if (items.length === 0) body.append(h("tr", {}, h("td", { colspan: "6", class: "muted", text: "Nothing here." })));
+      clearError(region);
+    } catch (error) {
+      showError(region, error);
+    }
+  }
+  filter.addEventListener("change", refresh);
+  const stream = new EventStream(`/v1/sessions/${sessionId}/events`, (event) => {
+    if (event.kind.startsWith("inbox.")) refresh();
+  }).start();
+  refresh();
+  return () => stream.stop();
+}
+
+// ---------------------------------------------------------------------------------------------
+// A run: its facts, usage, steps, tree and raw events, live.
+
+function showRun(view, runId) {
+  const region = errorRegion();
+  const facts = h("dl", { class: "facts" });
+  const usage = h("tbody");
+  const timeline = h("ol", { class: "timeline", "aria-label": "Steps" });
+  const tree = h("ul", { class: "tree", "aria-label": "Run tree" });
+  const events = h("tbody");
+  const controls = runControls(() => refresh());
+  view.append(
+    h("h1", {}, "Run ", h("span", { class: "mono", text: runId })),
+    region,
+    facts,
+    h("h2", { text: "Control" }),
+    controls.el,
+    h("h2", { text: "Usage and cost" }),
+    h("div", { class: "scroll" }, h("table", {}, h("caption", { text: "What this run spent" }), usage)),
+    h("h2", { text: "Steps" }),
+    timeline,
+    h("h2", { id: "tree-title", text: "Run tree" }),
+    tree,
+    h("h2", { text: "Events" }),
+    h(
+      "div",
+      { class: "scroll" },
+      h(
+        "table",
+        {},
+        h("caption", { text: "Every event of this run, as stored" }),
+        h("thead", {}, h("tr", {}, ...["seq", "Kind", "Time", "Payload"].map((t) => h("th", { scope: "col", text: t })))),
+        events,
+      ),
+    ),
+  );
+
+  function fact(term, ...value) {
+    return [h("dt", { text: term }), h("dd", {}, ...value)];
+  }
+
+  async function refresh() {
+    try {
+      const [run, steps, treeView] = await Promise.all([
+        api(`/v1/runs/${runId}`),
+        allPages(`/v1/runs/${runId}/steps`),
+        api(`/v1/runs/${runId}/tree`),
+      ]);
+      facts.replaceChildren(
+        ...fact("Status", chip(run.status), run.stop_reason ? ` stop reason: ${run.stop_reason.replaceAll("_", " ")}` : ""),
+        ...fact("Session", h("a", { href: `#/sessions/${run.session_id}`, class: "mono", text: run.session_id })),
+        ...fact("Agent", run.agent ? `${run.agent.id} (${run.agent.hash.slice(0, 12)})` : "default"),
+        ...(run.parent_run_id ? fact("Parent", runLink(run.parent_run_id)) : []),
+        ...fact("Created", when(run.created_at)),
+        ...(run.finished_at ? fact("Finished", `${when(run.finished_at)} (${((run.finished_at - run.created_at) / 1000).toFixed(1)} s)`) : []),
+        ...(run.pending_human ? fact("Waiting for", run.pending_human.kind, " — answer it in the ", h("a", { href: `#/sessions/${run.session_id}`, text: "conversation" })) : []),
+        ...(run.final_answer ? fact("Answer", h("div", { class: "text", text: run.final_answer })) : []),
+      );
+      controls.update(run);
+      const u = run.usage;
+      usage.replaceChildren(
+        ...[
+          ["Model calls", u.model_calls],
+          ["Tool calls", u.tool_calls],
+          ["Input tokens", u.input_tokens],
+          ["Output tokens", u.output_tokens],
+          ["Reasoning tokens", u.reasoning_tokens],
+          ["Cost", u.cost_usd === null || u.cost_usd === undefined ? "no prices configured" : `$${u.cost_usd.toFixed(6)}`],
+        ].map(([k, v]) => h("tr", {}, h("th", { scope: "row", text: k }), h("td", { text: String(v) }))),
+      );
+      const longest = Math.max(1, ...steps.map((s) => s.duration_ms));
+      timeline.replaceChildren(
+        ...steps.map((step) => {
+          const s = step.summary ?? {};
+          const tokens = s.input_tokens !== undefined ? `${s.input_tokens} in · ${s.output_tokens} out` : "";
+          return h(
+            "li",
+            { "data-step": step.index },
+            h("span", { class: "mono", text: `#${step.index}` }),
+            h("span", { text: step.instruction.replaceAll("_", " ") }),
+            h("span", { class: "duration-cell" }, durationBar(step.duration_ms, longest)),
+            h("span", { class: "muted", text: `${step.duration_ms} ms${tokens ? ` · ${tokens}` : ""}` }),
+          );
+        }),
+      );
+      if (steps.length === 0) timeline.append(h("li", { class: "muted", text: "No step committed yet." }));
+      drawTree(treeView.nodes);
+      clearError(region);
+    } catch (error) {
+      showError(region, error);
+    }
+  }
+
+  // Sized through the CSSOM: the page's policy forbids style attributes.
+  function durationBar(ms, longest) {
+    const bar = h("div", { class: "duration", role: "presentation" });
+    bar.style.width = `${Math.max(1, (100 * ms) / longest)}%`;
+    return bar;
+  }
+
+  function drawTree(nodes) {
+    const children = new Map();
+    for (const node of nodes) {
+      const key = node.parent_run_id ?? "";
+      if (!children.has(key)) children.set(key, []);
+      children.get(key).push(node);
+    }
+    const ids = new Set(nodes.map((n) => n.run_id));
+    const branch = (node) =>
+      h(
+        "li",
+        { "data-run": node.run_id },
+        node.run_id === runId ? h("strong", { class: "mono", text: node.run_id }) : runLink(node.run_id),
+        ` ${node.agent ?? "default"} `,
+        chip(node.status),
+        node.background ? " background" : "",
+        ` · ${node.steps} steps`,
+        (children.get(node.run_id) ?? []).length ? h("ul", {}, ...children.get(node.run_id).map(branch)) : null,
+      );
+    const roots = nodes.filter((n) => !n.parent_run_id || !ids.has(n.parent_run_id));
+    tree.replaceChildren(...roots.map(branch));
+  }
+
+  let refreshTimer = null;
+  const stream = new EventStream(`/v1/runs/${runId}/events`, (event) => {
+    events.append(
+      h(
+        "tr",
+        { "data-seq": event.seq },
+        h("td", { class: "mono", text: event.seq }),
+        h("td", { class: "mono", text: event.kind }),
+        h("td", { text: new Date(event.created_at).toLocaleTimeString() }),
+        h("td", {}, h("details", {}, h("summary", { text: "Payload" }), h("pre", { text: json(event.payload) }))),
+      ),
+    );
+    if (event.kind !== "assistant.delta") {
+      clearTimeout(refreshTimer);
+      refreshTimer = setTimeout(refresh, 150);
+    }
+  }).start();
+  refresh();
+  return () => {
+    stream.stop();
+    clearTimeout(refreshTimer);
+  };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pending approvals across the tenant's sessions.
+
+function showApprovals(view) {
+  const region = errorRegion();
+  const list = h("ul", {});
+  view.append(
+    h("h1", { text: "Pending approvals" }),
+    h("p", { class: "muted", text: "Batches of tool calls waiting for a person. Decide them in their conversation." }),
+    region,
+    list,
+  );
+  async function refresh() {
+    try {
+      const items = await allPages("/v1/approvals?status=pending");
+      list.replaceChildren(
+        ...items.map((approval) =>
+          h(
+            "li",
+            { "data-approval": approval.id },
+            h("a", { href: `#/sessions/${approval.session_id}`, text: `${approval.calls.filter((c) => c.needs_approval).map((c) => c.name).join(", ")}` }),
+            " in run ",
+            runLink(approval.run_id),
+            ", asked ",
+            timeAgo(approval.created_at),
+          ),
+        ),
+      );
+      if (items.length === 0) list.append(h("li", { class: "muted", text: "Nothing waits for a decision." }));
+      clearError(region);
+    } catch (error) {
+      showError(region, error);
+    }
+  }
+  refresh();
+  const timer = setInterval(refresh, 3000);
+  connection.set("idle", "");
+  return () => clearInterval(timer);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Routing by the URL's fragment, so that every view has an address and the server serves one page.
+
+const ROUTES = [
+  [/^#\/?$/, showSessions],
+  [/^#\/sessions\/([A-Za-z0-9_-]+)$/, showSession],
+  [/^#\/sessions\/([A-Za-z0-9_-]+)\/inbox$/, showInbox],
+  [/^#\/runs\/([A-Za-z0-9_-]+)$/, showRun],
+  [/^#\/approvals$/, showApprovals],
+];
+
+let teardown = null;
+
+function route() {
+  teardown?.();
+  teardown = null;
+  const view = document.getElementById("view");
+  view.replaceChildren();
+  const hash = location.hash || "#/";
+  for (const [pattern, show] of ROUTES) {
+    const match = hash.match(pattern);
+    if (match) {
+      teardown = show(view, ...match.slice(1));
+      const heading = view.querySelector("h1");
+      document.title = heading ? `${heading.textContent} · Ratchet` : "Ratchet console";
+      view.focus({ preventScroll: true });
+      return;
+    }
+  }
+  view.append(h("h1", { text: "Not found" }), h("p", {}, "Nothing lives at this address. ", h("a", { href: "#/", text: "Go to the sessions." })));
+}
+
+document.getElementById("sign-out").addEventListener("click", () => {
+  sessionStorage.removeItem(TOKEN_KEY);
+  updateSignOut();
+  route();
+});
+window.addEventListener("hashchange", route);
+updateSignOut();
+route();

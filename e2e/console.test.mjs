@@ -1,0 +1,318 @@
+// The web console, driven in headless Chromium against a real `ratchet serve`.
+
+import { after, afterEach, before, test } from "node:test";
+import assert from "node:assert/strict";
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
+import { Server, launchBrowser, openPage, screenshot } from "./support.mjs";
+
+let browser;
+const servers = [];
+
+before(async () => {
+  browser = await launchBrowser();
+});
+
+// Each test's pages and server end with it, so that no stream or timer outlives its test.
+afterEach(async () => {
+  await Promise.all(browser.contexts().map((context) => context.close()));
+  await Promise.all(servers.splice(0).map((s) => s.stop()));
+});
+
+after(async () => {
+  await browser?.close();
+});
+
+async function serve(options) {
+  const server = await Server.start(options);
+  servers.push(server);
+  return server;
+}
+
+// Creates a session of `agent` through the form and waits for its page.
+async function newSession(page, agent) {
+  try {
+    await page.getByRole("heading", { name: "Sessions" }).waitFor({ timeout: 10000 });
+  } catch (error) {
+    const html = await page.evaluate(() => document.documentElement.outerHTML);
+    throw new Error(`${error.message}\nurl ${page.url()}\nerrors ${page.errors}\n${html}`);
+  }
+  await page.getByLabel("Agent").selectOption(agent);
+  await page.getByRole("button", { name: "Create session" }).click();
+  await page.waitForURL(/#\/sessions\/ses_/);
+  await page.getByRole("log", { name: "Conversation" }).waitFor({ state: "attached" });
+  return new URL(page.url()).hash.split("/")[2];
+}
+
+async function send(page, text) {
+  await page.getByLabel("Message", { exact: true }).fill(text);
+  await page.getByRole("button", { name: "Send" }).click();
+  await page.locator(".item-user", { hasText: text }).waitFor();
+}
+
+function latestRunStatus(page) {
+  return page.getByRole("complementary", { name: "Session details" }).locator(".controls .chip");
+}
+
+// Every control of the current view has a name a screen reader can say.
+async function assertLabelled(page) {
+  const unnamed = await page.evaluate(() =>
+    [...document.querySelectorAll("main input, main select, main textarea, main button")]
+      .filter((el) => !el.hidden && el.closest("[hidden]") === null)
+      .filter((el) => {
+        if (el.tagName === "BUTTON") return !el.textContent.trim() && !el.getAttribute("aria-label");
+        if (el.type === "radio") return el.closest("label") === null;
+        return el.labels.length === 0 && !el.getAttribute("aria-label");
+      })
+      .map((el) => el.outerHTML),
+  );
+  assert.deepEqual(unnamed, [], "controls without a label");
+}
+
+test("create a session, send a message and watch the answer stream in", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  const sessionId = await newSession(page, "chat");
+  await assertLabelled(page);
+  await send(page, "Tell me about streaming");
+
+  const full = "Streaming answers arrive word by word while the model is still writing them.";
+  const answer = page.locator(".item-assistant").first();
+  // Seen mid-stream: some words, not all, the bubble still marked streaming.
+  const partial = await page.waitForFunction(
+    (whole) => {
+      const item = document.querySelector(".item-assistant");
+      const text = item?.querySelector(".text").textContent ?? "";
+      return item?.dataset.streaming === "true" && text.length > 0 && text !== whole ? text : null;
+    },
+    full,
+    { polling: 20 },
+  );
+  const seen = await partial.jsonValue();
+  assert.ok(full.startsWith(seen), `a prefix of the answer was shown while it streamed: ${seen}`);
+  await screenshot(page, "conversation-streaming");
+
+  await page.waitForFunction(() => document.querySelector(".item-assistant")?.dataset.streaming === "false");
+  assert.equal(await answer.locator(".text").textContent(), full);
+  await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
+  assert.equal(await page.locator(".item-assistant").count(), 1, "one answer, drawn once");
+  await screenshot(page, "conversation");
+
+  // The list shows the session with its agent, its status and when it was last active.
+  await page.getByRole("link", { name: "Sessions" }).click();
+  const row = page.locator(`tr[data-session="${sessionId}"]`);
+  await row.waitFor();
+  assert.equal(await row.locator("td").nth(1).textContent(), "chat");
+  await row.locator(".chip", { hasText: "idle" }).waitFor();
+  assert.match(await row.locator("time").textContent(), /ago$/);
+  await screenshot(page, "sessions");
+  assert.deepEqual(page.errors, []);
+});
+
+test("approve a guarded batch: nothing runs until a person says yes", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  const sessionId = await newSession(page, "guarded");
+  await send(page, "Write it down");
+
+  const card = page.getByRole("region", { name: /^Approval apr_/ });
+  await card.waitFor();
+  await latestRunStatus(page).filter({ hasText: "waiting human" }).waitFor();
+  assert.match(await card.textContent(), /append_line/);
+  assert.match(await card.textContent(), /add.*runs with its batch/);
+  await assertLabelled(page);
+  // No call of the batch ran while it waits.
+  assert.equal(await page.locator(".item-tool .result", { hasText: "Result" }).count(), 0);
+
+  // The approvals page lists it too.
+  const approvals = await openPage(browser, `${server.url}/#/approvals`);
+  await approvals.getByRole("link", { name: "append_line" }).waitFor();
+  await approvals.close();
+
+  await screenshot(page, "approval");
+  await card.getByLabel("Approve").check();
+  await card.getByRole("button", { name: "Submit decisions" }).click();
+  await page.locator(".item-assistant", { hasText: "The line is written and 2 + 3 = 5." }).waitFor();
+  await page.locator('.card[data-state="decided"]').waitFor();
+  assert.equal(await page.locator('.item-tool[data-call="call_0_1"] pre').last().textContent(), "5");
+  assert.equal(readFileSync(join(server.dir, "workspace", "notes.txt"), "utf8"), "approved line\n");
+  const runs = await server.get(`/v1/sessions/${sessionId}/runs`);
+  assert.equal(runs.items[0].status, "completed");
+  assert.deepEqual(page.errors, []);
+});
+
+test("deny a call: the model reads the denial and nothing is written", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  await newSession(page, "guarded");
+  await send(page, "Write it down");
+  const card = page.getByRole("region", { name: /^Approval apr_/ });
+  await card.getByLabel("Deny").check();
+  await card.getByLabel("Note (optional)").fill("not today");
+  await card.getByRole("button", { name: "Submit decisions" }).click();
+  await page.locator('.item-tool[data-call="call_0_0"][data-error="true"]', { hasText: "not today" }).waitFor();
+  await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
+  assert.throws(() => readFileSync(join(server.dir, "workspace", "notes.txt")), /ENOENT/);
+  assert.deepEqual(page.errors, []);
+});
+
+test("cancel a slow run from its conversation", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  const sessionId = await newSession(page, "slow");
+  await send(page, "Take a nap");
+  await page.locator(".item-tool .result", { hasText: "Running…" }).waitFor();
+  await latestRunStatus(page).filter({ hasText: "running" }).waitFor();
+
+  await page.getByRole("button", { name: "Cancel run" }).click();
+  await page.locator(".item-notice", { hasText: "Run ended: cancelled" }).waitFor();
+  await latestRunStatus(page).filter({ hasText: "cancelled" }).waitFor();
+  assert.ok(await page.getByRole("button", { name: "Cancel run" }).isDisabled());
+  const runs = await server.get(`/v1/sessions/${sessionId}/runs`);
+  assert.equal(runs.items[0].status, "cancelled");
+  assert.deepEqual(page.errors, []);
+});
+
+test("open a run tree: a delegating run, its children and their steps", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  await newSession(page, "lead");
+  await send(page, "Count the fruit");
+  await page.locator(".item-assistant", { hasText: "Both workers reported back." }).waitFor();
+  assert.equal(await page.locator(".item-notice", { hasText: /^Started worker/ }).count(), 2);
+
+  await page.getByRole("complementary", { name: "Session details" }).locator(".controls a").click();
+  await page.waitForURL(/#\/runs\/run_/);
+  const rootId = new URL(page.url()).hash.split("/")[2];
+  const tree = page.getByRole("list", { name: "Run tree" });
+  await tree.locator("li li").nth(1).waitFor();
+  const nodes = await tree.locator("li").evaluateAll((items) => items.map((li) => li.dataset.run));
+  const truth = await server.get(`/v1/runs/${rootId}/tree`);
+  assert.deepEqual(nodes, truth.nodes.map((n) => n.run_id), "every node, parents before children");
+  assert.equal(await tree.locator("li li", { hasText: "worker" }).count(), 2);
+  await page.locator("#view table tr", { hasText: "Model calls" }).locator("td", { hasText: "2" }).waitFor();
+  await page.locator('tr[data-seq] td:text-is("run.finished")').waitFor();
+  const steps = await page.getByRole("list", { name: "Steps" }).locator("li[data-step]").count();
+  assert.equal(steps, (await server.get(`/v1/runs/${rootId}/steps`)).items.length);
+  await assertLabelled(page);
+  await screenshot(page, "run-tree");
+
+  // A child's page links back to its parent.
+  await tree.locator("li li a").first().click();
+  await page.getByRole("heading", { name: /^Run run_/ }).waitFor();
+  await page.locator("dl.facts a", { hasText: rootId }).waitFor();
+  assert.deepEqual(page.errors, []);
+});
+
+test("a token is asked for once and kept for the tab", async () => {
+  const server = await serve({ token: "s3cret-console-token" });
+  const page = await openPage(browser, server.url);
+  const dialog = page.getByRole("dialog", { name: "Sign in" });
+  await dialog.waitFor();
+  await dialog.getByLabel("Access token").fill("wrong");
+  await dialog.getByRole("button", { name: "Sign in" }).click();
+  await dialog.getByText("The server refused that token").waitFor();
+  await dialog.getByLabel("Access token").fill("s3cret-console-token");
+  await dialog.getByRole("button", { name: "Sign in" }).click();
+  await newSession(page, "chat");
+  await send(page, "Hello behind a token");
+  await page.locator('.item-assistant[data-streaming="false"]').waitFor();
+
+  // A reload keeps it; another tab asks again.
+  await page.reload();
+  await page.getByRole("log", { name: "Conversation" }).waitFor({ state: "attached" });
+  await page.locator('.item-assistant[data-streaming="false"]').waitFor();
+  assert.equal(await dialog.isVisible(), false);
+  const other = await page.context().newPage();
+  await other.goto(server.url);
+  await other.getByRole("dialog", { name: "Sign in" }).waitFor();
+  assert.deepEqual(page.errors, []);
+});
+
+test("a server killed mid-call comes back: the stream resumes and the console asks to reconcile", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  await newSession(page, "ledger");
+  await send(page, "Charge the card");
+  // The call blocks on a pipe nobody reads: its effect has begun and never finishes.
+  await page.locator(".item-tool .result", { hasText: "Running…" }).waitFor();
+
+  await server.kill();
+  await page.locator('#connection[data-state="reconnecting"]').waitFor();
+  await server.restart();
+  await page.locator('#connection[data-state="live"]').waitFor();
+
+  const card = page.getByRole("region", { name: "Reconcile call_0_0" });
+  await card.waitFor({ timeout: 20000 });
+  await screenshot(page, "reconciliation");
+  await assertLabelled(page);
+  await card.getByLabel("Outcome").selectOption("succeeded");
+  await card.getByLabel("Result the model reads (optional)").fill("charged once");
+  await card.getByRole("button", { name: "Record outcome" }).click();
+  await page.locator(".item-assistant", { hasText: "Recorded." }).waitFor();
+  await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
+
+  // The reconnect replayed only what was missed: everything appears once.
+  assert.equal(await page.locator(".item-user").count(), 1);
+  assert.equal(await page.locator(".item-run").count(), 1);
+  assert.equal(await page.locator(".item-tool").count(), 1);
+  assert.equal(await page.locator(".card[data-reconciliation]").count(), 1);
+  assert.deepEqual(page.errors, []);
+});
+
+test("archiving a session with background work sends its report to the dead letter", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  const sessionId = await newSession(page, "dispatcher");
+  await send(page, "Start something long");
+  await page.locator(".item-assistant", { hasText: "Started in the background." }).waitFor();
+
+  page.once("dialog", (dialog) => dialog.accept());
+  await page.getByRole("button", { name: "Archive session" }).click();
+  await page.locator(".item-notice", { hasText: "This session was archived." }).waitFor();
+  await page.waitForFunction(() => document.querySelector(".composer button[type=submit]").disabled);
+
+  await page.getByRole("link", { name: "Inbox and dead letters" }).click();
+  await page.getByRole("heading", { name: /^Inbox of/ }).waitFor();
+  const row = page.locator("tr[data-inbox]");
+  await row.locator(".chip", { hasText: "dead letter" }).waitFor();
+  const truth = await server.get(`/v1/sessions/${sessionId}/inbox?status=dead_letter`);
+  assert.equal(await row.count(), truth.items.length);
+  assert.equal(await row.locator(".muted").first().textContent(), truth.items[0].reason);
+  await page.getByLabel("Status").selectOption("pending");
+  await page.getByText("Nothing here.").waitFor();
+  await page.getByLabel("Status").selectOption("dead_letter");
+  await row.first().waitFor();
+  await screenshot(page, "inbox");
+  assert.deepEqual(page.errors, []);
+});
+
+test("on a phone the conversation fits the screen", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url, { width: 390, height: 844 });
+  await newSession(page, "chat");
+  await send(page, "Hello from a phone");
+  await page.locator('.item-assistant[data-streaming="false"]').waitFor();
+  const overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+  assert.ok(overflow <= 0, `no sideways scrolling: ${overflow}px too wide`);
+  await page.getByLabel("Message", { exact: true }).scrollIntoViewIfNeeded();
+  assert.ok(await page.getByLabel("Message", { exact: true }).isVisible());
+  await screenshot(page, "phone");
+  assert.deepEqual(page.errors, []);
+});
+
+test("the keyboard alone creates a session and sends a message", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  await page.getByRole("heading", { name: "Sessions" }).waitFor();
+  await page.getByLabel("Agent").focus();
+  await page.keyboard.press("Tab");
+  assert.equal(await page.evaluate(() => document.activeElement.textContent), "Create session");
+  await page.keyboard.press("Enter");
+  await page.waitForURL(/#\/sessions\/ses_/);
+  await page.getByLabel("Message", { exact: true }).focus();
+  await page.keyboard.type("What is 2 + 3?");
+  await page.keyboard.press("Control+Enter");
+  await page.locator(".item-assistant", { hasText: "2 + 3 = 5" }).waitFor();
+  assert.deepEqual(page.errors, []);
+});

@@ -1,0 +1,230 @@
+// What the console tests share: a real `ratchet serve` on a fresh SQLite file with a catalog
+// of scripted agents, and a headless Chromium to drive it.
+
+import { spawn, execFileSync } from "node:child_process";
+import { mkdtempSync, mkdirSync, writeFileSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { chromium } from "playwright-core";
+
+export const BIN = process.env.RATCHET_BIN;
+const CHROMIUM = process.env.RATCHET_CHROMIUM ?? "/usr/bin/chromium";
+const SCREENSHOTS = process.env.RATCHET_CONSOLE_SCREENSHOTS;
+
+if (!BIN) throw new Error("RATCHET_BIN must name the ratchet binary (crates/ratchet-cli/tests/console.rs sets it)");
+
+// Each agent answers from a script: reply i answers the run's i-th model call.
+const AGENTS = {
+  chat: {
+    description: "Answers slowly enough to watch it stream",
+    script: [{ text: "Streaming answers arrive word by word while the model is still writing them.", chunk_delay_ms: 120 }],
+  },
+  guarded: {
+    description: "Writes a line, which a person must approve",
+    tools: ["append_line", "add"],
+    approval: "append_line: always",
+    script: [
+      {
+        tool_calls: [
+          { name: "append_line", arguments: { path: "notes.txt", line: "approved line" } },
+          { name: "add", arguments: { a: 2, b: 3 } },
+        ],
+      },
+      { text: "The line is written and 2 + 3 = 5." },
+    ],
+  },
+  slow: {
+    description: "Sleeps for a minute",
+    tools: ["sleep_ms"],
+    script: [{ tool_calls: [{ name: "sleep_ms", arguments: { ms: 60000 } }] }, { text: "I woke up." }],
+  },
+  lead: {
+    description: "Hands two tasks to workers",
+    delegates: ["worker"],
+    script: [
+      {
+        tool_calls: [
+          {
+            name: "delegate",
+            arguments: {
+              mode: "foreground",
+              tasks: [
+                { agent: "worker", task: "Count the apples" },
+                { agent: "worker", task: "Count the pears" },
+              ],
+            },
+          },
+        ],
+      },
+      { text: "Both workers reported back." },
+    ],
+  },
+  worker: {
+    description: "Does one task",
+    script: [{ text: "Counted: 7." }],
+  },
+  dispatcher: {
+    description: "Starts work in the background and answers at once",
+    delegates: ["sleeper"],
+    script: [
+      {
+        tool_calls: [
+          { name: "delegate", arguments: { mode: "background", tasks: [{ agent: "sleeper", task: "Take your time" }] } },
+        ],
+      },
+      { text: "Started in the background." },
+    ],
+  },
+  sleeper: {
+    description: "Sleeps for a minute, then answers",
+    tools: ["sleep_ms"],
+    script: [{ tool_calls: [{ name: "sleep_ms", arguments: { ms: 60000 } }] }, { text: "Slept." }],
+  },
+  ledger: {
+    description: "Writes to a pipe nobody reads, so the call never ends",
+    tools: ["append_line"],
+    script: [{ tool_calls: [{ name: "append_line", arguments: { path: "pipe", line: "charge the card" } }] }, { text: "Recorded." }],
+  },
+};
+
+function writeCatalog(dir) {
+  mkdirSync(dir, { recursive: true });
+  for (const [id, agent] of Object.entries(AGENTS)) {
+    writeFileSync(join(dir, `${id}.json`), JSON.stringify({ replies: agent.script }));
+    const lines = ["---", `id: ${id}`, `description: ${agent.description}`, `model: scripted:${id}.json`];
+    if (agent.tools) lines.push(`tools: [${agent.tools.join(", ")}]`);
+    if (agent.delegates) lines.push(`delegates: [${agent.delegates.join(", ")}]`);
+    if (agent.approval) lines.push("approval:", `  ${agent.approval}`);
+    lines.push("---", `You are ${id}.`, "");
+    writeFileSync(join(dir, `${id}.md`), lines.join("\n"));
+  }
+}
+
+// A `ratchet serve` of its own: a temporary directory with the database, the catalog and the
+// workspace. `restart()` after `kill()` serves the same database on the same port.
+export class Server {
+  static async start({ token } = {}) {
+    const dir = mkdtempSync(join(tmpdir(), "ratchet-console-"));
+    writeCatalog(join(dir, "agents"));
+    mkdirSync(join(dir, "workspace"));
+    execFileSync("mkfifo", [join(dir, "workspace", "pipe")]);
+    const config = [`agents = "${join(dir, "agents")}"`];
+    if (token) config.push("[[tokens]]", 'tenant = "acme"', 'env = "RATCHET_CONSOLE_TOKEN"');
+    writeFileSync(join(dir, "ratchet.toml"), config.join("\n") + "\n");
+    const server = new Server(dir, token);
+    await server.spawn("127.0.0.1:0");
+    return server;
+  }
+
+  constructor(dir, token) {
+    this.dir = dir;
+    this.token = token;
+    this.child = null;
+    this.url = null;
+    this.log = "";
+  }
+
+  async spawn(listen) {
+    const child = spawn(
+      BIN,
+      [
+        "serve",
+        "--config", join(this.dir, "ratchet.toml"),
+        "--db", `sqlite://${join(this.dir, "ratchet.db")}`,
+        "--workspace", join(this.dir, "workspace"),
+        "--listen", listen,
+        "--workers", "4",
+        // A restarted server takes over the killed one's steps after this.
+        "--lease-ms", "1500",
+        "--poll-ms", "100",
+      ],
+      { env: { ...process.env, RATCHET_CONSOLE_TOKEN: this.token ?? "", RATCHET_LOG: "warn" }, stdio: ["ignore", "ignore", "pipe"] },
+    );
+    this.child = child;
+    this.url = await new Promise((resolve, reject) => {
+      const timer = setTimeout(() => reject(new Error(`ratchet serve did not start:\n${this.log}`)), 30000);
+      child.stderr.on("data", (chunk) => {
+        this.log += chunk;
+        // Only a whole line: the address may arrive split across chunks.
+        const found = this.log.match(/listening on (http:\/\/[0-9.:]+) /);
+        if (found) {
+          clearTimeout(timer);
+          resolve(found[1]);
+        }
+      });
+      child.on("exit", (code) => {
+        clearTimeout(timer);
+        reject(new Error(`ratchet serve exited with ${code}:\n${this.log}`));
+      });
+    });
+  }
+
+  // SIGKILL: no shutdown of any kind.
+  async kill() {
+    const exited = new Promise((resolve) => this.child.once("exit", resolve));
+    this.child.kill("SIGKILL");
+    await exited;
+  }
+
+  async restart() {
+    this.log = "";
+    await this.spawn(new URL(this.url).host);
+  }
+
+  async stop() {
+    if (this.child && this.child.exitCode === null && this.child.signalCode === null) {
+      const exited = new Promise((resolve) => this.child.once("exit", resolve));
+      this.child.kill("SIGTERM");
+      await exited;
+    }
+    rmSync(this.dir, { recursive: true, force: true });
+  }
+
+  // The API as a test reads it, to check what the console shows against the server's truth.
+  async get(path) {
+    const headers = this.token ? { Authorization: `Bearer ${this.token}` } : {};
+    const response = await fetch(this.url + path, { headers });
+    if (!response.ok) throw new Error(`GET ${path}: ${response.status} ${await response.text()}`);
+    return response.json();
+  }
+}
+
+export async function launchBrowser() {
+  return chromium.launch({
+    executablePath: CHROMIUM,
+    headless: true,
+    // Without these Chromium reaches for the network at start, which this machine refuses.
+    args: [
+      "--no-sandbox",
+      "--disable-gpu",
+      "--disable-quic",
+      "--no-first-run",
+      "--disable-background-networking",
+      "--disable-component-update",
+      "--disable-sync",
+    ],
+  });
+}
+
+// A page that fails its test on any script error or console error the console itself makes.
+export async function openPage(browser, url, viewport = { width: 1280, height: 860 }) {
+  // A context of its own: its own storage, like a separate browser profile.
+  const context = await browser.newContext({ viewport });
+  const page = await context.newPage();
+  page.errors = [];
+  page.on("pageerror", (error) => page.errors.push(`page error: ${error.message}`));
+  page.on("console", (message) => {
+    // A refused or failed request is the console's to report in the page, not a script error.
+    if (message.type() === "error" && !message.text().startsWith("Failed to load resource")) {
+      page.errors.push(`console: ${message.text()}`);
+    }
+  });
+  await page.goto(url);
+  return page;
+}
+
+export async function screenshot(page, name) {
+  if (!SCREENSHOTS) return;
+  mkdirSync(SCREENSHOTS, { recursive: true });
+  await page.screenshot({ path: join(SCREENSHOTS, `${name}.png`), fullPage: false });
+}
