@@ -60,6 +60,73 @@ async fn sessions_are_created_fetched_and_listed_page_by_page() {
         .get_ok(TOKEN_A, &format!("/v1/sessions?cursor={}", expected[2]))
         .await;
     assert_eq!(ids(&tail["items"]), expected[3..]);
+
+    // Newest first, a page at a time, for a console's list.
+    let newest: Vec<String> = expected.iter().rev().cloned().collect();
+    let pages = all_pages(&server, "/v1/sessions?order=newest", 2).await;
+    let listed: Vec<String> = pages
+        .iter()
+        .flat_map(|p| ids(&Value::Array(p.clone())))
+        .collect();
+    assert_eq!(listed, newest, "every session once, newest first");
+    let oldest = server.get_ok(TOKEN_A, "/v1/sessions?order=oldest").await;
+    assert_eq!(ids(&oldest["items"]), expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_tells_its_status_and_last_activity() {
+    let server = Server::start(sleepy_script()).await;
+    let session = server.create_session(TOKEN_A).await;
+    let fresh = server
+        .get_ok(TOKEN_A, &format!("/v1/sessions/{session}"))
+        .await;
+    assert_eq!(fresh["status"], "idle");
+    assert_eq!(fresh["last_activity_at"], fresh["created_at"], "{fresh}");
+
+    let accepted = server.send(TOKEN_A, &session, "take a nap").await;
+    // The run then sleeps in its tool call, writing nothing until it is cancelled.
+    server
+        .stream(&format!("/v1/sessions/{session}/events"), None)
+        .await
+        .until(|e| e.kind == "tool.call")
+        .await;
+    let events = server
+        .replay(&format!("/v1/sessions/{session}/events?follow=false"), None)
+        .await;
+    let created = &events[0];
+    assert_eq!(created.kind, "run.created");
+    assert_eq!(
+        (&created.data["payload"]["message_id"], &created.data["payload"]["content"]),
+        (&accepted["message_id"], &json!("take a nap")),
+        "a run's creation carries its message"
+    );
+    let busy = server
+        .get_ok(TOKEN_A, &format!("/v1/sessions/{session}"))
+        .await;
+    assert_eq!(busy["status"], "running", "{busy}");
+    assert_eq!(
+        busy["last_activity_at"],
+        events.last().unwrap().data["created_at"],
+        "the latest event's time"
+    );
+    let listed = server.get_ok(TOKEN_A, "/v1/sessions").await;
+    assert_eq!(listed["items"][0]["status"], "running");
+
+    let archived = call(server.post(
+        TOKEN_A,
+        &format!("/v1/sessions/{session}/archive"),
+        json!({}),
+    ))
+    .await;
+    assert!(archived.status.is_success(), "{}", archived.body);
+    let closed = server
+        .get_ok(TOKEN_A, &format!("/v1/sessions/{session}"))
+        .await;
+    assert_eq!(closed["status"], "archived");
+    assert!(
+        closed["last_activity_at"].as_i64() >= busy["last_activity_at"].as_i64(),
+        "{closed}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -729,7 +796,7 @@ async fn bad_input_gets_the_right_status_and_a_json_error() {
         }
         gets.push((format!("{list}?limit=200"), StatusCode::OK));
     }
-    for query in ["cursor=garbage", "cursor=ses_a.b"] {
+    for query in ["cursor=garbage", "cursor=ses_a.b", "order=sideways", "order="] {
         gets.push((format!("/v1/sessions?{query}"), bad));
     }
     gets.push((format!("{messages}?cursor=abc"), bad));
