@@ -173,6 +173,26 @@ test("cancel a slow run from its conversation", async () => {
   assert.deepEqual(page.errors, []);
 });
 
+test("continue a run that spent its budget, with more steps", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  const sessionId = await newSession(page, "looper");
+  await send(page, "Add until done");
+  await page.locator(".item-notice", { hasText: "Run ended: failed (budget exhausted)" }).waitFor();
+  const cont = page.getByRole("button", { name: "Continue" });
+  await page.waitForFunction(() => [...document.querySelectorAll("button")].find((b) => b.textContent === "Continue")?.disabled === false);
+  assert.ok(await page.getByRole("button", { name: "Retry" }).isDisabled(), "retry is for a failed model call");
+  await page.getByLabel("Extra steps").fill("10");
+  await cont.click();
+  await page.locator(".item-assistant", { hasText: "Finally done." }).waitFor();
+  await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
+  await page.locator(".item-notice", { hasText: "Run resumed" }).waitFor();
+  const runs = await server.get(`/v1/sessions/${sessionId}/runs`);
+  assert.equal(runs.items.length, 1, "the same run went on");
+  assert.equal(runs.items[0].status, "completed");
+  assert.deepEqual(page.errors, []);
+});
+
 test("open a run tree: a delegating run, its children and their steps", async () => {
   const server = await serve();
   const page = await openPage(browser, server.url);

@@ -80,6 +80,17 @@ const AGENTS = {
     tools: ["sleep_ms"],
     script: [{ tool_calls: [{ name: "sleep_ms", arguments: { ms: 60000 } }] }, { text: "Slept." }],
   },
+  looper: {
+    description: "Needs more steps than its budget allows",
+    tools: ["add"],
+    limits: "{ max_steps: 3 }",
+    script: [
+      { tool_calls: [{ name: "add", arguments: { a: 1, b: 1 } }] },
+      { tool_calls: [{ name: "add", arguments: { a: 2, b: 2 } }] },
+      { tool_calls: [{ name: "add", arguments: { a: 3, b: 3 } }] },
+      { text: "Finally done." },
+    ],
+  },
   ledger: {
     description: "Writes to a pipe nobody reads, so the call never ends",
     tools: ["append_line"],
@@ -95,6 +106,7 @@ function writeCatalog(dir) {
     if (agent.tools) lines.push(`tools: [${agent.tools.join(", ")}]`);
     if (agent.delegates) lines.push(`delegates: [${agent.delegates.join(", ")}]`);
     if (agent.approval) lines.push("approval:", `  ${agent.approval}`);
+    if (agent.limits) lines.push(`limits: ${agent.limits}`);
     lines.push("---", `You are ${id}.`, "");
     writeFileSync(join(dir, `${id}.md`), lines.join("\n"));
   }

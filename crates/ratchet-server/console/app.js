@@ -522,9 +522,12 @@ function showSession(view, sessionId) {
     return runs.get(runId);
   }
 
+  // Follows the conversation only while the reader is at its end, never pulling them away
+  // from what they scrolled back to.
   function append(item) {
+    const atEnd = window.innerHeight + window.scrollY >= document.documentElement.scrollHeight - 80;
     log.append(item);
-    item.scrollIntoView?.({ block: "nearest" });
+    if (atEnd) item.scrollIntoView({ block: "nearest" });
     return item;
   }
 
@@ -763,6 +766,10 @@ function showSession(view, sessionId) {
         approvals.get(p.approval_id)?.decided(p.answer);
         break;
       case "reconciliation.required": {
+        for (const call of p.request?.calls ?? []) {
+          const result = toolItem(runId, call.call_id, call.tool, call.arguments).querySelector(".result");
+          result.textContent = "Outcome unknown: the process stopped while this call ran.";
+        }
         const card = reconciliationCard(event);
         reconciliations.set(runId, card);
         append(card);
@@ -952,18 +959,25 @@ function showRun(view, runId) {
   const tree = h("ul", { class: "tree", "aria-label": "Run tree" });
   const events = h("tbody");
   const controls = runControls(() => refresh());
+  const panel = (title, ...content) => {
+    const id = `panel-${title.toLowerCase().replaceAll(" ", "-")}`;
+    return h("section", { class: "panel", "aria-labelledby": id }, h("h2", { id, text: title }), ...content);
+  };
   view.append(
     h("h1", {}, "Run ", h("span", { class: "mono", text: runId })),
     region,
-    facts,
-    h("h2", { text: "Control" }),
-    controls.el,
-    h("h2", { text: "Usage and cost" }),
-    h("div", { class: "scroll" }, h("table", {}, h("caption", { text: "What this run spent" }), usage)),
-    h("h2", { text: "Steps" }),
-    timeline,
-    h("h2", { id: "tree-title", text: "Run tree" }),
-    tree,
+    h(
+      "div",
+      { class: "run-grid" },
+      h(
+        "div",
+        {},
+        panel("Summary", facts),
+        panel("Control", controls.el),
+        panel("Usage and cost", h("table", {}, h("caption", { text: "What this run spent" }), usage)),
+      ),
+      h("div", {}, panel("Run tree", tree), panel("Steps", timeline)),
+    ),
     h("h2", { text: "Events" }),
     h(
       "div",
@@ -1057,7 +1071,7 @@ function showRun(view, runId) {
         ` ${node.agent ?? "default"} `,
         chip(node.status),
         node.background ? " background" : "",
-        ` · ${node.steps} steps`,
+        ` · ${node.steps} step${node.steps === 1 ? "" : "s"}`,
         (children.get(node.run_id) ?? []).length ? h("ul", {}, ...children.get(node.run_id).map(branch)) : null,
       );
     const roots = nodes.filter((n) => !n.parent_run_id || !ids.has(n.parent_run_id));
@@ -1160,6 +1174,8 @@ function route() {
   view.append(h("h1", { text: "Not found" }), h("p", {}, "Nothing lives at this address. ", h("a", { href: "#/", text: "Go to the sessions." })));
 }
 
+// Everything behind the token waits for it, so Escape does not close the sign-in dialog.
+document.getElementById("token-dialog").addEventListener("cancel", (event) => event.preventDefault());
 document.getElementById("sign-out").addEventListener("click", () => {
   sessionStorage.removeItem(TOKEN_KEY);
   updateSignOut();
