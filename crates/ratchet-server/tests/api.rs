@@ -96,7 +96,10 @@ async fn a_session_tells_its_status_and_last_activity() {
     let created = &events[0];
     assert_eq!(created.kind, "run.created");
     assert_eq!(
-        (&created.data["payload"]["message_id"], &created.data["payload"]["content"]),
+        (
+            &created.data["payload"]["message_id"],
+            &created.data["payload"]["content"]
+        ),
         (&accepted["message_id"], &json!("take a nap")),
         "a run's creation carries its message"
     );
@@ -796,7 +799,12 @@ async fn bad_input_gets_the_right_status_and_a_json_error() {
         }
         gets.push((format!("{list}?limit=200"), StatusCode::OK));
     }
-    for query in ["cursor=garbage", "cursor=ses_a.b", "order=sideways", "order="] {
+    for query in [
+        "cursor=garbage",
+        "cursor=ses_a.b",
+        "order=sideways",
+        "order=",
+    ] {
         gets.push((format!("/v1/sessions?{query}"), bad));
     }
     gets.push((format!("{messages}?cursor=abc"), bad));

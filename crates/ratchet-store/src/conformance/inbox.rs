@@ -12,7 +12,7 @@ use ratchet_core::{
     MessageId, ModelReply, Origin, Role, RunConfigSnapshot, RunId, RunStatus, SessionId,
     StopReason, ToolCall, Visibility,
 };
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::delegation::{claim_run, delegating_config, end_child, finish_claimed};
 use super::{
@@ -309,6 +309,23 @@ pub async fn a_full_inbox_refuses_background_work_and_never_loses_an_accepted_re
     assert!(triggers[0].content.contains("first result"));
 
     let events = store.events_after(&session, 0, 10_000).await.unwrap();
+    let created: Vec<&Value> = events
+        .iter()
+        .filter(|e| e.kind == EventKind::RunCreated.as_str())
+        .map(|e| &e.payload)
+        .collect();
+    assert_eq!(created.len(), 3, "the user's run and two continuations");
+    assert!(
+        created[0]["content"].is_string() && created[0].get("origin").is_none(),
+        "a user's run is created with its message: {}",
+        created[0]
+    );
+    assert!(
+        created[1..]
+            .iter()
+            .all(|p| p["origin"] == "continuation" && p.get("content").is_none()),
+        "a continuation's creation tells its origin, never its hidden trigger: {created:?}"
+    );
     let inbox_kinds: Vec<&str> = kinds(&events)
         .into_iter()
         .filter(|k| k.starts_with("inbox."))
