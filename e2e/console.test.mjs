@@ -134,6 +134,7 @@ test("approve a guarded batch: nothing runs until a person says yes", async () =
   await card.getByRole("button", { name: "Submit decisions" }).click();
   await page.locator(".item-assistant", { hasText: "The line is written and 2 + 3 = 5." }).waitFor();
   await page.locator('.card[data-state="decided"]').waitFor();
+  await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
   assert.equal(await page.locator('.item-tool[data-call="call_0_1"] pre').last().textContent(), "5");
   assert.equal(readFileSync(join(server.dir, "workspace", "notes.txt"), "utf8"), "approved line\n");
   const runs = await server.get(`/v1/sessions/${sessionId}/runs`);
@@ -186,7 +187,7 @@ test("continue a run that spent its budget, with more steps", async () => {
   await cont.click();
   await page.locator(".item-assistant", { hasText: "Finally done." }).waitFor();
   await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
-  await page.locator(".item-notice", { hasText: "Run resumed" }).waitFor();
+  await page.locator(".item-notice", { hasText: "Run resumed (continue)." }).waitFor();
   const runs = await server.get(`/v1/sessions/${sessionId}/runs`);
   assert.equal(runs.items.length, 1, "the same run went on");
   assert.equal(runs.items[0].status, "completed");
@@ -295,7 +296,7 @@ test("archiving a session with background work sends its report to the dead lett
   await page.getByRole("link", { name: "Inbox and dead letters" }).click();
   await page.getByRole("heading", { name: /^Inbox of/ }).waitFor();
   const row = page.locator("tr[data-inbox]");
-  await row.locator(".chip", { hasText: "dead letter" }).waitFor();
+  await row.first().locator(".chip", { hasText: "dead letter" }).waitFor();
   const truth = await server.get(`/v1/sessions/${sessionId}/inbox?status=dead_letter`);
   assert.equal(await row.count(), truth.items.length);
   assert.equal(await row.locator(".muted").first().textContent(), truth.items[0].reason);

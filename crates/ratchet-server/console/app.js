@@ -75,8 +75,11 @@ let tokenPrompt = null;
 
 // Resolves once the person has entered a token; every caller waiting on a 401 shares one prompt.
 function askForToken(refused) {
-  if (tokenPrompt) return tokenPrompt;
   const dialog = document.getElementById("token-dialog");
+  if (tokenPrompt) {
+    if (!dialog.open) dialog.showModal();
+    return tokenPrompt;
+  }
   const form = document.getElementById("token-form");
   const input = document.getElementById("token-input");
   const error = document.getElementById("token-error");
@@ -111,6 +114,7 @@ function updateSignOut() {
 
 async function api(path, { method = "GET", body } = {}) {
   for (;;) {
+    const sent = sessionStorage.getItem(TOKEN_KEY);
     const headers = authHeaders();
     if (body !== undefined) headers["Content-Type"] = "application/json";
     let response;
@@ -125,8 +129,9 @@ async function api(path, { method = "GET", body } = {}) {
       throw new ApiError(0, "unreachable", "The server cannot be reached. Is it running?");
     }
     if (response.status === 401) {
-      // A refused request changed nothing, so asking again after a new token is safe.
-      await askForToken(Boolean(sessionStorage.getItem(TOKEN_KEY)));
+      // A refused request changed nothing, so sending it again is safe: at once if the token
+      // changed while it was on its way, else once a person has given another.
+      if (sessionStorage.getItem(TOKEN_KEY) === sent) await askForToken(Boolean(sent));
       continue;
     }
     if (response.status === 204) return null;
@@ -190,12 +195,13 @@ class EventStream {
     let backoff = 500;
     while (!this.stopped) {
       this.controller = new AbortController();
+      const sent = sessionStorage.getItem(TOKEN_KEY);
       try {
         const headers = { Accept: "text/event-stream", ...authHeaders() };
         if (this.lastSeq > 0) headers["Last-Event-ID"] = String(this.lastSeq);
         const response = await fetch(this.path, { headers, signal: this.controller.signal, cache: "no-store" });
         if (response.status === 401) {
-          await askForToken(Boolean(sessionStorage.getItem(TOKEN_KEY)));
+          if (sessionStorage.getItem(TOKEN_KEY) === sent) await askForToken(Boolean(sent));
           continue;
         }
         if (!response.ok) {
@@ -209,6 +215,9 @@ class EventStream {
         }
       } catch {
         // A dropped connection or an aborted one: the loop decides below.
+      } finally {
+        // Whatever ended the read, its connection is released before another is opened.
+        this.controller.abort();
       }
       if (this.stopped) return;
       connection.set("reconnecting", "Reconnecting…");
@@ -250,7 +259,12 @@ class EventStream {
     const seq = Number(id ?? event.seq);
     if (seq <= this.lastSeq) return;
     this.lastSeq = seq;
-    this.onEvent(event);
+    try {
+      this.onEvent(event);
+    } catch (error) {
+      // One event the view cannot draw must not stop the stream for every later one.
+      console.error(`cannot show event ${seq} (${event.kind}):`, error);
+    }
   }
 }
 
@@ -282,6 +296,19 @@ async function act(button, region, action) {
   } finally {
     button.disabled = false;
   }
+}
+
+// Replaces `container`'s children, keeping the keyboard focus on the same item (by its
+// `data-key`) when it was inside: a refresh must not throw a keyboard user back to the top.
+function replaceKeepingFocus(container, children) {
+  const focused = document.activeElement;
+  const key = container.contains(focused) ? focused.closest("[data-key]")?.dataset.key : undefined;
+  const tag = focused?.tagName;
+  container.replaceChildren(...children);
+  if (key === undefined) return;
+  const item = [...container.querySelectorAll("[data-key]")].find((el) => el.dataset.key === key);
+  const target = item && (item.tagName === tag ? item : item.querySelector(tag.toLowerCase()));
+  target?.focus();
 }
 
 function runLink(runId) {
@@ -406,7 +433,7 @@ function showSessions(view) {
   function row(session) {
     return h(
       "tr",
-      { "data-session": session.id },
+      { "data-session": session.id, "data-key": session.id },
       h("td", {}, h("a", { href: `#/sessions/${session.id}`, class: "mono", text: session.id })),
       h("td", { text: session.agent ?? "default" }),
       h("td", {}, chip(session.status)),
@@ -415,12 +442,19 @@ function showSessions(view) {
     );
   }
 
+  let drawn = null;
   async function refresh() {
     try {
       const page = await api(`/v1/sessions?order=newest&limit=${Math.min(shown, 200)}`);
-      body.replaceChildren(...page.items.map(row));
+      const data = JSON.stringify(page.items);
+      if (data === drawn) {
+        for (const time of body.querySelectorAll("time")) time.textContent = ago(Date.parse(time.dateTime));
+      } else {
+        drawn = data;
+        replaceKeepingFocus(body, page.items.map(row));
+      }
       if (page.items.length === 0) {
-        body.append(h("tr", {}, h("td", { colspan: "5", class: "muted", text: "No sessions yet: create one above." })));
+        body.replaceChildren(h("tr", {}, h("td", { colspan: "5", class: "muted", text: "No sessions yet: create one above." })));
       }
       nextCursor = page.next_cursor;
       more.hidden = !nextCursor || shown >= 200;
@@ -506,7 +540,8 @@ function showSession(view, sessionId) {
     ),
   );
 
-  const runs = new Map(); // run id -> { status, stopReason, assistant (the streaming item), tools: Map }
+  // run id -> { status, stopReason, assistant (the streaming item), tools: Map, cards: [] }
+  const runs = new Map();
   let latestRunId = null;
   let archived = false;
 
@@ -518,7 +553,7 @@ function showSession(view, sessionId) {
   }
 
   function runOf(runId) {
-    if (!runs.has(runId)) runs.set(runId, { status: "queued", assistant: null, tools: new Map() });
+    if (!runs.has(runId)) runs.set(runId, { status: "queued", assistant: null, tools: new Map(), cards: [] });
     return runs.get(runId);
   }
 
@@ -573,7 +608,7 @@ function showSession(view, sessionId) {
     const cardRegion = errorRegion();
     const decide = h("button", { type: "submit", class: "primary", text: "Submit decisions" });
     const abort = h("button", { type: "button", class: "danger", text: "Abort run" });
-    const state = h("p", { class: "muted", text: "Waiting for your decision: no call of this batch runs until then." });
+    const state = h("p", { class: "muted", tabindex: "-1", text: "Waiting for your decision: no call of this batch runs until then." });
     const groups = calls.map((call, index) => {
       const name = `decision-${approvalId}-${index}`;
       const note = h("input", { type: "text", id: `${name}-note`, name: `${name}-note` });
@@ -630,6 +665,13 @@ function showSession(view, sessionId) {
       card.dataset.state = "decided";
       form.hidden = true;
       state.textContent = answer === "abort" || answer?.abort ? "Aborted: the run was cancelled." : "Decided.";
+      if (card.contains(document.activeElement)) state.focus();
+    };
+    card.closed = () => {
+      if (card.dataset.state !== "pending") return;
+      card.dataset.state = "decided";
+      form.hidden = true;
+      state.textContent = "The run ended before anyone decided.";
     };
     return card;
   }
@@ -685,9 +727,18 @@ function showSession(view, sessionId) {
     card.decided = (callId, answer) => {
       const entry = cards.get(callId);
       if (!entry) return;
+      const hadFocus = entry.section.contains(document.activeElement);
       entry.form.hidden = true;
-      entry.section.append(h("p", { class: "muted", text: `Recorded: ${typeof answer === "string" ? answer : (answer?.outcome ?? json(answer))}.` }));
+      const recorded = h("p", { class: "muted", tabindex: "-1", text: `Recorded: ${typeof answer === "string" ? answer : (answer?.outcome ?? json(answer))}.` });
+      entry.section.append(recorded);
+      if (hadFocus) recorded.focus();
       if ([...cards.values()].every((c) => c.form.hidden)) card.dataset.state = "decided";
+    };
+    card.closed = () => {
+      if (card.dataset.state !== "pending") return;
+      card.dataset.state = "decided";
+      for (const entry of cards.values()) entry.form.hidden = true;
+      card.append(h("p", { class: "muted", text: "The run ended before anyone answered." }));
     };
     return card;
   }
@@ -695,7 +746,17 @@ function showSession(view, sessionId) {
   const approvals = new Map();
   const reconciliations = new Map();
 
+  // While events pour in (a replay, a streaming answer) the log is busy, so a screen reader
+  // reads what settled rather than every fragment.
+  let settle = null;
+  function busy() {
+    log.setAttribute("aria-busy", "true");
+    clearTimeout(settle);
+    settle = setTimeout(() => log.setAttribute("aria-busy", "false"), 400);
+  }
+
   function apply(event) {
+    busy();
     const p = event.payload ?? {};
     const runId = event.run_id ?? p.run_id;
     switch (event.kind) {
@@ -716,7 +777,8 @@ function showSession(view, sessionId) {
         runOf(runId).status = p.status;
         break;
       case "run.resumed":
-        notice(`Run resumed (${p.how ?? "continued"}).`);
+        // `how` is `retry`, or `{"continue": {extension}}`.
+        notice(`Run resumed (${typeof p.how === "string" ? p.how : Object.keys(p.how ?? { continue: 0 })[0]}).`);
         break;
       case "assistant.delta": {
         const item = assistantItem(runId);
@@ -759,6 +821,7 @@ function showSession(view, sessionId) {
       case "approval.required": {
         const card = approvalCard(event);
         approvals.set(p.approval_id, card);
+        runOf(runId).cards.push(card);
         append(card);
         break;
       }
@@ -772,6 +835,7 @@ function showSession(view, sessionId) {
         }
         const card = reconciliationCard(event);
         reconciliations.set(runId, card);
+        runOf(runId).cards.push(card);
         append(card);
         break;
       }
@@ -799,13 +863,14 @@ function showSession(view, sessionId) {
         run.stopReason = p.stop_reason;
         if (run.assistant) run.assistant.dataset.streaming = "false";
         run.assistant = null;
+        for (const card of run.cards) card.closed();
         if (p.status !== "completed") notice(`Run ended: ${p.status}${p.stop_reason && p.stop_reason !== p.status ? ` (${p.stop_reason.replaceAll("_", " ")})` : ""}.`);
         break;
       }
       default:
         break;
     }
-    if (["run.created", "run.status", "run.finished", "run.resumed"].includes(event.kind)) scheduleRefresh();
+    if (["run.created", "run.status", "run.finished", "run.resumed", "session.closed"].includes(event.kind)) scheduleRefresh();
   }
 
   // The side panel re-reads runs from the API when the events say they moved; bursts of
@@ -821,12 +886,19 @@ function showSession(view, sessionId) {
     await refreshSide();
   }
 
+  let sideReads = 0;
   async function refreshSide() {
+    // Reads can overlap; only the latest one may draw, so an older status never wins.
+    const read = ++sideReads;
     try {
       const [session, runPage] = await Promise.all([
         api(`/v1/sessions/${sessionId}`),
         api(`/v1/sessions/${sessionId}/runs?limit=200`),
       ]);
+      const latest = latestRunId ?? runPage.items.at(-1)?.id;
+      const run = latest ? await api(`/v1/runs/${latest}`) : null;
+      if (read !== sideReads) return;
+      clearError(region);
       facts.replaceChildren(
         `Agent ${session.agent ?? "default"} · `,
         chip(session.status),
@@ -834,15 +906,15 @@ function showSession(view, sessionId) {
       );
       archived = Boolean(session.archived_at);
       closeIfArchived();
-      runsList.replaceChildren(
-        ...runPage.items
+      replaceKeepingFocus(
+        runsList,
+        runPage.items
           .slice()
           .reverse()
-          .map((run) => h("li", {}, runLink(run.id), " ", chip(run.status))),
+          .map((listed) => h("li", { "data-key": listed.id }, runLink(listed.id), " ", chip(listed.status))),
       );
       // The events saw every run of the session; the list is its first 200.
-      const latest = latestRunId ?? runPage.items.at(-1)?.id;
-      controls.update(latest ? await api(`/v1/runs/${latest}`) : null);
+      controls.update(run);
     } catch (error) {
       showError(region, error);
     }
@@ -851,7 +923,7 @@ function showSession(view, sessionId) {
   composer.addEventListener("submit", (submitted) => {
     submitted.preventDefault();
     const text = content.value;
-    if (!text.trim()) return;
+    if (send.disabled || !text.trim()) return;
     act(send, region, async () => {
       await api(`/v1/sessions/${sessionId}/messages`, { method: "POST", body: { content: text, multitask: multitask.value } });
       content.value = "";
@@ -874,6 +946,7 @@ function showSession(view, sessionId) {
   return () => {
     stream.stop();
     clearTimeout(refreshTimer);
+    clearTimeout(settle);
   };
 }
 
@@ -916,10 +989,14 @@ function showInbox(view, sessionId) {
     ),
   );
 
+  let reads = 0;
   async function refresh() {
+    const read = ++reads;
     try {
       const query = filter.value === "all" ? "" : `?status=${filter.value}`;
       const items = await allPages(`/v1/sessions/${sessionId}/inbox${query}`);
+      // A read overtaken by a later one (another filter, newer events) draws nothing.
+      if (read !== reads) return;
       body.replaceChildren(
         ...items.map((item) =>
           h(
@@ -941,11 +1018,17 @@ function showInbox(view, sessionId) {
     }
   }
   filter.addEventListener("change", refresh);
+  let later = null;
   const stream = new EventStream(`/v1/sessions/${sessionId}/events`, (event) => {
-    if (event.kind.startsWith("inbox.")) refresh();
+    if (!event.kind.startsWith("inbox.")) return;
+    clearTimeout(later);
+    later = setTimeout(refresh, 150);
   }).start();
   refresh();
-  return () => stream.stop();
+  return () => {
+    stream.stop();
+    clearTimeout(later);
+  };
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -996,13 +1079,20 @@ function showRun(view, runId) {
     return [h("dt", { text: term }), h("dd", {}, ...value)];
   }
 
+  let reads = 0;
+  let drawn = null;
   async function refresh() {
+    const read = ++reads;
     try {
       const [run, steps, treeView] = await Promise.all([
         api(`/v1/runs/${runId}`),
         allPages(`/v1/runs/${runId}/steps`),
         api(`/v1/runs/${runId}/tree`),
       ]);
+      // Only the latest read draws, and only what changed: focus stays where it was.
+      const data = JSON.stringify([run, steps, treeView]);
+      if (read !== reads || data === drawn) return;
+      drawn = data;
       facts.replaceChildren(
         ...fact("Status", chip(run.status), run.stop_reason ? ` stop reason: ${run.stop_reason.replaceAll("_", " ")}` : ""),
         ...fact("Session", h("a", { href: `#/sessions/${run.session_id}`, class: "mono", text: run.session_id })),
@@ -1066,7 +1156,7 @@ function showRun(view, runId) {
     const branch = (node) =>
       h(
         "li",
-        { "data-run": node.run_id },
+        { "data-run": node.run_id, "data-key": node.run_id },
         node.run_id === runId ? h("strong", { class: "mono", text: node.run_id }) : runLink(node.run_id),
         ` ${node.agent ?? "default"} `,
         chip(node.status),
@@ -1075,7 +1165,7 @@ function showRun(view, runId) {
         (children.get(node.run_id) ?? []).length ? h("ul", {}, ...children.get(node.run_id).map(branch)) : null,
       );
     const roots = nodes.filter((n) => !n.parent_run_id || !ids.has(n.parent_run_id));
-    tree.replaceChildren(...roots.map(branch));
+    replaceKeepingFocus(tree, roots.map(branch));
   }
 
   let refreshTimer = null;
@@ -1117,11 +1207,12 @@ function showApprovals(view) {
   async function refresh() {
     try {
       const items = await allPages("/v1/approvals?status=pending");
-      list.replaceChildren(
-        ...items.map((approval) =>
+      replaceKeepingFocus(
+        list,
+        items.map((approval) =>
           h(
             "li",
-            { "data-approval": approval.id },
+            { "data-approval": approval.id, "data-key": approval.id },
             h("a", { href: `#/sessions/${approval.session_id}`, text: `${approval.calls.filter((c) => c.needs_approval).map((c) => c.name).join(", ")}` }),
             " in run ",
             runLink(approval.run_id),
@@ -1172,10 +1263,22 @@ function route() {
     }
   }
   view.append(h("h1", { text: "Not found" }), h("p", {}, "Nothing lives at this address. ", h("a", { href: "#/", text: "Go to the sessions." })));
+  document.title = "Not found · Ratchet";
+  connection.set("idle", "");
+  view.focus({ preventScroll: true });
 }
 
-// Everything behind the token waits for it, so Escape does not close the sign-in dialog.
-document.getElementById("token-dialog").addEventListener("cancel", (event) => event.preventDefault());
+// Everything behind the token waits for it: the sign-in dialog stays until a token is given
+// (Escape is refused, and a dialog closed anyway opens again).
+const tokenDialog = document.getElementById("token-dialog");
+tokenDialog.addEventListener("cancel", (event) => event.preventDefault());
+tokenDialog.addEventListener("close", () => {
+  if (tokenPrompt) tokenDialog.showModal();
+});
+document.querySelector(".skip").addEventListener("click", (event) => {
+  event.preventDefault();
+  document.getElementById("view").focus();
+});
 document.getElementById("sign-out").addEventListener("click", () => {
   sessionStorage.removeItem(TOKEN_KEY);
   updateSignOut();
