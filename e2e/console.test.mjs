@@ -47,7 +47,12 @@ async function newSession(page, agent) {
 async function send(page, text) {
   await page.getByLabel("Message", { exact: true }).fill(text);
   await page.getByRole("button", { name: "Send" }).click();
-  await page.locator(".item-user", { hasText: text }).waitFor();
+  try {
+    await page.locator(".item-user", { hasText: text }).waitFor({ timeout: 10000 });
+  } catch (error) {
+    const shown = await page.evaluate(() => document.querySelector("main").innerText);
+    throw new Error(`${error.message}\nconnection: ${await page.locator("#connection").textContent()}\nerrors: ${page.errors}\n${shown}`);
+  }
 }
 
 function latestRunStatus(page) {
@@ -98,13 +103,23 @@ test("create a session, send a message and watch the answer stream in", async ()
   assert.equal(await page.locator(".item-assistant").count(), 1, "one answer, drawn once");
   await screenshot(page, "conversation");
 
-  // The list shows the session with its agent, its status and when it was last active.
+  // The list shows each session with its agent, its status and when it was last active,
+  // newest first: here beside one whose run sleeps and one waiting for an approval.
+  const busy = {};
+  for (const agent of ["slow", "guarded"]) {
+    busy[agent] = (await server.post("/v1/sessions", { agent })).id;
+    await server.post(`/v1/sessions/${busy[agent]}/messages`, { content: "Go" });
+  }
   await page.getByRole("link", { name: "Sessions" }).click();
   const row = page.locator(`tr[data-session="${sessionId}"]`);
   await row.waitFor();
   assert.equal(await row.locator("td").nth(1).textContent(), "chat");
   await row.locator(".chip", { hasText: "idle" }).waitFor();
   assert.match(await row.locator("time").textContent(), /ago$/);
+  await page.locator(`tr[data-session="${busy.slow}"] .chip`, { hasText: "running" }).waitFor();
+  await page.locator(`tr[data-session="${busy.guarded}"] .chip`, { hasText: "waiting human" }).waitFor();
+  const order = await page.locator("tr[data-session]").evaluateAll((rows) => rows.map((r) => r.dataset.session));
+  assert.deepEqual(order, [busy.guarded, busy.slow, sessionId], "newest first");
   await screenshot(page, "sessions");
   assert.deepEqual(page.errors, []);
 });

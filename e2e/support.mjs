@@ -183,20 +183,28 @@ export class Server {
     await this.spawn(new URL(this.url).host);
   }
 
+  // The server is thrown away with its directory, so it is not given a graceful shutdown (which
+  // would wait for a sleeping tool call's grace period).
   async stop() {
-    if (this.child && this.child.exitCode === null && this.child.signalCode === null) {
-      const exited = new Promise((resolve) => this.child.once("exit", resolve));
-      this.child.kill("SIGTERM");
-      await exited;
-    }
+    if (this.child && this.child.exitCode === null && this.child.signalCode === null) await this.kill();
     rmSync(this.dir, { recursive: true, force: true });
   }
 
-  // The API as a test reads it, to check what the console shows against the server's truth.
+  // The API as a test uses it: to check what the console shows against the server's truth,
+  // and to make work the console should then show.
   async get(path) {
+    return this.request("GET", path);
+  }
+
+  async post(path, body) {
+    return this.request("POST", path, body);
+  }
+
+  async request(method, path, body) {
     const headers = this.token ? { Authorization: `Bearer ${this.token}` } : {};
-    const response = await fetch(this.url + path, { headers });
-    if (!response.ok) throw new Error(`GET ${path}: ${response.status} ${await response.text()}`);
+    if (body !== undefined) headers["Content-Type"] = "application/json";
+    const response = await fetch(this.url + path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+    if (!response.ok) throw new Error(`${method} ${path}: ${response.status} ${await response.text()}`);
     return response.json();
   }
 }
