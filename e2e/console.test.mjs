@@ -4,7 +4,7 @@ import { after, afterEach, before, test } from "node:test";
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
-import { Server, launchBrowser, openPage, screenshot } from "./support.mjs";
+import { ModelServer, Server, launchBrowser, openPage, screenshot } from "./support.mjs";
 
 let browser;
 const servers = [];
@@ -207,6 +207,44 @@ test("continue a run that spent its budget, with more steps", async () => {
   assert.equal(runs.items.length, 1, "the same run went on");
   assert.equal(runs.items[0].status, "completed");
   assert.deepEqual(page.errors, []);
+});
+
+test("retry a run whose model kept failing, and read its cost", async () => {
+  const model = await ModelServer.start({ failures: 1, answer: "Recovered after a retry." });
+  try {
+    const server = await serve({
+      models: {
+        flaky: [
+          'provider = "openai"',
+          'model = "m"',
+          `base_url = "${model.url}"`,
+          "max_retries = 0",
+          "prices = { input_per_mtok = 2.5, output_per_mtok = 10.0 }",
+        ].join("\n"),
+      },
+    });
+    const page = await openPage(browser, server.url);
+    await newSession(page, "flaky");
+    await send(page, "Are you there?");
+    await page.locator(".item-notice", { hasText: "The model call failed" }).waitFor();
+    await page.locator(".item-notice", { hasText: "Run ended: failed (llm error)" }).waitFor();
+    await page.waitForFunction(() => [...document.querySelectorAll("button")].find((b) => b.textContent === "Retry")?.disabled === false);
+
+    await page.getByRole("button", { name: "Retry" }).click();
+    await page.locator(".item-assistant", { hasText: "Recovered after a retry." }).waitFor();
+    await page.locator(".item-notice", { hasText: "Run resumed (retry)." }).waitFor();
+    await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
+    assert.equal(model.requests, 2, "one failed call, one retried");
+
+    // 1,200 input tokens at $2.50 and 300 output tokens at $10.00 per million.
+    await page.getByRole("complementary", { name: "Session details" }).locator(".controls a").click();
+    await page.locator("#view table tr", { hasText: "Cost" }).locator("td", { hasText: "$0.006000" }).waitFor();
+    await page.locator("#view table tr", { hasText: "Input tokens" }).locator("td", { hasText: "1200" }).waitFor();
+    await screenshot(page, "run-usage");
+    assert.deepEqual(page.errors, []);
+  } finally {
+    await model.stop();
+  }
 });
 
 test("open a run tree: a delegating run, its children and their steps", async () => {

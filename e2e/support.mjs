@@ -2,6 +2,7 @@
 // of scripted agents, and a headless Chromium to drive it.
 
 import { spawn, execFileSync } from "node:child_process";
+import { createServer } from "node:http";
 import { mkdtempSync, mkdirSync, writeFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -98,8 +99,12 @@ const AGENTS = {
   },
 };
 
-function writeCatalog(dir) {
+// `models` maps a `[models.NAME]` profile to an agent of the same name that uses it.
+function writeCatalog(dir, models) {
   mkdirSync(dir, { recursive: true });
+  for (const name of Object.keys(models)) {
+    writeFileSync(join(dir, `${name}.md`), ["---", `id: ${name}`, `description: Answers through the ${name} model profile`, `model: ${name}`, "---", `You are ${name}.`, ""].join("\n"));
+  }
   for (const [id, agent] of Object.entries(AGENTS)) {
     writeFileSync(join(dir, `${id}.json`), JSON.stringify({ replies: agent.script }));
     const lines = ["---", `id: ${id}`, `description: ${agent.description}`, `model: scripted:${id}.json`];
@@ -115,12 +120,13 @@ function writeCatalog(dir) {
 // A `ratchet serve` of its own: a temporary directory with the database, the catalog and the
 // workspace. `restart()` after `kill()` serves the same database on the same port.
 export class Server {
-  static async start({ token } = {}) {
+  static async start({ token, models = {} } = {}) {
     const dir = mkdtempSync(join(tmpdir(), "ratchet-console-"));
-    writeCatalog(join(dir, "agents"));
+    writeCatalog(join(dir, "agents"), models);
     mkdirSync(join(dir, "workspace"));
     execFileSync("mkfifo", [join(dir, "workspace", "pipe")]);
     const config = [`agents = "${join(dir, "agents")}"`];
+    for (const [name, profile] of Object.entries(models)) config.push(`[models.${name}]`, profile);
     if (token) config.push("[[tokens]]", 'tenant = "acme"', 'env = "RATCHET_CONSOLE_TOKEN"');
     writeFileSync(join(dir, "ratchet.toml"), config.join("\n") + "\n");
     const server = new Server(dir, token);
@@ -206,6 +212,53 @@ export class Server {
     const response = await fetch(this.url + path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
     if (!response.ok) throw new Error(`${method} ${path}: ${response.status} ${await response.text()}`);
     return response.json();
+  }
+}
+
+// A local OpenAI-compatible chat completions server: it refuses the first `failures` requests
+// with a 503, then streams `answer` the way OpenAI does (chunks, usage, `[DONE]`).
+export class ModelServer {
+  static async start({ failures, answer }) {
+    const model = new ModelServer(failures, answer);
+    await new Promise((resolve) => model.http.listen(0, "127.0.0.1", resolve));
+    model.url = `http://127.0.0.1:${model.http.address().port}/v1`;
+    return model;
+  }
+
+  constructor(failures, answer) {
+    this.failures = failures;
+    this.requests = 0;
+    this.http = createServer((request, response) => {
+      request.resume();
+      request.on("end", () => this.answer(request, response, answer));
+    });
+  }
+
+  answer(request, response, answer) {
+    this.requests += 1;
+    if (request.method !== "POST" || request.url !== "/v1/chat/completions") {
+      response.writeHead(404, { "Content-Type": "application/json" }).end('{"error": {"message": "not found"}}');
+      return;
+    }
+    if (this.failures > 0) {
+      this.failures -= 1;
+      response
+        .writeHead(503, { "Content-Type": "application/json" })
+        .end('{"error": {"message": "The model is overloaded", "type": "server_error"}}');
+      return;
+    }
+    response.writeHead(200, { "Content-Type": "text/event-stream" });
+    const chunk = (body) => response.write(`data: ${JSON.stringify({ id: "chatcmpl-1", object: "chat.completion.chunk", model: "m", ...body })}\n\n`);
+    chunk({ choices: [{ index: 0, delta: { role: "assistant", content: "" }, finish_reason: null }] });
+    for (const word of answer.split(/(?<= )/)) chunk({ choices: [{ index: 0, delta: { content: word }, finish_reason: null }] });
+    chunk({ choices: [{ index: 0, delta: {}, finish_reason: "stop" }] });
+    chunk({ choices: [], usage: { prompt_tokens: 1200, completion_tokens: 300, total_tokens: 1500 } });
+    response.end("data: [DONE]\n\n");
+  }
+
+  async stop() {
+    this.http.closeAllConnections();
+    await new Promise((resolve) => this.http.close(resolve));
   }
 }
 
