@@ -51,7 +51,8 @@ async function send(page, text) {
     await page.locator(".item-user", { hasText: text }).waitFor({ timeout: 10000 });
   } catch (error) {
     const shown = await page.evaluate(() => document.querySelector("main").innerText);
-    throw new Error(`${error.message}\nconnection: ${await page.locator("#connection").textContent()}\nerrors: ${page.errors}\n${shown}`);
+    const value = await page.getByLabel("Message", { exact: true }).inputValue();
+    throw new Error(`${error.message}\nconnection: ${await page.locator("#connection").textContent()}\nerrors: ${page.errors}\nmessage box: ${JSON.stringify(value)}\nrequests: ${page.requests.join(", ")}\n${shown}`);
   }
 }
 

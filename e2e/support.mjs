@@ -285,6 +285,9 @@ export async function openPage(browser, url, viewport = { width: 1280, height: 8
   const context = await browser.newContext({ viewport });
   const page = await context.newPage();
   page.errors = [];
+  page.requests = [];
+  page.on("request", (request) => page.requests.push(`${request.method()} ${new URL(request.url()).pathname}`));
+  page.on("framenavigated", (frame) => page.requests.push(`navigated ${frame.url()}`));
   page.on("pageerror", (error) => page.errors.push(`page error: ${error.message}`));
   page.on("console", (message) => {
     // A refused or failed request is the console's to report in the page, not a script error.

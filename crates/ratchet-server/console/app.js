@@ -318,7 +318,9 @@ function runLink(runId) {
 // Cancel, retry and continue for one run, enabled by what its status allows.
 function runControls(onChange) {
   const region = errorRegion();
-  const status = h("p", { class: "muted" });
+  // The run and its status on lines of their own: a new status never moves the buttons.
+  const which = h("p", { class: "muted" });
+  const status = h("p", { class: "one-line" });
   const cancel = h("button", { type: "button", class: "danger", text: "Cancel run" });
   const retry = h("button", { type: "button", text: "Retry" });
   const extra = h("input", { type: "number", min: "1", value: "10", id: `extra-${Math.random().toString(36).slice(2)}`, class: "narrow" });
@@ -327,6 +329,7 @@ function runControls(onChange) {
   const el = h(
     "div",
     { class: "controls" },
+    which,
     status,
     h("div", { class: "actions" }, cancel, retry),
     h(
@@ -359,10 +362,8 @@ function runControls(onChange) {
     run = next;
     el.hidden = !run;
     if (!run) return;
+    which.replaceChildren("Run ", runLink(run.id));
     status.replaceChildren(
-      "Run ",
-      runLink(run.id),
-      ": ",
       chip(run.status),
       run.stop_reason && run.stop_reason !== run.status ? ` (${run.stop_reason.replaceAll("_", " ")})` : "",
     );
@@ -488,7 +489,8 @@ function showSessions(view) {
 function showSession(view, sessionId) {
   const region = errorRegion();
   const title = h("h1", {}, "Session ", h("span", { class: "mono", text: sessionId }));
-  const facts = h("p", { class: "muted" });
+  // Holds its line from the start, so that nothing below it moves when the facts arrive.
+  const facts = h("p", { class: "muted one-line", text: "Loading…" });
   const log = h("ol", { class: "log", role: "log", "aria-label": "Conversation", "aria-live": "polite" });
   const controls = runControls((changed) => refreshRun(changed.run_id ?? changed.id));
   const runsList = h("ul", { class: "runs" });
@@ -528,7 +530,6 @@ function showSession(view, sessionId) {
         "aside",
         { class: "side", "aria-label": "Session details" },
         h("section", { "aria-labelledby": "latest-run" }, h("h2", { id: "latest-run", text: "Latest run" }), controls.el),
-        h("section", { "aria-labelledby": "runs-title" }, h("h2", { id: "runs-title", text: "Runs" }), runsList),
         h(
           "section",
           { "aria-labelledby": "more-title" },
@@ -536,6 +537,8 @@ function showSession(view, sessionId) {
           h("p", {}, h("a", { href: `#/sessions/${sessionId}/inbox`, text: "Inbox and dead letters" })),
           h("div", { class: "actions" }, archive),
         ),
+        // Last, because it grows.
+        h("section", { "aria-labelledby": "runs-title" }, h("h2", { id: "runs-title", text: "Runs" }), runsList),
       ),
     ),
   );
@@ -1056,8 +1059,8 @@ function showRun(view, runId) {
         "div",
         {},
         panel("Summary", facts),
-        panel("Control", controls.el),
         panel("Usage and cost", h("table", {}, h("caption", { text: "What this run spent" }), usage)),
+        panel("Control", controls.el),
       ),
       h("div", {}, panel("Run tree", tree), panel("Steps", timeline)),
     ),
