@@ -822,6 +822,10 @@ function showSession(view, sessionId) {
         break;
       }
       case "approval.required": {
+        for (const call of p.calls ?? []) {
+          const result = toolItem(runId, call.call_id, call.tool, call.arguments).querySelector(".result");
+          result.textContent = call.needs_approval ? "Waiting for approval…" : "Held with its batch…";
+        }
         const card = approvalCard(event);
         approvals.set(p.approval_id, card);
         runOf(runId).cards.push(card);
