@@ -4,7 +4,7 @@ import { after, afterEach, before, test } from "node:test";
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
-import { ModelServer, Server, launchBrowser, openPage, screenshot } from "./support.mjs";
+import { ModelServer, Server, accessibilityViolations, launchBrowser, openPage, screenshot } from "./support.mjs";
 
 let browser;
 const servers = [];
@@ -390,4 +390,40 @@ test("the keyboard alone creates a session and sends a message", async () => {
   await page.keyboard.press("Control+Enter");
   await page.locator(".item-assistant", { hasText: "2 + 3 = 5" }).waitFor();
   assert.deepEqual(page.errors, []);
+});
+
+test("every view passes an automated WCAG 2.1 AA audit, in both colour schemes", async () => {
+  const server = await serve();
+  for (const colorScheme of ["light", "dark"]) {
+    const page = await openPage(browser, server.url);
+    await page.emulateMedia({ colorScheme });
+    const audited = {};
+    await page.getByRole("heading", { name: "Sessions" }).waitFor();
+    audited.sessions = await accessibilityViolations(page);
+
+    await newSession(page, "guarded");
+    await send(page, "Write it down");
+    await page.getByRole("region", { name: /^Approval apr_/ }).waitFor();
+    audited.conversation = await accessibilityViolations(page);
+
+    await page.goto(`${server.url}/#/approvals`);
+    await page.locator("li[data-approval]").first().waitFor();
+    audited.approvals = await accessibilityViolations(page);
+
+    const sessionId = (await server.post("/v1/sessions", { agent: "lead" })).id;
+    const { run_id: runId } = await server.post(`/v1/sessions/${sessionId}/messages`, { content: "Count" });
+    await page.goto(`${server.url}/#/runs/${runId}`);
+    await page.getByRole("list", { name: "Run tree" }).locator("li li").first().waitFor();
+    audited.run = await accessibilityViolations(page);
+
+    await page.goto(`${server.url}/#/sessions/${sessionId}/inbox`);
+    await page.getByText("Nothing here.").waitFor();
+    audited.inbox = await accessibilityViolations(page);
+
+    for (const [view, violations] of Object.entries(audited)) {
+      assert.deepEqual(violations, [], `${colorScheme} ${view}`);
+    }
+    assert.deepEqual(page.errors, []);
+    await page.context().close();
+  }
 });

@@ -3,7 +3,8 @@
 
 import { spawn, execFileSync } from "node:child_process";
 import { createServer } from "node:http";
-import { mkdtempSync, mkdirSync, writeFileSync, rmSync } from "node:fs";
+import { mkdtempSync, mkdirSync, readFileSync, writeFileSync, rmSync } from "node:fs";
+import { createRequire } from "node:module";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { chromium } from "playwright-core";
@@ -297,6 +298,20 @@ export async function openPage(browser, url, viewport = { width: 1280, height: 8
   });
   await page.goto(url);
   return page;
+}
+
+const AXE = readFileSync(createRequire(import.meta.url).resolve("axe-core/axe.min.js"), "utf8");
+
+// axe-core's WCAG 2.1 A and AA rules over the page as it is now: every violation, with the
+// elements it found. (Evaluated through the driver, which the page's policy does not govern.)
+export async function accessibilityViolations(page) {
+  await page.evaluate(AXE);
+  return page.evaluate(async () => {
+    const results = await globalThis.axe.run(document, {
+      runOnly: { type: "tag", values: ["wcag2a", "wcag2aa", "wcag21a", "wcag21aa"] },
+    });
+    return results.violations.map((v) => `${v.id} (${v.impact}): ${v.help} — ${v.nodes.map((n) => n.target.join(" ")).join(", ")}`);
+  });
 }
 
 export async function screenshot(page, name) {

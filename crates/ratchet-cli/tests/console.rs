@@ -1,7 +1,7 @@
 //! The web console end to end: `e2e/console.test.mjs` drives headless Chromium (through
 //! playwright-core) against real `ratchet serve` processes of this build — sessions, streamed
 //! answers, approvals, cancel, run trees, token sign-in, a SIGKILLed server and reconciliation,
-//! the inbox's dead letters, a phone's screen and the keyboard.
+//! the inbox's dead letters, a phone's screen, the keyboard and a WCAG 2.1 AA audit (axe-core).
 //!
 //! It needs Node.js, `npm ci --prefix e2e` and Chromium (`/usr/bin/chromium`, or
 //! `RATCHET_CHROMIUM`). Without them the test says it was skipped; with `CI=true` it fails,

@@ -491,7 +491,9 @@ function showSession(view, sessionId) {
   const title = h("h1", {}, "Session ", h("span", { class: "mono", text: sessionId }));
   // Holds its line from the start, so that nothing below it moves when the facts arrive.
   const facts = h("p", { class: "muted one-line", text: "Loading…" });
-  const log = h("ol", { class: "log", role: "log", "aria-label": "Conversation", "aria-live": "polite" });
+  // The live region wraps the list, so its items stay list items.
+  const log = h("ol", { class: "log" });
+  const conversation = h("div", { role: "log", "aria-label": "Conversation", "aria-live": "polite" }, log);
   const controls = runControls((changed) => refreshRun(changed.run_id ?? changed.id));
   const runsList = h("ul", { class: "runs" });
   const content = h("textarea", { id: "message", name: "content", rows: 3, required: true });
@@ -525,7 +527,7 @@ function showSession(view, sessionId) {
     h(
       "div",
       { class: "session" },
-      h("div", {}, log, composer),
+      h("div", {}, conversation, composer),
       h(
         "aside",
         { class: "side", "aria-label": "Session details" },
@@ -753,9 +755,9 @@ function showSession(view, sessionId) {
   // reads what settled rather than every fragment.
   let settle = null;
   function busy() {
-    log.setAttribute("aria-busy", "true");
+    conversation.setAttribute("aria-busy", "true");
     clearTimeout(settle);
-    settle = setTimeout(() => log.setAttribute("aria-busy", "false"), 400);
+    settle = setTimeout(() => conversation.setAttribute("aria-busy", "false"), 400);
   }
 
   function apply(event) {
