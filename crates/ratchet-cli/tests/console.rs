@@ -20,8 +20,10 @@ fn missing(e2e: &Path) -> Vec<String> {
     if Command::new("node").arg("--version").output().is_err() {
         missing.push("Node.js (`node`)".to_owned());
     }
-    if !e2e.join("node_modules/playwright-core").is_dir() {
-        missing.push("playwright-core (`npm ci --prefix e2e`)".to_owned());
+    for package in ["playwright-core", "axe-core"] {
+        if !e2e.join("node_modules").join(package).is_dir() {
+            missing.push(format!("{package} (`npm ci --prefix e2e`)"));
+        }
     }
     if !chromium().is_file() {
         missing.push(format!("Chromium at {}", chromium().display()));
