@@ -77,7 +77,7 @@ impl RunReport {
     pub fn exit_code(&self) -> ExitCode {
         match self.status {
             RunStatus::Completed => ExitCode::SUCCESS,
-            RunStatus::WaitingHuman | RunStatus::WaitingChildren => ExitCode::from(2),
+            status if status.is_waiting() => ExitCode::from(2),
             _ => ExitCode::FAILURE,
         }
     }

@@ -114,8 +114,10 @@ fn next_model_call(state: &AgentState, now: Millis) -> Instruction {
             Instruction::CompressContext
         };
     }
+    // Time spent paused is the client's, not the run's.
     let late = (limits.max_duration_ms.zip(state.started_at)).is_some_and(|(duration, started)| {
-        now >= started.saturating_add(Millis::try_from(duration).unwrap_or(Millis::MAX))
+        let allowed = duration.saturating_add(state.paused_ms);
+        now >= started.saturating_add(Millis::try_from(allowed).unwrap_or(Millis::MAX))
     });
     let model_step = state.step_index + 1;
     let conclude = late

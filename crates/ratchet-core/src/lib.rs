@@ -25,7 +25,8 @@ pub use inbox::{CompletionPolicy, Delivery, InboxKind, InboxPolicy, InboxStatus}
 pub use message::{Message, Origin, Role, ToolCall, ToolOutcome, Visibility};
 pub use state::{
     AgentState, BudgetExtension, CallProgress, Counters, HumanRequest, Limits, MemoryScope,
-    ModelSettings, Prices, ReplayPolicy, RunConfigSnapshot, ToolCheckpoint, ToolSpec, UnknownCall,
+    ModelSettings, Pause, Prices, ReplayPolicy, RunConfigSnapshot, ToolCheckpoint, ToolSpec,
+    UnknownCall,
 };
 pub use status::{IllegalEdge, RunStatus, StopReason};
 pub use step::{ModelReply, Phase, StepJob, StepRecord, StepResult, Usage};

@@ -266,6 +266,14 @@ pub struct BudgetExtension {
     pub duration_ms: u64,
 }
 
+/// Where a paused run stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pause {
+    /// Why the job the pause took away would have woken the run; resuming gives it back.
+    pub next: crate::step::Phase,
+    pub since: Millis,
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counters {
     pub model_calls: u64,
@@ -298,6 +306,10 @@ pub struct AgentState {
     /// fill it in on load and never take it from a committed state.
     #[serde(skip)]
     pub cancel_requested: bool,
+    /// Owned by the store like `cancel_requested`: a pause asked for while a step is in
+    /// flight, which the step's commit honours.
+    #[serde(skip)]
+    pub pause_requested: bool,
     pub stop_reason: Option<StopReason>,
     /// Set when the step budget is nearly spent: the next model call is made without tools.
     pub force_finish: bool,
@@ -315,6 +327,12 @@ pub struct AgentState {
     /// Where a child run stands in its tree; None for a run a user started.
     #[serde(default)]
     pub lineage: Option<Lineage>,
+    /// Set while the run is `paused`: the job it takes up again when resumed.
+    #[serde(default)]
+    pub pause: Option<Pause>,
+    /// Time spent paused, which the duration budget does not count.
+    #[serde(default)]
+    pub paused_ms: u64,
     pub created_at: Millis,
     pub started_at: Option<Millis>,
     pub finished_at: Option<Millis>,
@@ -356,6 +374,7 @@ impl AgentState {
             step_index: 0,
             config: Arc::new(config),
             cancel_requested: false,
+            pause_requested: false,
             stop_reason: None,
             force_finish: false,
             checkpoint: None,
@@ -365,6 +384,8 @@ impl AgentState {
             just_compacted: false,
             final_answer: None,
             lineage: None,
+            pause: None,
+            paused_ms: 0,
             created_at: now,
             started_at: None,
             finished_at: None,

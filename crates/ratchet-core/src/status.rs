@@ -14,6 +14,8 @@ pub enum RunStatus {
     Running,
     WaitingHuman,
     WaitingChildren,
+    /// Stopped at a step boundary because a client asked; `resume` goes on from there.
+    Paused,
     Cancelling,
     Completed,
     Failed,
@@ -28,11 +30,12 @@ pub struct IllegalEdge {
 }
 
 impl RunStatus {
-    pub const ALL: [RunStatus; 8] = [
+    pub const ALL: [RunStatus; 9] = [
         RunStatus::Queued,
         RunStatus::Running,
         RunStatus::WaitingHuman,
         RunStatus::WaitingChildren,
+        RunStatus::Paused,
         RunStatus::Cancelling,
         RunStatus::Completed,
         RunStatus::Failed,
@@ -47,9 +50,12 @@ impl RunStatus {
     }
 
     /// A waiting run holds its session but has no job: it moves only when something outside
-    /// the run (a human, its children) answers.
+    /// the run (a human, its children, a client resuming it) answers.
     pub fn is_waiting(self) -> bool {
-        matches!(self, RunStatus::WaitingHuman | RunStatus::WaitingChildren)
+        matches!(
+            self,
+            RunStatus::WaitingHuman | RunStatus::WaitingChildren | RunStatus::Paused
+        )
     }
 
     /// The one table of legal status edges. Staying in `running` or `cancelling` across a
@@ -63,12 +69,13 @@ impl RunStatus {
                 Running
                     | WaitingHuman
                     | WaitingChildren
+                    | Paused
                     | Cancelling
                     | Completed
                     | Failed
                     | Cancelled
             ),
-            WaitingHuman => matches!(to, Running | Cancelled),
+            WaitingHuman | Paused => matches!(to, Running | Cancelled),
             WaitingChildren => matches!(to, Running | Cancelling | Cancelled),
             // A step in flight when the cancel arrived may still end the run on its own.
             Cancelling => matches!(to, Cancelling | Completed | Failed | Cancelled),
@@ -88,6 +95,7 @@ impl RunStatus {
             RunStatus::Running => "running",
             RunStatus::WaitingHuman => "waiting_human",
             RunStatus::WaitingChildren => "waiting_children",
+            RunStatus::Paused => "paused",
             RunStatus::Cancelling => "cancelling",
             RunStatus::Completed => "completed",
             RunStatus::Failed => "failed",
@@ -157,14 +165,15 @@ mod tests {
     /// The whole edge table, written out as a matrix so that any change to it is a
     /// deliberate, reviewed change here. Rows are `from`, columns are `to`, in `ALL` order.
     const EXPECTED: &str = "\
-queued           .X.....X
-running          .XXXXXXX
-waiting_human    .X.....X
-waiting_children .X..X..X
-cancelling       ....XXXX
-completed        ........
-failed           .X......
-cancelled        ........
+queued           .X......X
+running          .XXXXXXXX
+waiting_human    .X......X
+waiting_children .X...X..X
+paused           .X......X
+cancelling       .....XXXX
+completed        .........
+failed           .X.......
+cancelled        .........
 ";
 
     #[test]
@@ -222,6 +231,6 @@ cancelled        ........
             let json = serde_json::to_string(&status).unwrap();
             assert_eq!(json, format!("\"{}\"", status.as_str()));
         }
-        assert_eq!(RunStatus::parse("paused"), None);
+        assert_eq!(RunStatus::parse("pausing"), None);
     }
 }

@@ -147,6 +147,22 @@ impl StepResult {
 }
 
 impl StepResult {
+    /// A pause was asked for while this step was in flight. A run that would go on to its
+    /// next step stops here instead, keeping that step's phase to take it up when resumed
+    /// (background children the step starts still start). A step that ends the run or makes
+    /// it wait is left as it is. True when the run paused.
+    pub fn yield_to_pause(&mut self) -> bool {
+        if self.state.status != RunStatus::Running {
+            return false;
+        }
+        let Some(next) = self.next.take() else {
+            return false;
+        };
+        pause_in_place(&mut self.state, next.phase, self.record.finished_at);
+        self.events.push(status_event(&self.state));
+        true
+    }
+
     /// The run's next step calls the model: a boundary where a user's steering message can
     /// join the history without splitting a tool call from its result.
     pub fn accepts_steer(&self) -> bool {
@@ -616,6 +632,54 @@ pub fn resume_failed(
         json!({"run_id": state.run_id, "after": reason, "how": how}),
     )];
     let job = back_to_running(state, Phase::Resumed, &mut events);
+    Ok((events, job))
+}
+
+fn pause_in_place(state: &mut AgentState, next: Phase, now: Millis) {
+    state.status = RunStatus::Paused;
+    state.pause = Some(crate::state::Pause { next, since: now });
+}
+
+/// Pauses a running run that has no step in flight: `next` is the phase of the job that was
+/// waiting to be claimed (the caller removes that job).
+pub fn pause_idle(
+    state: &mut AgentState,
+    next: Phase,
+    now: Millis,
+) -> Result<Vec<EventDraft>, DecisionError> {
+    if state.status != RunStatus::Running {
+        return Err(DecisionError::NotWaiting {
+            run_id: state.run_id.clone(),
+            status: state.status,
+            expected: "pause (only a running run can)".to_owned(),
+        });
+    }
+    pause_in_place(state, next, now);
+    Ok(vec![status_event(state)])
+}
+
+/// Moves a paused run back to `running`; the returned job is the one the pause took away.
+/// The time spent paused is not counted against the run's duration budget.
+pub fn resume_paused(
+    state: &mut AgentState,
+    now: Millis,
+) -> Result<(Vec<EventDraft>, StepJob), DecisionError> {
+    let pause = match (state.status, state.pause) {
+        (RunStatus::Paused, Some(pause)) => pause,
+        _ => {
+            return Err(DecisionError::NotWaiting {
+                run_id: state.run_id.clone(),
+                status: state.status,
+                expected: "resume (only a paused run can)".to_owned(),
+            });
+        }
+    };
+    state.pause = None;
+    state.paused_ms = state
+        .paused_ms
+        .saturating_add(u64::try_from(now.saturating_sub(pause.since)).unwrap_or(0));
+    let mut events = Vec::new();
+    let job = back_to_running(state, pause.next, &mut events);
     Ok((events, job))
 }
 

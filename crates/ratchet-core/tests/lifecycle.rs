@@ -5,7 +5,7 @@ use proptest::prelude::*;
 use ratchet_core::approval::answer_approval;
 use ratchet_core::step::{
     Compaction, Resumption, after_compaction, after_model, after_tools, ask_approval_step,
-    finish_step, resume_failed, start_run,
+    finish_step, pause_idle, resume_failed, resume_paused, start_run,
 };
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalPolicy, BudgetExtension, CallDecision, HumanRequest,
@@ -87,7 +87,9 @@ proptest! {
         continues in 0u32..3,
         max_prompt_tokens in proptest::option::of(30u64..200),
         max_duration_ms in proptest::option::of(0u64..30),
+        pause_at in proptest::option::of(1u64..40),
     ) {
+        let mut taken_by_pause = None;
         let mut late_calls = 0;
         let mut compactions_in_a_row = 0;
         let mut continues_left = continues;
@@ -112,13 +114,13 @@ proptest! {
             let instruction = decide(&state, job.phase, now);
             compactions_in_a_row = if instruction == Instruction::CompressContext { compactions_in_a_row + 1 } else { 0 };
             prop_assert!(compactions_in_a_row <= 1, "a compaction is never followed by another");
-            let result = match instruction {
+            let mut result = match instruction {
                 Instruction::CallLlm { conclude } => {
                     if let Some(max) = max_prompt_tokens {
                         prop_assert!(state.counters.context_tokens < max, "prompt {} over its budget {max}", state.counters.context_tokens);
                     }
                     let started = state.started_at.unwrap();
-                    if max_duration_ms.is_some_and(|d| now >= started + d as i64) {
+                    if max_duration_ms.is_some_and(|d| now >= started + (d + state.paused_ms) as i64) {
                         late_calls += 1;
                         prop_assert!(conclude, "past the deadline a call concludes");
                         prop_assert!(late_calls <= 1, "one call at most after the deadline");
@@ -164,6 +166,15 @@ proptest! {
                     after_compaction(state.clone(), &job, Some(compaction), now, now)
                 }
             };
+            if pause_at == Some(job.step_index) {
+                let would_run = result.next.clone();
+                if result.yield_to_pause() {
+                    prop_assert!(would_run.is_some(), "only a run that would go on pauses");
+                    taken_by_pause = would_run;
+                } else {
+                    prop_assert_eq!(&result.next, &would_run, "a refused pause changes nothing");
+                }
+            }
             prop_assert_eq!(result.state.step_index, state.step_index + 1);
             prop_assert_eq!(result.record.index, job.step_index);
             prop_assert!(state.status.edge(result.state.status).is_ok());
@@ -172,12 +183,26 @@ proptest! {
             prop_assert_eq!(terminal, result.state.stop_reason.is_some());
             prop_assert_eq!(terminal, result.state.finished_at.is_some());
             let waiting = result.state.status == RunStatus::WaitingHuman;
-            prop_assert_eq!(terminal || waiting, result.next.is_none(), "a job exactly while not terminal or waiting");
+            let paused = result.state.status == RunStatus::Paused;
+            prop_assert_eq!(paused, result.state.pause.is_some());
+            prop_assert_eq!(terminal || waiting || paused, result.next.is_none(), "a job exactly while not terminal, waiting or paused");
             let finished_events = result.events.iter().filter(|e| e.kind.as_str() == "run.finished").count();
             prop_assert_eq!(finished_events, usize::from(terminal));
             state = result.state;
             match result.next {
                 Some(next) => job = next,
+                None if paused => {
+                    let since = now;
+                    now += 1_000;
+                    let before = state.paused_ms;
+                    let (events, next) = resume_paused(&mut state, now).unwrap();
+                    prop_assert_eq!(Some(&next), taken_by_pause.as_ref(), "resuming gives back the job the pause took");
+                    prop_assert_eq!(state.status, RunStatus::Running);
+                    prop_assert_eq!(state.pause, None);
+                    prop_assert_eq!(state.paused_ms, before + (now - since) as u64);
+                    prop_assert_eq!(events[0].payload["status"].as_str(), Some("running"));
+                    job = next;
+                }
                 None if waiting => {
                     let Some(HumanRequest::Approval { approval_id, calls }) = state.pending_human.clone() else {
                         return Err(TestCaseError::fail("waiting without an approval"));
@@ -582,4 +607,103 @@ fn retry_repeats_a_failed_model_call_and_continue_needs_budget_to_go_on() {
     };
     resume_failed(&mut parse, nothing, 0).unwrap();
     assert_eq!(parse.counters.consecutive_parse_failures, 0);
+}
+
+fn one_add_call() -> ModelReply {
+    ModelReply {
+        tool_calls: vec![ToolCall {
+            id: "c0".into(),
+            name: "add".into(),
+            arguments: serde_json::json!({}),
+        }],
+        ..ModelReply::default()
+    }
+}
+
+#[test]
+fn a_pause_during_a_step_keeps_the_work_and_resume_gives_back_the_next_job() {
+    let mut state = fresh(50);
+    let (job, _) = start_run(&mut state, 0);
+    let mut result = after_model(state, &job, one_add_call(), false, 0, 10);
+    let would_run = result.next.clone().unwrap();
+    assert!(result.yield_to_pause());
+    assert_eq!(result.state.status, RunStatus::Paused);
+    assert_eq!(result.next, None, "a paused run has no job");
+    assert_eq!(
+        result.messages.len(),
+        1,
+        "the model's answer is still committed"
+    );
+    let last = result.events.last().unwrap();
+    assert_eq!(
+        (last.kind.as_str(), last.payload["status"].as_str()),
+        ("run.status", Some("paused"))
+    );
+    assert!(!result.yield_to_pause(), "a paused run is not paused twice");
+
+    let mut state = result.state;
+    let (events, job) = resume_paused(&mut state, 2_010).unwrap();
+    assert_eq!(
+        job,
+        StepJob {
+            attempt: 0,
+            ..would_run
+        }
+    );
+    assert_eq!(state.status, RunStatus::Running);
+    assert_eq!(state.paused_ms, 2_000);
+    assert_eq!(events.len(), 1);
+    let refused = resume_paused(&mut state, 2_020).unwrap_err();
+    assert!(
+        refused.to_string().contains("only a paused run can"),
+        "{refused}"
+    );
+}
+
+#[test]
+fn a_pause_leaves_ending_cancelling_and_waiting_steps_alone() {
+    let mut state = fresh(50);
+    let (job, _) = start_run(&mut state, 0);
+    let text = ModelReply {
+        text: "done".into(),
+        ..ModelReply::default()
+    };
+    let mut ending = after_model(state.clone(), &job, text, false, 0, 1);
+    assert!(!ending.yield_to_pause());
+    assert_eq!(ending.state.status, RunStatus::Completed);
+
+    let mut cancelling = after_model(state.clone(), &job, one_add_call(), false, 0, 1);
+    cancelling.yield_to_cancel();
+    assert!(!cancelling.yield_to_pause(), "a cancel wins over a pause");
+    assert_eq!(cancelling.state.status, RunStatus::Cancelling);
+
+    let asking = after_model(state, &job, one_add_call(), false, 0, 1);
+    let mut waiting = ask_approval_step(asking.state, asking.next.as_ref().unwrap(), 1, 2);
+    assert!(!waiting.yield_to_pause());
+    assert_eq!(waiting.state.status, RunStatus::WaitingHuman);
+}
+
+#[test]
+fn an_idle_pause_takes_only_a_running_run_and_paused_time_is_not_spent() {
+    let mut state = fresh(50);
+    let mut config = state.config.as_ref().clone();
+    config.limits.max_duration_ms = Some(500);
+    state.config = std::sync::Arc::new(config);
+    let refused = pause_idle(&mut state.clone(), Phase::UserInput, 0).unwrap_err();
+    assert!(refused.to_string().contains("it is queued"), "{refused}");
+    let (job, _) = start_run(&mut state, 0);
+    let events = pause_idle(&mut state, job.phase, 100).unwrap();
+    assert_eq!(events[0].payload["status"].as_str(), Some("paused"));
+    assert!(pause_idle(&mut state.clone(), job.phase, 100).is_err());
+    let (_, resumed) = resume_paused(&mut state, 60_100).unwrap();
+    assert_eq!(resumed.phase, job.phase);
+    assert_eq!(
+        decide(&state, resumed.phase, 60_200),
+        Instruction::CallLlm { conclude: false },
+        "200 ms of work is inside a 500 ms budget, whatever the pause took"
+    );
+    assert_eq!(
+        decide(&state, resumed.phase, 60_600),
+        Instruction::CallLlm { conclude: true }
+    );
 }

@@ -328,6 +328,26 @@ impl Coordinator {
         }
     }
 
+    /// Pauses a run at its next step boundary (see `Store::request_pause`). A step in flight
+    /// is not interrupted: its commit pauses the run.
+    pub async fn request_pause(&self, run_id: &RunId) -> Result<ratchet_store::PauseOutcome> {
+        let outcome = self.store.request_pause(run_id, now_ms()).await?;
+        if let ratchet_store::PauseOutcome::Paused { events } = &outcome {
+            self.publish(events.clone());
+        }
+        Ok(outcome)
+    }
+
+    /// Takes a paused run up again; its next step is picked up by any worker.
+    pub async fn resume_paused(&self, run_id: &RunId) -> Result<ratchet_store::ResumeOutcome> {
+        let outcome = self.store.resume_paused(run_id, now_ms()).await?;
+        if let ratchet_store::ResumeOutcome::Resumed { events } = &outcome {
+            self.publish(events.clone());
+            self.wake.notify_one();
+        }
+        Ok(outcome)
+    }
+
     /// Records a human's answer for a call in doubt; once all are answered the run goes on.
     pub async fn reconcile(
         &self,

@@ -208,6 +208,11 @@ CREATE INDEX inbox_by_source ON inbox (source_run_id) WHERE source_run_id IS NOT
 CREATE INDEX inbox_by_group ON inbox (group_id) WHERE group_id IS NOT NULL;
 CREATE INDEX inbox_by_lease ON inbox (lease_run_id) WHERE lease_run_id IS NOT NULL;
 "#,
+    r#"
+-- Pause and resume. Like `cancel_requested`, the flag is the store's: a pause asked for while
+-- a step is in flight, honoured by that step's commit.
+ALTER TABLE runs ADD COLUMN pause_requested BIGINT NOT NULL DEFAULT 0;
+"#,
 ];
 
 /// The advisory lock that makes processes opening one database at once migrate it one

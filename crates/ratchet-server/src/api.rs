@@ -1,7 +1,7 @@
 //! Wire types: what the API accepts and returns. They are converted from core and store
 //! types here, so the API stays stable while the core changes.
 
-use ratchet_core::{AgentProfile, AgentState, Millis, StepRecord};
+use ratchet_core::{AgentProfile, AgentState, Millis, RunStatus, StepRecord};
 use ratchet_store::{Approval, RunSummary, Session, StoredEvent, StoredMessage, TreeNode};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -247,10 +247,12 @@ pub struct UsageView {
 pub struct RunView {
     pub id: String,
     pub session_id: String,
-    /// `queued`, `running`, `waiting_human`, `waiting_children`, `cancelling`, `completed`,
-    /// `failed` or `cancelled`.
+    /// `queued`, `running`, `waiting_human`, `waiting_children`, `paused`, `cancelling`,
+    /// `completed`, `failed` or `cancelled`.
     pub status: String,
     pub stop_reason: Option<String>,
+    /// A pause was asked for while a step was in flight: the run pauses when that step ends.
+    pub pause_requested: bool,
     /// The last committed step (steps are numbered from 1).
     pub step_index: u64,
     pub usage: UsageView,
@@ -281,6 +283,7 @@ impl From<AgentState> for RunView {
             session_id: state.session_id.to_string(),
             status: state.status.to_string(),
             stop_reason: state.stop_reason.map(|r| r.to_string()),
+            pause_requested: state.pause_requested && state.status == RunStatus::Running,
             step_index: state.step_index,
             usage: UsageView {
                 model_calls: state.counters.model_calls,
@@ -663,6 +666,15 @@ pub struct ContinueRequest {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ResumedView {
     pub run_id: String,
-    /// `running`: the run's next step is enqueued.
+    /// `running`: the run's next step is enqueued (or, for a pause not reached yet, the run
+    /// simply goes on).
+    pub status: String,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PauseView {
+    pub run_id: String,
+    /// `paused` when the run stopped at once (or was paused already), `pausing` while the
+    /// step in flight finishes: its commit pauses the run.
     pub status: String,
 }

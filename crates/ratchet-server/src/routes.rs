@@ -11,9 +11,9 @@ use utoipa_axum::routes;
 
 use crate::api::{
     AgentView, CancelView, ContinueRequest, CreateSession, ErrorBody, MessageAccepted, MessageView,
-    Multitask, Page, PageQuery, ReconcileOutcome, ReconcileRequest, ReconcileView, ResumedView,
-    RunSummaryView, RunTreeView, RunView, SendMessage, SessionOrder, SessionView, SessionsQuery,
-    StepView,
+    Multitask, Page, PageQuery, PauseView, ReconcileOutcome, ReconcileRequest, ReconcileView,
+    ResumedView, RunSummaryView, RunTreeView, RunView, SendMessage, SessionOrder, SessionView,
+    SessionsQuery, StepView,
 };
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
@@ -33,6 +33,8 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(reconcile_run))
         .routes(routes!(retry_run))
         .routes(routes!(continue_run))
+        .routes(routes!(pause_run))
+        .routes(routes!(resume_run))
 }
 
 pub(crate) fn parse_session_id(text: &str) -> Result<SessionId, ApiError> {
@@ -372,6 +374,55 @@ async fn cancel_run(
     Ok(axum::Json(CancelView {
         run_id: id.to_string(),
         status,
+    }))
+}
+
+#[utoipa::path(
+    post, path = "/v1/runs/{id}/pause", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    responses(
+        (status = 200, body = PauseView),
+        (status = 409, body = ErrorBody, description = "the run is not running (only a running run can be paused)"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn pause_run(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+) -> Result<axum::Json<PauseView>, ApiError> {
+    let id = parse_run_id(&id)?;
+    tenant_run(&state, &tenant, &id).await?;
+    let status = match state.coordinator.request_pause(&id).await? {
+        ratchet_store::PauseOutcome::Paused { .. } => "paused",
+        ratchet_store::PauseOutcome::Pausing => "pausing",
+    };
+    Ok(axum::Json(PauseView {
+        run_id: id.to_string(),
+        status: status.to_owned(),
+    }))
+}
+
+#[utoipa::path(
+    post, path = "/v1/runs/{id}/resume", tag = "runs",
+    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    responses(
+        (status = 200, body = ResumedView),
+        (status = 409, body = ErrorBody, description = "the run is not paused and has no pause pending"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn resume_run(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+) -> Result<axum::Json<ResumedView>, ApiError> {
+    let id = parse_run_id(&id)?;
+    tenant_run(&state, &tenant, &id).await?;
+    state.coordinator.resume_paused(&id).await?;
+    Ok(axum::Json(ResumedView {
+        run_id: id.to_string(),
+        status: "running".to_owned(),
     }))
 }
 

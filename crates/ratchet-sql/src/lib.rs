@@ -20,9 +20,9 @@ use ratchet_core::{
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, CancelOutcome, ChangeStream, Claim, ClaimedStep,
     Closed, Closing, Commit, EmittedSignal, Error, InboxEvent, Intent, IntentRecord, Lease,
-    ListOrder, MessageHit, NewRun, NewSignal, PendingInput, Reconciled, RecordedIntents,
-    RunSummary, SearchScope, Served, Session, SessionSpec, Store, StoreStats, StoredEvent,
-    StoredMessage, Submitted, TreeNode,
+    ListOrder, MessageHit, NewRun, NewSignal, PauseOutcome, PendingInput, Reconciled,
+    RecordedIntents, ResumeOutcome, RunSummary, SearchScope, Served, Session, SessionSpec, Store,
+    StoreStats, StoredEvent, StoredMessage, Submitted, TreeNode,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -254,6 +254,20 @@ impl<B: Backend> Store for SqlStore<B> {
         let run_id = run_id.clone();
         self.backend
             .write(move |c| ops::request_cancel(c, &run_id, now))
+            .await
+    }
+
+    async fn request_pause(&self, run_id: &RunId, now: Millis) -> Result<PauseOutcome> {
+        let run_id = run_id.clone();
+        self.backend
+            .write(move |c| ops::request_pause(c, &run_id, now))
+            .await
+    }
+
+    async fn resume_paused(&self, run_id: &RunId, now: Millis) -> Result<ResumeOutcome> {
+        let run_id = run_id.clone();
+        self.backend
+            .write(move |c| ops::resume_paused(c, &run_id, now))
             .await
     }
 

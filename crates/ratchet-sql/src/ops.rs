@@ -17,9 +17,9 @@ use ratchet_core::{
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit,
-    Error, Intent, IntentKind, IntentRecord, Lease, ListOrder, NewRun, Reconciled, RecordedIntents,
-    RunSummary, Session, SessionSpec, Stale, StoreStats, StoredEvent, StoredMessage, Submitted,
-    TreeNode, WhenBusy,
+    Error, Intent, IntentKind, IntentRecord, Lease, ListOrder, NewRun, PauseOutcome, Reconciled,
+    RecordedIntents, ResumeOutcome, RunSummary, Session, SessionSpec, Stale, StoreStats,
+    StoredEvent, StoredMessage, Submitted, TreeNode, WhenBusy,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -272,7 +272,7 @@ pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Sub
 
 /// The statuses a run quota counts.
 pub(crate) const ACTIVE_STATUSES: &str =
-    "('queued', 'running', 'waiting_human', 'waiting_children', 'cancelling')";
+    "('queued', 'running', 'waiting_human', 'waiting_children', 'paused', 'cancelling')";
 
 /// Non-terminal runs of a root session, the runs of its delegations included.
 fn active_in_session(c: &dyn Db, root_session: &SessionId) -> Result<u64> {
@@ -1038,12 +1038,13 @@ struct RunRow {
     status: RunStatus,
     step_index: u64,
     cancel_requested: bool,
+    pause_requested: bool,
 }
 
 fn run_row(c: &dyn Db, run_id: &RunId) -> Result<RunRow> {
     let mut row = c
         .query_opt(
-            "SELECT session_id, status, step_index, cancel_requested FROM runs WHERE id = ?1",
+            "SELECT session_id, status, step_index, cancel_requested, pause_requested FROM runs WHERE id = ?1",
             &params![run_id.as_str()],
         )?
         .ok_or_else(|| run_not_found(run_id))?;
@@ -1052,6 +1053,7 @@ fn run_row(c: &dyn Db, run_id: &RunId) -> Result<RunRow> {
         status: parse_status(&row.text(1)?)?,
         step_index: row.int(2)? as u64,
         cancel_requested: row.flag(3)?,
+        pause_requested: row.flag(4)?,
     })
 }
 
@@ -1073,6 +1075,7 @@ pub(crate) fn commit_step(
     if stored.cancel_requested {
         result.yield_to_cancel();
     }
+    let paused = stored.pause_requested && result.yield_to_pause();
     let refused = if stored.step_index + 1 != claim.step_index {
         Some(Stale::StepMismatch {
             committed: stored.step_index,
@@ -1106,6 +1109,9 @@ pub(crate) fn commit_step(
     let steer_boundary = result.accepts_steer();
     let state = &result.state;
     write_state(c, state)?;
+    if paused {
+        set_pause_requested(c, &state.run_id, false)?;
+    }
     if let Some(HumanRequest::Approval { approval_id, calls }) = &state.pending_human {
         let calls_json = to_json(calls)?;
         c.execute(
@@ -1161,6 +1167,7 @@ pub(crate) fn commit_step(
                     state: AgentState {
                         config: frozen_config(c, &claim.run_id)?,
                         cancel_requested: stored.cancel_requested,
+                        pause_requested: stored.pause_requested,
                         ..result.state.clone()
                     },
                 });
@@ -1285,7 +1292,14 @@ pub(crate) fn retry_later(
         return Ok(None);
     }
     let stored = run_row(c, &claim.run_id)?;
-    insert_events(c, &stored.session_id, Some(&claim.run_id), &[event], now).map(Some)
+    let mut events = insert_events(c, &stored.session_id, Some(&claim.run_id), &[event], now)?;
+    // Waiting out a backoff is a step boundary too.
+    if stored.pause_requested && stored.status == RunStatus::Running {
+        events.extend(
+            pause_if_unclaimed(c, &claim.run_id, &stored.session_id, now)?.unwrap_or_default(),
+        );
+    }
+    Ok(Some(events))
 }
 
 pub(crate) fn fenced(c: &dyn Db, claim: &Claim) -> Result<()> {
@@ -1457,7 +1471,10 @@ pub(crate) fn cancel_one(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<Canc
             let events = insert_events(c, &stored.session_id, Some(run_id), &drafts, now)?;
             Ok(CancelOutcome::Cancelling { events })
         }
-        RunStatus::Queued | RunStatus::WaitingHuman | RunStatus::WaitingChildren => {
+        RunStatus::Queued
+        | RunStatus::WaitingHuman
+        | RunStatus::WaitingChildren
+        | RunStatus::Paused => {
             let held_session = stored.status != RunStatus::Queued;
             let drafts = cancel_idle(&mut state, now);
             mark_cancel_requested(c, run_id)?;
@@ -1481,6 +1498,94 @@ pub(crate) fn cancel_one(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<Canc
     }
 }
 
+pub(crate) fn request_pause(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<PauseOutcome> {
+    lock_session_of_run(c, run_id)?;
+    let stored = run_row(c, run_id)?;
+    match stored.status {
+        RunStatus::Paused => return Ok(PauseOutcome::Paused { events: Vec::new() }),
+        RunStatus::Running => {}
+        status => {
+            return Err(Error::Conflict(format!(
+                "run {run_id} is {status}; only a running run can be paused"
+            )));
+        }
+    }
+    if let Some(events) = pause_if_unclaimed(c, run_id, &stored.session_id, now)? {
+        return Ok(PauseOutcome::Paused { events });
+    }
+    set_pause_requested(c, run_id, true)?;
+    Ok(PauseOutcome::Pausing)
+}
+
+/// A job nobody has claimed is a step boundary: the run pauses now, and its job goes. A claim
+/// may take the job between the two statements (PostgreSQL); then the delete finds nothing,
+/// None is returned, and the claimed step's commit pauses the run instead.
+fn pause_if_unclaimed(
+    c: &dyn Db,
+    run_id: &RunId,
+    session_id: &SessionId,
+    now: Millis,
+) -> Result<Option<Vec<StoredEvent>>> {
+    let unclaimed = c
+        .query_opt(
+            "SELECT step_index, phase FROM step_jobs WHERE run_id = ?1 AND lease_owner IS NULL",
+            &params![run_id.as_str()],
+        )?
+        .map(|mut r| Ok::<_, Error>((r.int(0)?, r.text(1)?)))
+        .transpose()?;
+    if let Some((step_index, phase)) = unclaimed {
+        let phase = Phase::parse(&phase)
+            .ok_or_else(|| Error::Corrupt(format!("unknown phase {phase:?}")))?;
+        let taken = c.execute(
+            "DELETE FROM step_jobs WHERE run_id = ?1 AND step_index = ?2 AND lease_owner IS NULL",
+            &params![run_id.as_str(), step_index],
+        )?;
+        if taken == 1 {
+            let mut state = load_state(c, run_id)?;
+            let drafts = ratchet_core::step::pause_idle(&mut state, phase, now)?;
+            write_state(c, &state)?;
+            set_pause_requested(c, run_id, false)?;
+            return insert_events(c, session_id, Some(run_id), &drafts, now).map(Some);
+        }
+    }
+    Ok(None)
+}
+
+pub(crate) fn resume_paused(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<ResumeOutcome> {
+    lock_session_of_run(c, run_id)?;
+    let stored = run_row(c, run_id)?;
+    if stored.status == RunStatus::Running && stored.pause_requested {
+        set_pause_requested(c, run_id, false)?;
+        return Ok(ResumeOutcome::PauseWithdrawn);
+    }
+    let mut state = load_state(c, run_id)?;
+    let (mut drafts, job) = ratchet_core::step::resume_paused(&mut state, now)?;
+    write_state(c, &state)?;
+    insert_job(c, &job, now)?;
+    if matches!(
+        ratchet_core::decide(&state, job.phase, now),
+        ratchet_core::Instruction::CallLlm { .. }
+    ) {
+        drafts.extend(absorb_steers(c, &state, now)?);
+        drafts.extend(crate::inbox::absorb_signals(
+            c,
+            &state,
+            state.step_index,
+            now,
+        )?);
+    }
+    let events = insert_events(c, &stored.session_id, Some(run_id), &drafts, now)?;
+    Ok(ResumeOutcome::Resumed { events })
+}
+
+fn set_pause_requested(c: &dyn Db, run_id: &RunId, requested: bool) -> Result<()> {
+    c.execute(
+        "UPDATE runs SET pause_requested = ?2 WHERE id = ?1",
+        &params![run_id.as_str(), i64::from(requested)],
+    )?;
+    Ok(())
+}
+
 fn mark_cancel_requested(c: &dyn Db, run_id: &RunId) -> Result<()> {
     c.execute(
         "UPDATE runs SET cancel_requested = 1 WHERE id = ?1",
@@ -1492,13 +1597,14 @@ fn mark_cancel_requested(c: &dyn Db, run_id: &RunId) -> Result<()> {
 pub(crate) fn load_state(c: &dyn Db, run_id: &RunId) -> Result<AgentState> {
     let mut row = c
         .query_opt(
-            "SELECT state_json, cancel_requested FROM runs WHERE id = ?1",
+            "SELECT state_json, cancel_requested, pause_requested FROM runs WHERE id = ?1",
             &params![run_id.as_str()],
         )?
         .ok_or_else(|| run_not_found(run_id))?;
     let mut state: AgentState = from_json(&row.text(0)?, "run state")?;
     state.config = frozen_config(c, run_id)?;
     state.cancel_requested = row.flag(1)?;
+    state.pause_requested = row.flag(2)?;
     Ok(state)
 }
 

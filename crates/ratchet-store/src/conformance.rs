@@ -11,6 +11,7 @@
 
 mod delegation;
 mod inbox;
+mod pause;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,6 +28,7 @@ use serde_json::{Value, json};
 
 pub use delegation::*;
 pub use inbox::*;
+pub use pause::*;
 
 use crate::{
     Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, DEFAULT_TENANT, Error,
@@ -88,12 +90,16 @@ macro_rules! store_conformance_tests {
             closing_a_session_cancels_its_background_work_and_empties_its_inbox,
             signals_follow_their_contract_and_a_cancelled_runs_unread_ones_are_superseded,
             a_steered_signal_joins_the_active_run_at_its_next_model_call,
+            a_pause_stops_a_run_at_its_next_step_boundary_and_resume_takes_it_up,
+            a_pending_pause_is_withdrawn_by_resume_and_honoured_by_a_backoff,
+            cancel_of_a_paused_run_frees_the_session,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
             concurrent_commits_of_one_claim_have_one_winner,
             event_seqs_are_dense_per_session,
             a_steer_racing_the_end_of_a_run_lands_exactly_once,
+            a_pause_racing_a_step_pauses_the_run_exactly_once,
         );
     };
     (@borrowed $make:expr; $($name:ident),+ $(,)?) => {

@@ -561,6 +561,22 @@ pub enum CancelOutcome {
     AlreadyTerminal(RunStatus),
 }
 
+#[derive(Debug, Clone)]
+pub enum PauseOutcome {
+    /// The run had no step in flight (or was paused already) and is `paused` now.
+    Paused { events: Vec<StoredEvent> },
+    /// A step is in flight: its commit pauses the run, unless it ends the run or makes it wait.
+    Pausing,
+}
+
+#[derive(Debug, Clone)]
+pub enum ResumeOutcome {
+    /// The run is `running` again, with the job its pause took away enqueued.
+    Resumed { events: Vec<StoredEvent> },
+    /// The run had not reached its pause yet: the request is withdrawn and it goes on.
+    PauseWithdrawn,
+}
+
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     async fn create_session(
@@ -711,6 +727,15 @@ pub trait Store: Send + Sync + 'static {
     /// Cancels a run (see `CancelOutcome`) and, in the same transaction, every non-terminal run
     /// its delegations started, down the tree.
     async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome>;
+
+    /// Pauses a running run at its next step boundary (see `PauseOutcome`); the run keeps
+    /// its session. `Error::Conflict` unless the run is running or paused.
+    async fn request_pause(&self, run_id: &RunId, now: Millis) -> Result<PauseOutcome>;
+
+    /// Takes a paused run up again from where it stopped, with the session's waiting steers
+    /// joining it if its next step calls the model (see `ResumeOutcome`). `Error::Conflict`
+    /// unless the run is paused or has a pause pending.
+    async fn resume_paused(&self, run_id: &RunId, now: Millis) -> Result<ResumeOutcome>;
 
     /// Records a human's answer for one call whose outcome was unknown (see
     /// `ratchet_core::step::reconcile`); once every call in doubt is answered, the run's next

@@ -12,9 +12,9 @@ use ratchet_core::{
 };
 use ratchet_store::{
     Answered, Approval, ApprovalStatus, CancelOutcome, Change, ChangeStream, Claim, ClaimedStep,
-    Commit, Intent, IntentRecord, Lease, ListOrder, MessageHit, NewRun, Reconciled,
-    RecordedIntents, Result, RunSummary, SearchScope, Session, SessionSpec, Store, StoreStats,
-    StoredEvent, StoredMessage, Submitted,
+    Commit, Intent, IntentRecord, Lease, ListOrder, MessageHit, NewRun, PauseOutcome, Reconciled,
+    RecordedIntents, Result, ResumeOutcome, RunSummary, SearchScope, Session, SessionSpec, Store,
+    StoreStats, StoredEvent, StoredMessage, Submitted,
 };
 use tokio::sync::mpsc;
 
@@ -185,6 +185,14 @@ impl Store for Heard {
 
     async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
         self.inner.request_cancel(run_id, now).await
+    }
+
+    async fn request_pause(&self, run_id: &RunId, now: Millis) -> Result<PauseOutcome> {
+        self.inner.request_pause(run_id, now).await
+    }
+
+    async fn resume_paused(&self, run_id: &RunId, now: Millis) -> Result<ResumeOutcome> {
+        self.inner.resume_paused(run_id, now).await
     }
 
     async fn reconcile(
