@@ -232,6 +232,12 @@ impl Api {
             .await
     }
 
+    /// `POST /v1/runs/{id}/{action}` with no body (pause, resume, retry, cancel).
+    pub async fn run_action(&self, run_id: &str, action: &str) -> Result<Value, ClientError> {
+        let path = format!("/v1/runs/{run_id}/{action}");
+        self.call(self.request(reqwest::Method::POST, &path)).await
+    }
+
     pub async fn get_run(&self, run_id: &str) -> Result<RunView, ClientError> {
         self.call(self.request(reqwest::Method::GET, &format!("/v1/runs/{run_id}")))
             .await

@@ -166,6 +166,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         if state.status.is_terminal() {
             break state;
         }
+        if state.status == RunStatus::Paused {
+            eprintln!(
+                "run {run_id} was paused; `ratchet runs resume {run_id} --db {}` then `ratchet resume` carry it on",
+                args.db
+            );
+            break state;
+        }
         // The run, or a run its delegations started, may wait for a person.
         if let Some(waiting) = waiting_for_human(coordinator.store().as_ref(), &state).await? {
             let Some((id, calls)) = approve::pending(waiting.pending_human.as_ref()) else {

@@ -12,6 +12,7 @@ mod chat;
 mod client;
 mod drive;
 mod inspect;
+mod pause;
 mod runtime;
 mod serve;
 
@@ -276,6 +277,20 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum RunsCommand {
+    /// Stop a running run at its next step boundary; it keeps its session (messages queue
+    /// behind it) until resumed or cancelled.
+    Pause {
+        run_id: String,
+        #[command(flatten)]
+        target: ServerOrDb,
+    },
+    /// Take a paused run up again from the step it stopped before (or withdraw a pause it has
+    /// not reached yet).
+    Resume {
+        run_id: String,
+        #[command(flatten)]
+        target: ServerOrDb,
+    },
     /// Repeat the model call a failed run (stop reason llm_error) kept failing, with fresh
     /// attempts; `ratchet resume` (or a server) carries the run on.
     Retry {
@@ -338,9 +353,10 @@ enum RunsCommand {
     },
 }
 
-/// Where `ratchet approvals` works: a server when `--server` is given, else the database.
+/// Where `ratchet approvals` and `ratchet runs pause|resume` work: a server when `--server`
+/// is given, else the database.
 #[derive(Debug, clap::Args)]
-struct ApprovalsTarget {
+struct ServerOrDb {
     /// A Ratchet server's URL; without it the database is used directly.
     #[arg(long, value_name = "URL")]
     server: Option<String>,
@@ -350,7 +366,7 @@ struct ApprovalsTarget {
     db: DbArg,
 }
 
-impl ApprovalsTarget {
+impl ServerOrDb {
     fn target(self) -> anyhow::Result<approve::Target> {
         Ok(match self.server {
             Some(server) => {
@@ -371,7 +387,7 @@ enum ApprovalsCommand {
         #[arg(long)]
         json: bool,
         #[command(flatten)]
-        target: ApprovalsTarget,
+        target: ServerOrDb,
     },
     /// Answer an approval: decide every call that needs approval, or abort the run. Against
     /// a database, `ratchet resume` then carries the run on.
@@ -390,7 +406,7 @@ enum ApprovalsCommand {
         #[arg(long)]
         abort: bool,
         #[command(flatten)]
-        target: ApprovalsTarget,
+        target: ServerOrDb,
     },
 }
 
@@ -713,6 +729,12 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     db,
                 },
         } => inspect::reconcile(&db.db, &run_id, &call_id, outcome, result).await,
+        Command::Runs {
+            command: RunsCommand::Pause { run_id, target },
+        } => pause::pause(target.target()?, &run_id).await,
+        Command::Runs {
+            command: RunsCommand::Resume { run_id, target },
+        } => pause::resume(target.target()?, &run_id).await,
         Command::Runs {
             command: RunsCommand::Retry { run_id, db },
         } => inspect::resume_failed(&db.db, &run_id, ratchet_core::step::Resumption::Retry).await,

@@ -1286,3 +1286,99 @@ fn bench_reports_steps_and_the_disks_own_commit_rate_as_json() {
     assert_eq!(zero.status.code(), Some(1));
     assert!(stderr_of(&zero).contains("--count must be at least 1"));
 }
+
+/// `ratchet runs pause` reaches a run another process is driving: that `ratchet run` stops
+/// when the run pauses (exit 2, saying how to go on); `runs resume` and `ratchet resume`
+/// finish it. Runs that are not running are refused with the reason.
+#[test]
+fn a_run_paused_from_another_process_is_resumed_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(
+        dir.path(),
+        "script.json",
+        &json!({"replies": [
+            {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 800}}]},
+            {"text": "Done after the pause."}
+        ]}),
+    );
+    let db = db_url(dir.path());
+    let workspace = dir.path().display().to_string();
+    let driver = Command::new(env!("CARGO_BIN_EXE_ratchet"))
+        .args([
+            "run",
+            "--db",
+            &db,
+            "--workspace",
+            &workspace,
+            "--model",
+            &model,
+            "--json",
+            "sleep",
+        ])
+        .current_dir(dir.path())
+        .env_remove("RATCHET_DB")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let run_id = loop {
+        let runs = dir
+            .path()
+            .join("r.db")
+            .exists()
+            .then(|| list(dir.path()))
+            .unwrap_or_default();
+        if let Some(run) = runs.iter().find(|r| r["status"] == "running") {
+            break run["run_id"].as_str().unwrap().to_owned();
+        }
+        assert!(started.elapsed() < common::DEADLINE, "no run started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let paused = ratchet(dir.path(), &["runs", "pause", &run_id, "--db", &db]);
+    assert!(paused.status.success(), "{}", stderr_of(&paused));
+    assert!(
+        stdout_of(&paused).contains(&run_id),
+        "{}",
+        stdout_of(&paused)
+    );
+
+    let driven = driver.wait_with_output().unwrap();
+    assert_eq!(driven.status.code(), Some(2), "{}", stderr_of(&driven));
+    assert!(
+        stderr_of(&driven).contains(&format!("ratchet runs resume {run_id}")),
+        "{}",
+        stderr_of(&driven)
+    );
+    assert_eq!(report(&driven)["status"], "paused");
+    assert_eq!(show(dir.path(), &run_id)["status"], "paused");
+
+    let resumed = ratchet(dir.path(), &["runs", "resume", &run_id, "--db", &db]);
+    assert!(resumed.status.success(), "{}", stderr_of(&resumed));
+    assert!(stdout_of(&resumed).contains("running again"));
+    let finished = report(&ratchet(dir.path(), &["resume", "--db", &db, "--json"]));
+    assert_eq!(
+        (&finished["status"], &finished["final_answer"]),
+        (&json!("completed"), &json!("Done after the pause.")),
+        "{finished}"
+    );
+    for (action, says) in [
+        ("pause", "only a running run can be paused"),
+        ("resume", "only a paused run can"),
+    ] {
+        let refused = ratchet(dir.path(), &["runs", action, &run_id, "--db", &db]);
+        assert_eq!(refused.status.code(), Some(1), "{action}");
+        assert!(
+            stderr_of(&refused).contains(says),
+            "{}",
+            stderr_of(&refused)
+        );
+    }
+    let malformed = ratchet(dir.path(), &["runs", "pause", "run-nope", "--db", &db]);
+    assert_eq!(malformed.status.code(), Some(1));
+    assert!(
+        stderr_of(&malformed).contains("invalid run id"),
+        "{}",
+        stderr_of(&malformed)
+    );
+}

@@ -538,3 +538,70 @@ fn run_and_chat_over_the_server_ask_at_the_prompt_when_a_batch_is_gated() {
         .collect();
     assert_eq!(statuses, ["decided", "decided"]);
 }
+
+/// `ratchet runs list|show --db` on the server's database, which must succeed.
+fn server_runs(dir: &Path, args: &[&str]) -> Value {
+    let db = format!("sqlite://{}", dir.join("server.db").display());
+    let output = ratchet(dir, &[&["runs"], args, &["--db", &db, "--json"]].concat());
+    assert!(output.status.success(), "{}", stderr_of(&output));
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+/// `runs pause|resume --server` act through the API: `ratchet run --server` following the
+/// run stops when it pauses (exit 2), and the resumed run ends on the server.
+#[test]
+fn runs_pause_and_resume_work_through_a_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = json!({"replies": [
+        {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 800}}]},
+        {"text": "Resumed."}
+    ]});
+    let server = Server::start(dir.path(), &script, &[], &[]);
+    let follower = command(dir.path())
+        .args(["run", "--server", &server.url, "--json", "sleep first"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let run_id = loop {
+        let runs = server_runs(dir.path(), &["list"]);
+        if let Some(run) = runs.as_array().unwrap().first() {
+            break run["run_id"].as_str().unwrap().to_owned();
+        }
+        assert!(started.elapsed() < STARTUP, "no run started");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let paused = ratchet(
+        dir.path(),
+        &["runs", "pause", &run_id, "--server", &server.url],
+    );
+    assert!(paused.status.success(), "{}", stderr_of(&paused));
+    assert!(stdout_of(&paused).contains(&run_id));
+    let followed = follower.wait_with_output().unwrap();
+    assert_eq!(followed.status.code(), Some(2), "{}", stderr_of(&followed));
+    assert_eq!(report(&followed)["status"], "paused");
+
+    let resumed = ratchet(
+        dir.path(),
+        &["runs", "resume", &run_id, "--server", &server.url],
+    );
+    assert!(resumed.status.success(), "{}", stderr_of(&resumed));
+    assert_eq!(stdout_of(&resumed), format!("{run_id} is running again\n"));
+    let started = Instant::now();
+    while server_runs(dir.path(), &["show", &run_id])["status"] != "completed" {
+        assert!(started.elapsed() < STARTUP, "the resumed run did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let again = ratchet(
+        dir.path(),
+        &["runs", "resume", &run_id, "--server", &server.url],
+    );
+    assert_eq!(again.status.code(), Some(1));
+    assert!(
+        stderr_of(&again).contains("only a paused run can"),
+        "the server's reason is shown: {}",
+        stderr_of(&again)
+    );
+}

@@ -293,3 +293,90 @@ async fn a_restart_with_another_model_does_not_change_a_running_run() {
     let new = finished(new_run).await;
     assert_eq!(new["final_answer"], "answer of the second model", "{new}");
 }
+
+async fn post(http: &reqwest::Client, url: String) -> Value {
+    json(http.post(url).json(&json!({})).send().await.unwrap()).await
+}
+
+/// Polls a run until `done` says so; returns the run.
+async fn run_until(
+    http: &reqwest::Client,
+    base: &str,
+    run: &str,
+    done: impl Fn(&Value) -> bool,
+) -> Value {
+    let started = Instant::now();
+    loop {
+        let state = json(
+            http.get(format!("{base}/v1/runs/{run}"))
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await;
+        if done(&state) {
+            return state;
+        }
+        assert!(started.elapsed() < DEADLINE, "run {run}: {state}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A pause is a fact in the database: one asked for while a tool runs survives the server
+/// being SIGKILLed (the step is taken again and its commit pauses the run), a paused run
+/// stays paused, holding its session, across another SIGKILL, and resumes to its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_survives_sigkill_and_the_paused_run_resumes_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("script.json");
+    let replies = json!({"replies": [
+        {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 600}}]},
+        {"text": "resumed to the end"}
+    ]});
+    std::fs::write(&script, replies.to_string()).unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let http = reqwest::Client::new();
+
+    let mut first = start(dir.path(), &db, &script);
+    let (session, run) = first.send_in_new_session(&http, "sleep, then answer").await;
+    let stream = http
+        .get(format!("{}/v1/runs/{run}/events", first.base))
+        .send()
+        .await
+        .unwrap();
+    let mut body = stream.bytes_stream();
+    read_until(&mut body, "event: tool.call").await;
+    let pausing = post(&http, format!("{}/v1/runs/{run}/pause", first.base)).await;
+    assert_eq!(pausing["status"], "pausing", "{pausing}");
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+    drop(body);
+
+    let mut second = start(dir.path(), &db, &script);
+    let paused = run_until(&http, &second.base, &run, |r| r["status"] != "running").await;
+    assert_eq!(
+        (&paused["status"], &paused["step_index"]),
+        (&json!("paused"), &json!(2)),
+        "the step taken again committed, and its commit paused the run: {paused}"
+    );
+    let queued = second.send(&http, &session, "after the pause").await;
+    second.child.kill().unwrap();
+    second.child.wait().unwrap();
+
+    let third = start(dir.path(), &db, &script);
+    let still = run_until(&http, &third.base, &run, |_| true).await;
+    assert_eq!(still["status"], "paused", "{still}");
+    let waiting = run_until(&http, &third.base, &queued, |_| true).await;
+    assert_eq!(
+        waiting["status"], "queued",
+        "the paused run still holds its session"
+    );
+    let resumed = post(&http, format!("{}/v1/runs/{run}/resume", third.base)).await;
+    assert_eq!(resumed["status"], "running");
+    let done = run_until(&http, &third.base, &run, |r| r["status"] == "completed").await;
+    assert_eq!(
+        (&done["final_answer"], &done["step_index"]),
+        (&json!("resumed to the end"), &json!(3))
+    );
+    run_until(&http, &third.base, &queued, |r| r["status"] == "completed").await;
+}

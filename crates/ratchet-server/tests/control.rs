@@ -371,6 +371,114 @@ async fn a_run_that_failed_calling_the_model_is_retried_with_fresh_attempts() {
     );
 }
 
+/// A pause asked for while a tool runs lets the tool finish, then stops the run at that
+/// step's end; the paused run holds its session until resumed, then ends as it would have.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_run_stops_at_its_step_boundary_holds_its_session_and_resumes() {
+    let script = json!({"replies": [
+        {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 700}}]},
+        {"text": "Slept well."}
+    ]});
+    let server = Server::start(script).await;
+    let session = server.create_session(TOKEN_A).await;
+    let run = server.send(TOKEN_A, &session, "sleep a little").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut stream = server.stream(&format!("/v1/runs/{run}/events"), None).await;
+    stream.until(|e| e.kind == "tool.call").await;
+
+    let pause_path = format!("/v1/runs/{run}/pause");
+    let resume_path = format!("/v1/runs/{run}/resume");
+    let reply = call(server.post(TOKEN_A, &pause_path, json!({}))).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(
+        reply.body,
+        json!({"run_id": run, "status": "pausing"}),
+        "the tool is running: the run pauses when its step ends"
+    );
+    let pausing = server.get_ok(TOKEN_A, &format!("/v1/runs/{run}")).await;
+    assert_eq!(
+        (&pausing["status"], &pausing["pause_requested"]),
+        (&json!("running"), &json!(true))
+    );
+    let events = stream
+        .until(|e| e.kind == "run.status" && e.data["payload"]["status"] == "paused")
+        .await;
+    assert!(
+        events.iter().any(|e| e.kind == "tool.result"),
+        "the tool's work was kept"
+    );
+    let paused = server.get_ok(TOKEN_A, &format!("/v1/runs/{run}")).await;
+    assert_eq!(
+        (
+            &paused["status"],
+            &paused["pause_requested"],
+            &paused["step_index"]
+        ),
+        (&json!("paused"), &json!(false), &json!(2))
+    );
+
+    let next = server.send(TOKEN_A, &session, "and then?").await;
+    assert_eq!(
+        next["run_status"], "queued",
+        "a paused run holds its session"
+    );
+    let next = next["run_id"].as_str().unwrap().to_owned();
+    let again = call(server.post(TOKEN_A, &pause_path, json!({}))).await;
+    assert_eq!(again.body["status"], "paused", "{}", again.body);
+    let queued = call(server.post(TOKEN_A, &format!("/v1/runs/{next}/pause"), json!({}))).await;
+    assert_error(
+        "pause of a queued run",
+        &queued,
+        StatusCode::CONFLICT,
+        "conflict",
+    );
+    let theirs = call(server.post(TOKEN_B, &resume_path, json!({}))).await;
+    assert_error(
+        "another tenant's run",
+        &theirs,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    );
+    let bad = call(server.post(TOKEN_A, "/v1/runs/nope/resume", json!({}))).await;
+    assert_error(
+        "a malformed id",
+        &bad,
+        StatusCode::BAD_REQUEST,
+        "bad_request",
+    );
+    let session_view = server
+        .get_ok(TOKEN_A, &format!("/v1/sessions/{session}"))
+        .await;
+    assert_eq!(session_view["status"], "paused", "{session_view}");
+
+    let reply = call(server.post(TOKEN_A, &resume_path, json!({}))).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(reply.body, json!({"run_id": run, "status": "running"}));
+    let done = server.finish(&run).await;
+    assert_eq!(
+        (&done["status"], &done["final_answer"], &done["step_index"]),
+        (&json!("completed"), &json!("Slept well."), &json!(3))
+    );
+    let second = server.finish(&next).await;
+    assert_eq!(second["status"], "completed", "the session moved on");
+
+    for path in [&pause_path, &resume_path] {
+        let ended = call(server.post(TOKEN_A, path, json!({}))).await;
+        assert_error(path, &ended, StatusCode::CONFLICT, "conflict");
+    }
+    let events = server
+        .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
+        .await;
+    let statuses: Vec<&str> = events
+        .iter()
+        .filter(|e| e.kind == "run.status")
+        .filter_map(|e| e.data["payload"]["status"].as_str())
+        .collect();
+    assert_eq!(statuses, ["running", "paused", "running", "completed"]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_that_spent_its_budget_is_continued_with_more() {
     let forever = json!({"replies": [

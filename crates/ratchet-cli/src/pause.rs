@@ -1,0 +1,68 @@
+//! `ratchet runs pause|resume`: stop a run at its next step boundary and take it up again,
+//! through a server or straight in the database.
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use ratchet_core::RunId;
+use ratchet_store::{PauseOutcome, ResumeOutcome};
+
+use crate::approve::Target;
+use crate::runtime::open_existing_store;
+
+pub async fn pause(target: Target, run_id: &str) -> anyhow::Result<ExitCode> {
+    let run_id = RunId::parse(run_id)?;
+    let paused_now = match target {
+        Target::Server(api) => {
+            let view = api.run_action(run_id.as_str(), "pause").await?;
+            view["status"] == "paused"
+        }
+        Target::Db(db) => {
+            let coordinator = ratchet_engine::Coordinator::new(open_existing_store(&db)?);
+            let outcome = coordinator
+                .request_pause(&run_id)
+                .await
+                .with_context(|| format!("cannot pause run {run_id}"))?;
+            matches!(outcome, PauseOutcome::Paused { .. })
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    if paused_now {
+        writeln!(
+            out,
+            "{run_id} is paused; `ratchet runs resume {run_id}` takes it up again"
+        )?;
+    } else {
+        writeln!(out, "{run_id} pauses when the step it is taking ends")?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn resume(target: Target, run_id: &str) -> anyhow::Result<ExitCode> {
+    let run_id = RunId::parse(run_id)?;
+    let mut out = std::io::stdout().lock();
+    match target {
+        Target::Server(api) => {
+            api.run_action(run_id.as_str(), "resume").await?;
+            writeln!(out, "{run_id} is running again")?;
+        }
+        Target::Db(db) => {
+            let coordinator = ratchet_engine::Coordinator::new(open_existing_store(&db)?);
+            let outcome = coordinator
+                .resume_paused(&run_id)
+                .await
+                .with_context(|| format!("cannot resume run {run_id}"))?;
+            match outcome {
+                ResumeOutcome::Resumed { .. } => writeln!(
+                    out,
+                    "{run_id} is running again; `ratchet resume` (or a server) carries it on"
+                )?,
+                ResumeOutcome::PauseWithdrawn => {
+                    writeln!(out, "{run_id} had not paused yet; it goes on")?
+                }
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
