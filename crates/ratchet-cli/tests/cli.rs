@@ -1323,12 +1323,11 @@ fn a_run_paused_from_another_process_is_resumed_from_the_command_line() {
         .unwrap();
     let started = std::time::Instant::now();
     let run_id = loop {
-        let runs = dir
-            .path()
-            .join("r.db")
-            .exists()
-            .then(|| list(dir.path()))
-            .unwrap_or_default();
+        let runs = if dir.path().join("r.db").exists() {
+            list(dir.path())
+        } else {
+            Vec::new()
+        };
         if let Some(run) = runs.iter().find(|r| r["status"] == "running") {
             break run["run_id"].as_str().unwrap().to_owned();
         }
