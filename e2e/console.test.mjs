@@ -190,6 +190,36 @@ test("cancel a slow run from its conversation", async () => {
   assert.deepEqual(page.errors, []);
 });
 
+test("pause a run at its step boundary, then resume it", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  const sessionId = await newSession(page, "napper");
+  await send(page, "Nap, then answer");
+  await page.locator(".item-tool .result", { hasText: "Running…" }).waitFor();
+  const pause = page.getByRole("button", { name: "Pause" });
+  const resume = page.getByRole("button", { name: "Resume" });
+  await page.waitForFunction(() => [...document.querySelectorAll("button")].find((b) => b.textContent === "Pause")?.disabled === false);
+  assert.ok(await resume.isDisabled(), "nothing to resume yet");
+  await pause.click();
+  // The nap in flight finishes first; the run stops at the end of its step.
+  await page.locator(".item-notice", { hasText: "Run paused" }).waitFor();
+  await latestRunStatus(page).filter({ hasText: "paused" }).waitFor();
+  await page.locator(".item-tool .result", { hasText: "slept" }).waitFor();
+  assert.ok(await pause.isDisabled());
+  const paused = await server.get(`/v1/sessions/${sessionId}/runs`);
+  assert.equal(paused.items[0].status, "paused");
+  assert.equal(await page.locator(".item-assistant", { hasText: "Woke up" }).count(), 0, "no model call while paused");
+  await screenshot(page, "paused-run");
+
+  await resume.click();
+  await page.locator(".item-notice", { hasText: "Run resumed." }).waitFor();
+  await page.locator(".item-assistant", { hasText: "Woke up after the pause." }).waitFor();
+  await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
+  const runs = await server.get(`/v1/sessions/${sessionId}/runs`);
+  assert.equal(runs.items.length, 1, "the same run went on");
+  assert.deepEqual(page.errors, []);
+});
+
 test("continue a run that spent its budget, with more steps", async () => {
   const server = await serve();
   const page = await openPage(browser, server.url);

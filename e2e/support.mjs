@@ -40,6 +40,11 @@ const AGENTS = {
     tools: ["sleep_ms"],
     script: [{ tool_calls: [{ name: "sleep_ms", arguments: { ms: 60000 } }] }, { text: "I woke up." }],
   },
+  napper: {
+    description: "Naps briefly, then answers",
+    tools: ["sleep_ms"],
+    script: [{ tool_calls: [{ name: "sleep_ms", arguments: { ms: 1500 } }] }, { text: "Woke up after the pause." }],
+  },
   lead: {
     description: "Hands two tasks to workers",
     delegates: ["worker"],

@@ -322,6 +322,8 @@ function runControls(onChange) {
   const which = h("p", { class: "muted" });
   const status = h("p", { class: "one-line" });
   const cancel = h("button", { type: "button", class: "danger", text: "Cancel run" });
+  const pause = h("button", { type: "button", text: "Pause" });
+  const resume = h("button", { type: "button", text: "Resume" });
   const retry = h("button", { type: "button", text: "Retry" });
   const extra = h("input", { type: "number", min: "1", value: "10", id: `extra-${Math.random().toString(36).slice(2)}`, class: "narrow" });
   const cont = h("button", { type: "button", text: "Continue" });
@@ -331,7 +333,7 @@ function runControls(onChange) {
     { class: "controls" },
     which,
     status,
-    h("div", { class: "actions" }, cancel, retry),
+    h("div", { class: "actions" }, pause, resume, cancel, retry),
     h(
       "div",
       { class: "inline" },
@@ -346,11 +348,17 @@ function runControls(onChange) {
       () => update(run),
     ),
   );
-  retry.addEventListener("click", () =>
-    act(retry, region, async () => onChange(await api(`/v1/runs/${run.id}/retry`, { method: "POST" }))).then(
-      () => update(run),
-    ),
-  );
+  for (const [button, action] of [
+    [pause, "pause"],
+    [resume, "resume"],
+    [retry, "retry"],
+  ]) {
+    button.addEventListener("click", () =>
+      act(button, region, async () => onChange(await api(`/v1/runs/${run.id}/${action}`, { method: "POST" }))).then(
+        () => update(run),
+      ),
+    );
+  }
   cont.addEventListener("click", () =>
     act(cont, region, async () => {
       const steps = Number(extra.value);
@@ -366,7 +374,10 @@ function runControls(onChange) {
     status.replaceChildren(
       chip(run.status),
       run.stop_reason && run.stop_reason !== run.status ? ` (${run.stop_reason.replaceAll("_", " ")})` : "",
+      run.pause_requested ? " (pausing when its step ends)" : "",
     );
+    pause.disabled = run.status !== "running" || run.pause_requested;
+    resume.disabled = !(run.status === "paused" || run.pause_requested);
     cancel.disabled = TERMINAL.has(run.status) || run.status === "cancelling";
     retry.disabled = !(run.status === "failed" && run.stop_reason === "llm_error");
     cont.disabled = run.status !== "failed";
@@ -778,9 +789,13 @@ function showSession(view, sessionId) {
       case "message.steered":
         append(h("li", { class: "item item-user", "data-message": p.message_id }, h("div", { class: "who", text: "You (steering)" }), h("div", { class: "text", text: p.content })));
         break;
-      case "run.status":
-        runOf(runId).status = p.status;
+      case "run.status": {
+        const run = runOf(runId);
+        if (p.status === "paused") notice("Run paused: it goes on when resumed.");
+        else if (run.status === "paused" && p.status === "running") notice("Run resumed.");
+        run.status = p.status;
         break;
+      }
       case "run.resumed":
         // `how` is `retry`, or `{"continue": {extension}}`.
         notice(`Run resumed (${typeof p.how === "string" ? p.how : Object.keys(p.how ?? { continue: 0 })[0]}).`);
