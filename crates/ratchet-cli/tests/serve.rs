@@ -265,32 +265,10 @@ async fn a_restart_with_another_model_does_not_change_a_running_run() {
 
     let second = start(dir.path(), &db, &after);
     let new_run = second.send(&http, &session, "new run").await;
-    let finished = |run: String| {
-        let (http, base) = (http.clone(), second.base.clone());
-        async move {
-            let started = Instant::now();
-            loop {
-                let state = json(
-                    http.get(format!("{base}/v1/runs/{run}"))
-                        .send()
-                        .await
-                        .unwrap(),
-                )
-                .await;
-                if state["status"] == "completed" {
-                    return state;
-                }
-                assert!(
-                    started.elapsed() < DEADLINE,
-                    "run {run} did not complete: {state}"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    };
-    let old = finished(old_run).await;
+    let completed = |r: &Value| r["status"] == "completed";
+    let old = run_until(&http, &second.base, &old_run, completed).await;
     assert_eq!(old["final_answer"], "answer of the first model", "{old}");
-    let new = finished(new_run).await;
+    let new = run_until(&http, &second.base, &new_run, completed).await;
     assert_eq!(new["final_answer"], "answer of the second model", "{new}");
 }
 
