@@ -27,6 +27,8 @@ pub struct AgentDefinition {
     pub limits: AgentLimits,
     pub approval: BTreeMap<String, ApprovalPolicy>,
     pub signal: Option<SignalContract>,
+    /// What a run of this agent must have done before it may complete.
+    pub completion: Option<ratchet_core::CompletionCriteria>,
     /// The file's body, trimmed.
     pub system_prompt: String,
     /// Lowercase hex SHA-256 of the file's bytes: any edit of the file changes it.
@@ -99,6 +101,35 @@ impl From<SignalSpec> for SignalContract {
             severities: spec.severities,
             dedupe_window_ms: spec.dedupe_window_ms,
             delivery: spec.delivery,
+        }
+    }
+}
+
+/// A `completion` block as written; required tools are checked against the agent's tools.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct CompletionSpec {
+    #[serde(default)]
+    pub(crate) require_tools: Vec<String>,
+    #[serde(default)]
+    pub(crate) require_fields: Vec<String>,
+    #[serde(default, deserialize_with = "non_negative")]
+    pub(crate) min_steps: u64,
+    #[serde(default = "default_max_attempts", deserialize_with = "positive")]
+    pub(crate) max_attempts: u32,
+}
+
+fn default_max_attempts() -> u32 {
+    ratchet_core::CompletionCriteria::DEFAULT_MAX_ATTEMPTS
+}
+
+impl From<CompletionSpec> for ratchet_core::CompletionCriteria {
+    fn from(spec: CompletionSpec) -> ratchet_core::CompletionCriteria {
+        ratchet_core::CompletionCriteria {
+            required_tools: spec.require_tools,
+            required_fields: spec.require_fields,
+            min_steps: spec.min_steps,
+            max_attempts: spec.max_attempts,
         }
     }
 }

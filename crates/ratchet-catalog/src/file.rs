@@ -12,7 +12,7 @@ use serde::de::{self, MapAccess, Unexpected, Visitor};
 use serde_saphyr::{Location, MessageFormatter, Spanned, UserMessageFormatter};
 use sha2::{Digest, Sha256};
 
-use crate::definition::SignalSpec;
+use crate::definition::{CompletionSpec, SignalSpec};
 use crate::{AgentDefinition, AgentLimits, Known, Problem};
 
 /// Longest description a delegating model is shown.
@@ -49,6 +49,7 @@ struct Frontmatter {
     #[serde(default)]
     approval: BTreeMap<String, Spanned<Policy>>,
     signal: Option<SignalSpec>,
+    completion: Option<Spanned<CompletionSpec>>,
 }
 
 /// An approval policy as a definition writes it: `always`, `never`, or a map of argument
@@ -305,6 +306,24 @@ pub(crate) fn parse(
         approval.insert(tool, policy);
     }
 
+    let completion = frontmatter.completion.map(|spec| {
+        let line = file_line(spec.referenced);
+        let spec = spec.value;
+        for tool in spec.require_tools.iter().filter(|t| !tools.contains(t)) {
+            report(
+                line,
+                format!("completion requires tool {tool:?}, which this agent does not list"),
+            );
+        }
+        if spec.require_fields.iter().any(|f| f.split('.').any(str::is_empty)) {
+            report(
+                line,
+                "completion requires a field with an empty name; expected names like `summary` or `report.title`".into(),
+            );
+        }
+        ratchet_core::CompletionCriteria::from(spec)
+    });
+
     let system_prompt = split.body.trim().to_owned();
     if system_prompt.is_empty() {
         report(
@@ -326,6 +345,7 @@ pub(crate) fn parse(
         limits: frontmatter.limits,
         approval,
         signal: frontmatter.signal.map(Into::into),
+        completion,
         system_prompt,
         hash,
         path: path.to_path_buf(),

@@ -647,3 +647,36 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_completion_block_is_read_and_its_tools_must_be_listed() {
+    let extra = "tools: [add]\ncompletion:\n  require_tools: [add]\n  require_fields: [summary, score.value]\n  min_steps: 3\n";
+    let dir = catalog(&[("a.md", &agent("a", extra))]);
+    let loaded = Catalog::load(dir.path(), &Runtime).unwrap();
+    assert_eq!(
+        loaded.get("a").unwrap().completion,
+        Some(ratchet_core::CompletionCriteria {
+            required_tools: vec!["add".into()],
+            required_fields: vec!["summary".into(), "score.value".into()],
+            min_steps: 3,
+            max_attempts: ratchet_core::CompletionCriteria::DEFAULT_MAX_ATTEMPTS,
+        })
+    );
+    for (extra, line, says) in [
+        (
+            "tools: [add]\ncompletion:\n  require_tools: [now]\n",
+            7,
+            "completion requires tool \"now\", which this agent does not list",
+        ),
+        ("completion:\n  require_fields: [a..b]\n", 6, "empty name"),
+        ("completion:\n  max_attempts: 0\n", 6, "at least 1, found 0"),
+        (
+            "completion:\n  require_everything: true\n",
+            6,
+            "require_everything",
+        ),
+    ] {
+        let dir = catalog(&[("a.md", &agent("a", extra))]);
+        only_problem(dir.path(), "a.md", Some(line), says);
+    }
+}

@@ -172,6 +172,7 @@ fn profile(
     limits.max_duration_ms = own.max_duration_ms.or(limits.max_duration_ms);
     limits.max_parallel = own.max_parallel.unwrap_or(limits.max_parallel);
     config.signal = definition.signal.clone();
+    config.completion = definition.completion.clone();
     config.agent = Some(AgentRef {
         id: id.clone(),
         hash: definition.hash.clone(),

@@ -78,7 +78,8 @@ pub fn decide(state: &AgentState, phase: Phase, now: Millis) -> Instruction {
         | Phase::HumanDecided
         | Phase::ChildrenJoined
         | Phase::Resumed
-        | Phase::ContextCompacted => next_model_call(state, now),
+        | Phase::ContextCompacted
+        | Phase::CompletionBlocked => next_model_call(state, now),
         Phase::Cancel => Instruction::Finish(StopReason::Cancelled),
     }
 }

@@ -23,6 +23,7 @@ pub enum EventKind {
     ContextCompacted,
     SubagentStarted,
     SubagentFinished,
+    CompletionBlocked,
     InboxReserved,
     InboxPending,
     InboxLeased,
@@ -36,7 +37,7 @@ pub enum EventKind {
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 28] = [
+    pub const ALL: [EventKind; 29] = [
         EventKind::RunCreated,
         EventKind::RunStatus,
         EventKind::StepCommitted,
@@ -55,6 +56,7 @@ impl EventKind {
         EventKind::ContextCompacted,
         EventKind::SubagentStarted,
         EventKind::SubagentFinished,
+        EventKind::CompletionBlocked,
         EventKind::InboxReserved,
         EventKind::InboxPending,
         EventKind::InboxLeased,
@@ -87,6 +89,7 @@ impl EventKind {
             EventKind::ContextCompacted => "context.compacted",
             EventKind::SubagentStarted => "subagent.started",
             EventKind::SubagentFinished => "subagent.finished",
+            EventKind::CompletionBlocked => "completion.blocked",
             EventKind::InboxReserved => "inbox.reserved",
             EventKind::InboxPending => "inbox.pending",
             EventKind::InboxLeased => "inbox.leased",

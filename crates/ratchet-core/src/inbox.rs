@@ -436,9 +436,11 @@ pub fn next_turn(waiting: Waiting, policy: &InboxPolicy, now: Millis) -> NextTur
 
 /// The configuration of a continuation turn, from the session's latest run's: the same model,
 /// prompt and memory, the read-only tools only (the ones safe to hand a child: no effects
-/// outside, no delegation), and a duration bounded by the policy.
+/// outside, no delegation), a duration bounded by the policy, and no completion criteria (a
+/// report is not the task those were written for).
 pub fn continuation_config(source: &RunConfigSnapshot) -> RunConfigSnapshot {
     let mut config = source.clone();
+    config.completion = None;
     config.tools.retain(|t| {
         t.delegation == ToolDelegation::Delegatable && t.approval == ApprovalPolicy::Never
     });
@@ -625,9 +627,16 @@ mod tests {
                 }],
                 ..Default::default()
             },
+            completion: Some(crate::CompletionCriteria {
+                required_tools: vec!["append_line".into()],
+                required_fields: Vec::new(),
+                min_steps: 0,
+                max_attempts: 1,
+            }),
             ..RunConfigSnapshot::default()
         };
         let config = continuation_config(&source);
+        assert_eq!(config.completion, None, "a report has no criteria to meet");
         let names: Vec<&str> = config.tools.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(names, ["memory_search"]);
         assert!(config.delegation.agents.is_empty());

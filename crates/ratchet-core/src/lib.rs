@@ -7,6 +7,7 @@
 
 pub mod approval;
 pub mod brain;
+pub mod completion;
 pub mod delegation;
 pub mod event;
 pub mod id;
@@ -18,6 +19,7 @@ pub mod step;
 
 pub use approval::{ApprovalAnswer, ApprovalCall, ApprovalPolicy, CallDecision, Verdict};
 pub use brain::{Instruction, decide};
+pub use completion::{Blocker, CompletionCriteria, CompletionProgress};
 pub use delegation::{AgentProfile, AgentRef, DelegationConfig, Lineage, ToolDelegation};
 pub use event::{EventDraft, EventKind};
 pub use id::{ApprovalId, IdError, MessageId, RunId, SessionId};

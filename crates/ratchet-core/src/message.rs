@@ -29,6 +29,8 @@ pub enum Origin {
     Steer,
     /// A summary of older turns, written when the context was compacted.
     Summary,
+    /// The runtime speaking to the model: why it may not finish yet.
+    Runtime,
 }
 
 /// One tool call as the model asked for it. `id` is the model's own call id.

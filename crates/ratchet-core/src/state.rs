@@ -179,6 +179,9 @@ pub struct RunConfigSnapshot {
     /// What this run may report while it runs in the background (`emit_signal`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signal: Option<crate::inbox::SignalContract>,
+    /// What the run must have done before it may complete.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion: Option<crate::CompletionCriteria>,
     /// A continuation turn: the runtime started it to report background work back; its
     /// messages are marked `continuation`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -333,6 +336,9 @@ pub struct AgentState {
     /// Time spent paused, which the duration budget does not count.
     #[serde(default)]
     pub paused_ms: u64,
+    /// Where the run stands with its completion criteria.
+    #[serde(default)]
+    pub completion: crate::CompletionProgress,
     pub created_at: Millis,
     pub started_at: Option<Millis>,
     pub finished_at: Option<Millis>,
@@ -386,6 +392,7 @@ impl AgentState {
             lineage: None,
             pause: None,
             paused_ms: 0,
+            completion: crate::CompletionProgress::default(),
             created_at: now,
             started_at: None,
             finished_at: None,

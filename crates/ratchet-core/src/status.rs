@@ -128,6 +128,8 @@ pub enum StopReason {
     /// The model call kept failing after every allowed attempt, or failed for good (the
     /// provider refused the request).
     LlmError,
+    /// The model kept trying to finish with a completion criterion unmet.
+    CompletionBlocked,
 }
 
 impl StopReason {
@@ -135,9 +137,10 @@ impl StopReason {
         match self {
             StopReason::Completed => RunStatus::Completed,
             StopReason::Cancelled => RunStatus::Cancelled,
-            StopReason::BudgetExhausted | StopReason::ParseFailures | StopReason::LlmError => {
-                RunStatus::Failed
-            }
+            StopReason::BudgetExhausted
+            | StopReason::ParseFailures
+            | StopReason::LlmError
+            | StopReason::CompletionBlocked => RunStatus::Failed,
         }
     }
 
@@ -148,6 +151,7 @@ impl StopReason {
             StopReason::BudgetExhausted => "budget_exhausted",
             StopReason::ParseFailures => "parse_failures",
             StopReason::LlmError => "llm_error",
+            StopReason::CompletionBlocked => "completion_blocked",
         }
     }
 }
@@ -217,6 +221,7 @@ cancelled        .........
             StopReason::BudgetExhausted,
             StopReason::ParseFailures,
             StopReason::LlmError,
+            StopReason::CompletionBlocked,
         ] {
             let status = reason.terminal_status();
             assert!(status.is_terminal());

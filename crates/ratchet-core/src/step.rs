@@ -29,10 +29,12 @@ pub enum Phase {
     ContextCompacted,
     /// Every child of the run's delegation has ended: the batch goes on with their results.
     ChildrenJoined,
+    /// The model tried to finish with a completion criterion unmet: it is called again.
+    CompletionBlocked,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 8] = [
+    pub const ALL: [Phase; 9] = [
         Phase::UserInput,
         Phase::LlmResult,
         Phase::ToolsBatchResult,
@@ -41,6 +43,7 @@ impl Phase {
         Phase::Resumed,
         Phase::ContextCompacted,
         Phase::ChildrenJoined,
+        Phase::CompletionBlocked,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -53,6 +56,7 @@ impl Phase {
             Phase::Resumed => "resumed",
             Phase::ContextCompacted => "context_compacted",
             Phase::ChildrenJoined => "children_joined",
+            Phase::CompletionBlocked => "completion_blocked",
         }
     }
 
@@ -363,6 +367,7 @@ pub fn after_tools(
         ));
         progress.outcome = Some(outcome);
     }
+    crate::completion::record_tools(&mut state, &checkpoint);
     state.counters.tool_calls += checkpoint.calls.len() as u64;
     state.counters.consecutive_parse_failures = if invalid_calls > 0 {
         state.counters.consecutive_parse_failures + 1
@@ -757,7 +762,7 @@ fn close_step(
     job: &StepJob,
     instruction: Instruction,
     outcome: Phase,
-    messages: Vec<Message>,
+    mut messages: Vec<Message>,
     mut events: Vec<EventDraft>,
     summary: Value,
     started_at: Millis,
@@ -767,6 +772,24 @@ fn close_step(
         mark_committed(&mut state, job, instruction, summary, started_at, now);
     events.push(committed);
     let next = match decide(&state, outcome, now) {
+        Instruction::Finish(StopReason::Completed) => {
+            use crate::completion::{Refusal, refuse_completion};
+            match refuse_completion(&mut state, job.step_index + 1, now, &mut events) {
+                None => {
+                    finish_in_place(&mut state, StopReason::Completed, now, &mut events);
+                    None
+                }
+                Some(Refusal::End(reason)) => {
+                    finish_in_place(&mut state, reason, now, &mut events);
+                    None
+                }
+                Some(Refusal::Retry { message, job }) => {
+                    state.counters.context_tokens += message.estimated_tokens();
+                    messages.push(message);
+                    Some(job)
+                }
+            }
+        }
         Instruction::Finish(reason) => {
             finish_in_place(&mut state, reason, now, &mut events);
             None

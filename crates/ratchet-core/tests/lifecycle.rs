@@ -707,3 +707,83 @@ fn an_idle_pause_takes_only_a_running_run_and_paused_time_is_not_spent() {
         Instruction::CallLlm { conclude: true }
     );
 }
+
+fn with_criteria(required_tools: &[&str], max_attempts: u32) -> AgentState {
+    let mut state = fresh(50);
+    let mut config = state.config.as_ref().clone();
+    config.completion = Some(ratchet_core::CompletionCriteria {
+        required_tools: required_tools.iter().map(|t| (*t).to_owned()).collect(),
+        required_fields: Vec::new(),
+        min_steps: 0,
+        max_attempts,
+    });
+    state.config = std::sync::Arc::new(config);
+    state
+}
+
+#[test]
+fn a_completion_with_an_unmet_criterion_is_refused_and_the_model_goes_on() {
+    let mut state = with_criteria(&["add"], 3);
+    let (job, _) = start_run(&mut state, 0);
+    let done = ModelReply {
+        text: "done".into(),
+        ..ModelReply::default()
+    };
+    let refused = after_model(state, &job, done.clone(), false, 0, 1);
+    assert_eq!(refused.state.status, RunStatus::Running);
+    let next = refused.next.clone().expect("the model is called again");
+    assert_eq!(next.phase, Phase::CompletionBlocked);
+    let blocked = refused
+        .events
+        .iter()
+        .find(|e| e.kind.as_str() == "completion.blocked")
+        .unwrap();
+    assert_eq!(
+        blocked.payload["blockers"],
+        serde_json::json!([{"kind": "tool_not_called", "tool": "add"}])
+    );
+    let hint = refused.messages.last().unwrap();
+    assert_eq!(hint.visibility, ratchet_core::Visibility::Hidden);
+    assert!(hint.content.contains("`add`"), "{}", hint.content);
+    assert!(matches!(
+        decide(&refused.state, next.phase, 1),
+        Instruction::CallLlm { conclude: false }
+    ));
+
+    let asked = after_model(refused.state, &next, one_add_call(), false, 1, 2);
+    let tools = asked.next.clone().unwrap();
+    let ran = after_tools(asked.state, &tools, vec![ToolOutcome::ok("5")], 0, 2, 3);
+    let answer = ran.next.clone().unwrap();
+    let completed = after_model(ran.state, &answer, done, false, 3, 4);
+    assert_eq!(completed.state.status, RunStatus::Completed);
+    assert_eq!(completed.state.completion.refused, 1);
+    assert!(
+        completed.state.completion.blockers.is_empty(),
+        "met at last"
+    );
+}
+
+#[test]
+fn refusing_more_than_max_attempts_fails_the_run_with_its_blockers() {
+    let mut state = with_criteria(&["add"], 1);
+    let (mut job, _) = start_run(&mut state, 0);
+    let done = ModelReply {
+        text: "done".into(),
+        ..ModelReply::default()
+    };
+    for attempt in 1..=2 {
+        let result = after_model(state, &job, done.clone(), false, attempt, attempt);
+        state = result.state;
+        if let Some(next) = result.next {
+            job = next;
+        }
+    }
+    assert_eq!(state.status, RunStatus::Failed);
+    assert_eq!(state.stop_reason, Some(StopReason::CompletionBlocked));
+    assert_eq!(state.completion.refused, 2);
+    assert_eq!(
+        state.completion.blockers.len(),
+        1,
+        "the blockers stay visible"
+    );
+}

@@ -253,6 +253,11 @@ pub struct RunView {
     pub stop_reason: Option<String>,
     /// A pause was asked for while a step was in flight: the run pauses when that step ends.
     pub pause_requested: bool,
+    /// Completions refused because a criterion of the run's agent was unmet.
+    pub completion_refusals: u32,
+    /// What blocked the last refused completion (`{"kind", …}` each); empty once met.
+    #[schema(value_type = Vec<Object>)]
+    pub completion_blockers: Vec<Value>,
     /// The last committed step (steps are numbered from 1).
     pub step_index: u64,
     pub usage: UsageView,
@@ -284,6 +289,10 @@ impl From<AgentState> for RunView {
             status: state.status.to_string(),
             stop_reason: state.stop_reason.map(|r| r.to_string()),
             pause_requested: state.pause_requested && state.status == RunStatus::Running,
+            completion_refusals: state.completion.refused,
+            completion_blockers: (state.completion.blockers.iter())
+                .filter_map(|b| serde_json::to_value(b).ok())
+                .collect(),
             step_index: state.step_index,
             usage: UsageView {
                 model_calls: state.counters.model_calls,

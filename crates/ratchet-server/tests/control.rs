@@ -1265,3 +1265,77 @@ async fn a_refused_model_call_ends_the_run_with_llm_error_and_the_providers_mess
     assert_eq!(payload["message"], "HTTP 401: Incorrect API key provided");
     assert_eq!(payload["final"], true);
 }
+
+fn criteria(max_attempts: u32) -> ratchet_core::CompletionCriteria {
+    ratchet_core::CompletionCriteria {
+        required_tools: vec!["add".into()],
+        required_fields: vec!["summary".into()],
+        min_steps: 0,
+        max_attempts,
+    }
+}
+
+/// A model that tries to finish before its criteria are met is told what is missing and goes
+/// on; the API shows the refusals and, while unmet, the blockers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_is_refused_until_its_criteria_are_met() {
+    let script = json!({"replies": [
+        {"text": "All done."},
+        {"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]},
+        {"text": "```json\n{\"summary\": \"2 + 3 = 5\"}\n```"}
+    ]});
+    let server = Server::start_with(script, |template, _| {
+        template.completion = Some(criteria(3));
+    })
+    .await;
+    let (session, run, done) = server.run_to_end("add, then report").await;
+    assert_eq!(
+        (
+            &done["status"],
+            &done["completion_refusals"],
+            &done["completion_blockers"]
+        ),
+        (&json!("completed"), &json!(1), &json!([])),
+        "{done}"
+    );
+    let events = server
+        .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
+        .await;
+    let blocked: Vec<&Ev> = events
+        .iter()
+        .filter(|e| e.kind == "completion.blocked")
+        .collect();
+    assert_eq!(blocked.len(), 1);
+    assert_eq!(
+        blocked[0].data["payload"]["blockers"],
+        json!([{"kind": "tool_not_called", "tool": "add"}, {"kind": "answer_not_json"}])
+    );
+    let messages = server.messages(&session).await;
+    assert!(
+        messages.iter().all(|m| !m["content"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("cannot finish yet")),
+        "the runtime's note to the model is hidden: {messages:?}"
+    );
+
+    let stubborn = json!({"replies": [{"text": "All done."}]});
+    let server = Server::start_with(stubborn, |template, _| {
+        template.completion = Some(criteria(1));
+    })
+    .await;
+    let (_, _, failed) = server.run_to_end("just say done").await;
+    assert_eq!(
+        (
+            &failed["status"],
+            &failed["stop_reason"],
+            &failed["completion_refusals"]
+        ),
+        (&json!("failed"), &json!("completion_blocked"), &json!(2)),
+        "{failed}"
+    );
+    assert_eq!(
+        failed["completion_blockers"],
+        json!([{"kind": "tool_not_called", "tool": "add"}, {"kind": "answer_not_json"}])
+    );
+}
