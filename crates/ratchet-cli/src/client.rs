@@ -232,7 +232,7 @@ impl Api {
             .await
     }
 
-    /// `POST /v1/runs/{id}/{action}` with no body (pause, resume, retry, cancel).
+    /// `POST /v1/runs/{id}/{action}` with no body (`pause`, `resume`).
     pub async fn run_action(&self, run_id: &str, action: &str) -> Result<Value, ClientError> {
         let path = format!("/v1/runs/{run_id}/{action}");
         self.call(self.request(reqwest::Method::POST, &path)).await

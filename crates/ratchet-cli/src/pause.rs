@@ -41,11 +41,10 @@ pub async fn pause(target: Target, run_id: &str) -> anyhow::Result<ExitCode> {
 
 pub async fn resume(target: Target, run_id: &str) -> anyhow::Result<ExitCode> {
     let run_id = RunId::parse(run_id)?;
-    let mut out = std::io::stdout().lock();
-    match target {
+    let said = match target {
         Target::Server(api) => {
             api.run_action(run_id.as_str(), "resume").await?;
-            writeln!(out, "{run_id} is running again")?;
+            format!("{run_id} is running again")
         }
         Target::Db(db) => {
             let coordinator = ratchet_engine::Coordinator::new(open_existing_store(&db)?);
@@ -54,15 +53,13 @@ pub async fn resume(target: Target, run_id: &str) -> anyhow::Result<ExitCode> {
                 .await
                 .with_context(|| format!("cannot resume run {run_id}"))?;
             match outcome {
-                ResumeOutcome::Resumed { .. } => writeln!(
-                    out,
+                ResumeOutcome::Resumed { .. } => format!(
                     "{run_id} is running again; `ratchet resume` (or a server) carries it on"
-                )?,
-                ResumeOutcome::PauseWithdrawn => {
-                    writeln!(out, "{run_id} had not paused yet; it goes on")?
-                }
+                ),
+                ResumeOutcome::PauseWithdrawn => format!("{run_id} had not paused yet; it goes on"),
             }
         }
-    }
+    };
+    writeln!(std::io::stdout(), "{said}")?;
     Ok(ExitCode::SUCCESS)
 }

@@ -33,10 +33,6 @@ pub struct CompletionCriteria {
 
 impl CompletionCriteria {
     pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
-
-    pub fn is_empty(&self) -> bool {
-        self.required_tools.is_empty() && self.required_fields.is_empty() && self.min_steps == 0
-    }
 }
 
 /// One unmet condition, as the API shows it and the model is told it.
@@ -84,6 +80,12 @@ pub struct CompletionProgress {
     /// Empty once the run completes with every condition met.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub blockers: Vec<Blocker>,
+}
+
+impl CompletionProgress {
+    pub fn is_untouched(&self) -> bool {
+        *self == CompletionProgress::default()
+    }
 }
 
 /// Every condition `state` does not meet, in the order the criteria name them.

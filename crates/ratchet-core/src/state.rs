@@ -336,8 +336,12 @@ pub struct AgentState {
     /// Time spent paused, which the duration budget does not count.
     #[serde(default)]
     pub paused_ms: u64,
-    /// Where the run stands with its completion criteria.
-    #[serde(default)]
+    /// Where the run stands with its completion criteria (not stored while untouched: most
+    /// runs have none, and every step writes the state).
+    #[serde(
+        default,
+        skip_serializing_if = "crate::CompletionProgress::is_untouched"
+    )]
     pub completion: crate::CompletionProgress,
     pub created_at: Millis,
     pub started_at: Option<Millis>,
