@@ -16,13 +16,14 @@ pub mod message;
 pub mod state;
 pub mod status;
 pub mod step;
+pub mod webhook;
 
 pub use approval::{ApprovalAnswer, ApprovalCall, ApprovalPolicy, CallDecision, Verdict};
 pub use brain::{Instruction, decide};
 pub use completion::{Blocker, CompletionCriteria, CompletionProgress};
 pub use delegation::{AgentProfile, AgentRef, DelegationConfig, Lineage, ToolDelegation};
 pub use event::{EventDraft, EventKind};
-pub use id::{ApprovalId, IdError, MessageId, RunId, SessionId};
+pub use id::{ApprovalId, IdError, MessageId, RunId, SessionId, WebhookId};
 pub use inbox::{CompletionPolicy, Delivery, InboxKind, InboxPolicy, InboxStatus};
 pub use message::{Message, Origin, Role, ToolCall, ToolOutcome, Visibility};
 pub use state::{
@@ -32,6 +33,7 @@ pub use state::{
 };
 pub use status::{IllegalEdge, RunStatus, StopReason};
 pub use step::{ModelReply, Phase, StepJob, StepRecord, StepResult, Usage};
+pub use webhook::{Backoff, DeliveryStatus};
 
 /// Milliseconds since the Unix epoch. The core never reads the clock; callers pass this in.
 pub type Millis = i64;

@@ -213,6 +213,49 @@ CREATE INDEX inbox_by_lease ON inbox (lease_run_id) WHERE lease_run_id IS NOT NU
 -- a step is in flight, honoured by that step's commit.
 ALTER TABLE runs ADD COLUMN pause_requested BIGINT NOT NULL DEFAULT 0;
 "#,
+    r#"
+-- Webhooks, the observation plane's plugins. A cursor follows each session's events for each
+-- webhook; a delivery is one event's trip to one webhook. Nothing here is read by a step.
+CREATE TABLE webhooks (
+    id           TEXT COLLATE "C" PRIMARY KEY,
+    tenant       TEXT NOT NULL,
+    url          TEXT NOT NULL,
+    -- The event kinds it wants, a JSON array; NULL for every kind.
+    events_json  TEXT,
+    secret       TEXT NOT NULL,
+    max_attempts BIGINT NOT NULL,
+    created_at   BIGINT NOT NULL
+);
+CREATE INDEX webhooks_by_tenant ON webhooks (tenant, created_at);
+CREATE TABLE webhook_cursors (
+    webhook_id TEXT COLLATE "C" NOT NULL,
+    session_id TEXT COLLATE "C" NOT NULL,
+    -- The session's events up to here were queued (or passed over, when not wanted).
+    seq        BIGINT NOT NULL,
+    PRIMARY KEY (webhook_id, session_id)
+);
+CREATE TABLE webhook_deliveries (
+    id               BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    webhook_id       TEXT COLLATE "C" NOT NULL,
+    session_id       TEXT COLLATE "C" NOT NULL,
+    seq              BIGINT NOT NULL,
+    event_kind       TEXT NOT NULL,
+    status           TEXT NOT NULL,
+    attempts         BIGINT NOT NULL DEFAULT 0,
+    available_at     BIGINT,
+    lease_owner      TEXT,
+    lease_expires_at BIGINT,
+    last_status      BIGINT,
+    last_error       TEXT,
+    delivered_at     BIGINT,
+    created_at       BIGINT NOT NULL,
+    updated_at       BIGINT NOT NULL,
+    UNIQUE (webhook_id, session_id, seq)
+);
+CREATE INDEX webhook_deliveries_open ON webhook_deliveries (webhook_id, session_id, seq)
+    WHERE status IN ('pending', 'delivering');
+CREATE INDEX webhook_deliveries_log ON webhook_deliveries (webhook_id, id);
+"#,
 ];
 
 /// The advisory lock that makes processes opening one database at once migrate it one

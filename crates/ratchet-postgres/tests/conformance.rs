@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
+use ratchet_postgres::PgStore;
 use ratchet_postgres::testkit::TestDatabase;
-use ratchet_store::Store;
 
-async fn fresh_store() -> Option<(Arc<dyn Store>, TestDatabase)> {
+async fn fresh_store() -> Option<(Arc<PgStore>, TestDatabase)> {
     let database = TestDatabase::create()?;
     let store = ratchet_postgres::open_url(database.url())
         .unwrap_or_else(|e| panic!("open {}: {e}", database.url()));

@@ -8,21 +8,23 @@
 mod db;
 mod inbox;
 mod ops;
+mod webhooks;
 
 use std::future::Future;
 
 use async_trait::async_trait;
 use ratchet_core::step::{Reconciliation, Resumption};
 use ratchet_core::{
-    AgentState, ApprovalAnswer, ApprovalId, EventDraft, InboxStatus, Message, Millis, RunId,
-    SessionId, StepRecord, StepResult, ToolOutcome,
+    AgentState, ApprovalAnswer, ApprovalId, DeliveryStatus, EventDraft, InboxStatus, Message,
+    Millis, RunId, SessionId, StepRecord, StepResult, ToolOutcome, WebhookId,
 };
 use ratchet_store::{
-    Admission, Answered, Approval, ApprovalStatus, CancelOutcome, ChangeStream, Claim, ClaimedStep,
-    Closed, Closing, Commit, EmittedSignal, Error, InboxEvent, Intent, IntentRecord, Lease,
-    ListOrder, MessageHit, NewRun, NewSignal, PauseOutcome, PendingInput, Reconciled,
-    RecordedIntents, ResumeOutcome, RunSummary, SearchScope, Served, Session, SessionSpec, Store,
-    StoreStats, StoredEvent, StoredMessage, Submitted, TreeNode,
+    Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, ChangeStream,
+    Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeliveryClaim, EmittedSignal,
+    Error, InboxEvent, Intent, IntentRecord, Lease, ListOrder, MessageHit, NewRun, NewSignal,
+    NewWebhook, Observation, PauseOutcome, PendingInput, Reconciled, RecordedIntents,
+    ResumeOutcome, RunSummary, SearchScope, Served, Session, SessionSpec, Store, StoreStats,
+    StoredEvent, StoredMessage, Submitted, TreeNode, Webhook, WebhookDelivery,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -456,5 +458,79 @@ impl<B: Backend> Store for SqlStore<B> {
 
     fn changes(&self) -> Option<ChangeStream> {
         self.backend.changes()
+    }
+}
+
+#[async_trait]
+impl<B: Backend> Observation for SqlStore<B> {
+    async fn create_webhook(&self, webhook: NewWebhook, now: Millis) -> Result<Webhook> {
+        self.backend
+            .write(move |c| webhooks::create_webhook(c, webhook, now))
+            .await
+    }
+
+    async fn get_webhook(&self, id: &WebhookId) -> Result<Webhook> {
+        let id = id.clone();
+        self.backend
+            .read(move |c| webhooks::get_webhook(c, &id))
+            .await
+    }
+
+    async fn webhooks(&self, tenant: &str) -> Result<Vec<Webhook>> {
+        let tenant = tenant.to_owned();
+        self.backend
+            .read(move |c| webhooks::webhooks(c, &tenant))
+            .await
+    }
+
+    async fn delete_webhook(&self, id: &WebhookId) -> Result<()> {
+        let id = id.clone();
+        self.backend
+            .write(move |c| webhooks::delete_webhook(c, &id))
+            .await
+    }
+
+    async fn deliveries(
+        &self,
+        webhook_id: &WebhookId,
+        status: Option<DeliveryStatus>,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<WebhookDelivery>> {
+        let webhook_id = webhook_id.clone();
+        self.backend
+            .read(move |c| webhooks::deliveries(c, &webhook_id, status, after, limit))
+            .await
+    }
+
+    async fn queue_deliveries(&self, limit: u32, now: Millis) -> Result<u32> {
+        self.backend
+            .write(move |c| webhooks::queue_deliveries(c, limit, now))
+            .await
+    }
+
+    async fn claim_deliveries(
+        &self,
+        owner: &str,
+        lease_until: Millis,
+        limit: u32,
+        now: Millis,
+    ) -> Result<Vec<ClaimedDelivery>> {
+        let owner = owner.to_owned();
+        self.backend
+            .write(move |c| webhooks::claim_deliveries(c, &owner, lease_until, limit, now))
+            .await
+    }
+
+    async fn finish_delivery(
+        &self,
+        claim: &DeliveryClaim,
+        outcome: AttemptOutcome,
+        now: Millis,
+    ) -> Result<bool> {
+        let claim = claim.clone();
+        self.backend
+            .write(move |c| webhooks::finish_delivery(c, &claim, outcome, now))
+            .await
     }
 }

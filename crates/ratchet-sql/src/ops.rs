@@ -45,7 +45,7 @@ fn sql_str<T: Serialize>(value: &T) -> Result<String> {
     Ok(to_json(value)?.trim_matches('"').to_owned())
 }
 
-fn corrupt(error: IdError) -> Error {
+pub(crate) fn corrupt(error: IdError) -> Error {
     Error::Corrupt(error.to_string())
 }
 
@@ -1780,9 +1780,9 @@ pub(crate) fn steps(c: &dyn Db, run_id: &RunId) -> Result<Vec<StepRecord>> {
     .collect()
 }
 
-const EVENT_COLUMNS: &str = "session_id, seq, run_id, kind, payload_json, created_at";
+pub(crate) const EVENT_COLUMNS: &str = "session_id, seq, run_id, kind, payload_json, created_at";
 
-fn to_event(mut r: Row) -> Result<StoredEvent> {
+pub(crate) fn to_event(mut r: Row) -> Result<StoredEvent> {
     Ok(StoredEvent {
         session_id: parse_session_id(&r.text(0)?)?,
         seq: r.int(1)?,

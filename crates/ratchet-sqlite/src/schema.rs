@@ -235,6 +235,49 @@ CREATE INDEX inbox_by_lease ON inbox(lease_run_id) WHERE lease_run_id IS NOT NUL
 -- a step is in flight, honoured by that step's commit.
 ALTER TABLE runs ADD COLUMN pause_requested INTEGER NOT NULL DEFAULT 0;
 "#,
+    r#"
+-- Webhooks, the observation plane's plugins. A cursor follows each session's events for each
+-- webhook; a delivery is one event's trip to one webhook. Nothing here is read by a step.
+CREATE TABLE webhooks (
+    id           TEXT PRIMARY KEY,
+    tenant       TEXT NOT NULL,
+    url          TEXT NOT NULL,
+    -- The event kinds it wants, a JSON array; NULL for every kind.
+    events_json  TEXT,
+    secret       TEXT NOT NULL,
+    max_attempts INTEGER NOT NULL,
+    created_at   INTEGER NOT NULL
+);
+CREATE INDEX webhooks_by_tenant ON webhooks(tenant, created_at);
+CREATE TABLE webhook_cursors (
+    webhook_id TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    -- The session's events up to here were queued (or passed over, when not wanted).
+    seq        INTEGER NOT NULL,
+    PRIMARY KEY (webhook_id, session_id)
+);
+CREATE TABLE webhook_deliveries (
+    id               INTEGER PRIMARY KEY,
+    webhook_id       TEXT NOT NULL,
+    session_id       TEXT NOT NULL,
+    seq              INTEGER NOT NULL,
+    event_kind       TEXT NOT NULL,
+    status           TEXT NOT NULL,
+    attempts         INTEGER NOT NULL DEFAULT 0,
+    available_at     INTEGER,
+    lease_owner      TEXT,
+    lease_expires_at INTEGER,
+    last_status      INTEGER,
+    last_error       TEXT,
+    delivered_at     INTEGER,
+    created_at       INTEGER NOT NULL,
+    updated_at       INTEGER NOT NULL,
+    UNIQUE (webhook_id, session_id, seq)
+);
+CREATE INDEX webhook_deliveries_open ON webhook_deliveries(webhook_id, session_id, seq)
+    WHERE status IN ('pending', 'delivering');
+CREATE INDEX webhook_deliveries_log ON webhook_deliveries(webhook_id, id);
+"#,
 ];
 
 /// The schema version this build migrates a database to.

@@ -3,12 +3,12 @@
 
 use std::sync::Arc;
 
-use ratchet_store::Store;
+use ratchet_sqlite::SqliteStore;
 use tempfile::TempDir;
 
 /// A fresh, empty store; the TempDir is returned so the file outlives the test. SQLite is
 /// always available, so there is always one.
-async fn fresh_store() -> Option<(Arc<dyn Store>, TempDir)> {
+async fn fresh_store() -> Option<(Arc<SqliteStore>, TempDir)> {
     let dir = tempfile::tempdir().expect("create a temp dir");
     let path = dir.path().join("ratchet.db");
     let store = ratchet_sqlite::open_url(&format!("sqlite://{}", path.display()))

@@ -12,6 +12,7 @@
 mod delegation;
 mod inbox;
 mod pause;
+mod webhooks;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,6 +30,7 @@ use serde_json::{Value, json};
 pub use delegation::*;
 pub use inbox::*;
 pub use pause::*;
+pub use webhooks::*;
 
 use crate::{
     Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, DEFAULT_TENANT, Error,
@@ -38,14 +40,14 @@ use crate::{
 
 /// Expands to one `#[tokio::test]` per conformance test. `$make` is an expression of a
 /// future resolving to `Some((store, guard))`: `store` an `Arc` of the backend (fresh and
-/// empty), `guard` anything that must outlive the test (a temp dir, a dropped-on-exit
+/// empty; it implements both `Store` and `Observation`), `guard` anything that must outlive the test (a temp dir, a dropped-on-exit
 /// database; `()` when nothing). It resolves to `None` when the backend is not available
 /// here (no database server configured), and each test then returns at once; whoever made
 /// that choice says so. The expression is evaluated once per test. The calling crate needs
 /// `tokio` with the `macros` and `rt-multi-thread` features.
 ///
 /// ```text
-/// async fn fresh_store() -> Option<(Arc<dyn Store>, TempDir)> { … }
+/// async fn fresh_store() -> Option<(Arc<SqliteStore>, TempDir)> { … }
 /// ratchet_store::store_conformance_tests!(fresh_store());
 /// ```
 #[macro_export]
@@ -101,6 +103,16 @@ macro_rules! store_conformance_tests {
             a_steer_racing_the_end_of_a_run_lands_exactly_once,
             a_pause_racing_a_step_pauses_the_run_exactly_once,
         );
+        $crate::store_conformance_tests!(@observed $make;
+            a_webhook_is_queued_each_wanted_event_once_from_its_creation_on,
+            a_sessions_deliveries_are_attempted_strictly_in_seq_order,
+            a_delivery_is_dead_lettered_after_its_last_attempt_and_the_rest_go_on,
+            an_expired_attempt_is_taken_over_and_the_old_claim_is_refused,
+            webhooks_are_listed_per_tenant_and_deleted_with_their_deliveries,
+        );
+        $crate::store_conformance_tests!(@observed_shared $make;
+            concurrent_dispatchers_claim_each_attempt_once,
+        );
     };
     (@borrowed $make:expr; $($name:ident),+ $(,)?) => {
         $(
@@ -110,6 +122,28 @@ macro_rules! store_conformance_tests {
                     return;
                 };
                 $crate::conformance::$name(&*store).await;
+            }
+        )+
+    };
+    (@observed $make:expr; $($name:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let Some((store, _guard)) = $make.await else {
+                    return;
+                };
+                $crate::conformance::$name(&*store, &*store).await;
+            }
+        )+
+    };
+    (@observed_shared $make:expr; $($name:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let Some((store, _guard)) = $make.await else {
+                    return;
+                };
+                $crate::conformance::$name(store.clone(), store).await;
             }
         )+
     };

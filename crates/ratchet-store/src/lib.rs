@@ -18,6 +18,12 @@ use serde_json::Value;
 
 #[cfg(feature = "testkit")]
 pub mod conformance;
+mod webhooks;
+
+pub use webhooks::{
+    AttemptOutcome, ClaimedDelivery, DeliveryClaim, NewWebhook, Observation, Webhook,
+    WebhookDelivery,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

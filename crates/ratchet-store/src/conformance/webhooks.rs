@@ -1,0 +1,508 @@
+//! Webhooks: each wanted event is queued once per webhook from the webhook's creation on, a
+//! session's deliveries are attempted strictly in `seq` order, failed attempts wait their
+//! turn again, and the last failure dead-letters a delivery without holding back the rest.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use ratchet_core::{DeliveryStatus, EventDraft, EventKind, Millis, SessionId, WebhookId};
+use serde_json::json;
+
+use super::{T0, config, submit, unique};
+use crate::{
+    AttemptOutcome, ClaimedDelivery, Error, NewWebhook, Observation, SessionSpec, Store, Webhook,
+    WebhookDelivery,
+};
+
+const DISPATCHER_A: &str = "dispatcher-a";
+const DISPATCHER_B: &str = "dispatcher-b";
+const ATTEMPT_MS: Millis = 10_000;
+
+async fn tenant_session(store: &dyn Store, tenant: &str) -> SessionId {
+    let id = SessionId::from_suffix(&unique()).unwrap();
+    let spec = SessionSpec {
+        tenant: tenant.to_owned(),
+        ..SessionSpec::default()
+    };
+    store
+        .create_session(&id, spec, T0)
+        .await
+        .unwrap_or_else(|e| panic!("create_session {id}: {e}"));
+    id
+}
+
+async fn webhook(
+    hooks: &dyn Observation,
+    tenant: &str,
+    events: Option<&[&str]>,
+    max_attempts: u32,
+) -> Webhook {
+    let new = NewWebhook {
+        id: WebhookId::from_suffix(&unique()).unwrap(),
+        tenant: tenant.to_owned(),
+        url: "http://127.0.0.1:9/hook".to_owned(),
+        events: events.map(|kinds| kinds.iter().map(|k| (*k).to_owned()).collect()),
+        secret: "a-secret-of-this-webhook".to_owned(),
+        max_attempts,
+    };
+    hooks
+        .create_webhook(new, T0)
+        .await
+        .unwrap_or_else(|e| panic!("create_webhook: {e}"))
+}
+
+/// Writes `n` progress events into the session's run and returns their seqs.
+async fn write_events(store: &dyn Store, session: &SessionId, n: usize, now: Millis) -> Vec<i64> {
+    let (run, _) = submit(store, session, "go", config(), now).await;
+    let drafts = (0..n)
+        .map(|i| {
+            EventDraft::new(
+                EventKind::AssistantDelta,
+                json!({ "text": format!("part {i}") }),
+            )
+        })
+        .collect();
+    store
+        .append_events(session, &run, drafts, now)
+        .await
+        .unwrap_or_else(|e| panic!("append_events: {e}"))
+        .iter()
+        .map(|e| e.seq)
+        .collect()
+}
+
+async fn queue_all(hooks: &dyn Observation, now: Millis) {
+    for _ in 0..100 {
+        if hooks.queue_deliveries(3, now).await.unwrap() == 0 {
+            return;
+        }
+    }
+    panic!("queue_deliveries never caught up");
+}
+
+async fn log(hooks: &dyn Observation, webhook: &WebhookId) -> Vec<WebhookDelivery> {
+    hooks
+        .deliveries(webhook, None, 0, 1_000)
+        .await
+        .unwrap_or_else(|e| panic!("deliveries of {webhook}: {e}"))
+}
+
+async fn all_events(store: &dyn Store, session: &SessionId) -> Vec<(i64, String)> {
+    store
+        .events_after(session, 0, 1_000)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.seq, e.kind))
+        .collect()
+}
+
+async fn claim_deliveries(
+    hooks: &dyn Observation,
+    owner: &str,
+    now: Millis,
+) -> Vec<ClaimedDelivery> {
+    hooks
+        .claim_deliveries(owner, now + ATTEMPT_MS, 100, now)
+        .await
+        .unwrap_or_else(|e| panic!("claim_deliveries: {e}"))
+}
+
+fn failed(retry_at: Option<Millis>) -> AttemptOutcome {
+    AttemptOutcome::Failed {
+        status: Some(503),
+        error: "HTTP 503".to_owned(),
+        retry_at,
+    }
+}
+
+fn claimed_seqs(claimed: &[ClaimedDelivery]) -> Vec<(SessionId, i64)> {
+    let mut seqs: Vec<_> = claimed
+        .iter()
+        .map(|d| (d.event.session_id.clone(), d.event.seq))
+        .collect();
+    seqs.sort();
+    seqs
+}
+
+/// A webhook is sent the events written after it was created — every kind, or only the kinds
+/// it names — of its own tenant's sessions only, each once, however often the queue is run
+/// and however small its batches.
+pub async fn a_webhook_is_queued_each_wanted_event_once_from_its_creation_on(
+    store: &dyn Store,
+    hooks: &dyn Observation,
+) {
+    let tenant = unique();
+    let before = tenant_session(store, &tenant).await;
+    let written_before = write_events(store, &before, 2, T0).await;
+    let every = webhook(hooks, &tenant, None, 5).await;
+    let created = webhook(hooks, &tenant, Some(&["run.created"]), 5).await;
+    let other_tenant = tenant_session(store, &unique()).await;
+    write_events(store, &other_tenant, 2, T0 + 1).await;
+    let later = write_events(store, &before, 3, T0 + 2).await;
+    let fresh = tenant_session(store, &tenant).await;
+    write_events(store, &fresh, 1, T0 + 3).await;
+
+    queue_all(hooks, T0 + 4).await;
+    queue_all(hooks, T0 + 5).await;
+
+    let mut expected = Vec::new();
+    for (session, after) in [(&before, *written_before.last().unwrap()), (&fresh, 0)] {
+        for (seq, kind) in all_events(store, session).await {
+            if seq > after {
+                expected.push((session.clone(), seq, kind));
+            }
+        }
+    }
+    assert!(
+        later.iter().all(|seq| expected.contains(&(
+            before.clone(),
+            *seq,
+            "assistant.delta".to_owned()
+        ))),
+        "the events written after the webhook's creation are expected"
+    );
+    expected.sort();
+    let mut queued: Vec<_> = log(hooks, &every.id)
+        .await
+        .into_iter()
+        .map(|d| {
+            assert_eq!(d.status, DeliveryStatus::Pending, "{d:?}");
+            assert_eq!((d.attempts, d.max_attempts), (0, 5), "{d:?}");
+            (d.session_id, d.seq, d.event_kind)
+        })
+        .collect();
+    queued.sort();
+    assert_eq!(
+        queued, expected,
+        "every event of the tenant's sessions written since the webhook's creation, once"
+    );
+
+    let wanted: Vec<_> = expected
+        .iter()
+        .filter(|(_, _, kind)| kind == "run.created")
+        .cloned()
+        .collect();
+    assert_eq!(wanted.len(), 2, "one run was created in each session since");
+    let mut got: Vec<_> = log(hooks, &created.id)
+        .await
+        .into_iter()
+        .map(|d| (d.session_id, d.seq, d.event_kind))
+        .collect();
+    got.sort();
+    assert_eq!(got, wanted, "a webhook naming kinds gets only those");
+}
+
+/// Only the earliest open delivery of each webhook and session is ever attempted: a later
+/// event waits while an earlier one is in flight or waiting out its backoff.
+pub async fn a_sessions_deliveries_are_attempted_strictly_in_seq_order(
+    store: &dyn Store,
+    hooks: &dyn Observation,
+) {
+    let tenant = unique();
+    let hook = webhook(hooks, &tenant, Some(&["assistant.delta"]), 5).await;
+    let first = tenant_session(store, &tenant).await;
+    let second = tenant_session(store, &tenant).await;
+    let firsts = write_events(store, &first, 3, T0).await;
+    let seconds = write_events(store, &second, 1, T0).await;
+    queue_all(hooks, T0).await;
+
+    let heads = claim_deliveries(hooks, DISPATCHER_A, T0 + 1).await;
+    assert_eq!(
+        claimed_seqs(&heads),
+        [(first.clone(), firsts[0]), (second.clone(), seconds[0])],
+        "one attempt per session, its earliest event"
+    );
+    for head in &heads {
+        assert_eq!(head.claim.attempt, 1);
+        assert_eq!(head.webhook_id, hook.id);
+        assert_eq!(head.secret, hook.secret);
+        assert_eq!(head.event.kind, "assistant.delta");
+        assert!(head.event.payload["text"].is_string(), "{:?}", head.event);
+    }
+    assert!(
+        claim_deliveries(hooks, DISPATCHER_B, T0 + 2)
+            .await
+            .is_empty(),
+        "nothing behind an attempt in flight"
+    );
+
+    let head = heads.iter().find(|d| d.event.session_id == first).unwrap();
+    assert!(
+        hooks
+            .finish_delivery(&head.claim, failed(Some(T0 + 100)), T0 + 3)
+            .await
+            .unwrap()
+    );
+    assert!(
+        claim_deliveries(hooks, DISPATCHER_B, T0 + 50)
+            .await
+            .is_empty(),
+        "a failed attempt waits out its backoff, and the events behind it wait too"
+    );
+    let again = claim_deliveries(hooks, DISPATCHER_B, T0 + 100).await;
+    assert_eq!(claimed_seqs(&again), [(first.clone(), firsts[0])]);
+    assert_eq!(again[0].claim.attempt, 2);
+    assert!(
+        hooks
+            .finish_delivery(
+                &again[0].claim,
+                AttemptOutcome::Delivered { status: 204 },
+                T0 + 101
+            )
+            .await
+            .unwrap()
+    );
+    let next = claim_deliveries(hooks, DISPATCHER_B, T0 + 102).await;
+    assert_eq!(
+        claimed_seqs(&next),
+        [(first.clone(), firsts[1])],
+        "once delivered, the next event of the session is due"
+    );
+
+    let first_log: Vec<_> = log(hooks, &hook.id)
+        .await
+        .into_iter()
+        .filter(|d| d.session_id == first)
+        .collect();
+    let done = &first_log[0];
+    assert_eq!(done.status, DeliveryStatus::Delivered);
+    assert_eq!(done.attempts, 2);
+    assert_eq!(done.last_status, Some(204));
+    assert_eq!(done.last_error, None, "a success clears the last error");
+    assert_eq!(done.delivered_at, Some(T0 + 101));
+    assert_eq!(first_log[1].status, DeliveryStatus::Delivering);
+    assert_eq!(first_log[2].status, DeliveryStatus::Pending);
+}
+
+/// The last failed attempt dead-letters a delivery, with why, and the session's next event
+/// goes on; the delivery log can be read by status.
+pub async fn a_delivery_is_dead_lettered_after_its_last_attempt_and_the_rest_go_on(
+    store: &dyn Store,
+    hooks: &dyn Observation,
+) {
+    let tenant = unique();
+    let hook = webhook(hooks, &tenant, Some(&["assistant.delta"]), 2).await;
+    let session = tenant_session(store, &tenant).await;
+    let seqs = write_events(store, &session, 2, T0).await;
+    queue_all(hooks, T0).await;
+
+    let first = claim_deliveries(hooks, DISPATCHER_A, T0 + 1).await;
+    assert!(
+        hooks
+            .finish_delivery(&first[0].claim, failed(Some(T0 + 10)), T0 + 2)
+            .await
+            .unwrap()
+    );
+    let last = claim_deliveries(hooks, DISPATCHER_A, T0 + 10).await;
+    assert_eq!(last[0].claim.attempt, 2);
+    assert!(
+        hooks
+            .finish_delivery(&last[0].claim, failed(None), T0 + 11)
+            .await
+            .unwrap()
+    );
+    let next = claim_deliveries(hooks, DISPATCHER_A, T0 + 12).await;
+    assert_eq!(claimed_seqs(&next), [(session.clone(), seqs[1])]);
+
+    let dead = hooks
+        .deliveries(&hook.id, Some(DeliveryStatus::DeadLetter), 0, 10)
+        .await
+        .unwrap();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].seq, seqs[0]);
+    assert_eq!(dead[0].attempts, 2);
+    assert_eq!(dead[0].last_status, Some(503));
+    assert_eq!(dead[0].last_error.as_deref(), Some("HTTP 503"));
+    assert_eq!(dead[0].available_at, None);
+    let pending = hooks
+        .deliveries(&hook.id, Some(DeliveryStatus::Pending), 0, 10)
+        .await
+        .unwrap();
+    assert!(pending.is_empty(), "{pending:?}");
+    let paged = hooks
+        .deliveries(&hook.id, None, dead[0].id, 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        paged.iter().map(|d| d.seq).collect::<Vec<_>>(),
+        [seqs[1]],
+        "a page starts after the given delivery"
+    );
+}
+
+/// A dispatcher that stops mid-attempt loses its claim when the lease expires: the attempt
+/// is made again (counted), and the old claim can no longer record an outcome. An expired
+/// last attempt is dead-lettered instead of being made once more.
+pub async fn an_expired_attempt_is_taken_over_and_the_old_claim_is_refused(
+    store: &dyn Store,
+    hooks: &dyn Observation,
+) {
+    let tenant = unique();
+    let hook = webhook(hooks, &tenant, Some(&["assistant.delta"]), 2).await;
+    let session = tenant_session(store, &tenant).await;
+    let seqs = write_events(store, &session, 2, T0).await;
+    queue_all(hooks, T0).await;
+
+    let lost = claim_deliveries(hooks, DISPATCHER_A, T0).await;
+    assert!(
+        claim_deliveries(hooks, DISPATCHER_B, T0 + ATTEMPT_MS - 1)
+            .await
+            .is_empty(),
+        "a live lease is not taken over"
+    );
+    let taken = claim_deliveries(hooks, DISPATCHER_B, T0 + ATTEMPT_MS).await;
+    assert_eq!(claimed_seqs(&taken), [(session.clone(), seqs[0])]);
+    assert_eq!(taken[0].claim.attempt, 2);
+    assert!(
+        !hooks
+            .finish_delivery(
+                &lost[0].claim,
+                AttemptOutcome::Delivered { status: 200 },
+                T0 + ATTEMPT_MS + 1
+            )
+            .await
+            .unwrap(),
+        "the old claim records nothing"
+    );
+    assert_eq!(
+        log(hooks, &hook.id).await[0].status,
+        DeliveryStatus::Delivering
+    );
+
+    let expired = T0 + 3 * ATTEMPT_MS;
+    let next = claim_deliveries(hooks, DISPATCHER_A, expired).await;
+    assert_eq!(
+        claimed_seqs(&next),
+        [(session.clone(), seqs[1])],
+        "the expired last attempt is dead-lettered and the next event is due"
+    );
+    let first = &log(hooks, &hook.id).await[0];
+    assert_eq!(first.status, DeliveryStatus::DeadLetter);
+    assert_eq!(first.attempts, 2);
+    assert!(
+        first
+            .last_error
+            .as_deref()
+            .unwrap_or("")
+            .contains("unknown"),
+        "{first:?}"
+    );
+    assert!(
+        !hooks
+            .finish_delivery(
+                &taken[0].claim,
+                AttemptOutcome::Delivered { status: 200 },
+                expired + 1
+            )
+            .await
+            .unwrap(),
+        "a dead-lettered delivery takes no outcome"
+    );
+}
+
+/// Webhooks are listed per tenant; deleting one removes it with its deliveries, so nothing
+/// more is attempted for it; unknown ids are `NotFound`.
+pub async fn webhooks_are_listed_per_tenant_and_deleted_with_their_deliveries(
+    store: &dyn Store,
+    hooks: &dyn Observation,
+) {
+    let tenant = unique();
+    let first = webhook(hooks, &tenant, None, 3).await;
+    let second = webhook(hooks, &tenant, Some(&["run.created", "run.finished"]), 4).await;
+    webhook(hooks, &unique(), None, 3).await;
+    let listed = hooks.webhooks(&tenant).await.unwrap();
+    assert_eq!(listed, [first.clone(), second.clone()]);
+    assert_eq!(hooks.get_webhook(&second.id).await.unwrap(), second);
+    assert_eq!(
+        second.events.as_deref(),
+        Some(&["run.created".to_owned(), "run.finished".to_owned()][..])
+    );
+    assert!(second.wants("run.finished") && !second.wants("assistant.delta"));
+    assert!(first.wants("assistant.delta"));
+
+    let session = tenant_session(store, &tenant).await;
+    write_events(store, &session, 1, T0).await;
+    queue_all(hooks, T0).await;
+    assert!(!log(hooks, &first.id).await.is_empty());
+    hooks.delete_webhook(&first.id).await.unwrap();
+    assert!(matches!(
+        hooks.get_webhook(&first.id).await,
+        Err(Error::NotFound {
+            kind: "webhook",
+            ..
+        })
+    ));
+    assert!(matches!(
+        hooks.deliveries(&first.id, None, 0, 10).await,
+        Err(Error::NotFound {
+            kind: "webhook",
+            ..
+        })
+    ));
+    assert!(matches!(
+        hooks.delete_webhook(&first.id).await,
+        Err(Error::NotFound {
+            kind: "webhook",
+            ..
+        })
+    ));
+    let claimed = claim_deliveries(hooks, DISPATCHER_A, T0 + 1).await;
+    assert!(
+        claimed.iter().all(|d| d.webhook_id == second.id),
+        "nothing is attempted for a deleted webhook"
+    );
+    assert_eq!(hooks.webhooks(&tenant).await.unwrap(), [second]);
+}
+
+/// Dispatchers racing over the same deliveries (processes sharing a database) make each
+/// attempt once: no delivery is handed to two of them.
+pub async fn concurrent_dispatchers_claim_each_attempt_once(
+    store: Arc<dyn Store>,
+    hooks: Arc<dyn Observation>,
+) {
+    let tenant = unique();
+    webhook(&*hooks, &tenant, Some(&["assistant.delta"]), 3).await;
+    for _ in 0..8 {
+        let session = tenant_session(&*store, &tenant).await;
+        write_events(&*store, &session, 2, T0).await;
+    }
+    let queuers: Vec<_> = (0..2)
+        .map(|_| {
+            let hooks = Arc::clone(&hooks);
+            tokio::spawn(async move { queue_all(&*hooks, T0).await })
+        })
+        .collect();
+    for queuer in queuers {
+        queuer.await.unwrap();
+    }
+    let claimers: Vec<_> = [DISPATCHER_A, DISPATCHER_B, "dispatcher-c"]
+        .into_iter()
+        .map(|owner| {
+            let hooks = Arc::clone(&hooks);
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                for i in 0..4 {
+                    got.extend(
+                        hooks
+                            .claim_deliveries(owner, T0 + ATTEMPT_MS, 3, T0 + i)
+                            .await
+                            .unwrap_or_else(|e| panic!("{owner} claims: {e}")),
+                    );
+                }
+                got
+            })
+        })
+        .collect();
+    let mut seen = HashSet::new();
+    for claimer in claimers {
+        for delivery in claimer.await.unwrap() {
+            assert!(
+                seen.insert(delivery.claim.delivery_id),
+                "delivery {} was handed out twice",
+                delivery.claim.delivery_id
+            );
+        }
+    }
+    assert_eq!(seen.len(), 8, "every session's first event, once");
+}

@@ -1,0 +1,151 @@
+//! The observation plane's port: webhooks, their deliveries, and the events they carry.
+//!
+//! A separate trait from `Store`, and deliberately narrow: whatever holds only an
+//! `Observation` (the webhook dispatcher) can read events and keep its own delivery records,
+//! and has no method that could enqueue a job or change a session or a run.
+
+use async_trait::async_trait;
+use ratchet_core::{DeliveryStatus, Millis, SessionId, WebhookId};
+use serde::Serialize;
+
+use crate::{Result, StoredEvent};
+
+/// What a webhook is created with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewWebhook {
+    pub id: WebhookId,
+    pub tenant: String,
+    pub url: String,
+    /// The event kinds it receives; None for every kind.
+    pub events: Option<Vec<String>>,
+    /// The key its deliveries are signed with.
+    pub secret: String,
+    /// Attempts of one delivery before it is dead-lettered.
+    pub max_attempts: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Webhook {
+    pub id: WebhookId,
+    pub tenant: String,
+    pub url: String,
+    pub events: Option<Vec<String>>,
+    #[serde(skip)]
+    pub secret: String,
+    pub max_attempts: u32,
+    pub created_at: Millis,
+}
+
+impl Webhook {
+    pub fn wants(&self, kind: &str) -> bool {
+        self.events
+            .as_ref()
+            .is_none_or(|kinds| kinds.iter().any(|k| k == kind))
+    }
+}
+
+/// One event's delivery to one webhook, as the delivery log lists it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct WebhookDelivery {
+    pub id: i64,
+    pub webhook_id: WebhookId,
+    pub session_id: SessionId,
+    pub seq: i64,
+    pub event_kind: String,
+    pub status: DeliveryStatus,
+    /// Attempts made so far (an attempt in flight included).
+    pub attempts: u32,
+    pub max_attempts: u32,
+    /// When a pending delivery's next attempt is due.
+    pub available_at: Option<Millis>,
+    /// The HTTP status of the last answered attempt.
+    pub last_status: Option<u16>,
+    /// Why the last attempt failed.
+    pub last_error: Option<String>,
+    pub delivered_at: Option<Millis>,
+    pub created_at: Millis,
+    pub updated_at: Millis,
+}
+
+/// Proof that a dispatcher holds an attempt: finishing it is refused once the attempt was
+/// taken over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryClaim {
+    pub delivery_id: i64,
+    pub attempt: u32,
+    pub owner: String,
+}
+
+/// An attempt handed to a dispatcher: what to send, where, and signed with what.
+#[derive(Debug, Clone)]
+pub struct ClaimedDelivery {
+    pub claim: DeliveryClaim,
+    pub webhook_id: WebhookId,
+    pub url: String,
+    pub secret: String,
+    pub max_attempts: u32,
+    pub event: StoredEvent,
+}
+
+/// How an attempt ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AttemptOutcome {
+    /// A 2xx answer.
+    Delivered { status: u16 },
+    /// Any other answer, or none: the status when there was one.
+    Failed {
+        status: Option<u16>,
+        error: String,
+        /// When a pending delivery is tried again; None dead-letters it.
+        retry_at: Option<Millis>,
+    },
+}
+
+#[async_trait]
+pub trait Observation: Send + Sync + 'static {
+    /// Creates a webhook. It receives the events written from now on: the tenant's existing
+    /// sessions are followed from their latest event, new ones from their first.
+    async fn create_webhook(&self, webhook: NewWebhook, now: Millis) -> Result<Webhook>;
+
+    async fn get_webhook(&self, id: &WebhookId) -> Result<Webhook>;
+
+    /// A tenant's webhooks in creation order.
+    async fn webhooks(&self, tenant: &str) -> Result<Vec<Webhook>>;
+
+    /// Removes a webhook with its deliveries: nothing more is sent to it.
+    async fn delete_webhook(&self, id: &WebhookId) -> Result<()>;
+
+    /// A webhook's deliveries in the order they were queued, after `after` (a delivery id),
+    /// with the given status only when given.
+    async fn deliveries(
+        &self,
+        webhook_id: &WebhookId,
+        status: Option<DeliveryStatus>,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<WebhookDelivery>>;
+
+    /// Queues a pending delivery for each event a webhook wants that was written since it
+    /// last looked, at most about `limit` events in one transaction; returns how many events
+    /// it looked at (0 when it is caught up). Queuing the same event twice keeps one delivery.
+    async fn queue_deliveries(&self, limit: u32, now: Millis) -> Result<u32>;
+
+    /// Claims up to `limit` due attempts for `owner` until `lease_until`: for each webhook
+    /// and session only the earliest open delivery, so a session's events go out in `seq`
+    /// order. A delivery whose lease expired is claimed again, counting another attempt.
+    async fn claim_deliveries(
+        &self,
+        owner: &str,
+        lease_until: Millis,
+        limit: u32,
+        now: Millis,
+    ) -> Result<Vec<ClaimedDelivery>>;
+
+    /// Records how a claimed attempt ended; false (nothing written) when the claim was lost.
+    async fn finish_delivery(
+        &self,
+        claim: &DeliveryClaim,
+        outcome: AttemptOutcome,
+        now: Millis,
+    ) -> Result<bool>;
+}
