@@ -429,6 +429,7 @@ async fn health_metrics_and_the_openapi_document() {
         .collect();
     let expected = BTreeMap::from([
         ("/v1/agents", vec!["get"]),
+        ("/v1/admin/reload", vec!["post"]),
         ("/v1/sessions", vec!["get", "post"]),
         ("/v1/sessions/{id}", vec!["delete", "get"]),
         ("/v1/sessions/{id}/archive", vec!["post"]),
