@@ -451,6 +451,12 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/runs/{id}/events", vec!["get"]),
     ]);
     assert_eq!(paths, expected);
+    let error_detail = &openapi.body["components"]["schemas"]["ErrorDetail"];
+    assert_eq!(
+        error_detail["required"],
+        json!(["code", "message"]),
+        "only a rejected reload lists problems: {error_detail}"
+    );
     let message_answers = &openapi.body["paths"]["/v1/sessions/{id}/messages"]["post"]["responses"];
     assert_eq!(
         keys(message_answers),
