@@ -408,10 +408,12 @@ fn describe_reload(reloaded: &ratchet_server::reload::Reloaded) -> String {
     let agents: Vec<&str> = (reloaded.active.agents().iter())
         .map(|a| a.id.as_str())
         .collect();
+    let catalog = match agents.len() {
+        0 => "no agents".to_owned(),
+        n => format!("{n} agents ({})", agents.join(", ")),
+    };
     let mut line = format!(
-        "reloaded with {} agents ({}), model {}",
-        agents.len(),
-        agents.join(", "),
+        "reloaded with {catalog}, model {}",
         reloaded.active.run_template().model
     );
     if !reloaded.restart_required.is_empty() {
