@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use ratchet_core::RunStatus;
 use ratchet_engine::{PoolConfig, WorkerPool};
-use ratchet_server::{AppState, Tokens};
+use ratchet_server::{Active, AppState, Tokens};
 use serde_json::json;
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
@@ -270,8 +270,7 @@ impl LocalServer {
         let shutdown = CancellationToken::new();
         let state = AppState::new(
             Arc::clone(&runtime.coordinator),
-            template,
-            Tokens::default(),
+            Active::new(template, Vec::new(), Tokens::default()),
             shutdown.clone(),
         );
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

@@ -212,8 +212,8 @@ enum Command {
         #[command(flatten)]
         token: TokenArg,
     },
-    /// Serve the HTTP API and run the workers (SIGTERM or Ctrl-C stops it gracefully);
-    /// `--workers 0` serves the API only.
+    /// Serve the HTTP API and run the workers (SIGTERM or Ctrl-C stops it gracefully, SIGHUP
+    /// reloads the configuration and catalog); `--workers 0` serves the API only.
     Serve {
         #[command(flatten)]
         process: ProcessArgs,
@@ -227,7 +227,7 @@ enum Command {
         #[arg(long)]
         workspace: Option<PathBuf>,
         /// Directory of agent definitions sessions may pick (`{"agent": ID}`); checked whole
-        /// at start (default: the config file's `agents`).
+        /// at start and at each reload (default: the config file's `agents`).
         #[arg(long, value_name = "DIR")]
         agents: Option<PathBuf>,
     },

@@ -141,6 +141,18 @@ impl Toolbox {
         Ok(Toolbox::of(registry, Some(mcp)))
     }
 
+    /// The same tools, models and profiles without the MCP connections, which stay with this
+    /// one: what a reload checks a new catalog against while the runtime owns the
+    /// connections.
+    pub(crate) fn detached(&self) -> Toolbox {
+        Toolbox {
+            tools: Arc::clone(&self.tools),
+            models: Arc::clone(&self.models),
+            profiles: self.profiles.clone(),
+            mcp: None,
+        }
+    }
+
     /// Ends the MCP servers' connections, for a process that only checks its input.
     pub(crate) async fn close(&self) {
         if let Some(mcp) = &self.mcp {

@@ -1,6 +1,8 @@
 //! `ratchet serve` (the HTTP API and the worker pool in one process) and `ratchet worker`
 //! (the worker pool alone): one configuration, one way of assembling the process, and a
-//! graceful shutdown on SIGTERM or SIGINT that lets steps in flight commit.
+//! graceful shutdown on SIGTERM or SIGINT that lets steps in flight commit. `serve` reloads
+//! its configuration and catalog on SIGHUP (or `POST /v1/admin/reload`): what it activates is
+//! built by the same code as at start, and checked whole before anything is replaced.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -8,9 +10,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use ratchet_core::Limits;
+use ratchet_catalog::Catalog;
+use ratchet_core::{AgentProfile, Limits, RunConfigSnapshot};
 use ratchet_engine::{PoolConfig, WorkerPool};
-use ratchet_server::{AppState, Config};
+use ratchet_server::reload::{Prepared, Reloader};
+use ratchet_server::{Active, AppState, Config, Reloads};
 use tokio_util::sync::CancellationToken;
 
 use crate::runtime::{Runtime, Schema, ToolOverrides, Toolbox, open_store};
@@ -20,6 +24,7 @@ use crate::runtime::{Runtime, Schema, ToolOverrides, Toolbox, open_store};
 const GRACE: Duration = Duration::from_secs(10);
 
 /// What `serve` and `worker` share: where the settings come from and how the workers run.
+#[derive(Clone)]
 pub struct ProcessArgs {
     pub config: Option<PathBuf>,
     pub db: Option<String>,
@@ -30,6 +35,7 @@ pub struct ProcessArgs {
     pub no_migrate: bool,
 }
 
+#[derive(Clone)]
 pub struct ServeArgs {
     pub process: ProcessArgs,
     pub listen: Option<String>,
@@ -96,7 +102,9 @@ pub(crate) async fn toolbox(config: &Config) -> anyhow::Result<Toolbox> {
         .with_profiles(config.models.clone())
 }
 
-pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
+/// `serve`'s settings: the file, the environment, then the flags (those of `worker` and
+/// `serve`'s own). A reload reads them again the same way.
+fn serve_settings(args: &ServeArgs) -> anyhow::Result<Config> {
     let mut config = settings(&args.process)?;
     if let Some(listen) = &args.listen {
         config.listen = Some(listen.clone());
@@ -110,19 +118,61 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if let Some(agents) = &args.agents {
         config.agents = Some(agents.display().to_string());
     }
-    let pool_config = config.pool()?;
-    let tokens = config.tokens(|key| std::env::var(key).ok())?;
-    let listen = config.listen.as_deref().unwrap_or("127.0.0.1:7700");
-    let address: SocketAddr = listen
-        .parse()
-        .with_context(|| format!("listen address {listen:?} is not IP:PORT"))?;
-    if tokens.is_empty() && !address.ip().is_loopback() {
-        bail!(
-            "refusing to listen on {address} without authentication: configure [[tokens]] in the \
-             config file, or listen on a loopback address such as 127.0.0.1"
-        );
-    }
-    let toolbox = toolbox(&config).await?;
+    Ok(config)
+}
+
+/// The run template, the catalog's agents and the tokens `config` asks for, checked against
+/// the running tools and models, or every problem found: at start, and at each reload.
+/// Tokens may not be dropped while the server listens beyond loopback.
+fn prepare_active(
+    config: &Config,
+    toolbox: &Toolbox,
+    address: SocketAddr,
+) -> Result<Active, Vec<String>> {
+    let mut problems = Vec::new();
+    let tokens = match config.tokens(|key| std::env::var(key).ok()) {
+        Ok(tokens) if tokens.is_empty() && !address.ip().is_loopback() => {
+            problems.push(format!(
+                "refusing to listen on {address} without authentication: configure [[tokens]] in \
+                 the config file, or listen on a loopback address such as 127.0.0.1"
+            ));
+            None
+        }
+        Ok(tokens) => Some(tokens),
+        Err(error) => {
+            problems.push(error.to_string());
+            None
+        }
+    };
+    let template = run_template(config, toolbox)
+        .map_err(|error| problems.push(format!("{error:#}")))
+        .ok();
+    let catalog = match &config.agents {
+        Some(dir) => match Catalog::load(std::path::Path::new(dir), toolbox) {
+            Ok(catalog) => Some(Some(catalog)),
+            Err(found) => {
+                problems.extend(found.iter().map(ToString::to_string));
+                None
+            }
+        },
+        None => Some(None),
+    };
+    let (Some(tokens), Some(template), Some(catalog)) = (tokens, template, catalog) else {
+        return Err(problems);
+    };
+    let agents: Vec<AgentProfile> = match &catalog {
+        Some(catalog) => {
+            let limits = crate::agents::TreeLimits::of(config);
+            crate::agents::profiles(catalog, toolbox, &template, limits)
+                .map_err(|error| vec![format!("{error:#}")])?
+        }
+        None => Vec::new(),
+    };
+    Ok(Active::new(template, agents, tokens))
+}
+
+/// The configuration a run is frozen with when its session names no agent.
+fn run_template(config: &Config, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnapshot> {
     let mut template = toolbox.run_template(
         config.model.as_deref().unwrap_or("scripted:demo"),
         config.workspace.as_deref().map(std::path::Path::new),
@@ -142,29 +192,102 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         config.memory_scope.unwrap_or_default(),
     )?;
     template.delegation.inbox = config.inbox_policy()?;
-    let agents = match &config.agents {
-        Some(dir) => {
-            let catalog = crate::agents::load(std::path::Path::new(dir), &toolbox)?;
-            let limits = crate::agents::TreeLimits::of(&config);
-            crate::agents::profiles(&catalog, &toolbox, &template, limits)?
+    Ok(template)
+}
+
+/// The settings a running process cannot change, by configuration key, that differ between
+/// `started` and `now`: the listener, the database, the worker pool, the gates (the
+/// coordinator's quota and the engine's permits) and the toolbox (MCP servers, model
+/// profiles).
+fn restart_required(started: &Config, now: &Config) -> Vec<String> {
+    let fixed = [
+        ("listen", started.listen == now.listen),
+        ("db", started.db == now.db),
+        ("workers", started.workers == now.workers),
+        ("lease_ms", started.lease_ms == now.lease_ms),
+        ("heartbeat_ms", started.heartbeat_ms == now.heartbeat_ms),
+        ("poll_ms", started.poll_ms == now.poll_ms),
+        ("gates", started.gates == now.gates),
+        ("mcp", started.mcp == now.mcp),
+        ("models", started.models == now.models),
+    ];
+    (fixed.into_iter())
+        .filter(|(_, same)| !same)
+        .map(|(key, _)| key.to_owned())
+        .collect()
+}
+
+/// How a running `serve` reads its configuration and catalog again: the same file,
+/// environment and flags it started with, checked against the tools and models it started
+/// with.
+struct ServeReloader {
+    args: ServeArgs,
+    started: Config,
+    /// The running toolbox's tools, models and profiles; its MCP connections stay with the
+    /// runtime.
+    toolbox: Toolbox,
+    address: SocketAddr,
+}
+
+impl Reloader for ServeReloader {
+    fn prepare(&self) -> Result<Prepared, Vec<String>> {
+        let config = serve_settings(&self.args).map_err(|error| vec![format!("{error:#}")])?;
+        let active = prepare_active(&config, &self.toolbox, self.address)?;
+        Ok(Prepared {
+            active,
+            restart_required: restart_required(&self.started, &config),
+        })
+    }
+}
+
+/// Every problem, for a process that cannot start with them.
+fn rejected(problems: Vec<String>) -> anyhow::Error {
+    match problems.as_slice() {
+        [one] => anyhow::anyhow!("{one}"),
+        _ => anyhow::anyhow!(
+            "the configuration was rejected ({} problems):\n{}",
+            problems.len(),
+            problems.join("\n")
+        ),
+    }
+}
+
+pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let config = serve_settings(&args)?;
+    let pool_config = config.pool()?;
+    let listen = config.listen.as_deref().unwrap_or("127.0.0.1:7700");
+    let address: SocketAddr = listen
+        .parse()
+        .with_context(|| format!("listen address {listen:?} is not IP:PORT"))?;
+    let toolbox = toolbox(&config).await?;
+    let active = match prepare_active(&config, &toolbox, address) {
+        Ok(active) => active,
+        Err(problems) => {
+            toolbox.close().await;
+            return Err(rejected(problems));
         }
-        None => Vec::new(),
+    };
+    let reloader = ServeReloader {
+        args: args.clone(),
+        started: config.clone(),
+        toolbox: toolbox.detached(),
+        address,
     };
     let Process { db, runtime } = Process::open(&config, toolbox, args.process.no_migrate).await?;
+    let shutdown = CancellationToken::new();
+    let agent_count = active.agents().len();
+    let state = AppState::new(runtime.coordinator.clone(), active, shutdown.clone())
+        .with_reloader(reloader);
+    // Before the socket accepts anyone who could send one: from here on a SIGHUP reloads
+    // instead of ending the process.
+    if let Some(reloads) = state.reloads() {
+        spawn_reload_on_hangup(reloads, shutdown.clone())?;
+    }
     let listener = tokio::net::TcpListener::bind(address)
         .await
         .with_context(|| format!("cannot listen on {address}"))?;
     // `--workers 0`: the API only; other processes sharing the database run the steps.
     let pool = (pool_config.workers > 0).then(|| runtime.start_workers(pool_config.clone()));
-    let shutdown = CancellationToken::new();
-    let agent_count = agents.len();
-    let state = AppState::new(
-        runtime.coordinator.clone(),
-        template,
-        tokens,
-        shutdown.clone(),
-    )
-    .with_agents(agents);
     let app = ratchet_server::app(state);
     eprintln!(
         "ratchet listening on http://{} (database {db}{}{}; {})",
@@ -252,6 +375,54 @@ fn spawn_signal_watch(shutdown: CancellationToken) {
         eprintln!("shutting down: no new steps; in-flight steps get {GRACE:?} to commit");
         shutdown.cancel();
     });
+}
+
+/// Reloads at each SIGHUP until `shutdown`, and says on stderr what came of it.
+#[cfg(unix)]
+fn spawn_reload_on_hangup(reloads: Reloads, shutdown: CancellationToken) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hangups = signal(SignalKind::hangup()).context("cannot watch SIGHUP")?;
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                received = hangups.recv() => if received.is_none() { return },
+            }
+            match reloads.reload().await {
+                Ok(reloaded) => eprintln!("{}", describe_reload(&reloaded)),
+                Err(error) => eprintln!("{error}"),
+            }
+        }
+    });
+    Ok(())
+}
+
+#[cfg(not(unix))]
+fn spawn_reload_on_hangup(_: Reloads, _: CancellationToken) -> anyhow::Result<()> {
+    Ok(())
+}
+
+/// One line: what is active now, and what waits for a restart.
+#[cfg(unix)]
+fn describe_reload(reloaded: &ratchet_server::reload::Reloaded) -> String {
+    let agents: Vec<&str> = (reloaded.active.agents().iter())
+        .map(|a| a.id.as_str())
+        .collect();
+    let catalog = match agents.len() {
+        0 => "no agents".to_owned(),
+        n => format!("{n} agents ({})", agents.join(", ")),
+    };
+    let mut line = format!(
+        "reloaded with {catalog}, model {}",
+        reloaded.active.run_template().model
+    );
+    if !reloaded.restart_required.is_empty() {
+        line.push_str(&format!(
+            "; changed but in force only after a restart: {}",
+            reloaded.restart_required.join(", ")
+        ));
+    }
+    line
 }
 
 /// Stops the workers claiming and waits up to `GRACE` for their steps to commit; false when

@@ -1,9 +1,12 @@
 //! `ratchet serve` as a real process: a SIGTERM stops it gracefully — event streams end, the
-//! step in flight still commits, the process exits 0 — and `ratchet resume` finishes the run.
+//! step in flight still commits, the process exits 0 — and `ratchet resume` finishes the run;
+//! a SIGHUP reloads its catalog and configuration, or keeps them when the new ones have
+//! problems.
 
 mod common;
 
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{DEADLINE, free_port};
@@ -357,4 +360,176 @@ async fn a_pause_survives_sigkill_and_the_paused_run_resumes_after_a_restart() {
         (&json!("resumed to the end"), &json!(3))
     );
     run_until(&http, &third.base, &queued, |r| r["status"] == "completed").await;
+}
+
+/// `ratchet serve` with `args` after its listen address, its stderr collected line by line.
+fn start_watched(args: &[&str]) -> (Server, Stderr) {
+    let port = free_port();
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(args)
+        .env_remove("RATCHET_LOG")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = Stderr::default();
+    let pipe = std::io::BufReader::new(child.stderr.take().unwrap());
+    let collected = Arc::clone(&stderr.0);
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(pipe).map_while(Result::ok) {
+            collected.lock().unwrap().lines.push(line);
+        }
+        collected.lock().unwrap().closed = true;
+    });
+    let server = Server {
+        child,
+        base: format!("http://127.0.0.1:{port}"),
+    };
+    stderr.wait_for(0, |line| line.starts_with("ratchet listening on"));
+    (server, stderr)
+}
+
+#[derive(Default)]
+struct Stderr(Arc<Mutex<Lines>>);
+
+#[derive(Default, Clone)]
+struct Lines {
+    lines: Vec<String>,
+    /// The process closed its stderr: it has ended.
+    closed: bool,
+}
+
+impl Stderr {
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().lines.len()
+    }
+
+    /// The first line from the `from`th on that `wanted` accepts.
+    fn wait_for(&self, from: usize, wanted: impl Fn(&str) -> bool) -> String {
+        let started = Instant::now();
+        loop {
+            let Lines { lines, closed } = self.0.lock().unwrap().clone();
+            if let Some(line) = lines.iter().skip(from).find(|l| wanted(l)) {
+                return line.clone();
+            }
+            assert!(!closed, "ratchet serve ended; its stderr: {lines:#?}");
+            assert!(
+                started.elapsed() < DEADLINE,
+                "no such line on stderr: {lines:#?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn hang_up(server: &Server) {
+    let sent = Command::new("kill")
+        .args(["-HUP", &server.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+}
+
+async fn agents_of(http: &reqwest::Client, base: &str) -> Value {
+    json(http.get(format!("{base}/v1/agents")).send().await.unwrap()).await["items"].clone()
+}
+
+fn definition(id: &str, model: &str, tools: &str) -> String {
+    format!(
+        "---\nid: {id}\ndescription: The {id}.\nmodel: {model}\ntools: [{tools}]\n---\nYou are the {id}.\n"
+    )
+}
+
+/// SIGHUP reads the catalog and the configuration again: a valid catalog replaces the old
+/// one whole, settings that need a restart are named, and a catalog with problems is
+/// rejected — every problem on stderr and in the 422 of `POST /v1/admin/reload` — while the
+/// process stays up with the catalog it had.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_a_valid_catalog_and_keeps_the_old_one_when_the_new_one_has_problems() {
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = dir.path().join("agents");
+    std::fs::create_dir(&catalog).unwrap();
+    let write = |name: &str, text: &str| std::fs::write(catalog.join(name), text).unwrap();
+    write("writer.md", &definition("writer", "scripted:demo", "add"));
+    let config = dir.path().join("ratchet.toml");
+    std::fs::write(&config, "poll_ms = 50\n").unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let (mut server, stderr) = start_watched(&[
+        "--db",
+        &db,
+        "--config",
+        config.to_str().unwrap(),
+        "--agents",
+        catalog.to_str().unwrap(),
+        "--workspace",
+        dir.path().to_str().unwrap(),
+    ]);
+    let http = reqwest::Client::new();
+    let before = agents_of(&http, &server.base).await;
+    assert_eq!(before.as_array().unwrap().len(), 1, "{before}");
+
+    write(
+        "writer.md",
+        &definition("writer", "scripted:demo", "add, now"),
+    );
+    write("editor.md", &definition("editor", "scripted:demo", "now"));
+    std::fs::write(&config, "poll_ms = 60\n").unwrap();
+    let seen = stderr.len();
+    hang_up(&server);
+    let line = stderr.wait_for(seen, |l| l.starts_with("reload"));
+    assert_eq!(
+        line,
+        "reloaded with 2 agents (editor, writer), model scripted:demo; changed but in force \
+         only after a restart: poll_ms"
+    );
+    let reloaded = agents_of(&http, &server.base).await;
+    let ids: Vec<&str> = (reloaded.as_array().unwrap().iter())
+        .map(|a| a["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["editor", "writer"], "{reloaded}");
+    assert_ne!(
+        reloaded[1]["hash"], before[0]["hash"],
+        "the writer's new definition is active"
+    );
+    assert_eq!(reloaded[1]["tools"], json!(["add", "now"]), "{reloaded}");
+
+    write(
+        "writer.md",
+        &definition("writer", "scripted:demo", "add, rm_rf"),
+    );
+    write("editor.md", &definition("editor", "no-such-profile", "now"));
+    let seen = stderr.len();
+    hang_up(&server);
+    let line = stderr.wait_for(seen, |l| l.starts_with("reload"));
+    assert!(
+        line.starts_with("reload rejected, the previous configuration stays active (2 problems): "),
+        "{line}"
+    );
+    let editor = format!(
+        "{}:4: model \"no-such-profile\"",
+        catalog.join("editor.md").display()
+    );
+    let writer = format!(
+        "{}:5: unknown tool \"rm_rf\"",
+        catalog.join("writer.md").display()
+    );
+    assert!(line.contains(&editor) && line.contains(&writer), "{line}");
+    assert!(
+        server.child.try_wait().unwrap().is_none(),
+        "a SIGHUP does not end the process"
+    );
+    assert_eq!(agents_of(&http, &server.base).await, reloaded);
+
+    let answer = http
+        .post(format!("{}/v1/admin/reload", server.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), reqwest::StatusCode::UNPROCESSABLE_ENTITY);
+    let body: Value = answer.json().await.unwrap();
+    let problems = body["error"]["problems"].as_array().unwrap();
+    assert_eq!(problems.len(), 2, "{body}");
+    assert!(problems[0].as_str().unwrap().starts_with(&editor), "{body}");
+    assert!(problems[1].as_str().unwrap().starts_with(&writer), "{body}");
+    assert_eq!(agents_of(&http, &server.base).await, reloaded);
 }

@@ -22,9 +22,13 @@ pub struct ErrorBody {
 pub struct ErrorDetail {
     /// Stable machine-readable code: `bad_request`, `invalid_request`, `unauthorized`,
     /// `not_found`, `conflict`, `payload_too_large`, `unsupported_media_type`,
-    /// `quota_exceeded`, `internal`.
+    /// `quota_exceeded`, `unavailable`, `internal`.
     pub code: String,
     pub message: String,
+    /// Every problem found, when one request can have several (a rejected reload); absent
+    /// otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<String>,
 }
 
 /// Every listing: a page of items and the cursor of the next page (absent on the last).

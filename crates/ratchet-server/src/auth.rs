@@ -10,6 +10,7 @@ use axum::http::request::Parts;
 use ratchet_store::DEFAULT_TENANT;
 use sha2::{Digest, Sha256};
 
+use crate::active::Current;
 use crate::{ApiError, AppState};
 
 /// The accepted tokens, by hash. Empty means authentication is off: every request belongs to
@@ -50,7 +51,9 @@ impl FromRequestParts<AppState> for Tenant {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Tenant, ApiError> {
-        if state.tokens.is_empty() {
+        let Ok(Current(active)) = Current::from_request_parts(parts, state).await;
+        let tokens = active.tokens();
+        if tokens.is_empty() {
             return Ok(Tenant(DEFAULT_TENANT.to_owned()));
         }
         let token = match parts.headers.get(AUTHORIZATION) {
@@ -74,8 +77,7 @@ impl FromRequestParts<AppState> for Tenant {
                 .flatten()
                 .ok_or_else(|| ApiError::unauthorized("missing bearer token"))?,
         };
-        state
-            .tokens
+        tokens
             .tenant_of(&token)
             .map(|tenant| Tenant(tenant.to_owned()))
             .ok_or_else(|| ApiError::unauthorized("unknown bearer token"))

@@ -1,5 +1,6 @@
 //! The API's one error type and the extractors that turn every bad input into it. Each error
-//! is JSON `{"error": {"code", "message"}}`; internal details are logged, never shown.
+//! is JSON `{"error": {"code", "message"}}`, with `problems` beside them when a request has
+//! several (a rejected reload); internal details are logged, never shown.
 
 use std::any::Any;
 
@@ -18,6 +19,8 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
+    /// Shown as `error.problems` when not empty.
+    pub problems: Vec<String>,
 }
 
 impl ApiError {
@@ -26,7 +29,14 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            problems: Vec::new(),
         }
+    }
+
+    /// The same error, listing every problem found.
+    pub fn with_problems(mut self, problems: Vec<String>) -> ApiError {
+        self.problems = problems;
+        self
     }
 
     pub fn bad_request(message: impl Into<String>) -> ApiError {
@@ -61,6 +71,7 @@ impl IntoResponse for ApiError {
             error: ErrorDetail {
                 code: self.code.to_owned(),
                 message: self.message,
+                problems: self.problems,
             },
         };
         (self.status, axum::Json(body)).into_response()

@@ -4,6 +4,7 @@
 //! Handlers only translate: wire types in, calls on the Coordinator and the store, wire
 //! types out. They never decide what a run does and never write the store directly.
 
+mod active;
 mod api;
 mod approvals;
 mod auth;
@@ -12,32 +13,33 @@ mod console;
 mod error;
 mod inbox;
 mod metrics;
+pub mod reload;
 mod routes;
 mod sse;
 
 use std::sync::Arc;
 
 use axum::Router;
-use ratchet_core::{AgentProfile, RunConfigSnapshot};
 use ratchet_engine::Coordinator;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 
+pub use active::Active;
 pub use auth::{Tokens, hash_token};
 pub use config::{Config, ConfigError, TokenConfig};
 pub use error::ApiError;
+pub use reload::{Reloader, Reloads};
 
 /// Everything a request handler can reach.
 #[derive(Clone)]
 pub struct AppState {
     pub coordinator: Arc<Coordinator>,
-    /// The configuration a new run is frozen with when its session names no agent.
-    pub run_template: Arc<RunConfigSnapshot>,
-    /// The catalog's agents in id order: a session that names one has its runs frozen with
-    /// that agent's configuration.
-    pub agents: Arc<Vec<AgentProfile>>,
-    pub tokens: Arc<Tokens>,
+    /// The run template, catalog and tokens in force; a reload replaces them whole.
+    active: Arc<watch::Sender<Arc<Active>>>,
+    /// Absent when the server was assembled without a way to read its configuration again.
+    reloads: Option<Reloads>,
     /// Cancelled when the server shuts down: event streams end cleanly.
     pub shutdown: CancellationToken,
     pub metrics: metrics::Metrics,
@@ -46,41 +48,39 @@ pub struct AppState {
 impl AppState {
     pub fn new(
         coordinator: Arc<Coordinator>,
-        run_template: RunConfigSnapshot,
-        tokens: Tokens,
+        active: Active,
         shutdown: CancellationToken,
     ) -> AppState {
         AppState {
             coordinator,
-            run_template: Arc::new(run_template),
-            agents: Arc::new(Vec::new()),
-            tokens: Arc::new(tokens),
+            active: Arc::new(watch::Sender::new(Arc::new(active))),
+            reloads: None,
             shutdown,
             metrics: metrics::Metrics::install(),
         }
     }
 
-    /// The same state with the catalog's agents.
-    pub fn with_agents(mut self, mut agents: Vec<AgentProfile>) -> AppState {
-        agents.sort_by(|a, b| a.id.cmp(&b.id));
-        self.agents = Arc::new(agents);
+    /// The same state, reloadable through `reloader` (`POST /v1/admin/reload`, and whatever
+    /// else holds `reloads()`). Must be called inside a tokio runtime: it starts the task that
+    /// performs reloads one at a time, until `shutdown` is cancelled.
+    pub fn with_reloader(mut self, reloader: impl Reloader) -> AppState {
+        self.reloads = Some(Reloads::start(
+            reloader,
+            Arc::clone(&self.active),
+            self.shutdown.clone(),
+        ));
         self
     }
 
-    pub(crate) fn agent(&self, id: &str) -> Option<&AgentProfile> {
-        self.agents.iter().find(|a| a.id == id)
+    /// What is active now. A request takes this once (`active::Current`) and uses only it.
+    pub fn active(&self) -> Arc<Active> {
+        Arc::clone(&self.active.borrow())
     }
 
-    /// What a session may name, for error messages: `default`, then the catalog's agents.
-    pub(crate) fn available_agents(&self) -> String {
-        let mut names = vec![DEFAULT_AGENT];
-        names.extend(self.agents.iter().map(|a| a.id.as_str()));
-        names.join(", ")
+    pub fn reloads(&self) -> Option<Reloads> {
+        self.reloads.clone()
     }
 }
-
-/// The agent name that means the server's run template, like naming none.
-pub(crate) const DEFAULT_AGENT: &str = "default";
 
 #[derive(OpenApi)]
 #[openapi(
@@ -97,6 +97,7 @@ pub fn app(state: AppState) -> Router {
         .merge(inbox::router())
         .merge(sse::router())
         .merge(metrics::router())
+        .merge(reload::router())
         .split_for_parts();
     let openapi = Arc::new(openapi);
     router

@@ -9,6 +9,7 @@ use ratchet_store::{ListOrder, Session, SessionSpec};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
+use crate::active::{Active, Current, DEFAULT_AGENT};
 use crate::api::{
     AgentView, CancelView, ContinueRequest, CreateSession, ErrorBody, MessageAccepted, MessageView,
     Multitask, Page, PageQuery, PauseView, ReconcileOutcome, ReconcileRequest, ReconcileView,
@@ -17,7 +18,7 @@ use crate::api::{
 };
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
-use crate::{ApiError, AppState, DEFAULT_AGENT};
+use crate::{ApiError, AppState};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -90,17 +91,17 @@ pub(crate) async fn tenant_run(
 
 /// The configuration a new run of a session with `agent` is frozen with: the agent's, or the
 /// server's template for a session that names none.
-fn run_config(state: &AppState, agent: Option<&str>) -> Result<RunConfigSnapshot, ApiError> {
+fn run_config(active: &Active, agent: Option<&str>) -> Result<RunConfigSnapshot, ApiError> {
     match agent {
-        None | Some(DEFAULT_AGENT) => Ok(state.run_template.as_ref().clone()),
-        Some(id) => match state.agent(id) {
+        None | Some(DEFAULT_AGENT) => Ok(active.run_template().clone()),
+        Some(id) => match active.agent(id) {
             Some(profile) => Ok(profile.config.clone()),
             None => Err(ApiError::new(
                 StatusCode::CONFLICT,
                 "conflict",
                 format!(
                     "this session's agent {id:?} is no longer in the server's catalog; available agents: {}; start a new session",
-                    state.available_agents()
+                    active.available_agents()
                 ),
             )),
         },
@@ -115,10 +116,10 @@ fn run_config(state: &AppState, agent: Option<&str>) -> Result<RunConfigSnapshot
     ),
 )]
 async fn list_agents(
-    State(state): State<AppState>,
     _tenant: Tenant,
+    Current(active): Current,
 ) -> Result<axum::Json<Page<AgentView>>, ApiError> {
-    let items = state.agents.iter().map(AgentView::from).collect();
+    let items = active.agents().iter().map(AgentView::from).collect();
     Ok(axum::Json(Page {
         items,
         next_cursor: None,
@@ -136,15 +137,16 @@ async fn list_agents(
 async fn create_session(
     State(state): State<AppState>,
     tenant: Tenant,
+    Current(active): Current,
     ApiJson(body): ApiJson<CreateSession>,
 ) -> Result<(StatusCode, axum::Json<SessionView>), ApiError> {
     if let Some(agent) = body.agent.as_deref()
         && agent != DEFAULT_AGENT
-        && state.agent(agent).is_none()
+        && active.agent(agent).is_none()
     {
         return Err(ApiError::unprocessable(format!(
             "unknown agent {agent:?}; available agents: {}",
-            state.available_agents()
+            active.available_agents()
         )));
     }
     let spec = SessionSpec {
@@ -213,6 +215,7 @@ async fn get_session(
 async fn send_message(
     State(state): State<AppState>,
     tenant: Tenant,
+    Current(active): Current,
     ApiPath(id): ApiPath<String>,
     ApiJson(body): ApiJson<SendMessage>,
 ) -> Result<(StatusCode, axum::Json<MessageAccepted>), ApiError> {
@@ -223,7 +226,7 @@ async fn send_message(
         ));
     }
     let session = tenant_session(&state, &tenant, &id).await?;
-    let config = run_config(&state, session.agent.as_deref())?;
+    let config = run_config(&active, session.agent.as_deref())?;
     let multitask = match body.multitask.unwrap_or_default() {
         Multitask::Enqueue => EngineMultitask::Enqueue,
         Multitask::Reject => EngineMultitask::Reject,

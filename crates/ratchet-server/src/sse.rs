@@ -343,12 +343,7 @@ mod tests {
             .append_events(&session, &run, drafts, 1)
             .await
             .unwrap();
-        let state = AppState::new(
-            coordinator,
-            Default::default(),
-            Default::default(),
-            CancellationToken::new(),
-        );
+        let state = AppState::new(coordinator, Default::default(), CancellationToken::new());
         let (sender, mut receiver) = mpsc::channel(16);
         let mut feed = Feed {
             state,
@@ -386,7 +381,6 @@ mod tests {
         let (_dir, store, coordinator, session) = one_session().await;
         let state = AppState::new(
             Arc::clone(&coordinator),
-            Default::default(),
             Default::default(),
             CancellationToken::new(),
         );

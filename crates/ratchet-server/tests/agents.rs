@@ -1,7 +1,9 @@
 //! Sub-agents over HTTP: the catalog's agents (`GET /v1/agents`), sessions that name one and
 //! the configuration their runs are frozen with, a delegation run to its end through the API
-//! with its run tree (`GET /v1/runs/{id}/tree`), and the answers a message gets when its
-//! session's agent left the catalog (409) or a run quota is full (429).
+//! with its run tree (`GET /v1/runs/{id}/tree`), the answers a message gets when its
+//! session's agent left the catalog (409) or a run quota is full (429), and reloads
+//! (`POST /v1/admin/reload`): a whole new catalog, template and tokens or none of them, and
+//! runs that keep what they were frozen with.
 
 mod common;
 
@@ -11,7 +13,8 @@ use std::sync::Arc;
 use ratchet_core::delegation::delegate_tool;
 use ratchet_core::{AgentProfile, AgentRef, RunConfigSnapshot};
 use ratchet_engine::Coordinator;
-use ratchet_server::{AppState, Tokens};
+use ratchet_server::reload::Prepared;
+use ratchet_server::{Active, AppState, Tokens};
 use ratchet_store::{RunQuota, Store};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -378,11 +381,9 @@ async fn serve_idle(
     };
     let state = AppState::new(
         Arc::clone(coordinator),
-        template,
-        Tokens::default(),
+        Active::new(template, agents, Tokens::default()),
         stop.clone(),
-    )
-    .with_agents(agents);
+    );
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     let stop = stop.clone();
@@ -787,4 +788,330 @@ async fn a_continuation_whose_model_keeps_failing_is_retried_then_dead_lettered(
             .any(|m| m["content"].as_str().unwrap().contains("[runtime]")),
         "failed triggers stay hidden too"
     );
+}
+
+// ---------------------------------------------------------------------------------------
+// Reloads: a whole new catalog and template, or none of it.
+
+/// `profile` as a later version of its definition would freeze it: another hash, another
+/// script (written to `dir/ID-VERSION.json`), another prompt and step budget.
+fn revised(
+    profile: &AgentProfile,
+    version: &str,
+    dir: &Path,
+    script: Value,
+    max_steps: u64,
+) -> AgentProfile {
+    let path = dir.join(format!("{}-{version}.json", profile.id));
+    std::fs::write(&path, script.to_string()).unwrap();
+    let mut revised = profile.clone();
+    revised.config.model = format!("scripted:{}", path.display());
+    revised.config.system_prompt = format!("You are {} {version}.", profile.id);
+    revised.config.limits.max_steps = max_steps;
+    revised.config.agent = Some(AgentRef {
+        id: profile.id.clone(),
+        hash: format!("hash-of-{}-{version}", profile.id),
+    });
+    revised
+}
+
+async fn reload(server: &Server, token: &str) -> Reply {
+    call(server.post(token, "/v1/admin/reload", json!({}))).await
+}
+
+/// The configuration a run was frozen with, as stored.
+async fn frozen_config(server: &Server, run: &str) -> RunConfigSnapshot {
+    let id = ratchet_core::RunId::parse(run).unwrap();
+    let state = server.coordinator.store().load_state(&id).await.unwrap();
+    state.config.as_ref().clone()
+}
+
+/// One agent's `hash` in a listing of agents.
+fn hash_of<'a>(items: &'a Value, id: &str) -> &'a Value {
+    let items = items.as_array().unwrap();
+    &items.iter().find(|a| a["id"] == id).unwrap()["hash"]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_replaces_the_catalog_and_the_template_whole() {
+    let server = Server::start_with_agents(quick_script(), writer_and_boss).await;
+    let old = writer_and_boss(&server.template, &server.dir);
+    let writer = revised(&old[0], "v2", &server.dir, answer("rewritten"), 10);
+    let editor = agent(
+        "editor",
+        &server.template,
+        &server.dir,
+        answer("edited"),
+        Vec::new(),
+    );
+    let mut template = server.template.clone();
+    template.limits.max_steps = 7;
+    template.system_prompt = "The reloaded template.".into();
+    server.queue_reload(Ok(Prepared {
+        active: Active::new(
+            template.clone(),
+            vec![writer.clone(), editor.clone()],
+            server_tokens(),
+        ),
+        restart_required: vec!["listen".into()],
+    }));
+
+    let anonymous = call(server.http.post(server.url("/v1/admin/reload"))).await;
+    assert_error(
+        "no token",
+        &anonymous,
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
+    let reloaded = reload(&server, TOKEN_B).await;
+    assert_eq!(
+        reloaded.status,
+        StatusCode::OK,
+        "any tenant may reload: {}",
+        reloaded.body
+    );
+    assert_eq!(
+        keys(&reloaded.body),
+        ["agents", "model", "reloaded_at", "restart_required"],
+        "{}",
+        reloaded.body
+    );
+    assert_eq!(
+        reloaded.body["agents"],
+        json!([
+            {"id": "editor", "hash": "hash-of-editor"},
+            {"id": "writer", "hash": "hash-of-writer-v2"}
+        ])
+    );
+    assert_eq!(reloaded.body["model"], template.model.as_str());
+    assert_eq!(reloaded.body["restart_required"], json!(["listen"]));
+
+    let listed = server.get_ok(TOKEN_A, "/v1/agents").await;
+    assert_eq!(ids(&listed["items"]), ["editor", "writer"], "boss is gone");
+    assert_eq!(hash_of(&listed["items"], "writer"), "hash-of-writer-v2");
+    let refused = create_session_with(&server, TOKEN_A, json!({"agent": "boss"})).await;
+    assert_error(
+        "an agent the reload removed",
+        &refused,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "invalid_request",
+    );
+
+    let created = create_session_with(&server, TOKEN_A, json!({"agent": "writer"})).await;
+    let session = created.body["id"].as_str().unwrap();
+    let run = server.send(TOKEN_A, session, "write").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let ended = server.finish(&run).await;
+    assert_eq!(ended["final_answer"], "rewritten", "{ended}");
+    assert_eq!(ended["agent"]["hash"], "hash-of-writer-v2", "{ended}");
+    assert_eq!(frozen_config(&server, &run).await, writer.config);
+
+    let (_, run, ended) = server.run_to_end("add").await;
+    assert_eq!(ended["final_answer"], "The sum is 5.", "{ended}");
+    assert_eq!(
+        frozen_config(&server, &run).await,
+        template,
+        "a session that names no agent runs with the new template"
+    );
+}
+
+/// The tokens the harness starts with.
+fn server_tokens() -> Tokens {
+    Tokens::new(std::collections::HashMap::from([
+        (ratchet_server::hash_token(TOKEN_A), "tenant-a".to_owned()),
+        (ratchet_server::hash_token(TOKEN_B), "tenant-b".to_owned()),
+    ]))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_reload_lists_every_problem_and_keeps_the_old_catalog() {
+    let server = Server::start_with_agents(quick_script(), writer_and_boss).await;
+    let before = server.get_ok(TOKEN_A, "/v1/agents").await;
+    let problems = [
+        "agents/writer.md:4: tools: unknown tool \"rm_rf\"",
+        "agents/boss.md:3: model: unknown model profile \"huge\"",
+    ];
+    server.queue_reload(Err(problems.map(str::to_owned).to_vec()));
+
+    let rejected = reload(&server, TOKEN_A).await;
+    assert_eq!(
+        rejected.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        rejected.body
+    );
+    let error = &rejected.body["error"];
+    assert_eq!(keys(error), ["code", "message", "problems"], "{error}");
+    assert_eq!(error["code"], "invalid_request");
+    assert_eq!(
+        error["message"],
+        "reload rejected (2 problems); the previous configuration stays active"
+    );
+    assert_eq!(error["problems"], json!(problems));
+
+    assert_eq!(server.get_ok(TOKEN_A, "/v1/agents").await, before);
+    let created = create_session_with(&server, TOKEN_A, json!({"agent": "writer"})).await;
+    let session = created.body["id"].as_str().unwrap();
+    let run = server.send(TOKEN_A, session, "write").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let ended = server.finish(&run).await;
+    assert_eq!(
+        (&ended["final_answer"], &ended["agent"]["hash"]),
+        (&json!("written"), &json!("hash-of-writer")),
+        "a new session still runs the old definition: {ended}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_keeps_the_definition_and_configuration_it_was_frozen_with_across_a_reload() {
+    let slow_writer = |template: &RunConfigSnapshot, dir: &Path| {
+        let script = json!({"replies": [
+            {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 400}}]},
+            {"text": "written before the reload"}
+        ]});
+        vec![agent("writer", template, dir, script, Vec::new())]
+    };
+    let server = Server::start_with_agents(quick_script(), slow_writer).await;
+    let old = slow_writer(&server.template, &server.dir).remove(0);
+    let created = create_session_with(&server, TOKEN_A, json!({"agent": "writer"})).await;
+    let session = created.body["id"].as_str().unwrap().to_owned();
+    let old_run = server.send(TOKEN_A, &session, "write").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut events = server
+        .stream(&format!("/v1/runs/{old_run}/events"), None)
+        .await;
+    events.until(|e| e.kind == "tool.call").await;
+
+    // One step: the old run, which needs three, would stop early if it took this budget.
+    let new = revised(
+        &old,
+        "v2",
+        &server.dir,
+        answer("written after the reload"),
+        1,
+    );
+    server.queue_reload(Ok(Prepared {
+        active: Active::new(server.template.clone(), vec![new.clone()], server_tokens()),
+        restart_required: Vec::new(),
+    }));
+    assert_eq!(reload(&server, TOKEN_A).await.status, StatusCode::OK);
+
+    let ended = server.finish(&old_run).await;
+    assert_eq!(
+        (
+            &ended["status"],
+            &ended["final_answer"],
+            &ended["step_index"]
+        ),
+        (
+            &json!("completed"),
+            &json!("written before the reload"),
+            &json!(3)
+        ),
+        "{ended}"
+    );
+    assert_eq!(ended["agent"]["hash"], "hash-of-writer", "{ended}");
+    assert_eq!(frozen_config(&server, &old_run).await, old.config);
+
+    let next_run = server.send(TOKEN_A, &session, "write again").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let ended = server.finish(&next_run).await;
+    assert_eq!(
+        (&ended["final_answer"], &ended["agent"]["hash"]),
+        (
+            &json!("written after the reload"),
+            &json!("hash-of-writer-v2")
+        ),
+        "the session's next run is frozen from the definition active now: {ended}"
+    );
+    assert_eq!(frozen_config(&server, &next_run).await, new.config);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_rotates_the_tokens() {
+    let server = Server::start(quick_script()).await;
+    let only_b = Tokens::new(std::collections::HashMap::from([(
+        ratchet_server::hash_token(TOKEN_B),
+        "tenant-b".to_owned(),
+    )]));
+    server.queue_reload(Ok(Prepared {
+        active: Active::new(server.template.clone(), Vec::new(), only_b),
+        restart_required: Vec::new(),
+    }));
+    assert_eq!(reload(&server, TOKEN_A).await.status, StatusCode::OK);
+    let retired = call(server.get(TOKEN_A, "/v1/sessions")).await;
+    assert_error(
+        "a retired token",
+        &retired,
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
+    server.get_ok(TOKEN_B, "/v1/sessions").await;
+
+    let nothing_queued = reload(&server, TOKEN_B).await;
+    assert_eq!(nothing_queued.status, StatusCode::UNPROCESSABLE_ENTITY);
+    server.get_ok(TOKEN_B, "/v1/sessions").await;
+}
+
+/// Reloads asked for at once are prepared one after the other, and activated in that order:
+/// the last one prepared is the one left active.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_reloads_are_prepared_and_activated_one_at_a_time() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let coordinator = Coordinator::new(sqlite(&dir));
+    let preparing = Arc::new(AtomicUsize::new(0));
+    let most_at_once = Arc::new(AtomicUsize::new(0));
+    let prepared = Arc::new(AtomicUsize::new(0));
+    let reloader = {
+        let (preparing, most_at_once, prepared) =
+            (preparing.clone(), most_at_once.clone(), prepared.clone());
+        move || {
+            let now = preparing.fetch_add(1, Ordering::SeqCst) + 1;
+            most_at_once.fetch_max(now, Ordering::SeqCst);
+            std::thread::sleep(std::time::Duration::from_millis(30));
+            let n = prepared.fetch_add(1, Ordering::SeqCst) + 1;
+            preparing.fetch_sub(1, Ordering::SeqCst);
+            let template = RunConfigSnapshot {
+                model: format!("scripted:reload-{n}"),
+                ..RunConfigSnapshot::default()
+            };
+            Ok(Prepared {
+                active: Active::new(template, Vec::new(), Tokens::default()),
+                restart_required: Vec::new(),
+            })
+        }
+    };
+    let state = AppState::new(coordinator, Active::default(), CancellationToken::new())
+        .with_reloader(reloader);
+    let reloads = state.reloads().unwrap();
+    let answers = futures::future::join_all((0..4).map(|_| reloads.reload())).await;
+    let mut models: Vec<String> = answers
+        .into_iter()
+        .map(|a| a.unwrap().active.run_template().model.clone())
+        .collect();
+    models.sort();
+    assert_eq!(
+        models,
+        [
+            "scripted:reload-1",
+            "scripted:reload-2",
+            "scripted:reload-3",
+            "scripted:reload-4"
+        ]
+    );
+    assert_eq!(
+        most_at_once.load(Ordering::SeqCst),
+        1,
+        "prepares overlapped"
+    );
+    assert_eq!(state.active().run_template().model, "scripted:reload-4");
 }

@@ -429,6 +429,7 @@ async fn health_metrics_and_the_openapi_document() {
         .collect();
     let expected = BTreeMap::from([
         ("/v1/agents", vec!["get"]),
+        ("/v1/admin/reload", vec!["post"]),
         ("/v1/sessions", vec!["get", "post"]),
         ("/v1/sessions/{id}", vec!["delete", "get"]),
         ("/v1/sessions/{id}/archive", vec!["post"]),
@@ -450,6 +451,12 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/runs/{id}/events", vec!["get"]),
     ]);
     assert_eq!(paths, expected);
+    let error_detail = &openapi.body["components"]["schemas"]["ErrorDetail"];
+    assert_eq!(
+        error_detail["required"],
+        json!(["code", "message"]),
+        "only a rejected reload lists problems: {error_detail}"
+    );
     let message_answers = &openapi.body["paths"]["/v1/sessions/{id}/messages"]["post"]["responses"];
     assert_eq!(
         keys(message_answers),

@@ -19,7 +19,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use ratchet_core::{ApprovalPolicy, Limits, MemoryScope, ModelReply, RunConfigSnapshot, ToolCall};
 use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool};
-use ratchet_server::AppState;
+use ratchet_server::{Active, AppState};
 use ratchet_store::Store;
 use ratchet_tools::Registry;
 use serde_json::{Value, json};
@@ -105,8 +105,7 @@ async fn seed() -> Seeded {
     add.approval = ApprovalPolicy::Always;
     let state = AppState::new(
         Arc::clone(&coordinator),
-        template,
-        Default::default(),
+        Active::new(template, Vec::new(), Default::default()),
         CancellationToken::new(),
     );
     let app = ratchet_server::app(state);

@@ -1,14 +1,14 @@
 //! What the HTTP tests share: a server on 127.0.0.1 with a fresh SQLite file, a real worker
-//! pool and a scripted model (or one a test registers), plain JSON requests with their
-//! checks, and a minimal Server-Sent Events reader.
+//! pool, a scripted model (or one a test registers) and reloads that yield what a test
+//! queued, plain JSON requests with their checks, and a minimal Server-Sent Events reader.
 #![allow(
     dead_code,
     reason = "each test binary uses its own part of the harness"
 )]
 
-use std::collections::HashMap;
-use std::path::Path;
-use std::sync::Arc;
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -16,7 +16,8 @@ use futures::stream::BoxStream;
 use ratchet_core::delegation::{AGENT_TASK_TOOL, DELEGATE_TOOL};
 use ratchet_core::{AgentProfile, Limits, MemoryScope, RunConfigSnapshot};
 use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool};
-use ratchet_server::{AppState, Tokens, hash_token};
+use ratchet_server::reload::Prepared;
+use ratchet_server::{Active, AppState, Tokens, hash_token};
 use ratchet_store::Store;
 use ratchet_tools::Registry;
 use reqwest::header::CONTENT_TYPE;
@@ -60,10 +61,19 @@ pub fn sleepy_script() -> Value {
 // ---------------------------------------------------------------------------------------
 // The server
 
+/// What the server's next reloads prepare, in order; a reload with nothing queued is rejected.
+pub type ReloadQueue = Arc<Mutex<VecDeque<Result<Prepared, Vec<String>>>>>;
+
 pub struct Server {
     pub base: String,
     pub http: reqwest::Client,
     pub shutdown: CancellationToken,
+    pub coordinator: Arc<Coordinator>,
+    /// The run template the server started with.
+    pub template: RunConfigSnapshot,
+    /// The server's directory: its database, its scripts.
+    pub dir: PathBuf,
+    pub reloads: ReloadQueue,
     pub _pool: WorkerPool,
     pub _dir: tempfile::TempDir,
 }
@@ -130,6 +140,7 @@ impl Server {
             ..RunConfigSnapshot::default()
         };
         configure(&mut run_template, &models);
+        let template = run_template.clone();
         let agents = catalog(&run_template, dir.path());
         let tokens = Tokens::new(HashMap::from([
             (hash_token(TOKEN_A), "tenant-a".to_owned()),
@@ -137,15 +148,22 @@ impl Server {
             (hash_token(TOKEN_A_BASE64), "tenant-a".to_owned()),
         ]));
         let shutdown = CancellationToken::new();
+        let reloads = ReloadQueue::default();
+        let queued = Arc::clone(&reloads);
         let state = AppState::new(
             Arc::clone(&coordinator),
-            run_template,
-            tokens,
+            Active::new(run_template, agents, tokens),
             shutdown.clone(),
         )
-        .with_agents(agents);
+        .with_reloader(move || {
+            queued
+                .lock()
+                .unwrap()
+                .pop_front()
+                .unwrap_or_else(|| Err(vec!["the test queued no reload".to_owned()]))
+        });
         let pool = WorkerPool::start(
-            coordinator,
+            Arc::clone(&coordinator),
             engine,
             PoolConfig {
                 workers: 4,
@@ -167,9 +185,18 @@ impl Server {
             base: format!("http://{address}"),
             http: reqwest::Client::builder().no_proxy().build().unwrap(),
             shutdown,
+            coordinator,
+            template,
+            dir: dir.path().to_path_buf(),
+            reloads,
             _pool: pool,
             _dir: dir,
         }
+    }
+
+    /// What the next reload prepares.
+    pub fn queue_reload(&self, prepared: Result<Prepared, Vec<String>>) {
+        self.reloads.lock().unwrap().push_back(prepared);
     }
 
     pub fn url(&self, path: &str) -> String {
