@@ -197,8 +197,8 @@ fn run_template(config: &Config, toolbox: &Toolbox) -> anyhow::Result<RunConfigS
 
 /// The settings a running process cannot change, by configuration key, that differ between
 /// `started` and `now`: the listener, the database, the worker pool, the gates (the
-/// coordinator's quota and the engine's permits) and the toolbox (MCP servers, model
-/// profiles).
+/// coordinator's quota and the engine's permits), the webhook dispatcher and the toolbox
+/// (MCP servers, model profiles).
 fn restart_required(started: &Config, now: &Config) -> Vec<String> {
     let fixed = [
         ("listen", started.listen == now.listen),
@@ -209,6 +209,7 @@ fn restart_required(started: &Config, now: &Config) -> Vec<String> {
         ("poll_ms", started.poll_ms == now.poll_ms),
         ("gates", started.gates == now.gates),
         ("mcp", started.mcp == now.mcp),
+        ("webhooks", started.webhooks == now.webhooks),
         ("models", started.models == now.models),
     ];
     (fixed.into_iter())
@@ -255,6 +256,7 @@ fn rejected(problems: Vec<String>) -> anyhow::Error {
 pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let config = serve_settings(&args)?;
     let pool_config = config.pool()?;
+    let webhooks = config.webhooks()?;
     let listen = config.listen.as_deref().unwrap_or("127.0.0.1:7700");
     let address: SocketAddr = listen
         .parse()
@@ -286,6 +288,18 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let listener = tokio::net::TcpListener::bind(address)
         .await
         .with_context(|| format!("cannot listen on {address}"))?;
+    // The dispatcher is handed the observation plane's part of the store only.
+    let dispatcher = match webhooks {
+        Some(dispatch) => Some(
+            ratchet_webhooks::spawn(
+                runtime.coordinator.store().clone(),
+                dispatch,
+                shutdown.clone(),
+            )
+            .context("cannot start the webhook dispatcher")?,
+        ),
+        None => None,
+    };
     // `--workers 0`: the API only; other processes sharing the database run the steps.
     let pool = (pool_config.workers > 0).then(|| runtime.start_workers(pool_config.clone()));
     let app = ratchet_server::app(state);
@@ -321,6 +335,10 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         eprintln!(
             "some steps did not commit in time; their leases will expire and another process will take them over"
         );
+    }
+    if let Some(dispatcher) = dispatcher {
+        // It stops at once; attempts in flight are made again after their leases expire.
+        let _ = dispatcher.await;
     }
     runtime.close_tools().await;
     served.context("the HTTP server failed")?;

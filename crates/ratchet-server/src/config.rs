@@ -82,6 +82,29 @@ pub struct Config {
     /// How background work reports back, `[inbox]`.
     #[serde(default)]
     pub inbox: InboxSettings,
+    /// How events are sent to webhooks, `[webhooks]`.
+    #[serde(default)]
+    pub webhooks: WebhookSettings,
+}
+
+/// `[webhooks]`: the dispatcher that sends events to the tenants' webhooks. Absent keys keep
+/// their defaults.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookSettings {
+    /// Whether this process sends webhook deliveries (default true). With several processes
+    /// on one database any number may; each attempt is made by one.
+    pub enabled: Option<bool>,
+    /// How often the dispatcher looks for new events when nothing else wakes it (default 250).
+    pub poll_ms: Option<u64>,
+    /// How long an attempt may take before it counts as failed (default 10000).
+    pub timeout_ms: Option<u64>,
+    /// Attempts in flight at once (default 8).
+    pub concurrency: Option<u32>,
+    /// Wait before a delivery's second attempt, doubling after (default 1000).
+    pub retry_backoff_ms: Option<u64>,
+    /// The longest wait between two attempts (default 600000).
+    pub max_backoff_ms: Option<u64>,
 }
 
 /// `[inbox]`: each root session's inbox of background reports, and its continuation turns.
@@ -288,6 +311,55 @@ impl Config {
                 .continuation_max_duration_ms
                 .unwrap_or(defaults.continuation_max_duration_ms),
         })
+    }
+
+    /// The webhook dispatcher's settings, checked; None when `[webhooks] enabled = false`.
+    pub fn webhooks(&self) -> Result<Option<ratchet_webhooks::DispatcherConfig>, ConfigError> {
+        let settings = &self.webhooks;
+        if settings.enabled == Some(false) {
+            return Ok(None);
+        }
+        let defaults = ratchet_webhooks::DispatcherConfig::default();
+        let positive = |name: &str, value: Option<u64>, default: u64| match value {
+            Some(0) => Err(ConfigError::Invalid(format!(
+                "webhooks.{name} must be at least 1, found 0"
+            ))),
+            _ => Ok(value.unwrap_or(default)),
+        };
+        let millis = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let poll = positive("poll_ms", settings.poll_ms, millis(defaults.poll))?;
+        let timeout = positive("timeout_ms", settings.timeout_ms, millis(defaults.timeout))?;
+        let concurrency = positive(
+            "concurrency",
+            settings.concurrency.map(u64::from),
+            u64::from(defaults.concurrency),
+        )?;
+        let first = positive(
+            "retry_backoff_ms",
+            settings.retry_backoff_ms,
+            defaults.backoff.first_ms,
+        )?;
+        let max = positive(
+            "max_backoff_ms",
+            settings.max_backoff_ms,
+            defaults.backoff.max_ms.max(first),
+        )?;
+        if max < first {
+            return Err(ConfigError::Invalid(format!(
+                "webhooks.max_backoff_ms ({max}) must be at least webhooks.retry_backoff_ms \
+                 ({first})"
+            )));
+        }
+        Ok(Some(ratchet_webhooks::DispatcherConfig {
+            poll: Duration::from_millis(poll),
+            timeout: Duration::from_millis(timeout),
+            concurrency: u32::try_from(concurrency).unwrap_or(u32::MAX),
+            backoff: ratchet_core::Backoff {
+                first_ms: first,
+                max_ms: max,
+            },
+            ..defaults
+        }))
     }
 
     /// The step permits of `[gates]`, checked: a limit of 0 would let no call through.
@@ -574,6 +646,42 @@ mod tests {
     }
 
     #[test]
+    fn webhook_settings_are_read_checked_and_default_the_rest() {
+        let defaults = ratchet_webhooks::DispatcherConfig::default();
+        let config: Config =
+            toml::from_str("[webhooks]\ntimeout_ms = 500\nretry_backoff_ms = 20\n").unwrap();
+        let dispatch = config.webhooks().unwrap().expect("enabled by default");
+        assert_eq!(dispatch.timeout, Duration::from_millis(500));
+        assert_eq!(dispatch.backoff.first_ms, 20);
+        assert_eq!(dispatch.backoff.max_ms, defaults.backoff.max_ms);
+        assert_eq!(
+            (dispatch.poll, dispatch.concurrency),
+            (defaults.poll, defaults.concurrency)
+        );
+        let off: Config = toml::from_str("[webhooks]\nenabled = false\n").unwrap();
+        assert!(off.webhooks().unwrap().is_none());
+        for zero in ["poll_ms", "timeout_ms", "concurrency", "retry_backoff_ms"] {
+            let config: Config = toml::from_str(&format!("[webhooks]\n{zero} = 0\n")).unwrap();
+            let error = config.webhooks().unwrap_err().to_string();
+            assert!(
+                error.contains(&format!("webhooks.{zero} must be at least 1")),
+                "{error}"
+            );
+        }
+        let inverted: Config =
+            toml::from_str("[webhooks]\nretry_backoff_ms = 100\nmax_backoff_ms = 50\n").unwrap();
+        let error = inverted.webhooks().unwrap_err().to_string();
+        assert!(error.contains("max_backoff_ms (50)"), "{error}");
+        let raised: Config = toml::from_str("[webhooks]\nretry_backoff_ms = 900000\n").unwrap();
+        assert_eq!(
+            raised.webhooks().unwrap().unwrap().backoff.max_ms,
+            900_000,
+            "a first wait above the default cap raises the cap with it"
+        );
+        assert!(toml::from_str::<Config>("[webhooks]\ntimeout = 5\n").is_err());
+    }
+
+    #[test]
     fn gates_and_delegation_limits_are_read_and_checked() {
         let config = Config::from_toml(
             "agents = \"agents\"\n[gates]\nmax_active_runs = 100\nmax_active_runs_per_session = 8\nmodel_calls = 4\ntool_calls_per_session = 2\n[delegation]\nmax_depth = 2\nmax_tree_runs = 40\n",
@@ -801,6 +909,7 @@ mod tests {
                     gates: GatesConfig::default(),
                     delegation: DelegationLimits::default(),
                     inbox: InboxSettings::default(),
+                    webhooks: WebhookSettings::default(),
                 },
             )
     }

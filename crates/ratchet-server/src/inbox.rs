@@ -14,7 +14,7 @@ use utoipa_axum::routes;
 use crate::api::{ErrorBody, Page, PageQuery, SessionView};
 use crate::auth::Tenant;
 use crate::error::{ApiPath, ApiQuery};
-use crate::routes::{parse_session_id, tenant_session};
+use crate::routes::{numeric_cursor, parse_session_id, tenant_session};
 use crate::{ApiError, AppState};
 
 pub fn router() -> OpenApiRouter<AppState> {
@@ -108,12 +108,7 @@ async fn list_inbox(
         limit: query.limit,
     };
     let limit = page.limit()?;
-    let after: i64 = match page.cursor.as_deref() {
-        None => 0,
-        Some(cursor) => cursor
-            .parse()
-            .map_err(|_| ApiError::bad_request(format!("invalid cursor {cursor:?}")))?,
-    };
+    let after: i64 = numeric_cursor(page.cursor.as_deref())?;
     let status = match query.status.as_deref() {
         None => None,
         Some(text) => Some(InboxStatus::parse(text).ok_or_else(|| {

@@ -16,6 +16,7 @@ mod metrics;
 pub mod reload;
 mod routes;
 mod sse;
+mod webhooks;
 
 use std::sync::Arc;
 
@@ -96,6 +97,7 @@ pub fn app(state: AppState) -> Router {
         .merge(approvals::router())
         .merge(inbox::router())
         .merge(sse::router())
+        .merge(webhooks::router())
         .merge(metrics::router())
         .merge(reload::router())
         .split_for_parts();

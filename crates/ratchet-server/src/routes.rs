@@ -47,7 +47,9 @@ pub(crate) fn parse_run_id(text: &str) -> Result<RunId, ApiError> {
 }
 
 /// A cursor that is a position (a message's, a step's index); absent means the start.
-fn numeric_cursor<T: std::str::FromStr + Default>(cursor: Option<&str>) -> Result<T, ApiError> {
+pub(crate) fn numeric_cursor<T: std::str::FromStr + Default>(
+    cursor: Option<&str>,
+) -> Result<T, ApiError> {
     match cursor {
         None => Ok(T::default()),
         Some(cursor) => cursor

@@ -583,8 +583,10 @@ pub enum ResumeOutcome {
     PauseWithdrawn,
 }
 
+/// The state plane's storage. Every backend also keeps the observation plane's records
+/// (`Observation`); what observes — the webhook dispatcher — is handed that part alone.
 #[async_trait]
-pub trait Store: Send + Sync + 'static {
+pub trait Store: Observation + Send + Sync + 'static {
     async fn create_session(
         &self,
         id: &SessionId,

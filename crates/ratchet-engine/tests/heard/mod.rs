@@ -7,14 +7,18 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use ratchet_core::step::{Reconciliation, Resumption};
 use ratchet_core::{
-    AgentState, ApprovalAnswer, ApprovalId, EventDraft, Message, Millis, RunId, SessionId,
-    StepRecord, StepResult, ToolOutcome,
+    AgentState, ApprovalAnswer, ApprovalId, DeliveryStatus, EventDraft, Message, Millis, RunId,
+    SessionId, StepRecord, StepResult, ToolOutcome, WebhookId,
 };
 use ratchet_store::{
     Answered, Approval, ApprovalStatus, CancelOutcome, Change, ChangeStream, Claim, ClaimedStep,
     Commit, Intent, IntentRecord, Lease, ListOrder, MessageHit, NewRun, PauseOutcome, Reconciled,
     RecordedIntents, Result, ResumeOutcome, RunSummary, SearchScope, Session, SessionSpec, Store,
     StoreStats, StoredEvent, StoredMessage, Submitted,
+};
+use ratchet_store::{
+    AttemptOutcome, ClaimedDelivery, DeliveryClaim, NewWebhook, Observation, Webhook,
+    WebhookDelivery,
 };
 use tokio::sync::mpsc;
 
@@ -33,6 +37,62 @@ impl Heard {
             changes: Mutex::new(Some(receiver)),
         };
         (heard, sender)
+    }
+}
+
+#[async_trait]
+impl Observation for Heard {
+    async fn create_webhook(&self, webhook: NewWebhook, now: Millis) -> Result<Webhook> {
+        self.inner.create_webhook(webhook, now).await
+    }
+
+    async fn get_webhook(&self, id: &WebhookId) -> Result<Webhook> {
+        self.inner.get_webhook(id).await
+    }
+
+    async fn webhooks(&self, tenant: &str) -> Result<Vec<Webhook>> {
+        self.inner.webhooks(tenant).await
+    }
+
+    async fn delete_webhook(&self, id: &WebhookId) -> Result<()> {
+        self.inner.delete_webhook(id).await
+    }
+
+    async fn deliveries(
+        &self,
+        webhook_id: &WebhookId,
+        status: Option<DeliveryStatus>,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<WebhookDelivery>> {
+        self.inner
+            .deliveries(webhook_id, status, after, limit)
+            .await
+    }
+
+    async fn queue_deliveries(&self, limit: u32, now: Millis) -> Result<u32> {
+        self.inner.queue_deliveries(limit, now).await
+    }
+
+    async fn claim_deliveries(
+        &self,
+        owner: &str,
+        lease_until: Millis,
+        limit: u32,
+        now: Millis,
+    ) -> Result<Vec<ClaimedDelivery>> {
+        self.inner
+            .claim_deliveries(owner, lease_until, limit, now)
+            .await
+    }
+
+    async fn finish_delivery(
+        &self,
+        claim: &DeliveryClaim,
+        outcome: AttemptOutcome,
+        now: Millis,
+    ) -> Result<bool> {
+        self.inner.finish_delivery(claim, outcome, now).await
     }
 }
 

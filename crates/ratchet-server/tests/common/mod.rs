@@ -20,6 +20,7 @@ use ratchet_server::reload::Prepared;
 use ratchet_server::{Active, AppState, Tokens, hash_token};
 use ratchet_store::Store;
 use ratchet_tools::Registry;
+use ratchet_webhooks::DispatcherConfig;
 use reqwest::header::CONTENT_TYPE;
 use reqwest::{RequestBuilder, StatusCode};
 use serde_json::{Value, json};
@@ -106,10 +107,24 @@ impl Server {
         Server::launch(script, |_, _| {}, catalog).await
     }
 
+    /// A server that also sends webhook deliveries, as `ratchet serve` does.
+    pub async fn start_with_dispatcher(script: Value, dispatch: DispatcherConfig) -> Server {
+        Server::launch_with(script, |_, _| {}, |_, _| Vec::new(), Some(dispatch)).await
+    }
+
     async fn launch(
         script: Value,
         configure: impl FnOnce(&mut RunConfigSnapshot, &Models),
         catalog: impl FnOnce(&RunConfigSnapshot, &Path) -> Vec<AgentProfile>,
+    ) -> Server {
+        Server::launch_with(script, configure, catalog, None).await
+    }
+
+    async fn launch_with(
+        script: Value,
+        configure: impl FnOnce(&mut RunConfigSnapshot, &Models),
+        catalog: impl FnOnce(&RunConfigSnapshot, &Path) -> Vec<AgentProfile>,
+        dispatch: Option<DispatcherConfig>,
     ) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let script_path = dir.path().join("script.json");
@@ -121,7 +136,7 @@ impl Server {
         let mut known_tools: Vec<String> = tools.names().into_iter().map(str::to_owned).collect();
         known_tools.extend([DELEGATE_TOOL, AGENT_TASK_TOOL].map(str::to_owned));
         let models = Arc::new(Models::new(known_tools));
-        let coordinator = Coordinator::new(store);
+        let coordinator = Coordinator::new(Arc::clone(&store));
         // As `ratchet serve` does; SQLite has no change stream, so this follows nothing.
         let _follower = coordinator.follow_others();
         let engine = Arc::new(Engine::new(
@@ -172,6 +187,9 @@ impl Server {
                 ..PoolConfig::default()
             },
         );
+        if let Some(dispatch) = dispatch {
+            ratchet_webhooks::spawn(store.clone(), dispatch, shutdown.clone()).unwrap();
+        }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
         let stop = shutdown.clone();

@@ -1,0 +1,358 @@
+//! A tenant's webhooks: where its events are sent (signed), which kinds, and the log of
+//! every delivery. Sending is the webhook dispatcher's (`ratchet-webhooks`); these handlers
+//! only configure it and read what it did.
+
+use axum::extract::State;
+use axum::http::{StatusCode, Uri};
+use ratchet_core::{DeliveryStatus, EventKind, Millis, WebhookId};
+use ratchet_store::{NewWebhook, Webhook, WebhookDelivery};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use crate::api::{ErrorBody, Page, PageQuery};
+use crate::auth::Tenant;
+use crate::error::{ApiJson, ApiPath, ApiQuery};
+use crate::metrics::now_ms;
+use crate::routes::numeric_cursor;
+use crate::{ApiError, AppState};
+
+/// Attempts of one delivery when the webhook names none.
+const DEFAULT_MAX_ATTEMPTS: u32 = 10;
+const MAX_ATTEMPTS_LIMIT: u32 = 50;
+const MIN_SECRET_LEN: usize = 16;
+const MAX_SECRET_LEN: usize = 256;
+const MAX_URL_LEN: usize = 2048;
+
+pub fn router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(create_webhook, list_webhooks))
+        .routes(routes!(get_webhook, delete_webhook))
+        .routes(routes!(list_deliveries))
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateWebhook {
+    /// Where each event is POSTed: an absolute `http://` or `https://` URL.
+    pub url: String,
+    /// The event kinds to send (for example `run.finished`); every kind when absent.
+    pub events: Option<Vec<String>>,
+    /// The key deliveries are signed with, 16–256 characters; one is made when absent.
+    pub secret: Option<String>,
+    /// Attempts of one delivery before it is dead-lettered, 1–50 (default 10).
+    pub max_attempts: Option<u32>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct WebhookView {
+    pub id: String,
+    pub url: String,
+    /// The event kinds it is sent; absent for every kind.
+    pub events: Option<Vec<String>>,
+    pub max_attempts: u32,
+    pub created_at: Millis,
+    /// The signing key: in the answer to the creation only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+}
+
+impl From<Webhook> for WebhookView {
+    fn from(webhook: Webhook) -> WebhookView {
+        WebhookView {
+            id: webhook.id.to_string(),
+            url: webhook.url,
+            events: webhook.events,
+            max_attempts: webhook.max_attempts,
+            created_at: webhook.created_at,
+            secret: None,
+        }
+    }
+}
+
+/// One event's delivery to the webhook.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct DeliveryView {
+    /// Also the `Ratchet-Delivery` header of every attempt.
+    pub id: i64,
+    pub session_id: String,
+    pub seq: i64,
+    pub event_kind: String,
+    /// `pending` (waiting for its attempt, behind the session's earlier events),
+    /// `delivering`, `delivered` or `dead_letter`.
+    pub status: String,
+    pub attempts: u32,
+    pub max_attempts: u32,
+    /// When a pending delivery's next attempt is due.
+    pub available_at: Option<Millis>,
+    /// The HTTP status of the last answered attempt.
+    pub last_status: Option<u16>,
+    /// Why the last attempt failed.
+    pub last_error: Option<String>,
+    pub delivered_at: Option<Millis>,
+    pub created_at: Millis,
+    pub updated_at: Millis,
+}
+
+impl From<WebhookDelivery> for DeliveryView {
+    fn from(d: WebhookDelivery) -> DeliveryView {
+        DeliveryView {
+            id: d.id,
+            session_id: d.session_id.to_string(),
+            seq: d.seq,
+            event_kind: d.event_kind,
+            status: d.status.as_str().to_owned(),
+            attempts: d.attempts,
+            max_attempts: d.max_attempts,
+            available_at: d.available_at,
+            last_status: d.last_status,
+            last_error: d.last_error,
+            delivered_at: d.delivered_at,
+            created_at: d.created_at,
+            updated_at: d.updated_at,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize, ToSchema, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct DeliveriesQuery {
+    /// The `next_cursor` of the previous page.
+    #[param(min_length = 1)]
+    pub cursor: Option<String>,
+    /// Items per page, 1–200 (default 50).
+    #[param(minimum = 1, maximum = 200)]
+    pub limit: Option<u32>,
+    /// Only deliveries in this status (`dead_letter` lists the dead letters).
+    pub status: Option<String>,
+}
+
+fn checked_url(url: &str) -> Result<String, ApiError> {
+    let refuse = |why: &str| {
+        ApiError::unprocessable(format!(
+            "url must be an absolute http:// or https:// URL with a host; {url:?} {why}"
+        ))
+    };
+    if url.len() > MAX_URL_LEN {
+        return Err(refuse(&format!("is longer than {MAX_URL_LEN} bytes")));
+    }
+    let uri: Uri = url.parse().map_err(|_| refuse("does not parse"))?;
+    match uri.scheme_str() {
+        Some("http" | "https") => {}
+        Some(other) => return Err(refuse(&format!("has the scheme {other:?}"))),
+        None => return Err(refuse("has no scheme")),
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(refuse("has no host"));
+    }
+    Ok(url.to_owned())
+}
+
+fn checked_events(events: Option<Vec<String>>) -> Result<Option<Vec<String>>, ApiError> {
+    let Some(events) = events else {
+        return Ok(None);
+    };
+    if events.is_empty() {
+        return Err(ApiError::unprocessable(
+            "events must name at least one event kind; leave it out for every kind",
+        ));
+    }
+    let unknown: Vec<&str> = events
+        .iter()
+        .map(String::as_str)
+        .filter(|kind| EventKind::parse(kind).is_none())
+        .collect();
+    if !unknown.is_empty() {
+        let known: Vec<&str> = EventKind::ALL.iter().map(|k| k.as_str()).collect();
+        return Err(ApiError::unprocessable(format!(
+            "unknown event kinds {unknown:?}; expected any of {}",
+            known.join(", ")
+        )));
+    }
+    let mut kinds = Vec::with_capacity(events.len());
+    for kind in events {
+        if !kinds.contains(&kind) {
+            kinds.push(kind);
+        }
+    }
+    Ok(Some(kinds))
+}
+
+fn checked_secret(secret: Option<String>) -> Result<String, ApiError> {
+    match secret {
+        None => Ok(format!(
+            "whsec_{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        )),
+        Some(secret)
+            if (MIN_SECRET_LEN..=MAX_SECRET_LEN).contains(&secret.chars().count())
+                && secret.chars().all(|c| c.is_ascii_graphic()) =>
+        {
+            Ok(secret)
+        }
+        Some(secret) => Err(ApiError::unprocessable(format!(
+            "secret must be {MIN_SECRET_LEN}–{MAX_SECRET_LEN} printable ASCII characters without \
+             spaces, found {} characters",
+            secret.chars().count()
+        ))),
+    }
+}
+
+fn parse_webhook_id(text: &str) -> Result<WebhookId, ApiError> {
+    WebhookId::parse(text).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// The tenant's webhook; another tenant's is as absent as a missing one.
+async fn tenant_webhook(
+    state: &AppState,
+    tenant: &Tenant,
+    id: &WebhookId,
+) -> Result<Webhook, ApiError> {
+    match state.coordinator.store().get_webhook(id).await {
+        Ok(webhook) if webhook.tenant == tenant.0 => Ok(webhook),
+        Ok(_) | Err(ratchet_store::Error::NotFound { .. }) => {
+            Err(ApiError::not_found(format!("no webhook {id}")))
+        }
+        Err(other) => Err(other.into()),
+    }
+}
+
+#[utoipa::path(
+    post, path = "/v1/webhooks", tag = "webhooks",
+    request_body = CreateWebhook,
+    responses(
+        (status = 201, body = WebhookView, description = "Created, with its secret (shown this once). It is sent the events written from now on, in `seq` order per session."),
+        (status = 422, body = ErrorBody, description = "a bad url, an unknown event kind, a secret too short or long, max_attempts out of range"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn create_webhook(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiJson(body): ApiJson<CreateWebhook>,
+) -> Result<(StatusCode, axum::Json<WebhookView>), ApiError> {
+    let max_attempts = body.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS);
+    if !(1..=MAX_ATTEMPTS_LIMIT).contains(&max_attempts) {
+        return Err(ApiError::unprocessable(format!(
+            "max_attempts must be 1–{MAX_ATTEMPTS_LIMIT}, found {max_attempts}"
+        )));
+    }
+    let new = NewWebhook {
+        id: WebhookId::from_suffix(&uuid::Uuid::now_v7().to_string())
+            .map_err(|e| ApiError::bad_request(e.to_string()))?,
+        tenant: tenant.0,
+        url: checked_url(&body.url)?,
+        events: checked_events(body.events)?,
+        secret: checked_secret(body.secret)?,
+        max_attempts,
+    };
+    let secret = new.secret.clone();
+    let webhook = state
+        .coordinator
+        .store()
+        .create_webhook(new, now_ms())
+        .await?;
+    let view = WebhookView {
+        secret: Some(secret),
+        ..webhook.into()
+    };
+    Ok((StatusCode::CREATED, axum::Json(view)))
+}
+
+#[utoipa::path(
+    get, path = "/v1/webhooks", tag = "webhooks",
+    responses(
+        (status = 200, body = Page<WebhookView>, description = "The tenant's webhooks in creation order"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn list_webhooks(
+    State(state): State<AppState>,
+    tenant: Tenant,
+) -> Result<axum::Json<Page<WebhookView>>, ApiError> {
+    let webhooks = state.coordinator.store().webhooks(&tenant.0).await?;
+    Ok(axum::Json(Page {
+        items: webhooks.into_iter().map(WebhookView::from).collect(),
+        next_cursor: None,
+    }))
+}
+
+#[utoipa::path(
+    get, path = "/v1/webhooks/{id}", tag = "webhooks",
+    params(("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$")),
+    responses((status = 200, body = WebhookView), (status = "4XX", body = ErrorBody)),
+)]
+async fn get_webhook(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+) -> Result<axum::Json<WebhookView>, ApiError> {
+    let id = parse_webhook_id(&id)?;
+    let webhook = tenant_webhook(&state, &tenant, &id).await?;
+    Ok(axum::Json(webhook.into()))
+}
+
+#[utoipa::path(
+    delete, path = "/v1/webhooks/{id}", tag = "webhooks",
+    params(("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$")),
+    responses(
+        (status = 204, description = "Deleted with its delivery log: nothing more is sent to it"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn delete_webhook(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+) -> Result<StatusCode, ApiError> {
+    let id = parse_webhook_id(&id)?;
+    tenant_webhook(&state, &tenant, &id).await?;
+    state.coordinator.store().delete_webhook(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(
+    get, path = "/v1/webhooks/{id}/deliveries", tag = "webhooks",
+    params(("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$"), DeliveriesQuery),
+    responses(
+        (status = 200, body = Page<DeliveryView>, description = "The webhook's deliveries in the order they were queued, dead letters included"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn list_deliveries(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(query): ApiQuery<DeliveriesQuery>,
+) -> Result<axum::Json<Page<DeliveryView>>, ApiError> {
+    let id = parse_webhook_id(&id)?;
+    let page = PageQuery {
+        cursor: query.cursor,
+        limit: query.limit,
+    };
+    let limit = page.limit()?;
+    let after: i64 = numeric_cursor(page.cursor.as_deref())?;
+    let status = match query.status.as_deref() {
+        None => None,
+        Some(text) => Some(DeliveryStatus::parse(text).ok_or_else(|| {
+            let known: Vec<&str> = DeliveryStatus::ALL.iter().map(|s| s.as_str()).collect();
+            ApiError::bad_request(format!(
+                "unknown delivery status {text:?}; expected one of {}",
+                known.join(", ")
+            ))
+        })?),
+    };
+    tenant_webhook(&state, &tenant, &id).await?;
+    let deliveries = state
+        .coordinator
+        .store()
+        .deliveries(&id, status, after, limit)
+        .await?;
+    let items = deliveries.into_iter().map(DeliveryView::from).collect();
+    Ok(axum::Json(Page::new(items, limit, |d: &DeliveryView| {
+        d.id.to_string()
+    })))
+}

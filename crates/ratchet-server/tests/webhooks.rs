@@ -1,0 +1,436 @@
+//! Webhooks over the API: configured per tenant, sent every wanted event signed and in `seq`
+//! order per session through a receiver's failures, with a delivery log; and a receiver that
+//! never answers holds back nothing but its own deliveries.
+
+mod common;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode as AxumStatus};
+use ratchet_core::Backoff;
+use ratchet_webhooks::{DELIVERY_HEADER, DispatcherConfig, EVENT_HEADER, SIGNATURE_HEADER};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use common::*;
+
+/// What a receiver accepted (answered 2xx), in the order it accepted it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Accepted {
+    session_id: String,
+    seq: i64,
+    kind: String,
+}
+
+#[derive(Default)]
+struct Receiver {
+    /// Requests still to be refused with a 500.
+    failures_left: AtomicU32,
+    refused: AtomicU32,
+    /// Requests that arrived, answered or not.
+    arrived: AtomicU32,
+    /// Whether requests are never answered.
+    hangs: bool,
+    secret: Mutex<String>,
+    accepted: Mutex<Vec<Accepted>>,
+    problems: Mutex<Vec<String>>,
+}
+
+async fn receive(
+    State(receiver): State<Arc<Receiver>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> AxumStatus {
+    receiver.arrived.fetch_add(1, Ordering::SeqCst);
+    if receiver.hangs {
+        std::future::pending::<()>().await;
+    }
+    if receiver
+        .failures_left
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+    {
+        receiver.refused.fetch_add(1, Ordering::SeqCst);
+        return AxumStatus::INTERNAL_SERVER_ERROR;
+    }
+    let body = String::from_utf8(body.to_vec()).unwrap();
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let payload: Value = serde_json::from_str(&body).unwrap();
+    let mut problems = Vec::new();
+    let secret = receiver.secret.lock().unwrap().clone();
+    if !ratchet_webhooks::verify_signature(&secret, &header(SIGNATURE_HEADER), &body) {
+        problems.push(format!("a bad signature on {body}"));
+    }
+    if header(DELIVERY_HEADER) != payload["delivery_id"].as_i64().unwrap_or(-1).to_string() {
+        problems.push(format!("the delivery header does not name {body}"));
+    }
+    let event = &payload["event"];
+    if header(EVENT_HEADER) != event["kind"].as_str().unwrap_or_default() {
+        problems.push(format!("the event header does not name {body}"));
+    }
+    receiver.problems.lock().unwrap().extend(problems);
+    receiver.accepted.lock().unwrap().push(Accepted {
+        session_id: event["session_id"].as_str().unwrap().to_owned(),
+        seq: event["seq"].as_i64().unwrap(),
+        kind: event["kind"].as_str().unwrap().to_owned(),
+    });
+    AxumStatus::NO_CONTENT
+}
+
+/// A local receiver; its URL.
+async fn start_receiver(receiver: Arc<Receiver>) -> String {
+    let app = axum::Router::new()
+        .route("/hook", axum::routing::post(receive))
+        .with_state(receiver);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{address}/hook")
+}
+
+fn quick_dispatch(timeout: Duration, concurrency: u32) -> DispatcherConfig {
+    DispatcherConfig {
+        poll: Duration::from_millis(20),
+        timeout,
+        concurrency,
+        backoff: Backoff {
+            first_ms: 30,
+            max_ms: 200,
+        },
+        ..DispatcherConfig::default()
+    }
+}
+
+async fn create_webhook(server: &Server, body: Value) -> Value {
+    let reply = call(server.post(TOKEN_A, "/v1/webhooks", body)).await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{}", reply.body);
+    reply.body
+}
+
+async fn deliveries(server: &Server, webhook: &str) -> Vec<Value> {
+    let mut all = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            None => format!("/v1/webhooks/{webhook}/deliveries?limit=200"),
+            Some(c) => format!("/v1/webhooks/{webhook}/deliveries?limit=200&cursor={c}"),
+        };
+        let page = server.get_ok(TOKEN_A, &path).await;
+        all.extend(page["items"].as_array().unwrap().iter().cloned());
+        match page["next_cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => return all,
+        }
+    }
+}
+
+async fn session_events(server: &Server, session: &str) -> Vec<Accepted> {
+    server
+        .replay(&format!("/v1/sessions/{session}/events?follow=false"), None)
+        .await
+        .into_iter()
+        .map(|e| Accepted {
+            session_id: session.to_owned(),
+            seq: e.seq,
+            kind: e.kind,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_failing_three_times_then_succeeding_gets_every_event_once_in_order() {
+    let server =
+        Server::start_with_dispatcher(quick_script(), quick_dispatch(Duration::from_secs(5), 4))
+            .await;
+    let receiver = Arc::new(Receiver {
+        failures_left: AtomicU32::new(3),
+        ..Receiver::default()
+    });
+    let url = start_receiver(Arc::clone(&receiver)).await;
+    let webhook = create_webhook(&server, json!({"url": url, "max_attempts": 5})).await;
+    let secret = webhook["secret"].as_str().unwrap();
+    assert!(secret.starts_with("whsec_"), "{webhook}");
+    *receiver.secret.lock().unwrap() = secret.to_owned();
+    let id = webhook["id"].as_str().unwrap();
+
+    let (first, _, ended) = server.run_to_end("add two and three").await;
+    assert_eq!(ended["status"], "completed");
+    let (second, _, _) = server.run_to_end("and again").await;
+    let mut expected = session_events(&server, &first).await;
+    expected.extend(session_events(&server, &second).await);
+    assert!(expected.len() > 10, "{expected:?}");
+
+    let log = wait_for(&server, id, |log| {
+        log.len() == expected.len() && log.iter().all(|d| d["status"] == "delivered")
+    })
+    .await;
+
+    let accepted = receiver.accepted.lock().unwrap().clone();
+    for session in [&first, &second] {
+        let got: Vec<_> = accepted
+            .iter()
+            .filter(|a| &a.session_id == session)
+            .cloned()
+            .collect();
+        let want: Vec<_> = expected
+            .iter()
+            .filter(|a| &a.session_id == session)
+            .cloned()
+            .collect();
+        assert_eq!(
+            got, want,
+            "session {session}: every event once, in seq order"
+        );
+        assert_eq!(
+            want.iter().map(|a| a.seq).collect::<Vec<_>>(),
+            (1..=want.len() as i64).collect::<Vec<_>>(),
+            "a webhook created before the session gets it from its first event"
+        );
+    }
+    assert_eq!(
+        accepted.len(),
+        expected.len(),
+        "nothing else, nothing twice"
+    );
+    assert!(
+        receiver.problems.lock().unwrap().is_empty(),
+        "{:?}",
+        receiver.problems.lock().unwrap()
+    );
+    assert_eq!(receiver.refused.load(Ordering::SeqCst), 3);
+    let retried: u64 = log
+        .iter()
+        .map(|d| d["attempts"].as_u64().unwrap() - 1)
+        .sum();
+    assert_eq!(retried, 3, "the log counts the three refused attempts");
+    let refused_once: Vec<_> = log.iter().filter(|d| d["attempts"] != 1).collect();
+    assert!(
+        refused_once
+            .iter()
+            .all(|d| d["last_status"] == 204 && d["last_error"].is_null()),
+        "{refused_once:?}"
+    );
+}
+
+/// Reads the delivery log until `done` holds of it.
+async fn wait_for(server: &Server, webhook: &str, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let log = deliveries(server, webhook).await;
+        if done(&log) {
+            return log;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the delivery log never got there: {log:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_that_hangs_holds_back_no_step() {
+    let concurrency = 2;
+    let server = Server::start_with_dispatcher(
+        quick_script(),
+        quick_dispatch(Duration::from_secs(600), concurrency),
+    )
+    .await;
+    let receiver = Arc::new(Receiver {
+        hangs: true,
+        ..Receiver::default()
+    });
+    let url = start_receiver(Arc::clone(&receiver)).await;
+    let webhook = create_webhook(&server, json!({"url": url})).await;
+    let id = webhook["id"].as_str().unwrap();
+
+    // The dispatcher is stuck on the receiver from the first run's first event on.
+    let runs = 8;
+    let mut sessions = Vec::new();
+    for _ in 0..runs {
+        sessions.push(server.create_session(TOKEN_A).await);
+    }
+    let first = server
+        .send(TOKEN_A, &sessions[0], "add two and three")
+        .await;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while receiver.arrived.load(Ordering::SeqCst) < 1 {
+        assert!(tokio::time::Instant::now() < deadline, "no attempt arrived");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut started = vec![first["run_id"].as_str().unwrap().to_owned()];
+    for session in &sessions[1..] {
+        let accepted = server.send(TOKEN_A, session, "add two and three").await;
+        started.push(accepted["run_id"].as_str().unwrap().to_owned());
+    }
+    let mut steps = 0;
+    for run in &started {
+        let ended = server.finish(run).await;
+        assert_eq!(ended["status"], "completed", "{ended}");
+        steps += ended["step_index"].as_u64().unwrap();
+    }
+    assert_eq!(
+        steps,
+        3 * runs,
+        "every run took its three steps while the webhook hung"
+    );
+
+    let log = deliveries(&server, id).await;
+    let delivering = log.iter().filter(|d| d["status"] == "delivering").count();
+    assert_eq!(
+        delivering, concurrency as usize,
+        "the hung attempts, and no more, are in flight"
+    );
+    assert!(
+        log.iter().all(|d| d["status"] != "delivered"),
+        "the receiver answered nothing"
+    );
+    assert_eq!(receiver.arrived.load(Ordering::SeqCst), concurrency);
+    assert!(
+        log.iter().filter(|d| d["status"] == "pending").count() > 0,
+        "the rest wait their turn"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhooks_are_checked_and_kept_per_tenant() {
+    let server = Server::start(quick_script()).await;
+    for (body, says) in [
+        (json!({"url": "ftp://example.com/hook"}), "scheme \"ftp\""),
+        (json!({"url": "/relative"}), "has no scheme"),
+        (json!({"url": "not a url"}), "does not parse"),
+        (
+            json!({"url": "http://example.com/hook", "events": ["run.finished", "run.exploded"]}),
+            "unknown event kinds [\"run.exploded\"]",
+        ),
+        (
+            json!({"url": "http://example.com/hook", "events": []}),
+            "at least one event kind",
+        ),
+        (
+            json!({"url": "http://example.com/hook", "secret": "short"}),
+            "found 5 characters",
+        ),
+        (
+            json!({"url": "http://example.com/hook", "max_attempts": 0}),
+            "found 0",
+        ),
+        (
+            json!({"url": "http://example.com/hook", "max_attempts": 51}),
+            "found 51",
+        ),
+        (
+            json!({"url": "http://example.com/hook", "retries": 3}),
+            "retries",
+        ),
+    ] {
+        let reply = call(server.post(TOKEN_A, "/v1/webhooks", body.clone())).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{body}: {}",
+            reply.body
+        );
+        assert_eq!(reply.body["error"]["code"], "invalid_request");
+        let message = reply.body["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{body}: {message}");
+    }
+    assert!(
+        server.get_ok(TOKEN_A, "/v1/webhooks").await["items"]
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "nothing was created by a refused request"
+    );
+
+    let created = create_webhook(
+        &server,
+        json!({
+            "url": "https://example.com/hook",
+            "events": ["run.finished", "run.finished", "run.created"],
+            "secret": "sixteen-chars-ok",
+        }),
+    )
+    .await;
+    assert_eq!(created["secret"], "sixteen-chars-ok");
+    assert_eq!(created["events"], json!(["run.finished", "run.created"]));
+    assert_eq!(created["max_attempts"], 10);
+    let id = created["id"].as_str().unwrap();
+    let shown = server.get_ok(TOKEN_A, &format!("/v1/webhooks/{id}")).await;
+    assert!(
+        shown.get("secret").is_none(),
+        "the secret is shown once: {shown}"
+    );
+    assert_eq!(shown["url"], "https://example.com/hook");
+    let listed = server.get_ok(TOKEN_A, "/v1/webhooks").await;
+    assert_eq!(listed["items"].as_array().unwrap().len(), 1);
+
+    assert!(
+        server.get_ok(TOKEN_B, "/v1/webhooks").await["items"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+    for path in [
+        format!("/v1/webhooks/{id}"),
+        format!("/v1/webhooks/{id}/deliveries"),
+    ] {
+        let reply = call(server.get(TOKEN_B, &path)).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::NOT_FOUND,
+            "{path}: {}",
+            reply.body
+        );
+    }
+    let reply = call(
+        server
+            .http
+            .delete(server.url(&format!("/v1/webhooks/{id}")))
+            .bearer_auth(TOKEN_B),
+    )
+    .await;
+    assert_eq!(
+        reply.status,
+        StatusCode::NOT_FOUND,
+        "another tenant cannot delete it"
+    );
+
+    let reply = call(server.get(TOKEN_A, "/v1/webhooks/hook-1")).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.body);
+    let reply = call(server.get(
+        TOKEN_A,
+        &format!("/v1/webhooks/{id}/deliveries?status=lost"),
+    ))
+    .await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.body);
+    assert!(
+        reply.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("dead_letter")
+    );
+    let reply = call(server.get(TOKEN_A, &format!("/v1/webhooks/{id}/deliveries?cursor=x"))).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.body);
+
+    let response = server
+        .http
+        .delete(server.url(&format!("/v1/webhooks/{id}")))
+        .bearer_auth(TOKEN_A)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::NO_CONTENT);
+    let reply = call(server.get(TOKEN_A, &format!("/v1/webhooks/{id}"))).await;
+    assert_eq!(reply.status, StatusCode::NOT_FOUND);
+}

@@ -1,0 +1,325 @@
+//! The webhook dispatcher: an observation-plane plugin that sends each event a tenant's
+//! webhooks want as a signed POST, in `seq` order per session, retrying failed attempts with
+//! backoff until a delivery is dead-lettered.
+//!
+//! It holds an `Observation` handle only, never a `Store`: it can read events and keep its
+//! own delivery records, and nothing it does can enqueue a job or change a run. It runs as
+//! one task beside the workers, each attempt a task of its own under a timeout, so a slow or
+//! failing receiver delays its own deliveries and nothing else.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use hmac::{Hmac, KeyInit, Mac};
+use ratchet_core::Millis;
+use ratchet_core::webhook::{AfterFailure, Backoff, after_failure};
+use ratchet_store::{AttemptOutcome, ClaimedDelivery, DeliveryClaim, Observation};
+use serde_json::json;
+use sha2::Sha256;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// The header carrying `t=<milliseconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`.
+pub const SIGNATURE_HEADER: &str = "ratchet-signature";
+/// The delivery's id: the same on every attempt, so a receiver can drop a repeat.
+pub const DELIVERY_HEADER: &str = "ratchet-delivery";
+pub const EVENT_HEADER: &str = "ratchet-event";
+
+#[derive(Debug, Clone)]
+pub struct DispatcherConfig {
+    /// Names this dispatcher's claims (a process may die holding some).
+    pub owner: String,
+    /// How often it looks for new events and due attempts when nothing else wakes it.
+    pub poll: Duration,
+    /// How long an attempt may take before it counts as failed.
+    pub timeout: Duration,
+    /// Attempts in flight at once, over every webhook.
+    pub concurrency: u32,
+    /// Events looked at per queuing transaction.
+    pub batch: u32,
+    pub backoff: Backoff,
+}
+
+impl Default for DispatcherConfig {
+    fn default() -> Self {
+        DispatcherConfig {
+            owner: format!("webhooks-{}", std::process::id()),
+            poll: Duration::from_millis(250),
+            timeout: Duration::from_secs(10),
+            concurrency: 8,
+            batch: 500,
+            backoff: Backoff::default(),
+        }
+    }
+}
+
+/// Starts the dispatcher; it stops when `shutdown` is cancelled. Attempts still in flight
+/// then are abandoned: their leases expire and they are made again (delivery is at least
+/// once; receivers drop repeats by the delivery id).
+/// `Err` when no HTTP client can be built (no TLS backend).
+pub fn spawn(
+    hooks: Arc<dyn Observation>,
+    config: DispatcherConfig,
+    shutdown: CancellationToken,
+) -> Result<tokio::task::JoinHandle<()>, reqwest::Error> {
+    let dispatcher = Dispatcher::new(hooks, config)?;
+    Ok(tokio::spawn(dispatcher.run(shutdown)))
+}
+
+struct Dispatcher {
+    hooks: Arc<dyn Observation>,
+    config: DispatcherConfig,
+    http: reqwest::Client,
+}
+
+/// An attempt's result as the task that made it reports it back.
+struct Attempt {
+    claim: DeliveryClaim,
+    max_attempts: u32,
+    result: Result<u16, String>,
+}
+
+impl Dispatcher {
+    fn new(
+        hooks: Arc<dyn Observation>,
+        config: DispatcherConfig,
+    ) -> Result<Dispatcher, reqwest::Error> {
+        let http = reqwest::Client::builder()
+            .timeout(config.timeout)
+            // A redirect is an answer like any other non-2xx: the receiver's URL is the one
+            // configured, and a signed body is not forwarded elsewhere.
+            .redirect(reqwest::redirect::Policy::none())
+            .user_agent(concat!("ratchet/", env!("CARGO_PKG_VERSION")))
+            .build()?;
+        Ok(Dispatcher {
+            hooks,
+            config,
+            http,
+        })
+    }
+
+    async fn run(self, shutdown: CancellationToken) {
+        let mut in_flight: JoinSet<Attempt> = JoinSet::new();
+        loop {
+            let caught_up = self.queue().await;
+            let room = self
+                .config
+                .concurrency
+                .saturating_sub(u32::try_from(in_flight.len()).unwrap_or(u32::MAX));
+            if room > 0 {
+                for delivery in self.claim(room).await {
+                    in_flight.spawn(attempt(self.http.clone(), delivery));
+                }
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                Some(done) = in_flight.join_next(), if !in_flight.is_empty() => {
+                    match done {
+                        Ok(attempt) => self.record(attempt).await,
+                        Err(error) => tracing::error!(%error, "a webhook attempt task failed"),
+                    }
+                }
+                () = tokio::time::sleep(if caught_up { self.config.poll } else { Duration::ZERO }) => {}
+            }
+        }
+    }
+
+    /// Queues one batch (short transactions; a backlog is worked off turn by turn); true
+    /// when nothing more is waiting to be queued.
+    async fn queue(&self) -> bool {
+        match self
+            .hooks
+            .queue_deliveries(self.config.batch, now_ms())
+            .await
+        {
+            Ok(looked_at) => looked_at < self.config.batch,
+            Err(error) => {
+                tracing::warn!(%error, "cannot queue webhook deliveries");
+                true
+            }
+        }
+    }
+
+    async fn claim(&self, room: u32) -> Vec<ClaimedDelivery> {
+        let now = now_ms();
+        // The lease outlives the attempt's timeout: an attempt is only taken over when its
+        // dispatcher is gone.
+        let lease = 2 * self.config.timeout + Duration::from_secs(30);
+        let lease_until = now.saturating_add(i64::try_from(lease.as_millis()).unwrap_or(i64::MAX));
+        match self
+            .hooks
+            .claim_deliveries(&self.config.owner, lease_until, room, now)
+            .await
+        {
+            Ok(claimed) => claimed,
+            Err(error) => {
+                tracing::warn!(%error, "cannot claim webhook deliveries");
+                Vec::new()
+            }
+        }
+    }
+
+    async fn record(&self, attempt: Attempt) {
+        let now = now_ms();
+        let outcome = match attempt.result {
+            Ok(status) if (200..300).contains(&status) => AttemptOutcome::Delivered { status },
+            failed => {
+                let (status, error) = match failed {
+                    Ok(status) => (Some(status), format!("the receiver answered HTTP {status}")),
+                    Err(error) => (None, error),
+                };
+                let retry_at = match after_failure(
+                    attempt.claim.attempt,
+                    attempt.max_attempts,
+                    self.config.backoff,
+                    now,
+                ) {
+                    AfterFailure::RetryAt(at) => Some(at),
+                    AfterFailure::DeadLetter => None,
+                };
+                AttemptOutcome::Failed {
+                    status,
+                    error,
+                    retry_at,
+                }
+            }
+        };
+        match self
+            .hooks
+            .finish_delivery(&attempt.claim, outcome, now)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(
+                delivery = attempt.claim.delivery_id,
+                "a webhook attempt finished after its claim was lost"
+            ),
+            Err(error) => tracing::warn!(%error, "cannot record a webhook attempt"),
+        }
+    }
+}
+
+/// Makes one attempt: the event as JSON, signed, POSTed to the webhook's URL.
+async fn attempt(http: reqwest::Client, delivery: ClaimedDelivery) -> Attempt {
+    let body = json!({
+        "webhook_id": delivery.webhook_id,
+        "delivery_id": delivery.claim.delivery_id,
+        "attempt": delivery.claim.attempt,
+        "event": delivery.event,
+    })
+    .to_string();
+    let timestamp = now_ms();
+    let result = http
+        .post(&delivery.url)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .header(
+            SIGNATURE_HEADER,
+            signature_header(&delivery.secret, timestamp, &body),
+        )
+        .header(DELIVERY_HEADER, delivery.claim.delivery_id.to_string())
+        .header(EVENT_HEADER, &delivery.event.kind)
+        .body(body)
+        .send()
+        .await
+        .map(|response| response.status().as_u16())
+        .map_err(|error| describe(&error));
+    Attempt {
+        claim: delivery.claim,
+        max_attempts: delivery.max_attempts,
+        result,
+    }
+}
+
+fn describe(error: &reqwest::Error) -> String {
+    if error.is_timeout() {
+        "the receiver did not answer in time".to_owned()
+    } else if error.is_connect() {
+        format!("cannot connect to the receiver: {error}")
+    } else {
+        format!("the request failed: {error}")
+    }
+}
+
+/// The signature header's value for `body` sent at `timestamp`.
+pub fn signature_header(secret: &str, timestamp: Millis, body: &str) -> String {
+    format!(
+        "t={timestamp},v1={}",
+        hmac_sha256_hex(secret.as_bytes(), format!("{timestamp}.{body}").as_bytes())
+    )
+}
+
+/// Checks a signature header against `body` as a receiver would: the same secret must have
+/// signed this very body at the timestamp the header names.
+pub fn verify_signature(secret: &str, header: &str, body: &str) -> bool {
+    let mut timestamp = None;
+    let mut signature = None;
+    for part in header.split(',') {
+        match part.split_once('=') {
+            Some(("t", value)) => timestamp = value.parse::<Millis>().ok(),
+            Some(("v1", value)) => signature = Some(value),
+            _ => {}
+        }
+    }
+    let (Some(timestamp), Some(signature)) = (timestamp, signature) else {
+        return false;
+    };
+    let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(secret.as_bytes()) else {
+        return false;
+    };
+    mac.update(format!("{timestamp}.{body}").as_bytes());
+    decode_hex(signature).is_some_and(|bytes| mac.verify_slice(&bytes).is_ok())
+}
+
+fn hmac_sha256_hex(key: &[u8], message: &[u8]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes a key of any length");
+    mac.update(message);
+    mac.finalize()
+        .into_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn decode_hex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(text.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+fn now_ms() -> Millis {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// RFC 4231, test case 2: the signature is HMAC-SHA256 itself, not a look-alike.
+    #[test]
+    fn the_mac_is_hmac_sha256() {
+        assert_eq!(
+            hmac_sha256_hex(b"Jefe", b"what do ya want for nothing?"),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+    }
+
+    #[test]
+    fn a_signature_verifies_only_for_its_secret_body_and_timestamp() {
+        let header = signature_header("whsec_1", 1_700_000_000_000, r#"{"a":1}"#);
+        assert!(header.starts_with("t=1700000000000,v1="), "{header}");
+        assert!(verify_signature("whsec_1", &header, r#"{"a":1}"#));
+        assert!(!verify_signature("whsec_2", &header, r#"{"a":1}"#));
+        assert!(!verify_signature("whsec_1", &header, r#"{"a":2}"#));
+        let moved = header.replace("t=1700000000000", "t=1700000000001");
+        assert!(!verify_signature("whsec_1", &moved, r#"{"a":1}"#));
+        assert!(!verify_signature("whsec_1", "v1=00", r#"{"a":1}"#));
+        assert!(!verify_signature("whsec_1", "t=1,v1=zz", r#"{"a":1}"#));
+    }
+}
