@@ -96,6 +96,40 @@ fn the_core_does_no_io_no_async_and_reads_no_clock() {
     }
 }
 
+/// Plugins attach to the observation plane only: the dispatcher is written against
+/// `Observation`, which has no method that could enqueue a job or change a run.
+#[test]
+fn the_webhook_dispatcher_only_observes() {
+    for dep in dependencies("ratchet-webhooks") {
+        assert!(
+            !["ratchet-engine", "ratchet-sql", "ratchet-sqlite", "ratchet-postgres"]
+                .contains(&dep.as_str()),
+            "ratchet-webhooks must not depend on {dep}"
+        );
+    }
+    let store_trait = whole_word("Store");
+    for file in rust_files(&workspace().join("crates/ratchet-webhooks/src")) {
+        let text = std::fs::read_to_string(&file).unwrap();
+        assert!(
+            !store_trait(&text),
+            "{} names `Store`; the dispatcher holds an `Observation` handle only",
+            file.display()
+        );
+    }
+}
+
+/// Whether `text` has `word` as a whole identifier (not inside `StoredEvent`, say).
+fn whole_word(word: &'static str) -> impl Fn(&str) -> bool {
+    move |text| {
+        text.match_indices(word).any(|(at, _)| {
+            let identifier = |c: char| c.is_alphanumeric() || c == '_';
+            let before = text[..at].chars().next_back().is_some_and(identifier);
+            let after = text[at + word.len()..].chars().next().is_some_and(identifier);
+            !before && !after
+        })
+    }
+}
+
 #[test]
 fn crates_depend_only_along_the_layers() {
     let rules: &[(&str, &[&str])] = &[
@@ -123,6 +157,7 @@ fn crates_depend_only_along_the_layers() {
                 "ratchet-tools",
             ],
         ),
+        ("ratchet-webhooks", &["ratchet-core", "ratchet-store"]),
         (
             "ratchet-server",
             &[
@@ -131,6 +166,7 @@ fn crates_depend_only_along_the_layers() {
                 "ratchet-llm",
                 "ratchet-mcp",
                 "ratchet-engine",
+                "ratchet-webhooks",
             ],
         ),
         // The chaos program sees what users and operators see: the HTTP API, the event

@@ -449,6 +449,9 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/approvals", vec!["get"]),
         ("/v1/approvals/{id}", vec!["get", "post"]),
         ("/v1/runs/{id}/events", vec!["get"]),
+        ("/v1/webhooks", vec!["get", "post"]),
+        ("/v1/webhooks/{id}", vec!["delete", "get"]),
+        ("/v1/webhooks/{id}/deliveries", vec!["get"]),
     ]);
     assert_eq!(paths, expected);
     let error_detail = &openapi.body["components"]["schemas"]["ErrorDetail"];

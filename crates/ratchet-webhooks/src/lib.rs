@@ -2,7 +2,7 @@
 //! webhooks want as a signed POST, in `seq` order per session, retrying failed attempts with
 //! backoff until a delivery is dead-lettered.
 //!
-//! It holds an `Observation` handle only, never a `Store`: it can read events and keep its
+//! It holds an `Observation` handle only, not the state plane's: it can read events and keep its
 //! own delivery records, and nothing it does can enqueue a job or change a run. It runs as
 //! one task beside the workers, each attempt a task of its own under a timeout, so a slow or
 //! failing receiver delays its own deliveries and nothing else.
