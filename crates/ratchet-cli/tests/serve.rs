@@ -1,7 +1,7 @@
 //! `ratchet serve` as a real process: a SIGTERM stops it gracefully — event streams end, the
 //! step in flight still commits, the process exits 0 — and `ratchet resume` finishes the run;
 //! a SIGHUP reloads its catalog and configuration, or keeps them when the new ones have
-//! problems.
+//! problems; a webhook attempt cut short by a SIGKILL is made again by the next process.
 
 mod common;
 
@@ -532,4 +532,155 @@ async fn sighup_reloads_a_valid_catalog_and_keeps_the_old_one_when_the_new_one_h
     assert!(problems[0].as_str().unwrap().starts_with(&editor), "{body}");
     assert!(problems[1].as_str().unwrap().starts_with(&writer), "{body}");
     assert_eq!(agents_of(&http, &server.base).await, reloaded);
+}
+
+/// What a webhook receiver in the test heard: the attempts that arrived (delivery ids), and
+/// the events it accepted, in order.
+#[derive(Default)]
+struct Heard {
+    arrived: Vec<i64>,
+    accepted: Vec<(i64, i64, String)>,
+    bad_signatures: usize,
+}
+
+const WEBHOOK_SECRET: &str = "a-secret-the-test-knows";
+
+/// A receiver that never answers its first request and accepts every later one.
+async fn start_receiver(heard: Arc<Mutex<Heard>>) -> String {
+    async fn receive(
+        axum::extract::State(heard): axum::extract::State<Arc<Mutex<Heard>>>,
+        headers: axum::http::HeaderMap,
+        body: String,
+    ) -> axum::http::StatusCode {
+        let delivery: Value = serde_json::from_str(&body).unwrap();
+        let id = delivery["delivery_id"].as_i64().unwrap();
+        let first = {
+            let mut heard = heard.lock().unwrap();
+            heard.arrived.push(id);
+            heard.arrived.len() == 1
+        };
+        if first {
+            std::future::pending::<()>().await;
+        }
+        let signature = headers
+            .get(ratchet_webhooks::SIGNATURE_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
+        let mut heard = heard.lock().unwrap();
+        if !ratchet_webhooks::verify_signature(WEBHOOK_SECRET, signature, &body) {
+            heard.bad_signatures += 1;
+        }
+        let event = &delivery["event"];
+        heard.accepted.push((
+            id,
+            event["seq"].as_i64().unwrap(),
+            event["kind"].as_str().unwrap().to_owned(),
+        ));
+        axum::http::StatusCode::OK
+    }
+    let app = axum::Router::new()
+        .route("/hook", axum::routing::post(receive))
+        .with_state(heard);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{address}/hook")
+}
+
+/// A webhook attempt in flight when its server is SIGKILLed is made again by the next
+/// process once its lease has expired, under the same delivery id; the receiver then gets
+/// every event of the session once, in `seq` order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_attempt_cut_short_by_sigkill_is_made_again_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("script.json");
+    let replies = json!({"replies": [
+        {"text": "Let me add.", "tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]},
+        {"text": "The sum is 5."}
+    ]});
+    std::fs::write(&script, replies.to_string()).unwrap();
+    let config = dir.path().join("ratchet.toml");
+    std::fs::write(
+        &config,
+        "[webhooks]\ntimeout_ms = 1000\nretry_backoff_ms = 50\n",
+    )
+    .unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let model = format!("scripted:{}", script.display());
+    let args = [
+        "--db",
+        &db,
+        "--model",
+        &model,
+        "--config",
+        config.to_str().unwrap(),
+    ];
+    let heard = Arc::new(Mutex::new(Heard::default()));
+    let url = start_receiver(Arc::clone(&heard)).await;
+    let http = reqwest::Client::new();
+
+    let (mut first, _) = start_watched(&args);
+    let webhook = post_json(
+        &http,
+        format!("{}/v1/webhooks", first.base),
+        json!({"url": url, "secret": WEBHOOK_SECRET}),
+    )
+    .await;
+    let webhook = webhook["id"].as_str().unwrap().to_owned();
+    let (session, run) = first.send_in_new_session(&http, "add two and three").await;
+    let started = Instant::now();
+    while heard.lock().unwrap().arrived.is_empty() {
+        assert!(started.elapsed() < DEADLINE, "no attempt arrived");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+
+    let (second, _) = start_watched(&args);
+    run_until(&http, &second.base, &run, |r| r["status"] == "completed").await;
+    let log = loop {
+        let page = json(
+            http.get(format!(
+                "{}/v1/webhooks/{webhook}/deliveries?limit=200",
+                second.base
+            ))
+            .send()
+            .await
+            .unwrap(),
+        )
+        .await;
+        let items = page["items"].as_array().unwrap().clone();
+        if !items.is_empty()
+            && items.iter().all(|d| d["status"] == "delivered")
+            && items.last().unwrap()["event_kind"] == "run.finished"
+        {
+            break items;
+        }
+        assert!(started.elapsed() < DEADLINE, "deliveries: {items:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+
+    let heard = heard.lock().unwrap();
+    let seqs: Vec<i64> = heard.accepted.iter().map(|(_, seq, _)| *seq).collect();
+    assert_eq!(
+        seqs,
+        (1..=log.len() as i64).collect::<Vec<_>>(),
+        "session {session}: every event once, in seq order"
+    );
+    assert_eq!(heard.bad_signatures, 0);
+    let cut_short = heard.arrived[0];
+    assert_eq!(
+        heard.accepted[0].0, cut_short,
+        "the attempt cut short was made again under its delivery id"
+    );
+    assert_eq!(log[0]["id"], cut_short);
+    assert_eq!(log[0]["attempts"], 2, "{:#?}", log[0]);
+    assert!(
+        log[1..].iter().all(|d| d["attempts"] == 1),
+        "nothing else was attempted twice: {log:#?}"
+    );
+}
+
+async fn post_json(http: &reqwest::Client, url: String, body: Value) -> Value {
+    json(http.post(url).json(&body).send().await.unwrap()).await
 }

@@ -102,8 +102,13 @@ fn the_core_does_no_io_no_async_and_reads_no_clock() {
 fn the_webhook_dispatcher_only_observes() {
     for dep in dependencies("ratchet-webhooks") {
         assert!(
-            !["ratchet-engine", "ratchet-sql", "ratchet-sqlite", "ratchet-postgres"]
-                .contains(&dep.as_str()),
+            ![
+                "ratchet-engine",
+                "ratchet-sql",
+                "ratchet-sqlite",
+                "ratchet-postgres"
+            ]
+            .contains(&dep.as_str()),
             "ratchet-webhooks must not depend on {dep}"
         );
     }
@@ -124,7 +129,10 @@ fn whole_word(word: &'static str) -> impl Fn(&str) -> bool {
         text.match_indices(word).any(|(at, _)| {
             let identifier = |c: char| c.is_alphanumeric() || c == '_';
             let before = text[..at].chars().next_back().is_some_and(identifier);
-            let after = text[at + word.len()..].chars().next().is_some_and(identifier);
+            let after = text[at + word.len()..]
+                .chars()
+                .next()
+                .is_some_and(identifier);
             !before && !after
         })
     }

@@ -144,7 +144,7 @@ impl Dispatcher {
         let now = now_ms();
         // The lease outlives the attempt's timeout: an attempt is only taken over when its
         // dispatcher is gone.
-        let lease = 2 * self.config.timeout + Duration::from_secs(30);
+        let lease = 2 * self.config.timeout + Duration::from_secs(5);
         let lease_until = now.saturating_add(i64::try_from(lease.as_millis()).unwrap_or(i64::MAX));
         match self
             .hooks
