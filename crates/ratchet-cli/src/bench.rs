@@ -28,6 +28,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::{Semaphore, broadcast::error::RecvError, oneshot};
 
+use crate::bench_webhooks::WebhookLoad;
 use crate::runtime::{
     Runtime, Schema, Toolbox, announces_changes, database_bytes, database_directory, open_store,
 };
@@ -47,6 +48,8 @@ pub struct StepsArgs {
     pub worker_processes: usize,
     /// Single-row commits measured beside the runs (SQLite only).
     pub commits: u32,
+    /// A webhook receiving every event, and how its receiver behaves.
+    pub webhook: WebhookLoad,
     pub json: bool,
 }
 
@@ -104,6 +107,8 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     let runtime = Runtime::new(open_store(&db, Schema::Migrate)?, toolbox);
     let bytes_before = database_bytes(&db)?;
     let coordinator = Arc::clone(&runtime.coordinator);
+    let observer =
+        crate::bench_webhooks::attach(args.webhook, Arc::clone(coordinator.store())).await?;
     let pool = (args.worker_processes == 0).then(|| {
         runtime.start_workers(PoolConfig {
             workers: args.concurrency,
@@ -242,8 +247,10 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         }));
     }
     let mut steps = 0;
+    let mut sessions = Vec::with_capacity(args.runs);
     for task in tasks {
         let state = task.await??;
+        sessions.push(state.session_id.clone());
         if state.status != RunStatus::Completed || state.step_index != 2 * args.turns as u64 + 1 {
             bail!(
                 "run {} ended {} after {} steps; expected completed after {}",
@@ -266,6 +273,14 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     }
     listener.abort();
     sweeper.abort();
+    let webhook = match observer {
+        Some(observer) => {
+            observer
+                .finish(coordinator.store().as_ref(), &sessions)
+                .await?
+        }
+        None => Value::Null,
+    };
     let bytes_after = database_bytes(&db)?;
 
     let mut latencies: Vec<f64> = std::mem::take(&mut *latencies.lock().expect("bench latencies"))
@@ -298,6 +313,7 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         "database_bytes_before": bytes_before,
         "database_bytes_after": bytes_after,
         "database_bytes_per_step": bytes_per_step,
+        "webhook": webhook,
     });
     print_report(&report, args.json, || {
         let disk = match (commits_per_s, over_commits) {
@@ -306,8 +322,22 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
             }
             _ => String::new(),
         };
+        let webhook = match webhook["receiver"].as_str() {
+            Some("answering") => format!(
+                "; a webhook got {} events, {:.0}/s, p50 {:.0} ms and p99 {:.0} ms after their commit",
+                webhook["deliveries"],
+                webhook["deliveries_per_s"].as_f64().unwrap_or_default(),
+                webhook["lag_p50_ms"].as_f64().unwrap_or_default(),
+                webhook["lag_p99_ms"].as_f64().unwrap_or_default()
+            ),
+            Some(_) => format!(
+                "; a webhook that never answers held {} attempts",
+                webhook["attempts_in_flight"]
+            ),
+            None => String::new(),
+        };
         format!(
-            "{} runs x {} steps, {} at a time{}: {steps_per_s:.0} durable steps/s, {runs_per_s:.1} runs/s, step latency p50 {p50:.2} ms, p99 {p99:.2} ms{disk}; the database grew {bytes_per_step:.0} bytes per step",
+            "{} runs x {} steps, {} at a time{}: {steps_per_s:.0} durable steps/s, {runs_per_s:.1} runs/s, step latency p50 {p50:.2} ms, p99 {p99:.2} ms{disk}; the database grew {bytes_per_step:.0} bytes per step{webhook}",
             args.runs,
             2 * args.turns + 1,
             args.concurrency,

@@ -8,6 +8,7 @@ mod bench_commits;
 mod bench_memory;
 mod bench_recovery;
 mod bench_sse;
+mod bench_webhooks;
 mod chat;
 mod client;
 mod drive;
@@ -454,6 +455,10 @@ enum BenchCommand {
         /// for the disk's own rate (SQLite only).
         #[arg(long, default_value_t = 1000)]
         commits: u32,
+        /// A webhook receiving every event, from a receiver in this process that answers at
+        /// once or never.
+        #[arg(long, value_enum, default_value = "none")]
+        webhook: bench_webhooks::WebhookLoad,
         #[arg(long)]
         json: bool,
     },
@@ -803,6 +808,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     turns,
                     worker_processes,
                     commits,
+                    webhook,
                     json,
                 },
         } => {
@@ -813,6 +819,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 turns,
                 worker_processes,
                 commits,
+                webhook,
                 json,
             })
             .await
