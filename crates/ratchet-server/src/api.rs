@@ -70,6 +70,51 @@ impl PageQuery {
     }
 }
 
+/// A page of a list that can be filtered by status, in id order (an inbox, a delivery log).
+#[derive(Debug, Deserialize, ToSchema, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct StatusPageQuery {
+    /// The `next_cursor` of the previous page.
+    #[param(min_length = 1)]
+    pub cursor: Option<String>,
+    /// Items per page, 1–200 (default 50).
+    #[param(minimum = 1, maximum = 200)]
+    pub limit: Option<u32>,
+    /// Only items in this status (`dead_letter` lists the dead letters).
+    pub status: Option<String>,
+}
+
+impl StatusPageQuery {
+    /// The id the page starts after (0 for the first page), its size, and the status asked
+    /// for, one of `all` by the name `name_of` gives it; `what` names the statuses in errors.
+    pub fn checked<T: Copy>(
+        &self,
+        what: &str,
+        all: &[T],
+        name_of: impl Fn(T) -> &'static str,
+    ) -> Result<(i64, u32, Option<T>), crate::ApiError> {
+        let after = crate::routes::numeric_cursor(self.cursor.as_deref())?;
+        let limit = page_limit(self.limit)?;
+        let status = match self.status.as_deref() {
+            None => None,
+            Some(text) => Some(
+                all.iter()
+                    .copied()
+                    .find(|status| name_of(*status) == text)
+                    .ok_or_else(|| {
+                        let known: Vec<&str> = all.iter().map(|s| name_of(*s)).collect();
+                        crate::ApiError::bad_request(format!(
+                            "unknown {what} status {text:?}; expected one of {}",
+                            known.join(", ")
+                        ))
+                    })?,
+            ),
+        };
+        Ok((after, limit, status))
+    }
+}
+
 /// `GET /v1/sessions`: a page of the tenant's sessions, from either end of the id order.
 #[derive(Debug, Deserialize, ToSchema, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]

@@ -5,16 +5,16 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use ratchet_core::{InboxStatus, Millis};
 use ratchet_store::{Closing, InboxEvent};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::api::{ErrorBody, Page, PageQuery, SessionView};
+use crate::api::{ErrorBody, Page, SessionView, StatusPageQuery};
 use crate::auth::Tenant;
 use crate::error::{ApiPath, ApiQuery};
-use crate::routes::{numeric_cursor, parse_session_id, tenant_session};
+use crate::routes::{parse_session_id, tenant_session};
 use crate::{ApiError, AppState};
 
 pub fn router() -> OpenApiRouter<AppState> {
@@ -74,23 +74,9 @@ impl From<InboxEvent> for InboxEventView {
     }
 }
 
-#[derive(Debug, Deserialize, ToSchema, utoipa::IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-pub struct InboxQuery {
-    /// The `next_cursor` of the previous page.
-    #[param(min_length = 1)]
-    pub cursor: Option<String>,
-    /// Items per page, 1–200 (default 50).
-    #[param(minimum = 1, maximum = 200)]
-    pub limit: Option<u32>,
-    /// Only events in this status (`dead_letter` lists the dead letters).
-    pub status: Option<String>,
-}
-
 #[utoipa::path(
     get, path = "/v1/sessions/{id}/inbox", tag = "sessions",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"), InboxQuery),
+    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"), StatusPageQuery),
     responses(
         (status = 200, body = Page<InboxEventView>, description = "The session's inbox events in the order they were created, dead letters included"),
         (status = "4XX", body = ErrorBody),
@@ -100,25 +86,10 @@ async fn list_inbox(
     State(state): State<AppState>,
     tenant: Tenant,
     ApiPath(id): ApiPath<String>,
-    ApiQuery(query): ApiQuery<InboxQuery>,
+    ApiQuery(query): ApiQuery<StatusPageQuery>,
 ) -> Result<axum::Json<Page<InboxEventView>>, ApiError> {
     let id = parse_session_id(&id)?;
-    let page = PageQuery {
-        cursor: query.cursor,
-        limit: query.limit,
-    };
-    let limit = page.limit()?;
-    let after: i64 = numeric_cursor(page.cursor.as_deref())?;
-    let status = match query.status.as_deref() {
-        None => None,
-        Some(text) => Some(InboxStatus::parse(text).ok_or_else(|| {
-            let known: Vec<&str> = InboxStatus::ALL.iter().map(|s| s.as_str()).collect();
-            ApiError::bad_request(format!(
-                "unknown inbox status {text:?}; expected one of {}",
-                known.join(", ")
-            ))
-        })?),
-    };
+    let (after, limit, status) = query.checked("inbox", &InboxStatus::ALL, InboxStatus::as_str)?;
     tenant_session(&state, &tenant, &id).await?;
     let events = state
         .coordinator

@@ -159,7 +159,7 @@ pub struct ReloadView {
     pub model: String,
     /// Settings that changed but take effect only after a restart, by configuration key
     /// (`listen`, `db`, `workers`, `lease_ms`, `heartbeat_ms`, `poll_ms`, `gates`, `mcp`,
-    /// `models`); empty when nothing needs one.
+    /// `webhooks`, `models`); empty when nothing needs one.
     pub restart_required: Vec<String>,
     pub reloaded_at: Millis,
 }

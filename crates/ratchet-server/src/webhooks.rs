@@ -11,11 +11,10 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::api::{ErrorBody, Page, PageQuery};
+use crate::api::{ErrorBody, Page, StatusPageQuery};
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
 use crate::metrics::now_ms;
-use crate::routes::numeric_cursor;
 use crate::{ApiError, AppState};
 
 /// Attempts of one delivery when the webhook names none.
@@ -113,20 +112,6 @@ impl From<WebhookDelivery> for DeliveryView {
             updated_at: d.updated_at,
         }
     }
-}
-
-#[derive(Debug, Deserialize, ToSchema, utoipa::IntoParams)]
-#[into_params(parameter_in = Query)]
-#[serde(deny_unknown_fields)]
-pub struct DeliveriesQuery {
-    /// The `next_cursor` of the previous page.
-    #[param(min_length = 1)]
-    pub cursor: Option<String>,
-    /// Items per page, 1–200 (default 50).
-    #[param(minimum = 1, maximum = 200)]
-    pub limit: Option<u32>,
-    /// Only deliveries in this status (`dead_letter` lists the dead letters).
-    pub status: Option<String>,
 }
 
 fn checked_url(url: &str) -> Result<String, ApiError> {
@@ -316,7 +301,7 @@ async fn delete_webhook(
 
 #[utoipa::path(
     get, path = "/v1/webhooks/{id}/deliveries", tag = "webhooks",
-    params(("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$"), DeliveriesQuery),
+    params(("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$"), StatusPageQuery),
     responses(
         (status = 200, body = Page<DeliveryView>, description = "The webhook's deliveries in the order they were queued, dead letters included"),
         (status = "4XX", body = ErrorBody),
@@ -326,25 +311,11 @@ async fn list_deliveries(
     State(state): State<AppState>,
     tenant: Tenant,
     ApiPath(id): ApiPath<String>,
-    ApiQuery(query): ApiQuery<DeliveriesQuery>,
+    ApiQuery(query): ApiQuery<StatusPageQuery>,
 ) -> Result<axum::Json<Page<DeliveryView>>, ApiError> {
     let id = parse_webhook_id(&id)?;
-    let page = PageQuery {
-        cursor: query.cursor,
-        limit: query.limit,
-    };
-    let limit = page.limit()?;
-    let after: i64 = numeric_cursor(page.cursor.as_deref())?;
-    let status = match query.status.as_deref() {
-        None => None,
-        Some(text) => Some(DeliveryStatus::parse(text).ok_or_else(|| {
-            let known: Vec<&str> = DeliveryStatus::ALL.iter().map(|s| s.as_str()).collect();
-            ApiError::bad_request(format!(
-                "unknown delivery status {text:?}; expected one of {}",
-                known.join(", ")
-            ))
-        })?),
-    };
+    let (after, limit, status) =
+        query.checked("delivery", &DeliveryStatus::ALL, DeliveryStatus::as_str)?;
     tenant_webhook(&state, &tenant, &id).await?;
     let deliveries = state
         .coordinator

@@ -71,6 +71,20 @@ async fn create_session_with(server: &Server, token: &str, body: Value) -> Reply
     call(server.post(token, "/v1/sessions", body)).await
 }
 
+/// Tenant A sends `content` in a new session of `agent` and waits for the run to end: the
+/// run and the run as it ended.
+async fn run_as(server: &Server, agent: &str, content: &str) -> (String, Value) {
+    let created = create_session_with(server, TOKEN_A, json!({"agent": agent})).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let session = created.body["id"].as_str().unwrap();
+    let run = server.send(TOKEN_A, session, content).await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let ended = server.finish(&run).await;
+    (run, ended)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_catalog_is_listed_in_id_order_with_each_agents_model_tools_and_delegates() {
     let server = Server::start_with_agents(quick_script(), writer_and_boss).await;
@@ -897,13 +911,7 @@ async fn a_reload_replaces_the_catalog_and_the_template_whole() {
         "invalid_request",
     );
 
-    let created = create_session_with(&server, TOKEN_A, json!({"agent": "writer"})).await;
-    let session = created.body["id"].as_str().unwrap();
-    let run = server.send(TOKEN_A, session, "write").await["run_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let ended = server.finish(&run).await;
+    let (run, ended) = run_as(&server, "writer", "write").await;
     assert_eq!(ended["final_answer"], "rewritten", "{ended}");
     assert_eq!(ended["agent"]["hash"], "hash-of-writer-v2", "{ended}");
     assert_eq!(frozen_config(&server, &run).await, writer.config);
@@ -952,13 +960,7 @@ async fn a_rejected_reload_lists_every_problem_and_keeps_the_old_catalog() {
     assert_eq!(error["problems"], json!(problems));
 
     assert_eq!(server.get_ok(TOKEN_A, "/v1/agents").await, before);
-    let created = create_session_with(&server, TOKEN_A, json!({"agent": "writer"})).await;
-    let session = created.body["id"].as_str().unwrap();
-    let run = server.send(TOKEN_A, session, "write").await["run_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let ended = server.finish(&run).await;
+    let (_, ended) = run_as(&server, "writer", "write").await;
     assert_eq!(
         (&ended["final_answer"], &ended["agent"]["hash"]),
         (&json!("written"), &json!("hash-of-writer")),

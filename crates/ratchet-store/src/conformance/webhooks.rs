@@ -71,6 +71,22 @@ async fn write_events(store: &dyn Store, session: &SessionId, n: usize, now: Mil
         .collect()
 }
 
+/// A webhook of `assistant.delta` events allowing `max_attempts`, and a session of its tenant
+/// with `n` of them written and queued: the webhook, the session and the events' seqs.
+async fn deltas_queued(
+    store: &dyn Store,
+    hooks: &dyn Observation,
+    max_attempts: u32,
+    n: usize,
+) -> (Webhook, SessionId, Vec<i64>) {
+    let tenant = unique();
+    let hook = webhook(hooks, &tenant, Some(&["assistant.delta"]), max_attempts).await;
+    let session = tenant_session(store, &tenant).await;
+    let seqs = write_events(store, &session, n, T0).await;
+    queue_all(hooks, T0).await;
+    (hook, session, seqs)
+}
+
 async fn queue_all(hooks: &dyn Observation, now: Millis) {
     for _ in 0..100 {
         if hooks.queue_deliveries(3, now).await.unwrap() == 0 {
@@ -281,11 +297,7 @@ pub async fn a_delivery_is_dead_lettered_after_its_last_attempt_and_the_rest_go_
     store: &dyn Store,
     hooks: &dyn Observation,
 ) {
-    let tenant = unique();
-    let hook = webhook(hooks, &tenant, Some(&["assistant.delta"]), 2).await;
-    let session = tenant_session(store, &tenant).await;
-    let seqs = write_events(store, &session, 2, T0).await;
-    queue_all(hooks, T0).await;
+    let (hook, session, seqs) = deltas_queued(store, hooks, 2, 2).await;
 
     let first = claim_deliveries(hooks, DISPATCHER_A, T0 + 1).await;
     assert!(
@@ -338,11 +350,7 @@ pub async fn an_expired_attempt_is_taken_over_and_the_old_claim_is_refused(
     store: &dyn Store,
     hooks: &dyn Observation,
 ) {
-    let tenant = unique();
-    let hook = webhook(hooks, &tenant, Some(&["assistant.delta"]), 2).await;
-    let session = tenant_session(store, &tenant).await;
-    let seqs = write_events(store, &session, 2, T0).await;
-    queue_all(hooks, T0).await;
+    let (hook, session, seqs) = deltas_queued(store, hooks, 2, 2).await;
 
     let lost = claim_deliveries(hooks, DISPATCHER_A, T0).await;
     assert!(
