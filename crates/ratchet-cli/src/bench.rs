@@ -48,8 +48,10 @@ pub struct StepsArgs {
     pub worker_processes: usize,
     /// Single-row commits measured beside the runs (SQLite only).
     pub commits: u32,
-    /// A webhook receiving every event, and how its receiver behaves.
+    /// A webhook receiving the runs' events, and how its receiver behaves.
     pub webhook: WebhookLoad,
+    /// The event kinds the webhook is sent; every kind when None.
+    pub webhook_events: Option<Vec<String>>,
     pub json: bool,
 }
 
@@ -107,8 +109,12 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     let runtime = Runtime::new(open_store(&db, Schema::Migrate)?, toolbox);
     let bytes_before = database_bytes(&db)?;
     let coordinator = Arc::clone(&runtime.coordinator);
-    let observer =
-        crate::bench_webhooks::attach(args.webhook, Arc::clone(coordinator.store())).await?;
+    let observer = crate::bench_webhooks::attach(
+        args.webhook,
+        args.webhook_events.clone(),
+        Arc::clone(coordinator.store()),
+    )
+    .await?;
     let pool = (args.worker_processes == 0).then(|| {
         runtime.start_workers(PoolConfig {
             workers: args.concurrency,

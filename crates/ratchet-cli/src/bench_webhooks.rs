@@ -30,6 +30,7 @@ pub enum WebhookLoad {
 /// A webhook on the benchmark's tenant, its receiver and its dispatcher.
 pub struct Observer {
     load: WebhookLoad,
+    events: Option<Vec<String>>,
     received: Arc<Mutex<Received>>,
     stop: CancellationToken,
 }
@@ -51,10 +52,21 @@ fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
-/// Starts the receiver and the dispatcher and creates the webhook; None for `--webhook none`.
-pub async fn attach(load: WebhookLoad, store: Arc<dyn Store>) -> anyhow::Result<Option<Observer>> {
+/// Starts the receiver and the dispatcher and creates the webhook, sent the event kinds
+/// `events` names (every kind when None); None for `--webhook none`.
+pub async fn attach(
+    load: WebhookLoad,
+    events: Option<Vec<String>>,
+    store: Arc<dyn Store>,
+) -> anyhow::Result<Option<Observer>> {
     if load == WebhookLoad::None {
         return Ok(None);
+    }
+    let unknown: Vec<&String> = (events.iter().flatten())
+        .filter(|kind| ratchet_core::EventKind::parse(kind).is_none())
+        .collect();
+    if !unknown.is_empty() {
+        bail!("--webhook-events: unknown event kinds {unknown:?}");
     }
     let received: Arc<Mutex<Received>> = Arc::default();
     let stop = CancellationToken::new();
@@ -106,7 +118,7 @@ pub async fn attach(load: WebhookLoad, store: Arc<dyn Store>) -> anyhow::Result<
                 id,
                 tenant: DEFAULT_TENANT.to_owned(),
                 url,
-                events: None,
+                events: events.clone(),
                 secret: "a-benchmark-webhook-secret".to_owned(),
                 max_attempts: 10,
             },
@@ -116,6 +128,7 @@ pub async fn attach(load: WebhookLoad, store: Arc<dyn Store>) -> anyhow::Result<
     ratchet_webhooks::spawn(store, DispatcherConfig::default(), stop.clone())?;
     Ok(Some(Observer {
         load,
+        events,
         received,
         stop,
     }))
@@ -134,7 +147,14 @@ impl Observer {
                         let page = store.events_after(session, after, 1000).await?;
                         let Some(last) = page.last() else { break };
                         after = last.seq;
-                        events += page.len() as u64;
+                        events += page
+                            .iter()
+                            .filter(|e| {
+                                self.events
+                                    .as_ref()
+                                    .is_none_or(|kinds| kinds.contains(&e.kind))
+                            })
+                            .count() as u64;
                     }
                 }
                 let started = Instant::now();

@@ -459,6 +459,9 @@ enum BenchCommand {
         /// once or never.
         #[arg(long, value_enum, default_value = "none")]
         webhook: bench_webhooks::WebhookLoad,
+        /// The event kinds the webhook is sent, comma-separated (every kind when absent).
+        #[arg(long, value_delimiter = ',')]
+        webhook_events: Option<Vec<String>>,
         #[arg(long)]
         json: bool,
     },
@@ -809,6 +812,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     worker_processes,
                     commits,
                     webhook,
+                    webhook_events,
                     json,
                 },
         } => {
@@ -820,6 +824,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 worker_processes,
                 commits,
                 webhook,
+                webhook_events,
                 json,
             })
             .await

@@ -504,6 +504,9 @@ impl<B: Backend> Observation for SqlStore<B> {
     }
 
     async fn queue_deliveries(&self, limit: u32, now: Millis) -> Result<u32> {
+        if !self.backend.read(webhooks::anything_to_queue).await? {
+            return Ok(0);
+        }
         self.backend
             .write(move |c| webhooks::queue_deliveries(c, limit, now))
             .await
@@ -516,21 +519,30 @@ impl<B: Backend> Observation for SqlStore<B> {
         limit: u32,
         now: Millis,
     ) -> Result<Vec<ClaimedDelivery>> {
+        if !self
+            .backend
+            .read(move |c| webhooks::anything_due(c, now))
+            .await?
+        {
+            return Ok(Vec::new());
+        }
         let owner = owner.to_owned();
         self.backend
             .write(move |c| webhooks::claim_deliveries(c, &owner, lease_until, limit, now))
             .await
     }
 
-    async fn finish_delivery(
+    async fn finish_deliveries(
         &self,
-        claim: &DeliveryClaim,
-        outcome: AttemptOutcome,
+        finished: Vec<(DeliveryClaim, AttemptOutcome)>,
         now: Millis,
-    ) -> Result<bool> {
-        let claim = claim.clone();
+    ) -> Result<Vec<bool>> {
         self.backend
-            .write(move |c| webhooks::finish_delivery(c, &claim, outcome, now))
+            .write(move |c| {
+                (finished.into_iter())
+                    .map(|(claim, outcome)| webhooks::finish_delivery(c, &claim, outcome, now))
+                    .collect()
+            })
             .await
     }
 }

@@ -170,16 +170,22 @@ pub(crate) fn deliveries(
     rows.into_iter().map(to_delivery).collect()
 }
 
+/// Each webhook with each session of its tenant that has events past the webhook's cursor.
+const BEHIND: &str = "SELECT w.id, w.events_json, s.id, s.last_seq, COALESCE(k.seq, 0)
+     FROM webhooks w
+     JOIN sessions s ON s.tenant = w.tenant
+     LEFT JOIN webhook_cursors k ON k.webhook_id = w.id AND k.session_id = s.id
+     WHERE s.last_seq > COALESCE(k.seq, 0)
+     ORDER BY w.id, s.id LIMIT ?1";
+
+/// Whether `queue_deliveries` would find anything: a read, so that a dispatcher with nothing
+/// to do never takes the writer.
+pub(crate) fn anything_to_queue(c: &dyn Db) -> Result<bool> {
+    Ok(!c.query(BEHIND, &params![1u32])?.is_empty())
+}
+
 pub(crate) fn queue_deliveries(c: &dyn Db, limit: u32, now: Millis) -> Result<u32> {
-    let behind = c.query(
-        "SELECT w.id, w.events_json, s.id, s.last_seq, COALESCE(k.seq, 0)
-         FROM webhooks w
-         JOIN sessions s ON s.tenant = w.tenant
-         LEFT JOIN webhook_cursors k ON k.webhook_id = w.id AND k.session_id = s.id
-         WHERE s.last_seq > COALESCE(k.seq, 0)
-         ORDER BY w.id, s.id LIMIT ?1",
-        &params![limit],
-    )?;
+    let behind = c.query(BEHIND, &params![limit])?;
     let mut looked_at = 0u32;
     for mut row in behind {
         if looked_at >= limit {
@@ -258,6 +264,29 @@ fn move_delivery(
     Ok(changed == 1)
 }
 
+/// The earliest open delivery of each webhook and session, when its attempt is due at `?1`;
+/// at most `?2`.
+/// The heads come from the open deliveries alone (the partial index holds exactly those): a
+/// log of delivered ones, however long, is never read.
+fn due_heads() -> String {
+    format!(
+        "SELECT d.id, d.status, d.attempts, w.id, w.url, w.secret, w.max_attempts, d.session_id, d.seq
+         FROM (SELECT webhook_id, session_id, min(seq) AS seq FROM webhook_deliveries
+               WHERE status IN {OPEN} GROUP BY webhook_id, session_id) h
+         JOIN webhook_deliveries d
+           ON d.webhook_id = h.webhook_id AND d.session_id = h.session_id AND d.seq = h.seq
+         JOIN webhooks w ON w.id = d.webhook_id
+         WHERE (d.status = 'pending' AND d.available_at <= ?1)
+            OR (d.status = 'delivering' AND d.lease_expires_at <= ?1)
+         ORDER BY d.id LIMIT ?2"
+    )
+}
+
+/// Whether `claim_deliveries` would find an attempt due: a read, like `anything_to_queue`.
+pub(crate) fn anything_due(c: &dyn Db, now: Millis) -> Result<bool> {
+    Ok(!c.query(&due_heads(), &params![now, 1u32])?.is_empty())
+}
+
 pub(crate) fn claim_deliveries(
     c: &dyn Db,
     owner: &str,
@@ -286,20 +315,7 @@ fn claim_due(
     claimed: &mut Vec<ClaimedDelivery>,
 ) -> Result<bool> {
     let mut dead_lettered = false;
-    let due = c.query(
-        &format!(
-            "SELECT d.id, d.status, d.attempts, w.id, w.url, w.secret, w.max_attempts, d.session_id, d.seq
-             FROM webhook_deliveries d JOIN webhooks w ON w.id = d.webhook_id
-             WHERE d.status IN {OPEN}
-               AND d.seq = (SELECT min(h.seq) FROM webhook_deliveries h
-                            WHERE h.webhook_id = d.webhook_id AND h.session_id = d.session_id
-                              AND h.status IN {OPEN})
-               AND ((d.status = 'pending' AND d.available_at <= ?1)
-                    OR (d.status = 'delivering' AND d.lease_expires_at <= ?1))
-             ORDER BY d.id LIMIT ?2"
-        ),
-        &params![now, limit],
-    )?;
+    let due = c.query(&due_heads(), &params![now, limit])?;
     for mut row in due {
         let seen = Seen {
             id: row.int(0)?,

@@ -141,11 +141,11 @@ pub trait Observation: Send + Sync + 'static {
         now: Millis,
     ) -> Result<Vec<ClaimedDelivery>>;
 
-    /// Records how a claimed attempt ended; false (nothing written) when the claim was lost.
-    async fn finish_delivery(
+    /// Records how claimed attempts ended, in one transaction; for each, false (nothing
+    /// written for it) when its claim was lost.
+    async fn finish_deliveries(
         &self,
-        claim: &DeliveryClaim,
-        outcome: AttemptOutcome,
+        finished: Vec<(DeliveryClaim, AttemptOutcome)>,
         now: Millis,
-    ) -> Result<bool>;
+    ) -> Result<Vec<bool>>;
 }

@@ -8,7 +8,7 @@
 //! failing receiver delays its own deliveries and nothing else.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hmac::{Hmac, KeyInit, Mac};
 use ratchet_core::Millis;
@@ -46,7 +46,7 @@ impl Default for DispatcherConfig {
             owner: format!("webhooks-{}", std::process::id()),
             poll: Duration::from_millis(250),
             timeout: Duration::from_secs(10),
-            concurrency: 8,
+            concurrency: 16,
             batch: 500,
             backoff: Backoff::default(),
         }
@@ -100,8 +100,15 @@ impl Dispatcher {
 
     async fn run(self, shutdown: CancellationToken) {
         let mut in_flight: JoinSet<Attempt> = JoinSet::new();
+        let mut queued_at: Option<Instant> = None;
+        let mut caught_up = true;
         loop {
-            let caught_up = self.queue().await;
+            // New events are looked for every `poll`, or at once while a backlog remains;
+            // attempts are claimed whenever one has ended, to keep sessions moving.
+            if !caught_up || queued_at.is_none_or(|at| at.elapsed() >= self.config.poll) {
+                caught_up = self.queue().await;
+                queued_at = Some(Instant::now());
+            }
             let room = self
                 .config
                 .concurrency
@@ -111,15 +118,22 @@ impl Dispatcher {
                     in_flight.spawn(attempt(self.http.clone(), delivery));
                 }
             }
+            let wait = if caught_up {
+                self.config.poll
+            } else {
+                Duration::ZERO
+            };
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 Some(done) = in_flight.join_next(), if !in_flight.is_empty() => {
-                    match done {
-                        Ok(attempt) => self.record(attempt).await,
-                        Err(error) => tracing::error!(%error, "a webhook attempt task failed"),
+                    // Every other attempt that has ended too, recorded together.
+                    let mut ended = vec![done];
+                    while let Some(done) = in_flight.try_join_next() {
+                        ended.push(done);
                     }
+                    self.record(ended).await;
                 }
-                () = tokio::time::sleep(if caught_up { self.config.poll } else { Duration::ZERO }) => {}
+                () = tokio::time::sleep(wait) => {}
             }
         }
     }
@@ -159,14 +173,50 @@ impl Dispatcher {
         }
     }
 
-    async fn record(&self, attempt: Attempt) {
+    /// Records how the attempts in `done` ended, in one transaction.
+    async fn record(&self, done: Vec<Result<Attempt, tokio::task::JoinError>>) {
         let now = now_ms();
-        let outcome = match attempt.result {
-            Ok(status) if (200..300).contains(&status) => AttemptOutcome::Delivered { status },
+        let finished: Vec<_> = (done.into_iter())
+            .filter_map(|done| {
+                // A task that failed leaves its lease to expire: the attempt is made again.
+                done.inspect_err(|error| tracing::error!(%error, "a webhook attempt task failed"))
+                    .ok()
+            })
+            .map(|attempt| {
+                let outcome = self.outcome(&attempt, now);
+                (attempt.claim, outcome)
+            })
+            .collect();
+        if finished.is_empty() {
+            return;
+        }
+        match self.hooks.finish_deliveries(finished, now).await {
+            Ok(recorded) => {
+                let lost = recorded.iter().filter(|held| !**held).count();
+                if lost > 0 {
+                    tracing::warn!(
+                        lost,
+                        "webhook attempts finished after their claims were lost"
+                    );
+                }
+            }
+            // Unrecorded, the attempts are made again once their leases expire.
+            Err(error) => tracing::warn!(%error, "cannot record webhook attempts"),
+        }
+    }
+
+    fn outcome(&self, attempt: &Attempt, now: Millis) -> AttemptOutcome {
+        match &attempt.result {
+            Ok(status) if (200..300).contains(status) => {
+                AttemptOutcome::Delivered { status: *status }
+            }
             failed => {
                 let (status, error) = match failed {
-                    Ok(status) => (Some(status), format!("the receiver answered HTTP {status}")),
-                    Err(error) => (None, error),
+                    Ok(status) => (
+                        Some(*status),
+                        format!("the receiver answered HTTP {status}"),
+                    ),
+                    Err(error) => (None, error.clone()),
                 };
                 let retry_at = match after_failure(
                     attempt.claim.attempt,
@@ -183,18 +233,6 @@ impl Dispatcher {
                     retry_at,
                 }
             }
-        };
-        match self
-            .hooks
-            .finish_delivery(&attempt.claim, outcome, now)
-            .await
-        {
-            Ok(true) => {}
-            Ok(false) => tracing::warn!(
-                delivery = attempt.claim.delivery_id,
-                "a webhook attempt finished after its claim was lost"
-            ),
-            Err(error) => tracing::warn!(%error, "cannot record a webhook attempt"),
         }
     }
 }

@@ -86,13 +86,12 @@ impl Observation for Heard {
             .await
     }
 
-    async fn finish_delivery(
+    async fn finish_deliveries(
         &self,
-        claim: &DeliveryClaim,
-        outcome: AttemptOutcome,
+        finished: Vec<(DeliveryClaim, AttemptOutcome)>,
         now: Millis,
-    ) -> Result<bool> {
-        self.inner.finish_delivery(claim, outcome, now).await
+    ) -> Result<Vec<bool>> {
+        self.inner.finish_deliveries(finished, now).await
     }
 }
 

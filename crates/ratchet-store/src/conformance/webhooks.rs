@@ -87,6 +87,18 @@ async fn deltas_queued(
     (hook, session, seqs)
 }
 
+async fn finish(
+    hooks: &dyn Observation,
+    claim: &crate::DeliveryClaim,
+    outcome: AttemptOutcome,
+    now: Millis,
+) -> crate::Result<bool> {
+    let recorded = hooks
+        .finish_deliveries(vec![(claim.clone(), outcome)], now)
+        .await?;
+    Ok(recorded[0])
+}
+
 async fn queue_all(hooks: &dyn Observation, now: Millis) {
     for _ in 0..100 {
         if hooks.queue_deliveries(3, now).await.unwrap() == 0 {
@@ -245,8 +257,7 @@ pub async fn a_sessions_deliveries_are_attempted_strictly_in_seq_order(
 
     let head = heads.iter().find(|d| d.event.session_id == first).unwrap();
     assert!(
-        hooks
-            .finish_delivery(&head.claim, failed(Some(T0 + 100)), T0 + 3)
+        finish(hooks, &head.claim, failed(Some(T0 + 100)), T0 + 3)
             .await
             .unwrap()
     );
@@ -259,15 +270,21 @@ pub async fn a_sessions_deliveries_are_attempted_strictly_in_seq_order(
     let again = claim_deliveries(hooks, DISPATCHER_B, T0 + 100).await;
     assert_eq!(claimed_seqs(&again), [(first.clone(), firsts[0])]);
     assert_eq!(again[0].claim.attempt, 2);
-    assert!(
-        hooks
-            .finish_delivery(
-                &again[0].claim,
-                AttemptOutcome::Delivered { status: 204 },
-                T0 + 101
-            )
-            .await
-            .unwrap()
+    let delivered = AttemptOutcome::Delivered { status: 204 };
+    let recorded = hooks
+        .finish_deliveries(
+            vec![
+                (again[0].claim.clone(), delivered.clone()),
+                (head.claim.clone(), delivered),
+            ],
+            T0 + 101,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        recorded,
+        [true, false],
+        "in one batch, each outcome is recorded only while its claim holds"
     );
     let next = claim_deliveries(hooks, DISPATCHER_B, T0 + 102).await;
     assert_eq!(
@@ -301,16 +318,14 @@ pub async fn a_delivery_is_dead_lettered_after_its_last_attempt_and_the_rest_go_
 
     let first = claim_deliveries(hooks, DISPATCHER_A, T0 + 1).await;
     assert!(
-        hooks
-            .finish_delivery(&first[0].claim, failed(Some(T0 + 10)), T0 + 2)
+        finish(hooks, &first[0].claim, failed(Some(T0 + 10)), T0 + 2)
             .await
             .unwrap()
     );
     let last = claim_deliveries(hooks, DISPATCHER_A, T0 + 10).await;
     assert_eq!(last[0].claim.attempt, 2);
     assert!(
-        hooks
-            .finish_delivery(&last[0].claim, failed(None), T0 + 11)
+        finish(hooks, &last[0].claim, failed(None), T0 + 11)
             .await
             .unwrap()
     );
@@ -363,14 +378,14 @@ pub async fn an_expired_attempt_is_taken_over_and_the_old_claim_is_refused(
     assert_eq!(claimed_seqs(&taken), [(session.clone(), seqs[0])]);
     assert_eq!(taken[0].claim.attempt, 2);
     assert!(
-        !hooks
-            .finish_delivery(
-                &lost[0].claim,
-                AttemptOutcome::Delivered { status: 200 },
-                T0 + ATTEMPT_MS + 1
-            )
-            .await
-            .unwrap(),
+        !finish(
+            hooks,
+            &lost[0].claim,
+            AttemptOutcome::Delivered { status: 200 },
+            T0 + ATTEMPT_MS + 1
+        )
+        .await
+        .unwrap(),
         "the old claim records nothing"
     );
     assert_eq!(
@@ -397,14 +412,14 @@ pub async fn an_expired_attempt_is_taken_over_and_the_old_claim_is_refused(
         "{first:?}"
     );
     assert!(
-        !hooks
-            .finish_delivery(
-                &taken[0].claim,
-                AttemptOutcome::Delivered { status: 200 },
-                expired + 1
-            )
-            .await
-            .unwrap(),
+        !finish(
+            hooks,
+            &taken[0].claim,
+            AttemptOutcome::Delivered { status: 200 },
+            expired + 1
+        )
+        .await
+        .unwrap(),
         "a dead-lettered delivery takes no outcome"
     );
 }
