@@ -178,8 +178,8 @@ const BEHIND: &str = "SELECT w.id, w.events_json, s.id, s.last_seq, COALESCE(k.s
      WHERE s.last_seq > COALESCE(k.seq, 0)
      ORDER BY w.id, s.id LIMIT ?1";
 
-/// Whether `queue_deliveries` would find anything: a read, so that a dispatcher with nothing
-/// to do never takes the writer.
+/// Whether `queue_deliveries` would find anything: a read, so that a dispatcher with no new
+/// events to queue does not take the writer for it.
 pub(crate) fn anything_to_queue(c: &dyn Db) -> Result<bool> {
     Ok(!c.query(BEHIND, &params![1u32])?.is_empty())
 }
@@ -280,11 +280,6 @@ fn due_heads() -> String {
             OR (d.status = 'delivering' AND d.lease_expires_at <= ?1)
          ORDER BY d.id LIMIT ?2"
     )
-}
-
-/// Whether `claim_deliveries` would find an attempt due: a read, like `anything_to_queue`.
-pub(crate) fn anything_due(c: &dyn Db, now: Millis) -> Result<bool> {
-    Ok(!c.query(&due_heads(), &params![now, 1u32])?.is_empty())
 }
 
 pub(crate) fn claim_deliveries(
