@@ -47,7 +47,7 @@ impl Default for DispatcherConfig {
             poll: Duration::from_millis(250),
             timeout: Duration::from_secs(10),
             concurrency: 16,
-            batch: 500,
+            batch: 2000,
             backoff: Backoff::default(),
         }
     }
