@@ -471,6 +471,14 @@ pub async fn webhooks_are_listed_per_tenant_and_deleted_with_their_deliveries(
         })
     ));
     let claimed = claim_deliveries(hooks, DISPATCHER_A, T0 + 1).await;
+    assert_eq!(
+        claimed
+            .iter()
+            .map(|d| d.event.kind.as_str())
+            .collect::<Vec<_>>(),
+        ["run.created"],
+        "the remaining webhook's delivery is attempted"
+    );
     assert!(
         claimed.iter().all(|d| d.webhook_id == second.id),
         "nothing is attempted for a deleted webhook"
