@@ -68,12 +68,11 @@ pub struct WebhookDelivery {
 }
 
 /// Proof that a dispatcher holds an attempt: finishing it is refused once the attempt was
-/// taken over.
+/// taken over (every claim counts an attempt, so the attempt number is the fence).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeliveryClaim {
     pub delivery_id: i64,
     pub attempt: u32,
-    pub owner: String,
 }
 
 /// An attempt handed to a dispatcher: what to send, where, and signed with what.
