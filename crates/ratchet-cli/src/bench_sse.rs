@@ -7,6 +7,12 @@
 //! resolution, the server's clock) to its arrival at the client. Every subscriber also checks
 //! that it saw the session's `seq`s without a gap or a duplicate.
 //!
+//! With `--stalled-subscribers M`, it measures what clients that stop reading cost instead: a
+//! session's backlog is built up to `--backlog-bytes` with large messages, then M clients ask
+//! for its event stream and never read. Reported: the server's resident memory before, at its
+//! peak while they hang there, and after they leave (`/proc/PID/status`; the server is this
+//! process, or `--server-pid` with `--server`).
+//!
 //! Without `--server`, an in-process server on 127.0.0.1 with a fresh temporary SQLite
 //! database and a scripted model without delays is started, so the bench runs standalone.
 
@@ -17,7 +23,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use ratchet_core::RunStatus;
 use ratchet_engine::{PoolConfig, WorkerPool};
-use ratchet_server::{Active, AppState, Tokens};
+use ratchet_server::{Active, AppState, GuardedListener, StreamLimits, Tokens};
+use tokio::io::AsyncWriteExt;
 use serde_json::json;
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
@@ -38,10 +45,27 @@ const DELIVERY_DEADLINE: Duration = Duration::from_secs(60);
 pub struct SseArgs {
     pub server: Option<String>,
     pub token: Option<String>,
-    pub subscribers: usize,
+    pub subscribers: Option<usize>,
     pub runs: usize,
+    pub stalled: Option<StalledArgs>,
     pub json: bool,
 }
+
+/// `--stalled-subscribers`, `--backlog-bytes`, `--server-pid`.
+pub struct StalledArgs {
+    pub subscribers: usize,
+    pub backlog_bytes: u64,
+    /// The server's process, when it is not this one.
+    pub server_pid: Option<u32>,
+}
+
+/// The size of each message that builds a stalled bench's backlog: large, as an attacker's
+/// would be, and under the API's body limit.
+const BACKLOG_MESSAGE_BYTES: usize = 900 * 1024;
+/// How long stalled clients hang on before they leave, and how long the server then has to
+/// give their memory back.
+const STALLED_FOR: Duration = Duration::from_secs(5);
+const AFTER_LEAVING: Duration = Duration::from_secs(3);
 
 /// What one subscriber received.
 struct Delivery {
@@ -51,27 +75,58 @@ struct Delivery {
 }
 
 pub async fn sse(args: SseArgs) -> anyhow::Result<ExitCode> {
-    if args.subscribers == 0 || args.runs == 0 {
-        bail!("--subscribers and --runs must be at least 1");
+    match (&args.stalled, args.subscribers) {
+        (Some(stalled), None) => {
+            if stalled.subscribers == 0 || stalled.backlog_bytes == 0 {
+                bail!("--stalled-subscribers and --backlog-bytes must be at least 1");
+            }
+            if args.server.is_some() && stalled.server_pid.is_none() {
+                bail!("--stalled-subscribers with --server needs --server-pid to read its memory");
+            }
+        }
+        (None, Some(subscribers)) => {
+            if subscribers == 0 || args.runs == 0 {
+                bail!("--subscribers and --runs must be at least 1");
+            }
+        }
+        (Some(_), Some(_)) => bail!("give --subscribers or --stalled-subscribers, not both"),
+        (None, None) => bail!("give --subscribers (following clients) or --stalled-subscribers"),
     }
+    let room = (args.stalled.as_ref()).map_or(args.subscribers.unwrap_or_default(), |s| s.subscribers);
     let local = match &args.server {
         Some(_) => None,
-        None => Some(LocalServer::start().await?),
+        None => Some(LocalServer::start(room).await?),
     };
     let server = match (&args.server, &local) {
         (Some(server), _) => server.clone(),
         (None, Some(local)) => local.url.clone(),
         (None, None) => unreachable!("a local server is started when none is given"),
     };
-    let outcome = measure(&args, &server).await;
+    let outcome = match &args.stalled {
+        Some(stalled) => measure_stalled(&args, stalled, &server).await,
+        None => measure(&args, &server).await,
+    };
     if let Some(local) = local {
         local.stop().await;
     }
     let report = outcome?;
+    if args.stalled.is_some() {
+        return print_report(&report, args.json, || {
+            format!(
+                "{} stalled subscribers on a {:.1} MB backlog: resident memory {:.0} MB before, {:.0} MB at the peak (+{:.0} MB), {:.0} MB after they left",
+                report["stalled_subscribers"],
+                report["backlog_bytes"].as_f64().unwrap_or_default() / 1e6,
+                report["rss_before_mb"].as_f64().unwrap_or_default(),
+                report["rss_peak_mb"].as_f64().unwrap_or_default(),
+                report["rss_growth_mb"].as_f64().unwrap_or_default(),
+                report["rss_after_mb"].as_f64().unwrap_or_default(),
+            )
+        });
+    }
     print_report(&report, args.json, || {
         format!(
             "{} subscribers, {} runs: {} events delivered in {:.2} s: {:.0} events/s, delivery latency p50 {:.2} ms, p99 {:.2} ms",
-            args.subscribers,
+            report["subscribers"],
             args.runs,
             report["events"],
             report["seconds"].as_f64().unwrap_or_default(),
@@ -83,16 +138,17 @@ pub async fn sse(args: SseArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn measure(args: &SseArgs, server: &str) -> anyhow::Result<serde_json::Value> {
-    let api = Api::new(server, args.token.clone(), args.subscribers + 8)?;
+    let subscribers = args.subscribers.unwrap_or_default();
+    let api = Api::new(server, args.token.clone(), subscribers + 8)?;
     let session = api.create_session().await?.id;
     let path = format!("/v1/sessions/{session}/events");
 
     // Dropping the set (on any error below) aborts every subscriber.
-    let mut subscribers = JoinSet::new();
-    let (ready, mut readies) = mpsc::channel(args.subscribers);
+    let mut tasks = JoinSet::new();
+    let (ready, mut readies) = mpsc::channel(subscribers);
     let connecting = Arc::new(Semaphore::new(CONNECTING_AT_ONCE));
-    for _ in 0..args.subscribers {
-        subscribers.spawn(subscribe(
+    for _ in 0..subscribers {
+        tasks.spawn(subscribe(
             api.clone(),
             path.clone(),
             args.runs,
@@ -102,7 +158,7 @@ async fn measure(args: &SseArgs, server: &str) -> anyhow::Result<serde_json::Val
     }
     drop(ready);
     let deadline = tokio::time::Instant::now() + CONNECT_DEADLINE;
-    for connected in 0..args.subscribers {
+    for connected in 0..subscribers {
         match tokio::time::timeout_at(deadline, readies.recv()).await {
             Ok(Some(Ok(()))) => {}
             Ok(Some(Err(error))) => {
@@ -110,15 +166,13 @@ async fn measure(args: &SseArgs, server: &str) -> anyhow::Result<serde_json::Val
             }
             Ok(None) => bail!("a subscriber ended before connecting"),
             Err(_) => bail!(
-                "only {connected} of {} subscribers connected within {CONNECT_DEADLINE:?}",
-                args.subscribers
+                "only {connected} of {subscribers} subscribers connected within {CONNECT_DEADLINE:?}"
             ),
         }
     }
     if !args.json {
         eprintln!(
-            "{} subscribers connected to {}; driving {} runs",
-            args.subscribers,
+            "{subscribers} subscribers connected to {}; driving {} runs",
             api.base(),
             args.runs
         );
@@ -145,13 +199,12 @@ async fn measure(args: &SseArgs, server: &str) -> anyhow::Result<serde_json::Val
     let mut per_subscriber = None;
     let mut latencies = Vec::new();
     let mut last = started;
-    for done in 0..args.subscribers {
-        let delivery = match tokio::time::timeout_at(deadline, subscribers.join_next()).await {
+    for done in 0..subscribers {
+        let delivery = match tokio::time::timeout_at(deadline, tasks.join_next()).await {
             Ok(Some(joined)) => joined.context("a subscriber task failed")??,
             Ok(None) => break,
             Err(_) => bail!(
-                "only {done} of {} subscribers received every event within {DELIVERY_DEADLINE:?} after the last run ended",
-                args.subscribers
+                "only {done} of {subscribers} subscribers received every event within {DELIVERY_DEADLINE:?} after the last run ended"
             ),
         };
         if *per_subscriber.get_or_insert(delivery.events) != delivery.events {
@@ -169,7 +222,7 @@ async fn measure(args: &SseArgs, server: &str) -> anyhow::Result<serde_json::Val
     latencies.sort_by(f64::total_cmp);
     Ok(json!({
         "server": if args.server.is_some() { api.base() } else { "in-process (temporary SQLite file, scripted model)" },
-        "subscribers": args.subscribers,
+        "subscribers": subscribers,
         "runs": args.runs,
         "events": events,
         "events_per_subscriber": per_subscriber.unwrap_or_default(),
@@ -179,6 +232,142 @@ async fn measure(args: &SseArgs, server: &str) -> anyhow::Result<serde_json::Val
         "p99_ms": percentile(&latencies, 0.99),
         "latency_samples": latencies.len(),
     }))
+}
+
+/// Builds a session's backlog of at least `backlog_bytes` (as a client reads it), then holds
+/// `subscribers` connections that ask for its event stream and read nothing, sampling the
+/// server's resident memory while they hang there and after they leave.
+async fn measure_stalled(
+    args: &SseArgs,
+    stalled: &StalledArgs,
+    server: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let pid = stalled.server_pid.unwrap_or_else(std::process::id);
+    let api = Api::new(server, args.token.clone(), 8)?;
+    let session = api.create_session().await?.id;
+    let path = format!("/v1/sessions/{session}/events");
+    let large = "x".repeat(BACKLOG_MESSAGE_BYTES);
+    let mut backlog = Backlog::default();
+    while backlog.bytes < stalled.backlog_bytes {
+        let accepted = api.send_message(&session, &large).await?;
+        let run = client::follow_run(&api, &accepted.run_id, 0, |_| {}).await?;
+        if run.status != RunStatus::Completed {
+            bail!("run {} ended {}; the benchmark needs runs that complete", run.id, run.status);
+        }
+        backlog = Backlog::read(&api, &format!("{path}?follow=false")).await?;
+    }
+    if !args.json {
+        eprintln!(
+            "backlog of {} events, {:.1} MB; {} clients will ask for it and read nothing",
+            backlog.events,
+            backlog.bytes as f64 / 1e6,
+            stalled.subscribers
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = resident_mb(pid)?;
+    let address = api
+        .base()
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_owned();
+    let mut authorization = String::new();
+    if let Some(token) = &args.token {
+        authorization = format!("Authorization: Bearer {token}\r\n");
+    }
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {address}\r\n{authorization}\r\n");
+    let mut clients = Vec::with_capacity(stalled.subscribers);
+    let mut peak = before;
+    for _ in 0..stalled.subscribers {
+        let mut client = tokio::net::TcpStream::connect(&address)
+            .await
+            .with_context(|| format!("cannot connect to {address}"))?;
+        client.write_all(request.as_bytes()).await?;
+        clients.push(client);
+        peak = peak.max(resident_mb(pid)?);
+    }
+    let until = Instant::now() + STALLED_FOR;
+    while Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        peak = peak.max(resident_mb(pid)?);
+    }
+    // Peeked, not read: the status line stays in the socket and nothing unstalls.
+    let mut accepted = 0;
+    for client in &clients {
+        let mut status = [0; 12];
+        if client.peek(&mut status).await? == status.len() && &status == b"HTTP/1.1 200" {
+            accepted += 1;
+        }
+    }
+    if accepted != clients.len() {
+        bail!(
+            "only {accepted} of {} stalled clients were given the stream; raise [limits] max_streams_per_tenant",
+            clients.len()
+        );
+    }
+    drop(clients);
+    tokio::time::sleep(AFTER_LEAVING).await;
+    let after = resident_mb(pid)?;
+    Ok(json!({
+        "server": if args.server.is_some() { api.base() } else { "in-process (temporary SQLite file, scripted model)" },
+        "stalled_subscribers": stalled.subscribers,
+        "backlog_bytes": backlog.bytes,
+        "backlog_events": backlog.events,
+        "rss_before_mb": before,
+        "rss_peak_mb": peak,
+        "rss_growth_mb": peak - before,
+        "rss_after_mb": after,
+        "stalled_for_s": STALLED_FOR.as_secs_f64(),
+    }))
+}
+
+/// A session's backlog as a client reads it.
+#[derive(Default)]
+struct Backlog {
+    events: u64,
+    /// The events' `data` as sent.
+    bytes: u64,
+}
+
+impl Backlog {
+    /// Reads `path` (a stream that ends by itself) a chunk at a time, so that the bench, which
+    /// may share the server's process, holds no copy of it.
+    async fn read(api: &Api, path: &str) -> anyhow::Result<Backlog> {
+        let mut response = api
+            .request(reqwest::Method::GET, path)
+            .send()
+            .await?
+            .error_for_status()?;
+        let mut backlog = Backlog::default();
+        let mut line = Vec::new();
+        while let Some(chunk) = response.chunk().await? {
+            for &byte in chunk.iter() {
+                if byte != b'\n' {
+                    line.push(byte);
+                    continue;
+                }
+                if line.starts_with(b"id: ") {
+                    backlog.events += 1;
+                } else if let Some(data) = line.strip_prefix(b"data: ") {
+                    backlog.bytes += data.len() as u64;
+                }
+                line.clear();
+            }
+        }
+        Ok(backlog)
+    }
+}
+
+/// The resident memory of process `pid` in MB (`VmRSS`).
+fn resident_mb(pid: u32) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("cannot read the memory of process {pid}"))?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmRSS:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .with_context(|| format!("no VmRSS in /proc/{pid}/status"))?;
+    Ok(kib * 1024.0 / 1e6)
 }
 
 /// One subscriber: connects (signalling `ready` once the server is subscribed), then
@@ -247,7 +436,9 @@ struct LocalServer {
 }
 
 impl LocalServer {
-    async fn start() -> anyhow::Result<LocalServer> {
+    /// `room`: the event streams the bench opens, which the server allows beside a few of its
+    /// own even past its default limits.
+    async fn start(room: usize) -> anyhow::Result<LocalServer> {
         let scratch = tempfile::tempdir().context("cannot create a scratch directory")?;
         let model = crate::bench::scripted_model(
             scratch.path(),
@@ -268,14 +459,21 @@ impl LocalServer {
         let runtime = Runtime::new(open_store(&db, Schema::Migrate)?, toolbox);
         let pool = runtime.start_workers(PoolConfig::default());
         let shutdown = CancellationToken::new();
+        let defaults = ratchet_server::Config::default().limits()?;
+        let streams = StreamLimits {
+            max_streams: defaults.streams.max_streams.max(room + 8),
+            max_streams_per_tenant: defaults.streams.max_streams_per_tenant.max(room + 8),
+        };
         let state = AppState::new(
             Arc::clone(&runtime.coordinator),
             Active::new(template, Vec::new(), Tokens::default()),
             shutdown.clone(),
-        );
+        )
+        .with_stream_limits(streams);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .context("cannot listen on 127.0.0.1")?;
+        let listener = GuardedListener::new(listener, defaults.stream_stall);
         let url = format!("http://{}", listener.local_addr()?);
         let serve = axum::serve(listener, ratchet_server::app(state))
             .with_graceful_shutdown(shutdown.clone().cancelled_owned());

@@ -147,7 +147,7 @@ impl Api {
         &self.base
     }
 
-    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+    pub(crate) fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         let request = self.http.request(method, format!("{}{path}", self.base));
         match &self.token {
             Some(token) => request.bearer_auth(token),

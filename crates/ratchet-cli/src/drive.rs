@@ -38,6 +38,8 @@ pub struct RunArgs {
     pub catalog: Option<Pick>,
     pub quota: ratchet_store::RunQuota,
     pub permits: ratchet_engine::PermitLimits,
+    /// `[limits] max_snippet_bytes`.
+    pub max_snippet_bytes: usize,
 }
 
 /// A catalog and the agent of it that answers.
@@ -93,7 +95,7 @@ fn check_message(message: &str) -> anyhow::Result<()> {
 pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     // Validate before opening the store, so that bad input never creates a database.
     check_message(&args.message)?;
-    let toolbox = Toolbox::with_mcp(&args.mcp)
+    let toolbox = Toolbox::with_mcp(&args.mcp, args.max_snippet_bytes)
         .await?
         .with_profiles(args.profiles.clone())?;
     let mut config = toolbox.run_template(
@@ -339,9 +341,14 @@ pub async fn run_remote(args: RemoteRunArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// `mcp`: the servers whose tools the runs were started with (`--config`), started again.
-pub async fn resume(db: &str, json: bool, mcp: &ratchet_mcp::Config) -> anyhow::Result<ExitCode> {
+pub async fn resume(
+    db: &str,
+    json: bool,
+    mcp: &ratchet_mcp::Config,
+    max_snippet_bytes: usize,
+) -> anyhow::Result<ExitCode> {
     let store = open_existing_store(db)?;
-    let runtime = Runtime::new(store, Toolbox::with_mcp(mcp).await?);
+    let runtime = Runtime::new(store, Toolbox::with_mcp(mcp, max_snippet_bytes).await?);
     let store = runtime.coordinator.store();
     let active: Vec<RunId> = store
         .list_runs()

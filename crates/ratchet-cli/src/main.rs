@@ -500,7 +500,8 @@ enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Event delivery over SSE: N subscribers on one session's stream while R runs go by.
+    /// Event delivery over SSE: N subscribers on one session's stream while R runs go by; or
+    /// the memory M clients cost that ask for a large backlog and never read it.
     Sse {
         /// The server's URL; an in-process server on a temporary database when absent.
         #[arg(long, value_name = "URL")]
@@ -508,11 +509,20 @@ enum BenchCommand {
         #[command(flatten)]
         token: TokenArg,
         /// Clients following the session's event stream at once.
-        #[arg(long)]
-        subscribers: usize,
+        #[arg(long, required_unless_present = "stalled_subscribers")]
+        subscribers: Option<usize>,
         /// Runs driven in the session, one after another.
         #[arg(long, default_value_t = 5)]
         runs: usize,
+        /// Clients that ask for the session's event stream and never read it.
+        #[arg(long, conflicts_with = "subscribers", requires = "backlog_bytes")]
+        stalled_subscribers: Option<usize>,
+        /// The session's backlog the stalled clients ask for, built with 900 KiB messages.
+        #[arg(long, requires = "stalled_subscribers")]
+        backlog_bytes: Option<u64>,
+        /// The process of `--server`, whose memory a stalled bench reads.
+        #[arg(long, requires = "server")]
+        server_pid: Option<u32>,
         /// Print the figures as one JSON object.
         #[arg(long)]
         json: bool,
@@ -650,6 +660,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 );
             }
             let (quota, permits) = (file.quota()?, file.permits()?);
+            let max_snippet_bytes = file.limits()?.max_snippet_bytes;
             let mut overrides = runtime::ToolOverrides {
                 approval: file.approval_policies()?,
                 replay: file.replay_policies(),
@@ -678,6 +689,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 catalog,
                 quota,
                 permits,
+                max_snippet_bytes,
             })
             .await
         }
@@ -719,7 +731,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Resume { db, config, json } => {
             let file = ratchet_server::Config::load_or_default(config.as_deref())?;
-            drive::resume(&db.db, json, &file.mcp).await
+            let max_snippet_bytes = file.limits()?.max_snippet_bytes;
+            drive::resume(&db.db, json, &file.mcp, max_snippet_bytes).await
         }
         Command::Runs {
             command: RunsCommand::List { db, json },
@@ -860,6 +873,9 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     token,
                     subscribers,
                     runs,
+                    stalled_subscribers,
+                    backlog_bytes,
+                    server_pid,
                     json,
                 },
         } => {
@@ -868,6 +884,11 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 token: token.token,
                 subscribers,
                 runs,
+                stalled: stalled_subscribers.map(|subscribers| bench_sse::StalledArgs {
+                    subscribers,
+                    backlog_bytes: backlog_bytes.unwrap_or_default(),
+                    server_pid,
+                }),
                 json,
             })
             .await

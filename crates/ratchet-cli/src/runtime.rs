@@ -130,14 +130,19 @@ impl Toolbox {
         }
     }
 
-    /// The built-in tools and those of the configured MCP servers (`SERVER.TOOL`), all
-    /// started or reached now: a server that cannot start is an error naming it.
-    pub async fn with_mcp(config: &ratchet_mcp::Config) -> anyhow::Result<Toolbox> {
+    /// The built-in tools (`memory_search` showing at most `max_snippet_bytes` of a message)
+    /// and those of the configured MCP servers (`SERVER.TOOL`), all started or reached now:
+    /// a server that cannot start is an error naming it.
+    pub async fn with_mcp(
+        config: &ratchet_mcp::Config,
+        max_snippet_bytes: usize,
+    ) -> anyhow::Result<Toolbox> {
+        let builtin = Registry::builtin_tools(max_snippet_bytes);
         if config.servers.is_empty() {
-            return Ok(Toolbox::new());
+            return Ok(Toolbox::of(Registry::new(builtin)?, None));
         }
         let mcp = ratchet_mcp::connect_all(config).await?;
-        let registry = Registry::new([Registry::builtin_tools(), mcp.tools()].concat())?;
+        let registry = Registry::new([builtin, mcp.tools()].concat())?;
         Ok(Toolbox::of(registry, Some(mcp)))
     }
 

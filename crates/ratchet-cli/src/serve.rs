@@ -14,7 +14,7 @@ use ratchet_catalog::Catalog;
 use ratchet_core::{AgentProfile, Limits, RunConfigSnapshot};
 use ratchet_engine::{PoolConfig, WorkerPool};
 use ratchet_server::reload::{Prepared, Reloader};
-use ratchet_server::{Active, AppState, Config, Reloads};
+use ratchet_server::{Active, AppState, Config, GuardedListener, HostPolicy, Reloads};
 use tokio_util::sync::CancellationToken;
 
 use crate::runtime::{Runtime, Schema, ToolOverrides, Toolbox, open_store};
@@ -97,7 +97,7 @@ impl Process {
 }
 
 pub(crate) async fn toolbox(config: &Config) -> anyhow::Result<Toolbox> {
-    Toolbox::with_mcp(&config.mcp)
+    Toolbox::with_mcp(&config.mcp, config.limits()?.max_snippet_bytes)
         .await?
         .with_profiles(config.models.clone())
 }
@@ -197,8 +197,8 @@ fn run_template(config: &Config, toolbox: &Toolbox) -> anyhow::Result<RunConfigS
 
 /// The settings a running process cannot change, by configuration key, that differ between
 /// `started` and `now`: the listener, the database, the worker pool, the gates (the
-/// coordinator's quota and the engine's permits), the webhook dispatcher and the toolbox
-/// (MCP servers, model profiles).
+/// coordinator's quota and the engine's permits), the webhook dispatcher, the toolbox
+/// (MCP servers, model profiles), the stream limits and the names the server answers to.
 fn restart_required(started: &Config, now: &Config) -> Vec<String> {
     let fixed = [
         ("listen", started.listen == now.listen),
@@ -211,6 +211,8 @@ fn restart_required(started: &Config, now: &Config) -> Vec<String> {
         ("mcp", started.mcp == now.mcp),
         ("webhooks", started.webhooks == now.webhooks),
         ("models", started.models == now.models),
+        ("limits", started.limits == now.limits),
+        ("server", started.server == now.server),
     ];
     (fixed.into_iter())
         .filter(|(_, same)| !same)
@@ -257,10 +259,16 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let config = serve_settings(&args)?;
     let pool_config = config.pool()?;
     let webhooks = config.webhooks()?;
+    let limits = config.limits()?;
     let listen = config.listen.as_deref().unwrap_or("127.0.0.1:7700");
     let address: SocketAddr = listen
         .parse()
         .with_context(|| format!("listen address {listen:?} is not IP:PORT"))?;
+    let hosts = HostPolicy::new(
+        address,
+        config.server.allowed_hosts.as_deref().unwrap_or_default(),
+    )
+    .map_err(|reason| anyhow::anyhow!("invalid configuration: {reason}"))?;
     let toolbox = toolbox(&config).await?;
     let active = match prepare_active(&config, &toolbox, address) {
         Ok(active) => active,
@@ -279,6 +287,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let shutdown = CancellationToken::new();
     let agent_count = active.agents().len();
     let state = AppState::new(runtime.coordinator.clone(), active, shutdown.clone())
+        .with_stream_limits(limits.streams)
+        .with_host_policy(hosts)
         .with_reloader(reloader);
     // Before the socket accepts anyone who could send one: from here on a SIGHUP reloads
     // instead of ending the process.
@@ -288,6 +298,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let listener = tokio::net::TcpListener::bind(address)
         .await
         .with_context(|| format!("cannot listen on {address}"))?;
+    let listener = GuardedListener::new(listener, limits.stream_stall);
     // The dispatcher is handed the observation plane's part of the store only.
     let dispatcher = match webhooks {
         Some(dispatch) => Some(

@@ -367,7 +367,7 @@ fn a_bad_token_is_refused_with_the_servers_message() {
         dir.path(),
         &script(),
         &["--config", "ratchet.toml"],
-        &[("RATCHET_TEST_SECRET", "s3cret")],
+        &[("RATCHET_TEST_SECRET", "s3cret-token-of-acme")],
     );
     let url = server.url.as_str();
     let refused = |output: &Output, message: &str| {
@@ -420,7 +420,7 @@ fn a_bad_token_is_refused_with_the_servers_message() {
         dir.path(),
         &["run", "--server", url, "hi"],
         "",
-        &[("RATCHET_TOKEN", "s3cret")],
+        &[("RATCHET_TOKEN", "s3cret-token-of-acme")],
     );
     assert_eq!(output.status.code(), Some(0), "{}", stderr_of(&output));
     assert_eq!(stdout_of(&output), "The total is 14.\n");

@@ -13,6 +13,8 @@ use crate::auth::Tokens;
 
 /// A lease shorter than this would lapse between a busy machine's heartbeats.
 const MIN_LEASE_MS: u64 = 100;
+/// The shortest token `env =` may hold: a shorter one can be guessed.
+const MIN_TOKEN_CHARS: usize = 16;
 /// More concurrent steps than any machine needs: a typo, not a setting.
 const MAX_WORKERS: u64 = 4096;
 
@@ -85,6 +87,46 @@ pub struct Config {
     /// How events are sent to webhooks, `[webhooks]`.
     #[serde(default)]
     pub webhooks: WebhookSettings,
+    /// What one client or tenant may hold of the server, `[limits]`.
+    #[serde(default)]
+    pub limits: LimitSettings,
+    /// The HTTP server, `[server]`.
+    #[serde(default)]
+    pub server: ServerSettings,
+}
+
+/// `[limits]`: how much of the server a client, a tenant or a tool result may take. Absent
+/// keys keep their defaults.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSettings {
+    /// Event streams open at once in this process (default 1024); past it, 429.
+    pub max_streams: Option<u64>,
+    /// Event streams one tenant may hold open at once (default 64); past it, 429.
+    pub max_streams_per_tenant: Option<u64>,
+    /// How long a connection may leave the server's writes unread before it is closed
+    /// (default 30000): a stalled client gives its stream and memory back, and resumes by
+    /// `Last-Event-ID` when it reconnects.
+    pub stream_stall_ms: Option<u64>,
+    /// The most text `memory_search` shows of one matching message (default 2048 bytes).
+    pub max_snippet_bytes: Option<u64>,
+}
+
+/// `[server]`: who may address the HTTP server.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerSettings {
+    /// Host names (`ratchet.example.com`, `*.example.com`) requests may name in `Host` and
+    /// `Origin` besides the addresses the server listens on; `["*"]` turns the check off.
+    pub allowed_hosts: Option<Vec<String>>,
+}
+
+/// The limits of `[limits]`, checked and with their defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerLimits {
+    pub streams: crate::StreamLimits,
+    pub stream_stall: Duration,
+    pub max_snippet_bytes: usize,
 }
 
 /// `[webhooks]`: the dispatcher that sends events to the tenants' webhooks. Absent keys keep
@@ -180,6 +222,9 @@ pub struct TokenConfig {
     pub tenant: String,
     pub sha256: Option<String>,
     pub env: Option<String>,
+    /// Whether the token may also administer the server (`POST /v1/admin/reload`); default
+    /// false.
+    pub admin: Option<bool>,
 }
 
 impl Config {
@@ -426,9 +471,39 @@ impl Config {
             .collect()
     }
 
+    /// `[limits]`, checked: no zeros (a cap of 0 would refuse every stream).
+    pub fn limits(&self) -> Result<ServerLimits, ConfigError> {
+        let settings = &self.limits;
+        let at_least_one = |name: &str, value: Option<u64>, default: u64| match value {
+            Some(0) => Err(ConfigError::Invalid(format!(
+                "limits.{name} must be at least 1, found 0"
+            ))),
+            _ => Ok(value.unwrap_or(default)),
+        };
+        let size = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
+        let defaults = crate::StreamLimits::default();
+        let max_streams = at_least_one("max_streams", settings.max_streams, defaults.max_streams as u64)?;
+        let per_tenant = at_least_one(
+            "max_streams_per_tenant",
+            settings.max_streams_per_tenant,
+            defaults.max_streams_per_tenant as u64,
+        )?;
+        let stall = at_least_one("stream_stall_ms", settings.stream_stall_ms, 30_000)?;
+        let snippet = at_least_one("max_snippet_bytes", settings.max_snippet_bytes, 2048)?;
+        Ok(ServerLimits {
+            streams: crate::StreamLimits {
+                max_streams: size(max_streams),
+                max_streams_per_tenant: size(per_tenant),
+            },
+            stream_stall: Duration::from_millis(stall),
+            max_snippet_bytes: size(snippet),
+        })
+    }
+
     /// The accepted tokens, reading `env` tokens from the environment now.
     pub fn tokens(&self, env: impl Fn(&str) -> Option<String>) -> Result<Tokens, ConfigError> {
         let mut by_hash = HashMap::new();
+        let mut admins = Vec::new();
         for (i, token) in self.tokens.iter().enumerate() {
             if token.tenant.trim().is_empty() {
                 return Err(ConfigError::Invalid(format!(
@@ -443,7 +518,14 @@ impl Config {
                             "tokens[{i}]: sha256 must be 64 hex digits, found {hash:?}"
                         )));
                     }
-                    hash.to_ascii_lowercase()
+                    let hash = hash.to_ascii_lowercase();
+                    if hash == crate::hash_token("") {
+                        return Err(ConfigError::Invalid(format!(
+                            "tokens[{i}]: sha256 is the hash of the empty token, which anyone \
+                             can send; hash a random token of at least {MIN_TOKEN_CHARS} characters"
+                        )));
+                    }
+                    hash
                 }
                 (None, Some(var)) => {
                     let value = env(var).filter(|v| !v.is_empty()).ok_or_else(|| {
@@ -451,6 +533,19 @@ impl Config {
                             "tokens[{i}]: environment variable {var} is not set"
                         ))
                     })?;
+                    let chars = value.chars().count();
+                    if chars < MIN_TOKEN_CHARS {
+                        return Err(ConfigError::Invalid(format!(
+                            "tokens[{i}]: the token in {var} has {chars} characters; expected \
+                             at least {MIN_TOKEN_CHARS}"
+                        )));
+                    }
+                    if value.chars().any(char::is_whitespace) {
+                        return Err(ConfigError::Invalid(format!(
+                            "tokens[{i}]: the token in {var} contains whitespace, which no \
+                             `Authorization: Bearer` header can carry"
+                        )));
+                    }
                     crate::hash_token(&value)
                 }
                 _ => {
@@ -459,13 +554,16 @@ impl Config {
                     )));
                 }
             };
+            if token.admin == Some(true) {
+                admins.push(hash.clone());
+            }
             if by_hash.insert(hash, token.tenant.clone()).is_some() {
                 return Err(ConfigError::Invalid(format!(
                     "tokens[{i}]: the same token is configured twice"
                 )));
             }
         }
-        Ok(Tokens::new(by_hash))
+        Ok(Tokens::new(by_hash).with_admins(admins))
     }
 }
 
@@ -493,7 +591,7 @@ mod tests {
         .unwrap();
         let env = |key: &str| match key {
             "RATCHET_LISTEN" => Some("127.0.0.1:9000".to_owned()),
-            "ACME_TOKEN" => Some("acme-secret".to_owned()),
+            "ACME_TOKEN" => Some("acme-secret-token".to_owned()),
             _ => None,
         };
         let config = config.with_env(env).unwrap();
@@ -682,6 +780,65 @@ mod tests {
     }
 
     #[test]
+    fn limits_are_read_checked_and_default_the_rest() {
+        let defaults = Config::default().limits().unwrap();
+        assert_eq!(defaults.streams, crate::StreamLimits::default());
+        assert_eq!(defaults.stream_stall, Duration::from_secs(30));
+        assert_eq!(defaults.max_snippet_bytes, 2048);
+        let config: Config =
+            toml::from_str("[limits]
+max_streams_per_tenant = 3
+stream_stall_ms = 250
+").unwrap();
+        let limits = config.limits().unwrap();
+        assert_eq!(limits.streams.max_streams_per_tenant, 3);
+        assert_eq!(limits.streams.max_streams, defaults.streams.max_streams);
+        assert_eq!(limits.stream_stall, Duration::from_millis(250));
+        for zero in ["max_streams", "max_streams_per_tenant", "stream_stall_ms", "max_snippet_bytes"] {
+            let config: Config = toml::from_str(&format!("[limits]\n{zero} = 0\n")).unwrap();
+            let error = config.limits().unwrap_err().to_string();
+            assert!(error.contains(&format!("limits.{zero} must be at least 1")), "{error}");
+        }
+        assert!(toml::from_str::<Config>("[limits]
+max_stream = 5
+").is_err());
+        let hosts: Config =
+            toml::from_str("[server]
+allowed_hosts = [\"ratchet.example\", \"*.example.org\"]
+")
+                .unwrap();
+        assert_eq!(
+            hosts.server.allowed_hosts.as_deref(),
+            Some(&["ratchet.example".to_owned(), "*.example.org".to_owned()][..])
+        );
+        assert!(toml::from_str::<Config>("[server]
+allowed_host = []
+").is_err());
+    }
+
+    /// F6: the empty token's hash let an empty `?access_token=` in; a short token can be
+    /// guessed. Both are refused when tokens are read, and `admin` marks administrators.
+    #[test]
+    fn guessable_tokens_are_refused_and_administrators_are_marked() {
+        let empty_hash = Config::from_toml(&format!(
+            "[[tokens]]\ntenant = \"a\"\nsha256 = \"{}\"",
+            crate::hash_token("").to_uppercase()
+        ))
+        .unwrap();
+        let error = empty_hash.tokens(|_| None).unwrap_err().to_string();
+        assert!(error.contains("hash of the empty token"), "{error}");
+
+        let by_env = Config::from_toml("[[tokens]]\ntenant = \"a\"\nenv = \"T\"\nadmin = true").unwrap();
+        let short = by_env.tokens(|_| Some("fifteen-chars-x".to_owned())).unwrap_err();
+        assert!(short.to_string().contains("has 15 characters; expected at least 16"), "{short}");
+        let spaced = by_env.tokens(|_| Some("sixteen chars xx".to_owned())).unwrap_err();
+        assert!(spaced.to_string().contains("whitespace"), "{spaced}");
+        let tokens = by_env.tokens(|_| Some("sixteen-chars-xx".to_owned())).unwrap();
+        let caller = tokens.caller("sixteen-chars-xx").unwrap();
+        assert!(caller.admin && caller.tenant == "a");
+    }
+
+    #[test]
     fn gates_and_delegation_limits_are_read_and_checked() {
         let config = Config::from_toml(
             "agents = \"agents\"\n[gates]\nmax_active_runs = 100\nmax_active_runs_per_session = 8\nmodel_calls = 4\ntool_calls_per_session = 2\n[delegation]\nmax_depth = 2\nmax_tree_runs = 40\n",
@@ -793,11 +950,13 @@ mod tests {
             prop_oneof!["[a-z]{1,8}", any::<String>()],
             proptest::option::of(hash),
             proptest::option::of(env),
+            proptest::option::of(any::<bool>()),
         )
-            .prop_map(|(tenant, sha256, env)| TokenConfig {
+            .prop_map(|(tenant, sha256, env, admin)| TokenConfig {
                 tenant,
                 sha256,
                 env,
+                admin,
             })
     }
 
@@ -910,6 +1069,8 @@ mod tests {
                     delegation: DelegationLimits::default(),
                     inbox: InboxSettings::default(),
                     webhooks: WebhookSettings::default(),
+                    limits: LimitSettings::default(),
+                    server: ServerSettings::default(),
                 },
             )
     }
@@ -953,6 +1114,7 @@ mod tests {
                 put(&mut table, "tenant", Some(token.tenant.clone()));
                 put(&mut table, "sha256", token.sha256.clone());
                 put(&mut table, "env", token.env.clone());
+                put(&mut table, "admin", token.admin);
                 table.into()
             })
             .collect();

@@ -8,6 +8,8 @@ use axum::body::{Body, Bytes};
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::StatusCode;
+use axum::http::header::CONTENT_LENGTH;
+use axum::middleware::Next;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
@@ -100,6 +102,27 @@ impl From<ratchet_engine::Error> for ApiError {
             ratchet_engine::Error::Invalid(message) => ApiError::bad_request(message),
             other => ApiError::internal(&other),
         }
+    }
+}
+
+/// Answers 413 at once to a request whose `Content-Length` is over the body limit, instead of
+/// reading (or waiting for) a body that would be refused anyway.
+pub(crate) async fn refuse_oversized_bodies(request: Request, next: Next) -> Response {
+    let declared = request
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok()?.parse::<u64>().ok());
+    match declared {
+        Some(length) if length > crate::api::MAX_BODY_BYTES as u64 => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            format!(
+                "the body is {length} bytes; the most accepted is {}",
+                crate::api::MAX_BODY_BYTES
+            ),
+        )
+        .into_response(),
+        _ => next.run(request).await,
     }
 }
 

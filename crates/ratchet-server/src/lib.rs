@@ -11,11 +11,14 @@ mod auth;
 mod config;
 mod console;
 mod error;
+mod hosts;
 mod inbox;
+mod listener;
 mod metrics;
 pub mod reload;
 mod routes;
 mod sse;
+mod streams;
 mod webhooks;
 
 use std::sync::Arc;
@@ -31,7 +34,10 @@ pub use active::Active;
 pub use auth::{Tokens, hash_token};
 pub use config::{Config, ConfigError, TokenConfig};
 pub use error::ApiError;
+pub use hosts::HostPolicy;
+pub use listener::GuardedListener;
 pub use reload::{Reloader, Reloads};
+pub use streams::StreamLimits;
 
 /// Everything a request handler can reach.
 #[derive(Clone)]
@@ -44,6 +50,10 @@ pub struct AppState {
     /// Cancelled when the server shuts down: event streams end cleanly.
     pub shutdown: CancellationToken,
     pub metrics: metrics::Metrics,
+    /// The event streams open now, and how many may be.
+    streams: Arc<streams::StreamGate>,
+    /// The names requests may address the server by.
+    hosts: Arc<HostPolicy>,
 }
 
 impl AppState {
@@ -58,7 +68,21 @@ impl AppState {
             reloads: None,
             shutdown,
             metrics: metrics::Metrics::install(),
+            streams: streams::StreamGate::new(StreamLimits::default()),
+            hosts: Arc::new(HostPolicy::default()),
         }
+    }
+
+    /// The same state, answering to the names of `hosts` instead of loopback's.
+    pub fn with_host_policy(mut self, hosts: HostPolicy) -> AppState {
+        self.hosts = Arc::new(hosts);
+        self
+    }
+
+    /// The same state, allowing `limits` event streams instead of the defaults.
+    pub fn with_stream_limits(mut self, limits: StreamLimits) -> AppState {
+        self.streams = streams::StreamGate::new(limits);
+        self
     }
 
     /// The same state, reloadable through `reloader` (`POST /v1/admin/reload`, and whatever
@@ -114,6 +138,11 @@ pub fn app(state: AppState) -> Router {
         .fallback(error::not_found)
         .method_not_allowed_fallback(error::method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(error::refuse_oversized_bodies))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            hosts::check,
+        ))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(
             error::panicked,
         ))

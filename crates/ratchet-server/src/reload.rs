@@ -19,7 +19,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use crate::api::ErrorBody;
-use crate::auth::Tenant;
+use crate::auth::Admin;
 use crate::metrics::now_ms;
 use crate::{Active, ApiError, AppState};
 
@@ -193,6 +193,7 @@ impl From<Reloaded> for ReloadView {
     post, path = "/v1/admin/reload", tag = "admin",
     responses(
         (status = 200, body = ReloadView, description = "The configuration and the catalog were read again, checked and activated whole; runs already created keep the configuration they were frozen with"),
+        (status = 403, body = ErrorBody, description = "the token is not an administrator's (`[[tokens]] admin = true`)"),
         (status = 409, body = ErrorBody, description = "this server was assembled without a way to read its configuration again"),
         (status = 422, body = ErrorBody, description = "the new configuration or catalog has problems (`error.problems` lists every one); the previous one stays active"),
         (status = 503, body = ErrorBody, description = "the server is shutting down"),
@@ -201,7 +202,7 @@ impl From<Reloaded> for ReloadView {
 )]
 async fn reload(
     State(state): State<AppState>,
-    _tenant: Tenant,
+    _admin: Admin,
 ) -> Result<axum::Json<ReloadView>, ApiError> {
     let Some(reloads) = state.reloads() else {
         return Err(ApiError::new(

@@ -13,18 +13,20 @@
 //! delivered nothing for `QUIET` also looks in the store: the events of steps another process
 //! runs reach it within that delay at worst.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::pin::Pin;
 use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use ratchet_core::{RunId, SessionId};
 use ratchet_store::StoredEvent;
 use serde::Deserialize;
+use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::RecvError;
-use tokio::sync::mpsc;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -32,12 +34,16 @@ use crate::api::{ErrorBody, ServerSentEvent};
 use crate::auth::Tenant;
 use crate::error::{ApiPath, ApiQuery};
 use crate::routes::{parse_run_id, parse_session_id, tenant_run, tenant_session};
+use crate::streams::StreamPermit;
 use crate::{ApiError, AppState};
 
-/// Events read from the store per query while replaying.
-const PAGE: u32 = 500;
-/// Events buffered for a slow client before the stream waits on it.
-const CLIENT_BUFFER: usize = 256;
+/// Most events read from the store per query while replaying.
+const PAGE_EVENTS: u32 = 500;
+/// Most payload bytes read per query (one larger event comes alone): what a stream holds
+/// besides the event in flight, however large the backlog.
+const PAGE_BYTES: u64 = 64 * 1024;
+/// How long a client should wait before reconnecting, sent first on every stream.
+const RETRY: Duration = Duration::from_secs(2);
 /// How long a following stream waits without delivering anything before it reads the store.
 const QUIET: Duration = Duration::from_secs(1);
 
@@ -118,8 +124,10 @@ async fn session_events(
     let id = parse_session_id(&id)?;
     let after = start_after(&headers, &query)?;
     tenant_session(&state, &tenant, &id).await?;
+    let permit = state.streams.open(&tenant.0)?;
     Ok(stream(
         state,
+        permit,
         Scope::Session(id),
         after,
         query.follow.unwrap_or(true),
@@ -145,8 +153,10 @@ async fn run_events(
     let id = parse_run_id(&id)?;
     let after = start_after(&headers, &query)?;
     let run = tenant_run(&state, &tenant, &id).await?;
+    let permit = state.streams.open(&tenant.0)?;
     Ok(stream(
         state,
+        permit,
         Scope::Run(run.session_id, id),
         after,
         query.follow.unwrap_or(true),
@@ -155,146 +165,130 @@ async fn run_events(
 
 fn stream(
     state: AppState,
+    permit: StreamPermit,
     scope: Scope,
     after: i64,
     follow: bool,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
-    let (sender, mut receiver) = mpsc::channel(CLIENT_BUFFER);
     // Subscribe before reading the backlog, so nothing published meanwhile is missed.
     let live = state.coordinator.subscribe();
-    let subscribers = metrics::gauge!("ratchet_sse_subscribers");
-    subscribers.increment(1.0);
-    tokio::spawn(async move {
-        let mut feed = Feed {
-            state,
-            scope,
-            seen: after,
-            sender,
-        };
-        if let Err(error) = feed.run(live, follow).await {
-            tracing::warn!(%error, "event stream ended on a store error");
-        }
-        subscribers.decrement(1.0);
+    let feed = Feed {
+        state,
+        scope,
+        seen: after,
+        follow,
+        page: VecDeque::new(),
+        behind: true,
+        live,
+        quiet: Box::pin(tokio::time::sleep(QUIET)),
+        _permit: permit,
+    };
+    let retry = Event::default().retry(RETRY);
+    let events = futures::stream::unfold(feed, |mut feed| async move {
+        let event = feed.next_event().await?;
+        Some((Ok(event), feed))
     });
-    let events = futures::stream::poll_fn(move |cx| receiver.poll_recv(cx));
+    let events = futures::stream::once(async move { Ok(retry) }).chain(events);
     Sse::new(events).keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
 }
 
-/// One client's stream: owns its cursor and its channel; ends when the client goes away,
-/// the server shuts down, or (without `follow`) the backlog is sent.
+/// One client's stream: its cursor, the page of the backlog it is sending, its place among
+/// the open streams. It reads only when the client has taken what came before (the response
+/// body asks for the next event only then), so a client that stops reading stops the feed:
+/// it holds at most one page and the event in flight, and no database connection.
 struct Feed {
     state: AppState,
     scope: Scope,
     /// Every event of the session with `seq <= seen` has been sent or filtered out.
     seen: i64,
-    sender: mpsc::Sender<Result<Event, Infallible>>,
-}
-
-/// Why a feed stopped early; not an error for anyone but the log.
-enum Stop {
-    ClientGone,
-    Store(ratchet_store::Error),
-}
-
-impl std::fmt::Display for Stop {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Stop::ClientGone => f.write_str("client gone"),
-            Stop::Store(error) => error.fmt(f),
-        }
-    }
+    follow: bool,
+    /// Events read and not yet sent, in `seq` order, right after `seen`.
+    page: VecDeque<StoredEvent>,
+    /// The store may hold events after `seen` that `page` does not.
+    behind: bool,
+    live: broadcast::Receiver<StoredEvent>,
+    /// Fires after `QUIET` without a delivery: announcements can be lost, the store cannot.
+    quiet: Pin<Box<tokio::time::Sleep>>,
+    _permit: StreamPermit,
 }
 
 impl Feed {
-    async fn run(
-        &mut self,
-        mut live: tokio::sync::broadcast::Receiver<StoredEvent>,
-        follow: bool,
-    ) -> Result<(), ratchet_store::Error> {
-        match self.catch_up().await {
-            Ok(()) => {}
-            Err(Stop::ClientGone) => return Ok(()),
-            Err(Stop::Store(error)) => return Err(error),
-        }
-        if !follow {
-            return Ok(());
-        }
-        let quiet = tokio::time::sleep(QUIET);
-        tokio::pin!(quiet);
+    /// The next event for the client, or None when the stream ends: the backlog is sent
+    /// (without `follow`), the server shuts down, or the store fails.
+    async fn next_event(&mut self) -> Option<Event> {
         loop {
-            let seen = self.seen;
-            let step = tokio::select! {
-                () = self.state.shutdown.cancelled() => return Ok(()),
-                () = self.sender.closed() => return Ok(()),
-                received = live.recv() => match received {
-                    Ok(event) => self.offer(event).await,
-                    Err(RecvError::Lagged(_)) => self.catch_up().await,
-                    Err(RecvError::Closed) => return Ok(()),
-                },
-                // Announcements can be lost: after a quiet spell, the store has the last word.
-                () = &mut quiet => {
-                    let caught_up = self.catch_up().await;
-                    quiet.as_mut().reset(tokio::time::Instant::now() + QUIET);
-                    caught_up
+            if self.state.shutdown.is_cancelled() {
+                return None;
+            }
+            if let Some(event) = self.page.pop_front() {
+                self.seen = event.seq;
+                self.quiet
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + QUIET);
+                if self.scope.includes(&event) {
+                    return Some(to_sse(&event));
                 }
-            };
-            if self.seen != seen {
-                quiet.as_mut().reset(tokio::time::Instant::now() + QUIET);
+                continue;
             }
-            match step {
-                Ok(()) => {}
-                Err(Stop::ClientGone) => return Ok(()),
-                Err(Stop::Store(error)) => return Err(error),
+            if self.behind {
+                if let Err(error) = self.read_page().await {
+                    tracing::warn!(%error, "event stream ended on a store error");
+                    return None;
+                }
+                continue;
             }
-        }
-    }
-
-    /// A live event: the next one in order is sent (or filtered) at once; one beyond a gap
-    /// sends the stream to the store for everything up to it.
-    async fn offer(&mut self, event: StoredEvent) -> Result<(), Stop> {
-        if &event.session_id != self.scope.session() || event.seq <= self.seen {
-            return Ok(());
-        }
-        if event.seq == self.seen + 1 {
-            return self.deliver(&event).await;
-        }
-        self.catch_up().await
-    }
-
-    /// Sends every stored event after `seen`, a page at a time.
-    async fn catch_up(&mut self) -> Result<(), Stop> {
-        loop {
-            let page = self
-                .state
-                .coordinator
-                .store()
-                .events_after(self.scope.session(), self.seen, PAGE)
-                .await
-                .map_err(Stop::Store)?;
-            for event in &page {
-                self.deliver(event).await?;
+            if !self.follow {
+                return None;
             }
-            if (page.len() as u32) < PAGE {
-                return Ok(());
+            tokio::select! {
+                () = self.state.shutdown.cancelled() => return None,
+                received = self.live.recv() => match received {
+                    Ok(event) => self.offer(event),
+                    Err(RecvError::Lagged(_)) => self.behind = true,
+                    Err(RecvError::Closed) => return None,
+                },
+                () = &mut self.quiet => {
+                    self.behind = true;
+                    self.quiet.as_mut().reset(tokio::time::Instant::now() + QUIET);
+                }
             }
         }
     }
 
-    async fn deliver(&mut self, event: &StoredEvent) -> Result<(), Stop> {
-        self.seen = event.seq;
-        if !self.scope.includes(event) {
-            return Ok(());
+    /// A live event: the next one in order joins the page; one beyond a gap sends the feed to
+    /// the store for everything up to it; one already sent is dropped.
+    fn offer(&mut self, event: StoredEvent) {
+        let queued = self.page.back().map_or(self.seen, |last| last.seq);
+        if &event.session_id != self.scope.session() || event.seq <= queued {
+            return;
         }
-        let sent = ServerSentEvent::from(event);
-        let sse = Event::default()
-            .id(sent.id)
-            .event(sent.event)
-            .data(sent.data);
-        self.sender
-            .send(Ok(sse))
-            .await
-            .map_err(|_| Stop::ClientGone)
+        if event.seq == queued + 1 {
+            self.page.push_back(event);
+        } else {
+            self.behind = true;
+        }
     }
+
+    /// The next page of the backlog after `seen`, bounded by count and by bytes.
+    async fn read_page(&mut self) -> Result<(), ratchet_store::Error> {
+        let page = self
+            .state
+            .coordinator
+            .store()
+            .events_within(self.scope.session(), self.seen, PAGE_EVENTS, PAGE_BYTES)
+            .await?;
+        self.behind = !page.is_empty();
+        self.page = page.into();
+        Ok(())
+    }
+}
+
+fn to_sse(event: &StoredEvent) -> Event {
+    let sent = ServerSentEvent::from(event);
+    Event::default()
+        .id(sent.id)
+        .event(sent.event)
+        .data(sent.data)
 }
 
 #[cfg(test)]
@@ -329,6 +323,28 @@ mod tests {
         (dir, store, coordinator, session)
     }
 
+    fn feed(state: AppState, session: SessionId, follow: bool) -> Feed {
+        let live = state.coordinator.subscribe();
+        let permit = state.streams.open("t").unwrap();
+        Feed {
+            state,
+            scope: Scope::Session(session),
+            seen: 0,
+            follow,
+            page: VecDeque::new(),
+            behind: false,
+            live,
+            quiet: Box::pin(tokio::time::sleep(QUIET)),
+            _permit: permit,
+        }
+    }
+
+    fn id_of(event: &Event) -> String {
+        let text = format!("{event:?}");
+        let at = text.find("id: ").expect("an event with an id");
+        text[at + 4..].chars().take_while(char::is_ascii_digit).collect()
+    }
+
     /// Concurrent writers of one session can publish its events out of order. A live event
     /// that skips ahead must send the stream to the store for the ones before it, and a late
     /// one that was already delivered must not be sent again.
@@ -344,33 +360,52 @@ mod tests {
             .await
             .unwrap();
         let state = AppState::new(coordinator, Default::default(), CancellationToken::new());
-        let (sender, mut receiver) = mpsc::channel(16);
-        let mut feed = Feed {
-            state,
-            scope: Scope::Session(session),
-            seen: 0,
-            sender,
-        };
+        let mut feed = feed(state, session, false);
 
-        feed.offer(stored[2].clone()).await.ok().unwrap();
-        assert_eq!(
-            feed.seen, 3,
-            "seq 3 arrived first: 1 and 2 were read from the store"
-        );
-        feed.offer(stored[0].clone()).await.ok().unwrap();
-        feed.offer(stored[2].clone()).await.ok().unwrap();
-        drop(feed);
+        feed.offer(stored[2].clone());
         let mut ids = Vec::new();
-        while let Some(Ok(event)) = receiver.recv().await {
-            ids.push(format!("{event:?}"));
+        while let Some(event) = feed.next_event().await {
+            ids.push(id_of(&event));
+            feed.offer(stored[0].clone());
+            feed.offer(stored[2].clone());
         }
-        assert_eq!(ids.len(), 3, "each event exactly once: {ids:#?}");
-        for (i, id) in ids.iter().enumerate() {
+        assert_eq!(
+            ids,
+            ["1", "2", "3"],
+            "seq 3 arrived first: 1 and 2 were read from the store, and each is sent once"
+        );
+    }
+
+    /// A stream holds a page of the backlog, not the backlog: however large the session's
+    /// history, what it has read and not yet sent stays within `PAGE_BYTES` (the event in
+    /// flight aside), and it reads on only as the client takes events.
+    #[tokio::test]
+    async fn a_stream_holds_a_bounded_page_of_a_large_backlog() {
+        let (_dir, store, coordinator, session) = one_session().await;
+        let run = RunId::from_suffix("r").unwrap();
+        let big = "x".repeat(40 * 1024);
+        let drafts = (0..40)
+            .map(|i| EventDraft::new(EventKind::Activity, json!({"i": i, "text": big})))
+            .collect();
+        store
+            .append_events(&session, &run, drafts, 1)
+            .await
+            .unwrap();
+        let state = AppState::new(coordinator, Default::default(), CancellationToken::new());
+        let mut feed = feed(state, session, false);
+        feed.behind = true;
+
+        let mut sent = 0;
+        while feed.next_event().await.is_some() {
+            sent += 1;
+            let held: usize = feed.page.iter().map(|e| e.payload.to_string().len()).sum();
             assert!(
-                id.contains(&format!("id: {}", i + 1)),
-                "in seq order: {ids:#?}"
+                held as u64 <= PAGE_BYTES,
+                "after {sent} events the stream holds {held} bytes of unsent backlog, \
+                 more than a page of {PAGE_BYTES}"
             );
         }
+        assert_eq!(sent, 40, "every event of the backlog is sent");
     }
 
     /// Events another process writes are never announced on this process's bus (SQLite) or
@@ -384,15 +419,7 @@ mod tests {
             Default::default(),
             CancellationToken::new(),
         );
-        let (sender, mut receiver) = mpsc::channel(16);
-        let mut feed = Feed {
-            state,
-            scope: Scope::Session(session.clone()),
-            seen: 0,
-            sender,
-        };
-        let live = coordinator.subscribe();
-        let following = tokio::spawn(async move { feed.run(live, true).await.is_ok() });
+        let mut feed = feed(state, session.clone(), true);
 
         let run = RunId::from_suffix("r").unwrap();
         for round in 0..2 {
@@ -402,17 +429,11 @@ mod tests {
                 .append_events(&session, &run, vec![draft], 1)
                 .await
                 .unwrap();
-            let event = tokio::time::timeout(Duration::from_secs(10), receiver.recv())
+            let event = tokio::time::timeout(Duration::from_secs(10), feed.next_event())
                 .await
                 .expect("the stream did not look in the store")
-                .unwrap()
                 .unwrap();
-            assert!(
-                format!("{event:?}").contains(&format!("id: {}", round + 1)),
-                "{event:?}"
-            );
+            assert_eq!(id_of(&event), (round + 1).to_string());
         }
-        drop(receiver);
-        assert!(following.await.unwrap(), "ends when the client goes away");
     }
 }

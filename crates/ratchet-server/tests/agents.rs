@@ -931,6 +931,7 @@ fn server_tokens() -> Tokens {
         (ratchet_server::hash_token(TOKEN_A), "tenant-a".to_owned()),
         (ratchet_server::hash_token(TOKEN_B), "tenant-b".to_owned()),
     ]))
+    .with_admins([TOKEN_A, TOKEN_B].map(ratchet_server::hash_token))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1043,7 +1044,8 @@ async fn a_reload_rotates_the_tokens() {
     let only_b = Tokens::new(std::collections::HashMap::from([(
         ratchet_server::hash_token(TOKEN_B),
         "tenant-b".to_owned(),
-    )]));
+    )]))
+    .with_admins([ratchet_server::hash_token(TOKEN_B)]);
     server.queue_reload(Ok(Prepared {
         active: Active::new(server.template.clone(), Vec::new(), only_b),
         restart_required: Vec::new(),

@@ -437,6 +437,19 @@ impl<B: Backend> Store for SqlStore<B> {
             .await
     }
 
+    async fn events_within(
+        &self,
+        session_id: &SessionId,
+        after_seq: i64,
+        limit: u32,
+        max_bytes: u64,
+    ) -> Result<Vec<StoredEvent>> {
+        let session_id = session_id.clone();
+        self.backend
+            .read(move |c| ops::events_within(c, &session_id, after_seq, limit, max_bytes))
+            .await
+    }
+
     async fn lease_owners(&self) -> Result<Vec<String>> {
         self.backend.read(ops::lease_owners).await
     }

@@ -1810,6 +1810,34 @@ pub(crate) fn events_after(
     .collect()
 }
 
+/// Events after `after_seq` in `seq` order, at most `limit` of them, and no more than fit in
+/// `max_bytes` of payload — but always the first, however large, so a page never stalls.
+/// The running sum reads each row's stored length, not its payload.
+pub(crate) fn events_within(
+    c: &dyn Db,
+    session_id: &SessionId,
+    after_seq: i64,
+    limit: u32,
+    max_bytes: u64,
+) -> Result<Vec<StoredEvent>> {
+    let max_bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
+    c.query(
+        &format!(
+            "SELECT {EVENT_COLUMNS} FROM (
+                 SELECT {EVENT_COLUMNS},
+                        SUM(octet_length(payload_json)) OVER (ORDER BY seq) - octet_length(payload_json) AS before
+                 FROM events WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3
+             ) AS page
+             WHERE before = 0 OR before + octet_length(payload_json) <= ?4
+             ORDER BY seq"
+        ),
+        &params![session_id.as_str(), after_seq, limit, max_bytes],
+    )?
+    .into_iter()
+    .map(to_event)
+    .collect()
+}
+
 pub(crate) fn run_events_after(
     c: &dyn Db,
     run_id: &RunId,

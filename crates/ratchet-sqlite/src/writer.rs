@@ -164,11 +164,18 @@ fn run_batch(tx: &Tx<'_>, batch: &mut [Box<dyn WriteOp>]) -> Result<()> {
     Ok(())
 }
 
-/// Read connections, opened on demand and reused. Reads never block the writer (WAL).
+/// Read connections at once, at most. More would only queue on two cores' worth of blocking
+/// threads, and each idle one keeps its own page cache: a burst of readers (a hundred event
+/// streams) waits its turn instead of opening a connection apiece and keeping them all.
+const MAX_READERS: usize = 8;
+
+/// Read connections, opened on demand and reused, `MAX_READERS` at most. Reads never block
+/// the writer (WAL).
 pub(crate) struct Readers {
     path: PathBuf,
     configs: Arc<Configs>,
     idle: Mutex<Vec<Connection>>,
+    turns: tokio::sync::Semaphore,
 }
 
 impl Readers {
@@ -177,7 +184,14 @@ impl Readers {
             path,
             configs,
             idle: Mutex::new(Vec::new()),
+            turns: tokio::sync::Semaphore::new(MAX_READERS),
         })
+    }
+
+    /// Connections open now, in use or idle; never more than `MAX_READERS`.
+    #[cfg(test)]
+    pub(crate) fn idle_connections(&self) -> usize {
+        self.idle.lock().map_or(0, |idle| idle.len())
     }
 
     pub(crate) async fn read<R, F>(self: &Arc<Self>, body: F) -> Result<R>
@@ -185,8 +199,13 @@ impl Readers {
         R: Send + 'static,
         F: FnOnce(&Tx<'_>) -> Result<R> + Send + 'static,
     {
+        let turn = self
+            .turns
+            .acquire()
+            .await
+            .map_err(|_| Error::Backend("the reader pool is closed".into()))?;
         let readers = Arc::clone(self);
-        tokio::task::spawn_blocking(move || {
+        let read = tokio::task::spawn_blocking(move || {
             let conn = match readers.idle.lock().map_err(|_| poisoned())?.pop() {
                 Some(conn) => conn,
                 None => crate::open_connection(&readers.path, true)?,
@@ -201,8 +220,9 @@ impl Readers {
             readers.idle.lock().map_err(|_| poisoned())?.push(conn);
             outcome
         })
-        .await
-        .map_err(|e| Error::Backend(format!("read task failed: {e}")))?
+        .await;
+        drop(turn);
+        read.map_err(|e| Error::Backend(format!("read task failed: {e}")))?
     }
 }
 
@@ -215,6 +235,41 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    /// A burst of concurrent reads (a hundred event streams catching up at once) takes turns
+    /// on a few connections instead of opening one each and keeping them all afterwards.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_burst_of_reads_opens_at_most_max_readers_connections() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.db");
+        crate::open_connection(&path, false)
+            .unwrap()
+            .execute_batch("PRAGMA journal_mode = WAL; CREATE TABLE t (v INTEGER);")
+            .unwrap();
+        let readers = Readers::new(path, Arc::default());
+        let reads: Vec<_> = (0..64)
+            .map(|_| {
+                let readers = Arc::clone(&readers);
+                tokio::spawn(async move {
+                    readers
+                        .read(|tx| {
+                            std::thread::sleep(Duration::from_millis(20));
+                            tx.query_row("SELECT count(*) FROM t", [], |r| r.get::<_, i64>(0))
+                                .map_err(backend)
+                        })
+                        .await
+                })
+            })
+            .collect();
+        for read in reads {
+            assert_eq!(read.await.unwrap().unwrap(), 0);
+        }
+        let open = readers.idle_connections();
+        assert!(
+            (1..=MAX_READERS).contains(&open),
+            "expected 1 to {MAX_READERS} connections kept after 64 concurrent reads, found {open}"
+        );
+    }
 
     /// When SQLite rolls a whole batch back by itself (here: the database is full), no write
     /// of the batch may survive, and every caller hears that it failed.

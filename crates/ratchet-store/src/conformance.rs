@@ -70,6 +70,7 @@ macro_rules! store_conformance_tests {
             an_interrupting_message_cancels_the_active_run_and_follows_it,
             sessions_are_listed_per_tenant_in_pages,
             client_reads_show_visible_messages_runs_and_run_events,
+            event_pages_stop_at_their_byte_budget_but_never_come_back_empty,
             an_approval_holds_the_whole_batch_until_a_human_answers,
             an_aborted_or_cancelled_approval_ends_its_run_and_frees_the_session,
             a_failed_run_is_retried_or_continued_once_its_session_is_free,
@@ -982,6 +983,43 @@ pub async fn client_reads_show_visible_messages_runs_and_run_events(store: &dyn 
         .await
         .unwrap();
     assert_eq!(tail, of_run[1..]);
+}
+
+/// A page bounded by bytes holds whole events up to the budget, always at least one (an
+/// event larger than the budget comes alone), and paging by it reads every event once.
+pub async fn event_pages_stop_at_their_byte_budget_but_never_come_back_empty(store: &dyn Store) {
+    let session = new_session(store).await;
+    let run = RunId::from_suffix("paged").unwrap();
+    let sizes = [10usize, 10, 5000, 10, 10, 10];
+    let drafts = sizes
+        .iter()
+        .map(|&n| EventDraft::new(EventKind::Activity, json!({"text": "x".repeat(n)})))
+        .collect();
+    let stored = store
+        .append_events(&session, &run, drafts, T0)
+        .await
+        .unwrap();
+    let payload_bytes = |e: &StoredEvent| e.payload.to_string().len() as u64;
+    let small = payload_bytes(&stored[0]);
+
+    let page = store.events_within(&session, 0, 100, 2 * small).await.unwrap();
+    assert_eq!(page, stored[..2], "two small events fit a budget of two");
+    let page = store.events_within(&session, 2, 100, 2 * small).await.unwrap();
+    assert_eq!(page, stored[2..3], "an event over the budget comes alone");
+    let page = store.events_within(&session, 0, 100, 1).await.unwrap();
+    assert_eq!(page, stored[..1], "the first event whatever the budget");
+    let page = store.events_within(&session, 3, 2, u64::MAX).await.unwrap();
+    assert_eq!(page, stored[3..5], "the count limit still holds");
+
+    let mut seen = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = store.events_within(&session, after, 100, 3 * small).await.unwrap();
+        let Some(last) = page.last() else { break };
+        after = last.seq;
+        seen.extend(page);
+    }
+    assert_eq!(seen, stored, "paging by bytes reads every event once, in order");
 }
 
 /// Once a cancel is accepted, the step in flight can no longer record an intent — so no

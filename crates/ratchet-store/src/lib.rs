@@ -856,6 +856,17 @@ pub trait Store: Observation + Send + Sync + 'static {
         limit: u32,
     ) -> Result<Vec<StoredEvent>>;
 
+    /// Like `events_after`, but stops before the page's payloads would pass `max_bytes`; the
+    /// first event comes whatever its size. Readers that must hold little in memory (event
+    /// streams) page with it.
+    async fn events_within(
+        &self,
+        session_id: &SessionId,
+        after_seq: i64,
+        limit: u32,
+        max_bytes: u64,
+    ) -> Result<Vec<StoredEvent>>;
+
     /// Owners of leases currently held, live or not.
     async fn lease_owners(&self) -> Result<Vec<String>>;
 

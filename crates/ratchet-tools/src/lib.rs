@@ -19,7 +19,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 pub use builtin::{Add, AppendLine, Now, Sleep, SleepMs};
-pub use memory::{MemoryHit, MemorySearch, MemorySearchTool};
+pub use memory::{DEFAULT_MAX_SNIPPET_BYTES, MemoryHit, MemorySearch, MemorySearchTool};
 
 /// What a running tool call may know about its surroundings.
 #[derive(Debug, Clone)]
@@ -109,19 +109,20 @@ impl Registry {
 
     /// The built-in tools: `add`, `now`, `sleep_ms`, `append_line` and `memory_search`.
     pub fn builtin() -> Registry {
-        Registry::new(Registry::builtin_tools())
+        Registry::new(Registry::builtin_tools(memory::DEFAULT_MAX_SNIPPET_BYTES))
             .expect("built-in tool schemas are valid and their names unique")
     }
 
-    /// The built-in tools as a list, to register together with others.
-    pub fn builtin_tools() -> Vec<Arc<dyn Tool>> {
+    /// The built-in tools as a list, to register together with others; `memory_search` shows
+    /// at most `max_snippet_bytes` of a matching message.
+    pub fn builtin_tools(max_snippet_bytes: usize) -> Vec<Arc<dyn Tool>> {
         vec![
             Arc::new(Add),
             Arc::new(Now),
             Arc::new(SleepMs),
             Arc::new(Sleep),
             Arc::new(AppendLine),
-            Arc::new(MemorySearchTool),
+            Arc::new(MemorySearchTool::new(max_snippet_bytes)),
         ]
     }
 
@@ -259,7 +260,7 @@ mod tests {
     #[test]
     fn specs_carry_each_tools_default_approval() {
         let tools = [
-            Registry::builtin_tools(),
+            Registry::builtin_tools(DEFAULT_MAX_SNIPPET_BYTES),
             vec![Arc::new(Gated) as Arc<dyn Tool>],
         ]
         .concat();

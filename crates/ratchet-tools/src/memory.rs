@@ -46,7 +46,27 @@ pub trait MemorySearch: Send + Sync + Debug {
     ) -> Result<Vec<MemoryHit>, String>;
 }
 
-pub struct MemorySearchTool;
+/// Bytes of a matching message shown to the model when nobody says otherwise.
+pub const DEFAULT_MAX_SNIPPET_BYTES: usize = 2048;
+
+/// `memory_search`, showing at most `max_snippet_bytes` of each matching message: a search
+/// over large messages must not copy them whole into the run's history and events.
+#[derive(Debug, Clone, Copy)]
+pub struct MemorySearchTool {
+    max_snippet_bytes: usize,
+}
+
+impl MemorySearchTool {
+    pub fn new(max_snippet_bytes: usize) -> MemorySearchTool {
+        MemorySearchTool { max_snippet_bytes }
+    }
+}
+
+impl Default for MemorySearchTool {
+    fn default() -> MemorySearchTool {
+        MemorySearchTool::new(DEFAULT_MAX_SNIPPET_BYTES)
+    }
+}
 
 /// One hit as the model reads it; `session_id` only when the hit is from another session.
 #[derive(Serialize)]
@@ -57,7 +77,7 @@ struct Shown<'a> {
     message_id: &'a str,
     role: Role,
     at: String,
-    text: &'a str,
+    text: std::borrow::Cow<'a, str>,
 }
 
 #[async_trait]
@@ -116,13 +136,33 @@ impl Tool for MemorySearchTool {
                         message_id: &hit.message_id,
                         role: hit.role,
                         at: utc(hit.created_at),
-                        text: &hit.snippet,
+                        text: bounded(&hit.snippet, self.max_snippet_bytes),
                     })
                     .collect();
                 ToolOutcome::ok(json!({"matches": shown}).to_string())
             }
         }
     }
+}
+
+/// At most `max_bytes` of `snippet`, cut at character boundaries around its first marked
+/// match (a quarter of the room before it), with `…` where text was cut.
+fn bounded(snippet: &str, max_bytes: usize) -> std::borrow::Cow<'_, str> {
+    if snippet.len() <= max_bytes {
+        return snippet.into();
+    }
+    let marked = snippet.find("**").unwrap_or(0);
+    let mut start = marked.saturating_sub(max_bytes / 4);
+    while !snippet.is_char_boundary(start) {
+        start -= 1;
+    }
+    let mut end = (start + max_bytes).min(snippet.len());
+    while !snippet.is_char_boundary(end) {
+        end -= 1;
+    }
+    let before = if start > 0 { "…" } else { "" };
+    let after = if end < snippet.len() { "…" } else { "" };
+    format!("{before}{}{after}", &snippet[start..end]).into()
 }
 
 /// `2026-08-05T04:21:11Z`: a time a model reads, from milliseconds since the epoch.
@@ -205,6 +245,41 @@ mod tests {
         }
     }
 
+    /// A match inside a huge message shows a bounded window around the marked words, not the
+    /// message: the probe's 900 KB messages came back whole, megabytes per search.
+    #[tokio::test]
+    async fn a_match_in_a_large_message_shows_a_bounded_snippet() {
+        let huge = format!("{}the **zebra** is here{}", "é".repeat(300_000), "z".repeat(300_000));
+        let memory = Arc::new(Recorded {
+            hits: vec![hit(session("mine"), &huge), hit(session("mine"), "a **zebra**")],
+            ..Recorded::default()
+        });
+        let ctx = context(Some(memory));
+        let outcome = MemorySearchTool::new(100)
+            .call(json!({"query": "zebra"}), &ctx)
+            .await;
+        assert!(!outcome.is_error, "{outcome:?}");
+        let shown: Value = serde_json::from_str(&outcome.content).unwrap();
+        let texts: Vec<&str> = shown["matches"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["text"].as_str().unwrap())
+            .collect();
+        assert!(
+            texts[0].starts_with('…') && texts[0].ends_with('…'),
+            "cut on both sides: {}",
+            texts[0]
+        );
+        assert!(texts[0].contains("**zebra**"), "the match stays in view: {}", texts[0]);
+        assert!(
+            texts[0].len() <= 100 + 2 * '…'.len_utf8(),
+            "at most 100 bytes besides the ellipses, found {}",
+            texts[0].len()
+        );
+        assert_eq!(texts[1], "a **zebra**", "a short snippet is shown as it is");
+    }
+
     #[tokio::test]
     async fn hits_are_listed_best_first_for_the_model() {
         let memory = Arc::new(Recorded {
@@ -215,7 +290,7 @@ mod tests {
             ..Recorded::default()
         });
         let ctx = context(Some(memory.clone()));
-        let outcome = MemorySearchTool
+        let outcome = MemorySearchTool::default()
             .call(json!({"query": "zebra", "limit": 7}), &ctx)
             .await;
         assert!(!outcome.is_error, "{outcome:?}");
@@ -234,20 +309,20 @@ mod tests {
             [(session("mine"), "zebra".to_owned(), 7)],
             "the search is asked about the run's session with the model's limit"
         );
-        MemorySearchTool.call(json!({"query": "zebra"}), &ctx).await;
+        MemorySearchTool::default().call(json!({"query": "zebra"}), &ctx).await;
         assert_eq!(memory.asked.lock().unwrap()[1].2, DEFAULT_LIMIT);
     }
 
     #[tokio::test]
     async fn no_match_is_an_answer_and_a_missing_search_an_error() {
-        let outcome = MemorySearchTool
+        let outcome = MemorySearchTool::default()
             .call(
                 json!({"query": "okapi"}),
                 &context(Some(Arc::new(Recorded::default()))),
             )
             .await;
         assert_eq!(outcome, ToolOutcome::ok("no matches for \"okapi\""));
-        let outcome = MemorySearchTool
+        let outcome = MemorySearchTool::default()
             .call(
                 json!({"query": "  "}),
                 &context(Some(Arc::new(Recorded::default()))),
@@ -257,7 +332,7 @@ mod tests {
             outcome.is_error && outcome.content.contains("empty"),
             "{outcome:?}"
         );
-        let outcome = MemorySearchTool
+        let outcome = MemorySearchTool::default()
             .call(json!({"query": "okapi"}), &context(None))
             .await;
         assert!(

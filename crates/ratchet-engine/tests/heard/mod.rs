@@ -376,6 +376,18 @@ impl Store for Heard {
         self.inner.events_after(session_id, after_seq, limit).await
     }
 
+    async fn events_within(
+        &self,
+        session_id: &SessionId,
+        after_seq: i64,
+        limit: u32,
+        max_bytes: u64,
+    ) -> Result<Vec<StoredEvent>> {
+        self.inner
+            .events_within(session_id, after_seq, limit, max_bytes)
+            .await
+    }
+
     async fn lease_owners(&self) -> Result<Vec<String>> {
         self.inner.lease_owners().await
     }

@@ -17,7 +17,9 @@ use ratchet_core::delegation::{AGENT_TASK_TOOL, DELEGATE_TOOL};
 use ratchet_core::{AgentProfile, Limits, MemoryScope, RunConfigSnapshot};
 use ratchet_engine::{Coordinator, Engine, Models, PoolConfig, WorkerPool};
 use ratchet_server::reload::Prepared;
-use ratchet_server::{Active, AppState, Tokens, hash_token};
+use ratchet_server::{
+    Active, AppState, GuardedListener, HostPolicy, StreamLimits, Tokens, hash_token,
+};
 use ratchet_store::Store;
 use ratchet_tools::Registry;
 use ratchet_webhooks::DispatcherConfig;
@@ -61,6 +63,23 @@ pub fn sleepy_script() -> Value {
 
 // ---------------------------------------------------------------------------------------
 // The server
+
+/// The limits `ratchet serve` sets from `[limits]` and `[server]`; the defaults are its own.
+pub struct Guards {
+    pub streams: StreamLimits,
+    pub stall: Duration,
+    pub hosts: HostPolicy,
+}
+
+impl Default for Guards {
+    fn default() -> Guards {
+        Guards {
+            streams: StreamLimits::default(),
+            stall: Duration::from_secs(30),
+            hosts: HostPolicy::default(),
+        }
+    }
+}
 
 /// What the server's next reloads prepare, in order; a reload with nothing queued is rejected.
 pub type ReloadQueue = Arc<Mutex<VecDeque<Result<Prepared, Vec<String>>>>>;
@@ -109,7 +128,20 @@ impl Server {
 
     /// A server that also sends webhook deliveries, as `ratchet serve` does.
     pub async fn start_with_dispatcher(script: Value, dispatch: DispatcherConfig) -> Server {
-        Server::launch_with(script, |_, _| {}, |_, _| Vec::new(), Some(dispatch)).await
+        Server::launch_with(
+            script,
+            |_, _| {},
+            |_, _| Vec::new(),
+            Some(dispatch),
+            Guards::default(),
+        )
+        .await
+    }
+
+    /// A server with other stream limits, stall timeout or names than `ratchet serve`'s
+    /// defaults.
+    pub async fn start_guarded(script: Value, guards: Guards) -> Server {
+        Server::launch_with(script, |_, _| {}, |_, _| Vec::new(), None, guards).await
     }
 
     async fn launch(
@@ -117,7 +149,7 @@ impl Server {
         configure: impl FnOnce(&mut RunConfigSnapshot, &Models),
         catalog: impl FnOnce(&RunConfigSnapshot, &Path) -> Vec<AgentProfile>,
     ) -> Server {
-        Server::launch_with(script, configure, catalog, None).await
+        Server::launch_with(script, configure, catalog, None, Guards::default()).await
     }
 
     async fn launch_with(
@@ -125,6 +157,7 @@ impl Server {
         configure: impl FnOnce(&mut RunConfigSnapshot, &Models),
         catalog: impl FnOnce(&RunConfigSnapshot, &Path) -> Vec<AgentProfile>,
         dispatch: Option<DispatcherConfig>,
+        guards: Guards,
     ) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let script_path = dir.path().join("script.json");
@@ -161,7 +194,8 @@ impl Server {
             (hash_token(TOKEN_A), "tenant-a".to_owned()),
             (hash_token(TOKEN_B), "tenant-b".to_owned()),
             (hash_token(TOKEN_A_BASE64), "tenant-a".to_owned()),
-        ]));
+        ]))
+        .with_admins([hash_token(TOKEN_A), hash_token(TOKEN_B)]);
         let shutdown = CancellationToken::new();
         let reloads = ReloadQueue::default();
         let queued = Arc::clone(&reloads);
@@ -170,6 +204,8 @@ impl Server {
             Active::new(run_template, agents, tokens),
             shutdown.clone(),
         )
+        .with_stream_limits(guards.streams)
+        .with_host_policy(guards.hosts)
         .with_reloader(move || {
             queued
                 .lock()
@@ -191,6 +227,7 @@ impl Server {
             ratchet_webhooks::spawn(store.clone(), dispatch, shutdown.clone()).unwrap();
         }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let listener = GuardedListener::new(listener, guards.stall);
         let address = listener.local_addr().unwrap();
         let stop = shutdown.clone();
         tokio::spawn(async move {
