@@ -1,14 +1,13 @@
 //! The built-in tools. `append_line` is the one with a side effect that must never happen
 //! twice, which is why its replay policy is `never`.
 
-use std::io::Write;
-use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use ratchet_core::{ReplayPolicy, ToolDelegation, ToolOutcome};
 use serde_json::{Value, json};
 
+use crate::workspace::Workspace;
 use crate::{Tool, ToolContext};
 
 pub struct Add;
@@ -203,78 +202,25 @@ impl Tool for AppendLine {
                 "this run has no workspace directory; append_line is unavailable",
             );
         };
-        let target = match confine(workspace, path) {
-            Ok(target) => target,
-            Err(reason) => return ToolOutcome::error(reason),
-        };
+        let root = workspace.clone();
+        let relative = path.to_owned();
         let line = format!("{line}\n");
-        let written = tokio::task::spawn_blocking(move || -> std::io::Result<PathBuf> {
-            let mut file = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&target)?;
-            file.write_all(line.as_bytes())?;
-            file.sync_data()?;
-            Ok(target)
+        let appended = tokio::task::spawn_blocking(move || {
+            Workspace::open(&root)?.append(&relative, line.as_bytes())
         })
         .await;
-        match written {
-            Ok(Ok(_)) => ToolOutcome::ok(format!("appended 1 line to {path}")),
-            Ok(Err(e)) => ToolOutcome::error(format!("cannot append to {path}: {e}")),
+        match appended {
+            Ok(Ok(())) => ToolOutcome::ok(format!("appended 1 line to {path}")),
+            Ok(Err(refused)) => ToolOutcome::error(refused.to_string()),
             Err(e) => ToolOutcome::error(format!("append task failed: {e}")),
         }
     }
 }
 
-/// Resolves a relative path inside the workspace, refusing absolute paths, `..` and symlinks
-/// that lead outside it.
-fn confine(workspace: &Path, relative: &str) -> Result<PathBuf, String> {
-    let requested = Path::new(relative);
-    for component in requested.components() {
-        match component {
-            Component::Normal(_) | Component::CurDir => {}
-            Component::ParentDir => {
-                return Err(format!(
-                    "path {relative:?} escapes the workspace (`..` is not allowed)"
-                ));
-            }
-            Component::RootDir | Component::Prefix(_) => {
-                return Err(format!(
-                    "path {relative:?} is absolute; expected a path relative to the workspace"
-                ));
-            }
-        }
-    }
-    let root = workspace
-        .canonicalize()
-        .map_err(|e| format!("workspace {} is not usable: {e}", workspace.display()))?;
-    let target = root.join(requested);
-    let parent = target
-        .parent()
-        .ok_or_else(|| format!("path {relative:?} names no file"))?;
-    let parent = parent
-        .canonicalize()
-        .map_err(|e| format!("directory of {relative:?} does not exist in the workspace: {e}"))?;
-    if !parent.starts_with(&root) {
-        return Err(format!(
-            "path {relative:?} escapes the workspace through a symbolic link"
-        ));
-    }
-    let file_name = target
-        .file_name()
-        .ok_or_else(|| format!("path {relative:?} names no file"))?;
-    let resolved = parent.join(file_name);
-    if resolved.is_symlink() {
-        return Err(format!(
-            "path {relative:?} is a symbolic link; refusing to follow it"
-        ));
-    }
-    Ok(resolved)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
     use std::sync::Arc;
 
     use tokio_util::sync::CancellationToken;

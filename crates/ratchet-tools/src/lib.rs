@@ -6,6 +6,7 @@
 
 mod builtin;
 mod memory;
+mod workspace;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
