@@ -238,3 +238,55 @@ fn the_architecture_doc_maps_every_crate() {
         );
     }
 }
+
+/// A path checked and then opened by its name can be swapped for a symbolic link in between
+/// (security probe F1). `workspace.rs` opens beneath a handle on the workspace instead; a tool
+/// that reached for `std::fs` would bring the race back.
+#[test]
+fn the_tools_touch_the_filesystem_only_through_the_workspace_module() {
+    let src = workspace().join("crates/ratchet-tools/src");
+    let identifiers = [
+        "fs",
+        "File",
+        "OpenOptions",
+        "canonicalize",
+        "rustix",
+        "read_dir",
+        "read_link",
+        "metadata",
+        "symlink_metadata",
+        "hard_link",
+        "create_dir",
+        "remove_file",
+    ];
+    let methods = [".exists()", ".is_file()", ".is_dir()", ".is_symlink()"];
+    for file in rust_files(&src)
+        .into_iter()
+        .filter(|f| *f != src.join("workspace.rs"))
+    {
+        let text = std::fs::read_to_string(&file).unwrap();
+        // Tests set up files as they like; they come last, in one `mod tests`.
+        let code = text
+            .split_once("#[cfg(test)]\nmod tests {")
+            .map_or(text.as_str(), |(code, _)| code);
+        assert!(
+            !code.contains("cfg(test)"),
+            "{}: test code before the closing `mod tests` escapes this check",
+            file.display()
+        );
+        for word in identifiers {
+            assert!(
+                !whole_word(word)(code),
+                "{} names `{word}`; the tools crate touches the filesystem only through workspace.rs",
+                file.display()
+            );
+        }
+        for method in methods {
+            assert!(
+                !code.contains(method),
+                "{} calls `{method}`; the tools crate touches the filesystem only through workspace.rs",
+                file.display()
+            );
+        }
+    }
+}
