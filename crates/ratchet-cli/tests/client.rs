@@ -355,6 +355,45 @@ fn bench_sse_reports_delivery_as_one_json_line() {
     ));
 }
 
+/// The stalled mode builds the backlog it is asked for, holds clients that read nothing on it,
+/// and reports the server's resident memory before, at the peak and after they leave.
+#[test]
+fn bench_sse_with_stalled_subscribers_reports_the_servers_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = ratchet(
+        dir.path(),
+        &[
+            "bench",
+            "sse",
+            "--stalled-subscribers",
+            "3",
+            "--backlog-bytes",
+            "2000000",
+            "--json",
+        ],
+    );
+    assert_eq!(output.status.code(), Some(0), "{}", stderr_of(&output));
+    let stdout = stdout_of(&output);
+    let report: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(report["stalled_subscribers"], 3);
+    assert!(report["backlog_bytes"].as_u64().unwrap() >= 2_000_000, "{report}");
+    let before = report["rss_before_mb"].as_f64().unwrap();
+    let peak = report["rss_peak_mb"].as_f64().unwrap();
+    assert!(before > 0.0 && peak >= before, "{report}");
+    assert!(report["rss_after_mb"].as_f64().unwrap() > 0.0, "{report}");
+
+    let refused = ratchet(
+        dir.path(),
+        &["bench", "sse", "--server", "http://127.0.0.1:9", "--stalled-subscribers", "3", "--backlog-bytes", "1"],
+    );
+    assert!(!refused.status.success());
+    assert!(
+        stderr_of(&refused).contains("needs --server-pid"),
+        "{}",
+        stderr_of(&refused)
+    );
+}
+
 #[test]
 fn a_bad_token_is_refused_with_the_servers_message() {
     let dir = tempfile::tempdir().unwrap();

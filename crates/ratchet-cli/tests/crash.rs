@@ -57,8 +57,13 @@ impl Sandbox {
     }
 
     fn start_run(&self) -> (Child, Arc<Mutex<String>>) {
+        self.start_run_with(&[])
+    }
+
+    fn start_run_with(&self, args: &[&str]) -> (Child, Arc<Mutex<String>>) {
         let mut child = Command::new(BIN)
             .args(["run", "--json", "--db", &self.db])
+            .args(args)
             .arg("--model")
             .arg(format!("scripted:{}", self.script.display()))
             .arg("--workspace")
@@ -329,31 +334,27 @@ fn runs_killed_at_any_point_resume_without_loss_or_repetition() {
     });
 }
 
-/// An `append_line` to a FIFO blocks in `open` until someone reads: the intent is durable,
-/// the effect has begun and never finishes. Two such calls run in one parallel batch, beside
-/// a safe one. After a kill, resume must run none of them again — a `never` call would block
-/// forever — but wait for a human, and `runs show` must name both calls in doubt.
+/// A `sleep_ms` of ten minutes, made a `never` tool by the configuration: the intent is
+/// durable, the effect has begun and does not finish while the test runs. Two such calls run
+/// in one parallel batch, beside a safe one. After a kill, resume must run none of them again
+/// — a re-run would outlast the test's deadline — but wait for a human, and `runs show` must
+/// name both calls in doubt.
 #[test]
 fn never_replay_calls_with_unknown_outcomes_wait_for_reconciliation() {
     let script = json!({"replies": [
         {"tool_calls": [
-            {"name": "append_line", "arguments": {"path": "pipe-a", "line": "charge the card"}},
+            {"name": "sleep_ms", "arguments": {"ms": 600000}},
             {"name": "add", "arguments": {"a": 1, "b": 1}},
-            {"name": "append_line", "arguments": {"path": "pipe-b", "line": "send the email"}}
+            {"name": "sleep_ms", "arguments": {"ms": 600000}}
         ]},
         {"text": "done"}
     ]});
     let sandbox = Sandbox::new(&script);
-    for pipe in ["pipe-a", "pipe-b"] {
-        let made = Command::new("mkfifo")
-            .arg(sandbox.workspace.join(pipe))
-            .status()
-            .unwrap();
-        assert!(made.success());
-    }
-    let (mut child, progress) = sandbox.start_run();
-    wait_for(&progress, "[call_0_0] append_line", &mut child);
-    wait_for(&progress, "[call_0_2] append_line", &mut child);
+    let config = sandbox.workspace.with_file_name("ratchet.toml");
+    std::fs::write(&config, "[tools.sleep_ms]\nreplay = \"never\"\n").unwrap();
+    let (mut child, progress) = sandbox.start_run_with(&["--config", config.to_str().unwrap()]);
+    wait_for(&progress, "[call_0_0] sleep_ms", &mut child);
+    wait_for(&progress, "[call_0_2] sleep_ms", &mut child);
     child.kill().unwrap();
     assert_eq!(child.wait().unwrap().signal(), Some(9));
 
@@ -367,7 +368,7 @@ fn never_replay_calls_with_unknown_outcomes_wait_for_reconciliation() {
     let calls = request["calls"].as_array().unwrap();
     assert_eq!(calls.len(), 2, "both calls in doubt are named: {request}");
     for (call, (index, id)) in calls.iter().zip([(0, "call_0_0"), (2, "call_0_2")]) {
-        assert_eq!(call["tool"], "append_line");
+        assert_eq!(call["tool"], "sleep_ms");
         assert_eq!(call["call_index"], index);
         assert_eq!(call["call_id"], id);
         assert_eq!(call["idempotency_key"], format!("{run_id}#2#{index}"));
@@ -375,8 +376,8 @@ fn never_replay_calls_with_unknown_outcomes_wait_for_reconciliation() {
     let text = sandbox.ratchet(&["runs", "show", run_id]);
     let text = String::from_utf8_lossy(&text.stdout);
     for line in [
-        "call #0 call_0_0: append_line",
-        "call #2 call_0_2: append_line",
+        "call #0 call_0_0: sleep_ms",
+        "call #2 call_0_2: sleep_ms",
     ] {
         assert!(text.contains(line), "{line:?} not in:\n{text}");
     }
@@ -387,7 +388,7 @@ fn never_replay_calls_with_unknown_outcomes_wait_for_reconciliation() {
     assert_eq!(sandbox.show(run_id)["status"], "waiting_human");
 
     // A human answers for each call in doubt; only then does the run go on, without running
-    // either call again (a re-run would block on its FIFO and hang `resume`).
+    // either call again (a re-run would sleep past `resume`'s deadline).
     let reconcile = |call: &str, outcome: &str| {
         sandbox.ratchet(&[
             "runs",
