@@ -24,8 +24,8 @@ use anyhow::{Context, bail};
 use ratchet_core::RunStatus;
 use ratchet_engine::{PoolConfig, WorkerPool};
 use ratchet_server::{Active, AppState, GuardedListener, StreamLimits, Tokens};
-use tokio::io::AsyncWriteExt;
 use serde_json::json;
+use tokio::io::AsyncWriteExt;
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -92,7 +92,8 @@ pub async fn sse(args: SseArgs) -> anyhow::Result<ExitCode> {
         (Some(_), Some(_)) => bail!("give --subscribers or --stalled-subscribers, not both"),
         (None, None) => bail!("give --subscribers (following clients) or --stalled-subscribers"),
     }
-    let room = (args.stalled.as_ref()).map_or(args.subscribers.unwrap_or_default(), |s| s.subscribers);
+    let room =
+        (args.stalled.as_ref()).map_or(args.subscribers.unwrap_or_default(), |s| s.subscribers);
     let local = match &args.server {
         Some(_) => None,
         None => Some(LocalServer::start(room).await?),
@@ -252,7 +253,11 @@ async fn measure_stalled(
         let accepted = api.send_message(&session, &large).await?;
         let run = client::follow_run(&api, &accepted.run_id, 0, |_| {}).await?;
         if run.status != RunStatus::Completed {
-            bail!("run {} ended {}; the benchmark needs runs that complete", run.id, run.status);
+            bail!(
+                "run {} ended {}; the benchmark needs runs that complete",
+                run.id,
+                run.status
+            );
         }
         backlog = Backlog::read(&api, &format!("{path}?follow=false")).await?;
     }

@@ -376,7 +376,10 @@ fn bench_sse_with_stalled_subscribers_reports_the_servers_memory() {
     let stdout = stdout_of(&output);
     let report: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(report["stalled_subscribers"], 3);
-    assert!(report["backlog_bytes"].as_u64().unwrap() >= 2_000_000, "{report}");
+    assert!(
+        report["backlog_bytes"].as_u64().unwrap() >= 2_000_000,
+        "{report}"
+    );
     let before = report["rss_before_mb"].as_f64().unwrap();
     let peak = report["rss_peak_mb"].as_f64().unwrap();
     assert!(before > 0.0 && peak >= before, "{report}");
@@ -384,7 +387,16 @@ fn bench_sse_with_stalled_subscribers_reports_the_servers_memory() {
 
     let refused = ratchet(
         dir.path(),
-        &["bench", "sse", "--server", "http://127.0.0.1:9", "--stalled-subscribers", "3", "--backlog-bytes", "1"],
+        &[
+            "bench",
+            "sse",
+            "--server",
+            "http://127.0.0.1:9",
+            "--stalled-subscribers",
+            "3",
+            "--backlog-bytes",
+            "1",
+        ],
     );
     assert!(!refused.status.success());
     assert!(

@@ -375,10 +375,7 @@ fn never_replay_calls_with_unknown_outcomes_wait_for_reconciliation() {
     }
     let text = sandbox.ratchet(&["runs", "show", run_id]);
     let text = String::from_utf8_lossy(&text.stdout);
-    for line in [
-        "call #0 call_0_0: sleep_ms",
-        "call #2 call_0_2: sleep_ms",
-    ] {
+    for line in ["call #0 call_0_0: sleep_ms", "call #2 call_0_2: sleep_ms"] {
         assert!(text.contains(line), "{line:?} not in:\n{text}");
     }
 

@@ -30,10 +30,13 @@ fn node(dir: &Path, mcp: &McpTools) -> Node {
     let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
     let registry = Arc::new(
         Registry::new(
-            [Registry::builtin_tools(ratchet_tools::DEFAULT_MAX_SNIPPET_BYTES), mcp.tools()]
-                .into_iter()
-                .flatten()
-                .collect(),
+            [
+                Registry::builtin_tools(ratchet_tools::DEFAULT_MAX_SNIPPET_BYTES),
+                mcp.tools(),
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
         )
         .unwrap(),
     );

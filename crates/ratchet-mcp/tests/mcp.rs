@@ -112,10 +112,13 @@ async fn stdio_tools_are_listed_from_every_page_and_named_after_their_server() {
         ]
     );
     let registry = Registry::new(
-        [Registry::builtin_tools(ratchet_tools::DEFAULT_MAX_SNIPPET_BYTES), tools.tools()]
-            .into_iter()
-            .flatten()
-            .collect(),
+        [
+            Registry::builtin_tools(ratchet_tools::DEFAULT_MAX_SNIPPET_BYTES),
+            tools.tools(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect(),
     )
     .unwrap();
     let specs = registry.specs();

@@ -182,7 +182,11 @@ mod tests {
     #[test]
     fn a_bearer_token_has_one_spelling() {
         for accepted in ["Bearer t0k", "bearer t0k", "BEARER t0k"] {
-            assert_eq!(bearer_token(accepted).ok().as_deref(), Some("t0k"), "{accepted}");
+            assert_eq!(
+                bearer_token(accepted).ok().as_deref(),
+                Some("t0k"),
+                "{accepted}"
+            );
         }
         for refused in [
             "Bearer  t0k",

@@ -482,7 +482,11 @@ impl Config {
         };
         let size = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
         let defaults = crate::StreamLimits::default();
-        let max_streams = at_least_one("max_streams", settings.max_streams, defaults.max_streams as u64)?;
+        let max_streams = at_least_one(
+            "max_streams",
+            settings.max_streams,
+            defaults.max_streams as u64,
+        )?;
         let per_tenant = at_least_one(
             "max_streams_per_tenant",
             settings.max_streams_per_tenant,
@@ -785,35 +789,56 @@ mod tests {
         assert_eq!(defaults.streams, crate::StreamLimits::default());
         assert_eq!(defaults.stream_stall, Duration::from_secs(30));
         assert_eq!(defaults.max_snippet_bytes, 2048);
-        let config: Config =
-            toml::from_str("[limits]
+        let config: Config = toml::from_str(
+            "[limits]
 max_streams_per_tenant = 3
 stream_stall_ms = 250
-").unwrap();
+",
+        )
+        .unwrap();
         let limits = config.limits().unwrap();
         assert_eq!(limits.streams.max_streams_per_tenant, 3);
         assert_eq!(limits.streams.max_streams, defaults.streams.max_streams);
         assert_eq!(limits.stream_stall, Duration::from_millis(250));
-        for zero in ["max_streams", "max_streams_per_tenant", "stream_stall_ms", "max_snippet_bytes"] {
+        for zero in [
+            "max_streams",
+            "max_streams_per_tenant",
+            "stream_stall_ms",
+            "max_snippet_bytes",
+        ] {
             let config: Config = toml::from_str(&format!("[limits]\n{zero} = 0\n")).unwrap();
             let error = config.limits().unwrap_err().to_string();
-            assert!(error.contains(&format!("limits.{zero} must be at least 1")), "{error}");
+            assert!(
+                error.contains(&format!("limits.{zero} must be at least 1")),
+                "{error}"
+            );
         }
-        assert!(toml::from_str::<Config>("[limits]
+        assert!(
+            toml::from_str::<Config>(
+                "[limits]
 max_stream = 5
-").is_err());
-        let hosts: Config =
-            toml::from_str("[server]
+"
+            )
+            .is_err()
+        );
+        let hosts: Config = toml::from_str(
+            "[server]
 allowed_hosts = [\"ratchet.example\", \"*.example.org\"]
-")
-                .unwrap();
+",
+        )
+        .unwrap();
         assert_eq!(
             hosts.server.allowed_hosts.as_deref(),
             Some(&["ratchet.example".to_owned(), "*.example.org".to_owned()][..])
         );
-        assert!(toml::from_str::<Config>("[server]
+        assert!(
+            toml::from_str::<Config>(
+                "[server]
 allowed_host = []
-").is_err());
+"
+            )
+            .is_err()
+        );
     }
 
     /// F6: the empty token's hash let an empty `?access_token=` in; a short token can be
@@ -828,12 +853,24 @@ allowed_host = []
         let error = empty_hash.tokens(|_| None).unwrap_err().to_string();
         assert!(error.contains("hash of the empty token"), "{error}");
 
-        let by_env = Config::from_toml("[[tokens]]\ntenant = \"a\"\nenv = \"T\"\nadmin = true").unwrap();
-        let short = by_env.tokens(|_| Some("fifteen-chars-x".to_owned())).unwrap_err();
-        assert!(short.to_string().contains("has 15 characters; expected at least 16"), "{short}");
-        let spaced = by_env.tokens(|_| Some("sixteen chars xx".to_owned())).unwrap_err();
+        let by_env =
+            Config::from_toml("[[tokens]]\ntenant = \"a\"\nenv = \"T\"\nadmin = true").unwrap();
+        let short = by_env
+            .tokens(|_| Some("fifteen-chars-x".to_owned()))
+            .unwrap_err();
+        assert!(
+            short
+                .to_string()
+                .contains("has 15 characters; expected at least 16"),
+            "{short}"
+        );
+        let spaced = by_env
+            .tokens(|_| Some("sixteen chars xx".to_owned()))
+            .unwrap_err();
         assert!(spaced.to_string().contains("whitespace"), "{spaced}");
-        let tokens = by_env.tokens(|_| Some("sixteen-chars-xx".to_owned())).unwrap();
+        let tokens = by_env
+            .tokens(|_| Some("sixteen-chars-xx".to_owned()))
+            .unwrap();
         let caller = tokens.caller("sixteen-chars-xx").unwrap();
         assert!(caller.admin && caller.tenant == "a");
     }

@@ -84,12 +84,14 @@ impl HostPolicy {
         if host == "localhost" || host.ends_with(".localhost") {
             return self.listen.is_loopback() || self.listen.is_unspecified();
         }
-        self.allowed.iter().any(|pattern| match pattern.strip_prefix("*.") {
-            Some(suffix) => host
-                .strip_suffix(suffix)
-                .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
-            None => *pattern == host,
-        })
+        self.allowed
+            .iter()
+            .any(|pattern| match pattern.strip_prefix("*.") {
+                Some(suffix) => host
+                    .strip_suffix(suffix)
+                    .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
+                None => *pattern == host,
+            })
     }
 
     /// What the server answers to, for error messages.
@@ -112,7 +114,9 @@ fn host_of(authority: &str) -> &str {
     if let Some(rest) = authority.strip_prefix('[') {
         return rest.split(']').next().unwrap_or_default();
     }
-    authority.rsplit_once(':').map_or(authority, |(host, _)| host)
+    authority
+        .rsplit_once(':')
+        .map_or(authority, |(host, _)| host)
 }
 
 /// Refuses a request that names the server by a name it does not answer to: 421 for `Host`,
@@ -176,10 +180,23 @@ mod tests {
     #[test]
     fn a_loopback_server_answers_to_loopback_names_only() {
         let loopback = policy("127.0.0.1:7700", &[]);
-        for host in ["127.0.0.1", "localhost", "LOCALHOST", "localhost.", "::1", "127.0.0.2"] {
+        for host in [
+            "127.0.0.1",
+            "localhost",
+            "LOCALHOST",
+            "localhost.",
+            "::1",
+            "127.0.0.2",
+        ] {
             assert!(loopback.admits(host), "{host}");
         }
-        for host in ["attacker.example", "10.0.0.1", "localhost.attacker.example", "", "127.0.0.1.nip.io"] {
+        for host in [
+            "attacker.example",
+            "10.0.0.1",
+            "localhost.attacker.example",
+            "",
+            "127.0.0.1.nip.io",
+        ] {
             assert!(!loopback.admits(host), "{host}");
         }
     }
@@ -187,10 +204,21 @@ mod tests {
     #[test]
     fn allowed_hosts_add_names_and_patterns() {
         let public = policy("0.0.0.0:80", &["ratchet.example.com", "*.agents.example"]);
-        for host in ["ratchet.example.com", "a.agents.example", "b.c.agents.example", "192.0.2.7", "localhost"] {
+        for host in [
+            "ratchet.example.com",
+            "a.agents.example",
+            "b.c.agents.example",
+            "192.0.2.7",
+            "localhost",
+        ] {
             assert!(public.admits(host), "{host}");
         }
-        for host in ["agents.example", "xagents.example", "example.com", "ratchet.example.com.evil"] {
+        for host in [
+            "agents.example",
+            "xagents.example",
+            "example.com",
+            "ratchet.example.com.evil",
+        ] {
             assert!(!public.admits(host), "{host}");
         }
         assert!(policy("127.0.0.1:1", &["*"]).admits("anything.example"));

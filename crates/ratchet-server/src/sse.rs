@@ -342,7 +342,10 @@ mod tests {
     fn id_of(event: &Event) -> String {
         let text = format!("{event:?}");
         let at = text.find("id: ").expect("an event with an id");
-        text[at + 4..].chars().take_while(char::is_ascii_digit).collect()
+        text[at + 4..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect()
     }
 
     /// Concurrent writers of one session can publish its events out of order. A live event

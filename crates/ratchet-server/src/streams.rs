@@ -58,7 +58,10 @@ impl StreamGate {
 
     /// A place for one more stream of `tenant`, or 429 naming the cap that is reached.
     pub(crate) fn open(self: &Arc<Self>, tenant: &str) -> Result<StreamPermit, ApiError> {
-        let mut open = self.open.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut open = self
+            .open
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let of_tenant = open.by_tenant.get(tenant).copied().unwrap_or(0);
         let refused = if of_tenant >= self.limits.max_streams_per_tenant {
             Some(format!(
@@ -125,10 +128,16 @@ mod tests {
         let _a2 = gate.open("a").unwrap();
         let refused = gate.open("a").unwrap_err();
         assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
-        assert!(refused.message.contains("max_streams_per_tenant"), "{refused:?}");
+        assert!(
+            refused.message.contains("max_streams_per_tenant"),
+            "{refused:?}"
+        );
         let _b1 = gate.open("b").unwrap();
         let refused = gate.open("c").unwrap_err();
-        assert!(refused.message.contains("[limits] max_streams)"), "{refused:?}");
+        assert!(
+            refused.message.contains("[limits] max_streams)"),
+            "{refused:?}"
+        );
         drop(a1);
         assert_eq!(gate.open_streams(), 2);
         let _c1 = gate.open("c").unwrap();

@@ -21,7 +21,10 @@ async fn run_polled(server: &Server, session: &str, content: &str) -> String {
     let run = sent["run_id"].as_str().unwrap().to_owned();
     let deadline = tokio::time::Instant::now() + DEADLINE;
     while server.get_ok(TOKEN_A, &format!("/v1/runs/{run}")).await["status"] != "completed" {
-        assert!(tokio::time::Instant::now() < deadline, "run {run} did not complete");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "run {run} did not complete"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     run
@@ -227,7 +230,10 @@ async fn a_client_that_stops_reading_is_let_go_and_resumes_by_last_event_id() {
         .await;
     let mut seen = before.clone();
     seen.extend(seqs(&resumed));
-    assert_eq!(seen, all, "every event once, in order, across the reconnection");
+    assert_eq!(
+        seen, all,
+        "every event once, in order, across the reconnection"
+    );
 }
 
 /// F4: a page whose own name is made to resolve to 127.0.0.1 reached the API with its name
@@ -253,21 +259,47 @@ async fn requests_that_name_another_host_or_origin_are_refused() {
         Some(format!("http://attacker.example:{port}")),
     )
     .await;
-    assert_error("a foreign Host", &rebound, StatusCode::MISDIRECTED_REQUEST, "misdirected_request");
+    assert_error(
+        "a foreign Host",
+        &rebound,
+        StatusCode::MISDIRECTED_REQUEST,
+        "misdirected_request",
+    );
     let message = rebound.body["error"]["message"].as_str().unwrap();
-    assert!(message.contains("allowed_hosts"), "says how to allow it: {message}");
+    assert!(
+        message.contains("allowed_hosts"),
+        "says how to allow it: {message}"
+    );
     let foreign_origin = create(None, Some(format!("http://attacker.example:{port}"))).await;
-    assert_error("a foreign Origin", &foreign_origin, StatusCode::FORBIDDEN, "forbidden_origin");
+    assert_error(
+        "a foreign Origin",
+        &foreign_origin,
+        StatusCode::FORBIDDEN,
+        "forbidden_origin",
+    );
     let null_origin = create(None, Some("null".to_owned())).await;
-    assert_error("Origin: null", &null_origin, StatusCode::FORBIDDEN, "forbidden_origin");
+    assert_error(
+        "Origin: null",
+        &null_origin,
+        StatusCode::FORBIDDEN,
+        "forbidden_origin",
+    );
 
     for (host, origin) in [
         (None, None),
-        (Some(format!("localhost:{port}")), Some(format!("http://localhost:{port}"))),
+        (
+            Some(format!("localhost:{port}")),
+            Some(format!("http://localhost:{port}")),
+        ),
         (None, Some(format!("http://127.0.0.1:{port}"))),
     ] {
         let created = create(host.clone(), origin.clone()).await;
-        assert_eq!(created.status, StatusCode::CREATED, "{host:?} {origin:?}: {:?}", created.body);
+        assert_eq!(
+            created.status,
+            StatusCode::CREATED,
+            "{host:?} {origin:?}: {:?}",
+            created.body
+        );
     }
     let console = server
         .http
@@ -276,7 +308,11 @@ async fn requests_that_name_another_host_or_origin_are_refused() {
         .send()
         .await
         .unwrap();
-    assert_eq!(console.status(), StatusCode::OK, "the console by its own name");
+    assert_eq!(
+        console.status(),
+        StatusCode::OK,
+        "the console by its own name"
+    );
 
     let named = Server::start_guarded(
         quick_script(),
@@ -315,14 +351,23 @@ async fn a_token_is_read_from_one_header_with_one_spelling() {
             .header(AUTHORIZATION, "Bearer garbage"),
     )
     .await;
-    assert_error("two Authorization headers", &twice, StatusCode::BAD_REQUEST, "bad_request");
+    assert_error(
+        "two Authorization headers",
+        &twice,
+        StatusCode::BAD_REQUEST,
+        "bad_request",
+    );
     let twice_same = call(
         sessions()
             .header(AUTHORIZATION, format!("Bearer {TOKEN_A}"))
             .header(AUTHORIZATION, format!("Bearer {TOKEN_A}")),
     )
     .await;
-    assert_eq!(twice_same.status, StatusCode::BAD_REQUEST, "even when they agree");
+    assert_eq!(
+        twice_same.status,
+        StatusCode::BAD_REQUEST,
+        "even when they agree"
+    );
 
     for scheme in ["bearer", "BEARER", "Bearer"] {
         let ok = call(sessions().header(AUTHORIZATION, format!("{scheme} {TOKEN_A}"))).await;
@@ -334,18 +379,29 @@ async fn a_token_is_read_from_one_header_with_one_spelling() {
         format!("Bearer {TOKEN_A}\tx"),
     ] {
         let refused = call(sessions().header(AUTHORIZATION, spelling.as_str())).await;
-        assert_error(&spelling, &refused, StatusCode::UNAUTHORIZED, "unauthorized");
+        assert_error(
+            &spelling,
+            &refused,
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        );
     }
 
-    let empty = call(
-        server
-            .http
-            .get(server.url(&format!("/v1/sessions/{session}/events?follow=false&access_token="))),
-    )
+    let empty = call(server.http.get(server.url(&format!(
+        "/v1/sessions/{session}/events?follow=false&access_token="
+    ))))
     .await;
-    assert_error("an empty access_token", &empty, StatusCode::UNAUTHORIZED, "unauthorized");
+    assert_error(
+        "an empty access_token",
+        &empty,
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
     assert!(
-        empty.body["error"]["message"].as_str().unwrap().contains("missing"),
+        empty.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("missing"),
         "{:?}",
         empty.body
     );
@@ -379,9 +435,17 @@ async fn a_body_declared_too_large_is_refused_before_it_is_read() {
 async fn only_an_administrators_token_may_reload() {
     let server = Server::start(quick_script()).await;
     let refused = call(server.post(TOKEN_A_BASE64, "/v1/admin/reload", json!({}))).await;
-    assert_error("a tenant's token", &refused, StatusCode::FORBIDDEN, "forbidden");
+    assert_error(
+        "a tenant's token",
+        &refused,
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
     assert!(
-        refused.body["error"]["message"].as_str().unwrap().contains("admin = true"),
+        refused.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("admin = true"),
         "{:?}",
         refused.body
     );

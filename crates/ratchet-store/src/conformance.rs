@@ -1002,9 +1002,15 @@ pub async fn event_pages_stop_at_their_byte_budget_but_never_come_back_empty(sto
     let payload_bytes = |e: &StoredEvent| e.payload.to_string().len() as u64;
     let small = payload_bytes(&stored[0]);
 
-    let page = store.events_within(&session, 0, 100, 2 * small).await.unwrap();
+    let page = store
+        .events_within(&session, 0, 100, 2 * small)
+        .await
+        .unwrap();
     assert_eq!(page, stored[..2], "two small events fit a budget of two");
-    let page = store.events_within(&session, 2, 100, 2 * small).await.unwrap();
+    let page = store
+        .events_within(&session, 2, 100, 2 * small)
+        .await
+        .unwrap();
     assert_eq!(page, stored[2..3], "an event over the budget comes alone");
     let page = store.events_within(&session, 0, 100, 1).await.unwrap();
     assert_eq!(page, stored[..1], "the first event whatever the budget");
@@ -1014,12 +1020,18 @@ pub async fn event_pages_stop_at_their_byte_budget_but_never_come_back_empty(sto
     let mut seen = Vec::new();
     let mut after = 0;
     loop {
-        let page = store.events_within(&session, after, 100, 3 * small).await.unwrap();
+        let page = store
+            .events_within(&session, after, 100, 3 * small)
+            .await
+            .unwrap();
         let Some(last) = page.last() else { break };
         after = last.seq;
         seen.extend(page);
     }
-    assert_eq!(seen, stored, "paging by bytes reads every event once, in order");
+    assert_eq!(
+        seen, stored,
+        "paging by bytes reads every event once, in order"
+    );
 }
 
 /// Once a cancel is accepted, the step in flight can no longer record an intent — so no

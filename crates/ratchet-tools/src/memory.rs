@@ -249,9 +249,16 @@ mod tests {
     /// message: the probe's 900 KB messages came back whole, megabytes per search.
     #[tokio::test]
     async fn a_match_in_a_large_message_shows_a_bounded_snippet() {
-        let huge = format!("{}the **zebra** is here{}", "é".repeat(300_000), "z".repeat(300_000));
+        let huge = format!(
+            "{}the **zebra** is here{}",
+            "é".repeat(300_000),
+            "z".repeat(300_000)
+        );
         let memory = Arc::new(Recorded {
-            hits: vec![hit(session("mine"), &huge), hit(session("mine"), "a **zebra**")],
+            hits: vec![
+                hit(session("mine"), &huge),
+                hit(session("mine"), "a **zebra**"),
+            ],
             ..Recorded::default()
         });
         let ctx = context(Some(memory));
@@ -271,7 +278,11 @@ mod tests {
             "cut on both sides: {}",
             texts[0]
         );
-        assert!(texts[0].contains("**zebra**"), "the match stays in view: {}", texts[0]);
+        assert!(
+            texts[0].contains("**zebra**"),
+            "the match stays in view: {}",
+            texts[0]
+        );
         assert!(
             texts[0].len() <= 100 + 2 * '…'.len_utf8(),
             "at most 100 bytes besides the ellipses, found {}",
@@ -309,7 +320,9 @@ mod tests {
             [(session("mine"), "zebra".to_owned(), 7)],
             "the search is asked about the run's session with the model's limit"
         );
-        MemorySearchTool::default().call(json!({"query": "zebra"}), &ctx).await;
+        MemorySearchTool::default()
+            .call(json!({"query": "zebra"}), &ctx)
+            .await;
         assert_eq!(memory.asked.lock().unwrap()[1].2, DEFAULT_LIMIT);
     }
 
