@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use ratchet_engine::Coordinator;
+use ratchet_webhooks::WebhookPolicy;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use utoipa::OpenApi;
@@ -29,7 +30,7 @@ use utoipa_axum::router::OpenApiRouter;
 
 pub use active::Active;
 pub use auth::{Tokens, hash_token};
-pub use config::{Config, ConfigError, TokenConfig};
+pub use config::{Config, ConfigError, SecretsSettings, TokenConfig};
 pub use error::ApiError;
 pub use reload::{Reloader, Reloads};
 
@@ -44,6 +45,9 @@ pub struct AppState {
     /// Cancelled when the server shuts down: event streams end cleanly.
     pub shutdown: CancellationToken,
     pub metrics: metrics::Metrics,
+    /// Where webhooks may be created to send; the dispatcher checks the same policy again as
+    /// it connects.
+    webhook_policy: Arc<WebhookPolicy>,
 }
 
 impl AppState {
@@ -58,6 +62,17 @@ impl AppState {
             reloads: None,
             shutdown,
             metrics: metrics::Metrics::install(),
+            webhook_policy: Arc::new(WebhookPolicy::default()),
+        }
+    }
+
+    /// The same state, creating webhooks only where `policy` allows (by default: public
+    /// addresses only; `ratchet serve` adds `[webhooks] allow`, and loopback when it listens
+    /// only on loopback).
+    pub fn with_webhook_policy(self, policy: WebhookPolicy) -> AppState {
+        AppState {
+            webhook_policy: Arc::new(policy),
+            ..self
         }
     }
 
