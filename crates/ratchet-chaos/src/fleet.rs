@@ -46,6 +46,8 @@ struct Process {
 
 pub struct Fleet {
     spec: FleetSpec,
+    /// The key every generation's server seals webhook secrets with (PostgreSQL needs one).
+    secrets_key: String,
     processes: Vec<Process>,
     generation: u64,
     http: reqwest::Client,
@@ -61,6 +63,7 @@ impl Fleet {
         }
         let mut fleet = Fleet {
             spec,
+            secrets_key: ratchet_store::Key::generate()?.to_hex(),
             processes: Vec::new(),
             generation: 0,
             http: reqwest::Client::builder()
@@ -143,6 +146,7 @@ impl Fleet {
             .arg(&config)
             .env("OPENAI_BASE_URL", &self.spec.model_url)
             .env("OPENAI_API_KEY", "chaos")
+            .env("RATCHET_SECRETS_KEY", &self.secrets_key)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)

@@ -30,7 +30,8 @@ use tokio::sync::{Semaphore, broadcast::error::RecvError, oneshot};
 
 use crate::bench_webhooks::WebhookLoad;
 use crate::runtime::{
-    Runtime, Schema, Toolbox, announces_changes, database_bytes, database_directory, open_store,
+    Runtime, Schema, Toolbox, announces_changes, database_bytes, database_directory,
+    open_sealed_store,
 };
 
 /// How long one run may take before the benchmark gives up on it. Generous: at a thousand
@@ -106,7 +107,9 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         }
         None => None,
     };
-    let runtime = Runtime::new(open_store(&db, Schema::Migrate)?, toolbox);
+    // A key of this run alone: the benchmark's webhook lives no longer than the run.
+    let keyring = ratchet_store::Keyring::new(ratchet_store::Key::generate()?, Vec::new())?;
+    let runtime = Runtime::new(open_sealed_store(&db, Schema::Migrate, keyring)?, toolbox);
     let bytes_before = database_bytes(&db)?;
     let coordinator = Arc::clone(&runtime.coordinator);
     let observer = crate::bench_webhooks::attach(

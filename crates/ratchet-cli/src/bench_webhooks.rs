@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, bail};
 use ratchet_core::{SessionId, WebhookId};
 use ratchet_store::{DEFAULT_TENANT, NewWebhook, Store};
-use ratchet_webhooks::DispatcherConfig;
+use ratchet_webhooks::{DispatcherConfig, WebhookPolicy};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
@@ -125,7 +125,12 @@ pub async fn attach(
             now_ms(),
         )
         .await?;
-    ratchet_webhooks::spawn(store, DispatcherConfig::default(), stop.clone())?;
+    // The receiver is this process's, on loopback.
+    let dispatch = DispatcherConfig {
+        policy: WebhookPolicy::default().loopback_allowed(true),
+        ..DispatcherConfig::default()
+    };
+    ratchet_webhooks::spawn(store, dispatch, stop.clone())?;
     Ok(Some(Observer {
         load,
         events,

@@ -15,6 +15,7 @@ mod drive;
 mod inspect;
 mod pause;
 mod runtime;
+mod secrets;
 mod serve;
 
 use std::path::PathBuf;

@@ -16,7 +16,7 @@ use ratchet_llm::profiles::{Profile, Resolved};
 use ratchet_mcp::McpTools;
 use ratchet_postgres::PgOptions;
 use ratchet_sqlite::SqliteOptions;
-use ratchet_store::{Migrated, RunQuota, Store};
+use ratchet_store::{Keyring, Migrated, RunQuota, Store};
 use ratchet_tools::Registry;
 use tokio::task::JoinHandle;
 
@@ -263,8 +263,36 @@ pub fn database_bytes(url: &str) -> anyhow::Result<u64> {
     bytes.with_context(|| format!("cannot measure the size of database {url}"))
 }
 
-/// Opens the store a database url names.
+/// Where a database without a configured secrets key keeps the key made for it: beside a
+/// SQLite file (`<file>.key`). None for a database on a server, whose processes may not share
+/// a disk.
+pub fn own_key_file(url: &str) -> anyhow::Result<Option<PathBuf>> {
+    Ok(match Database::parse(url)? {
+        Database::Sqlite(options) => {
+            let mut path = options.path.into_os_string();
+            path.push(".key");
+            Some(PathBuf::from(path))
+        }
+        Database::Postgres(_) => None,
+    })
+}
+
+/// Opens the store a database url names. It cannot create webhooks or send to them: those
+/// need `open_sealed_store`.
 pub fn open_store(url: &str, schema: Schema) -> anyhow::Result<Arc<dyn Store>> {
+    open(url, schema, None)
+}
+
+/// Opens the store a database url names, sealing and opening webhook secrets with `keyring`.
+pub fn open_sealed_store(
+    url: &str,
+    schema: Schema,
+    keyring: Keyring,
+) -> anyhow::Result<Arc<dyn Store>> {
+    open(url, schema, Some(keyring))
+}
+
+fn open(url: &str, schema: Schema, keyring: Option<Keyring>) -> anyhow::Result<Arc<dyn Store>> {
     let opened: anyhow::Result<Arc<dyn Store>> = match Database::parse(url)? {
         Database::Sqlite(options) => {
             let options = SqliteOptions {
@@ -272,7 +300,10 @@ pub fn open_store(url: &str, schema: Schema) -> anyhow::Result<Arc<dyn Store>> {
                 ..options
             };
             ratchet_sqlite::open(options)
-                .map(|store| Arc::new(store) as Arc<dyn Store>)
+                .map(|store| match keyring {
+                    Some(keyring) => Arc::new(store.with_secrets(keyring)) as Arc<dyn Store>,
+                    None => Arc::new(store),
+                })
                 .map_err(Into::into)
         }
         Database::Postgres(options) => {
@@ -281,7 +312,10 @@ pub fn open_store(url: &str, schema: Schema) -> anyhow::Result<Arc<dyn Store>> {
                 ..*options
             };
             ratchet_postgres::open(options)
-                .map(|store| Arc::new(store) as Arc<dyn Store>)
+                .map(|store| match keyring {
+                    Some(keyring) => Arc::new(store.with_secrets(keyring)) as Arc<dyn Store>,
+                    None => Arc::new(store),
+                })
                 .map_err(Into::into)
         }
     };

@@ -15,9 +15,13 @@ use ratchet_core::{AgentProfile, Limits, RunConfigSnapshot};
 use ratchet_engine::{PoolConfig, WorkerPool};
 use ratchet_server::reload::{Prepared, Reloader};
 use ratchet_server::{Active, AppState, Config, GuardedListener, HostPolicy, Reloads};
+use ratchet_store::Keyring;
 use tokio_util::sync::CancellationToken;
 
-use crate::runtime::{Runtime, Schema, ToolOverrides, Toolbox, open_store};
+use crate::runtime::{
+    Runtime, Schema, ToolOverrides, Toolbox, open_sealed_store, open_store, own_key_file,
+};
+use crate::secrets::Source;
 
 /// How long in-flight steps get to commit after a shutdown signal; what is still running
 /// then is left to lease expiry and taken over by the next process.
@@ -71,23 +75,32 @@ struct Process {
     runtime: Runtime,
 }
 
+fn database_url(config: &Config) -> String {
+    config
+        .db
+        .clone()
+        .unwrap_or_else(|| "sqlite://ratchet.db".to_owned())
+}
+
 impl Process {
-    async fn open(config: &Config, toolbox: Toolbox, no_migrate: bool) -> anyhow::Result<Process> {
-        let db = config
-            .db
-            .clone()
-            .unwrap_or_else(|| "sqlite://ratchet.db".to_owned());
+    /// `secrets`: for a process that creates webhooks or sends to them.
+    async fn open(
+        config: &Config,
+        toolbox: Toolbox,
+        no_migrate: bool,
+        secrets: Option<Keyring>,
+    ) -> anyhow::Result<Process> {
+        let db = database_url(config);
         let schema = if no_migrate {
             Schema::Require
         } else {
             Schema::Migrate
         };
-        let runtime = Runtime::gated(
-            open_store(&db, schema)?,
-            toolbox,
-            config.quota()?,
-            config.permits()?,
-        );
+        let store = match secrets {
+            Some(keyring) => open_sealed_store(&db, schema, keyring)?,
+            None => open_store(&db, schema)?,
+        };
+        let runtime = Runtime::gated(store, toolbox, config.quota()?, config.permits()?);
         runtime
             .recover()
             .await
@@ -210,6 +223,7 @@ fn restart_required(started: &Config, now: &Config) -> Vec<String> {
         ("gates", started.gates == now.gates),
         ("mcp", started.mcp == now.mcp),
         ("webhooks", started.webhooks == now.webhooks),
+        ("secrets", started.secrets == now.secrets),
         ("models", started.models == now.models),
         ("limits", started.limits == now.limits),
         ("server", started.server == now.server),
@@ -258,7 +272,6 @@ fn rejected(problems: Vec<String>) -> anyhow::Error {
 pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let config = serve_settings(&args)?;
     let pool_config = config.pool()?;
-    let webhooks = config.webhooks()?;
     let limits = config.limits()?;
     let listen = config.listen.as_deref().unwrap_or("127.0.0.1:7700");
     let address: SocketAddr = listen
@@ -269,6 +282,16 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         config.server.allowed_hosts.as_deref().unwrap_or_default(),
     )
     .map_err(|reason| anyhow::anyhow!("invalid configuration: {reason}"))?;
+    // Loopback is a webhook destination only when no one beyond this machine can reach the
+    // API to create a webhook.
+    let webhook_policy = config.webhook_policy(address.ip().is_loopback())?;
+    let webhooks = config.webhooks(webhook_policy.clone())?;
+    let secrets = crate::secrets::load(
+        &config.secrets,
+        |key| std::env::var(key).ok(),
+        own_key_file(&database_url(&config))?.as_deref(),
+    )?;
+    let key_id = secrets.keyring.current().id().to_owned();
     let toolbox = toolbox(&config).await?;
     let active = match prepare_active(&config, &toolbox, address) {
         Ok(active) => active,
@@ -283,13 +306,39 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         toolbox: toolbox.detached(),
         address,
     };
-    let Process { db, runtime } = Process::open(&config, toolbox, args.process.no_migrate).await?;
+    let Process { db, runtime } = Process::open(
+        &config,
+        toolbox,
+        args.process.no_migrate,
+        Some(secrets.keyring),
+    )
+    .await?;
+    if let Source::Generated(path) = &secrets.source {
+        eprintln!(
+            "made the key that seals webhook secrets at rest: {} (readable by this user only). \
+             Back it up apart from the database: without it, the webhooks' secrets cannot be read",
+            path.display()
+        );
+    }
+    // Secrets written in clear by an older version, or sealed with a previous key.
+    let sealed = (runtime.coordinator.store().seal_webhook_secrets().await).with_context(|| {
+        format!(
+            "cannot seal the webhook secrets under the current key ({key_id}); if the key was \
+             changed, give the one they were sealed with in [secrets] previous_key_files or \
+             {}",
+            crate::secrets::PREVIOUS_KEYS_VARIABLE
+        )
+    })?;
+    if sealed > 0 {
+        eprintln!("sealed {sealed} webhook secrets under key {key_id}");
+    }
     let shutdown = CancellationToken::new();
     let agent_count = active.agents().len();
     let state = AppState::new(runtime.coordinator.clone(), active, shutdown.clone())
         .with_stream_limits(limits.streams)
         .with_host_policy(hosts)
-        .with_reloader(reloader);
+        .with_reloader(reloader)
+        .with_webhook_policy(webhook_policy);
     // Before the socket accepts anyone who could send one: from here on a SIGHUP reloads
     // instead of ending the process.
     if let Some(reloads) = state.reloads() {
@@ -365,7 +414,7 @@ pub async fn worker(args: ProcessArgs) -> anyhow::Result<ExitCode> {
         bail!("--workers must be at least 1 for `ratchet worker` (it runs nothing else)");
     }
     let toolbox = toolbox(&config).await?;
-    let Process { db, runtime } = Process::open(&config, toolbox, args.no_migrate).await?;
+    let Process { db, runtime } = Process::open(&config, toolbox, args.no_migrate, None).await?;
     let pool = runtime.start_workers(pool_config.clone());
     eprintln!(
         "ratchet worker on database {db}; {}",

@@ -16,7 +16,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{free_port, postgres, sqlite};
+use common::{SECRETS_KEY, free_port, postgres, sqlite};
 use futures::StreamExt;
 use ratchet_core::{RunId, RunStatus, SessionId};
 use ratchet_store::{Store, StoredEvent};
@@ -78,6 +78,7 @@ impl Process {
         let mut child = Command::new(BIN)
             .args(args)
             .env("RATCHET_LOG", "info")
+            .env("RATCHET_SECRETS_KEY", SECRETS_KEY)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

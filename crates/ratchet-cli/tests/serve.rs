@@ -1,7 +1,8 @@
 //! `ratchet serve` as a real process: a SIGTERM stops it gracefully — event streams end, the
 //! step in flight still commits, the process exits 0 — and `ratchet resume` finishes the run;
 //! a SIGHUP reloads its catalog and configuration, or keeps them when the new ones have
-//! problems; a webhook attempt cut short by a SIGKILL is made again by the next process.
+//! problems; a webhook attempt cut short by a SIGKILL is made again by the next process; and
+//! webhook secrets are kept sealed under a key that can be rotated.
 
 mod common;
 
@@ -678,6 +679,124 @@ async fn a_webhook_attempt_cut_short_by_sigkill_is_made_again_after_a_restart() 
     assert!(
         log[1..].iter().all(|d| d["attempts"] == 1),
         "nothing else was attempted twice: {log:#?}"
+    );
+    // Both processes sealed and opened the secret with the key the first one made.
+    assert!(
+        !database_files_contain(dir.path(), WEBHOOK_SECRET),
+        "the secret is in the database in clear"
+    );
+    assert!(dir.path().join("r.db.key").is_file());
+}
+
+/// Whether any file of the directory but the key file holds `text`.
+fn database_files_contain(dir: &std::path::Path, text: &str) -> bool {
+    std::fs::read_dir(dir).unwrap().any(|entry| {
+        let path = entry.unwrap().path();
+        path.extension().is_none_or(|e| e != "key")
+            && std::fs::read(&path)
+                .unwrap()
+                .windows(text.len())
+                .any(|w| w == text.as_bytes())
+    })
+}
+
+/// `serve` without a key on SQLite makes one beside the database (owner-only) and says so;
+/// a process given another key refuses to start rather than lose the secrets sealed with the
+/// first, until the first is given as a previous key: then it seals them again under the new
+/// one, after which the old key is not needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_secrets_stay_sealed_across_a_rotation_of_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let key_file = dir.path().join("r.db.key");
+    let http = reqwest::Client::new();
+
+    let (first, stderr) = start_watched(&["--db", &db]);
+    let made = stderr.wait_for(0, |line| line.starts_with("made the key that seals"));
+    assert!(made.contains(&key_file.display().to_string()), "{made}");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&key_file).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+    }
+    post_json(
+        &http,
+        format!("{}/v1/webhooks", first.base),
+        json!({"url": "https://hooks.example.com/x", "secret": WEBHOOK_SECRET}),
+    )
+    .await;
+    drop(first);
+    assert!(!database_files_contain(dir.path(), WEBHOOK_SECRET));
+
+    let old_key = std::fs::read_to_string(&key_file)
+        .unwrap()
+        .trim()
+        .to_owned();
+    let new_key = "ff".repeat(32);
+    let serve = |env: &[(&str, &str)]| {
+        let mut command = Command::new(BIN);
+        command
+            .args(["serve", "--listen", &format!("127.0.0.1:{}", free_port())])
+            .args(["--db", &db])
+            .env_remove("RATCHET_SECRETS_KEY")
+            .env_remove("RATCHET_SECRETS_PREVIOUS_KEYS");
+        for (name, value) in env {
+            command.env(name, value);
+        }
+        command
+    };
+    let refused =
+        common::output_within_deadline(&mut serve(&[("RATCHET_SECRETS_KEY", &new_key)]), "");
+    assert!(!refused.status.success());
+    let said = common::stderr_of(&refused);
+    assert!(
+        said.contains("cannot seal the webhook secrets under the current key")
+            && said.contains("which is not one of this process's keys")
+            && said.contains("previous_key_files"),
+        "{said}"
+    );
+
+    let mut rotating = serve(&[
+        ("RATCHET_SECRETS_KEY", &new_key),
+        ("RATCHET_SECRETS_PREVIOUS_KEYS", &old_key),
+    ]);
+    let mut child = rotating.stderr(Stdio::piped()).spawn().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stderr.take().unwrap()));
+    let sealed = lines.next().unwrap().unwrap();
+    assert!(
+        sealed.starts_with("sealed 1 webhook secrets under key "),
+        "{sealed}"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    std::fs::remove_file(&key_file).unwrap();
+    let mut with_new_only = serve(&[("RATCHET_SECRETS_KEY", &new_key)]);
+    let mut child = with_new_only.stderr(Stdio::piped()).spawn().unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stderr.take().unwrap()));
+    let listening = lines.next().unwrap().unwrap();
+    assert!(listening.starts_with("ratchet listening on"), "{listening}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+/// A database on a server is shared by processes that may not share a disk: `serve` needs
+/// a configured key for it, and says how to give one, before it connects.
+#[test]
+fn serve_on_postgresql_without_a_key_refuses_to_start() {
+    let output = common::output_within_deadline(
+        Command::new(BIN)
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(["--db", "postgres://nobody@127.0.0.1:1/none"])
+            .env_remove("RATCHET_SECRETS_KEY"),
+        "",
+    );
+    assert!(!output.status.success());
+    let said = common::stderr_of(&output);
+    assert!(
+        said.contains("needs a key") && said.contains("RATCHET_SECRETS_KEY"),
+        "{said}"
     );
 }
 

@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{free_port, output_within_deadline, postgres, sqlite, stderr_of};
+use common::{SECRETS_KEY, free_port, output_within_deadline, postgres, sqlite, stderr_of};
 use ratchet_core::{InboxStatus, Origin, Role, RunId, RunStatus, SessionId, Visibility};
 use ratchet_store::Store;
 use serde_json::json;
@@ -265,6 +265,7 @@ async fn killed_during_a_continuation(url: &str) {
         .arg(&catalog)
         .arg("--workspace")
         .arg(dir.path())
+        .env("RATCHET_SECRETS_KEY", SECRETS_KEY)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

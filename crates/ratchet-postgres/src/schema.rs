@@ -256,6 +256,12 @@ CREATE INDEX webhook_deliveries_open ON webhook_deliveries (webhook_id, session_
     WHERE status IN ('pending', 'delivering');
 CREATE INDEX webhook_deliveries_log ON webhook_deliveries (webhook_id, id);
 "#,
+    r#"
+-- Webhook secrets are stored sealed from now on (`ratchet_store::secrets`: v1:<key id>:…).
+-- Those written before are marked as being in clear; a process with a key seals them when it
+-- starts (`seal_webhook_secrets`).
+UPDATE webhooks SET secret = 'clear:' || secret;
+"#,
 ];
 
 /// The advisory lock that makes processes opening one database at once migrate it one

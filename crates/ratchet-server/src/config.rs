@@ -9,6 +9,8 @@ use ratchet_core::{ApprovalPolicy, ReplayPolicy};
 use ratchet_core::MemoryScope;
 use serde::Deserialize;
 
+use ratchet_webhooks::{Rule, WebhookPolicy};
+
 use crate::auth::Tokens;
 
 /// A lease shorter than this would lapse between a busy machine's heartbeats.
@@ -84,9 +86,12 @@ pub struct Config {
     /// How background work reports back, `[inbox]`.
     #[serde(default)]
     pub inbox: InboxSettings,
-    /// How events are sent to webhooks, `[webhooks]`.
+    /// How events are sent to webhooks, and where they may go, `[webhooks]`.
     #[serde(default)]
     pub webhooks: WebhookSettings,
+    /// The key that seals webhook secrets at rest, `[secrets]`.
+    #[serde(default)]
+    pub secrets: SecretsSettings,
     /// What one client or tenant may hold of the server, `[limits]`.
     #[serde(default)]
     pub limits: LimitSettings,
@@ -129,9 +134,25 @@ pub struct ServerLimits {
     pub max_snippet_bytes: usize,
 }
 
-/// `[webhooks]`: the dispatcher that sends events to the tenants' webhooks. Absent keys keep
-/// their defaults.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+/// `[secrets]`: where the key that seals webhook signing secrets at rest comes from.
+/// `RATCHET_SECRETS_KEY` (the key itself, 64 hex digits) takes the place of `key_file`, and
+/// `RATCHET_SECRETS_PREVIOUS_KEYS` (comma-separated) of `previous_key_files`. Without a key,
+/// `serve` on SQLite makes one in a file beside the database on first start, and on PostgreSQL
+/// refuses to start.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretsSettings {
+    /// A file holding the key as 64 hex digits, readable by its owner only.
+    pub key_file: Option<String>,
+    /// Files of keys that sealed secrets before this one: at start, what they sealed is sealed
+    /// again under the current key. Drop them once a start has done so.
+    #[serde(default)]
+    pub previous_key_files: Vec<String>,
+}
+
+/// `[webhooks]`: the dispatcher that sends events to the tenants' webhooks, and where they may
+/// send. Absent keys keep their defaults.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WebhookSettings {
     /// Whether this process sends webhook deliveries (default true). With several processes
@@ -147,6 +168,12 @@ pub struct WebhookSettings {
     pub retry_backoff_ms: Option<u64>,
     /// The longest wait between two attempts (default 600000).
     pub max_backoff_ms: Option<u64>,
+    /// Destinations allowed besides public addresses: CIDR blocks (`10.1.0.0/16`), addresses,
+    /// host names (`hooks.example.internal`, with every address it resolves to) and `*.domain`
+    /// patterns (every name below the domain). Default: none; loopback is allowed without a
+    /// rule when the server listens only on loopback.
+    #[serde(default)]
+    pub allow: Vec<String>,
 }
 
 /// `[inbox]`: each root session's inbox of background reports, and its continuation turns.
@@ -358,8 +385,29 @@ impl Config {
         })
     }
 
-    /// The webhook dispatcher's settings, checked; None when `[webhooks] enabled = false`.
-    pub fn webhooks(&self) -> Result<Option<ratchet_webhooks::DispatcherConfig>, ConfigError> {
+    /// Where webhooks may send: public addresses, what `[webhooks] allow` names (every entry
+    /// checked), and loopback when `loopback` (the server listens only on loopback).
+    pub fn webhook_policy(&self, loopback: bool) -> Result<WebhookPolicy, ConfigError> {
+        let mut rules = Vec::new();
+        let mut bad = Vec::new();
+        for (i, entry) in self.webhooks.allow.iter().enumerate() {
+            match Rule::parse(entry) {
+                Ok(rule) => rules.push(rule),
+                Err(error) => bad.push(format!("webhooks.allow[{i}] {error}")),
+            }
+        }
+        if !bad.is_empty() {
+            return Err(ConfigError::Invalid(bad.join("; ")));
+        }
+        Ok(WebhookPolicy::new(rules).loopback_allowed(loopback))
+    }
+
+    /// The webhook dispatcher's settings, checked, sending only where `policy` allows; None
+    /// when `[webhooks] enabled = false`.
+    pub fn webhooks(
+        &self,
+        policy: WebhookPolicy,
+    ) -> Result<Option<ratchet_webhooks::DispatcherConfig>, ConfigError> {
         let settings = &self.webhooks;
         if settings.enabled == Some(false) {
             return Ok(None);
@@ -403,6 +451,7 @@ impl Config {
                 first_ms: first,
                 max_ms: max,
             },
+            policy,
             ..defaults
         }))
     }
@@ -752,7 +801,10 @@ mod tests {
         let defaults = ratchet_webhooks::DispatcherConfig::default();
         let config: Config =
             toml::from_str("[webhooks]\ntimeout_ms = 500\nretry_backoff_ms = 20\n").unwrap();
-        let dispatch = config.webhooks().unwrap().expect("enabled by default");
+        let dispatch = config
+            .webhooks(WebhookPolicy::default())
+            .unwrap()
+            .expect("enabled by default");
         assert_eq!(dispatch.timeout, Duration::from_millis(500));
         assert_eq!(dispatch.backoff.first_ms, 20);
         assert_eq!(dispatch.backoff.max_ms, defaults.backoff.max_ms);
@@ -761,10 +813,13 @@ mod tests {
             (defaults.poll, defaults.concurrency)
         );
         let off: Config = toml::from_str("[webhooks]\nenabled = false\n").unwrap();
-        assert!(off.webhooks().unwrap().is_none());
+        assert!(off.webhooks(WebhookPolicy::default()).unwrap().is_none());
         for zero in ["poll_ms", "timeout_ms", "concurrency", "retry_backoff_ms"] {
             let config: Config = toml::from_str(&format!("[webhooks]\n{zero} = 0\n")).unwrap();
-            let error = config.webhooks().unwrap_err().to_string();
+            let error = config
+                .webhooks(WebhookPolicy::default())
+                .unwrap_err()
+                .to_string();
             assert!(
                 error.contains(&format!("webhooks.{zero} must be at least 1")),
                 "{error}"
@@ -772,11 +827,19 @@ mod tests {
         }
         let inverted: Config =
             toml::from_str("[webhooks]\nretry_backoff_ms = 100\nmax_backoff_ms = 50\n").unwrap();
-        let error = inverted.webhooks().unwrap_err().to_string();
+        let error = inverted
+            .webhooks(WebhookPolicy::default())
+            .unwrap_err()
+            .to_string();
         assert!(error.contains("max_backoff_ms (50)"), "{error}");
         let raised: Config = toml::from_str("[webhooks]\nretry_backoff_ms = 900000\n").unwrap();
         assert_eq!(
-            raised.webhooks().unwrap().unwrap().backoff.max_ms,
+            raised
+                .webhooks(WebhookPolicy::default())
+                .unwrap()
+                .unwrap()
+                .backoff
+                .max_ms,
             900_000,
             "a first wait above the default cap raises the cap with it"
         );
@@ -873,6 +936,51 @@ allowed_host = []
             .unwrap();
         let caller = tokens.caller("sixteen-chars-xx").unwrap();
         assert!(caller.admin && caller.tenant == "a");
+    }
+
+    #[test]
+    fn the_webhook_policy_is_read_from_allow_and_every_bad_entry_is_named() {
+        let config: Config = toml::from_str(
+            "[webhooks]\nallow = [\"10.1.0.0/16\", \"hooks.corp.internal\", \"*.lab.internal\"]\n",
+        )
+        .unwrap();
+        let policy = config.webhook_policy(false).unwrap();
+        for (url, allowed) in [
+            ("http://10.1.2.3/", true),
+            ("http://hooks.corp.internal/", true),
+            ("http://a.lab.internal/", true),
+            ("http://10.2.0.1/", false),
+            ("http://127.0.0.1/", false),
+        ] {
+            assert_eq!(policy.check(url).is_ok(), allowed, "{url}");
+        }
+        let on_loopback = config.webhook_policy(true).unwrap();
+        assert!(on_loopback.check("http://127.0.0.1:9000/").is_ok());
+        assert_eq!(
+            config
+                .webhooks(on_loopback.clone())
+                .unwrap()
+                .unwrap()
+                .policy,
+            on_loopback,
+            "the dispatcher checks the same policy as the API"
+        );
+
+        let bad: Config =
+            toml::from_str("[webhooks]\nallow = [\"10.1.2.3/16\", \"ok.example\", \"a b\"]\n")
+                .unwrap();
+        let error = bad.webhook_policy(false).unwrap_err().to_string();
+        assert!(
+            error.contains("webhooks.allow[0] \"10.1.2.3/16\"")
+                && error.contains("expected 10.1.0.0/16")
+                && error.contains("webhooks.allow[2] \"a b\""),
+            "{error}"
+        );
+        let secrets: Config =
+            toml::from_str("[secrets]\nkey_file = \"/k\"\nprevious_key_files = [\"/old\"]\n")
+                .unwrap();
+        assert_eq!(secrets.secrets.previous_key_files, ["/old"]);
+        assert!(toml::from_str::<Config>("[secrets]\nkey = \"00\"\n").is_err());
     }
 
     #[test]
@@ -1108,6 +1216,7 @@ allowed_host = []
                     webhooks: WebhookSettings::default(),
                     limits: LimitSettings::default(),
                     server: ServerSettings::default(),
+                    secrets: SecretsSettings::default(),
                 },
             )
     }

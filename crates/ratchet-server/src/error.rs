@@ -6,7 +6,7 @@ use std::any::Any;
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::{JsonRejection, QueryRejection};
-use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::extract::{FromRequest, FromRequestParts, OptionalFromRequest, Request};
 use axum::http::StatusCode;
 use axum::http::header::CONTENT_LENGTH;
 use axum::http::request::Parts;
@@ -159,7 +159,7 @@ where
         // would create a session. Every body is an object.
         let object = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
         let request = Request::from_parts(head, Body::from(bytes));
-        match axum::Json::<T>::from_request(request, state).await {
+        match <axum::Json<T> as FromRequest<S>>::from_request(request, state).await {
             Ok(_) if !object => Err(ApiError::unprocessable(
                 "invalid request body: expected a JSON object, found an array",
             )),
@@ -178,6 +178,34 @@ where
                 Err(ApiError::new(status, code_for(status), message))
             }
         }
+    }
+}
+
+/// An optional body (`Option<ApiJson<T>>`): none when the request has no body at all, and
+/// otherwise read exactly as `ApiJson` reads one, so a body sent without its JSON content type
+/// is refused rather than ignored.
+impl<T, S> OptionalFromRequest<S> for ApiJson<T>
+where
+    T: DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Option<Self>, ApiError> {
+        let (head, body) = request.into_parts();
+        let bytes = Bytes::from_request(Request::from_parts(head.clone(), body), state)
+            .await
+            .map_err(|rejection| {
+                let status = rejection.status();
+                ApiError::new(status, code_for(status), rejection.body_text())
+            })?;
+        if bytes.is_empty() {
+            return Ok(None);
+        }
+        let request = Request::from_parts(head, Body::from(bytes));
+        <ApiJson<T> as FromRequest<S>>::from_request(request, state)
+            .await
+            .map(Some)
     }
 }
 

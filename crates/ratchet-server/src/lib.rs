@@ -25,6 +25,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use ratchet_engine::Coordinator;
+use ratchet_webhooks::WebhookPolicy;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use utoipa::OpenApi;
@@ -32,7 +33,7 @@ use utoipa_axum::router::OpenApiRouter;
 
 pub use active::Active;
 pub use auth::{Tokens, hash_token};
-pub use config::{Config, ConfigError, TokenConfig};
+pub use config::{Config, ConfigError, SecretsSettings, TokenConfig};
 pub use error::ApiError;
 pub use hosts::HostPolicy;
 pub use listener::GuardedListener;
@@ -54,6 +55,9 @@ pub struct AppState {
     streams: Arc<streams::StreamGate>,
     /// The names requests may address the server by.
     hosts: Arc<HostPolicy>,
+    /// Where webhooks may be created to send; the dispatcher checks the same policy again as
+    /// it connects.
+    webhook_policy: Arc<WebhookPolicy>,
 }
 
 impl AppState {
@@ -70,6 +74,17 @@ impl AppState {
             metrics: metrics::Metrics::install(),
             streams: streams::StreamGate::new(StreamLimits::default()),
             hosts: Arc::new(HostPolicy::default()),
+            webhook_policy: Arc::new(WebhookPolicy::default()),
+        }
+    }
+
+    /// The same state, creating webhooks only where `policy` allows (by default: public
+    /// addresses only; `ratchet serve` adds `[webhooks] allow`, and loopback when it listens
+    /// only on loopback).
+    pub fn with_webhook_policy(self, policy: WebhookPolicy) -> AppState {
+        AppState {
+            webhook_policy: Arc::new(policy),
+            ..self
         }
     }
 

@@ -1,9 +1,13 @@
 //! A tenant's webhooks: where its events are sent (signed), which kinds, and the log of
 //! every delivery. Sending is the webhook dispatcher's (`ratchet-webhooks`); these handlers
 //! only configure it and read what it did.
+//!
+//! A webhook's URL is checked against the server's `WebhookPolicy` when it is created, so a
+//! tenant cannot point the server's requests inside (its loopback, the metadata service, the
+//! private network); the dispatcher checks the addresses again as it connects.
 
 use axum::extract::State;
-use axum::http::{StatusCode, Uri};
+use axum::http::StatusCode;
 use ratchet_core::{DeliveryStatus, EventKind, Millis, WebhookId};
 use ratchet_store::{NewWebhook, Webhook, WebhookDelivery};
 use serde::{Deserialize, Serialize};
@@ -16,6 +20,7 @@ use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
 use crate::metrics::now_ms;
 use crate::{ApiError, AppState};
+use ratchet_webhooks::WebhookPolicy;
 
 /// Attempts of one delivery when the webhook names none.
 const DEFAULT_MAX_ATTEMPTS: u32 = 10;
@@ -28,13 +33,17 @@ pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(create_webhook, list_webhooks))
         .routes(routes!(get_webhook, delete_webhook))
+        .routes(routes!(rotate_secret))
         .routes(routes!(list_deliveries))
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateWebhook {
-    /// Where each event is POSTed: an absolute `http://` or `https://` URL.
+    /// Where each event is POSTed: an absolute `http://` or `https://` URL without
+    /// credentials, to a public address unless the server's `[webhooks] allow` permits
+    /// another. It is stored as it will be requested (`http://2130706433` is
+    /// `http://127.0.0.1/`).
     pub url: String,
     /// The event kinds to send (for example `run.finished`); every kind when absent.
     pub events: Option<Vec<String>>,
@@ -42,6 +51,20 @@ pub struct CreateWebhook {
     pub secret: Option<String>,
     /// Attempts of one delivery before it is dead-lettered, 1–50 (default 10).
     pub max_attempts: Option<u32>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RotateSecret {
+    /// The new key, 16–256 printable ASCII characters without spaces; one is made when absent.
+    pub secret: Option<String>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RotatedSecret {
+    pub id: String,
+    /// The new signing key, shown this once.
+    pub secret: String,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -114,25 +137,18 @@ impl From<WebhookDelivery> for DeliveryView {
     }
 }
 
-fn checked_url(url: &str) -> Result<String, ApiError> {
-    let refuse = |why: &str| {
-        ApiError::unprocessable(format!(
-            "url must be an absolute http:// or https:// URL with a host; {url:?} {why}"
-        ))
-    };
+fn checked_url(policy: &WebhookPolicy, url: &str) -> Result<String, ApiError> {
     if url.len() > MAX_URL_LEN {
-        return Err(refuse(&format!("is longer than {MAX_URL_LEN} bytes")));
+        return Err(ApiError::unprocessable(format!(
+            "url must be at most {MAX_URL_LEN} bytes, found {}",
+            url.len()
+        )));
     }
-    let uri: Uri = url.parse().map_err(|_| refuse("does not parse"))?;
-    match uri.scheme_str() {
-        Some("http" | "https") => {}
-        Some(other) => return Err(refuse(&format!("has the scheme {other:?}"))),
-        None => return Err(refuse("has no scheme")),
-    }
-    if uri.host().is_none_or(str::is_empty) {
-        return Err(refuse("has no host"));
-    }
-    Ok(url.to_owned())
+    policy
+        .check(url)
+        .map(String::from)
+        // The URL is not repeated: it may carry credentials, and error messages get logged.
+        .map_err(|refusal| ApiError::unprocessable(format!("url is refused: {refusal}")))
 }
 
 fn checked_events(events: Option<Vec<String>>) -> Result<Option<Vec<String>>, ApiError> {
@@ -210,7 +226,7 @@ async fn tenant_webhook(
     request_body = CreateWebhook,
     responses(
         (status = 201, body = WebhookView, description = "Created, with its secret (shown this once). It is sent the events written from now on, in `seq` order per session."),
-        (status = 422, body = ErrorBody, description = "a bad url, an unknown event kind, a secret too short or long, max_attempts out of range"),
+        (status = 422, body = ErrorBody, description = "a bad url (the message names the rule: a destination inside, credentials, a bad port), an unknown event kind, a secret too short or long, max_attempts out of range"),
         (status = "4XX", body = ErrorBody),
     ),
 )]
@@ -229,7 +245,7 @@ async fn create_webhook(
         id: WebhookId::from_suffix(&uuid::Uuid::now_v7().to_string())
             .map_err(|e| ApiError::bad_request(e.to_string()))?,
         tenant: tenant.0,
-        url: checked_url(&body.url)?,
+        url: checked_url(&state.webhook_policy, &body.url)?,
         events: checked_events(body.events)?,
         secret: checked_secret(body.secret)?,
         max_attempts,
@@ -297,6 +313,36 @@ async fn delete_webhook(
     tenant_webhook(&state, &tenant, &id).await?;
     state.coordinator.store().delete_webhook(&id).await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(
+    post, path = "/v1/webhooks/{id}/rotate-secret", tag = "webhooks",
+    params(("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$")),
+    request_body = Option<RotateSecret>,
+    responses(
+        (status = 200, body = RotatedSecret, description = "The new secret, shown this once: every attempt from now on is signed with it, those of deliveries already failing included"),
+        (status = 422, body = ErrorBody, description = "a secret too short or long"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn rotate_secret(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+    body: Option<ApiJson<RotateSecret>>,
+) -> Result<axum::Json<RotatedSecret>, ApiError> {
+    let id = parse_webhook_id(&id)?;
+    let secret = checked_secret(body.and_then(|ApiJson(body)| body.secret))?;
+    tenant_webhook(&state, &tenant, &id).await?;
+    state
+        .coordinator
+        .store()
+        .rotate_webhook_secret(&id, secret.clone())
+        .await?;
+    Ok(axum::Json(RotatedSecret {
+        id: id.to_string(),
+        secret,
+    }))
 }
 
 #[utoipa::path(

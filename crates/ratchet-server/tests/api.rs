@@ -452,6 +452,7 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/webhooks", vec!["get", "post"]),
         ("/v1/webhooks/{id}", vec!["delete", "get"]),
         ("/v1/webhooks/{id}/deliveries", vec!["get"]),
+        ("/v1/webhooks/{id}/rotate-secret", vec!["post"]),
     ]);
     assert_eq!(paths, expected);
     let error_detail = &openapi.body["components"]["schemas"]["ErrorDetail"];

@@ -1,6 +1,8 @@
 //! Webhooks over the API: configured per tenant, sent every wanted event signed and in `seq`
 //! order per session through a receiver's failures, with a delivery log; and a receiver that
-//! never answers holds back nothing but its own deliveries.
+//! never answers holds back nothing but its own deliveries. Destinations inside are refused at
+//! creation and again as an attempt connects, the log does not map ports, and a rotated secret
+//! signs what follows it.
 
 mod common;
 
@@ -11,8 +13,12 @@ use std::time::Duration;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode as AxumStatus};
-use ratchet_core::Backoff;
-use ratchet_webhooks::{DELIVERY_HEADER, DispatcherConfig, EVENT_HEADER, SIGNATURE_HEADER};
+use ratchet_core::{Backoff, WebhookId};
+use ratchet_store::NewWebhook;
+use ratchet_webhooks::{
+    DELIVERY_HEADER, DispatcherConfig, EVENT_HEADER, NO_ANSWER, Rule, SIGNATURE_HEADER,
+    WebhookPolicy,
+};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -98,6 +104,8 @@ async fn start_receiver(receiver: Arc<Receiver>) -> String {
     format!("http://{address}/hook")
 }
 
+/// A quick dispatcher that sends to loopback, as `ratchet serve` does when it listens on
+/// loopback only (the receivers here are on 127.0.0.1).
 fn quick_dispatch(timeout: Duration, concurrency: u32) -> DispatcherConfig {
     DispatcherConfig {
         poll: Duration::from_millis(20),
@@ -107,6 +115,7 @@ fn quick_dispatch(timeout: Duration, concurrency: u32) -> DispatcherConfig {
             first_ms: 30,
             max_ms: 200,
         },
+        policy: WebhookPolicy::default().loopback_allowed(true),
         ..DispatcherConfig::default()
     }
 }
@@ -433,4 +442,336 @@ async fn webhooks_are_checked_and_kept_per_tenant() {
     assert_eq!(response.status(), StatusCode::NO_CONTENT);
     let reply = call(server.get(TOKEN_A, &format!("/v1/webhooks/{id}"))).await;
     assert_eq!(reply.status, StatusCode::NOT_FOUND);
+}
+
+/// The destinations the security probe could create (F3, F10) are refused with 422, and the
+/// message names the rule and the key that would permit it; nothing is created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhooks_to_the_inside_are_refused_at_creation_naming_the_rule() {
+    let server = Server::start_with_webhook_policy(quick_script(), WebhookPolicy::default()).await;
+    let allow = "add it to [webhooks] allow to permit it";
+    for (url, says) in [
+        (
+            "http://127.0.0.1:7700/v1/sessions",
+            "127.0.0.1 is a loopback address; ",
+        ),
+        ("http://localhost:7700/", "localhost is a loopback name; "),
+        ("http://[::1]/", "::1 is a loopback address; "),
+        (
+            "http://169.254.169.254/latest/meta-data/",
+            "169.254.169.254 is the cloud metadata address; ",
+        ),
+        ("http://0.0.0.0:22/", "0.0.0.0 is an unspecified address; "),
+        ("http://10.0.0.1/", "10.0.0.1 is a private address; "),
+        ("http://192.168.1.1/", "192.168.1.1 is a private address; "),
+        ("http://127.1/", "127.0.0.1 is a loopback address; "),
+        ("http://2130706433/", "127.0.0.1 is a loopback address; "),
+        ("http://0x7f000001/", "127.0.0.1 is a loopback address; "),
+        (
+            "http://[::ffff:127.0.0.1]/",
+            "::ffff:127.0.0.1 (IPv4 127.0.0.1) is a loopback address; ",
+        ),
+        (
+            "http://metadata.google.internal/computeMetadata/v1/",
+            "metadata.google.internal is a private name (.internal); ",
+        ),
+    ] {
+        let reply = call(server.post(TOKEN_A, "/v1/webhooks", json!({"url": url}))).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{url}: {}",
+            reply.body
+        );
+        let message = reply.body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(says) && message.ends_with(allow),
+            "{url}: {message}"
+        );
+    }
+    for (url, says) in [
+        ("http://user:pass@example.com/hook", "carries credentials"),
+        (
+            "http://example.com:99999/hook",
+            "its port is not valid; expected 1–65535",
+        ),
+        ("http://example.com:0/hook", "its port is not valid"),
+    ] {
+        let reply = call(server.post(TOKEN_A, "/v1/webhooks", json!({"url": url}))).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{url}: {}",
+            reply.body
+        );
+        let message = reply.body["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{url}: {message}");
+        assert!(!message.contains("pass@"), "{url}: {message}");
+    }
+    assert!(
+        server.get_ok(TOKEN_A, "/v1/webhooks").await["items"]
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "nothing was created"
+    );
+    let created = create_webhook(&server, json!({"url": "HTTP://Example.COM:8080"})).await;
+    assert_eq!(
+        created["url"], "http://example.com:8080/",
+        "stored as it will be requested"
+    );
+}
+
+/// Adds a webhook of tenant A to the store directly, past the API's check: a webhook created
+/// before the policy existed, under a wider one, or whose name resolves elsewhere since.
+async fn stored_webhook(server: &Server, url: &str, max_attempts: u32) -> String {
+    let id = WebhookId::from_suffix(&uuid_like()).unwrap();
+    let webhook = server
+        .coordinator
+        .store()
+        .create_webhook(
+            NewWebhook {
+                id,
+                tenant: "tenant-a".to_owned(),
+                url: url.to_owned(),
+                events: Some(vec!["run.finished".to_owned()]),
+                secret: "a-secret-of-sixteen".to_owned(),
+                max_attempts,
+            },
+            0,
+        )
+        .await
+        .unwrap();
+    webhook.id.to_string()
+}
+
+fn uuid_like() -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(1);
+    format!("stored-{}", NEXT.fetch_add(1, Ordering::SeqCst))
+}
+
+/// Runs once and waits until each webhook's single delivery has ended (delivered or dead).
+async fn deliver_one_run(server: &Server, webhooks: &[&str]) -> Vec<Value> {
+    server.run_to_end("add two and three").await;
+    let mut ended = Vec::new();
+    for webhook in webhooks {
+        let log = wait_for(server, webhook, |log| {
+            log.len() == 1
+                && ["delivered", "dead_letter"].contains(&log[0]["status"].as_str().unwrap())
+        })
+        .await;
+        ended.push(log[0].clone());
+    }
+    ended
+}
+
+/// DNS rebinding: a name is judged by the addresses it resolves to as the attempt connects,
+/// not by how it looked when the webhook was created. `localhost` stands for any name that
+/// resolves inside; only a block or the name in `[webhooks] allow` lets the attempt through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_that_resolves_inside_is_refused_as_the_attempt_connects() {
+    let receiver = Arc::new(Receiver::default());
+    let url = start_receiver(Arc::clone(&receiver)).await;
+    let by_name = url.replace("127.0.0.1", "localhost");
+    for (allow, delivered) in [
+        (None, false),
+        (Some("127.0.0.0/8"), true),
+        (Some("localhost"), true),
+        (Some("10.0.0.0/8"), false),
+    ] {
+        let policy = WebhookPolicy::new(
+            allow
+                .iter()
+                .map(|rule| Rule::parse(rule).unwrap())
+                .collect(),
+        );
+        let dispatch = DispatcherConfig {
+            policy,
+            ..quick_dispatch(Duration::from_secs(5), 4)
+        };
+        let server = Server::start_with_dispatcher(quick_script(), dispatch).await;
+        let webhook = stored_webhook(&server, &by_name, 1).await;
+        let arrived = receiver.arrived.load(Ordering::SeqCst);
+        let ended = deliver_one_run(&server, &[&webhook]).await.remove(0);
+        if delivered {
+            assert_eq!(ended["status"], "delivered", "{allow:?}: {ended}");
+            assert_eq!(receiver.arrived.load(Ordering::SeqCst), arrived + 1);
+        } else {
+            assert_eq!(ended["status"], "dead_letter", "{allow:?}: {ended}");
+            assert_eq!(
+                ended["last_error"],
+                "refused by policy: localhost resolves to a loopback address; add the name or \
+                 its addresses to [webhooks] allow to permit it",
+                "{allow:?}"
+            );
+            assert!(ended["last_status"].is_null());
+            assert_eq!(
+                receiver.arrived.load(Ordering::SeqCst),
+                arrived,
+                "{allow:?}: nothing was sent"
+            );
+        }
+    }
+}
+
+/// A webhook to an address inside that is already stored (created before the policy) is
+/// refused before anything connects: the client never resolves an address, so the check is
+/// the dispatcher's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_address_inside_is_refused_before_connecting() {
+    let receiver = Arc::new(Receiver::default());
+    let url = start_receiver(Arc::clone(&receiver)).await;
+    let dispatch = DispatcherConfig {
+        policy: WebhookPolicy::default(),
+        ..quick_dispatch(Duration::from_secs(5), 4)
+    };
+    let server = Server::start_with_dispatcher(quick_script(), dispatch).await;
+    let webhook = stored_webhook(&server, &url, 1).await;
+    let ended = deliver_one_run(&server, &[&webhook]).await.remove(0);
+    assert_eq!(ended["status"], "dead_letter", "{ended}");
+    assert_eq!(
+        ended["last_error"],
+        "refused by policy: 127.0.0.1 is a loopback address; add it to [webhooks] allow to \
+         permit it"
+    );
+    assert_eq!(
+        receiver.arrived.load(Ordering::SeqCst),
+        0,
+        "nothing was sent"
+    );
+}
+
+/// The delivery log is not a port scanner: a closed port, an open port that speaks something
+/// else than HTTP, and one that never answers read the same; an HTTP receiver's status is
+/// still shown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_delivery_log_does_not_tell_closed_ports_from_open_ones() {
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap()
+    };
+    let banner = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let banner_address = banner.local_addr().unwrap();
+    tokio::spawn(async move {
+        use tokio::io::AsyncWriteExt;
+        loop {
+            let (mut socket, _) = banner.accept().await.unwrap();
+            let _ = socket.write_all(b"SSH-2.0-OpenSSH_9.6\r\n").await;
+        }
+    });
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_address = silent.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let (socket, _) = silent.accept().await.unwrap();
+            held.push(socket);
+        }
+    });
+    let failing = Arc::new(Receiver {
+        failures_left: AtomicU32::new(u32::MAX),
+        ..Receiver::default()
+    });
+    let failing_url = start_receiver(failing).await;
+
+    let server = Server::start_with_dispatcher(
+        quick_script(),
+        quick_dispatch(Duration::from_millis(500), 4),
+    )
+    .await;
+    let mut webhooks = Vec::new();
+    for address in [closed, banner_address, silent_address] {
+        webhooks.push(stored_webhook(&server, &format!("http://{address}/hook"), 1).await);
+    }
+    webhooks.push(stored_webhook(&server, &failing_url, 1).await);
+    let ids: Vec<&str> = webhooks.iter().map(String::as_str).collect();
+    let ended = deliver_one_run(&server, &ids).await;
+
+    for (what, delivery) in ["closed", "not HTTP", "silent"].iter().zip(&ended) {
+        assert_eq!(delivery["status"], "dead_letter", "{what}: {delivery}");
+        assert_eq!(delivery["last_error"], NO_ANSWER, "{what}: {delivery}");
+        assert!(delivery["last_status"].is_null(), "{what}: {delivery}");
+    }
+    assert_eq!(ended[3]["last_status"], 500, "{}", ended[3]);
+    assert_eq!(ended[3]["last_error"], "the receiver answered HTTP 500");
+}
+
+/// `POST /v1/webhooks/{id}/rotate-secret` shows the new secret once, and every delivery after
+/// it is signed with it; another tenant's webhook is as absent as a missing one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_secret_signs_the_deliveries_after_it() {
+    let server =
+        Server::start_with_dispatcher(quick_script(), quick_dispatch(Duration::from_secs(5), 4))
+            .await;
+    let receiver = Arc::new(Receiver::default());
+    let url = start_receiver(Arc::clone(&receiver)).await;
+    let webhook = create_webhook(&server, json!({"url": url})).await;
+    let id = webhook["id"].as_str().unwrap();
+    let first_secret = webhook["secret"].as_str().unwrap().to_owned();
+    *receiver.secret.lock().unwrap() = first_secret.clone();
+    let rotate = |token: &'static str, body: Option<Value>| {
+        let request = server
+            .http
+            .post(server.url(&format!("/v1/webhooks/{id}/rotate-secret")))
+            .bearer_auth(token);
+        call(match body {
+            Some(body) => request.json(&body),
+            None => request,
+        })
+    };
+
+    let (first, _, _) = server.run_to_end("add two and three").await;
+    let before = session_events(&server, &first).await.len();
+    wait_for(&server, id, |log| {
+        log.len() == before && log.iter().all(|d| d["status"] == "delivered")
+    })
+    .await;
+
+    let reply = rotate(TOKEN_B, None).await;
+    assert_eq!(reply.status, StatusCode::NOT_FOUND, "{}", reply.body);
+    let reply = rotate(TOKEN_A, Some(json!({"secret": "short"}))).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        reply.body
+    );
+    let reply = rotate(TOKEN_A, Some(json!({"secrets": "sixteen-chars-ok"}))).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        reply.body
+    );
+    let reply = rotate(TOKEN_A, None).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(reply.body["id"], id);
+    let second_secret = reply.body["secret"].as_str().unwrap().to_owned();
+    assert!(second_secret.starts_with("whsec_") && second_secret != first_secret);
+    *receiver.secret.lock().unwrap() = second_secret;
+    assert!(
+        server
+            .get_ok(TOKEN_A, &format!("/v1/webhooks/{id}"))
+            .await
+            .get("secret")
+            .is_none(),
+        "the secret is shown only by the rotation"
+    );
+
+    let (second, _, _) = server.run_to_end("and again").await;
+    let after = before + session_events(&server, &second).await.len();
+    wait_for(&server, id, |log| {
+        log.len() == after && log.iter().all(|d| d["status"] == "delivered")
+    })
+    .await;
+    assert!(
+        receiver.problems.lock().unwrap().is_empty(),
+        "every delivery verified with the secret of its time: {:?}",
+        receiver.problems.lock().unwrap()
+    );
+    assert_eq!(receiver.accepted.lock().unwrap().len(), after);
+
+    let reply = rotate(TOKEN_A, Some(json!({"secret": "a-chosen-secret-1"}))).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(reply.body["secret"], "a-chosen-secret-1");
 }

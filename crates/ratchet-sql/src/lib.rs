@@ -11,6 +11,7 @@ mod ops;
 mod webhooks;
 
 use std::future::Future;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use ratchet_core::step::{Reconciliation, Resumption};
@@ -21,8 +22,8 @@ use ratchet_core::{
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, ChangeStream,
     Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeliveryClaim, EmittedSignal,
-    Error, InboxEvent, Intent, IntentRecord, Lease, ListOrder, MessageHit, NewRun, NewSignal,
-    NewWebhook, Observation, PauseOutcome, PendingInput, Reconciled, RecordedIntents,
+    Error, InboxEvent, Intent, IntentRecord, Keyring, Lease, ListOrder, MessageHit, NewRun,
+    NewSignal, NewWebhook, Observation, PauseOutcome, PendingInput, Reconciled, RecordedIntents,
     ResumeOutcome, RunSummary, SearchScope, Served, Session, SessionSpec, Store, StoreStats,
     StoredEvent, StoredMessage, Submitted, TreeNode, Webhook, WebhookDelivery,
 };
@@ -64,11 +65,35 @@ pub trait Backend: Send + Sync + 'static {
 /// A `Store` over a SQL backend.
 pub struct SqlStore<B> {
     backend: B,
+    /// Seals webhook secrets; without it, nothing that reads or writes one works.
+    secrets: Option<Arc<Keyring>>,
 }
 
 impl<B: Backend> SqlStore<B> {
     pub fn new(backend: B) -> SqlStore<B> {
-        SqlStore { backend }
+        SqlStore {
+            backend,
+            secrets: None,
+        }
+    }
+
+    /// The same store, sealing webhook secrets with `keyring`.
+    pub fn with_secrets(self, keyring: Keyring) -> SqlStore<B> {
+        SqlStore {
+            secrets: Some(Arc::new(keyring)),
+            ..self
+        }
+    }
+
+    /// The keyring, for the operations that seal or open a webhook secret.
+    fn keyring(&self) -> Result<Arc<Keyring>> {
+        self.secrets.clone().ok_or_else(|| {
+            Error::Secrets(
+                "this store was opened without a key, and webhook secrets are only stored \
+                 sealed; open it with one (`SqlStore::with_secrets`)"
+                    .to_owned(),
+            )
+        })
     }
 
     pub fn backend(&self) -> &B {
@@ -477,8 +502,9 @@ impl<B: Backend> Store for SqlStore<B> {
 #[async_trait]
 impl<B: Backend> Observation for SqlStore<B> {
     async fn create_webhook(&self, webhook: NewWebhook, now: Millis) -> Result<Webhook> {
+        let keyring = self.keyring()?;
         self.backend
-            .write(move |c| webhooks::create_webhook(c, webhook, now))
+            .write(move |c| webhooks::create_webhook(c, &keyring, webhook, now))
             .await
     }
 
@@ -500,6 +526,21 @@ impl<B: Backend> Observation for SqlStore<B> {
         let id = id.clone();
         self.backend
             .write(move |c| webhooks::delete_webhook(c, &id))
+            .await
+    }
+
+    async fn rotate_webhook_secret(&self, id: &WebhookId, secret: String) -> Result<()> {
+        let keyring = self.keyring()?;
+        let id = id.clone();
+        self.backend
+            .write(move |c| webhooks::rotate_webhook_secret(c, &keyring, &id, &secret))
+            .await
+    }
+
+    async fn seal_webhook_secrets(&self) -> Result<u64> {
+        let keyring = self.keyring()?;
+        self.backend
+            .write(move |c| webhooks::seal_webhook_secrets(c, &keyring))
             .await
     }
 
@@ -532,9 +573,12 @@ impl<B: Backend> Observation for SqlStore<B> {
         limit: u32,
         now: Millis,
     ) -> Result<Vec<ClaimedDelivery>> {
+        let keyring = self.keyring()?;
         let owner = owner.to_owned();
         self.backend
-            .write(move |c| webhooks::claim_deliveries(c, &owner, lease_until, limit, now))
+            .write(move |c| {
+                webhooks::claim_deliveries(c, &keyring, &owner, lease_until, limit, now)
+            })
             .await
     }
 

@@ -2,11 +2,13 @@
 //! session's events for each webhook, and the deliveries queued from them.
 //!
 //! They write only these three tables. Every delivery status change goes through
-//! `DeliveryStatus::edge` first.
+//! `DeliveryStatus::edge` first. A signing secret is sealed before it is written and opened
+//! only to hand a claimed attempt its key (`ratchet_store::secrets`).
 
 use ratchet_core::{DeliveryStatus, Millis, WebhookId};
 use ratchet_store::{
-    AttemptOutcome, ClaimedDelivery, DeliveryClaim, Error, NewWebhook, Webhook, WebhookDelivery,
+    AttemptOutcome, ClaimedDelivery, DeliveryClaim, Error, Keyring, NewWebhook, Webhook,
+    WebhookDelivery,
 };
 
 use crate::db::{Db, Row};
@@ -15,7 +17,7 @@ use crate::{Result, params};
 
 const OPEN: &str = "('pending', 'delivering')";
 
-const WEBHOOK_COLUMNS: &str = "id, tenant, url, events_json, secret, max_attempts, created_at";
+const WEBHOOK_COLUMNS: &str = "id, tenant, url, events_json, max_attempts, created_at";
 
 fn to_webhook(mut r: Row) -> Result<Webhook> {
     Ok(Webhook {
@@ -26,9 +28,8 @@ fn to_webhook(mut r: Row) -> Result<Webhook> {
             .opt_text(3)?
             .map(|text| from_json(&text, "webhook events"))
             .transpose()?,
-        secret: r.text(4)?,
-        max_attempts: count_of(r.int(5)?)?,
-        created_at: r.int(6)?,
+        max_attempts: count_of(r.int(4)?)?,
+        created_at: r.int(5)?,
     })
 }
 
@@ -43,8 +44,14 @@ fn not_found(id: &WebhookId) -> Error {
     }
 }
 
-pub(crate) fn create_webhook(c: &dyn Db, new: NewWebhook, now: Millis) -> Result<Webhook> {
+pub(crate) fn create_webhook(
+    c: &dyn Db,
+    keyring: &Keyring,
+    new: NewWebhook,
+    now: Millis,
+) -> Result<Webhook> {
     let events = new.events.as_ref().map(to_json).transpose()?;
+    let secret = keyring.seal(new.id.as_str(), &new.secret)?;
     let inserted = c.execute(
         "INSERT INTO webhooks (id, tenant, url, events_json, secret, max_attempts, created_at)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT (id) DO NOTHING",
@@ -53,7 +60,7 @@ pub(crate) fn create_webhook(c: &dyn Db, new: NewWebhook, now: Millis) -> Result
             &new.tenant,
             &new.url,
             events.as_deref(),
-            &new.secret,
+            &secret,
             new.max_attempts,
             now
         ],
@@ -109,6 +116,44 @@ pub(crate) fn delete_webhook(c: &dyn Db, id: &WebhookId) -> Result<()> {
         &params![id.as_str()],
     )?;
     Ok(())
+}
+
+pub(crate) fn rotate_webhook_secret(
+    c: &dyn Db,
+    keyring: &Keyring,
+    id: &WebhookId,
+    secret: &str,
+) -> Result<()> {
+    let sealed = keyring.seal(id.as_str(), secret)?;
+    let changed = c.execute(
+        "UPDATE webhooks SET secret = ?2 WHERE id = ?1",
+        &params![id.as_str(), &sealed],
+    )?;
+    if changed == 0 {
+        return Err(not_found(id));
+    }
+    Ok(())
+}
+
+pub(crate) fn seal_webhook_secrets(c: &dyn Db, keyring: &Keyring) -> Result<u64> {
+    let current = keyring.current_prefix();
+    let mut sealed = 0;
+    for mut row in c.query("SELECT id, secret FROM webhooks ORDER BY id", &params![])? {
+        let (id, stored) = (row.text(0)?, row.text(1)?);
+        if stored.starts_with(&current) {
+            continue;
+        }
+        let secret = keyring
+            .open(&id, &stored)
+            .map_err(|error| Error::Secrets(format!("webhook {id}'s secret: {error}")))?;
+        let resealed = keyring.seal(&id, &secret)?;
+        // Fenced by the value read: a secret rotated meanwhile is not overwritten.
+        sealed += c.execute(
+            "UPDATE webhooks SET secret = ?3 WHERE id = ?1 AND secret = ?2",
+            &params![id.as_str(), stored.as_str(), resealed.as_str()],
+        )?;
+    }
+    Ok(sealed)
 }
 
 const DELIVERY_COLUMNS: &str = "d.id, d.webhook_id, d.session_id, d.seq, d.event_kind, d.status, \
@@ -284,6 +329,7 @@ fn due_heads() -> String {
 
 pub(crate) fn claim_deliveries(
     c: &dyn Db,
+    keyring: &Keyring,
     owner: &str,
     lease_until: Millis,
     limit: u32,
@@ -294,7 +340,7 @@ pub(crate) fn claim_deliveries(
     // look again until nothing more was dead-lettered.
     loop {
         let room = limit.saturating_sub(u32::try_from(claimed.len()).unwrap_or(u32::MAX));
-        if room == 0 || !claim_due(c, owner, lease_until, room, now, &mut claimed)? {
+        if room == 0 || !claim_due(c, keyring, owner, lease_until, room, now, &mut claimed)? {
             return Ok(claimed);
         }
     }
@@ -303,6 +349,7 @@ pub(crate) fn claim_deliveries(
 /// Claims up to `limit` due heads into `claimed`; true when it dead-lettered any.
 fn claim_due(
     c: &dyn Db,
+    keyring: &Keyring,
     owner: &str,
     lease_until: Millis,
     limit: u32,
@@ -319,7 +366,12 @@ fn claim_due(
         };
         let (id, attempts) = (seen.id, seen.attempts);
         let webhook_id = WebhookId::parse(&row.text(3)?).map_err(corrupt)?;
-        let (url, secret) = (row.text(4)?, row.text(5)?);
+        let url = row.text(4)?;
+        // Opened before anything moves: a secret this process cannot open fails the claim
+        // whole, and another process with the key makes the attempt.
+        let secret = keyring
+            .open(webhook_id.as_str(), &row.text(5)?)
+            .map_err(|error| Error::Secrets(format!("webhook {webhook_id}'s secret: {error}")))?;
         let max_attempts = count_of(row.int(6)?)?;
         let (session_id, seq) = (row.text(7)?, row.int(8)?);
         if attempts >= max_attempts {

@@ -278,6 +278,12 @@ CREATE INDEX webhook_deliveries_open ON webhook_deliveries(webhook_id, session_i
     WHERE status IN ('pending', 'delivering');
 CREATE INDEX webhook_deliveries_log ON webhook_deliveries(webhook_id, id);
 "#,
+    r#"
+-- Webhook secrets are stored sealed from now on (`ratchet_store::secrets`: v1:<key id>:…).
+-- Those written before are marked as being in clear; a process with a key seals them when it
+-- starts (`seal_webhook_secrets`).
+UPDATE webhooks SET secret = 'clear:' || secret;
+"#,
 ];
 
 /// The schema version this build migrates a database to.

@@ -18,8 +18,10 @@ use serde_json::Value;
 
 #[cfg(feature = "testkit")]
 pub mod conformance;
+pub mod secrets;
 mod webhooks;
 
+pub use secrets::{Key, Keyring};
 pub use webhooks::{
     AttemptOutcome, ClaimedDelivery, DeliveryClaim, NewWebhook, Observation, Webhook,
     WebhookDelivery,
@@ -51,6 +53,10 @@ pub enum Error {
     Corrupt(String),
     #[error("database error: {0}")]
     Backend(String),
+    /// A webhook secret cannot be sealed or opened: no key, a key this process lacks, a
+    /// malformed key, or a sealed secret that was altered.
+    #[error("webhook secrets: {0}")]
+    Secrets(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

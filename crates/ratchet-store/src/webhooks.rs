@@ -3,6 +3,10 @@
 //! A separate trait from `Store`, and deliberately narrow: whatever holds only an
 //! `Observation` (the webhook dispatcher) can read events and keep its own delivery records,
 //! and has no method that could enqueue a job or change a session or a run.
+//!
+//! Signing secrets are stored sealed (`secrets`): a store opened with a `Keyring` seals them
+//! as webhooks are created or given a new secret, and opens them only to hand an attempt
+//! (`ClaimedDelivery`) to a dispatcher. Nothing else reads them back.
 
 use async_trait::async_trait;
 use ratchet_core::{DeliveryStatus, Millis, SessionId, WebhookId};
@@ -18,7 +22,7 @@ pub struct NewWebhook {
     pub url: String,
     /// The event kinds it receives; None for every kind.
     pub events: Option<Vec<String>>,
-    /// The key its deliveries are signed with.
+    /// The key its deliveries are signed with (the store keeps it sealed).
     pub secret: String,
     /// Attempts of one delivery before it is dead-lettered.
     pub max_attempts: u32,
@@ -30,8 +34,6 @@ pub struct Webhook {
     pub tenant: String,
     pub url: String,
     pub events: Option<Vec<String>>,
-    #[serde(skip)]
-    pub secret: String,
     pub max_attempts: u32,
     pub created_at: Millis,
 }
@@ -81,6 +83,7 @@ pub struct ClaimedDelivery {
     pub claim: DeliveryClaim,
     pub webhook_id: WebhookId,
     pub url: String,
+    /// The signing secret, opened for this attempt.
     pub secret: String,
     pub max_attempts: u32,
     pub event: StoredEvent,
@@ -113,6 +116,16 @@ pub trait Observation: Send + Sync + 'static {
 
     /// Removes a webhook with its deliveries: nothing more is sent to it.
     async fn delete_webhook(&self, id: &WebhookId) -> Result<()>;
+
+    /// Replaces a webhook's signing secret: the attempts claimed from now on are signed with
+    /// it.
+    async fn rotate_webhook_secret(&self, id: &WebhookId, secret: String) -> Result<()>;
+
+    /// Seals under the keyring's current key every secret that is not sealed with it yet: those
+    /// written in clear before secrets were sealed, and those a previous key sealed. Returns how
+    /// many it sealed; fails, sealing nothing, when a secret does not open with this store's
+    /// keys.
+    async fn seal_webhook_secrets(&self) -> Result<u64>;
 
     /// A webhook's deliveries in the order they were queued, after `after` (a delivery id),
     /// with the given status only when given.

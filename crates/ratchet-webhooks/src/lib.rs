@@ -6,7 +6,15 @@
 //! own delivery records, and nothing it does can enqueue a job or change a run. It runs as
 //! one task beside the workers, each attempt a task of its own under a timeout, so a slow or
 //! failing receiver delays its own deliveries and nothing else.
+//!
+//! It connects only where its `WebhookPolicy` allows (`policy`): an address in the URL is
+//! checked before the request, a name's addresses as they resolve, and no proxy is used. What
+//! a tenant reads in the delivery log is an HTTP status, a refusal by the policy, or that no
+//! HTTP answer came; never how a connection failed, which would map ports for them.
 
+mod policy;
+
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -18,6 +26,15 @@ use serde_json::json;
 use sha2::Sha256;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use url::Url;
+
+pub use policy::{BadRule, InternalName, Range, Refusal, Rule, WebhookPolicy};
+
+/// The delivery log's error when an attempt got no HTTP answer. One message for every way that
+/// happens (refused, reset, timed out, not HTTP, a TLS failure), so the log does not tell a
+/// closed port from an open one; the dispatcher's own log has the details.
+pub const NO_ANSWER: &str = "no HTTP answer from the receiver: it could not be reached, did not answer in time, or \
+     did not answer with HTTP";
 
 /// The header carrying `t=<milliseconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`.
 pub const SIGNATURE_HEADER: &str = "ratchet-signature";
@@ -38,6 +55,8 @@ pub struct DispatcherConfig {
     /// Events looked at per queuing transaction.
     pub batch: u32,
     pub backoff: Backoff,
+    /// Where attempts may connect.
+    pub policy: WebhookPolicy,
 }
 
 impl Default for DispatcherConfig {
@@ -49,6 +68,7 @@ impl Default for DispatcherConfig {
             concurrency: 16,
             batch: 2000,
             backoff: Backoff::default(),
+            policy: WebhookPolicy::default(),
         }
     }
 }
@@ -76,7 +96,15 @@ struct Dispatcher {
 struct Attempt {
     claim: DeliveryClaim,
     max_attempts: u32,
-    result: Result<u16, String>,
+    answer: Answer,
+}
+
+enum Answer {
+    Status(u16),
+    /// The policy refused the destination; nothing was sent.
+    Refused(Refusal),
+    /// No HTTP answer (see `NO_ANSWER`).
+    None,
 }
 
 impl Dispatcher {
@@ -90,6 +118,11 @@ impl Dispatcher {
             // configured, and a signed body is not forwarded elsewhere.
             .redirect(reqwest::redirect::Policy::none())
             .user_agent(concat!("ratchet/", env!("CARGO_PKG_VERSION")))
+            // A proxy would resolve and connect in the resolver's place, past the policy.
+            .no_proxy()
+            .dns_resolver(Arc::new(Resolver {
+                policy: config.policy.clone(),
+            }))
             .build()?;
         Ok(Dispatcher {
             hooks,
@@ -115,7 +148,11 @@ impl Dispatcher {
                 .saturating_sub(u32::try_from(in_flight.len()).unwrap_or(u32::MAX));
             if room > 0 {
                 for delivery in self.claim(room).await {
-                    in_flight.spawn(attempt(self.http.clone(), delivery));
+                    in_flight.spawn(attempt(
+                        self.http.clone(),
+                        self.config.policy.clone(),
+                        delivery,
+                    ));
                 }
             }
             let wait = if caught_up {
@@ -206,17 +243,18 @@ impl Dispatcher {
     }
 
     fn outcome(&self, attempt: &Attempt, now: Millis) -> AttemptOutcome {
-        match &attempt.result {
-            Ok(status) if (200..300).contains(status) => {
+        match &attempt.answer {
+            Answer::Status(status) if (200..300).contains(status) => {
                 AttemptOutcome::Delivered { status: *status }
             }
             failed => {
                 let (status, error) = match failed {
-                    Ok(status) => (
+                    Answer::Status(status) => (
                         Some(*status),
                         format!("the receiver answered HTTP {status}"),
                     ),
-                    Err(error) => (None, error.clone()),
+                    Answer::Refused(refusal) => (None, format!("refused by policy: {refusal}")),
+                    Answer::None => (None, NO_ANSWER.to_owned()),
                 };
                 let retry_at = match after_failure(
                     attempt.claim.attempt,
@@ -237,8 +275,30 @@ impl Dispatcher {
     }
 }
 
-/// Makes one attempt: the event as JSON, signed, POSTed to the webhook's URL.
-async fn attempt(http: reqwest::Client, delivery: ClaimedDelivery) -> Attempt {
+/// Makes one attempt: the event as JSON, signed, POSTed to the webhook's URL if the policy
+/// allows its destination.
+async fn attempt(
+    http: reqwest::Client,
+    policy: WebhookPolicy,
+    delivery: ClaimedDelivery,
+) -> Attempt {
+    // Webhooks created before the policy (or under a wider one) are checked again here; an
+    // address in the URL is never resolved, so the resolver cannot check it.
+    let answer = match Url::parse(&delivery.url) {
+        Err(error) => Answer::Refused(Refusal::Unparsable(error.to_string())),
+        Ok(url) => match policy.check_before_connect(&url) {
+            Err(refusal) => Answer::Refused(refusal),
+            Ok(()) => send(&http, url, &delivery).await,
+        },
+    };
+    Attempt {
+        claim: delivery.claim,
+        max_attempts: delivery.max_attempts,
+        answer,
+    }
+}
+
+async fn send(http: &reqwest::Client, url: Url, delivery: &ClaimedDelivery) -> Answer {
     let body = json!({
         "webhook_id": delivery.webhook_id,
         "delivery_id": delivery.claim.delivery_id,
@@ -247,8 +307,8 @@ async fn attempt(http: reqwest::Client, delivery: ClaimedDelivery) -> Attempt {
     })
     .to_string();
     let timestamp = now_ms();
-    let result = http
-        .post(&delivery.url)
+    let sent = http
+        .post(url)
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .header(
             SIGNATURE_HEADER,
@@ -258,23 +318,84 @@ async fn attempt(http: reqwest::Client, delivery: ClaimedDelivery) -> Attempt {
         .header(EVENT_HEADER, &delivery.event.kind)
         .body(body)
         .send()
-        .await
-        .map(|response| response.status().as_u16())
-        .map_err(|error| describe(&error));
-    Attempt {
-        claim: delivery.claim,
-        max_attempts: delivery.max_attempts,
-        result,
+        .await;
+    match sent {
+        Ok(response) => Answer::Status(response.status().as_u16()),
+        Err(error) => match refusal_in(&error) {
+            Some(refusal) => Answer::Refused(refusal.clone()),
+            None => {
+                tracing::info!(
+                    webhook = %delivery.webhook_id,
+                    delivery = delivery.claim.delivery_id,
+                    error = %chain(&error),
+                    "a webhook attempt got no HTTP answer"
+                );
+                Answer::None
+            }
+        },
     }
 }
 
-fn describe(error: &reqwest::Error) -> String {
-    if error.is_timeout() {
-        "the receiver did not answer in time".to_owned()
-    } else if error.is_connect() {
-        format!("cannot connect to the receiver: {error}")
-    } else {
-        format!("the request failed: {error}")
+/// The policy's refusal of a resolved name, wherever the HTTP client wrapped it.
+fn refusal_in(error: &reqwest::Error) -> Option<&Refusal> {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(error) = cause {
+        if let Some(refusal) = error.downcast_ref::<Refusal>() {
+            return Some(refusal);
+        }
+        cause = error.source();
+    }
+    None
+}
+
+/// An error with its causes, for the operator's log.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(error) = cause {
+        text.push_str(": ");
+        text.push_str(&error.to_string());
+        cause = error.source();
+    }
+    text
+}
+
+/// Resolves names for attempts, keeping only the addresses the policy allows: the check is
+/// made on the very addresses the client connects to, so a name that resolves elsewhere
+/// between the webhook's creation and an attempt (DNS rebinding) gains nothing.
+struct Resolver {
+    policy: WebhookPolicy,
+}
+
+impl reqwest::dns::Resolve for Resolver {
+    fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let policy = self.policy.clone();
+        let host = name.as_str().to_owned();
+        Box::pin(async move {
+            let resolved: Vec<SocketAddr> =
+                tokio::net::lookup_host((host.as_str(), 0)).await?.collect();
+            if policy.allows_name(&host) {
+                return Ok(Box::new(resolved.into_iter()) as reqwest::dns::Addrs);
+            }
+            let mut refused = None;
+            let allowed: Vec<SocketAddr> = (resolved.into_iter())
+                .filter(|address| match policy.check_addr(address.ip()) {
+                    Ok(()) => true,
+                    Err(refusal) => {
+                        refused.get_or_insert(refusal);
+                        false
+                    }
+                })
+                .collect();
+            match refused {
+                Some(Refusal::Address { range, .. }) if allowed.is_empty() => {
+                    let refused: Box<dyn std::error::Error + Send + Sync> =
+                        Box::new(Refusal::Resolved { host, range });
+                    Err(refused)
+                }
+                _ => Ok(Box::new(allowed.into_iter()) as reqwest::dns::Addrs),
+            }
+        })
     }
 }
 

@@ -9,6 +9,11 @@ use std::time::{Duration, Instant};
 /// Far longer than any test run needs; only a hung binary reaches it.
 pub const DEADLINE: Duration = Duration::from_secs(60);
 
+/// The key `serve` seals webhook secrets with in tests whose database may be PostgreSQL
+/// (which needs a configured key; SQLite makes its own).
+#[allow(dead_code, reason = "only the tests that may serve PostgreSQL set it")]
+pub const SECRETS_KEY: &str = "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f";
+
 /// Runs `command` with `stdin` piped in and its output captured; kills it and fails the test
 /// if it outlives `DEADLINE`, so a driver that never notices its run ended cannot hang the
 /// suite. No invocation may panic.

@@ -58,6 +58,14 @@ impl Observation for Heard {
         self.inner.delete_webhook(id).await
     }
 
+    async fn rotate_webhook_secret(&self, id: &WebhookId, secret: String) -> Result<()> {
+        self.inner.rotate_webhook_secret(id, secret).await
+    }
+
+    async fn seal_webhook_secrets(&self) -> Result<u64> {
+        self.inner.seal_webhook_secrets().await
+    }
+
     async fn deliveries(
         &self,
         webhook_id: &WebhookId,

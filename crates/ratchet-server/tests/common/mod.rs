@@ -20,9 +20,9 @@ use ratchet_server::reload::Prepared;
 use ratchet_server::{
     Active, AppState, GuardedListener, HostPolicy, StreamLimits, Tokens, hash_token,
 };
-use ratchet_store::Store;
+use ratchet_store::{Key, Keyring, Store};
 use ratchet_tools::Registry;
-use ratchet_webhooks::DispatcherConfig;
+use ratchet_webhooks::{DispatcherConfig, WebhookPolicy};
 use reqwest::header::CONTENT_TYPE;
 use reqwest::{RequestBuilder, StatusCode};
 use serde_json::{Value, json};
@@ -126,13 +126,16 @@ impl Server {
         Server::launch(script, |_, _| {}, catalog).await
     }
 
-    /// A server that also sends webhook deliveries, as `ratchet serve` does.
+    /// A server that also sends webhook deliveries, as `ratchet serve` does; webhooks are
+    /// created where the dispatcher sends (`dispatch.policy`).
     pub async fn start_with_dispatcher(script: Value, dispatch: DispatcherConfig) -> Server {
+        let policy = dispatch.policy.clone();
         Server::launch_with(
             script,
             |_, _| {},
             |_, _| Vec::new(),
             Some(dispatch),
+            policy,
             Guards::default(),
         )
         .await
@@ -141,15 +144,24 @@ impl Server {
     /// A server with other stream limits, stall timeout or names than `ratchet serve`'s
     /// defaults.
     pub async fn start_guarded(script: Value, guards: Guards) -> Server {
-        Server::launch_with(script, |_, _| {}, |_, _| Vec::new(), None, guards).await
+        let policy = WebhookPolicy::default().loopback_allowed(true);
+        Server::launch_with(script, |_, _| {}, |_, _| Vec::new(), None, policy, guards).await
     }
 
+    /// A server that creates webhooks only where `policy` allows.
+    pub async fn start_with_webhook_policy(script: Value, policy: WebhookPolicy) -> Server {
+        Server::launch_with(script, |_, _| {}, |_, _| Vec::new(), None, policy, Guards::default()).await
+    }
+
+    /// Like `ratchet serve` listening on loopback (as this server does), webhooks may be
+    /// created to loopback.
     async fn launch(
         script: Value,
         configure: impl FnOnce(&mut RunConfigSnapshot, &Models),
         catalog: impl FnOnce(&RunConfigSnapshot, &Path) -> Vec<AgentProfile>,
     ) -> Server {
-        Server::launch_with(script, configure, catalog, None, Guards::default()).await
+        let policy = WebhookPolicy::default().loopback_allowed(true);
+        Server::launch_with(script, configure, catalog, None, policy, Guards::default()).await
     }
 
     async fn launch_with(
@@ -157,13 +169,16 @@ impl Server {
         configure: impl FnOnce(&mut RunConfigSnapshot, &Models),
         catalog: impl FnOnce(&RunConfigSnapshot, &Path) -> Vec<AgentProfile>,
         dispatch: Option<DispatcherConfig>,
+        policy: WebhookPolicy,
         guards: Guards,
     ) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let script_path = dir.path().join("script.json");
         std::fs::write(&script_path, script.to_string()).unwrap();
         let db = format!("sqlite://{}", dir.path().join("ratchet.db").display());
-        let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
+        let keyring = Keyring::new(Key::generate().unwrap(), Vec::new()).unwrap();
+        let store: Arc<dyn Store> =
+            Arc::new(ratchet_sqlite::open_url(&db).unwrap().with_secrets(keyring));
         let tools = Arc::new(Registry::builtin());
         // Scripts of delegating agents call the runtime's own tools besides the registry's.
         let mut known_tools: Vec<String> = tools.names().into_iter().map(str::to_owned).collect();
@@ -212,7 +227,8 @@ impl Server {
                 .unwrap()
                 .pop_front()
                 .unwrap_or_else(|| Err(vec!["the test queued no reload".to_owned()]))
-        });
+        })
+        .with_webhook_policy(policy);
         let pool = WorkerPool::start(
             Arc::clone(&coordinator),
             engine,

@@ -1,6 +1,8 @@
 //! Webhooks: each wanted event is queued once per webhook from the webhook's creation on, a
 //! session's deliveries are attempted strictly in `seq` order, failed attempts wait their
 //! turn again, and the last failure dead-letters a delivery without holding back the rest.
+//! Signing secrets are handed to attempts as they were last set, and stay readable across a
+//! change of key.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -10,13 +12,14 @@ use serde_json::json;
 
 use super::{T0, config, submit, unique};
 use crate::{
-    AttemptOutcome, ClaimedDelivery, Error, NewWebhook, Observation, SessionSpec, Store, Webhook,
-    WebhookDelivery,
+    AttemptOutcome, ClaimedDelivery, Error, Key, Keyring, NewWebhook, Observation, SessionSpec,
+    Store, Webhook, WebhookDelivery,
 };
 
 const DISPATCHER_A: &str = "dispatcher-a";
 const DISPATCHER_B: &str = "dispatcher-b";
 const ATTEMPT_MS: Millis = 10_000;
+const SECRET: &str = "a-secret-of-this-webhook";
 
 async fn tenant_session(store: &dyn Store, tenant: &str) -> SessionId {
     let id = SessionId::from_suffix(&unique()).unwrap();
@@ -42,7 +45,7 @@ async fn webhook(
         tenant: tenant.to_owned(),
         url: "http://127.0.0.1:9/hook".to_owned(),
         events: events.map(|kinds| kinds.iter().map(|k| (*k).to_owned()).collect()),
-        secret: "a-secret-of-this-webhook".to_owned(),
+        secret: SECRET.to_owned(),
         max_attempts,
     };
     hooks
@@ -244,7 +247,7 @@ pub async fn a_sessions_deliveries_are_attempted_strictly_in_seq_order(
     for head in &heads {
         assert_eq!(head.claim.attempt, 1);
         assert_eq!(head.webhook_id, hook.id);
-        assert_eq!(head.secret, hook.secret);
+        assert_eq!(head.secret, SECRET);
         assert_eq!(head.event.kind, "assistant.delta");
         assert!(head.event.payload["text"].is_string(), "{:?}", head.event);
     }
@@ -536,4 +539,127 @@ pub async fn concurrent_dispatchers_claim_each_attempt_once(
         }
     }
     assert_eq!(seen.len(), 8, "every session's first event, once");
+}
+
+/// A new secret signs the attempts claimed after it, a delivery already failing included;
+/// another webhook's secret stays as it was.
+pub async fn a_rotated_secret_signs_the_attempts_claimed_after_it(
+    store: &dyn Store,
+    hooks: &dyn Observation,
+) {
+    let (hook, _, _) = deltas_queued(store, hooks, 5, 1).await;
+    let (other, _, _) = deltas_queued(store, hooks, 5, 1).await;
+    let first = claim_deliveries(hooks, DISPATCHER_A, T0 + 1).await;
+    assert!(first.iter().all(|d| d.secret == SECRET), "{first:?}");
+    let mine = first.iter().find(|d| d.webhook_id == hook.id).unwrap();
+    assert!(
+        finish(hooks, &mine.claim, failed(Some(T0 + 10)), T0 + 2)
+            .await
+            .unwrap()
+    );
+
+    hooks
+        .rotate_webhook_secret(&hook.id, "the-new-secret-of-it".to_owned())
+        .await
+        .unwrap();
+    let again = claim_deliveries(hooks, DISPATCHER_A, T0 + 10).await;
+    assert_eq!(again.len(), 1, "{again:?}");
+    assert_eq!(
+        (&again[0].webhook_id, again[0].secret.as_str()),
+        (&hook.id, "the-new-secret-of-it"),
+        "the failed delivery's next attempt is signed with the new secret"
+    );
+    let theirs = first.iter().find(|d| d.webhook_id == other.id).unwrap();
+    assert!(
+        finish(hooks, &theirs.claim, failed(Some(T0 + 10)), T0 + 3)
+            .await
+            .unwrap()
+    );
+    let untouched = claim_deliveries(hooks, DISPATCHER_A, T0 + 11).await;
+    assert_eq!(
+        untouched
+            .iter()
+            .map(|d| (&d.webhook_id, d.secret.as_str()))
+            .collect::<Vec<_>>(),
+        [(&other.id, SECRET)]
+    );
+
+    let unknown = WebhookId::from_suffix(&unique()).unwrap();
+    assert!(matches!(
+        hooks
+            .rotate_webhook_secret(&unknown, "whatever-whatever".to_owned())
+            .await,
+        Err(Error::NotFound {
+            kind: "webhook",
+            ..
+        })
+    ));
+}
+
+/// Secrets are sealed with the store's key and open only with it: a store whose keys do not
+/// include the one that sealed a secret refuses to claim its attempts or to seal it again,
+/// rather than sign with something else. With the old key given as a previous one, every
+/// secret is sealed again under the new key, after which the old key is not needed.
+///
+/// Not in `store_conformance_tests!`, which hands each test one store: each backend runs it
+/// with `open`, which opens its database (the same one every call) with the given keys.
+pub async fn secrets_are_sealed_with_the_stores_key_and_sealed_again_under_a_new_one(
+    open: impl Fn(Keyring) -> Arc<dyn Store>,
+) {
+    let old = Key::generate().unwrap();
+    let new = Key::generate().unwrap();
+    let keys = |current: &Key, previous: &[&Key]| {
+        Keyring::new(
+            current.clone(),
+            previous.iter().map(|k| (*k).clone()).collect(),
+        )
+        .unwrap()
+    };
+    let before = open(keys(&old, &[]));
+    let (hook, _, _) = deltas_queued(&*before, &*before, 5, 1).await;
+
+    let without_old = open(keys(&new, &[]));
+    for refused in [
+        without_old
+            .claim_deliveries(DISPATCHER_A, T0 + ATTEMPT_MS, 10, T0 + 1)
+            .await
+            .map(|_| 0),
+        without_old.seal_webhook_secrets().await,
+    ] {
+        match refused {
+            Err(Error::Secrets(message)) => assert!(
+                message.contains(&hook.id.to_string())
+                    && message.contains(&format!("sealed with key {}", old.id())),
+                "{message}"
+            ),
+            other => panic!("expected a refusal naming the missing key, found {other:?}"),
+        }
+    }
+
+    let rotating = open(keys(&new, &[&old]));
+    assert_eq!(rotating.seal_webhook_secrets().await.unwrap(), 1);
+    assert_eq!(
+        rotating.seal_webhook_secrets().await.unwrap(),
+        0,
+        "nothing is left under the old key"
+    );
+    let after = open(keys(&new, &[]));
+    let claimed = claim_deliveries(&*after, DISPATCHER_A, T0 + 1).await;
+    assert_eq!(
+        claimed
+            .iter()
+            .map(|d| (&d.webhook_id, d.secret.as_str()))
+            .collect::<Vec<_>>(),
+        [(&hook.id, SECRET)],
+        "the new key alone opens the secret"
+    );
+    assert!(
+        matches!(
+            open(keys(&old, &[]))
+                .claim_deliveries(DISPATCHER_B, T0 + 3 * ATTEMPT_MS, 10, T0 + 2 * ATTEMPT_MS)
+                .await,
+            Err(Error::Secrets(_))
+        ),
+        "the old key alone no longer opens it"
+    );
 }
