@@ -150,7 +150,15 @@ impl Server {
 
     /// A server that creates webhooks only where `policy` allows.
     pub async fn start_with_webhook_policy(script: Value, policy: WebhookPolicy) -> Server {
-        Server::launch_with(script, |_, _| {}, |_, _| Vec::new(), None, policy, Guards::default()).await
+        Server::launch_with(
+            script,
+            |_, _| {},
+            |_, _| Vec::new(),
+            None,
+            policy,
+            Guards::default(),
+        )
+        .await
     }
 
     /// Like `ratchet serve` listening on loopback (as this server does), webhooks may be
