@@ -10,6 +10,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use ratchet_core::{DeliveryStatus, EventKind, Millis, WebhookId};
 use ratchet_store::{NewWebhook, Webhook, WebhookDelivery};
+use ratchet_webhooks::WebhookPolicy;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
@@ -20,7 +21,6 @@ use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
 use crate::metrics::now_ms;
 use crate::{ApiError, AppState};
-use ratchet_webhooks::WebhookPolicy;
 
 /// Attempts of one delivery when the webhook names none.
 const DEFAULT_MAX_ATTEMPTS: u32 = 10;

@@ -33,8 +33,8 @@ pub use policy::{BadRule, InternalName, Range, Refusal, Rule, WebhookPolicy};
 /// The delivery log's error when an attempt got no HTTP answer. One message for every way that
 /// happens (refused, reset, timed out, not HTTP, a TLS failure), so the log does not tell a
 /// closed port from an open one; the dispatcher's own log has the details.
-pub const NO_ANSWER: &str = "no HTTP answer from the receiver: it could not be reached, did not answer in time, or \
-     did not answer with HTTP";
+pub const NO_ANSWER: &str =
+    "no HTTP answer from the receiver (unreachable, too slow, or not speaking HTTP)";
 
 /// The header carrying `t=<milliseconds>,v1=<hex HMAC-SHA256 of "<t>.<body>">`.
 pub const SIGNATURE_HEADER: &str = "ratchet-signature";
