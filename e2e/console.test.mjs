@@ -339,7 +339,7 @@ test("a server killed mid-call comes back: the stream resumes and the console as
   const page = await openPage(browser, server.url);
   await newSession(page, "ledger");
   await send(page, "Charge the card");
-  // The call blocks on a pipe nobody reads: its effect has begun and never finishes.
+  // The call has begun and does not finish while the test runs: its outcome is unknown.
   await page.locator(".item-tool .result", { hasText: "Running…" }).waitFor();
 
   await server.kill();

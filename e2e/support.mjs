@@ -1,7 +1,7 @@
 // What the console tests share: a real `ratchet serve` on a fresh SQLite file with a catalog
 // of scripted agents, and a headless Chromium to drive it.
 
-import { spawn, execFileSync } from "node:child_process";
+import { spawn } from "node:child_process";
 import { createServer } from "node:http";
 import { mkdtempSync, mkdirSync, readFileSync, writeFileSync, rmSync } from "node:fs";
 import { createRequire } from "node:module";
@@ -99,9 +99,9 @@ const AGENTS = {
     ],
   },
   ledger: {
-    description: "Writes to a pipe nobody reads, so the call never ends",
-    tools: ["append_line"],
-    script: [{ tool_calls: [{ name: "append_line", arguments: { path: "pipe", line: "charge the card" } }] }, { text: "Recorded." }],
+    description: "Charges a card, a ten-minute call that may never run twice",
+    tools: ["sleep_ms"],
+    script: [{ tool_calls: [{ name: "sleep_ms", arguments: { ms: 600000 } }] }, { text: "Recorded." }],
   },
 };
 
@@ -130,8 +130,8 @@ export class Server {
     const dir = mkdtempSync(join(tmpdir(), "ratchet-console-"));
     writeCatalog(join(dir, "agents"), models);
     mkdirSync(join(dir, "workspace"));
-    execFileSync("mkfifo", [join(dir, "workspace", "pipe")]);
-    const config = [`agents = "${join(dir, "agents")}"`];
+    // The ledger's call stands for a payment: running it again after a crash is not safe.
+    const config = [`agents = "${join(dir, "agents")}"`, "[tools.sleep_ms]", 'replay = "never"'];
     for (const [name, profile] of Object.entries(models)) config.push(`[models.${name}]`, profile);
     if (token) config.push("[[tokens]]", 'tenant = "acme"', 'env = "RATCHET_CONSOLE_TOKEN"');
     writeFileSync(join(dir, "ratchet.toml"), config.join("\n") + "\n");
