@@ -852,13 +852,9 @@ mod tests {
         assert_eq!(defaults.streams, crate::StreamLimits::default());
         assert_eq!(defaults.stream_stall, Duration::from_secs(30));
         assert_eq!(defaults.max_snippet_bytes, 2048);
-        let config: Config = toml::from_str(
-            "[limits]
-max_streams_per_tenant = 3
-stream_stall_ms = 250
-",
-        )
-        .unwrap();
+        let config: Config =
+            toml::from_str("[limits]\nmax_streams_per_tenant = 3\nstream_stall_ms = 250\n")
+                .unwrap();
         let limits = config.limits().unwrap();
         assert_eq!(limits.streams.max_streams_per_tenant, 3);
         assert_eq!(limits.streams.max_streams, defaults.streams.max_streams);
@@ -876,32 +872,15 @@ stream_stall_ms = 250
                 "{error}"
             );
         }
-        assert!(
-            toml::from_str::<Config>(
-                "[limits]
-max_stream = 5
-"
-            )
-            .is_err()
-        );
-        let hosts: Config = toml::from_str(
-            "[server]
-allowed_hosts = [\"ratchet.example\", \"*.example.org\"]
-",
-        )
-        .unwrap();
+        assert!(toml::from_str::<Config>("[limits]\nmax_stream = 5\n").is_err());
+        let hosts: Config =
+            toml::from_str("[server]\nallowed_hosts = [\"ratchet.example\", \"*.example.org\"]\n")
+                .unwrap();
         assert_eq!(
             hosts.server.allowed_hosts.as_deref(),
             Some(&["ratchet.example".to_owned(), "*.example.org".to_owned()][..])
         );
-        assert!(
-            toml::from_str::<Config>(
-                "[server]
-allowed_host = []
-"
-            )
-            .is_err()
-        );
+        assert!(toml::from_str::<Config>("[server]\nallowed_host = []\n").is_err());
     }
 
     /// F6: the empty token's hash let an empty `?access_token=` in; a short token can be

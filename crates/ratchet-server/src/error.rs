@@ -126,6 +126,21 @@ pub(crate) async fn refuse_oversized_bodies(request: Request, next: Next) -> Res
     }
 }
 
+/// The request's head and its whole body, read within the body limit.
+async fn body_bytes<S: Send + Sync>(
+    request: Request,
+    state: &S,
+) -> Result<(axum::http::request::Parts, Bytes), ApiError> {
+    let (head, body) = request.into_parts();
+    let bytes = Bytes::from_request(Request::from_parts(head.clone(), body), state)
+        .await
+        .map_err(|rejection| {
+            let status = rejection.status();
+            ApiError::new(status, code_for(status), rejection.body_text())
+        })?;
+    Ok((head, bytes))
+}
+
 fn code_for(status: StatusCode) -> &'static str {
     match status {
         StatusCode::PAYLOAD_TOO_LARGE => "payload_too_large",
@@ -148,13 +163,7 @@ where
     type Rejection = ApiError;
 
     async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
-        let (head, body) = request.into_parts();
-        let bytes = Bytes::from_request(Request::from_parts(head.clone(), body), state)
-            .await
-            .map_err(|rejection| {
-                let status = rejection.status();
-                ApiError::new(status, code_for(status), rejection.body_text())
-            })?;
+        let (head, bytes) = body_bytes(request, state).await?;
         // serde reads a struct from a JSON array too (its fields in order): `[null, null]`
         // would create a session. Every body is an object.
         let object = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
@@ -192,13 +201,7 @@ where
     type Rejection = ApiError;
 
     async fn from_request(request: Request, state: &S) -> Result<Option<Self>, ApiError> {
-        let (head, body) = request.into_parts();
-        let bytes = Bytes::from_request(Request::from_parts(head.clone(), body), state)
-            .await
-            .map_err(|rejection| {
-                let status = rejection.status();
-                ApiError::new(status, code_for(status), rejection.body_text())
-            })?;
+        let (head, bytes) = body_bytes(request, state).await?;
         if bytes.is_empty() {
             return Ok(None);
         }
