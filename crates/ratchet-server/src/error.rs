@@ -7,8 +7,9 @@ use std::any::Any;
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, OptionalFromRequest, Request};
+use axum::http::HeaderValue;
 use axum::http::StatusCode;
-use axum::http::header::CONTENT_LENGTH;
+use axum::http::header::{CONNECTION, CONTENT_LENGTH};
 use axum::http::request::Parts;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -76,7 +77,15 @@ impl IntoResponse for ApiError {
                 problems: self.problems,
             },
         };
-        (self.status, axum::Json(body)).into_response()
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if self.status == StatusCode::PAYLOAD_TOO_LARGE {
+            // The body is left unread, so the server drops the connection after this answer;
+            // saying so keeps a client from sending its next request down a closing socket.
+            response
+                .headers_mut()
+                .insert(CONNECTION, HeaderValue::from_static("close"));
+        }
+        response
     }
 }
 
