@@ -36,11 +36,23 @@ impl Instruction {
     }
 }
 
-/// Decides what the step woken by `phase` must do at `now`.
+/// Decides what the step woken by `phase` must do at `now`. Past the run's deadline nothing
+/// new starts: what would call the model, run tools, compact or ask a human ends the run
+/// `timed_out` instead (a run that has its answer still completes).
 pub fn decide(state: &AgentState, phase: Phase, now: Millis) -> Instruction {
     if state.cancel_requested || phase == Phase::Cancel {
         return Instruction::Finish(StopReason::Cancelled);
     }
+    let instruction = decide_in_time(state, phase);
+    let late = state.deadline().is_some_and(|deadline| now >= deadline);
+    match instruction {
+        Instruction::Finish(_) => instruction,
+        _ if late => Instruction::Finish(StopReason::TimedOut),
+        _ => instruction,
+    }
+}
+
+fn decide_in_time(state: &AgentState, phase: Phase) -> Instruction {
     let pending_tools = state.checkpoint.as_ref().is_some_and(|c| c.has_pending());
     match phase {
         Phase::LlmResult => {
@@ -79,7 +91,7 @@ pub fn decide(state: &AgentState, phase: Phase, now: Millis) -> Instruction {
         | Phase::ChildrenJoined
         | Phase::Resumed
         | Phase::ContextCompacted
-        | Phase::CompletionBlocked => next_model_call(state, now),
+        | Phase::CompletionBlocked => next_model_call(state),
         Phase::Cancel => Instruction::Finish(StopReason::Cancelled),
     }
 }
@@ -88,10 +100,9 @@ pub fn decide(state: &AgentState, phase: Phase, now: Millis) -> Instruction {
 /// steps `s + 1` (the tools) and `s + 2` (a concluding call) still fit under `max_steps`.
 ///
 /// The other budgets work the same way: the last model call a budget allows is made without
-/// tools, and none is made past it. Past the deadline the next call concludes. A prompt
-/// over its budget is compacted first; if it is still over right after a compaction, the
+/// tools, and none is made past it. A prompt over its budget is compacted first; if it is still over right after a compaction, the
 /// run stops.
-fn next_model_call(state: &AgentState, now: Millis) -> Instruction {
+fn next_model_call(state: &AgentState) -> Instruction {
     let limits = &state.limits();
     let counters = &state.counters;
     let reached = |used: u64, limit: Option<u64>| limit.is_some_and(|max| used >= max);
@@ -115,14 +126,8 @@ fn next_model_call(state: &AgentState, now: Millis) -> Instruction {
             Instruction::CompressContext
         };
     }
-    // Time spent paused is the client's, not the run's.
-    let late = (limits.max_duration_ms.zip(state.started_at)).is_some_and(|(duration, started)| {
-        let allowed = duration.saturating_add(state.paused_ms);
-        now >= started.saturating_add(Millis::try_from(allowed).unwrap_or(Millis::MAX))
-    });
     let model_step = state.step_index + 1;
-    let conclude = late
-        || model_step + 2 > limits.max_steps
+    let conclude = model_step + 2 > limits.max_steps
         || reached(counters.model_calls + 1, limits.max_model_calls)
         || reached(counters.tool_calls, limits.max_tool_calls);
     Instruction::CallLlm { conclude }
@@ -155,6 +160,7 @@ mod tests {
             model: "scripted:demo".into(),
             tools: vec![
                 ToolSpec {
+                    calls: Default::default(),
                     name: "done".into(),
                     description: String::new(),
                     parameters: serde_json::json!({"type": "object"}),
@@ -164,6 +170,7 @@ mod tests {
                     delegation: Default::default(),
                 },
                 ToolSpec {
+                    calls: Default::default(),
                     name: "guarded".into(),
                     description: String::new(),
                     parameters: serde_json::json!({"type": "object"}),
@@ -361,7 +368,7 @@ mod tests {
     }
 
     #[test]
-    fn a_deadline_makes_the_next_call_conclude_and_a_long_prompt_is_compacted_once() {
+    fn past_the_deadline_nothing_new_starts_and_a_long_prompt_is_compacted_once() {
         let mut s = state(50);
         let mut config = s.config.as_ref().clone();
         config.limits.max_duration_ms = Some(500);
@@ -369,8 +376,30 @@ mod tests {
         s.config = std::sync::Arc::new(config);
         s.started_at = Some(1_000);
         let call = |conclude| Instruction::CallLlm { conclude };
+        let timed_out = Instruction::Finish(StopReason::TimedOut);
         assert_eq!(decide(&s, Phase::ToolsBatchResult, 1_499), call(false));
-        assert_eq!(decide(&s, Phase::ToolsBatchResult, 1_500), call(true));
+        let works = |p: &Phase| !matches!(p, Phase::Cancel | Phase::LlmResult);
+        for phase in Phase::ALL.into_iter().filter(works) {
+            assert_eq!(decide(&s, phase, 1_500), timed_out, "{phase:?}");
+        }
+        s.paused_ms = 100;
+        assert_eq!(
+            decide(&s, Phase::ToolsBatchResult, 1_599),
+            call(false),
+            "time spent paused moves the deadline"
+        );
+        assert_eq!(decide(&s, Phase::ToolsBatchResult, 1_600), timed_out);
+        s.paused_ms = 0;
+        s.checkpoint = None;
+        assert_eq!(
+            decide(&s, Phase::LlmResult, 1_500),
+            Instruction::Finish(StopReason::Completed),
+            "an answer that came in late still completes the run"
+        );
+        assert_eq!(
+            decide(&s, Phase::Cancel, 1_500),
+            Instruction::Finish(StopReason::Cancelled)
+        );
         s.counters.context_tokens = 98;
         assert_eq!(decide(&s, Phase::ToolsBatchResult, 0), call(false));
         s.counters.context_tokens = 99;

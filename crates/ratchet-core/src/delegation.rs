@@ -241,6 +241,7 @@ pub fn delegate_tool(agents: &[AgentProfile]) -> ToolSpec {
         .map(|a| format!("- {}: {}", a.id, a.description))
         .collect();
     ToolSpec {
+        calls: Default::default(),
         name: DELEGATE_TOOL.to_owned(),
         description: format!(
             "Hand tasks to other agents; they run concurrently. With mode \"foreground\" you wait for all of them and get one result per task, in order (its status and final answer, or why it failed). With mode \"background\" you get their run ids at once and go on; their results reach the conversation later, in a turn of their own (completion_policy \"all\": one report when every task has ended; \"each\": one per task). The agents:\n{}",
@@ -281,6 +282,7 @@ pub fn delegate_tool(agents: &[AgentProfile]) -> ToolSpec {
 /// The `agent_task` tool: a run looks after the runs below it in its tree.
 pub fn agent_task_tool() -> ToolSpec {
     ToolSpec {
+        calls: Default::default(),
         name: AGENT_TASK_TOOL.to_owned(),
         description: "Look after the runs you started (and theirs): `list` them, `get` one's status, `get_result` its final answer, or `cancel` it.".to_owned(),
         parameters: json!({
@@ -545,6 +547,7 @@ mod tests {
     #[test]
     fn a_child_is_offered_only_the_delegatable_tools_its_definition_lists() {
         let tool = |name: &str, delegation| ToolSpec {
+            calls: Default::default(),
             name: name.to_owned(),
             delegation,
             ..agent_task_tool()

@@ -13,6 +13,8 @@ pub enum EventKind {
     AssistantMessage,
     ToolCall,
     ToolResult,
+    /// An attempt of a call ended with nobody knowing whether it took effect.
+    ToolOutcomeUnknown,
     ModelError,
     ReconciliationRequired,
     ReconciliationDecided,
@@ -37,7 +39,7 @@ pub enum EventKind {
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 29] = [
+    pub const ALL: [EventKind; 30] = [
         EventKind::RunCreated,
         EventKind::RunStatus,
         EventKind::StepCommitted,
@@ -46,6 +48,7 @@ impl EventKind {
         EventKind::AssistantMessage,
         EventKind::ToolCall,
         EventKind::ToolResult,
+        EventKind::ToolOutcomeUnknown,
         EventKind::ModelError,
         EventKind::ReconciliationRequired,
         EventKind::ReconciliationDecided,
@@ -79,6 +82,7 @@ impl EventKind {
             EventKind::AssistantMessage => "assistant.message",
             EventKind::ToolCall => "tool.call",
             EventKind::ToolResult => "tool.result",
+            EventKind::ToolOutcomeUnknown => "tool.outcome_unknown",
             EventKind::ModelError => "model.error",
             EventKind::ReconciliationRequired => "reconciliation.required",
             EventKind::ReconciliationDecided => "reconciliation.decided",

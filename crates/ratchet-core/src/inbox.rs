@@ -360,6 +360,7 @@ pub fn admit_signal(
 pub fn emit_signal_tool(contract: &SignalContract) -> crate::ToolSpec {
     let severities: Vec<&str> = contract.severities.iter().map(|s| s.as_str()).collect();
     crate::ToolSpec {
+        calls: Default::default(),
         name: crate::delegation::EMIT_SIGNAL_TOOL.to_owned(),
         description: format!(
             "Tell the conversation that started you something it should know before you finish (progress, a problem, a finding). At most {} signals, {} ms apart, {} bytes each; a repeat of a recent one is dropped.",
@@ -605,6 +606,7 @@ mod tests {
     #[test]
     fn a_continuation_may_only_read_and_may_not_delegate() {
         let tool = |name: &str, delegation| crate::ToolSpec {
+            calls: Default::default(),
             name: name.to_owned(),
             delegation,
             ..crate::delegation::agent_task_tool()

@@ -9,6 +9,7 @@ pub mod approval;
 pub mod brain;
 pub mod completion;
 pub mod delegation;
+pub mod effect;
 pub mod event;
 pub mod id;
 pub mod inbox;
@@ -22,6 +23,7 @@ pub use approval::{ApprovalAnswer, ApprovalCall, ApprovalPolicy, CallDecision, V
 pub use brain::{Instruction, decide};
 pub use completion::{Blocker, CompletionCriteria, CompletionProgress};
 pub use delegation::{AgentProfile, AgentRef, DelegationConfig, Lineage, ToolDelegation};
+pub use effect::{AfterUnknown, CallLimits, after_unknown};
 pub use event::{EventDraft, EventKind};
 pub use id::{ApprovalId, IdError, MessageId, RunId, SessionId, WebhookId};
 pub use inbox::{CompletionPolicy, Delivery, InboxKind, InboxPolicy, InboxStatus};

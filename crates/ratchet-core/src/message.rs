@@ -47,6 +47,11 @@ pub struct ToolCall {
 pub struct ToolOutcome {
     pub content: String,
     pub is_error: bool,
+    /// Nobody knows whether the call took effect: it was cut off after it was sent (a
+    /// timeout, a lost connection, a cancel). The engine decides by the tool's replay policy
+    /// what happens next (`effect::after_unknown`); such an outcome is never a call's result.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unknown: bool,
 }
 
 impl ToolOutcome {
@@ -54,6 +59,7 @@ impl ToolOutcome {
         ToolOutcome {
             content: content.into(),
             is_error: false,
+            unknown: false,
         }
     }
 
@@ -61,6 +67,16 @@ impl ToolOutcome {
         ToolOutcome {
             content: content.into(),
             is_error: true,
+            unknown: false,
+        }
+    }
+
+    /// The call may or may not have taken effect; `reason` says why nobody knows.
+    pub fn unknown(reason: impl Into<String>) -> Self {
+        ToolOutcome {
+            content: reason.into(),
+            is_error: true,
+            unknown: true,
         }
     }
 }

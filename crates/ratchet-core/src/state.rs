@@ -47,6 +47,9 @@ pub struct ToolSpec {
     /// Whether child runs may be offered this tool.
     #[serde(default)]
     pub delegation: ToolDelegation,
+    /// How long one call may take, and how often a call with an unknown outcome is tried.
+    #[serde(default)]
+    pub calls: crate::CallLimits,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -343,6 +346,10 @@ pub struct AgentState {
         skip_serializing_if = "crate::CompletionProgress::is_untouched"
     )]
     pub completion: crate::CompletionProgress,
+    /// `never` calls cut off when the run ended (a deadline, a cancel): nobody knows whether
+    /// they took effect. A human may still record what happened (`step::reconcile`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub in_doubt: Vec<UnknownCall>,
     pub created_at: Millis,
     pub started_at: Option<Millis>,
     pub finished_at: Option<Millis>,
@@ -371,6 +378,15 @@ impl AgentState {
         }
     }
 
+    /// When the run's duration budget runs out: its start plus `max_duration_ms` plus the
+    /// time it spent paused (a client's time, not the run's). None without a budget or before
+    /// the run started.
+    pub fn deadline(&self) -> Option<Millis> {
+        let (duration, started) = self.limits().max_duration_ms.zip(self.started_at)?;
+        let allowed = duration.saturating_add(self.paused_ms);
+        Some(started.saturating_add(Millis::try_from(allowed).unwrap_or(Millis::MAX)))
+    }
+
     pub fn new(
         session_id: SessionId,
         run_id: RunId,
@@ -397,6 +413,7 @@ impl AgentState {
             pause: None,
             paused_ms: 0,
             completion: crate::CompletionProgress::default(),
+            in_doubt: Vec::new(),
             created_at: now,
             started_at: None,
             finished_at: None,

@@ -75,8 +75,11 @@ impl RunStatus {
                     | Failed
                     | Cancelled
             ),
-            WaitingHuman | Paused => matches!(to, Running | Cancelled),
-            WaitingChildren => matches!(to, Running | Cancelling | Cancelled),
+            // A waiting run past its deadline fails (`timed_out`); a paused one does not: time
+            // spent paused is not the run's.
+            WaitingHuman => matches!(to, Running | Failed | Cancelled),
+            Paused => matches!(to, Running | Cancelled),
+            WaitingChildren => matches!(to, Running | Cancelling | Failed | Cancelled),
             // A step in flight when the cancel arrived may still end the run on its own.
             Cancelling => matches!(to, Cancelling | Completed | Failed | Cancelled),
             Failed => matches!(to, Running),
@@ -130,6 +133,9 @@ pub enum StopReason {
     LlmError,
     /// The model kept trying to finish with a completion criterion unmet.
     CompletionBlocked,
+    /// The run's `max_duration_ms` passed: the step in flight was cut off, or the run was
+    /// waiting (for a human, for its children) when it passed.
+    TimedOut,
 }
 
 impl StopReason {
@@ -140,7 +146,8 @@ impl StopReason {
             StopReason::BudgetExhausted
             | StopReason::ParseFailures
             | StopReason::LlmError
-            | StopReason::CompletionBlocked => RunStatus::Failed,
+            | StopReason::CompletionBlocked
+            | StopReason::TimedOut => RunStatus::Failed,
         }
     }
 
@@ -152,6 +159,7 @@ impl StopReason {
             StopReason::ParseFailures => "parse_failures",
             StopReason::LlmError => "llm_error",
             StopReason::CompletionBlocked => "completion_blocked",
+            StopReason::TimedOut => "timed_out",
         }
     }
 }
@@ -171,8 +179,8 @@ mod tests {
     const EXPECTED: &str = "\
 queued           .X......X
 running          .XXXXXXXX
-waiting_human    .X......X
-waiting_children .X...X..X
+waiting_human    .X.....XX
+waiting_children .X...X.XX
 paused           .X......X
 cancelling       .....XXXX
 completed        .........
@@ -222,6 +230,7 @@ cancelled        .........
             StopReason::ParseFailures,
             StopReason::LlmError,
             StopReason::CompletionBlocked,
+            StopReason::TimedOut,
         ] {
             let status = reason.terminal_status();
             assert!(status.is_terminal());

@@ -494,6 +494,9 @@ pub fn reconcile(
         status: state.status,
         expected: "reconciliation".to_owned(),
     };
+    if state.status.is_terminal() && !state.in_doubt.is_empty() {
+        return record_in_doubt(state, call_id, answer, result);
+    }
     if state.status != RunStatus::WaitingHuman {
         return Err(not_waiting());
     }
@@ -543,6 +546,57 @@ pub fn reconcile(
     }
     let job = back_to_running(state, Phase::HumanDecided, &mut events);
     Ok((events, Some(job)))
+}
+
+/// Records what a human says happened to a call left in doubt when its run ended. The run
+/// stays ended: the answer is the record of the effect, and nothing runs again.
+fn record_in_doubt(
+    state: &mut AgentState,
+    call_id: &str,
+    answer: Reconciliation,
+    result: Option<String>,
+) -> Result<(Vec<EventDraft>, Option<StepJob>), DecisionError> {
+    let Some(position) = state.in_doubt.iter().position(|c| c.call_id == call_id) else {
+        let awaiting = (state.in_doubt.iter())
+            .map(|c| c.call_id.as_str())
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(DecisionError::NotAwaited {
+            call_id: call_id.to_owned(),
+            awaiting,
+        });
+    };
+    if answer == Reconciliation::Retry {
+        return Err(DecisionError::Invalid(format!(
+            "run {} has ended ({}); a call it left in doubt can be recorded as succeeded, \
+             failed or skipped, not run again",
+            state.run_id, state.status
+        )));
+    }
+    let call = state.in_doubt.remove(position);
+    let event = EventDraft::new(
+        EventKind::ReconciliationDecided,
+        json!({
+            "run_id": state.run_id,
+            "call_id": call.call_id,
+            "tool": call.tool,
+            "answer": answer,
+            "result": result,
+            "run_ended": true,
+        }),
+    );
+    Ok((vec![event], None))
+}
+
+/// Ends a waiting run whose deadline has passed, as `timed_out`. `never` calls it was waiting
+/// on a human to reconcile stay in doubt on the ended run.
+pub fn time_out_idle(state: &mut AgentState, now: Millis) -> Vec<EventDraft> {
+    let mut events = Vec::new();
+    if let Some(HumanRequest::Reconciliation { calls }) = state.pending_human.take() {
+        state.in_doubt.extend(calls);
+    }
+    finish_in_place(state, StopReason::TimedOut, now, &mut events);
+    events
 }
 
 /// A human's answer lets a waiting (or failed) run go on: it is `running` again and the
@@ -827,17 +881,18 @@ pub(crate) fn finish_in_place(
     state.stop_reason = Some(reason);
     state.finished_at = Some(now);
     events.push(status_event(state));
-    events.push(EventDraft::new(
-        EventKind::RunFinished,
-        json!({
-            "run_id": state.run_id,
-            "status": state.status,
-            "stop_reason": reason,
-            "steps": state.step_index,
-            "final_answer": state.final_answer,
-            "counters": state.counters,
-        }),
-    ));
+    let mut finished = json!({
+        "run_id": state.run_id,
+        "status": state.status,
+        "stop_reason": reason,
+        "steps": state.step_index,
+        "final_answer": state.final_answer,
+        "counters": state.counters,
+    });
+    if !state.in_doubt.is_empty() {
+        finished["in_doubt"] = json!(state.in_doubt);
+    }
+    events.push(EventDraft::new(EventKind::RunFinished, finished));
 }
 
 pub(crate) fn status_event(state: &AgentState) -> EventDraft {

@@ -42,6 +42,7 @@ fn reply_strategy() -> impl Strategy<Value = Reply> {
 
 fn fresh(max_steps: u64) -> AgentState {
     let tool = |name: &str, completes_run, approval| ToolSpec {
+        calls: Default::default(),
         name: name.into(),
         description: String::new(),
         parameters: serde_json::json!({"type": "object"}),
@@ -704,7 +705,7 @@ fn an_idle_pause_takes_only_a_running_run_and_paused_time_is_not_spent() {
     );
     assert_eq!(
         decide(&state, resumed.phase, 60_600),
-        Instruction::CallLlm { conclude: true }
+        Instruction::Finish(ratchet_core::StopReason::TimedOut)
     );
 }
 

@@ -420,6 +420,18 @@ impl Coordinator {
         Ok(served.started.len())
     }
 
+    /// Ends the runs that wait past their deadline (`timed_out`), cancelling their children
+    /// (in this process too). Returns how many ended.
+    pub async fn time_out_overdue(&self) -> Result<usize> {
+        let timed_out = self.store.time_out_overdue(now_ms()).await?;
+        self.cancel_descendants(&timed_out.events);
+        self.publish(timed_out.events);
+        if timed_out.enqueued {
+            self.wake.notify_one();
+        }
+        Ok(timed_out.ended.len())
+    }
+
     /// Archives or deletes a root session: its runs are cancelled (their steps in this
     /// process too) and its inbox emptied into the dead letter.
     pub async fn close_session(

@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::FutureExt;
 use futures::stream::{self, StreamExt};
 use ratchet_core::delegation::{
     AGENT_TASK_TOOL, ChildRun, DELEGATE_TOOL, DelegationMode, EMIT_SIGNAL_TOOL, await_children,
@@ -19,9 +18,9 @@ use ratchet_core::step::{
     await_reconciliation, finish_step,
 };
 use ratchet_core::{
-    AgentState, EventDraft, EventKind, HumanRequest, Instruction, Message, ReplayPolicy,
-    RunConfigSnapshot, SessionId, StepJob, StepResult, ToolCall, ToolDelegation, ToolOutcome,
-    UnknownCall, decide,
+    AfterUnknown, AgentState, CallLimits, EventDraft, EventKind, HumanRequest, Instruction,
+    Message, ReplayPolicy, RunConfigSnapshot, SessionId, StepJob, StepResult, ToolCall,
+    ToolDelegation, ToolOutcome, UnknownCall, after_unknown, decide,
 };
 use ratchet_llm::ModelRequest;
 use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, IntentRecord, StoredMessage};
@@ -94,7 +93,11 @@ pub struct Engine {
     models: Arc<Models>,
     tools: Arc<Registry>,
     permits: StepPermits,
+    cancel_grace: Duration,
 }
+
+/// How long a cancelled call may take to stop on its own before its task is aborted.
+pub const DEFAULT_CANCEL_GRACE: Duration = Duration::from_secs(5);
 
 impl Engine {
     pub fn new(coordinator: Arc<Coordinator>, models: Arc<Models>, tools: Arc<Registry>) -> Engine {
@@ -103,7 +106,15 @@ impl Engine {
             models,
             tools,
             permits: StepPermits::default(),
+            cancel_grace: DEFAULT_CANCEL_GRACE,
         }
+    }
+
+    /// How long a call may go on after its step was cancelled (a cancel, a deadline, a
+    /// shutdown) before its task is aborted and its outcome is unknown.
+    pub fn with_cancel_grace(mut self, grace: Duration) -> Engine {
+        self.cancel_grace = grace;
+        self
     }
 
     /// Limits the model calls and tool calls this engine makes at once.
@@ -374,13 +385,7 @@ impl Engine {
             }
             let replay = state.config.tool(&call.name).map(|spec| spec.replay);
             if started_before.is_some() && replay == Some(ReplayPolicy::Never) {
-                unknown.push(UnknownCall {
-                    call_index: slot as usize,
-                    call_id: call.id.clone(),
-                    tool: call.name.clone(),
-                    arguments: call.arguments.clone(),
-                    idempotency_key: idempotency_key(job, slot),
-                });
+                unknown.push(unknown_call(job, slot, call));
                 outcomes.push(None);
                 continue;
             }
@@ -449,6 +454,11 @@ impl Engine {
         let runs = to_run
             .into_iter()
             .map(|(slot, tool, call)| {
+                let spec = state.config.tool(&call.name);
+                // A runtime-injected tool is not in the registry's specs; it never leaves
+                // an effect outside the store, so it replays safely.
+                let replay = spec.map_or(ReplayPolicy::Safe, |s| s.replay);
+                let limits = spec.map_or_else(CallLimits::default, |s| s.calls);
                 let context = ToolContext {
                     workspace: workspace.clone(),
                     idempotency_key: idempotency_key(job, slot),
@@ -462,25 +472,50 @@ impl Engine {
                         )) as Arc<dyn InputWatch>
                     }),
                 };
+                let planned = PlannedCall {
+                    slot,
+                    tool,
+                    call,
+                    replay,
+                    limits,
+                    context,
+                };
                 run_call(
                     Arc::clone(&self.coordinator),
                     &self.permits,
                     root_session(&state),
                     claimed.claim.clone(),
-                    slot,
-                    tool,
-                    call,
-                    context,
+                    planned,
+                    self.cancel_grace,
                 )
             })
             .collect::<Vec<_>>();
-        let finished: Vec<Result<(u32, ToolOutcome), StepFailure>> = stream::iter(runs)
+        let finished: Vec<Result<(u32, CallEnd), StepFailure>> = stream::iter(runs)
             .buffer_unordered(parallel)
             .collect()
             .await;
         for done in finished {
-            let (slot, outcome) = done?;
-            outcomes[slot as usize] = Some(outcome);
+            match done? {
+                (slot, CallEnd::Known(outcome)) => outcomes[slot as usize] = Some(outcome),
+                (slot, CallEnd::InDoubt) => {
+                    let call = &calls[slot as usize].0;
+                    unknown.push(unknown_call(job, slot, call));
+                }
+            }
+        }
+        // A call in doubt stops the batch where a crash would have: the human answers first,
+        // and nothing else of the batch (no child run) starts.
+        if !unknown.is_empty() {
+            unknown.sort_by_key(|c| c.call_index);
+            let request = HumanRequest::Reconciliation { calls: unknown };
+            return Ok(await_reconciliation(
+                state,
+                job,
+                outcomes,
+                request,
+                started,
+                now_ms(),
+            ));
         }
         let children = crate::delegation::children(&state, job, &delegations)
             .map_err(|e| StepFailure::Fatal(e.to_string()))?;
@@ -534,39 +569,46 @@ impl Engine {
     }
 }
 
+/// How a call of a batch ended.
+enum CallEnd {
+    /// Its outcome, recorded: the model will read it.
+    Known(ToolOutcome),
+    /// Nobody knows whether it took effect, and its replay policy forbids trying again: a
+    /// human must say what happened before the batch goes on.
+    InDoubt,
+}
+
+/// One call of a batch with what it needs to run.
+struct PlannedCall {
+    slot: u32,
+    tool: Arc<dyn Tool>,
+    call: ToolCall,
+    replay: ReplayPolicy,
+    limits: CallLimits,
+    context: ToolContext,
+}
+
 /// Records the intent, runs the call, records its outcome. A panicking tool is an error
 /// outcome, never a crashed worker. A call that ran has its outcome recorded even when the
-/// step was cancelled meanwhile: the effect happened.
-#[expect(
-    clippy::too_many_arguments,
-    reason = "one call site; each argument is a different part of the call's surroundings"
-)]
+/// step was cancelled meanwhile: the effect happened. An attempt whose outcome is unknown (it
+/// timed out, lost its connection, or ignored a cancel past the grace period) is tried again
+/// or not as `effect::after_unknown` says; an unknown outcome is never recorded as the call's.
 async fn run_call(
     coordinator: Arc<Coordinator>,
     permits: &StepPermits,
     session: &SessionId,
     claim: Claim,
-    slot: u32,
-    tool: Arc<dyn Tool>,
-    call: ToolCall,
-    context: ToolContext,
-) -> Result<(u32, ToolOutcome), StepFailure> {
-    let intent = Intent {
+    planned: PlannedCall,
+    grace: Duration,
+) -> Result<(u32, CallEnd), StepFailure> {
+    let PlannedCall {
         slot,
-        kind: IntentKind::Tool,
-        name: call.name.clone(),
-        idempotency_key: context.idempotency_key.clone(),
-    };
-    let announce = EventDraft::new(
-        EventKind::ToolCall,
-        json!({
-            "run_id": claim.run_id,
-            "step_index": claim.step_index,
-            "call_id": call.id,
-            "tool": call.name,
-            "arguments": call.arguments,
-        }),
-    );
+        tool,
+        call,
+        replay,
+        limits,
+        context,
+    } = planned;
     if context.cancel.is_cancelled() {
         return Err(StepFailure::Cancelled);
     }
@@ -574,23 +616,128 @@ async fn run_call(
         permit = permits.tool_call(session) => permit,
         () = context.cancel.cancelled() => return Err(StepFailure::Cancelled),
     };
-    coordinator
-        .record_intents(&claim, vec![intent], vec![announce])
-        .await?;
-    let outcome = std::panic::AssertUnwindSafe(tool.call(call.arguments, &context))
-        .catch_unwind()
-        .await
-        .unwrap_or_else(|_| ToolOutcome::error(format!("tool {} panicked", call.name)));
+    let mut attempt = 0;
+    let end = loop {
+        attempt += 1;
+        let intent = Intent {
+            slot,
+            kind: IntentKind::Tool,
+            name: call.name.clone(),
+            idempotency_key: context.idempotency_key.clone(),
+        };
+        let announce = EventDraft::new(
+            EventKind::ToolCall,
+            json!({
+                "run_id": claim.run_id,
+                "step_index": claim.step_index,
+                "call_id": call.id,
+                "tool": call.name,
+                "arguments": call.arguments,
+                "attempt": attempt,
+            }),
+        );
+        coordinator
+            .record_intents(&claim, vec![intent], vec![announce])
+            .await?;
+        let outcome = attempt_call(&tool, &call, &context, limits, grace).await;
+        if !outcome.unknown {
+            break CallEnd::Known(outcome);
+        }
+        coordinator
+            .append_events(
+                &context.session_id,
+                &claim.run_id,
+                vec![unknown_event(&claim, &call, attempt, &outcome.content)],
+            )
+            .await?;
+        match after_unknown(replay, attempt, limits) {
+            AfterUnknown::Retry if !context.cancel.is_cancelled() => {}
+            AfterUnknown::Retry | AfterUnknown::Reconcile => break CallEnd::InDoubt,
+            AfterUnknown::Fail => {
+                break CallEnd::Known(ToolOutcome::error(format!(
+                    "the outcome stayed unknown after {attempt} attempt(s): {}",
+                    outcome.content
+                )));
+            }
+        }
+    };
     drop(permit);
-    coordinator
-        .record_outcome(&claim, slot, outcome.clone())
-        .await?;
+    if let CallEnd::Known(outcome) = &end {
+        coordinator
+            .record_outcome(&claim, slot, outcome.clone())
+            .await?;
+    }
     #[cfg(feature = "failpoints")]
     fail::fail_point!("tools.between_calls", |_| std::process::abort());
     if context.cancel.is_cancelled() {
         return Err(StepFailure::Cancelled);
     }
-    Ok((slot, outcome))
+    Ok((slot, end))
+}
+
+/// One attempt of a call, in a task of its own so that a tool that never yields or never
+/// looks at its token cannot hold the step: past its `timeout_ms`, or `grace` after a cancel,
+/// the task is aborted and the outcome is unknown.
+async fn attempt_call(
+    tool: &Arc<dyn Tool>,
+    call: &ToolCall,
+    context: &ToolContext,
+    limits: CallLimits,
+    grace: Duration,
+) -> ToolOutcome {
+    let task = {
+        let (tool, arguments, context) = (Arc::clone(tool), call.arguments.clone(), context.clone());
+        tokio::spawn(async move { tool.call(arguments, &context).await })
+    };
+    let aborter = task.abort_handle();
+    let joined = |joined: Result<ToolOutcome, tokio::task::JoinError>| {
+        joined.unwrap_or_else(|_| ToolOutcome::error(format!("tool {} panicked", call.name)))
+    };
+    let timeout = Duration::from_millis(limits.timeout_ms);
+    tokio::pin!(task);
+    let outcome = tokio::select! {
+        done = &mut task => return joined(done),
+        () = tokio::time::sleep(timeout) => ToolOutcome::unknown(format!(
+            "no answer within its timeout of {} ms",
+            limits.timeout_ms
+        )),
+        () = context.cancel.cancelled() => {
+            match tokio::time::timeout(grace, &mut task).await {
+                Ok(done) => return joined(done),
+                Err(_) => ToolOutcome::unknown(format!(
+                    "cut off {} ms after the step was cancelled",
+                    grace.as_millis()
+                )),
+            }
+        }
+    };
+    aborter.abort();
+    outcome
+}
+
+fn unknown_event(claim: &Claim, call: &ToolCall, attempt: u32, reason: &str) -> EventDraft {
+    EventDraft::new(
+        EventKind::ToolOutcomeUnknown,
+        json!({
+            "run_id": claim.run_id,
+            "step_index": claim.step_index,
+            "call_id": call.id,
+            "tool": call.name,
+            "attempt": attempt,
+            "reason": reason,
+        }),
+    )
+}
+
+/// A started call whose outcome is unknown, as a human is asked about it.
+fn unknown_call(job: &StepJob, slot: u32, call: &ToolCall) -> UnknownCall {
+    UnknownCall {
+        call_index: slot as usize,
+        call_id: call.id.clone(),
+        tool: call.name.clone(),
+        arguments: call.arguments.clone(),
+        idempotency_key: idempotency_key(job, slot),
+    }
 }
 
 /// The session a run's permits are counted against: its tree's root session.
@@ -602,7 +749,7 @@ fn root_session(state: &AgentState) -> &SessionId {
 }
 
 /// Deterministic per call, so a tool sees the same key after a crash: `{run}#{step}#{slot}`.
-fn idempotency_key(job: &StepJob, slot: u32) -> String {
+pub(crate) fn idempotency_key(job: &StepJob, slot: u32) -> String {
     format!("{}#{}#{}", job.run_id, job.step_index, slot)
 }
 

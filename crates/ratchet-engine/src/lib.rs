@@ -16,7 +16,7 @@ mod worker;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use coordinator::{Coordinator, Multitask, StartedRun};
-pub use engine::{Engine, StepFailure};
+pub use engine::{DEFAULT_CANCEL_GRACE, Engine, StepFailure};
 pub use gates::{PermitLimits, StepPermits};
 pub use models::Models;
 pub use worker::{WorkerPool, owner_is_dead_local_process, process_owner};
@@ -54,6 +54,9 @@ pub struct PoolConfig {
     /// Claim only this run's jobs: a driver for one run (`ratchet run`) leaves every other
     /// run in the database alone.
     pub only_run: Option<ratchet_core::RunId>,
+    /// How long a shutdown lets a step in flight finish before cutting it off (its calls then
+    /// get the engine's own grace period before they are aborted).
+    pub cancel_grace: Duration,
 }
 
 impl Default for PoolConfig {
@@ -66,6 +69,7 @@ impl Default for PoolConfig {
             max_streak: 64,
             retry_backoff: Duration::from_millis(200),
             only_run: None,
+            cancel_grace: engine::DEFAULT_CANCEL_GRACE,
         }
     }
 }

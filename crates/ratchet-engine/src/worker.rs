@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ratchet_core::step::finish_step;
-use ratchet_core::{EventDraft, EventKind, StopReason};
-use ratchet_store::{ClaimedStep, Commit, Lease};
+use ratchet_core::{EventDraft, EventKind, ReplayPolicy, StopReason, UnknownCall};
+use ratchet_store::{ClaimedStep, Commit, IntentKind, Lease};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -49,6 +49,15 @@ pub fn owner_is_dead_local_process(owner: &str) -> bool {
     this_host.is_ok_and(|h| h == host) && pid != std::process::id() && gone()
 }
 
+/// Why a worker cut its own step off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CutOff {
+    /// The run's `max_duration_ms` passed: the run ends `timed_out`.
+    Deadline,
+    /// The process is shutting down: the step is given back.
+    Shutdown,
+}
+
 pub struct WorkerPool {
     shutdown: CancellationToken,
     tracker: TaskTracker,
@@ -66,8 +75,8 @@ impl WorkerPool {
         let owner = process_owner();
         for index in 0..config.workers.max(1) {
             let worker = Worker {
-                // One worker of the pool looks for due continuations: the others would only
-                // repeat its query.
+                // One worker of the pool looks for due continuations and runs past their
+                // deadline: the others would only repeat its queries.
                 serves_inboxes: index == 0 && config.only_run.is_none(),
                 coordinator: Arc::clone(&coordinator),
                 engine: Arc::clone(&engine),
@@ -125,6 +134,13 @@ impl Worker {
                 }
                 Ok(None) => {
                     if self.serves_inboxes {
+                        match self.coordinator.time_out_overdue().await {
+                            Ok(0) => {}
+                            Ok(_) => continue,
+                            Err(error) => {
+                                tracing::warn!(%error, "ending runs past their deadline failed");
+                            }
+                        }
                         match self.coordinator.serve_inboxes().await {
                             Ok(0) => {}
                             Ok(_) => continue,
@@ -170,7 +186,7 @@ impl Worker {
         cancel: &CancellationToken,
         may_continue: bool,
     ) -> Option<ClaimedStep> {
-        let outcome = self.execute_with_heartbeat(&claimed, cancel).await;
+        let (outcome, cut_off) = self.execute_with_heartbeat(&claimed, cancel).await;
         let finish = |reason| {
             finish_step(
                 claimed.state.clone(),
@@ -179,6 +195,19 @@ impl Worker {
                 now_ms(),
                 now_ms(),
             )
+        };
+        let outcome = match (outcome, cut_off) {
+            (Err(StepFailure::Cancelled), Some(CutOff::Deadline)) => {
+                return self.end_cut_off(&claimed, StopReason::TimedOut).await;
+            }
+            // Shutting down: the step is given back, as a crash would leave it, and another
+            // worker (here after a restart, or another process) takes it over.
+            (Err(StepFailure::Cancelled), Some(CutOff::Shutdown)) => {
+                self.back_off(&claimed, "the process shut down during the step")
+                    .await;
+                return None;
+            }
+            (outcome, _) => outcome,
         };
         let result = match outcome {
             Ok(result) => result,
@@ -201,7 +230,9 @@ impl Worker {
             }
             // Only a cancel request cancels a run's token or refuses its intents; the store
             // already marked the run `cancelling`, so this step ends it.
-            Err(StepFailure::Cancelled) => finish(StopReason::Cancelled),
+            Err(StepFailure::Cancelled) => {
+                return self.end_cut_off(&claimed, StopReason::Cancelled).await;
+            }
             Err(StepFailure::LeaseLost) => {
                 tracing::info!(run = %claimed.job.run_id, step = claimed.job.step_index, "lease lost; another worker has the step");
                 return None;
@@ -273,22 +304,92 @@ impl Worker {
         }
     }
 
+    /// Ends a run whose step was cut off (by a cancel or its deadline). The calls of the step
+    /// that were started and have no outcome are not known to have happened or not: the
+    /// `never` ones stay listed in doubt on the ended run, for a human to record.
+    async fn end_cut_off(&self, claimed: &ClaimedStep, reason: StopReason) -> Option<ClaimedStep> {
+        let state = &claimed.state;
+        let started = match self
+            .coordinator
+            .store()
+            .intents(&state.run_id, claimed.job.step_index)
+            .await
+        {
+            Ok(intents) => intents,
+            Err(error) => {
+                self.back_off(claimed, &error.to_string()).await;
+                return None;
+            }
+        };
+        let calls = state.checkpoint.as_ref().map(|c| c.calls.as_slice());
+        let mut in_doubt_state = state.clone();
+        for intent in started.iter().filter(|i| i.outcome.is_none()) {
+            let Some(progress) = calls.and_then(|c| c.get(intent.slot as usize)) else {
+                continue;
+            };
+            let never = (state.config.tool(&progress.call.name))
+                .is_some_and(|spec| spec.replay == ReplayPolicy::Never);
+            if intent.kind == IntentKind::Tool && never && progress.outcome.is_none() {
+                in_doubt_state.in_doubt.push(UnknownCall {
+                    call_index: intent.slot as usize,
+                    call_id: progress.call.id.clone(),
+                    tool: progress.call.name.clone(),
+                    arguments: progress.call.arguments.clone(),
+                    idempotency_key: crate::engine::idempotency_key(&claimed.job, intent.slot),
+                });
+            }
+        }
+        let result = finish_step(in_doubt_state, &claimed.job, reason, now_ms(), now_ms());
+        self.commit(claimed, result, None).await
+    }
+
+    /// Runs the step, renewing its lease, and cuts it off (cancelling its token: calls get
+    /// their grace period, then are aborted) when the run's deadline passes or, after a grace
+    /// period of its own, when the process shuts down.
     async fn execute_with_heartbeat(
         &self,
         claimed: &ClaimedStep,
         cancel: &CancellationToken,
-    ) -> Result<ratchet_core::StepResult, StepFailure> {
-        let step = self.engine.execute(claimed, cancel);
+    ) -> (
+        Result<ratchet_core::StepResult, StepFailure>,
+        Option<CutOff>,
+    ) {
+        let step_cancel = cancel.child_token();
+        let step = self.engine.execute(claimed, &step_cancel);
         tokio::pin!(step);
         let mut beat = tokio::time::interval(self.config.heartbeat);
         beat.tick().await;
+        let until_deadline = claimed.state.deadline().map(|deadline| {
+            Duration::from_millis(u64::try_from(deadline - now_ms()).unwrap_or(0))
+        });
+        let deadline = tokio::time::sleep(until_deadline.unwrap_or(Duration::MAX));
+        tokio::pin!(deadline);
+        let shutdown_grace = tokio::time::sleep(Duration::MAX);
+        tokio::pin!(shutdown_grace);
+        let mut draining = false;
+        let mut cut_off = None;
         loop {
             tokio::select! {
-                outcome = &mut step => return outcome,
+                outcome = &mut step => return (outcome, cut_off),
+                () = &mut deadline, if until_deadline.is_some() && cut_off.is_none() => {
+                    tracing::info!(run = %claimed.job.run_id, step = claimed.job.step_index, "the run's deadline passed; cutting its step off");
+                    cut_off = Some(CutOff::Deadline);
+                    step_cancel.cancel();
+                }
+                () = self.shutdown.cancelled(), if !draining => {
+                    draining = true;
+                    let at = tokio::time::Instant::now() + self.config.cancel_grace;
+                    shutdown_grace.as_mut().reset(at);
+                }
+                () = &mut shutdown_grace, if draining && cut_off.is_none() => {
+                    tracing::info!(run = %claimed.job.run_id, step = claimed.job.step_index, "shutting down; cutting off a step that outlived the grace period");
+                    cut_off = Some(CutOff::Shutdown);
+                    step_cancel.cancel();
+                }
                 _ = beat.tick() => {
                     match self.coordinator.heartbeat(&claimed.claim, &self.lease()).await {
                         Ok(true) => {}
-                        Ok(false) => return Err(StepFailure::LeaseLost),
+                        Ok(false) => return (Err(StepFailure::LeaseLost), cut_off),
                         Err(error) => tracing::warn!(%error, "heartbeat failed"),
                     }
                 }

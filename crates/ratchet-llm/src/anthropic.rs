@@ -624,6 +624,7 @@ mod tests {
 
         // With tools given, they are sent and no choice is imposed.
         request.tools = vec![ToolSpec {
+            calls: Default::default(),
             name: "fs.read".into(),
             description: "Reads".into(),
             parameters: json!({"type": "object"}),

@@ -3,7 +3,9 @@
 //! it broke — never in a tight loop: a connection that keeps failing waits longer each time.
 //!
 //! Whatever a server does (exit mid-call, never answer, answer garbage), a call ends with an
-//! outcome for the model, within its timeout or as soon as it is cancelled. Nothing here
+//! outcome within its timeout or as soon as it is cancelled: an error when the server never
+//! had the request, *unknown* when it may have (a timeout, a connection lost after sending),
+//! for the engine to settle by the tool's replay policy. Nothing here
 //! panics on a server's behalf or returns an error that would fail a step.
 
 use std::collections::VecDeque;
@@ -133,7 +135,7 @@ impl Server {
     ) -> ToolOutcome {
         tokio::select! {
             biased;
-            () = cancel.cancelled() => ToolOutcome::error("cancelled"),
+            () = cancel.cancelled() => ToolOutcome::unknown("cancelled while the server had the call"),
             outcome = self.call_until_done(tool, arguments, idempotency_key) => outcome,
         }
     }
@@ -160,8 +162,14 @@ impl Server {
         // `notifications/cancelled` for it.
         let timeout = self.config.call_timeout;
         let answer = tokio::time::timeout(timeout, connection.service.peer().call_tool(params));
+        // From here on the request may have reached the server: a timeout or a lost
+        // connection leaves its effect unknown, never a plain error.
         match answer.await {
-            Err(_) => ToolOutcome::error(format!("timed out after {}", show(timeout))),
+            Err(_) => ToolOutcome::unknown(format!(
+                "server {:?} sent no answer within {}",
+                self.config.name,
+                show(timeout)
+            )),
             Ok(Ok(result)) => {
                 self.answered();
                 content::outcome(&result)
@@ -173,15 +181,23 @@ impl Server {
                     self.config.name, error.message, error.code.0
                 ))
             }
+            // The request could not be written: the server never had it.
+            Ok(Err(ServiceError::TransportSend(error))) => {
+                let reason = with_causes(error.error.as_ref());
+                self.broke(&connection, reason.clone());
+                self.unavailable(&reason)
+            }
             Ok(Err(error)) => {
                 let (reason, broken) = match &error {
                     ServiceError::TransportClosed => ("the connection closed".to_owned(), true),
-                    ServiceError::TransportSend(error) => (with_causes(error.error.as_ref()), true),
                     other => (other.to_string(), connection.is_closed()),
                 };
                 if broken {
                     self.broke(&connection, reason.clone());
-                    self.unavailable(&reason)
+                    ToolOutcome::unknown(format!(
+                        "server {:?}: {reason} after the call was sent",
+                        self.config.name
+                    ))
                 } else {
                     ToolOutcome::error(format!("server {:?}: {reason}", self.config.name))
                 }

@@ -234,7 +234,7 @@ async fn calls_become_outcomes_with_the_idempotency_key_in_meta() {
 }
 
 #[tokio::test]
-async fn a_call_over_its_timeout_is_an_error_and_the_server_is_told_to_stop() {
+async fn a_call_over_its_timeout_has_an_unknown_outcome_and_the_server_is_told_to_stop() {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("log");
     let mut server = stdio(&log);
@@ -242,7 +242,10 @@ async fn a_call_over_its_timeout_is_an_error_and_the_server_is_told_to_stop() {
     let tools = connect_all(&config([("local", server)])).await.unwrap();
     let started = Instant::now();
     let outcome = call(&tools, "local.slow", json!({"ms": 10_000})).await;
-    assert_eq!(outcome, ToolOutcome::error("timed out after 300 ms"));
+    assert_eq!(
+        outcome,
+        ToolOutcome::unknown("server \"local\" sent no answer within 300 ms")
+    );
     assert!(
         started.elapsed() < Duration::from_secs(3),
         "{:?}",
@@ -281,7 +284,10 @@ async fn cancelling_a_call_returns_at_once_and_cancels_it_on_the_server() {
     cancel.cancel();
     let outcome = call.await.unwrap();
     let took = cancelled_at.elapsed();
-    assert_eq!(outcome, ToolOutcome::error("cancelled"));
+    assert_eq!(
+        outcome,
+        ToolOutcome::unknown("cancelled while the server had the call")
+    );
     assert!(took < Duration::from_millis(200), "took {took:?}");
     // The request id the server was told to cancel is the one it started.
     let lines = log_lines(&log);
@@ -297,19 +303,17 @@ async fn cancelling_a_call_returns_at_once_and_cancels_it_on_the_server() {
 }
 
 #[tokio::test]
-async fn a_crash_mid_call_is_an_error_outcome_and_the_next_call_restarts_the_server() {
+async fn a_crash_mid_call_has_an_unknown_outcome_and_the_next_call_restarts_the_server() {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("log");
     let tools = connect_all(&config([("local", stdio(&log))]))
         .await
         .unwrap();
     let outcome = call(&tools, "local.crash", json!({})).await;
-    assert!(outcome.is_error);
-    assert!(
-        outcome
-            .content
-            .starts_with("server \"local\" is unavailable: "),
-        "{outcome:?}"
+    assert!(outcome.unknown, "the server had the call when it died: {outcome:?}");
+    assert_eq!(
+        outcome.content,
+        "server \"local\": the connection closed after the call was sent"
     );
     assert_eq!(starts(&log), 1);
     assert_eq!(
@@ -318,7 +322,7 @@ async fn a_crash_mid_call_is_an_error_outcome_and_the_next_call_restarts_the_ser
     );
     assert_eq!(starts(&log), 2, "restarted once");
     // And again: a server that works between crashes is restarted each time without waiting.
-    assert!(call(&tools, "local.crash", json!({})).await.is_error);
+    assert!(call(&tools, "local.crash", json!({})).await.unknown);
     assert_eq!(
         call(&tools, "local.add", json!({"a": 1, "b": 1})).await,
         ok("2")
@@ -505,7 +509,10 @@ async fn http_tools_are_called_over_streamable_http_with_the_configured_headers(
     .await;
     let cancelled_at = Instant::now();
     cancel.cancel();
-    assert_eq!(call.await.unwrap(), ToolOutcome::error("cancelled"));
+    assert_eq!(
+        call.await.unwrap(),
+        ToolOutcome::unknown("cancelled while the server had the call")
+    );
     assert!(cancelled_at.elapsed() < Duration::from_millis(200));
     eventually("the server saw the cancellation", || {
         !server.seen.lock().unwrap().cancelled.is_empty()

@@ -262,6 +262,12 @@ CREATE INDEX webhook_deliveries_log ON webhook_deliveries (webhook_id, id);
 -- starts (`seal_webhook_secrets`).
 UPDATE webhooks SET secret = 'clear:' || secret;
 "#,
+    r#"
+-- When a waiting run (for a human, for its children) passes its duration budget; NULL for a
+-- run that is not waiting or has no budget. Idle workers end such runs `timed_out`.
+ALTER TABLE runs ADD COLUMN deadline_at BIGINT;
+CREATE INDEX runs_by_deadline ON runs (deadline_at) WHERE deadline_at IS NOT NULL;
+"#,
 ];
 
 /// The advisory lock that makes processes opening one database at once migrate it one

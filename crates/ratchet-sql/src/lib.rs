@@ -25,7 +25,7 @@ use ratchet_store::{
     Error, InboxEvent, Intent, IntentRecord, Keyring, Lease, ListOrder, MessageHit, NewRun,
     NewSignal, NewWebhook, Observation, PauseOutcome, PendingInput, Reconciled, RecordedIntents,
     ResumeOutcome, RunSummary, SearchScope, Served, Session, SessionSpec, Store, StoreStats,
-    StoredEvent, StoredMessage, Submitted, TreeNode, Webhook, WebhookDelivery,
+    StoredEvent, StoredMessage, Submitted, TimedOut, TreeNode, Webhook, WebhookDelivery,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -418,6 +418,24 @@ impl<B: Backend> Store for SqlStore<B> {
             served.started.extend(started);
         }
         Ok(served)
+    }
+
+    async fn time_out_overdue(&self, now: Millis) -> Result<TimedOut> {
+        let overdue = self
+            .backend
+            .read(move |c| ops::overdue_runs(c, now))
+            .await?;
+        let mut timed_out = TimedOut::default();
+        for run in overdue {
+            let ended = self
+                .backend
+                .write(move |c| ops::time_out_run(c, &run, now))
+                .await?;
+            timed_out.events.extend(ended.events);
+            timed_out.ended.extend(ended.ended);
+            timed_out.enqueued |= ended.enqueued;
+        }
+        Ok(timed_out)
     }
 
     async fn close_session(&self, id: &SessionId, how: Closing, now: Millis) -> Result<Closed> {

@@ -19,7 +19,7 @@ use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit,
     Error, Intent, IntentKind, IntentRecord, Lease, ListOrder, NewRun, PauseOutcome, Reconciled,
     RecordedIntents, ResumeOutcome, RunSummary, Session, SessionSpec, Stale, StoreStats,
-    StoredEvent, StoredMessage, Submitted, TreeNode, WhenBusy,
+    StoredEvent, StoredMessage, Submitted, TimedOut, TreeNode, WhenBusy,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -708,8 +708,16 @@ pub(crate) fn start_queued_run(
 fn write_state(c: &dyn Db, state: &AgentState) -> Result<()> {
     let stop_reason = state.stop_reason.map(|r| r.as_str());
     let state_json = to_json(state)?;
+    // Only a waiting run needs the sweep to end it in time: a running one is cut off by the
+    // worker that holds its step.
+    let waits = matches!(
+        state.status,
+        RunStatus::WaitingHuman | RunStatus::WaitingChildren
+    );
+    let deadline_at = state.deadline().filter(|_| waits);
     c.execute(
-        "UPDATE runs SET status = ?2, step_index = ?3, stop_reason = ?4, state_json = ?5, finished_at = ?6
+        "UPDATE runs SET status = ?2, step_index = ?3, stop_reason = ?4, state_json = ?5, finished_at = ?6,
+         deadline_at = ?7
          WHERE id = ?1",
         &params![
             state.run_id.as_str(),
@@ -717,10 +725,71 @@ fn write_state(c: &dyn Db, state: &AgentState) -> Result<()> {
             state.step_index as i64,
             stop_reason,
             &state_json,
-            state.finished_at
+            state.finished_at,
+            deadline_at
         ],
     )?;
     Ok(())
+}
+
+/// Waiting runs whose deadline is at or before `now`, oldest deadline first.
+pub(crate) fn overdue_runs(c: &dyn Db, now: Millis) -> Result<Vec<RunId>> {
+    c.query(
+        "SELECT id FROM runs WHERE deadline_at <= ?1 ORDER BY deadline_at, id LIMIT 100",
+        &params![now],
+    )?
+    .into_iter()
+    .map(|mut r| parse_run_id(&r.text(0)?))
+    .collect()
+}
+
+/// Ends a waiting run past its deadline as `timed_out`, cancelling the children it waited
+/// for. A run that moved on meanwhile (a human answered, its children joined) is left alone.
+pub(crate) fn time_out_run(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<TimedOut> {
+    lock_session_of_run(c, run_id)?;
+    let stored = run_row(c, run_id)?;
+    let mut state = load_state(c, run_id)?;
+    let waiting = matches!(
+        stored.status,
+        RunStatus::WaitingHuman | RunStatus::WaitingChildren
+    );
+    if !waiting || state.deadline().is_none_or(|deadline| deadline > now) {
+        return Ok(TimedOut::default());
+    }
+    let mut ended = TimedOut {
+        ended: vec![run_id.clone()],
+        ..TimedOut::default()
+    };
+    let children = c
+        .query(
+            &format!(
+                "SELECT id FROM runs WHERE parent_run_id = ?1 AND inbox_group IS NULL AND status IN {ACTIVE_STATUSES} ORDER BY created_at, id"
+            ),
+            &params![run_id.as_str()],
+        )?
+        .into_iter()
+        .map(|mut r| parse_run_id(&r.text(0)?))
+        .collect::<Result<Vec<_>>>()?;
+    let drafts = ratchet_core::step::time_out_idle(&mut state, now);
+    write_state(c, &state)?;
+    c.execute(
+        "DELETE FROM step_jobs WHERE run_id = ?1",
+        &params![run_id.as_str()],
+    )?;
+    ended.events = insert_events(c, &stored.session_id, Some(run_id), &drafts, now)?;
+    for child in children {
+        match request_cancel(c, &child, now)? {
+            CancelOutcome::Cancelled { events, enqueued } => {
+                ended.events.extend(events);
+                ended.enqueued |= enqueued;
+            }
+            CancelOutcome::Cancelling { events } => ended.events.extend(events),
+            CancelOutcome::AlreadyTerminal(_) => {}
+        }
+    }
+    let events = run_ended(c, &state, &mut ended.enqueued, now)?;
+    ended.events.extend(events);
+    Ok(ended)
 }
 
 pub(crate) fn insert_message(

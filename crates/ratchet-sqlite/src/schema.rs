@@ -284,6 +284,12 @@ CREATE INDEX webhook_deliveries_log ON webhook_deliveries(webhook_id, id);
 -- starts (`seal_webhook_secrets`).
 UPDATE webhooks SET secret = 'clear:' || secret;
 "#,
+    r#"
+-- When a waiting run (for a human, for its children) passes its duration budget; NULL for a
+-- run that is not waiting or has no budget. Idle workers end such runs `timed_out`.
+ALTER TABLE runs ADD COLUMN deadline_at INTEGER;
+CREATE INDEX runs_by_deadline ON runs(deadline_at) WHERE deadline_at IS NOT NULL;
+"#,
 ];
 
 /// The schema version this build migrates a database to.

@@ -2006,6 +2006,7 @@ pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
         workspace: Some("/srv/workspace".into()),
         system_prompt: "answer briefly".into(),
         tools: vec![ToolSpec {
+            calls: Default::default(),
             name: "lookup".into(),
             description: "looks things up".into(),
             parameters: json!({"type": "object", "properties": {"q": {"type": "string"}}}),
@@ -2087,6 +2088,7 @@ pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
 /// A config whose `lookup` needs approval and whose `note` does not.
 fn guarded_config() -> RunConfigSnapshot {
     let tool = |name: &str, approval| ToolSpec {
+        calls: Default::default(),
         name: name.into(),
         description: String::new(),
         parameters: json!({"type": "object"}),

@@ -252,6 +252,16 @@ pub struct EmittedSignal {
     pub enqueued: bool,
 }
 
+/// What `Store::time_out_overdue` ended.
+#[derive(Debug, Clone, Default)]
+pub struct TimedOut {
+    pub events: Vec<StoredEvent>,
+    /// The runs that ended `timed_out`.
+    pub ended: Vec<RunId>,
+    /// Ending them enqueued jobs (children winding down, parents joined, queued turns).
+    pub enqueued: bool,
+}
+
 /// What `Store::serve_inboxes` started.
 #[derive(Debug, Clone, Default)]
 pub struct Served {
@@ -835,6 +845,12 @@ pub trait Store: Observation + Send + Sync + 'static {
     /// inbox events due by `now` (an event released for a later attempt becomes due without a
     /// commit to start it). Each start is its own transaction under the session's lock.
     async fn serve_inboxes(&self, now: Millis) -> Result<Served>;
+
+    /// Ends every run that waits (for a human, for its children) past its deadline as
+    /// `timed_out`: its children are cancelled, `never` calls it was waiting on a human to
+    /// reconcile stay in doubt on it, and a parent sees it as a failed task. Each run is its
+    /// own transaction; a run that moved on meanwhile is left alone.
+    async fn time_out_overdue(&self, now: Millis) -> Result<TimedOut>;
 
     /// Archives or deletes a root session in one transaction: every non-terminal run of its
     /// tree is cancelled (background runs included), its waiting steers are recorded as

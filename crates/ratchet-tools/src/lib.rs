@@ -135,6 +135,7 @@ impl Registry {
         self.entries
             .values()
             .map(|e| ToolSpec {
+                calls: Default::default(),
                 name: e.tool.name().to_owned(),
                 description: e.tool.description().to_owned(),
                 parameters: e.tool.parameters(),

@@ -350,6 +350,10 @@ impl Store for Heard {
         self.inner.serve_inboxes(now).await
     }
 
+    async fn time_out_overdue(&self, now: Millis) -> Result<ratchet_store::TimedOut> {
+        self.inner.time_out_overdue(now).await
+    }
+
     async fn close_session(
         &self,
         id: &SessionId,

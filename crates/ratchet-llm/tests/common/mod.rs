@@ -266,6 +266,7 @@ pub fn settings(provider: &str, base_url: &str) -> ModelSettings {
 
 pub fn tool(name: &str) -> ToolSpec {
     ToolSpec {
+        calls: Default::default(),
         name: name.into(),
         description: format!("The {name} tool."),
         parameters: json!({"type": "object", "properties": {"path": {"type": "string"}}}),
