@@ -23,6 +23,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::activity::{ActivityBus, LiveActivity};
 use crate::{Result, now_ms};
 
 /// Live events; a subscriber that falls this far behind is told it lagged and replays.
@@ -63,6 +64,8 @@ pub struct Coordinator {
     dropped: CancellationToken,
     /// Limits on unfinished runs, checked when a message or a delegation admits new ones.
     quota: RunQuota,
+    /// What the steps in flight here are doing; never stored (see `activity.rs`).
+    activity: ActivityBus,
 }
 
 impl Drop for Coordinator {
@@ -89,6 +92,7 @@ impl Coordinator {
             in_flight: Mutex::new(HashMap::new()),
             dropped: CancellationToken::new(),
             quota,
+            activity: ActivityBus::new(),
         })
     }
 
@@ -122,6 +126,18 @@ impl Coordinator {
     /// The observation bus. Subscribe before acting to see every event of the action.
     pub fn subscribe(&self) -> broadcast::Receiver<StoredEvent> {
         self.events.subscribe()
+    }
+
+    /// The live activity of steps in flight in this process. These announcements are not
+    /// stored events and have no `seq`: a stream sends them between stored events, and no
+    /// replay contains them.
+    pub fn watch_activity(&self) -> broadcast::Receiver<LiveActivity> {
+        self.activity.subscribe()
+    }
+
+    /// Tells whoever watches the claimed step's session what the step is about to do.
+    pub fn announce(&self, claimed: &ClaimedStep, activity: &ratchet_core::Activity) {
+        self.activity.announce(claimed, activity);
     }
 
     pub async fn create_session(&self, spec: SessionSpec) -> Result<Session> {
