@@ -8,6 +8,11 @@
 //! or a lagged subscription, sends it back to the store to fill the gap. Nothing is sent
 //! twice, nothing is skipped, and order is always `seq` order.
 //!
+//! Between stored events, a following stream also sends the live activity of the steps in
+//! flight in this process (`Coordinator::watch_activity`): `activity` events without an `id`
+//! and without a `seq`, never stored. They do not touch the cursor, so a client that
+//! reconnects resumes exactly where the stored events left it, and a replay never holds them.
+//!
 //! The live bus carries this process's events and those other processes announce; an
 //! announcement can be lost (or, on SQLite, never made), so a following stream that has
 //! delivered nothing for `QUIET` also looks in the store: the events of steps another process
@@ -23,6 +28,7 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::{Stream, StreamExt};
 use ratchet_core::{RunId, SessionId};
+use ratchet_engine::LiveActivity;
 use ratchet_store::StoredEvent;
 use serde::Deserialize;
 use tokio::sync::broadcast;
@@ -30,7 +36,7 @@ use tokio::sync::broadcast::error::RecvError;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::api::{ErrorBody, ServerSentEvent};
+use crate::api::{ErrorBody, LiveActivityView, ServerSentEvent};
 use crate::auth::Tenant;
 use crate::error::{ApiPath, ApiQuery};
 use crate::routes::{parse_run_id, parse_session_id, tenant_run, tenant_session};
@@ -85,6 +91,13 @@ impl Scope {
         match self {
             Scope::Session(_) => true,
             Scope::Run(_, run) => event.run_id.as_ref() == Some(run),
+        }
+    }
+
+    fn hears(&self, activity: &LiveActivity) -> bool {
+        match self {
+            Scope::Session(session) => &activity.session_id == session,
+            Scope::Run(_, run) => &activity.run_id == run,
         }
     }
 }
@@ -172,6 +185,7 @@ fn stream(
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     // Subscribe before reading the backlog, so nothing published meanwhile is missed.
     let live = state.coordinator.subscribe();
+    let activity = state.coordinator.watch_activity();
     let feed = Feed {
         state,
         scope,
@@ -180,6 +194,7 @@ fn stream(
         page: VecDeque::new(),
         behind: true,
         live,
+        activity,
         quiet: Box::pin(tokio::time::sleep(QUIET)),
         _permit: permit,
     };
@@ -207,6 +222,8 @@ struct Feed {
     /// The store may hold events after `seen` that `page` does not.
     behind: bool,
     live: broadcast::Receiver<StoredEvent>,
+    /// What the steps in flight here are doing; sent only while the stream is caught up.
+    activity: broadcast::Receiver<LiveActivity>,
     /// Fires after `QUIET` without a delivery: announcements can be lost, the store cannot.
     quiet: Pin<Box<tokio::time::Sleep>>,
     _permit: StreamPermit,
@@ -240,11 +257,20 @@ impl Feed {
             if !self.follow {
                 return None;
             }
+            // Biased: a stored event already published goes out before an activity announced
+            // after it, so a step's activity never arrives ahead of the commit before it.
             tokio::select! {
+                biased;
                 () = self.state.shutdown.cancelled() => return None,
                 received = self.live.recv() => match received {
                     Ok(event) => self.offer(event),
                     Err(RecvError::Lagged(_)) => self.behind = true,
+                    Err(RecvError::Closed) => return None,
+                },
+                announced = self.activity.recv() => match announced {
+                    Ok(activity) if self.scope.hears(&activity) => return Some(live_sse(&activity)),
+                    // Another session's, or stale ones a slow client missed: nothing to catch up.
+                    Ok(_) | Err(RecvError::Lagged(_)) => {}
                     Err(RecvError::Closed) => return None,
                 },
                 () = &mut self.quiet => {
@@ -281,6 +307,12 @@ impl Feed {
         self.page = page.into();
         Ok(())
     }
+}
+
+/// No `id`: the client's `Last-Event-ID` stays the last stored event's.
+fn live_sse(activity: &LiveActivity) -> Event {
+    let data = serde_json::to_string(&LiveActivityView::from(activity)).unwrap_or_default();
+    Event::default().event("activity").data(data)
 }
 
 fn to_sse(event: &StoredEvent) -> Event {
@@ -325,6 +357,7 @@ mod tests {
 
     fn feed(state: AppState, session: SessionId, follow: bool) -> Feed {
         let live = state.coordinator.subscribe();
+        let activity = state.coordinator.watch_activity();
         let permit = state.streams.open("t").unwrap();
         Feed {
             state,
@@ -334,6 +367,7 @@ mod tests {
             page: VecDeque::new(),
             behind: false,
             live,
+            activity,
             quiet: Box::pin(tokio::time::sleep(QUIET)),
             _permit: permit,
         }
