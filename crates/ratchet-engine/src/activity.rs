@@ -10,7 +10,7 @@
 //! says the step is over either way.
 
 use ratchet_core::{Activity, Millis, RunId, SessionId};
-use ratchet_store::ClaimedStep;
+use ratchet_store::{ClaimedStep, StoredEvent};
 use serde_json::Value;
 use tokio::sync::broadcast;
 
@@ -30,6 +30,18 @@ pub struct LiveActivity {
     pub payload: Value,
     /// When the step announced it, in ms since the epoch.
     pub at: Millis,
+    /// How many stored events the Coordinator had published when this was announced: a
+    /// stream that has taken exactly these from the observation bus sends it in the order it
+    /// happened, after the commit before it and before the one after it.
+    pub published_before: u64,
+}
+
+/// Both buses, subscribed together: `published` stored events were sent before `events`
+/// was subscribed, so the subscriber's count of published events starts there.
+pub struct Observed {
+    pub events: broadcast::Receiver<StoredEvent>,
+    pub activity: broadcast::Receiver<LiveActivity>,
+    pub published: u64,
 }
 
 pub(crate) struct ActivityBus {
@@ -47,13 +59,14 @@ impl ActivityBus {
         self.sender.subscribe()
     }
 
-    pub(crate) fn announce(&self, claimed: &ClaimedStep, activity: &Activity) {
+    pub(crate) fn announce(&self, claimed: &ClaimedStep, activity: &Activity, published: u64) {
         let state = &claimed.state;
         let announced = LiveActivity {
             session_id: state.session_id.clone(),
             run_id: state.run_id.clone(),
             payload: activity.payload(state, claimed.job.step_index),
             at: now_ms(),
+            published_before: published,
         };
         // No subscriber is the common case, not an error: nobody is watching.
         let _ = self.sender.send(announced);

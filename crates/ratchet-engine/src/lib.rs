@@ -16,7 +16,7 @@ mod worker;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-pub use activity::LiveActivity;
+pub use activity::{LiveActivity, Observed};
 pub use coordinator::{Coordinator, Multitask, StartedRun};
 pub use engine::{Engine, StepFailure};
 pub use gates::{PermitLimits, StepPermits};

@@ -9,9 +9,10 @@
 //! twice, nothing is skipped, and order is always `seq` order.
 //!
 //! Between stored events, a following stream also sends the live activity of the steps in
-//! flight in this process (`Coordinator::watch_activity`): `activity` events without an `id`
-//! and without a `seq`, never stored. They do not touch the cursor, so a client that
-//! reconnects resumes exactly where the stored events left it, and a replay never holds them.
+//! flight in this process (`Coordinator::observe`): `activity` events without an `id` and
+//! without a `seq`, never stored, each after the stored events published before it. They do
+//! not touch the cursor, so a client that reconnects resumes exactly where the stored events
+//! left it, and a replay never holds them.
 //!
 //! The live bus carries this process's events and those other processes announce; an
 //! announcement can be lost (or, on SQLite, never made), so a following stream that has
@@ -184,8 +185,7 @@ fn stream(
     follow: bool,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     // Subscribe before reading the backlog, so nothing published meanwhile is missed.
-    let live = state.coordinator.subscribe();
-    let activity = state.coordinator.watch_activity();
+    let observed = state.coordinator.observe();
     let feed = Feed {
         state,
         scope,
@@ -193,8 +193,10 @@ fn stream(
         follow,
         page: VecDeque::new(),
         behind: true,
-        live,
-        activity,
+        live: observed.events,
+        activity: observed.activity,
+        received: observed.published,
+        held: None,
         quiet: Box::pin(tokio::time::sleep(QUIET)),
         _permit: permit,
     };
@@ -224,6 +226,10 @@ struct Feed {
     live: broadcast::Receiver<StoredEvent>,
     /// What the steps in flight here are doing; sent only while the stream is caught up.
     activity: broadcast::Receiver<LiveActivity>,
+    /// Stored events published on the bus up to the last one `live` has handed over.
+    received: u64,
+    /// An activity waiting for the stored events published before it to be sent.
+    held: Option<LiveActivity>,
     /// Fires after `QUIET` without a delivery: announcements can be lost, the store cannot.
     quiet: Pin<Box<tokio::time::Sleep>>,
     _permit: StreamPermit,
@@ -247,6 +253,9 @@ impl Feed {
                 }
                 continue;
             }
+            if let Some(activity) = self.held.take() {
+                return Some(live_sse(&activity));
+            }
             if self.behind {
                 if let Err(error) = self.read_page().await {
                     tracing::warn!(%error, "event stream ended on a store error");
@@ -257,26 +266,54 @@ impl Feed {
             if !self.follow {
                 return None;
             }
-            // Biased: a stored event already published goes out before an activity announced
-            // after it, so a step's activity never arrives ahead of the commit before it.
+            // Activity first: each is merged after exactly the stored events published before
+            // it (`take_published`), so it never comes ahead of the commit before it nor after
+            // the one after it.
             tokio::select! {
                 biased;
                 () = self.state.shutdown.cancelled() => return None,
-                received = self.live.recv() => match received {
-                    Ok(event) => self.offer(event),
-                    Err(RecvError::Lagged(_)) => self.behind = true,
-                    Err(RecvError::Closed) => return None,
-                },
                 announced = self.activity.recv() => match announced {
-                    Ok(activity) if self.scope.hears(&activity) => return Some(live_sse(&activity)),
+                    Ok(activity) if self.scope.hears(&activity) => {
+                        self.take_published(activity.published_before);
+                        self.held = Some(activity);
+                    }
                     // Another session's, or stale ones a slow client missed: nothing to catch up.
                     Ok(_) | Err(RecvError::Lagged(_)) => {}
+                    Err(RecvError::Closed) => return None,
+                },
+                received = self.live.recv() => match received {
+                    Ok(event) => {
+                        self.received += 1;
+                        self.offer(event);
+                    }
+                    Err(RecvError::Lagged(missed)) => {
+                        self.received += missed;
+                        self.behind = true;
+                    }
                     Err(RecvError::Closed) => return None,
                 },
                 () = &mut self.quiet => {
                     self.behind = true;
                     self.quiet.as_mut().reset(tokio::time::Instant::now() + QUIET);
                 }
+            }
+        }
+    }
+
+    /// Takes from the bus the stored events published before an activity (they are there
+    /// already: they were sent before it was announced).
+    fn take_published(&mut self, published: u64) {
+        while self.received < published {
+            match self.live.try_recv() {
+                Ok(event) => {
+                    self.received += 1;
+                    self.offer(event);
+                }
+                Err(broadcast::error::TryRecvError::Lagged(missed)) => {
+                    self.received += missed;
+                    self.behind = true;
+                }
+                Err(_) => return,
             }
         }
     }
@@ -356,8 +393,7 @@ mod tests {
     }
 
     fn feed(state: AppState, session: SessionId, follow: bool) -> Feed {
-        let live = state.coordinator.subscribe();
-        let activity = state.coordinator.watch_activity();
+        let observed = state.coordinator.observe();
         let permit = state.streams.open("t").unwrap();
         Feed {
             state,
@@ -366,8 +402,10 @@ mod tests {
             follow,
             page: VecDeque::new(),
             behind: false,
-            live,
-            activity,
+            live: observed.events,
+            activity: observed.activity,
+            received: observed.published,
+            held: None,
             quiet: Box::pin(tokio::time::sleep(QUIET)),
             _permit: permit,
         }
