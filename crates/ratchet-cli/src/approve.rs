@@ -10,7 +10,7 @@ use ratchet_store::{ApprovalStatus, DEFAULT_TENANT};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::client::{self, Api, EventView, RunView};
+use crate::client::{self, Api, EventView, LiveView, RunView};
 use crate::runtime::open_existing_store;
 
 /// Lines of stdin, read on their own thread: a blocking read never holds up the runtime,
@@ -94,13 +94,20 @@ pub async fn follow_answering(
     run_id: &str,
     lines: &mut mpsc::Receiver<std::io::Result<String>>,
     mut on_event: impl FnMut(&EventView),
+    mut on_live: impl FnMut(&LiveView),
 ) -> anyhow::Result<RunView> {
     let mut after = 0;
     loop {
-        let run = client::follow_run(api, run_id, after, |event| {
-            after = event.seq;
-            on_event(event);
-        })
+        let run = client::follow_run_live(
+            api,
+            run_id,
+            after,
+            |event| {
+                after = event.seq;
+                on_event(event);
+            },
+            &mut on_live,
+        )
         .await?;
         if !run.status.is_waiting() {
             return Ok(run);

@@ -1,8 +1,11 @@
 //! `ratchet chat`: an interactive client of a Ratchet server. Each line read from stdin is
 //! a message in one session; the answer streams to stdout as it is written, with the tool
-//! calls and their results as they happen. A spinner (on a terminal only) fills the wait for
-//! a turn's first output. `/quit` or end of input leaves.
+//! calls and their results as they happen. On a terminal, a status line on stderr fills the
+//! waits: a spinner until the turn's first output, and what the step in flight is doing (the
+//! server's live activity: "calling model gpt-x…", "running tools: a, b…") until the step
+//! commits or shows output. `/quit` or end of input leaves.
 
+use std::cell::RefCell;
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -11,7 +14,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use ratchet_core::RunStatus;
 use tokio::sync::mpsc;
 
-use crate::client::{Api, EventView};
+use crate::client::{Api, EventView, LiveView};
 use crate::drive::show_progress;
 
 pub struct ChatArgs {
@@ -70,31 +73,31 @@ async fn turn(
     spinner: bool,
     lines: &mut mpsc::Receiver<std::io::Result<String>>,
 ) -> anyhow::Result<Option<ExitCode>> {
-    let mut waiting = spinner.then(start_spinner);
-    let clear = |waiting: &mut Option<ProgressBar>| {
-        if let Some(bar) = waiting.take() {
-            bar.finish_and_clear();
-        }
-    };
+    let screen = RefCell::new(Screen {
+        render: Render::default(),
+        status: spinner.then(|| start_spinner("thinking…")),
+        spinner,
+        out: std::io::stdout(),
+    });
     let accepted = match api.send_message(session_id, text).await {
         Ok(accepted) => accepted,
         Err(error) => {
-            clear(&mut waiting);
+            screen.borrow_mut().clear_status();
             return Err(error.into());
         }
     };
-    let mut stdout = std::io::stdout();
-    let mut render = Render::default();
-    let run = crate::approve::follow_answering(api, &accepted.run_id, lines, |event| {
-        if Render::shows(event) {
-            clear(&mut waiting);
-        }
-        render.show(&mut stdout, event);
-    })
+    let run = crate::approve::follow_answering(
+        api,
+        &accepted.run_id,
+        lines,
+        |event| screen.borrow_mut().event(event),
+        |activity| screen.borrow_mut().activity(activity),
+    )
     .await;
-    clear(&mut waiting);
+    let mut screen = screen.into_inner();
+    screen.clear_status();
     let run = run?;
-    render.end_line(&mut stdout);
+    screen.render.end_line(&mut screen.out);
     let reason = run.stop_reason.map_or("-".to_owned(), |r| r.to_string());
     if run.status.is_waiting() {
         eprintln!(
@@ -109,13 +112,83 @@ async fn turn(
     Ok(None)
 }
 
-fn start_spinner() -> ProgressBar {
+/// One turn's output: the answer and tool lines on stdout, the status line on stderr.
+struct Screen {
+    render: Render,
+    /// The status line shown now, if any.
+    status: Option<ProgressBar>,
+    /// Status lines are drawn (stdin and stderr are a terminal).
+    spinner: bool,
+    out: std::io::Stdout,
+}
+
+impl Screen {
+    fn event(&mut self, event: &EventView) {
+        if Render::shows(event) || ends_step(event) {
+            self.clear_status();
+        }
+        self.render.show(&mut self.out, event);
+    }
+
+    fn activity(&mut self, activity: &LiveView) {
+        let Some(text) = status_line(&activity.payload) else {
+            return;
+        };
+        if !self.spinner {
+            return;
+        }
+        match &self.status {
+            Some(bar) => bar.set_message(text),
+            None => {
+                // The status line goes below the answer, never into the middle of its line.
+                self.render.end_line(&mut self.out);
+                self.status = Some(start_spinner(&text));
+            }
+        }
+    }
+
+    fn clear_status(&mut self) {
+        if let Some(bar) = self.status.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+/// A step's activity is over once the step is committed (or the run ends without one).
+fn ends_step(event: &EventView) -> bool {
+    matches!(event.kind.as_str(), "step.committed" | "run.finished")
+}
+
+/// The status line of a live activity; `None` for an activity this client does not know.
+fn status_line(payload: &serde_json::Value) -> Option<String> {
+    match payload["activity"].as_str()? {
+        "loading_context" => Some("loading context…".to_owned()),
+        "calling_model" => Some(match payload["model"].as_str() {
+            Some(model) => format!("calling model {model}…"),
+            None => "calling the model…".to_owned(),
+        }),
+        "executing_tools" => {
+            let tools: Vec<&str> = payload["tools"]
+                .as_array()
+                .map(|tools| tools.iter().filter_map(|t| t.as_str()).collect())
+                .unwrap_or_default();
+            Some(if tools.is_empty() {
+                "running tools…".to_owned()
+            } else {
+                format!("running tools: {}…", tools.join(", "))
+            })
+        }
+        _ => None,
+    }
+}
+
+fn start_spinner(message: &str) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
     bar.set_style(
         ProgressStyle::with_template("{spinner} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_spinner()),
     );
-    bar.set_message("thinking…");
+    bar.set_message(message.to_owned());
     bar.enable_steady_tick(Duration::from_millis(100));
     bar
 }
@@ -193,6 +266,32 @@ mod tests {
             kind: kind.into(),
             payload,
             created_at: 0,
+        }
+    }
+
+    #[test]
+    fn each_activity_has_a_status_line_naming_what_it_waits_for() {
+        for (payload, line) in [
+            (
+                json!({"activity": "loading_context", "step_index": 1}),
+                Some("loading context…"),
+            ),
+            (
+                json!({"activity": "calling_model", "model": "gpt-x"}),
+                Some("calling model gpt-x…"),
+            ),
+            (
+                json!({"activity": "executing_tools", "tools": ["add", "sleep_ms"]}),
+                Some("running tools: add, sleep_ms…"),
+            ),
+            (
+                json!({"activity": "executing_tools", "tools": []}),
+                Some("running tools…"),
+            ),
+            (json!({"activity": "step_released"}), None),
+            (json!({}), None),
+        ] {
+            assert_eq!(status_line(&payload).as_deref(), line, "{payload}");
         }
     }
 

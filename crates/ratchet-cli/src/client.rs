@@ -108,6 +108,21 @@ pub struct EventView {
     pub created_at: i64,
 }
 
+/// The `data` of a live `activity` event: what a step in flight is doing. It is never stored
+/// and has no `seq` (its server-sent event has no `id`), so it never moves the cursor.
+#[derive(Debug, Clone, Deserialize)]
+pub struct LiveView {
+    pub payload: Value,
+}
+
+/// What an event stream sends: the session's stored events, and between them the live
+/// activity of its steps in flight.
+#[derive(Debug, Clone)]
+pub enum Streamed {
+    Stored(EventView),
+    Live(LiveView),
+}
+
 /// One server; cheap to clone (the connection pool is shared).
 #[derive(Clone)]
 pub struct Api {
@@ -370,14 +385,30 @@ impl Follower {
         Ok(())
     }
 
-    /// The next event; reconnects as often as needed. Fails on a 4xx, or when the server
-    /// stays unreachable.
+    /// The next stored event, passing live activity over; reconnects as often as needed.
+    /// Fails on a 4xx, or when the server stays unreachable.
     pub async fn next(&mut self) -> Result<EventView, ClientError> {
         loop {
+            if let Streamed::Stored(event) = self.next_streamed().await? {
+                return Ok(event);
+            }
+        }
+    }
+
+    /// The next stored event or live activity (told apart by `live: true` in its data).
+    pub async fn next_streamed(&mut self) -> Result<Streamed, ClientError> {
+        loop {
             if let Some(event) = self.pending.pop_front() {
-                return serde_json::from_str(&event.data).map_err(|e| {
+                let bad_data = |e: serde_json::Error| {
                     ClientError::Protocol(format!("event {:?} has bad data: {e}", event.id))
-                });
+                };
+                let data: Value = serde_json::from_str(&event.data).map_err(bad_data)?;
+                return if data["live"] == true {
+                    serde_json::from_value(data).map(Streamed::Live)
+                } else {
+                    serde_json::from_value(data).map(Streamed::Stored)
+                }
+                .map_err(bad_data);
             }
             self.open().await?;
             let Some(response) = self.response.as_mut() else {
@@ -406,13 +437,30 @@ pub async fn follow_run(
     api: &Api,
     run_id: &str,
     after_seq: i64,
+    on_event: impl FnMut(&EventView),
+) -> Result<RunView, ClientError> {
+    follow_run_live(api, run_id, after_seq, on_event, |_| {}).await
+}
+
+/// `follow_run` that also hands the live activity of the run's steps to `on_live`.
+pub async fn follow_run_live(
+    api: &Api,
+    run_id: &str,
+    after_seq: i64,
     mut on_event: impl FnMut(&EventView),
+    mut on_live: impl FnMut(&LiveView),
 ) -> Result<RunView, ClientError> {
     let mut events = api.follow(&format!("/v1/runs/{run_id}/events?after={after_seq}"));
     loop {
-        let settled = match tokio::time::timeout(IDLE_CHECK, events.next()).await {
-            Ok(event) => {
-                let event = event?;
+        let settled = match tokio::time::timeout(IDLE_CHECK, events.next_streamed()).await {
+            Ok(streamed) => {
+                let event = match streamed? {
+                    Streamed::Stored(event) => event,
+                    Streamed::Live(activity) => {
+                        on_live(&activity);
+                        continue;
+                    }
+                };
                 on_event(&event);
                 matches!(event.kind.as_str(), "run.status" | "run.finished")
                     && event.payload["status"]

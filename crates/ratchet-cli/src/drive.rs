@@ -324,9 +324,13 @@ pub async fn run_remote(args: RemoteRunArgs) -> anyhow::Result<ExitCode> {
     let accepted = api.send_message(&session.id, &args.message).await?;
     let mut stderr = std::io::stderr();
     let mut lines = approve::stdin_lines();
-    let run = approve::follow_answering(&api, &accepted.run_id, &mut lines, |event| {
-        show_progress(&mut stderr, &event.kind, &event.payload);
-    })
+    let run = approve::follow_answering(
+        &api,
+        &accepted.run_id,
+        &mut lines,
+        |event| show_progress(&mut stderr, &event.kind, &event.payload),
+        |_| {},
+    )
     .await?;
     let report = RunReport {
         session_id: run.session_id,

@@ -293,6 +293,13 @@ enum RunsCommand {
         #[command(flatten)]
         target: ServerOrDb,
     },
+    /// Cancel a run: at once when no step is in flight, else when the step it is taking
+    /// ends (its tools are told to stop); its queued messages then run.
+    Cancel {
+        run_id: String,
+        #[command(flatten)]
+        target: ServerOrDb,
+    },
     /// Repeat the model call a failed run (stop reason llm_error) kept failing, with fresh
     /// attempts; `ratchet resume` (or a server) carries the run on.
     Retry {
@@ -757,6 +764,9 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Runs {
             command: RunsCommand::Resume { run_id, target },
         } => pause::resume(target.target()?, &run_id).await,
+        Command::Runs {
+            command: RunsCommand::Cancel { run_id, target },
+        } => pause::cancel(target.target()?, &run_id).await,
         Command::Runs {
             command: RunsCommand::Retry { run_id, db },
         } => inspect::resume_failed(&db.db, &run_id, ratchet_core::step::Resumption::Retry).await,

@@ -1287,6 +1287,98 @@ fn bench_reports_steps_and_the_disks_own_commit_rate_as_json() {
     assert!(stderr_of(&zero).contains("--count must be at least 1"));
 }
 
+/// `ratchet runs cancel --db` reaches a run another process is driving: that `ratchet run`
+/// ends with the run cancelled when its step in flight ends. Cancelling it again is met
+/// already; a run that completed is refused with the reason, and so is a malformed id.
+#[test]
+fn a_run_cancelled_from_another_process_ends_cancelled() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(
+        dir.path(),
+        "script.json",
+        &json!({"replies": [
+            {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 800}}]},
+            {"text": "Never said: the run was cancelled."}
+        ]}),
+    );
+    let db = db_url(dir.path());
+    let workspace = dir.path().display().to_string();
+    let driver = Command::new(env!("CARGO_BIN_EXE_ratchet"))
+        .args([
+            "run",
+            "--db",
+            &db,
+            "--workspace",
+            &workspace,
+            "--model",
+            &model,
+            "--json",
+            "sleep",
+        ])
+        .current_dir(dir.path())
+        .env_remove("RATCHET_DB")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let run_id = loop {
+        let runs = if dir.path().join("r.db").exists() {
+            list(dir.path())
+        } else {
+            Vec::new()
+        };
+        if let Some(run) = runs.iter().find(|r| r["status"] == "running") {
+            break run["run_id"].as_str().unwrap().to_owned();
+        }
+        assert!(started.elapsed() < common::DEADLINE, "no run started");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let cancelled = ratchet(dir.path(), &["runs", "cancel", &run_id, "--db", &db]);
+    assert!(cancelled.status.success(), "{}", stderr_of(&cancelled));
+    assert_eq!(
+        stdout_of(&cancelled),
+        format!("{run_id} is cancelling: the step it is taking ends it\n")
+    );
+
+    let driven = driver.wait_with_output().unwrap();
+    assert_eq!(driven.status.code(), Some(1), "{}", stderr_of(&driven));
+    assert_eq!(report(&driven)["status"], "cancelled");
+    assert_eq!(show(dir.path(), &run_id)["status"], "cancelled");
+
+    let again = ratchet(dir.path(), &["runs", "cancel", &run_id, "--db", &db]);
+    assert!(again.status.success(), "{}", stderr_of(&again));
+    assert_eq!(stdout_of(&again), format!("{run_id} is cancelled\n"));
+
+    let answer = script(
+        dir.path(),
+        "answer.json",
+        &json!({"replies": [{"text": "Hi."}]}),
+    );
+    let completed = report(&ratchet(
+        dir.path(),
+        &["run", "--db", &db, "--model", &answer, "--json", "hello"],
+    ));
+    let completed_id = completed["run_id"].as_str().unwrap();
+    let refused = ratchet(dir.path(), &["runs", "cancel", completed_id, "--db", &db]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(
+        stderr_of(&refused).contains(&format!(
+            "cannot cancel run {completed_id}: it has already ended (completed)"
+        )),
+        "{}",
+        stderr_of(&refused)
+    );
+    assert_eq!(show(dir.path(), completed_id)["status"], "completed");
+    let malformed = ratchet(dir.path(), &["runs", "cancel", "run-nope", "--db", &db]);
+    assert_eq!(malformed.status.code(), Some(1));
+    assert!(
+        stderr_of(&malformed).contains("invalid run id"),
+        "{}",
+        stderr_of(&malformed)
+    );
+}
+
 /// `ratchet runs pause` reaches a run another process is driving: that `ratchet run` stops
 /// when the run pauses (exit 2, saying how to go on); `runs resume` and `ratchet resume`
 /// finish it. Runs that are not running are refused with the reason.

@@ -598,6 +598,108 @@ fn server_runs(dir: &Path, args: &[&str]) -> Value {
     serde_json::from_slice(&output.stdout).unwrap()
 }
 
+/// `runs cancel --server` acts through the API: a run whose tool keeps it busy is cancelled
+/// (the tool is told to stop) and `ratchet run --server` following it ends with it; a
+/// cancelled run's cancel is met already; a completed run's, or an unknown run's, is refused
+/// with the reason.
+#[test]
+fn runs_cancel_works_through_a_server() {
+    let dir = tempfile::tempdir().unwrap();
+    // Every run sleeps first: long enough to be cancelled in, short enough to complete once.
+    let script = json!({"replies": [
+        {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 5000}}]},
+        {"text": "Done."}
+    ]});
+    let server = Server::start(dir.path(), &script, &[], &[]);
+    let answered = command(dir.path())
+        .args([
+            "run",
+            "--server",
+            &server.url,
+            "--json",
+            "sleep, then answer",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let completed = report(&answered);
+    assert_eq!(completed["status"], "completed", "{completed}");
+    let completed_id = completed["run_id"].as_str().unwrap().to_owned();
+
+    let follower = command(dir.path())
+        .args([
+            "run",
+            "--server",
+            &server.url,
+            "--json",
+            "sleep, to be cancelled",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let run_id = loop {
+        let runs = server_runs(dir.path(), &["list"]);
+        let running = runs
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["status"] == "running");
+        if let Some(run) = running {
+            break run["run_id"].as_str().unwrap().to_owned();
+        }
+        assert!(started.elapsed() < STARTUP, "no run started");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let cancelled = ratchet(
+        dir.path(),
+        &["runs", "cancel", &run_id, "--server", &server.url],
+    );
+    assert!(cancelled.status.success(), "{}", stderr_of(&cancelled));
+    assert_eq!(
+        stdout_of(&cancelled),
+        format!("{run_id} is cancelling: the step it is taking ends it\n")
+    );
+    let followed = follower.wait_with_output().unwrap();
+    assert_eq!(followed.status.code(), Some(1), "{}", stderr_of(&followed));
+    assert_eq!(report(&followed)["status"], "cancelled");
+    assert_eq!(
+        server_runs(dir.path(), &["show", &run_id])["status"],
+        "cancelled"
+    );
+    let again = ratchet(
+        dir.path(),
+        &["runs", "cancel", &run_id, "--server", &server.url],
+    );
+    assert!(again.status.success(), "{}", stderr_of(&again));
+    assert_eq!(stdout_of(&again), format!("{run_id} is cancelled\n"));
+
+    let refused = ratchet(
+        dir.path(),
+        &["runs", "cancel", &completed_id, "--server", &server.url],
+    );
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(
+        stderr_of(&refused).contains(&format!(
+            "cannot cancel run {completed_id}: it has already ended (completed)"
+        )),
+        "{}",
+        stderr_of(&refused)
+    );
+    let unknown = ratchet(
+        dir.path(),
+        &["runs", "cancel", "run_unknown", "--server", &server.url],
+    );
+    assert_eq!(unknown.status.code(), Some(1));
+    assert!(
+        stderr_of(&unknown).contains("no run run_unknown"),
+        "{}",
+        stderr_of(&unknown)
+    );
+}
+
 /// `runs pause|resume --server` act through the API: `ratchet run --server` following the
 /// run stops when it pauses (exit 2), and the resumed run ends on the server.
 #[test]

@@ -48,6 +48,12 @@ macro_rules! scenarios {
                 let Some(db) = super::$backend() else { return };
                 super::events_cross_processes(&db.url).await;
             }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_follower_sees_the_live_activity_of_steps_and_a_replay_never_does() {
+                let Some(db) = super::$backend() else { return };
+                super::live_activity(&db.url).await;
+            }
         }
     };
 }
@@ -565,6 +571,189 @@ async fn events_cross_processes(db: &str) {
             "{kind} crossed processes"
         );
     }
+}
+
+/// One frame of an event stream: `id` is `None` for live activity.
+#[derive(Debug)]
+struct Frame {
+    id: Option<i64>,
+    kind: String,
+    data: Value,
+}
+
+/// Reads frames from `body` until `last` holds for one (or, with `None`, until the stream
+/// ends); comments and the `retry` frame are passed over.
+async fn read_frames<Chunk: AsRef<[u8]>>(
+    body: &mut (impl futures::Stream<Item = reqwest::Result<Chunk>> + Unpin),
+    last: Option<&dyn Fn(&Frame) -> bool>,
+) -> Vec<Frame> {
+    let mut text = String::new();
+    let mut frames: Vec<Frame> = Vec::new();
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        while let Some((frame, rest)) = text.split_once("\n\n") {
+            let (mut id, mut kind, mut data) = (None, None, None);
+            for line in frame.lines() {
+                if let Some(value) = line.strip_prefix("id: ") {
+                    id = Some(value.parse::<i64>().unwrap());
+                } else if let Some(value) = line.strip_prefix("event: ") {
+                    kind = Some(value.to_owned());
+                } else if let Some(value) = line.strip_prefix("data: ") {
+                    data = Some(serde_json::from_str::<Value>(value).unwrap());
+                }
+            }
+            text = rest.to_owned();
+            if let (Some(kind), Some(data)) = (kind, data) {
+                let frame = Frame { id, kind, data };
+                let done = last.is_some_and(|last| last(&frame));
+                frames.push(frame);
+                if done {
+                    return frames;
+                }
+            }
+        }
+        let chunk = tokio::time::timeout_at(deadline, body.next())
+            .await
+            .unwrap_or_else(|_| panic!("the stream stalled after {frames:?}"));
+        match chunk {
+            Some(chunk) => text.push_str(&String::from_utf8_lossy(chunk.unwrap().as_ref())),
+            None if last.is_none() => return frames,
+            None => panic!("the stream ended after {frames:?}"),
+        }
+    }
+}
+
+/// A stream following a session served by the process running its steps sees, between the
+/// stored events, what each step is doing — `loading_context` and `calling_model` (naming the
+/// model) before a model step commits, `executing_tools` (naming the batch's tools) before a
+/// tools step commits — as events without an `id` and without a `seq`. The stored events it
+/// sends are still `seq` 1, 2, 3… without a gap, and neither a replay (`follow=false`) nor a
+/// reconnection with `Last-Event-ID` holds any activity: they are the stored events exactly.
+async fn live_activity(db: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let script = write_script(
+        dir.path(),
+        &json!({"replies": [
+            {"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}},
+                            {"name": "sleep_ms", "arguments": {"ms": 300}},
+                            {"name": "add", "arguments": {"a": 1, "b": 1}}]},
+            {"text": "The sum is five.", "chunk_delay_ms": 30}
+        ]}),
+    );
+    let model = format!("scripted:{}", script.display());
+    migrate(db);
+    let (_server, base) = serve(db, dir.path(), &script, "2");
+    let http = reqwest::Client::new();
+    let session = create_session(&http, &base).await;
+    let path = format!("{base}/v1/sessions/{session}/events");
+    let stream = http.get(&path).send().await.unwrap();
+    assert!(stream.status().is_success());
+    let run = send(&http, &base, &session, "add 2 and 3").await;
+    let mut body = stream.bytes_stream();
+    let followed = read_frames(&mut body, Some(&|f: &Frame| f.kind == "run.finished")).await;
+
+    let mut seen: Vec<String> = Vec::new();
+    for frame in &followed {
+        match (&frame.id, frame.data.get("seq")) {
+            (None, None) => {
+                assert_eq!(
+                    (
+                        frame.kind.as_str(),
+                        &frame.data["live"],
+                        &frame.data["run_id"]
+                    ),
+                    ("activity", &json!(true), &json!(run)),
+                    "{frame:?}"
+                );
+                let payload = &frame.data["payload"];
+                let mut said = format!(
+                    "{} {}",
+                    payload["step_index"],
+                    payload["activity"].as_str().unwrap()
+                );
+                if let Some(model) = payload.get("model") {
+                    said = format!("{said} {}", model.as_str().unwrap());
+                }
+                if let Some(tools) = payload.get("tools") {
+                    said = format!("{said} {tools}");
+                }
+                seen.push(said);
+            }
+            (Some(id), Some(seq)) if seq == &json!(id) => {
+                if frame.kind == "step.committed" {
+                    seen.push(format!("{} committed", frame.data["payload"]["step_index"]));
+                }
+            }
+            _ => panic!("a stored event has its seq as its id, a live one neither: {frame:?}"),
+        }
+    }
+    assert_eq!(
+        seen,
+        [
+            "1 loading_context".to_owned(),
+            format!("1 calling_model {model}"),
+            "1 committed".to_owned(),
+            r#"2 executing_tools ["add","sleep_ms"]"#.to_owned(),
+            "2 committed".to_owned(),
+            "3 loading_context".to_owned(),
+            format!("3 calling_model {model}"),
+            "3 committed".to_owned(),
+        ],
+        "each step's activity, in order, before its commit"
+    );
+    let stored_ids: Vec<i64> = followed.iter().filter_map(|f| f.id).collect();
+    assert_eq!(
+        stored_ids,
+        (1..=stored_ids.len() as i64).collect::<Vec<_>>(),
+        "the stored events are in order, without a gap: activity takes no seq"
+    );
+
+    let store = open(db);
+    let stored = session_events(store.as_ref(), &SessionId::parse(&session).unwrap()).await;
+    let kept: Vec<(i64, &str)> = stored.iter().map(|e| (e.seq, e.kind.as_str())).collect();
+    let frames_of = |frames: &[Frame]| -> Vec<(i64, String)> {
+        frames
+            .iter()
+            .map(|f| {
+                (
+                    f.id.expect("a replay holds stored events only"),
+                    f.kind.clone(),
+                )
+            })
+            .collect()
+    };
+    let replay = http
+        .get(format!("{path}?follow=false"))
+        .send()
+        .await
+        .unwrap();
+    let replayed = frames_of(&read_frames(&mut replay.bytes_stream(), None).await);
+    let owned = |events: &[(i64, &str)]| -> Vec<(i64, String)> {
+        events.iter().map(|(s, k)| (*s, (*k).to_owned())).collect()
+    };
+    assert_eq!(replayed, owned(&kept), "a replay is the stored events");
+    let middle = stored_ids[stored_ids.len() / 2];
+    let resumed = http
+        .get(format!("{path}?follow=false"))
+        .header("Last-Event-ID", middle.to_string())
+        .send()
+        .await
+        .unwrap();
+    let resumed = frames_of(&read_frames(&mut resumed.bytes_stream(), None).await);
+    let after: Vec<(i64, &str)> = kept.iter().copied().filter(|(s, _)| *s > middle).collect();
+    assert_eq!(
+        resumed,
+        owned(&after),
+        "a reconnection resumes after its stored cursor"
+    );
+    assert!(
+        stored
+            .iter()
+            .all(|e| e.payload["activity"] != "calling_model"
+                && e.payload["activity"] != "loading_context"
+                && e.payload["activity"] != "executing_tools"),
+        "activity is never stored"
+    );
 }
 
 /// `bench steps --worker-processes N` leaves every step to `ratchet worker` processes and still

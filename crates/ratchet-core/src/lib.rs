@@ -5,6 +5,7 @@
 //! numbers: time and ids are passed in. Everything that *decides* lives here so that it can be
 //! tested exhaustively without a runtime.
 
+pub mod activity;
 pub mod approval;
 pub mod brain;
 pub mod completion;
@@ -19,6 +20,7 @@ pub mod status;
 pub mod step;
 pub mod webhook;
 
+pub use activity::Activity;
 pub use approval::{ApprovalAnswer, ApprovalCall, ApprovalPolicy, CallDecision, Verdict};
 pub use brain::{Instruction, decide};
 pub use completion::{Blocker, CompletionCriteria, CompletionProgress};

@@ -23,6 +23,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::activity::{ActivityBus, Observed};
 use crate::{Result, now_ms};
 
 /// Live events; a subscriber that falls this far behind is told it lagged and replays.
@@ -63,6 +64,11 @@ pub struct Coordinator {
     dropped: CancellationToken,
     /// Limits on unfinished runs, checked when a message or a delegation admits new ones.
     quota: RunQuota,
+    /// What the steps in flight here are doing; never stored (see `activity.rs`).
+    activity: ActivityBus,
+    /// Stored events sent on the observation bus so far; held while one is sent, so a
+    /// subscriber knows exactly which ones it will receive.
+    published: Mutex<u64>,
 }
 
 impl Drop for Coordinator {
@@ -89,6 +95,8 @@ impl Coordinator {
             in_flight: Mutex::new(HashMap::new()),
             dropped: CancellationToken::new(),
             quota,
+            activity: ActivityBus::new(),
+            published: Mutex::new(0),
         })
     }
 
@@ -122,6 +130,26 @@ impl Coordinator {
     /// The observation bus. Subscribe before acting to see every event of the action.
     pub fn subscribe(&self) -> broadcast::Receiver<StoredEvent> {
         self.events.subscribe()
+    }
+
+    /// The observation bus and the live activity of steps in flight in this process,
+    /// subscribed together so that the two can be merged in the order they were sent (see
+    /// `LiveActivity::published_before`). Activity is not a stored event and has no `seq`:
+    /// a stream sends it between stored events, and no replay contains it.
+    pub fn observe(&self) -> Observed {
+        let activity = self.activity.subscribe();
+        let published = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        Observed {
+            events: self.events.subscribe(),
+            activity,
+            published: *published,
+        }
+    }
+
+    /// Tells whoever watches the claimed step's session what the step is about to do.
+    pub fn announce(&self, claimed: &ClaimedStep, activity: &ratchet_core::Activity) {
+        let published = *self.published.lock().unwrap_or_else(|e| e.into_inner());
+        self.activity.announce(claimed, activity, published);
     }
 
     pub async fn create_session(&self, spec: SessionSpec) -> Result<Session> {
@@ -531,8 +559,10 @@ impl Coordinator {
             fail::fail_point!("events.publish", event.kind == "step.committed", |_| {
                 std::process::abort()
             });
+            let mut published = self.published.lock().unwrap_or_else(|e| e.into_inner());
             // No subscriber is not an error: events are durable and replayable.
             let _ = self.events.send(event);
+            *published += 1;
         }
     }
 }

@@ -159,6 +159,8 @@ impl Engine {
         cancel: &CancellationToken,
     ) -> Result<StepResult, StepFailure> {
         let state = &claimed.state;
+        self.coordinator
+            .announce(claimed, &ratchet_core::Activity::LoadingContext);
         let context = self.coordinator.store().context(&state.session_id).await?;
         let tools = if conclude {
             Vec::new()
@@ -194,6 +196,8 @@ impl Engine {
         cancel: &CancellationToken,
     ) -> Result<StepResult, StepFailure> {
         let state = &claimed.state;
+        self.coordinator
+            .announce(claimed, &ratchet_core::Activity::LoadingContext);
         let context = self.coordinator.store().context(&state.session_id).await?;
         let budget = state.limits().max_prompt_tokens.unwrap_or(u64::MAX) / 2;
         let cut = compaction_cut(&context, budget);
@@ -249,6 +253,8 @@ impl Engine {
         cancel: &CancellationToken,
     ) -> Result<(ratchet_core::ModelReply, Option<EventDraft>), StepFailure> {
         let (state, job) = (&claimed.state, &claimed.job);
+        self.coordinator
+            .announce(claimed, &ratchet_core::Activity::calling_model(state));
         let model = self
             .models
             .for_config(&state.config)
@@ -346,6 +352,10 @@ impl Engine {
         started: ratchet_core::Millis,
         cancel: &CancellationToken,
     ) -> Result<StepResult, StepFailure> {
+        self.coordinator.announce(
+            claimed,
+            &ratchet_core::Activity::executing_tools(&claimed.state),
+        );
         let (state, job) = (claimed.state.clone(), &claimed.job);
         let calls: Vec<(ToolCall, Option<ToolOutcome>)> = state
             .checkpoint

@@ -4,6 +4,7 @@
 //!
 //! This crate depends on the storage *port* only, never on an adapter.
 
+mod activity;
 mod coordinator;
 mod delegation;
 mod engine;
@@ -15,6 +16,7 @@ mod worker;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+pub use activity::{LiveActivity, Observed};
 pub use coordinator::{Coordinator, Multitask, StartedRun};
 pub use engine::{DEFAULT_CANCEL_GRACE, Engine, StepFailure};
 pub use gates::{PermitLimits, StepPermits};

@@ -173,9 +173,12 @@ const connection = {
 };
 
 class EventStream {
-  constructor(path, onEvent) {
+  // `onLive` receives the live activity of steps in flight: events without an id or a seq,
+  // never stored, which must not move the cursor.
+  constructor(path, onEvent, onLive = () => {}) {
     this.path = path;
     this.onEvent = onEvent;
+    this.onLive = onLive;
     this.lastSeq = 0;
     this.stopped = false;
     this.controller = null;
@@ -256,6 +259,10 @@ class EventStream {
 
   dispatch(id, data) {
     const event = JSON.parse(data);
+    if (event.live === true) {
+      this.onLive(event);
+      return;
+    }
     const seq = Number(id ?? event.seq);
     if (seq <= this.lastSeq) return;
     this.lastSeq = seq;
@@ -270,6 +277,45 @@ class EventStream {
 
 // ---------------------------------------------------------------------------------------------
 // Shared pieces of views.
+
+// What the step in flight is doing ("calling model gpt-x…"), from live activity; cleared when
+// that step is committed or its run ends.
+function activityLine() {
+  const el = h("p", { class: "activity muted", role: "status", "aria-live": "polite", hidden: true });
+  let step = null;
+  const describe = (p) => {
+    switch (p.activity) {
+      case "loading_context":
+        return "loading context…";
+      case "calling_model":
+        return p.model ? `calling model ${p.model}…` : "calling the model…";
+      case "executing_tools":
+        return p.tools?.length ? `running tools: ${p.tools.join(", ")}…` : "running tools…";
+      default:
+        return null;
+    }
+  };
+  const clear = () => {
+    step = null;
+    el.textContent = "";
+    el.hidden = true;
+  };
+  return {
+    el,
+    live(event) {
+      const text = describe(event.payload ?? {});
+      if (text === null) return;
+      step = event.payload.step_index;
+      el.textContent = text;
+      el.hidden = false;
+    },
+    stored(event) {
+      if (step === null) return;
+      const ended = event.kind === "run.finished" || (event.kind === "step.committed" && event.payload?.step_index >= step);
+      if (ended) clear();
+    },
+  };
+}
 
 function errorRegion() {
   return h("p", { class: "error", role: "alert", hidden: true });
@@ -505,6 +551,7 @@ function showSession(view, sessionId) {
   // The live region wraps the list, so its items stay list items.
   const log = h("ol", { class: "log" });
   const conversation = h("div", { role: "log", "aria-label": "Conversation", "aria-live": "polite" }, log);
+  const activity = activityLine();
   const controls = runControls((changed) => refreshRun(changed.run_id ?? changed.id));
   const runsList = h("ul", { class: "runs" });
   const content = h("textarea", { id: "message", name: "content", rows: 3, required: true });
@@ -538,7 +585,7 @@ function showSession(view, sessionId) {
     h(
       "div",
       { class: "session" },
-      h("div", {}, conversation, composer),
+      h("div", {}, conversation, activity.el, composer),
       h(
         "aside",
         { class: "side", "aria-label": "Session details" },
@@ -965,7 +1012,14 @@ function showSession(view, sessionId) {
     }).then(closeIfArchived);
   });
 
-  const stream = new EventStream(`/v1/sessions/${sessionId}/events`, apply).start();
+  const stream = new EventStream(
+    `/v1/sessions/${sessionId}/events`,
+    (event) => {
+      activity.stored(event);
+      apply(event);
+    },
+    activity.live,
+  ).start();
   refreshSide();
   return () => {
     stream.stop();
@@ -1066,12 +1120,14 @@ function showRun(view, runId) {
   const tree = h("ul", { class: "tree", "aria-label": "Run tree" });
   const events = h("tbody");
   const controls = runControls(() => refresh());
+  const activity = activityLine();
   const panel = (title, ...content) => {
     const id = `panel-${title.toLowerCase().replaceAll(" ", "-")}`;
     return h("section", { class: "panel", "aria-labelledby": id }, h("h2", { id, text: title }), ...content);
   };
   view.append(
     h("h1", {}, "Run ", h("span", { class: "mono", text: runId })),
+    activity.el,
     region,
     h(
       "div",
@@ -1194,6 +1250,7 @@ function showRun(view, runId) {
 
   let refreshTimer = null;
   const stream = new EventStream(`/v1/runs/${runId}/events`, (event) => {
+    activity.stored(event);
     events.append(
       h(
         "tr",
@@ -1208,7 +1265,7 @@ function showRun(view, runId) {
       clearTimeout(refreshTimer);
       refreshTimer = setTimeout(refresh, 150);
     }
-  }).start();
+  }, activity.live).start();
   refresh();
   return () => {
     stream.stop();

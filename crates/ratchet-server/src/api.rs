@@ -560,6 +560,36 @@ fn event_view_json() -> utoipa::openapi::Object {
         .build()
 }
 
+/// The `data` of a live `activity` event: what a step in flight is doing right now
+/// (`loading_context`, `calling_model` with `model`, `executing_tools` with `tools`). It is
+/// never stored, so it has no `seq` and its server-sent event no `id`: it never moves a
+/// client's cursor, and no replay contains it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LiveActivityView {
+    pub session_id: String,
+    pub run_id: String,
+    /// Always `activity`.
+    pub kind: &'static str,
+    /// Always `true`: tells it from stored events, which have a `seq`.
+    pub live: bool,
+    #[schema(value_type = Object)]
+    pub payload: Value,
+    pub created_at: Millis,
+}
+
+impl From<&ratchet_engine::LiveActivity> for LiveActivityView {
+    fn from(activity: &ratchet_engine::LiveActivity) -> LiveActivityView {
+        LiveActivityView {
+            session_id: activity.session_id.to_string(),
+            run_id: activity.run_id.to_string(),
+            kind: "activity",
+            live: true,
+            payload: activity.payload.clone(),
+            created_at: activity.at,
+        }
+    }
+}
+
 impl From<&StoredEvent> for ServerSentEvent {
     fn from(event: &StoredEvent) -> ServerSentEvent {
         ServerSentEvent {

@@ -125,7 +125,7 @@ impl AppState {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Ratchet", description = "A durable runtime for LLM agents."),
-    components(schemas(api::ErrorBody, api::EventView))
+    components(schemas(api::ErrorBody, api::EventView, api::LiveActivityView))
 )]
 struct ApiDoc;
 

@@ -8,6 +8,12 @@
 //! or a lagged subscription, sends it back to the store to fill the gap. Nothing is sent
 //! twice, nothing is skipped, and order is always `seq` order.
 //!
+//! Between stored events, a following stream also sends the live activity of the steps in
+//! flight in this process (`Coordinator::observe`): `activity` events without an `id` and
+//! without a `seq`, never stored, each after the stored events published before it. They do
+//! not touch the cursor, so a client that reconnects resumes exactly where the stored events
+//! left it, and a replay never holds them.
+//!
 //! The live bus carries this process's events and those other processes announce; an
 //! announcement can be lost (or, on SQLite, never made), so a following stream that has
 //! delivered nothing for `QUIET` also looks in the store: the events of steps another process
@@ -23,6 +29,7 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::{Stream, StreamExt};
 use ratchet_core::{RunId, SessionId};
+use ratchet_engine::LiveActivity;
 use ratchet_store::StoredEvent;
 use serde::Deserialize;
 use tokio::sync::broadcast;
@@ -30,7 +37,7 @@ use tokio::sync::broadcast::error::RecvError;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::api::{ErrorBody, ServerSentEvent};
+use crate::api::{ErrorBody, LiveActivityView, ServerSentEvent};
 use crate::auth::Tenant;
 use crate::error::{ApiPath, ApiQuery};
 use crate::routes::{parse_run_id, parse_session_id, tenant_run, tenant_session};
@@ -85,6 +92,13 @@ impl Scope {
         match self {
             Scope::Session(_) => true,
             Scope::Run(_, run) => event.run_id.as_ref() == Some(run),
+        }
+    }
+
+    fn hears(&self, activity: &LiveActivity) -> bool {
+        match self {
+            Scope::Session(session) => &activity.session_id == session,
+            Scope::Run(_, run) => &activity.run_id == run,
         }
     }
 }
@@ -171,7 +185,7 @@ fn stream(
     follow: bool,
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     // Subscribe before reading the backlog, so nothing published meanwhile is missed.
-    let live = state.coordinator.subscribe();
+    let observed = state.coordinator.observe();
     let feed = Feed {
         state,
         scope,
@@ -179,7 +193,10 @@ fn stream(
         follow,
         page: VecDeque::new(),
         behind: true,
-        live,
+        live: observed.events,
+        activity: observed.activity,
+        received: observed.published,
+        held: None,
         quiet: Box::pin(tokio::time::sleep(QUIET)),
         _permit: permit,
     };
@@ -207,6 +224,12 @@ struct Feed {
     /// The store may hold events after `seen` that `page` does not.
     behind: bool,
     live: broadcast::Receiver<StoredEvent>,
+    /// What the steps in flight here are doing; sent only while the stream is caught up.
+    activity: broadcast::Receiver<LiveActivity>,
+    /// Stored events published on the bus up to the last one `live` has handed over.
+    received: u64,
+    /// An activity waiting for the stored events published before it to be sent.
+    held: Option<LiveActivity>,
     /// Fires after `QUIET` without a delivery: announcements can be lost, the store cannot.
     quiet: Pin<Box<tokio::time::Sleep>>,
     _permit: StreamPermit,
@@ -230,6 +253,9 @@ impl Feed {
                 }
                 continue;
             }
+            if let Some(activity) = self.held.take() {
+                return Some(live_sse(&activity));
+            }
             if self.behind {
                 if let Err(error) = self.read_page().await {
                     tracing::warn!(%error, "event stream ended on a store error");
@@ -240,17 +266,54 @@ impl Feed {
             if !self.follow {
                 return None;
             }
+            // Activity first: each is merged after exactly the stored events published before
+            // it (`take_published`), so it never comes ahead of the commit before it nor after
+            // the one after it.
             tokio::select! {
+                biased;
                 () = self.state.shutdown.cancelled() => return None,
+                announced = self.activity.recv() => match announced {
+                    Ok(activity) if self.scope.hears(&activity) => {
+                        self.take_published(activity.published_before);
+                        self.held = Some(activity);
+                    }
+                    // Another session's, or stale ones a slow client missed: nothing to catch up.
+                    Ok(_) | Err(RecvError::Lagged(_)) => {}
+                    Err(RecvError::Closed) => return None,
+                },
                 received = self.live.recv() => match received {
-                    Ok(event) => self.offer(event),
-                    Err(RecvError::Lagged(_)) => self.behind = true,
+                    Ok(event) => {
+                        self.received += 1;
+                        self.offer(event);
+                    }
+                    Err(RecvError::Lagged(missed)) => {
+                        self.received += missed;
+                        self.behind = true;
+                    }
                     Err(RecvError::Closed) => return None,
                 },
                 () = &mut self.quiet => {
                     self.behind = true;
                     self.quiet.as_mut().reset(tokio::time::Instant::now() + QUIET);
                 }
+            }
+        }
+    }
+
+    /// Takes from the bus the stored events published before an activity (they are there
+    /// already: they were sent before it was announced).
+    fn take_published(&mut self, published: u64) {
+        while self.received < published {
+            match self.live.try_recv() {
+                Ok(event) => {
+                    self.received += 1;
+                    self.offer(event);
+                }
+                Err(broadcast::error::TryRecvError::Lagged(missed)) => {
+                    self.received += missed;
+                    self.behind = true;
+                }
+                Err(_) => return,
             }
         }
     }
@@ -281,6 +344,12 @@ impl Feed {
         self.page = page.into();
         Ok(())
     }
+}
+
+/// No `id`: the client's `Last-Event-ID` stays the last stored event's.
+fn live_sse(activity: &LiveActivity) -> Event {
+    let data = serde_json::to_string(&LiveActivityView::from(activity)).unwrap_or_default();
+    Event::default().event("activity").data(data)
 }
 
 fn to_sse(event: &StoredEvent) -> Event {
@@ -324,7 +393,7 @@ mod tests {
     }
 
     fn feed(state: AppState, session: SessionId, follow: bool) -> Feed {
-        let live = state.coordinator.subscribe();
+        let observed = state.coordinator.observe();
         let permit = state.streams.open("t").unwrap();
         Feed {
             state,
@@ -333,7 +402,10 @@ mod tests {
             follow,
             page: VecDeque::new(),
             behind: false,
-            live,
+            live: observed.events,
+            activity: observed.activity,
+            received: observed.published,
+            held: None,
             quiet: Box::pin(tokio::time::sleep(QUIET)),
             _permit: permit,
         }

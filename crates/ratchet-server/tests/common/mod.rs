@@ -506,7 +506,8 @@ impl Sse {
         }
     }
 
-    /// The next event, or `None` when the server ended the stream.
+    /// The next stored event, or `None` when the server ended the stream. Live activity
+    /// (no `id`, `live: true`) is passed over: what these tests check is the stored events.
     pub async fn next(&mut self) -> Option<Ev> {
         let (mut id, mut kind, mut data) = (None::<String>, None::<String>, None::<String>);
         loop {
@@ -515,7 +516,10 @@ impl Sse {
                 let text = String::from_utf8(raw).unwrap();
                 let line = text.trim_end_matches(['\n', '\r']);
                 if line.is_empty() {
-                    if id.is_some() || kind.is_some() || data.is_some() {
+                    let live = id.is_none() && data.as_deref().is_some_and(is_live);
+                    if live {
+                        (kind, data) = (None, None);
+                    } else if id.is_some() || kind.is_some() || data.is_some() {
                         return Some(Ev::parse(id, kind, data));
                     }
                     continue;
@@ -594,6 +598,10 @@ impl Ev {
             data,
         }
     }
+}
+
+fn is_live(data: &str) -> bool {
+    serde_json::from_str::<Value>(data).is_ok_and(|data| data["live"] == true)
 }
 
 pub fn seqs(events: &[Ev]) -> Vec<i64> {
