@@ -672,6 +672,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let mut overrides = runtime::ToolOverrides {
                 approval: file.approval_policies()?,
                 replay: file.replay_policies(),
+                calls: file.call_limits()?,
             };
             overrides.approval.extend(
                 require_approval

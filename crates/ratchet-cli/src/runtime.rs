@@ -84,11 +84,14 @@ impl Toolbox {
             policy
                 .validate()
                 .map_err(|e| anyhow::anyhow!("tool {name:?}: {e}"))?;
-            let spec = find_tool(&mut tools, name, "approval", &self.tools)?;
+            let spec = find_tool(&mut tools, name, "approval policy", &self.tools)?;
             spec.approval = policy.clone();
         }
         for (name, replay) in &overrides.replay {
-            find_tool(&mut tools, name, "replay", &self.tools)?.replay = *replay;
+            find_tool(&mut tools, name, "replay policy", &self.tools)?.replay = *replay;
+        }
+        for (name, limits) in &overrides.calls {
+            limits.apply(&mut find_tool(&mut tools, name, "call limits", &self.tools)?.calls);
         }
         Ok(RunConfigSnapshot {
             model,
@@ -179,6 +182,7 @@ impl Toolbox {
 pub struct ToolOverrides {
     pub approval: BTreeMap<String, ApprovalPolicy>,
     pub replay: BTreeMap<String, ReplayPolicy>,
+    pub calls: BTreeMap<String, ratchet_server::CallLimitsOverride>,
 }
 
 fn find_tool<'a>(
@@ -189,7 +193,7 @@ fn find_tool<'a>(
 ) -> anyhow::Result<&'a mut ToolSpec> {
     let known = registry.names().join(", ");
     tools.iter_mut().find(|t| t.name == name).ok_or_else(|| {
-        anyhow::anyhow!("{what} policy for unknown tool {name:?}; the tools are: {known}")
+        anyhow::anyhow!("{what} for unknown tool {name:?}; the tools are: {known}")
     })
 }
 

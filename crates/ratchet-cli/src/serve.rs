@@ -201,6 +201,7 @@ fn run_template(config: &Config, toolbox: &Toolbox) -> anyhow::Result<RunConfigS
         &ToolOverrides {
             approval: config.approval_policies()?,
             replay: config.replay_policies(),
+            calls: config.call_limits()?,
         },
         config.memory_scope.unwrap_or_default(),
     )?;

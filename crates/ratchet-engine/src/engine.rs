@@ -93,10 +93,9 @@ pub struct Engine {
     models: Arc<Models>,
     tools: Arc<Registry>,
     permits: StepPermits,
-    cancel_grace: Duration,
 }
 
-/// How long a cancelled call may take to stop on its own before its task is aborted.
+/// How long a cut-off call may take to stop on its own before its task is aborted.
 pub const DEFAULT_CANCEL_GRACE: Duration = Duration::from_secs(5);
 
 impl Engine {
@@ -106,15 +105,7 @@ impl Engine {
             models,
             tools,
             permits: StepPermits::default(),
-            cancel_grace: DEFAULT_CANCEL_GRACE,
         }
-    }
-
-    /// How long a call may go on after its step was cancelled (a cancel, a deadline, a
-    /// shutdown) before its task is aborted and its outcome is unknown.
-    pub fn with_cancel_grace(mut self, grace: Duration) -> Engine {
-        self.cancel_grace = grace;
-        self
     }
 
     /// Limits the model calls and tool calls this engine makes at once.
@@ -123,10 +114,13 @@ impl Engine {
         self
     }
 
+    /// Executes the claimed step's instruction. Cancelling `cancel` cuts the step off: a tool
+    /// call then has `grace` to stop on its own before its task is aborted.
     pub async fn execute(
         &self,
         claimed: &ClaimedStep,
         cancel: &CancellationToken,
+        grace: Duration,
     ) -> Result<StepResult, StepFailure> {
         let started = now_ms();
         match decide(&claimed.state, claimed.job.phase, started) {
@@ -140,7 +134,7 @@ impl Engine {
             Instruction::CallLlm { conclude } => {
                 self.call_model(claimed, conclude, started, cancel).await
             }
-            Instruction::CallToolsBatch => self.run_batch(claimed, started, cancel).await,
+            Instruction::CallToolsBatch => self.run_batch(claimed, started, cancel, grace).await,
             Instruction::AskApproval => Ok(ask_approval_step(
                 claimed.state.clone(),
                 &claimed.job,
@@ -351,6 +345,7 @@ impl Engine {
         claimed: &ClaimedStep,
         started: ratchet_core::Millis,
         cancel: &CancellationToken,
+        grace: Duration,
     ) -> Result<StepResult, StepFailure> {
         self.coordinator.announce(
             claimed,
@@ -496,7 +491,7 @@ impl Engine {
                     root_session(&state),
                     claimed.claim.clone(),
                     planned,
-                    self.cancel_grace,
+                    grace,
                 )
             })
             .collect::<Vec<_>>();

@@ -56,8 +56,9 @@ pub struct PoolConfig {
     /// Claim only this run's jobs: a driver for one run (`ratchet run`) leaves every other
     /// run in the database alone.
     pub only_run: Option<ratchet_core::RunId>,
-    /// How long a shutdown lets a step in flight finish before cutting it off (its calls then
-    /// get the engine's own grace period before they are aborted).
+    /// How long a tool call may go on after its step was cut off (a cancel, the run's
+    /// deadline) before its task is aborted and its outcome is unknown; a shutdown also lets
+    /// steps in flight run this long before cutting them off.
     pub cancel_grace: Duration,
 }
 

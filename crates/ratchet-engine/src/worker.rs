@@ -355,7 +355,9 @@ impl Worker {
         Option<CutOff>,
     ) {
         let step_cancel = cancel.child_token();
-        let step = self.engine.execute(claimed, &step_cancel);
+        let step = self
+            .engine
+            .execute(claimed, &step_cancel, self.config.cancel_grace);
         tokio::pin!(step);
         let mut beat = tokio::time::interval(self.config.heartbeat);
         beat.tick().await;

@@ -64,6 +64,9 @@ pub struct Config {
     pub heartbeat_ms: Option<u64>,
     /// How often an idle worker looks for work nobody announced (default 250 ms).
     pub poll_ms: Option<u64>,
+    /// How long a tool call may go on after its step was cut off (a cancel, the run's
+    /// deadline, a shutdown) before it is aborted with its outcome unknown (default 5000 ms).
+    pub cancel_grace_ms: Option<u64>,
     #[serde(default)]
     pub tokens: Vec<TokenConfig>,
     /// Per-tool settings, `[tools.NAME]`.
@@ -239,6 +242,32 @@ pub struct ToolConfig {
     /// (run again with the same idempotency key) or `never` (a human reconciles). Default:
     /// the tool's own.
     pub replay: Option<ReplayPolicy>,
+    /// How long one call may run before it is cut off with its outcome unknown (default
+    /// 300000, five minutes).
+    pub timeout_ms: Option<u64>,
+    /// Attempts of a `keyed` or `safe` call whose outcome stays unknown (timeouts, lost
+    /// connections) before a human is asked (`keyed`) or the model gets an error (`safe`);
+    /// default 3. A `never` call is tried once.
+    pub max_attempts: Option<u32>,
+}
+
+/// The call limits `[tools.NAME]` sets over the tool's defaults.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallLimitsOverride {
+    pub timeout_ms: Option<u64>,
+    pub max_attempts: Option<u32>,
+}
+
+impl CallLimitsOverride {
+    /// The limits of a tool with these settings applied.
+    pub fn apply(self, limits: &mut ratchet_core::CallLimits) {
+        if let Some(timeout_ms) = self.timeout_ms {
+            limits.timeout_ms = timeout_ms;
+        }
+        if let Some(max_attempts) = self.max_attempts {
+            limits.max_attempts = max_attempts;
+        }
+    }
 }
 
 /// One accepted bearer token: its SHA-256 (`ratchet` never stores the token itself) or the
@@ -295,6 +324,7 @@ impl Config {
             ("RATCHET_LEASE_MS", &mut self.lease_ms),
             ("RATCHET_HEARTBEAT_MS", &mut self.heartbeat_ms),
             ("RATCHET_POLL_MS", &mut self.poll_ms),
+            ("RATCHET_CANCEL_GRACE_MS", &mut self.cancel_grace_ms),
         ] {
             if let Some(value) = env(key) {
                 let number = value.parse().map_err(|_| {
@@ -337,11 +367,15 @@ impl Config {
                 "workers (--workers) must be at most {MAX_WORKERS}, found {workers}"
             ));
         }
+        let cancel_grace = self
+            .cancel_grace_ms
+            .map_or(defaults.cancel_grace, Duration::from_millis);
         Ok(ratchet_engine::PoolConfig {
             workers: workers as usize,
             lease: Duration::from_millis(lease),
             heartbeat: Duration::from_millis(heartbeat),
             poll: Duration::from_millis(poll),
+            cancel_grace,
             ..defaults
         })
     }
@@ -511,6 +545,31 @@ impl Config {
             policies.insert(tool.clone(), policy);
         }
         Ok(policies)
+    }
+
+    /// The call limits the file sets, by tool name, checked: no zero timeout or attempts.
+    pub fn call_limits(&self) -> Result<BTreeMap<String, CallLimitsOverride>, ConfigError> {
+        let mut limits = BTreeMap::new();
+        for (tool, settings) in &self.tools {
+            let zero = match (settings.timeout_ms, settings.max_attempts) {
+                (Some(0), _) => Some("timeout_ms"),
+                (_, Some(0)) => Some("max_attempts"),
+                _ => None,
+            };
+            if let Some(key) = zero {
+                return Err(ConfigError::Invalid(format!(
+                    "tools.{tool}.{key} must be at least 1, found 0"
+                )));
+            }
+            if settings.timeout_ms.is_some() || settings.max_attempts.is_some() {
+                let set = CallLimitsOverride {
+                    timeout_ms: settings.timeout_ms,
+                    max_attempts: settings.max_attempts,
+                };
+                limits.insert(tool.clone(), set);
+            }
+        }
+        Ok(limits)
     }
 
     /// The replay policies the file sets, by tool name.
@@ -1142,12 +1201,19 @@ mod tests {
         let tool = (
             proptest::option::of(approval()),
             proptest::option::of(replay()),
+            small(),
+            proptest::option::of(0u32..5),
         )
-            .prop_map(|(approval, replay)| ToolConfig { approval, replay });
+            .prop_map(|(approval, replay, timeout_ms, max_attempts)| ToolConfig {
+                approval,
+                replay,
+                timeout_ms,
+                max_attempts,
+            });
         (
             (text(), text(), text(), text()),
             (number(), number(), number(), number(), number(), number()),
-            (scope, small(), small(), small(), small()),
+            (scope, small(), small(), small(), small(), small()),
             (
                 proptest::collection::vec(token(), 0..3),
                 proptest::collection::btree_map(any::<String>(), tool, 0..3),
@@ -1166,7 +1232,7 @@ mod tests {
                         max_prompt_tokens,
                         max_duration_ms,
                     ),
-                    (memory_scope, workers, lease_ms, heartbeat_ms, poll_ms),
+                    (memory_scope, workers, lease_ms, heartbeat_ms, poll_ms, cancel_grace_ms),
                     (tokens, tools, models, servers),
                 )| Config {
                     listen,
@@ -1184,6 +1250,7 @@ mod tests {
                     lease_ms,
                     heartbeat_ms,
                     poll_ms,
+                    cancel_grace_ms,
                     tokens,
                     tools,
                     models,
@@ -1225,6 +1292,7 @@ mod tests {
             ("lease_ms", config.lease_ms),
             ("heartbeat_ms", config.heartbeat_ms),
             ("poll_ms", config.poll_ms),
+            ("cancel_grace_ms", config.cancel_grace_ms),
         ] {
             put(&mut root, key, int(value));
         }
@@ -1251,6 +1319,8 @@ mod tests {
             let mut table = toml::Table::new();
             put(&mut table, "approval", tool.approval.clone());
             put(&mut table, "replay", tool.replay.map(|r| r.as_str()));
+            put(&mut table, "timeout_ms", int(tool.timeout_ms));
+            put(&mut table, "max_attempts", tool.max_attempts.map(i64::from));
             tools.insert(name.clone(), table.into());
         }
         root.insert("tools".into(), tools.into());

@@ -33,7 +33,7 @@ use utoipa_axum::router::OpenApiRouter;
 
 pub use active::Active;
 pub use auth::{Tokens, hash_token};
-pub use config::{Config, ConfigError, SecretsSettings, TokenConfig};
+pub use config::{CallLimitsOverride, Config, ConfigError, SecretsSettings, TokenConfig};
 pub use error::ApiError;
 pub use hosts::HostPolicy;
 pub use listener::GuardedListener;
