@@ -192,9 +192,10 @@ fn find_tool<'a>(
     registry: &Registry,
 ) -> anyhow::Result<&'a mut ToolSpec> {
     let known = registry.names().join(", ");
-    tools.iter_mut().find(|t| t.name == name).ok_or_else(|| {
-        anyhow::anyhow!("{what} for unknown tool {name:?}; the tools are: {known}")
-    })
+    tools
+        .iter_mut()
+        .find(|t| t.name == name)
+        .ok_or_else(|| anyhow::anyhow!("{what} for unknown tool {name:?}; the tools are: {known}"))
 }
 
 pub struct Runtime {

@@ -691,7 +691,8 @@ async fn attempt_call(
     grace: Duration,
 ) -> ToolOutcome {
     let task = {
-        let (tool, arguments, context) = (Arc::clone(tool), call.arguments.clone(), context.clone());
+        let (tool, arguments, context) =
+            (Arc::clone(tool), call.arguments.clone(), context.clone());
         tokio::spawn(async move { tool.call(arguments, &context).await })
     };
     let aborter = task.abort_handle();

@@ -361,9 +361,10 @@ impl Worker {
         tokio::pin!(step);
         let mut beat = tokio::time::interval(self.config.heartbeat);
         beat.tick().await;
-        let until_deadline = claimed.state.deadline().map(|deadline| {
-            Duration::from_millis(u64::try_from(deadline - now_ms()).unwrap_or(0))
-        });
+        let until_deadline = claimed
+            .state
+            .deadline()
+            .map(|deadline| Duration::from_millis(u64::try_from(deadline - now_ms()).unwrap_or(0)));
         let deadline = tokio::time::sleep(until_deadline.unwrap_or(Duration::MAX));
         tokio::pin!(deadline);
         let shutdown_grace = tokio::time::sleep(Duration::MAX);

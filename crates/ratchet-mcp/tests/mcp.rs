@@ -310,7 +310,10 @@ async fn a_crash_mid_call_has_an_unknown_outcome_and_the_next_call_restarts_the_
         .await
         .unwrap();
     let outcome = call(&tools, "local.crash", json!({})).await;
-    assert!(outcome.unknown, "the server had the call when it died: {outcome:?}");
+    assert!(
+        outcome.unknown,
+        "the server had the call when it died: {outcome:?}"
+    );
     assert_eq!(
         outcome.content,
         "server \"local\": the connection closed after the call was sent"

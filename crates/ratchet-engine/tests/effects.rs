@@ -1,0 +1,414 @@
+//! Effects whose outcome nobody knows, end to end on real SQLite files: a tool that answers
+//! *unknown* under each replay policy, a tool that hangs past its timeout, a tool that
+//! ignores its cancellation, and a run whose deadline passes while a call is in flight or
+//! while it waits for a human.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use ratchet_core::step::Reconciliation;
+use ratchet_core::{
+    CallLimits, HumanRequest, Limits, MemoryScope, ReplayPolicy, RunConfigSnapshot, RunId,
+    RunStatus, StopReason, ToolOutcome,
+};
+use ratchet_engine::{Coordinator, Engine, Models, Multitask, PoolConfig, WorkerPool};
+use ratchet_store::{SessionSpec, Store};
+use ratchet_tools::{Registry, Tool, ToolContext};
+use serde_json::{Value, json};
+
+/// What a test tool does when called.
+#[derive(Clone, Copy)]
+enum Behaviour {
+    /// Answers that nobody knows whether it took effect (a lost connection).
+    Unknown,
+    /// Never answers and never looks at its cancellation token.
+    Hang,
+}
+
+/// A tool that records every call's idempotency key.
+struct Probe {
+    name: &'static str,
+    replay: ReplayPolicy,
+    behaviour: Behaviour,
+    keys: Arc<Mutex<Vec<String>>>,
+}
+
+#[async_trait]
+impl Tool for Probe {
+    fn name(&self) -> &str {
+        self.name
+    }
+    fn description(&self) -> &str {
+        "A test tool."
+    }
+    fn parameters(&self) -> Value {
+        json!({"type": "object"})
+    }
+    fn replay(&self) -> ReplayPolicy {
+        self.replay
+    }
+    async fn call(&self, _: Value, context: &ToolContext) -> ToolOutcome {
+        self.keys
+            .lock()
+            .unwrap()
+            .push(context.idempotency_key.clone());
+        match self.behaviour {
+            Behaviour::Unknown => ToolOutcome::unknown("the connection dropped mid-call"),
+            Behaviour::Hang => {
+                // Deaf to its token: only an abort stops it.
+                tokio::time::sleep(Duration::from_secs(3600)).await;
+                ToolOutcome::ok("too late")
+            }
+        }
+    }
+}
+
+struct Node {
+    coordinator: Arc<Coordinator>,
+    pool: WorkerPool,
+    specs: Vec<ratchet_core::ToolSpec>,
+    keys: Arc<Mutex<Vec<String>>>,
+    _dir: tempfile::TempDir,
+    script: std::path::PathBuf,
+}
+
+const GRACE: Duration = Duration::from_millis(300);
+
+fn node(replies: Value) -> Node {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let script = dir.path().join("script.json");
+    std::fs::write(&script, json!({ "replies": replies }).to_string()).unwrap();
+    let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
+    let keys = Arc::new(Mutex::new(Vec::new()));
+    let mut tools = Registry::builtin_tools(1024);
+    for (name, replay, behaviour) in [
+        ("unknown_never", ReplayPolicy::Never, Behaviour::Unknown),
+        ("unknown_keyed", ReplayPolicy::Keyed, Behaviour::Unknown),
+        ("unknown_safe", ReplayPolicy::Safe, Behaviour::Unknown),
+        ("hang_never", ReplayPolicy::Never, Behaviour::Hang),
+        ("hang_safe", ReplayPolicy::Safe, Behaviour::Hang),
+    ] {
+        tools.push(Arc::new(Probe {
+            name,
+            replay,
+            behaviour,
+            keys: Arc::clone(&keys),
+        }));
+    }
+    let tools = Arc::new(Registry::new(tools).unwrap());
+    let specs = tools.specs();
+    let models = Arc::new(Models::new(
+        tools.names().into_iter().map(str::to_owned).collect(),
+    ));
+    let coordinator = Coordinator::new(store);
+    let engine = Arc::new(Engine::new(Arc::clone(&coordinator), models, tools));
+    let config = PoolConfig {
+        workers: 2,
+        poll: Duration::from_millis(20),
+        cancel_grace: GRACE,
+        ..PoolConfig::default()
+    };
+    let pool = WorkerPool::start(Arc::clone(&coordinator), engine, config);
+    Node {
+        coordinator,
+        pool,
+        specs,
+        keys,
+        _dir: dir,
+        script,
+    }
+}
+
+impl Node {
+    /// The run configuration, with each named tool's call limits set.
+    fn config(&self, limits: Limits, calls: &[(&str, CallLimits)]) -> RunConfigSnapshot {
+        let mut tools = self.specs.clone();
+        for (name, set) in calls {
+            tools.iter_mut().find(|t| t.name == *name).unwrap().calls = *set;
+        }
+        RunConfigSnapshot {
+            model: format!("scripted:{}", self.script.display()),
+            tools,
+            limits,
+            memory_scope: MemoryScope::Session,
+            ..RunConfigSnapshot::default()
+        }
+    }
+
+    async fn start(&self, config: RunConfigSnapshot) -> RunId {
+        let session = (self.coordinator.create_session(SessionSpec::default()))
+            .await
+            .unwrap()
+            .id;
+        (self
+            .coordinator
+            .submit(&session, "go".into(), config, Multitask::Enqueue))
+        .await
+        .unwrap()
+        .run_id
+    }
+
+    /// Waits until the run has ended or waits for someone.
+    async fn settle(&self, run: &RunId) -> ratchet_core::AgentState {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let state = self.coordinator.store().load_state(run).await.unwrap();
+            if state.status.is_terminal() || state.status == RunStatus::WaitingHuman {
+                return state;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "run {run} stuck in {}",
+                state.status
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn keys(&self) -> Vec<String> {
+        self.keys.lock().unwrap().clone()
+    }
+
+    async fn tool_results(&self, run: &RunId) -> Vec<(String, bool)> {
+        let state = self.coordinator.store().load_state(run).await.unwrap();
+        let history = self
+            .coordinator
+            .store()
+            .history(&state.session_id)
+            .await
+            .unwrap();
+        history
+            .into_iter()
+            .filter(|m| m.role == ratchet_core::Role::Tool)
+            .map(|m| (m.content, m.is_error))
+            .collect()
+    }
+}
+
+fn call(name: &str) -> Value {
+    json!({"tool_calls": [{"name": name, "arguments": {}}]})
+}
+
+fn answer() -> Value {
+    json!({"text": "done"})
+}
+
+fn in_doubt_tools(state: &ratchet_core::AgentState) -> Vec<&str> {
+    state.in_doubt.iter().map(|c| c.tool.as_str()).collect()
+}
+
+fn reconciliation_tools(state: &ratchet_core::AgentState) -> Vec<String> {
+    match &state.pending_human {
+        Some(HumanRequest::Reconciliation { calls }) => {
+            calls.iter().map(|c| c.tool.clone()).collect()
+        }
+        other => panic!("expected a reconciliation, found {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_outcome_of_a_never_tool_waits_for_a_human_and_the_model_is_not_asked_again() {
+    let node = node(json!([call("unknown_never"), answer()]));
+    let run = node.start(node.config(Limits::default(), &[])).await;
+    let state = node.settle(&run).await;
+    assert_eq!(state.status, RunStatus::WaitingHuman);
+    assert_eq!(reconciliation_tools(&state), ["unknown_never"]);
+    assert_eq!(node.keys().len(), 1, "a never call is tried once");
+    assert_eq!(
+        state.counters.model_calls, 1,
+        "the model was not asked again"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let later = node.coordinator.store().load_state(&run).await.unwrap();
+    assert_eq!(later.status, RunStatus::WaitingHuman, "it stays waiting");
+    assert_eq!(later.counters.model_calls, 1);
+    // The human says what happened; only then does the model read it.
+    let call_id = state.checkpoint.as_ref().unwrap().calls[0].call.id.clone();
+    node.coordinator
+        .reconcile(
+            &run,
+            &call_id,
+            Reconciliation::Succeeded,
+            Some("paid".into()),
+        )
+        .await
+        .unwrap();
+    let done = node.settle(&run).await;
+    assert_eq!(done.status, RunStatus::Completed);
+    assert_eq!(node.keys().len(), 1, "reconciling did not run it again");
+    assert_eq!(node.tool_results(&run).await, [("paid".to_owned(), false)]);
+    node.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_call_with_an_unknown_outcome_is_retried_with_its_key_then_waits_for_a_human() {
+    let node = node(json!([call("unknown_keyed"), answer()]));
+    let limits = CallLimits {
+        max_attempts: 3,
+        ..CallLimits::default()
+    };
+    let run = node
+        .start(node.config(Limits::default(), &[("unknown_keyed", limits)]))
+        .await;
+    let state = node.settle(&run).await;
+    assert_eq!(state.status, RunStatus::WaitingHuman);
+    assert_eq!(reconciliation_tools(&state), ["unknown_keyed"]);
+    let keys = node.keys();
+    assert_eq!(keys.len(), 3, "{keys:?}");
+    assert!(
+        keys.iter().all(|k| *k == keys[0]),
+        "every attempt carries the same idempotency key: {keys:?}"
+    );
+    assert_eq!(state.counters.model_calls, 1);
+    let events = node
+        .coordinator
+        .store()
+        .events_after(&state.session_id, 0, 1000)
+        .await
+        .unwrap();
+    let unknown: Vec<i64> = events
+        .iter()
+        .filter(|e| e.kind == "tool.outcome_unknown")
+        .map(|e| e.payload["attempt"].as_i64().unwrap())
+        .collect();
+    assert_eq!(unknown, [1, 2, 3], "each unknown attempt is reported");
+    node.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_safe_call_with_an_unknown_outcome_is_retried_then_the_model_reads_an_error() {
+    let node = node(json!([call("unknown_safe"), answer()]));
+    let limits = CallLimits {
+        max_attempts: 2,
+        ..CallLimits::default()
+    };
+    let run = node
+        .start(node.config(Limits::default(), &[("unknown_safe", limits)]))
+        .await;
+    let state = node.settle(&run).await;
+    assert_eq!(state.status, RunStatus::Completed);
+    assert_eq!(node.keys().len(), 2);
+    let results = node.tool_results(&run).await;
+    assert_eq!(results.len(), 1);
+    assert!(results[0].1, "an error result: {results:?}");
+    assert!(
+        results[0]
+            .0
+            .starts_with("the outcome stayed unknown after 2 attempt(s): the connection dropped"),
+        "{results:?}"
+    );
+    node.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_past_its_timeout_is_cut_off_with_an_unknown_outcome() {
+    let node = node(json!([call("hang_never"), answer()]));
+    let limits = CallLimits {
+        timeout_ms: 200,
+        max_attempts: 3,
+    };
+    let run = node
+        .start(node.config(Limits::default(), &[("hang_never", limits)]))
+        .await;
+    let state = node.settle(&run).await;
+    assert_eq!(state.status, RunStatus::WaitingHuman);
+    assert_eq!(reconciliation_tools(&state), ["hang_never"]);
+    assert_eq!(node.keys().len(), 1);
+    node.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_ends_the_run_within_the_grace_period_whatever_its_tool_does() {
+    let node = node(json!([call("hang_never"), answer()]));
+    let run = node.start(node.config(Limits::default(), &[])).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while node.keys().is_empty() {
+        assert!(Instant::now() < deadline, "the tool never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let asked = Instant::now();
+    node.coordinator.request_cancel(&run).await.unwrap();
+    let state = node.settle(&run).await;
+    let took = asked.elapsed();
+    assert_eq!(state.status, RunStatus::Cancelled);
+    assert!(
+        took < GRACE + Duration::from_secs(1),
+        "took {took:?} with a grace of {GRACE:?}"
+    );
+    assert_eq!(
+        in_doubt_tools(&state),
+        ["hang_never"],
+        "the never call cut off is in doubt, not reported as not done"
+    );
+    node.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_cuts_off_the_step_in_flight_and_leaves_its_never_call_in_doubt() {
+    let node = node(json!([
+        {"tool_calls": [
+            {"name": "hang_never", "arguments": {}},
+            {"name": "hang_safe", "arguments": {}},
+        ]},
+        answer(),
+    ]));
+    let limits = Limits {
+        max_duration_ms: Some(800),
+        ..Limits::default()
+    };
+    let run = node.start(node.config(limits, &[])).await;
+    let state = node.settle(&run).await;
+    assert_eq!(state.status, RunStatus::Failed);
+    assert_eq!(state.stop_reason, Some(StopReason::TimedOut));
+    assert_eq!(in_doubt_tools(&state), ["hang_never"]);
+    assert_eq!(state.counters.model_calls, 1);
+    // A human records what happened; the run stays ended and nothing runs again.
+    let call_id = state.in_doubt[0].call_id.clone();
+    let refused = node
+        .coordinator
+        .reconcile(&run, &call_id, Reconciliation::Retry, None)
+        .await
+        .unwrap_err();
+    assert!(refused.to_string().contains("not run again"), "{refused}");
+    node.coordinator
+        .reconcile(&run, &call_id, Reconciliation::Failed, None)
+        .await
+        .unwrap();
+    let after = node.coordinator.store().load_state(&run).await.unwrap();
+    assert_eq!(after.status, RunStatus::Failed);
+    assert!(after.in_doubt.is_empty());
+    assert_eq!(node.keys().len(), 2);
+    node.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_waiting_for_a_human_past_its_deadline_ends_timed_out() {
+    let node = node(json!([call("unknown_never"), answer()]));
+    let limits = Limits {
+        max_duration_ms: Some(1_000),
+        ..Limits::default()
+    };
+    let run = node.start(node.config(limits, &[])).await;
+    let waiting = node.settle(&run).await;
+    assert_eq!(waiting.status, RunStatus::WaitingHuman);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let ended = loop {
+        let state = node.coordinator.store().load_state(&run).await.unwrap();
+        if state.status.is_terminal() {
+            break state;
+        }
+        assert!(Instant::now() < deadline, "still {}", state.status);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(ended.stop_reason, Some(StopReason::TimedOut));
+    assert_eq!(
+        in_doubt_tools(&ended),
+        ["unknown_never"],
+        "the call it waited on stays in doubt"
+    );
+    assert!(ended.pending_human.is_none());
+    assert_eq!(ended.counters.model_calls, 1);
+    node.pool.shutdown().await;
+}
