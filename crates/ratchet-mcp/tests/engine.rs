@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use ratchet_core::step::Reconciliation;
 use ratchet_core::{
     AgentState, HumanRequest, Limits, MemoryScope, Role, RunConfigSnapshot, RunId, RunStatus,
 };
@@ -108,12 +109,18 @@ async fn run(node: &Node, script: &Path, message: &str) -> (RunId, AgentState) {
         .await
         .unwrap()
         .run_id;
+    let state = settle(node, &run).await;
+    (run, state)
+}
+
+/// Waits until the run has ended or waits for someone.
+async fn settle(node: &Node, run: &RunId) -> AgentState {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let mut events = node.coordinator.subscribe();
     loop {
-        let state = node.coordinator.store().load_state(&run).await.unwrap();
+        let state = node.coordinator.store().load_state(run).await.unwrap();
         if state.status.is_terminal() || state.status.is_waiting() {
-            return (run, state);
+            return state;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
@@ -148,7 +155,26 @@ async fn a_run_calls_mcp_tools_and_their_results_reach_the_history() {
             {"text": "done"}
         ]),
     );
-    let (run, state) = run(&node, &script, "use the server").await;
+    let (run, waiting) = run(&node, &script, "use the server").await;
+    // The server died with the call in hand: nobody knows whether it took effect, and an MCP
+    // tool is `never` by default, so a human says what happened before the model goes on.
+    assert_eq!(waiting.status, RunStatus::WaitingHuman);
+    let Some(HumanRequest::Reconciliation { calls }) = &waiting.pending_human else {
+        panic!("expected a reconciliation: {:?}", waiting.pending_human);
+    };
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].tool, "local.crash");
+    assert_eq!(waiting.counters.model_calls, 2);
+    node.coordinator
+        .reconcile(
+            &run,
+            &calls[0].call_id,
+            Reconciliation::Failed,
+            Some("the server crashed before acting".into()),
+        )
+        .await
+        .unwrap();
+    let state = settle(&node, &run).await;
     assert_eq!(
         state.status,
         RunStatus::Completed,
@@ -172,13 +198,9 @@ async fn a_run_calls_mcp_tools_and_their_results_reach_the_history() {
     // The engine's idempotency key of the call (`{run}#{step}#{slot}`) reached the server.
     let meta: Value = serde_json::from_str(results[1]).unwrap();
     assert_eq!(meta["ratchet/idempotency_key"], format!("{run}#2#1"));
-    // A server that died mid-call is an outcome the model reads, and the run goes on with
-    // a restarted server.
-    assert!(
-        results[2].starts_with("server \"local\" is unavailable: "),
-        "{}",
-        results[2]
-    );
+    // What the human recorded is the outcome the model reads, and the run goes on with a
+    // restarted server.
+    assert_eq!(results[2], "the server crashed before acting");
     assert_eq!(results[3], "42");
     // The engine recorded an intent before each call and its outcome after.
     let intents = node.coordinator.store().intents(&run, 2).await.unwrap();
@@ -198,6 +220,55 @@ async fn a_run_calls_mcp_tools_and_their_results_reach_the_history() {
             ("local.meta", Some(results[1]))
         ]
     );
+    node.pool.shutdown().await;
+}
+
+/// A real stdio server that holds a `never` call past `call_timeout`: the call's outcome is
+/// unknown, the run waits for a human, and the model is not asked again until one answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_never_call_the_server_holds_past_its_timeout_waits_for_a_human() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("log");
+    let mut local = server(&log);
+    local.approval = Some(Approval::Never);
+    local.timeout_ms = Some(300);
+    let mcp = connect_all(&Config {
+        servers: [("local".to_owned(), local)].into(),
+    })
+    .await
+    .unwrap();
+    let node = node(dir.path(), &mcp);
+    let script = script(
+        dir.path(),
+        json!([
+            {"tool_calls": [{"name": "local.slow", "arguments": {"ms": 60_000}}]},
+            {"text": "done"}
+        ]),
+    );
+    let (run, waiting) = run(&node, &script, "pay once").await;
+    assert_eq!(waiting.status, RunStatus::WaitingHuman);
+    let Some(HumanRequest::Reconciliation { calls }) = &waiting.pending_human else {
+        panic!("expected a reconciliation: {:?}", waiting.pending_human);
+    };
+    assert_eq!(calls[0].tool, "local.slow");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let later = node.coordinator.store().load_state(&run).await.unwrap();
+    assert_eq!(later.status, RunStatus::WaitingHuman);
+    assert_eq!(later.counters.model_calls, 1, "the model was not asked again");
+    let started = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(
+        started.lines().filter(|l| l.starts_with("slow started")).count(),
+        1,
+        "the call was sent once: {started}"
+    );
+    node.coordinator
+        .reconcile(&run, &calls[0].call_id, Reconciliation::Succeeded, None)
+        .await
+        .unwrap();
+    let done = settle(&node, &run).await;
+    assert_eq!(done.status, RunStatus::Completed);
+    assert_eq!(done.counters.model_calls, 2);
+    mcp.close().await;
     node.pool.shutdown().await;
 }
 
