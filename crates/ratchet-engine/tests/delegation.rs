@@ -570,12 +570,17 @@ async fn concurrent_delegations_never_exceed_the_run_quota_and_the_refused_one_i
         text(format!("heard {}", results.join(" | ")))
     };
     let model = PolicyModel::new(Duration::from_millis(100), policy);
+    // The children take long enough that the winner's are still unfinished when the refused
+    // step is redone: the quota has not freed up in between.
+    let slow = PolicyModel::new(Duration::from_secs(3), policy);
     let quota = RunQuota {
         global: Some(4),
         per_session: None,
     };
-    let node = node_within(model, None, PermitLimits::default(), quota);
-    let mut boss = agent("boss", vec![agent("helper", Vec::new())]);
+    let node = node_within(model, Some(slow), PermitLimits::default(), quota);
+    let mut helper = agent("helper", Vec::new());
+    helper.config.model = "test:quick".into();
+    let mut boss = agent("boss", vec![helper]);
     let sleep = Registry::builtin()
         .specs()
         .into_iter()
