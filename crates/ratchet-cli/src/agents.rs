@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use ratchet_catalog::{AgentDefinition, Catalog, Known};
 use ratchet_core::delegation::{agent_task_tool, child_tools, delegate_tool};
-use ratchet_core::{AgentProfile, AgentRef, DelegationConfig, RunConfigSnapshot};
+use ratchet_core::{AgentProfile, AgentRef, DelegationConfig, RunConfigSnapshot, TreeBudget};
 use ratchet_server::Config;
 
 use crate::runtime::Toolbox;
@@ -67,23 +67,25 @@ pub async fn check(dir: &Path, config: Option<&Path>) -> anyhow::Result<ExitCode
 }
 
 /// How deep delegation trees may grow and how many runs they may hold, unless the agent at a
-/// tree's root says less.
+/// tree's root says less, and what all the runs of a tree may spend together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TreeLimits {
     pub max_depth: u32,
     pub max_tree_runs: u64,
+    pub budget: TreeBudget,
 }
 
 impl TreeLimits {
-    pub fn of(config: &Config) -> TreeLimits {
+    pub fn of(config: &Config) -> anyhow::Result<TreeLimits> {
         let defaults = DelegationConfig::default();
-        TreeLimits {
+        Ok(TreeLimits {
             max_depth: config.delegation.max_depth.unwrap_or(defaults.max_depth),
             max_tree_runs: config
                 .delegation
                 .max_tree_runs
                 .unwrap_or(defaults.max_tree_runs),
-        }
+            budget: config.tree_budget()?,
+        })
     }
 }
 
@@ -123,6 +125,7 @@ pub fn profiles(
                     .map_or(limits.max_depth, |d| d.min(limits.max_depth)),
                 max_tree_runs: (definition.limits.max_tree_runs)
                     .map_or(limits.max_tree_runs, |n| n.min(limits.max_tree_runs)),
+                budget: limits.budget,
             };
             profile(catalog, definition, toolbox, template, 0, tree)
         })
@@ -181,6 +184,7 @@ fn profile(
         agents: Vec::new(),
         max_depth: tree.max_depth,
         max_tree_runs: tree.max_tree_runs,
+        tree_budget: tree.budget,
         inbox: template.delegation.inbox,
     };
     if !definition.delegates.is_empty() && depth < tree.max_depth {

@@ -37,6 +37,8 @@ pub struct RunArgs {
     /// The catalog agent that answers, instead of the flags' model.
     pub catalog: Option<Pick>,
     pub quota: ratchet_store::RunQuota,
+    /// `[delegation] max_tree_tokens` and `max_tree_cost_usd`.
+    pub tree_budget: ratchet_core::TreeBudget,
     pub permits: ratchet_engine::PermitLimits,
     /// `[limits] max_snippet_bytes`.
     pub max_snippet_bytes: usize,
@@ -105,6 +107,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         &args.overrides,
         args.memory_scope,
     )?;
+    config.delegation.tree_budget = args.tree_budget;
     if let Some(pick) = &args.catalog {
         let catalog = crate::agents::load(&pick.dir, &toolbox)?;
         let profiles = crate::agents::profiles(&catalog, &toolbox, &config, pick.tree)?;

@@ -655,7 +655,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 (Some(dir), Some(agent)) => Some(drive::Pick {
                     dir,
                     agent,
-                    tree: agents::TreeLimits::of(&file),
+                    tree: agents::TreeLimits::of(&file)?,
                 }),
                 (None, Some(agent)) => bail!(
                     "--agent {agent} needs a catalog: give --agents DIR (or `agents` in the config file)"
@@ -668,6 +668,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 );
             }
             let (quota, permits) = (file.quota()?, file.permits()?);
+            let tree_budget = file.tree_budget()?;
             let max_snippet_bytes = file.limits()?.max_snippet_bytes;
             let mut overrides = runtime::ToolOverrides {
                 approval: file.approval_policies()?,
@@ -697,6 +698,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 message,
                 catalog,
                 quota,
+                tree_budget,
                 permits,
                 max_snippet_bytes,
             })

@@ -175,7 +175,8 @@ fn prepare_active(
     };
     let agents: Vec<AgentProfile> = match &catalog {
         Some(catalog) => {
-            let limits = crate::agents::TreeLimits::of(config);
+            let limits = crate::agents::TreeLimits::of(config)
+                .map_err(|error| vec![format!("{error:#}")])?;
             crate::agents::profiles(catalog, toolbox, &template, limits)
                 .map_err(|error| vec![format!("{error:#}")])?
         }
@@ -206,6 +207,7 @@ fn run_template(config: &Config, toolbox: &Toolbox) -> anyhow::Result<RunConfigS
         config.memory_scope.unwrap_or_default(),
     )?;
     template.delegation.inbox = config.inbox_policy()?;
+    template.delegation.tree_budget = config.tree_budget()?;
     Ok(template)
 }
 

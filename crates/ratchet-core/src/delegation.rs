@@ -15,7 +15,7 @@ use crate::step::{
 };
 use crate::{
     AgentState, EventDraft, EventKind, MessageId, Millis, ReplayPolicy, RunConfigSnapshot, RunId,
-    RunStatus, SessionId, StopReason, ToolOutcome, ToolSpec,
+    RunStatus, SessionId, StopReason, ToolOutcome, ToolSpec, TreeBudget,
 };
 
 /// The tool a model hands work to other agents with.
@@ -78,6 +78,8 @@ pub struct DelegationConfig {
     pub max_depth: u32,
     /// How many runs a tree may hold, its root included.
     pub max_tree_runs: u64,
+    /// What every run of the tree may spend together (the root's, carried by each child).
+    pub tree_budget: TreeBudget,
     /// How this run's background work reports back to its root session.
     pub inbox: InboxPolicy,
 }
@@ -88,6 +90,7 @@ impl Default for DelegationConfig {
             agents: Vec::new(),
             max_depth: 3,
             max_tree_runs: 256,
+            tree_budget: TreeBudget::default(),
             inbox: InboxPolicy::default(),
         }
     }

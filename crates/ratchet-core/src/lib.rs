@@ -18,6 +18,7 @@ pub mod message;
 pub mod state;
 pub mod status;
 pub mod step;
+pub mod tree_budget;
 pub mod webhook;
 
 pub use activity::Activity;
@@ -37,6 +38,7 @@ pub use state::{
 };
 pub use status::{IllegalEdge, RunStatus, StopReason};
 pub use step::{ModelReply, Phase, StepJob, StepRecord, StepResult, Usage};
+pub use tree_budget::{TreeBudget, TreeSpend};
 pub use webhook::{Backoff, DeliveryStatus};
 
 /// Milliseconds since the Unix epoch. The core never reads the clock; callers pass this in.

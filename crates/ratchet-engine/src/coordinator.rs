@@ -230,7 +230,7 @@ impl Coordinator {
         fail::fail_point!("step.before_commit", |_| std::process::abort());
         let commit = self
             .store
-            .commit_step(claim, result, continue_with, now_ms())
+            .commit_step_within(claim, result, continue_with, self.quota, now_ms())
             .await?;
         if let Commit::Committed {
             events, enqueued, ..

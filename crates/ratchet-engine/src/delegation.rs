@@ -14,8 +14,8 @@ use ratchet_core::delegation::{
 use ratchet_core::inbox::SignalContract;
 use ratchet_core::inbox::{emit_signal_tool, parse_signal};
 use ratchet_core::{
-    AgentState, CompletionPolicy, Lineage, MessageId, ReplayPolicy, RunId, RunStatus, SessionId,
-    StepJob, ToolOutcome,
+    AgentState, CompletionPolicy, Instruction, Lineage, MessageId, ReplayPolicy, RunId, RunStatus,
+    SessionId, StepJob, ToolOutcome,
 };
 use ratchet_store::{Claim, NewSignal, RunQuota, SignalOutcome, TreeNode};
 use ratchet_tools::{Tool, ToolContext};
@@ -41,8 +41,9 @@ pub(crate) fn read_delegate(
 }
 
 /// Checks that the batch's delegations fit the tree's size limit, the run quota and — for
-/// background ones — the root session's inbox. The commit checks the tree's size and the
-/// inbox again, exactly; this is what lets a redone step tell the model instead of failing its
+/// background ones — the root session's inbox. The commit checks all three again, exactly,
+/// under the locks that make them hold; a step refused there is redone, and this check, which
+/// then counts what the other commit added, is what tells the model instead of failing the
 /// commit again.
 pub(crate) async fn admit(
     coordinator: &Coordinator,
@@ -97,6 +98,26 @@ pub(crate) async fn admit(
     Ok(Ok(()))
 }
 
+/// The Brain's instruction, admitted against the budget the run's whole tree shares: a model
+/// call with tools concludes once the tree's runs have spent it (`TreeBudget::admit`). The
+/// spend is read from the store only when there is a budget and a call it could change.
+pub(crate) async fn within_tree_budget(
+    coordinator: &Coordinator,
+    state: &AgentState,
+    instruction: Instruction,
+) -> ratchet_store::Result<Instruction> {
+    let budget = state.config.delegation.tree_budget;
+    if !budget.is_limited() || instruction != (Instruction::CallLlm { conclude: false }) {
+        return Ok(instruction);
+    }
+    let spend = coordinator.store().tree_spend(&state.run_id).await?;
+    let admitted = budget.admit(instruction, spend);
+    if admitted != instruction {
+        tracing::info!(run = %state.run_id, ?spend, "the tree has spent its budget; this model call concludes");
+    }
+    Ok(admitted)
+}
+
 /// The child runs of the batch's delegations, in call order and task order. Each starts from
 /// its agent's frozen configuration, under the tree's limits (the root's).
 pub(crate) fn children(
@@ -118,6 +139,7 @@ pub(crate) fn children(
             let mut config = profile.config.clone();
             config.delegation.max_depth = parent.max_depth;
             config.delegation.max_tree_runs = parent.max_tree_runs;
+            config.delegation.tree_budget = parent.tree_budget;
             let background = delegation.request.mode == DelegationMode::Background;
             // Only a background run may report before it ends, and only under its contract.
             match (&config.signal, background) {

@@ -123,7 +123,10 @@ impl Engine {
         grace: Duration,
     ) -> Result<StepResult, StepFailure> {
         let started = now_ms();
-        match decide(&claimed.state, claimed.job.phase, started) {
+        let decided = decide(&claimed.state, claimed.job.phase, started);
+        match crate::delegation::within_tree_budget(&self.coordinator, &claimed.state, decided)
+            .await?
+        {
             Instruction::Finish(reason) => Ok(finish_step(
                 claimed.state.clone(),
                 &claimed.job,

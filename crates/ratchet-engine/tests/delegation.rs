@@ -10,13 +10,13 @@ use async_trait::async_trait;
 use ratchet_core::delegation::{agent_task_tool, delegate_tool};
 use ratchet_core::{
     AgentProfile, DelegationConfig, Message, ModelReply, Role, RunConfigSnapshot, RunId, RunStatus,
-    ToolCall,
+    StopReason, ToolCall, TreeBudget, Usage,
 };
 use ratchet_engine::{
     Coordinator, Engine, Models, Multitask, PermitLimits, PoolConfig, WorkerPool,
 };
 use ratchet_llm::{Model, ModelRequest};
-use ratchet_store::{SessionSpec, Store};
+use ratchet_store::{RunQuota, SessionSpec, Store};
 use ratchet_tools::Registry;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -76,6 +76,16 @@ struct Node {
 /// One process: the policy model runs whose spec is `test:policy` (and, when given,
 /// `test:quick`) talk to, a worker pool, and a fresh database.
 fn node(model: Arc<PolicyModel>, quick: Option<Arc<PolicyModel>>, permits: PermitLimits) -> Node {
+    node_within(model, quick, permits, RunQuota::default())
+}
+
+/// `node`, its Coordinator admitting runs within `quota`.
+fn node_within(
+    model: Arc<PolicyModel>,
+    quick: Option<Arc<PolicyModel>>,
+    permits: PermitLimits,
+    quota: RunQuota,
+) -> Node {
     let dir = tempfile::tempdir().unwrap();
     let db = format!("sqlite://{}", dir.path().join("r.db").display());
     let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
@@ -87,7 +97,7 @@ fn node(model: Arc<PolicyModel>, quick: Option<Arc<PolicyModel>>, permits: Permi
     if let Some(quick) = quick {
         models.register("test:quick", quick);
     }
-    let coordinator = Coordinator::new(store);
+    let coordinator = Coordinator::with_quota(store, quota);
     let engine =
         Arc::new(Engine::new(Arc::clone(&coordinator), models, tools).with_permits(permits));
     let pool = WorkerPool::start(
@@ -525,4 +535,169 @@ async fn a_childs_sleep_is_not_woken_by_input_to_its_root_session() {
     assert_eq!(slept["woke"], "timer", "{slept}");
     assert!(slept["slept_ms"].as_u64().unwrap() >= 700, "{slept}");
     wait_for(&node.coordinator, &root, RunStatus::is_terminal).await;
+}
+
+/// Two trees delegate at once under a global quota with room for only one of them: both
+/// delegations pass the engine's early count (each batch also sleeps, so both counts are
+/// taken before either commits), and the commit that comes second is refused, writes nothing
+/// and is redone — and the redone step tells its model why, with the batch's sleep not run
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_delegations_never_exceed_the_run_quota_and_the_refused_one_is_told() {
+    let policy = |request: &ModelRequest| {
+        if !offers(request, "delegate") {
+            return text(format!("did {}", first_user_message(request)));
+        }
+        let results = tool_results(&request.messages);
+        if results.is_empty() {
+            let tasks = json!([{"agent": "helper", "task": "a"}, {"agent": "helper", "task": "b"}]);
+            return ModelReply {
+                tool_calls: vec![
+                    ToolCall {
+                        id: "call-delegate".into(),
+                        name: "delegate".into(),
+                        arguments: json!({"mode": "foreground", "tasks": tasks}),
+                    },
+                    ToolCall {
+                        id: "call-sleep".into(),
+                        name: "sleep_ms".into(),
+                        arguments: json!({"ms": 400}),
+                    },
+                ],
+                ..ModelReply::default()
+            };
+        }
+        text(format!("heard {}", results.join(" | ")))
+    };
+    let model = PolicyModel::new(Duration::from_millis(100), policy);
+    // The children take long enough that the winner's are still unfinished when the refused
+    // step is redone: the quota has not freed up in between.
+    let slow = PolicyModel::new(Duration::from_secs(3), policy);
+    let quota = RunQuota {
+        global: Some(4),
+        per_session: None,
+    };
+    let node = node_within(model, Some(slow), PermitLimits::default(), quota);
+    let mut helper = agent("helper", Vec::new());
+    helper.config.model = "test:quick".into();
+    let mut boss = agent("boss", vec![helper]);
+    let sleep = Registry::builtin()
+        .specs()
+        .into_iter()
+        .find(|t| t.name == "sleep_ms")
+        .unwrap();
+    boss.config.tools.push(sleep);
+    let (first, second) = tokio::join!(
+        start(&node.coordinator, "one", boss.config.clone()),
+        start(&node.coordinator, "two", boss.config.clone()),
+    );
+    let mut trees = Vec::new();
+    for root in [&first, &second] {
+        let state = wait_for(&node.coordinator, root, RunStatus::is_terminal).await;
+        assert_eq!(state.status, RunStatus::Completed, "{state:?}");
+        let size = node.coordinator.store().run_tree(root).await.unwrap().len();
+        trees.push((size, state));
+    }
+    trees.sort_by_key(|(size, _)| *size);
+    let sizes: Vec<usize> = trees.iter().map(|(size, _)| *size).collect();
+    assert_eq!(
+        sizes,
+        [1, 3],
+        "one tree got its two children, the other none"
+    );
+    let loser = &trees[0].1;
+    let answer = loser.final_answer.clone().unwrap_or_default();
+    assert!(
+        answer.contains("may have at most 4 unfinished runs") && answer.contains("slept 400 ms"),
+        "the refused delegation's model read why, beside the sleep's outcome: {answer}"
+    );
+    let store = node.coordinator.store();
+    let released: Vec<String> = store
+        .events_after(&loser.session_id, 0, 10_000)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.payload["activity"] == "step_released")
+        .map(|e| e.payload["error"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert!(
+        released
+            .iter()
+            .any(|error| error.contains("at most 4 may be; 2 more do not fit")),
+        "the commit, not the early count, refused the delegation: {released:?}"
+    );
+    let mut sleeps = Vec::new();
+    for step in 0..=loser.step_index {
+        let intents = store.intents(&loser.run_id, step).await.unwrap();
+        sleeps.extend(intents.into_iter().filter(|i| i.name == "sleep_ms"));
+    }
+    assert_eq!(sleeps.len(), 1);
+    assert_eq!(
+        sleeps[0].attempts, 1,
+        "the redone step reused the sleep's outcome"
+    );
+}
+
+/// A tree's runs share `[delegation] max_tree_tokens`: the children's spending counts against
+/// their parent, whose next model call is made without tools and must conclude, exactly as
+/// when a run's own budget has room for one last call. The same tree without the budget
+/// delegates a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn children_that_spend_the_trees_budget_make_their_parents_next_call_conclude() {
+    async fn run_tree(budget: TreeBudget) -> (ratchet_core::AgentState, usize, Arc<PolicyModel>) {
+        let policy = |request: &ModelRequest| {
+            let spent = Usage {
+                input_tokens: 400,
+                output_tokens: 100,
+                reasoning_tokens: 0,
+            };
+            let mut reply = if request.system_prompt == "you are helper" {
+                text(format!("did {}", first_user_message(request)))
+            } else if !offers(request, "delegate") {
+                text("concluded without tools".into())
+            } else if tool_results(&request.messages).len() < 2 {
+                call(
+                    "delegate",
+                    json!({"mode": "foreground", "tasks": [{"agent": "helper", "task": "a"}, {"agent": "helper", "task": "b"}]}),
+                )
+            } else {
+                text("delegated twice".into())
+            };
+            reply.usage = spent;
+            reply
+        };
+        let model = PolicyModel::new(Duration::from_millis(5), policy);
+        let node = node(Arc::clone(&model), None, PermitLimits::default());
+        let mut boss = agent("boss", vec![agent("helper", Vec::new())]);
+        boss.config.delegation.tree_budget = budget;
+        let root = start(&node.coordinator, "job", boss.config).await;
+        let state = wait_for(&node.coordinator, &root, RunStatus::is_terminal).await;
+        let runs = node
+            .coordinator
+            .store()
+            .run_tree(&root)
+            .await
+            .unwrap()
+            .len();
+        (state, runs, model)
+    }
+
+    // The parent's first call and its two children spend 1500 tokens; the budget is 1200.
+    let budget = TreeBudget {
+        max_tokens: Some(1_200),
+        max_cost_microusd: None,
+    };
+    let (state, runs, _) = run_tree(budget).await;
+    assert_eq!(runs, 3, "the parent did not delegate again");
+    assert_eq!(state.status, RunStatus::Completed, "{state:?}");
+    assert_eq!(state.stop_reason, Some(StopReason::Completed));
+    assert_eq!(
+        state.final_answer.as_deref(),
+        Some("concluded without tools")
+    );
+    assert_eq!(state.counters.model_calls, 2);
+
+    let (state, runs, _) = run_tree(TreeBudget::default()).await;
+    assert_eq!(runs, 5, "without a tree budget the parent delegates twice");
+    assert_eq!(state.final_answer.as_deref(), Some("delegated twice"));
 }

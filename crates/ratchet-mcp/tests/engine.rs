@@ -254,10 +254,16 @@ async fn a_never_call_the_server_holds_past_its_timeout_waits_for_a_human() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let later = node.coordinator.store().load_state(&run).await.unwrap();
     assert_eq!(later.status, RunStatus::WaitingHuman);
-    assert_eq!(later.counters.model_calls, 1, "the model was not asked again");
+    assert_eq!(
+        later.counters.model_calls, 1,
+        "the model was not asked again"
+    );
     let started = std::fs::read_to_string(&log).unwrap();
     assert_eq!(
-        started.lines().filter(|l| l.starts_with("slow started")).count(),
+        started
+            .lines()
+            .filter(|l| l.starts_with("slow started"))
+            .count(),
         1,
         "the call was sent once: {started}"
     );

@@ -243,6 +243,14 @@ impl Db for Tx<'_> {
         .map(|_| ())
     }
 
+    fn lock_run_quota(&self) -> Result<()> {
+        self.execute(
+            &format!("SELECT pg_advisory_xact_lock({RUN_QUOTA_LOCK})"),
+            &[],
+        )
+        .map(|_| ())
+    }
+
     fn skip_locked(&self) -> &'static str {
         " FOR UPDATE SKIP LOCKED"
     }
@@ -260,6 +268,10 @@ impl Db for Tx<'_> {
         self.configs
     }
 }
+
+/// The advisory lock global run-quota admissions take ("quota" in ASCII); the migrations'
+/// lock is another key.
+const RUN_QUOTA_LOCK: i64 = 0x0071_756f_7461;
 
 /// A statement, shortened to fit in an error message.
 fn one_line(sql: &str) -> String {

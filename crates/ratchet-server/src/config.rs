@@ -223,13 +223,16 @@ fn gate(name: &str, value: Option<u64>) -> Result<Option<u64>, ConfigError> {
     Ok(value)
 }
 
-/// `[delegation]`: how deep a tree of delegated runs may grow below its root run, and how
-/// many runs it may hold. An agent's own `limits` may lower them for the trees it roots.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+/// `[delegation]`: how deep a tree of delegated runs may grow below its root run, how many
+/// runs it may hold (an agent's own `limits` may lower both for the trees it roots), and what
+/// all the runs of a tree may spend together: tokens and dollars. Absent budgets mean none.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DelegationLimits {
     pub max_depth: Option<u32>,
     pub max_tree_runs: Option<u64>,
+    pub max_tree_tokens: Option<u64>,
+    pub max_tree_cost_usd: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -389,6 +392,33 @@ impl Config {
                 "max_active_runs_per_session",
                 gates.max_active_runs_per_session,
             )?,
+        })
+    }
+
+    /// The tree budget of `[delegation]`, checked: a budget of nothing would let no tree call
+    /// a model with its tools. Dollars become the millionths the runs' counters count.
+    pub fn tree_budget(&self) -> Result<ratchet_core::TreeBudget, ConfigError> {
+        let limits = &self.delegation;
+        if limits.max_tree_tokens == Some(0) {
+            return Err(ConfigError::Invalid(
+                "delegation.max_tree_tokens must be at least 1 (or absent for no limit), found 0"
+                    .into(),
+            ));
+        }
+        let max_cost_microusd = match limits.max_tree_cost_usd {
+            None => None,
+            Some(dollars) if dollars.is_finite() && dollars * 1e6 >= 1.0 => {
+                Some((dollars * 1e6).round() as u64)
+            }
+            Some(dollars) => {
+                return Err(ConfigError::Invalid(format!(
+                    "delegation.max_tree_cost_usd must be a positive number of dollars, at least 0.000001 (or absent for no limit), found {dollars}"
+                )));
+            }
+        };
+        Ok(ratchet_core::TreeBudget {
+            max_tokens: limits.max_tree_tokens,
+            max_cost_microusd,
         })
     }
 
@@ -1044,9 +1074,11 @@ mod tests {
             config.delegation,
             DelegationLimits {
                 max_depth: Some(2),
-                max_tree_runs: Some(40)
+                max_tree_runs: Some(40),
+                ..DelegationLimits::default()
             }
         );
+        assert_eq!(config.tree_budget().unwrap(), Default::default());
         let zero = Config::from_toml("[gates]\nmodel_calls_per_session = 0\n").unwrap();
         assert_eq!(
             zero.permits().unwrap_err().to_string(),
@@ -1059,6 +1091,34 @@ mod tests {
             unknown.to_string().contains("unknown field `model_call`"),
             "{unknown}"
         );
+    }
+
+    #[test]
+    fn the_tree_budget_is_read_in_dollars_and_tokens_and_checked() {
+        let config =
+            Config::from_toml("[delegation]\nmax_tree_tokens = 20000\nmax_tree_cost_usd = 0.25\n")
+                .unwrap();
+        assert_eq!(
+            config.tree_budget().unwrap(),
+            ratchet_core::TreeBudget {
+                max_tokens: Some(20_000),
+                max_cost_microusd: Some(250_000),
+            }
+        );
+        let zero = Config::from_toml("[delegation]\nmax_tree_tokens = 0\n").unwrap();
+        assert_eq!(
+            zero.tree_budget().unwrap_err().to_string(),
+            "invalid configuration: delegation.max_tree_tokens must be at least 1 (or absent for no limit), found 0"
+        );
+        for dollars in ["0.0", "-1.0", "nan", "inf", "0.0000001"] {
+            let bad = Config::from_toml(&format!("[delegation]\nmax_tree_cost_usd = {dollars}\n"))
+                .unwrap();
+            let error = bad.tree_budget().unwrap_err().to_string();
+            assert!(
+                error.contains("delegation.max_tree_cost_usd must be a positive number"),
+                "{dollars}: {error}"
+            );
+        }
     }
 
     #[test]

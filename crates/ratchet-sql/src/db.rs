@@ -190,6 +190,12 @@ pub trait Db {
     /// `lock_session` of the session the run belongs to.
     fn lock_session_of_run(&self, run_id: &str) -> Result<()>;
 
+    /// Holds the global run quota until the transaction ends, so that admissions to different
+    /// trees count the unfinished runs one after another. Taken only after a session's lock,
+    /// and no session is locked after it, so it cannot close a cycle. A backend with one
+    /// writer has nothing to do.
+    fn lock_run_quota(&self) -> Result<()>;
+
     /// What a claim appends to its `SELECT` so that concurrent claims pass over the rows
     /// others are taking instead of waiting for them ("" with one writer).
     fn skip_locked(&self) -> &'static str;

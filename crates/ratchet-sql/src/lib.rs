@@ -17,15 +17,16 @@ use async_trait::async_trait;
 use ratchet_core::step::{Reconciliation, Resumption};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalId, DeliveryStatus, EventDraft, InboxStatus, Message,
-    Millis, RunId, SessionId, StepRecord, StepResult, ToolOutcome, WebhookId,
+    Millis, RunId, SessionId, StepRecord, StepResult, ToolOutcome, TreeSpend, WebhookId,
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, ChangeStream,
     Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeliveryClaim, EmittedSignal,
     Error, InboxEvent, Intent, IntentRecord, Keyring, Lease, ListOrder, MessageHit, NewRun,
     NewSignal, NewWebhook, Observation, PauseOutcome, PendingInput, Reconciled, RecordedIntents,
-    ResumeOutcome, RunSummary, SearchScope, Served, Session, SessionSpec, Store, StoreStats,
-    StoredEvent, StoredMessage, Submitted, TimedOut, TreeNode, Webhook, WebhookDelivery,
+    ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session, SessionSpec, Store,
+    StoreStats, StoredEvent, StoredMessage, Submitted, TimedOut, TreeNode, Webhook,
+    WebhookDelivery,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -205,16 +206,17 @@ impl<B: Backend> Store for SqlStore<B> {
             .await
     }
 
-    async fn commit_step(
+    async fn commit_step_within(
         &self,
         claim: &Claim,
         result: StepResult,
         continue_with: Option<Lease>,
+        quota: RunQuota,
         now: Millis,
     ) -> Result<Commit> {
         let claim = claim.clone();
         self.backend
-            .write(move |c| ops::commit_step(c, &claim, result, continue_with, now))
+            .write(move |c| ops::commit_step(c, &claim, result, continue_with, quota, now))
             .await
     }
 
@@ -369,6 +371,13 @@ impl<B: Backend> Store for SqlStore<B> {
     async fn admission(&self, run_id: &RunId) -> Result<Admission> {
         let run_id = run_id.clone();
         self.backend.read(move |c| ops::admission(c, &run_id)).await
+    }
+
+    async fn tree_spend(&self, run_id: &RunId) -> Result<TreeSpend> {
+        let run_id = run_id.clone();
+        self.backend
+            .read(move |c| ops::tree_spend(c, &run_id))
+            .await
     }
 
     async fn inbox(

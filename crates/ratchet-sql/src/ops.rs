@@ -13,7 +13,7 @@ use ratchet_core::step::{Reconciliation, Resumption, cancel_idle, start_run};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalId, EventDraft, EventKind, HumanRequest, IdError, Message,
     Millis, Origin, Phase, RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord,
-    StepResult, StopReason, ToolOutcome, Visibility,
+    StepResult, StopReason, ToolOutcome, TreeSpend, Visibility,
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit,
@@ -195,7 +195,7 @@ pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Sub
         )));
     }
     if new.when_busy != WhenBusy::Steer || active.is_none() {
-        check_quota(c, &new.session_id, new.quota)?;
+        check_quota(c, &new.session_id, new.quota, 1)?;
     }
     if let Some(active) = active
         .as_ref()
@@ -294,25 +294,33 @@ pub(crate) fn count(c: &dyn Db, sql: &str, params: &[crate::db::Param<'_>]) -> R
     Ok(n.max(0) as u64)
 }
 
-/// Refuses to admit one more run to `root_session` beyond the quota.
-fn check_quota(c: &dyn Db, root_session: &SessionId, quota: ratchet_store::RunQuota) -> Result<()> {
+/// Refuses to admit `adding` more runs to `root_session` beyond the quota. The caller holds
+/// the session's lock, which makes the per-session count exact; the global count is made
+/// exact by the quota's own lock, taken here and held until the transaction ends.
+fn check_quota(
+    c: &dyn Db,
+    root_session: &SessionId,
+    quota: ratchet_store::RunQuota,
+    adding: u64,
+) -> Result<()> {
     if let Some(max) = quota.per_session {
         let active = active_in_session(c, root_session)?;
-        if active >= max {
+        if active + adding > max {
             return Err(Error::QuotaExceeded(format!(
-                "session {root_session} has {active} unfinished runs and may have at most {max}; wait for some to end"
+                "session {root_session} has {active} unfinished runs and may have at most {max}; {adding} more do not fit — wait for some to end"
             )));
         }
     }
     if let Some(max) = quota.global {
+        c.lock_run_quota()?;
         let active = count(
             c,
             &format!("SELECT count(*) FROM runs WHERE status IN {ACTIVE_STATUSES}"),
             &[],
         )?;
-        if active >= max {
+        if active + adding > max {
             return Err(Error::QuotaExceeded(format!(
-                "{active} runs are unfinished and at most {max} may be; wait for some to end"
+                "{active} runs are unfinished and at most {max} may be; {adding} more do not fit — wait for some to end"
             )));
         }
     }
@@ -329,17 +337,19 @@ fn tree_runs(c: &dyn Db, root: &RunId) -> Result<u64> {
 }
 
 /// Starts the children a parent's step created, each the active run of a new session below
-/// the parent's, with its task as its first message and its first job enqueued.
+/// the parent's, with its task as its first message and its first job enqueued — all of them,
+/// or none when the tree's size or the run quota has no room for them all.
 fn start_children(
     c: &dyn Db,
     parent: &AgentState,
     children: &[ChildRun],
+    quota: ratchet_store::RunQuota,
     now: Millis,
 ) -> Result<Vec<StoredEvent>> {
-    let root = parent
-        .lineage
-        .as_ref()
-        .map_or(&parent.run_id, |l| &l.root_run_id);
+    let (root, root_session) = match &parent.lineage {
+        Some(l) => (&l.root_run_id, &l.root_session_id),
+        None => (&parent.run_id, &parent.session_id),
+    };
     let limit = parent.config.delegation.max_tree_runs;
     let existing = tree_runs(c, root)?;
     if existing + children.len() as u64 > limit {
@@ -347,6 +357,7 @@ fn start_children(
             "the run tree of {root} has {existing} runs and may have at most {limit}"
         )));
     }
+    check_quota(c, root_session, quota, children.len() as u64)?;
     let tenant = c
         .query_opt(
             "SELECT tenant FROM sessions WHERE id = ?1",
@@ -555,6 +566,33 @@ pub(crate) fn admission(c: &dyn Db, run_id: &RunId) -> Result<Admission> {
         tree_runs: tree_runs(c, &root_run)?,
         inbox_held: crate::inbox::held(c, &root_session)?,
     })
+}
+
+pub(crate) fn tree_spend(c: &dyn Db, run_id: &RunId) -> Result<TreeSpend> {
+    /// The part of a stored state a tree's spend is summed from.
+    #[derive(serde::Deserialize)]
+    struct Spent {
+        counters: ratchet_core::Counters,
+    }
+    let root = c
+        .query_opt(
+            "SELECT COALESCE(root_run_id, id) FROM runs WHERE id = ?1",
+            &params![run_id.as_str()],
+        )?
+        .ok_or_else(|| run_not_found(run_id))?
+        .text(0)?;
+    let mut spend = TreeSpend::default();
+    for mut row in c.query(
+        "SELECT state_json FROM runs WHERE id = ?1 OR root_run_id = ?1",
+        &params![&root],
+    )? {
+        let counters = from_json::<Spent>(&row.text(0)?, "run state")?.counters;
+        spend.tokens = spend
+            .tokens
+            .saturating_add(counters.input_tokens.saturating_add(counters.output_tokens));
+        spend.cost_microusd = spend.cost_microusd.saturating_add(counters.cost_microusd);
+    }
+    Ok(spend)
 }
 
 /// Inserts a run waiting in its session's queue, with the message that will start it.
@@ -1131,6 +1169,7 @@ pub(crate) fn commit_step(
     claim: &Claim,
     mut result: StepResult,
     continue_with: Option<Lease>,
+    quota: ratchet_store::RunQuota,
     now: Millis,
 ) -> Result<Commit> {
     if result.record.index != claim.step_index || result.state.run_id != claim.run_id {
@@ -1256,7 +1295,13 @@ pub(crate) fn commit_step(
     }
     let mut events = insert_events(c, &stored.session_id, Some(&claim.run_id), &drafts, now)?;
     if !result.children.is_empty() {
-        events.extend(start_children(c, &result.state, &result.children, now)?);
+        events.extend(start_children(
+            c,
+            &result.state,
+            &result.children,
+            quota,
+            now,
+        )?);
         enqueued = true;
     }
     if result.state.status.is_terminal() {

@@ -211,6 +211,10 @@ impl Db for Tx<'_> {
         Ok(())
     }
 
+    fn lock_run_quota(&self) -> Result<()> {
+        Ok(())
+    }
+
     fn skip_locked(&self) -> &'static str {
         ""
     }

@@ -34,7 +34,7 @@ pub use webhooks::*;
 
 use crate::{
     Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, DEFAULT_TENANT, Error,
-    Intent, IntentKind, IntentRecord, Lease, ListOrder, MessageHit, NewRun, RunSummary,
+    Intent, IntentKind, IntentRecord, Lease, ListOrder, MessageHit, NewRun, RunQuota, RunSummary,
     SearchScope, Session, SessionSpec, Stale, Store, StoredEvent, Submitted, WhenBusy,
 };
 
@@ -85,6 +85,9 @@ macro_rules! store_conformance_tests {
             cancelling_a_waiting_parent_cancels_its_tree,
             a_delegation_beyond_its_tree_limit_writes_nothing,
             run_quotas_refuse_new_runs_beyond_them,
+            concurrent_delegations_cannot_together_exceed_the_run_quota,
+            a_delegation_beyond_the_sessions_run_quota_writes_nothing,
+            a_trees_spend_is_what_all_its_runs_spent,
             a_delegated_run_is_not_continued_on_its_own,
             a_full_inbox_refuses_background_work_and_never_loses_an_accepted_report,
             a_group_reports_once_when_its_last_run_ends,
@@ -268,6 +271,26 @@ async fn assert_nothing_claimable(store: &dyn Store, now: Millis, why: &str) {
         .unwrap();
     if let Some(claimed) = found {
         panic!("{why}, yet claim_next at {now} returned {:?}", claimed.job);
+    }
+}
+
+/// Commits a step whose children are admitted within `quota`; panics unless it committed.
+async fn commit_within(
+    store: &dyn Store,
+    claim: &Claim,
+    result: StepResult,
+    quota: RunQuota,
+    now: Millis,
+) -> Vec<StoredEvent> {
+    match store
+        .commit_step_within(claim, result, None, quota, now)
+        .await
+    {
+        Ok(Commit::Committed { events, .. }) => events,
+        other => panic!(
+            "commit of {}#{} within {quota:?}: {other:?}",
+            claim.run_id, claim.step_index
+        ),
     }
 }
 

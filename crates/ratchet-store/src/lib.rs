@@ -11,7 +11,7 @@ use ratchet_core::step::{DecisionError, Resumption};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalCall, ApprovalId, Delivery, EventDraft, IllegalEdge,
     InboxKind, InboxStatus, Message, MessageId, Millis, Role, RunConfigSnapshot, RunId, RunStatus,
-    SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome,
+    SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome, TreeSpend,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -697,11 +697,29 @@ pub trait Store: Observation + Send + Sync + 'static {
     /// frozen `max_tree_runs`. A run that ends in this commit and is a child is reported to its
     /// parent (`subagent.finished`); when it is the last of its parent's waiting children, the
     /// parent is joined and its next job enqueued, in this same transaction.
+    ///
+    /// No run quota is checked: this is `commit_step_within` an unlimited quota.
     async fn commit_step(
         &self,
         claim: &Claim,
         result: StepResult,
         continue_with: Option<Lease>,
+        now: Millis,
+    ) -> Result<Commit> {
+        self.commit_step_within(claim, result, continue_with, RunQuota::default(), now)
+            .await
+    }
+
+    /// `commit_step`, admitting the result's child runs within `quota` as well: the count is
+    /// taken in the committing transaction, under the locks a message's admission takes, so
+    /// concurrent delegations (in any process) cannot together exceed it. Past it, the commit
+    /// is refused with `Error::QuotaExceeded` and writes nothing.
+    async fn commit_step_within(
+        &self,
+        claim: &Claim,
+        result: StepResult,
+        continue_with: Option<Lease>,
+        quota: RunQuota,
         now: Millis,
     ) -> Result<Commit>;
 
@@ -814,6 +832,10 @@ pub trait Store: Observation + Send + Sync + 'static {
 
     /// What admitting more runs below `run_id` is checked against.
     async fn admission(&self, run_id: &RunId) -> Result<Admission>;
+
+    /// What every run of `run_id`'s tree — its root run and all the runs below it, ended ones
+    /// included — has spent so far, their counters summed.
+    async fn tree_spend(&self, run_id: &RunId) -> Result<TreeSpend>;
 
     /// A root session's inbox events in order, after `after` (an event id), with the given
     /// status only when given.

@@ -190,15 +190,16 @@ impl Store for Heard {
         self.inner.heartbeat(claim, expires_at).await
     }
 
-    async fn commit_step(
+    async fn commit_step_within(
         &self,
         claim: &Claim,
         result: StepResult,
         continue_with: Option<Lease>,
+        quota: ratchet_store::RunQuota,
         now: Millis,
     ) -> Result<Commit> {
         self.inner
-            .commit_step(claim, result, continue_with, now)
+            .commit_step_within(claim, result, continue_with, quota, now)
             .await
     }
 
@@ -317,6 +318,10 @@ impl Store for Heard {
 
     async fn admission(&self, run_id: &RunId) -> Result<ratchet_store::Admission> {
         self.inner.admission(run_id).await
+    }
+
+    async fn tree_spend(&self, run_id: &RunId) -> Result<ratchet_core::TreeSpend> {
+        self.inner.tree_spend(run_id).await
     }
 
     async fn inbox(

@@ -3,18 +3,18 @@
 //! reaches down its tree; trees and run quotas are bounded.
 
 use ratchet_core::delegation::{ChildRun, await_children, delegate_tool};
-use ratchet_core::step::{after_model, finish_step};
+use ratchet_core::step::{after_model, after_tools, finish_step};
 use ratchet_core::{
     AgentProfile, DelegationConfig, Lineage, MessageId, ModelReply, Phase, RunConfigSnapshot,
-    RunId, RunStatus, SessionId, StopReason, ToolCall, ToolOutcome,
+    RunId, RunStatus, SessionId, StepResult, StopReason, ToolCall, ToolOutcome, TreeSpend,
 };
 use serde_json::{Value, json};
 
 use super::{
-    LEASE_MS, OWNER_A, T0, commit, commit_stale, config, kinds, lease, load, new_session, snapshot,
-    submit, text_reply, unique,
+    LEASE_MS, OWNER_A, Snapshot, T0, commit, commit_stale, commit_within, config, kinds, lease,
+    load, new_session, snapshot, submit, text_reply, unique,
 };
-use crate::{CancelOutcome, ClaimedStep, Error, NewRun, RunQuota, Store, WhenBusy};
+use crate::{CancelOutcome, ClaimedStep, Commit, Error, NewRun, RunQuota, Store, WhenBusy};
 
 /// A configuration that may delegate to `worker` (whose runs start with `config()`), in a
 /// tree of at most `max_tree_runs` runs.
@@ -467,6 +467,221 @@ pub async fn a_delegation_beyond_its_tree_limit_writes_nothing(store: &dyn Store
     let admission = store.admission(&parent).await.unwrap();
     assert_eq!(admission.tree_runs, 1);
     assert_eq!(admission.active_in_session, 1);
+}
+
+/// A root run at the tools step of a delegation of `tasks` tasks (and a lookup that
+/// answered), with the step's result ready to commit and the state before it.
+async fn about_to_delegate(
+    store: &dyn Store,
+    tasks: usize,
+    now: i64,
+) -> (SessionId, RunId, ClaimedStep, StepResult, Snapshot) {
+    let session = new_session(store).await;
+    let (parent, _) = submit(store, &session, "split", delegating_config(16), now).await;
+    let model = claim_run(store, &parent, now + 1).await;
+    let asked = after_model(
+        model.state,
+        &model.job,
+        delegate_reply(tasks),
+        false,
+        now + 1,
+        now + 2,
+    );
+    commit(store, &model.claim, asked, None, now + 2).await;
+    let tools = claim_run(store, &parent, now + 3).await;
+    let before = snapshot(store, &parent, &session).await;
+    let waiting = await_children(
+        tools.state.clone(),
+        &tools.job,
+        vec![None, Some(ToolOutcome::ok("looked up"))],
+        children_of(&tools, tasks),
+        now + 3,
+        now + 4,
+    );
+    (session, parent, tools, waiting, before)
+}
+
+/// Two trees delegate at once, each admitted by a count taken before the other committed;
+/// together they would pass the global quota. The commit counts again under the quota's lock:
+/// one starts its children, the other writes nothing, and its step can still commit with the
+/// delegate call's outcome an error.
+pub async fn concurrent_delegations_cannot_together_exceed_the_run_quota(store: &dyn Store) {
+    let (_, first, first_tools, first_waiting, first_before) =
+        about_to_delegate(store, 2, T0).await;
+    let (_, second, second_tools, second_waiting, second_before) =
+        about_to_delegate(store, 2, T0 + 10).await;
+    assert_eq!(
+        store.admission(&first).await.unwrap().active_global,
+        2,
+        "each tree would fit alone"
+    );
+    let quota = RunQuota {
+        global: Some(4),
+        per_session: None,
+    };
+    let (first_commit, second_commit) = futures::join!(
+        store.commit_step_within(&first_tools.claim, first_waiting, None, quota, T0 + 20),
+        store.commit_step_within(&second_tools.claim, second_waiting, None, quota, T0 + 20),
+    );
+    let (refused, loser, loser_tools, loser_before) = match (first_commit, second_commit) {
+        (Ok(Commit::Committed { .. }), refused) => (refused, &second, &second_tools, second_before),
+        (refused, Ok(Commit::Committed { .. })) => (refused, &first, &first_tools, first_before),
+        (a, b) => panic!("exactly one delegation fits: {a:?} / {b:?}"),
+    };
+    let Err(Error::QuotaExceeded(message)) = refused else {
+        panic!("the other delegation is refused by the quota: {refused:?}");
+    };
+    assert!(
+        message.contains("4 runs are unfinished and at most 4 may be; 2 more do not fit"),
+        "{message}"
+    );
+    let loser_session = loser_tools.state.session_id.clone();
+    // The winner's tree moved on; everything of the loser's is as it was.
+    let after = snapshot(store, loser, &loser_session).await;
+    assert_eq!(
+        (after.state, after.steps, after.history, after.events),
+        (
+            loser_before.state,
+            loser_before.steps,
+            loser_before.history,
+            loser_before.events
+        ),
+        "nothing of the refused step was written"
+    );
+    assert!(
+        after.runs_with_jobs.contains(loser),
+        "the refused step's job is still there to be done again"
+    );
+    assert_eq!(
+        store.run_tree(loser).await.unwrap().len(),
+        1,
+        "no child of the refused delegation exists"
+    );
+    assert_eq!(store.admission(loser).await.unwrap().active_global, 4);
+
+    // Told of the refusal, the step commits with the delegate call's outcome an error.
+    let outcomes = vec![
+        ToolOutcome::error(message.clone()),
+        ToolOutcome::ok("looked up"),
+    ];
+    let told = after_tools(
+        loser_tools.state.clone(),
+        &loser_tools.job,
+        outcomes,
+        0,
+        T0 + 21,
+        T0 + 22,
+    );
+    commit_within(store, &loser_tools.claim, told, quota, T0 + 22).await;
+    let state = load(store, loser).await;
+    assert_eq!(state.status, RunStatus::Running);
+    let history = store.history(&loser_session).await.unwrap();
+    assert!(
+        history
+            .iter()
+            .any(|m| m.tool_call_id.as_deref() == Some("call-d")
+                && m.content.contains("at most 4 may be")),
+        "the model reads why its delegation was refused"
+    );
+}
+
+/// The per-session quota counts the runs of the whole tree, in the commit too.
+pub async fn a_delegation_beyond_the_sessions_run_quota_writes_nothing(store: &dyn Store) {
+    let (_, parent, tools, waiting, before) = about_to_delegate(store, 3, T0).await;
+    let quota = RunQuota {
+        global: None,
+        per_session: Some(3),
+    };
+    let refused = store
+        .commit_step_within(&tools.claim, waiting.clone(), None, quota, T0 + 5)
+        .await;
+    let Err(Error::QuotaExceeded(message)) = refused else {
+        panic!("a root and three children exceed a session quota of 3: {refused:?}");
+    };
+    assert!(
+        message.contains("has 1 unfinished runs and may have at most 3; 3 more do not fit"),
+        "{message}"
+    );
+    assert_eq!(
+        snapshot(store, &parent, &tools.state.session_id).await,
+        before,
+        "nothing of the step was written"
+    );
+    let roomier = RunQuota {
+        global: None,
+        per_session: Some(4),
+    };
+    commit_within(store, &tools.claim, waiting, roomier, T0 + 6).await;
+    assert_eq!(store.run_tree(&parent).await.unwrap().len(), 4);
+}
+
+/// A tree's spend sums the counters of its root and of every run below it, from any of them,
+/// and nothing of another tree.
+pub async fn a_trees_spend_is_what_all_its_runs_spent(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (parent, _) = submit(store, &session, "split", delegating_config(16), T0).await;
+    let children = delegate(store, &parent, 2, T0 + 1).await;
+    for (i, child) in (0u64..).zip(&children) {
+        let step = claim_run(store, child, T0 + 10).await;
+        let mut reply = text_reply("done");
+        reply.usage.input_tokens = 100 + i;
+        reply.usage.output_tokens = 10;
+        let mut answered = after_model(
+            step.state.clone(),
+            &step.job,
+            reply,
+            false,
+            T0 + 10,
+            T0 + 11,
+        );
+        answered.state.counters.cost_microusd = 1_000;
+        commit(store, &step.claim, answered, None, T0 + 11).await;
+    }
+    let elsewhere = new_session(store).await;
+    let (other, _) = submit(store, &elsewhere, "alone", config(), T0 + 20).await;
+    let step = claim_run(store, &other, T0 + 21).await;
+    let mut reply = text_reply("done");
+    reply.usage.input_tokens = 5_000;
+    commit(
+        store,
+        &step.claim,
+        after_model(
+            step.state.clone(),
+            &step.job,
+            reply,
+            false,
+            T0 + 21,
+            T0 + 22,
+        ),
+        None,
+        T0 + 22,
+    )
+    .await;
+
+    let root_spend = load(store, &parent).await.counters;
+    let expected = TreeSpend {
+        tokens: root_spend.input_tokens + root_spend.output_tokens + 110 + 111,
+        cost_microusd: root_spend.cost_microusd + 2_000,
+    };
+    assert_eq!(store.tree_spend(&parent).await.unwrap(), expected);
+    assert_eq!(
+        store.tree_spend(&children[1]).await.unwrap(),
+        expected,
+        "a run below the root reads the same tree"
+    );
+    assert_eq!(
+        store.tree_spend(&other).await.unwrap(),
+        TreeSpend {
+            tokens: 5_000,
+            cost_microusd: 0
+        }
+    );
+    assert!(matches!(
+        store
+            .tree_spend(&RunId::from_suffix("missing").unwrap())
+            .await,
+        Err(Error::NotFound { .. })
+    ));
 }
 
 pub async fn run_quotas_refuse_new_runs_beyond_them(store: &dyn Store) {
