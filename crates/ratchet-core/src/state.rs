@@ -202,6 +202,10 @@ impl RunConfigSnapshot {
 pub struct CallProgress {
     pub call: ToolCall,
     pub outcome: Option<ToolOutcome>,
+    /// A human answered `retry` for this call: it runs against the tool as this process has
+    /// it, even when that tool changed since the model was offered it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rerun_approved: bool,
 }
 
 /// The tool batch the model asked for, in the model's order. Outcomes are filled in as the
@@ -220,6 +224,7 @@ impl ToolCheckpoint {
             calls: calls
                 .into_iter()
                 .map(|call| CallProgress {
+                    rerun_approved: false,
                     call,
                     outcome: None,
                 })
@@ -258,6 +263,10 @@ pub struct UnknownCall {
     pub arguments: Value,
     /// The key the call was started with, for looking its effect up on the other side.
     pub idempotency_key: String,
+    /// Set when the call has not run at all but its tool changed since the model was offered
+    /// it (gone from this process, or a different argument schema): why a human is asked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drift: Option<String>,
 }
 
 /// Budget a human added to a failed run when continuing it. The frozen config keeps the

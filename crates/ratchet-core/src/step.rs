@@ -535,6 +535,7 @@ pub fn reconcile(
         .as_mut()
         .and_then(|c| c.calls.get_mut(call.call_index))
     {
+        progress.rerun_approved = outcome.is_none();
         progress.outcome = outcome;
     }
     let mut events = vec![EventDraft::new(

@@ -432,6 +432,7 @@ fn reconciliation_answers_each_call_in_doubt_then_resumes_the_batch() {
     let asked = after_model(state, &job, reply, false, 0, 1);
     let batch_job = asked.next.clone().unwrap();
     let doubt = |i: usize| UnknownCall {
+        drift: None,
         call_index: i,
         call_id: format!("c{i}"),
         tool: "add".into(),

@@ -355,13 +355,13 @@ impl Engine {
             &ratchet_core::Activity::executing_tools(&claimed.state),
         );
         let (state, job) = (claimed.state.clone(), &claimed.job);
-        let calls: Vec<(ToolCall, Option<ToolOutcome>)> = state
+        let calls: Vec<(ToolCall, Option<ToolOutcome>, bool)> = state
             .checkpoint
             .as_ref()
             .map(|c| {
                 c.calls
                     .iter()
-                    .map(|p| (p.call.clone(), p.outcome.clone()))
+                    .map(|p| (p.call.clone(), p.outcome.clone(), p.rerun_approved))
                     .collect()
             })
             .unwrap_or_default();
@@ -382,7 +382,7 @@ impl Engine {
         let mut invalid = 0;
         let mut unknown = Vec::new();
         let mut delegations = Vec::new();
-        for (slot, (call, known)) in (0u32..).zip(&calls) {
+        for (slot, (call, known, rerun_approved)) in (0u32..).zip(&calls) {
             let started_before = earlier.get(&slot);
             if let Some(known) = known
                 .clone()
@@ -399,6 +399,17 @@ impl Engine {
             }
             let injected = (state.config.tool(&call.name))
                 .is_some_and(|spec| spec.delegation == ToolDelegation::RuntimeInjected);
+            if let Some(drift) = (!injected && !rerun_approved)
+                .then(|| self.drift(&state.config, &call.name))
+                .flatten()
+            {
+                unknown.push(UnknownCall {
+                    drift: Some(drift),
+                    ..unknown_call(job, slot, call)
+                });
+                outcomes.push(None);
+                continue;
+            }
             let checked = match call.name.as_str() {
                 DELEGATE_TOOL if injected => match read_delegate(&state, &call.arguments) {
                     Ok(request) => {
@@ -560,6 +571,22 @@ impl Engine {
         let mut result = after_tools(state, job, outcomes, invalid, started, now_ms());
         result.children = children;
         Ok(result)
+    }
+
+    /// How the tool a call names differs from what the model was offered, if it does: gone
+    /// from this process, or with another argument schema (a new version, a reloaded MCP
+    /// server). Such a call does not run before a human has looked at it.
+    fn drift(&self, config: &RunConfigSnapshot, name: &str) -> Option<String> {
+        let offered = config.tool(name)?;
+        match self.tools.parameters(name) {
+            None => Some(format!(
+                "tool {name:?} was offered to the model but this process does not have it"
+            )),
+            Some(current) if current != offered.parameters => Some(format!(
+                "tool {name:?} takes other arguments now than when it was offered to the model"
+            )),
+            Some(_) => None,
+        }
     }
 
     /// A call may run when the run's frozen config offers the tool, this process has it, and
@@ -741,6 +768,7 @@ fn unknown_event(claim: &Claim, call: &ToolCall, attempt: u32, reason: &str) -> 
 /// A started call whose outcome is unknown, as a human is asked about it.
 fn unknown_call(job: &StepJob, slot: u32, call: &ToolCall) -> UnknownCall {
     UnknownCall {
+        drift: None,
         call_index: slot as usize,
         call_id: call.id.clone(),
         tool: call.name.clone(),

@@ -336,6 +336,7 @@ impl Worker {
                     tool: progress.call.name.clone(),
                     arguments: progress.call.arguments.clone(),
                     idempotency_key: crate::engine::idempotency_key(&claimed.job, intent.slot),
+                    drift: None,
                 });
             }
         }

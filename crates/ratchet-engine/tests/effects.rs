@@ -99,9 +99,11 @@ fn node(replies: Value) -> Node {
     }
     let tools = Arc::new(Registry::new(tools).unwrap());
     let specs = tools.specs();
-    let models = Arc::new(Models::new(
-        tools.names().into_iter().map(str::to_owned).collect(),
-    ));
+    // The scripted model may also call `vanished`, a tool a run can be frozen with but this
+    // process does not have.
+    let mut names: Vec<String> = tools.names().into_iter().map(str::to_owned).collect();
+    names.push("vanished".to_owned());
+    let models = Arc::new(Models::new(names));
     let coordinator = Coordinator::new(store);
     let engine = Arc::new(Engine::new(Arc::clone(&coordinator), models, tools));
     let config = PoolConfig {
@@ -410,5 +412,68 @@ async fn a_run_waiting_for_a_human_past_its_deadline_ends_timed_out() {
     );
     assert!(ended.pending_human.is_none());
     assert_eq!(ended.counters.model_calls, 1);
+    node.pool.shutdown().await;
+}
+
+/// A run frozen with tools this process now has differently (an upgrade, a reloaded MCP
+/// server): a call of such a tool does not run before a human has looked at it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_of_a_tool_that_drifted_since_the_model_saw_it_waits_for_a_human() {
+    let node = node(json!([
+        {"tool_calls": [
+            {"name": "add", "arguments": {"a": 1, "b": 2}},
+            {"name": "vanished", "arguments": {}},
+            {"name": "now", "arguments": {}},
+        ]},
+        answer(),
+    ]));
+    let mut config = node.config(Limits::default(), &[]);
+    let add = config.tools.iter_mut().find(|t| t.name == "add").unwrap();
+    add.parameters = json!({"type": "object", "properties": {"a": {"type": "string"}}});
+    let mut vanished = config.tools[0].clone();
+    vanished.name = "vanished".into();
+    config.tools.push(vanished);
+    let run = node.start(config).await;
+    let state = node.settle(&run).await;
+    assert_eq!(state.status, RunStatus::WaitingHuman);
+    let Some(HumanRequest::Reconciliation { calls }) = &state.pending_human else {
+        panic!("expected a reconciliation: {:?}", state.pending_human);
+    };
+    let drifted: Vec<(&str, &str)> = calls
+        .iter()
+        .map(|c| (c.tool.as_str(), c.drift.as_deref().unwrap_or("no drift")))
+        .collect();
+    assert_eq!(
+        drifted,
+        [
+            (
+                "add",
+                "tool \"add\" takes other arguments now than when it was offered to the model"
+            ),
+            (
+                "vanished",
+                "tool \"vanished\" was offered to the model but this process does not have it"
+            ),
+        ]
+    );
+    let calls = calls.clone();
+    // A human lets `add` run as this process has it, and skips the one that is gone.
+    node.coordinator
+        .reconcile(&run, &calls[0].call_id, Reconciliation::Retry, None)
+        .await
+        .unwrap();
+    node.coordinator
+        .reconcile(&run, &calls[1].call_id, Reconciliation::Skip, None)
+        .await
+        .unwrap();
+    let done = node.settle(&run).await;
+    assert_eq!(done.status, RunStatus::Completed);
+    let results = node.tool_results(&run).await;
+    assert_eq!(results[0], ("3".to_owned(), false));
+    assert!(results[1].1, "{results:?}");
+    assert!(
+        !results[2].1,
+        "an undrifted call of the batch ran: {results:?}"
+    );
     node.pool.shutdown().await;
 }

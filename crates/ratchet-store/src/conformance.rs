@@ -1756,6 +1756,7 @@ pub async fn cancel_of_a_waiting_run_frees_the_session(store: &dyn Store) {
     let tools = claim(store, OWNER_A, T0 + 4).await;
     let request = HumanRequest::Reconciliation {
         calls: vec![UnknownCall {
+            drift: None,
             call_index: 0,
             call_id: "call-1".into(),
             tool: "lookup".into(),

@@ -127,6 +127,11 @@ impl Registry {
         ]
     }
 
+    /// The JSON schema of a tool's arguments, as this registry has it now.
+    pub fn parameters(&self, name: &str) -> Option<Value> {
+        self.entries.get(name).map(|e| e.tool.parameters())
+    }
+
     pub fn names(&self) -> Vec<&str> {
         self.entries.keys().map(String::as_str).collect()
     }
