@@ -313,6 +313,11 @@ pub struct RunView {
     /// What the run waits on a human for, if anything.
     #[schema(value_type = Option<Object>)]
     pub pending_human: Option<Value>,
+    /// `never` calls cut off when the run ended (its deadline, a cancel): nobody knows whether
+    /// they took effect. `POST /v1/runs/{id}/reconcile` records what happened to each
+    /// (`succeeded`, `failed` or `skip`; the run stays ended).
+    #[schema(value_type = Vec<Object>)]
+    pub in_doubt: Vec<Value>,
     pub final_answer: Option<String>,
     pub created_at: Millis,
     pub started_at: Option<Millis>,
@@ -356,6 +361,9 @@ impl From<AgentState> for RunView {
             pending_human: state
                 .pending_human
                 .and_then(|h| serde_json::to_value(h).ok()),
+            in_doubt: (state.in_doubt.iter())
+                .filter_map(|c| serde_json::to_value(c).ok())
+                .collect(),
             final_answer: state.final_answer.filter(|_| state.status.is_terminal()),
             created_at: state.created_at,
             started_at: state.started_at,
@@ -626,7 +634,8 @@ pub struct ReconcileRequest {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ReconcileView {
     pub run_id: String,
-    /// `running` once every call in doubt is answered; `waiting_human` before.
+    /// `running` once every call in doubt is answered; `waiting_human` before. A call left in
+    /// doubt by an ended run is recorded and the run keeps its terminal status.
     pub status: String,
 }
 

@@ -3,7 +3,7 @@
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use ratchet_core::{AgentState, RunConfigSnapshot, RunId, SessionId};
+use ratchet_core::{AgentState, RunConfigSnapshot, RunId, RunStatus, SessionId};
 use ratchet_engine::Multitask as EngineMultitask;
 use ratchet_store::{ListOrder, Session, SessionSpec};
 use utoipa_axum::router::OpenApiRouter;
@@ -460,14 +460,15 @@ async fn reconcile_run(
         .coordinator
         .reconcile(&id, &body.call_id, answer, body.result)
         .await?;
+    // Still waiting on other calls, or ended (a call left in doubt by an ended run).
     let status = if reconciled.resumed {
-        "running"
+        RunStatus::Running
     } else {
-        "waiting_human"
+        state.coordinator.store().load_state(&id).await?.status
     };
     Ok(axum::Json(ReconcileView {
         run_id: id.to_string(),
-        status: status.to_owned(),
+        status: status.to_string(),
     }))
 }
 
