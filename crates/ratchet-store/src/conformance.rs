@@ -17,7 +17,9 @@ mod webhooks;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use ratchet_core::step::{Resumption, after_model, after_tools, await_reconciliation, finish_step};
+use ratchet_core::step::{
+    Reconciliation, Resumption, after_model, after_tools, await_reconciliation, finish_step,
+};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalPolicy, BudgetExtension, CallDecision, EventDraft,
     EventKind, HumanRequest, Limits, MemoryScope, Message, MessageId, Millis, ModelReply, Phase,
@@ -61,6 +63,7 @@ macro_rules! store_conformance_tests {
             cancel_of_a_queued_run_is_immediate,
             cancel_of_a_running_run_goes_through_cancelling,
             cancel_of_a_waiting_run_frees_the_session,
+            a_run_waiting_past_its_deadline_times_out_and_frees_the_session,
             retry_later_delays_the_next_claim,
             release_leases_frees_a_dead_owners_jobs,
             missing_and_duplicate_entities_are_errors,
@@ -1742,6 +1745,86 @@ pub async fn cancel_of_a_running_run_goes_through_cancelling(store: &dyn Store) 
         CancelOutcome::AlreadyTerminal(status) => assert_eq!(status, RunStatus::Cancelled),
         other => panic!("cancel of a cancelled run: expected AlreadyTerminal, got {other:?}"),
     }
+}
+
+/// A run waiting on a human past its deadline ends `timed_out` at the sweep, not before; the
+/// call it waited on stays in doubt on it, and the next queued run starts.
+pub async fn a_run_waiting_past_its_deadline_times_out_and_frees_the_session(store: &dyn Store) {
+    let session = new_session(store).await;
+    let mut timed = config();
+    timed.limits.max_duration_ms = Some(1_000);
+    let (first, _) = submit(store, &session, "risky", timed, T0).await;
+    let (second, _) = submit(store, &session, "next", config(), T0 + 1).await;
+    let model = claim(store, OWNER_A, T0 + 2).await;
+    let asked = after_model(model.state, &model.job, tool_reply(), false, T0 + 2, T0 + 3);
+    commit(store, &model.claim, asked, None, T0 + 3).await;
+    let tools = claim(store, OWNER_A, T0 + 4).await;
+    let doubt = UnknownCall {
+        drift: None,
+        call_index: 0,
+        call_id: "call-1".into(),
+        tool: "lookup".into(),
+        arguments: json!({"q": "answer"}),
+        idempotency_key: format!("{first}-2-0"),
+    };
+    let request = HumanRequest::Reconciliation {
+        calls: vec![doubt.clone()],
+    };
+    let waiting =
+        await_reconciliation(tools.state, &tools.job, vec![None], request, T0 + 4, T0 + 5);
+    commit(store, &tools.claim, waiting, None, T0 + 5).await;
+    let deadline = load(store, &first)
+        .await
+        .deadline()
+        .expect("a started run with a budget");
+
+    let early = store.time_out_overdue(deadline - 1).await.unwrap();
+    assert!(
+        early.ended.is_empty() && early.events.is_empty(),
+        "{early:?}"
+    );
+    assert_eq!(load(store, &first).await.status, RunStatus::WaitingHuman);
+
+    let swept = store.time_out_overdue(deadline).await.unwrap();
+    assert_eq!(swept.ended, [first.clone()]);
+    assert!(
+        swept.enqueued,
+        "the queued run starts and its job must wake the workers"
+    );
+    assert_attributed(&swept.events);
+    let finished = swept
+        .events
+        .iter()
+        .find(|e| e.kind == "run.finished")
+        .expect("a run.finished event");
+    assert_eq!(finished.payload["stop_reason"], "timed_out");
+    assert_eq!(finished.payload["in_doubt"][0]["call_id"], "call-1");
+    let state = load(store, &first).await;
+    assert_eq!(
+        (state.status, state.stop_reason),
+        (RunStatus::Failed, Some(StopReason::TimedOut))
+    );
+    assert_eq!(state.pending_human, None);
+    assert_eq!(state.in_doubt, [doubt]);
+    assert_eq!(load(store, &second).await.status, RunStatus::Running);
+    assert_one_active(store, &session).await;
+    let again = store.time_out_overdue(deadline + 10_000).await.unwrap();
+    assert!(again.ended.is_empty(), "an ended run is swept once");
+
+    // What happened to the call can still be recorded; the run stays ended.
+    store
+        .reconcile(
+            &first,
+            "call-1",
+            Reconciliation::Succeeded,
+            None,
+            deadline + 1,
+        )
+        .await
+        .unwrap();
+    let state = load(store, &first).await;
+    assert_eq!(state.status, RunStatus::Failed);
+    assert!(state.in_doubt.is_empty());
 }
 
 /// A run waiting on a human holds its session but has nothing in flight: a cancel ends it
