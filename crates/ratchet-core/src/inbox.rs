@@ -465,11 +465,16 @@ pub struct DueEvent {
 }
 
 /// The hidden message a continuation turn starts with: it is the runtime speaking, not the
-/// user, and it carries the events' reports as data.
-pub fn continuation_trigger(events: &[DueEvent]) -> String {
+/// user, and it carries the events' reports as data, each child's answer cut to
+/// `max_answer_bytes` (the inbox and the child runs keep them whole).
+pub fn continuation_trigger(events: &[DueEvent], max_answer_bytes: u64) -> String {
     let reports: Vec<Value> = events
         .iter()
-        .map(|e| json!({"event": e.id, "kind": e.kind, "report": e.payload}))
+        .map(|e| {
+            let mut report = e.payload.clone();
+            crate::bounds::bound_child_answers(&mut report, max_answer_bytes);
+            json!({"event": e.id, "kind": e.kind, "report": report})
+        })
         .collect();
     format!(
         "[runtime] Background work you started has reported back; the user did not write this message. \
@@ -651,23 +656,41 @@ mod tests {
 
     #[test]
     fn the_trigger_says_who_speaks_and_carries_every_report() {
-        let text = continuation_trigger(&[
-            DueEvent {
-                id: 7,
-                kind: InboxKind::Completion,
-                payload: json!({"answer": "42"}),
-            },
-            DueEvent {
-                id: 9,
-                kind: InboxKind::Signal,
-                payload: json!({"summary": "half way"}),
-            },
-        ]);
+        let text = continuation_trigger(
+            &[
+                DueEvent {
+                    id: 7,
+                    kind: InboxKind::Completion,
+                    payload: json!({"answer": "42"}),
+                },
+                DueEvent {
+                    id: 9,
+                    kind: InboxKind::Signal,
+                    payload: json!({"summary": "half way"}),
+                },
+            ],
+            1_000,
+        );
         assert!(text.starts_with("[runtime]"));
         assert!(text.contains("the user did not write this message"));
         for needle in ["\"event\": 7", "\"42\"", "\"signal\"", "half way"] {
             assert!(text.contains(needle), "{needle} in {text}");
         }
+    }
+
+    #[test]
+    fn the_trigger_cuts_each_childs_answer_to_the_limit() {
+        let report = |answer: &str| DueEvent {
+            id: 1,
+            kind: InboxKind::Completion,
+            payload: json!({"results": [{"run_id": "run_7", "answer": answer}]}),
+        };
+        let long = "y".repeat(50);
+        let text = continuation_trigger(&[report(&long)], 8);
+        assert!(!text.contains(&long), "{text}");
+        assert!(text.contains("first 8 of 50 bytes"), "{text}");
+        assert!(text.contains("run run_7"), "{text}");
+        assert!(continuation_trigger(&[report(&long)], 50).contains(&long));
     }
     fn contract() -> SignalContract {
         SignalContract {

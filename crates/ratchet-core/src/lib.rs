@@ -6,6 +6,7 @@
 //! tested exhaustively without a runtime.
 
 pub mod approval;
+pub mod bounds;
 pub mod brain;
 pub mod completion;
 pub mod delegation;

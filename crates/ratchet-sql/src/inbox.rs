@@ -406,7 +406,7 @@ pub(crate) fn start_continuation(
         session,
         &run_id,
         message_id.as_str(),
-        &continuation_trigger(&events),
+        &continuation_trigger(&events, config.limits.max_tool_result_bytes),
         config,
         now,
     )?;
