@@ -63,6 +63,9 @@ pub struct AgentLimits {
     /// Runs the whole tree of delegations under one run of this agent may start.
     #[serde(default, deserialize_with = "at_least_one")]
     pub max_tree_runs: Option<u64>,
+    /// Bytes of one tool result, or of one child's answer, the model is shown.
+    #[serde(default, deserialize_with = "at_least_one")]
+    pub max_tool_result_bytes: Option<u64>,
 }
 
 /// Largest signal payload a contract may allow.

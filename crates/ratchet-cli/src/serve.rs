@@ -205,6 +205,7 @@ fn run_template(config: &Config, toolbox: &Toolbox) -> anyhow::Result<RunConfigS
         config.memory_scope.unwrap_or_default(),
     )?;
     template.delegation.inbox = config.inbox_policy()?;
+    (template.limits.max_tool_result_bytes, template.steer) = config.input_bounds()?;
     Ok(template)
 }
 
