@@ -551,7 +551,12 @@ async fn a_steer_past_the_users_lane_is_refused_with_429_and_queues_nothing() {
     let first = call(server.post(TOKEN_A, &path, steer("first"))).await;
     assert_eq!(first.status, StatusCode::ACCEPTED, "{}", first.body);
     let second = call(server.post(TOKEN_A, &path, steer("second"))).await;
-    assert_eq!(second.status, StatusCode::TOO_MANY_REQUESTS, "{}", second.body);
+    assert_eq!(
+        second.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "{}",
+        second.body
+    );
     assert_eq!(second.body["error"]["code"], "steer_queue_full");
     let message = second.body["error"]["message"].as_str().unwrap();
     assert!(
@@ -569,7 +574,10 @@ async fn a_steer_past_the_users_lane_is_refused_with_429_and_queues_nothing() {
         .map(|m| m["content"].as_str().unwrap())
         .collect();
     assert!(contents.contains(&"first"), "{contents:?}");
-    assert!(!contents.contains(&"second"), "the refused steer was never stored: {contents:?}");
+    assert!(
+        !contents.contains(&"second"),
+        "the refused steer was never stored: {contents:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
