@@ -106,6 +106,28 @@ fn a_bad_id_is_a_problem_at_the_id_line() {
 }
 
 #[test]
+fn an_id_the_server_uses_itself_is_a_problem_at_the_id_line() {
+    let dir = catalog(&[("d.md", &agent("default", "")), ("a.md", &agent("a", ""))]);
+    let problem = only_problem(
+        dir.path(),
+        "d.md",
+        Some(2),
+        "the id \"default\" is reserved: a session naming `default` runs the server's own run template",
+    );
+    assert!(
+        problem
+            .to_string()
+            .ends_with(&format!("d.md:2: {}", problem.message)),
+        "{problem}"
+    );
+    let dir = catalog(&[("a.md", &agent("defaults", ""))]);
+    assert!(
+        Catalog::load(dir.path(), &Runtime).is_ok(),
+        "only the exact name is reserved"
+    );
+}
+
+#[test]
 fn a_duplicate_id_names_both_files() {
     let dir = catalog(&[
         ("a.md", &agent("writer", "")),
