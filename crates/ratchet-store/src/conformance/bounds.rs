@@ -132,6 +132,8 @@ pub async fn a_background_runs_steered_signals_past_the_agent_lane_are_refused(s
         severities: vec![Severity::Info],
         dedupe_window_ms: 0,
         delivery: Delivery::Steer,
+        max_burst: 1,
+        max_depth: 8,
     };
     let children = background_signalling(
         store,

@@ -649,6 +649,8 @@ fn contract(delivery: Delivery) -> SignalContract {
         severities: vec![Severity::Info, Severity::Warning],
         dedupe_window_ms: 1_000,
         delivery,
+        max_burst: 1,
+        max_depth: 8,
     }
 }
 
