@@ -64,13 +64,8 @@ pub fn model_view(messages: Vec<Message>, max_bytes: u64) -> Vec<Message> {
 }
 
 fn bound_tool_result(content: &str, answers_delegate: bool, max_bytes: u64) -> Option<String> {
-    if answers_delegate {
-        if let Ok(mut value) = serde_json::from_str::<Value>(content) {
-            if bound_child_answers(&mut value, max_bytes) {
-                return Some(value.to_string());
-            }
-            return None;
-        }
+    if answers_delegate && let Ok(mut value) = serde_json::from_str::<Value>(content) {
+        return bound_child_answers(&mut value, max_bytes).then(|| value.to_string());
     }
     cut_for_model(
         content,
