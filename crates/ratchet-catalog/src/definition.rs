@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
 
-use ratchet_core::inbox::{Severity, SignalContract};
+use ratchet_core::inbox::{DEFAULT_SIGNAL_DEPTH, Severity, SignalContract};
 use ratchet_core::{ApprovalPolicy, Delivery};
 use serde::de::{self, Error as _, Visitor};
 use serde::{Deserialize, Deserializer, Serialize};
@@ -63,10 +63,16 @@ pub struct AgentLimits {
     /// Runs the whole tree of delegations under one run of this agent may start.
     #[serde(default, deserialize_with = "at_least_one")]
     pub max_tree_runs: Option<u64>,
+    /// Bytes of one tool result, or of one child's answer, the model is shown.
+    #[serde(default, deserialize_with = "at_least_one")]
+    pub max_tool_result_bytes: Option<u64>,
 }
 
 /// Largest signal payload a contract may allow.
 pub const MAX_SIGNAL_BYTES: u32 = 65536;
+
+/// Deepest nesting of a signal's details a contract may allow.
+pub const MAX_SIGNAL_DEPTH: u32 = 64;
 
 /// A `signal` block as written: each value range-checked as it is read. It becomes the
 /// core's `SignalContract`, which runs are frozen with.
@@ -90,6 +96,12 @@ pub(crate) struct SignalSpec {
     dedupe_window_ms: u64,
     #[serde(default)]
     delivery: Delivery,
+    /// Signals that may go out back to back before `min_interval_ms` spaces them (default 1).
+    #[serde(default, deserialize_with = "at_least_one")]
+    max_burst: Option<u32>,
+    /// Deepest nesting of a signal's `details`, 1 to 64 (default 8).
+    #[serde(default, deserialize_with = "signal_depth")]
+    max_depth: Option<u32>,
 }
 
 impl From<SignalSpec> for SignalContract {
@@ -101,6 +113,8 @@ impl From<SignalSpec> for SignalContract {
             severities: spec.severities,
             dedupe_window_ms: spec.dedupe_window_ms,
             delivery: spec.delivery,
+            max_burst: spec.max_burst.unwrap_or(1),
+            max_depth: spec.max_depth.unwrap_or(DEFAULT_SIGNAL_DEPTH),
         }
     }
 }
@@ -197,6 +211,16 @@ fn signal_bytes<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u32, D::Er
         )));
     }
     Ok(bytes)
+}
+
+fn signal_depth<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<u32>, D::Error> {
+    let depth: u32 = integer(deserializer, 1)?;
+    if depth > MAX_SIGNAL_DEPTH {
+        return Err(D::Error::custom(format!(
+            "expected a depth of at most {MAX_SIGNAL_DEPTH}, found {depth}"
+        )));
+    }
+    Ok(Some(depth))
 }
 
 fn severities<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<Severity>, D::Error> {

@@ -7,6 +7,7 @@ use std::fmt;
 use std::path::Path;
 
 use ratchet_core::ApprovalPolicy;
+use ratchet_core::delegation::RESERVED_AGENT_IDS;
 use serde::Deserialize;
 use serde::de::{self, MapAccess, Unexpected, Visitor};
 use serde_saphyr::{Location, MessageFormatter, Spanned, UserMessageFormatter};
@@ -212,6 +213,14 @@ pub(crate) fn parse(
             format!(
                 "expected an id of a lowercase letter then at most 63 lowercase letters, \
                  digits, `_` or `-` ([a-z][a-z0-9_-]{{0,63}}), found {id:?}"
+            ),
+        );
+    }
+    if let Some((_, meaning)) = RESERVED_AGENT_IDS.iter().find(|(name, _)| *name == id) {
+        report(
+            id_line,
+            format!(
+                "the id {id:?} is reserved: {meaning}, so this agent could never be used; choose another id"
             ),
         );
     }

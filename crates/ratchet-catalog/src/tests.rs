@@ -106,6 +106,28 @@ fn a_bad_id_is_a_problem_at_the_id_line() {
 }
 
 #[test]
+fn an_id_the_server_uses_itself_is_a_problem_at_the_id_line() {
+    let dir = catalog(&[("d.md", &agent("default", "")), ("a.md", &agent("a", ""))]);
+    let problem = only_problem(
+        dir.path(),
+        "d.md",
+        Some(2),
+        "the id \"default\" is reserved: a session naming `default` runs the server's own run template",
+    );
+    assert!(
+        problem
+            .to_string()
+            .ends_with(&format!("d.md:2: {}", problem.message)),
+        "{problem}"
+    );
+    let dir = catalog(&[("a.md", &agent("defaults", ""))]);
+    assert!(
+        Catalog::load(dir.path(), &Runtime).is_ok(),
+        "only the exact name is reserved"
+    );
+}
+
+#[test]
 fn a_duplicate_id_names_both_files() {
     let dir = catalog(&[
         ("a.md", &agent("writer", "")),
@@ -371,6 +393,17 @@ fn limits_and_signal_values_out_of_range_are_problems_at_their_line() {
             11,
             "shout",
         ),
+        (
+            "signal:\n  max_count: 1\n  min_interval_ms: 0\n  max_bytes: 10\n  severities: [info]\n  dedupe_window_ms: 0\n  max_burst: 0\n",
+            11,
+            "at least 1, found 0",
+        ),
+        (
+            "signal:\n  max_count: 1\n  min_interval_ms: 0\n  max_bytes: 10\n  severities: [info]\n  dedupe_window_ms: 0\n  max_depth: 65\n",
+            11,
+            "a depth of at most 64, found 65",
+        ),
+        ("limits:\n  max_tool_result_bytes: 0\n", 6, "at least 1"),
     ] {
         let dir = catalog(&[("a.md", &agent("a", extra))]);
         only_problem(dir.path(), "a.md", Some(line), says);
@@ -533,6 +566,8 @@ fn a_valid_catalog_loads_every_field() {
             severities: vec![Severity::Warning, Severity::Critical],
             dedupe_window_ms: 60000,
             delivery: Delivery::Steer,
+            max_burst: 1,
+            max_depth: 8,
         })
     );
 
@@ -552,6 +587,20 @@ fn a_valid_catalog_loads_every_field() {
     let changed = Catalog::load(dir.path(), &Runtime).unwrap();
     assert_ne!(changed.get("writer").unwrap().hash, writer.hash);
     assert_eq!(changed.get("lead").unwrap().hash, lead.hash);
+}
+
+#[test]
+fn a_signal_contract_reads_its_burst_and_depth_and_limits_their_tool_results() {
+    let text = RESEARCHER.replace(
+        "  delivery: steer\n",
+        "  delivery: steer\n  max_burst: 4\n  max_depth: 2\nlimits:\n  max_tool_result_bytes: 1000\n",
+    );
+    let dir = catalog(&[("researcher.md", &text), ("writer.md", WRITER)]);
+    let catalog = Catalog::load(dir.path(), &Runtime).unwrap();
+    let researcher = catalog.get("researcher").unwrap();
+    let signal = researcher.signal.clone().unwrap();
+    assert_eq!((signal.max_burst, signal.max_depth), (4, 2));
+    assert_eq!(researcher.limits.max_tool_result_bytes, Some(1000));
 }
 
 #[test]

@@ -174,6 +174,9 @@ fn profile(
     limits.max_prompt_tokens = own.max_prompt_tokens.or(limits.max_prompt_tokens);
     limits.max_duration_ms = own.max_duration_ms.or(limits.max_duration_ms);
     limits.max_parallel = own.max_parallel.unwrap_or(limits.max_parallel);
+    limits.max_tool_result_bytes = own
+        .max_tool_result_bytes
+        .unwrap_or(limits.max_tool_result_bytes);
     config.signal = definition.signal.clone();
     config.completion = definition.completion.clone();
     config.agent = Some(AgentRef {

@@ -208,6 +208,7 @@ fn run_template(config: &Config, toolbox: &Toolbox) -> anyhow::Result<RunConfigS
     )?;
     template.delegation.inbox = config.inbox_policy()?;
     template.delegation.tree_budget = config.tree_budget()?;
+    (template.limits.max_tool_result_bytes, template.steer) = config.input_bounds()?;
     Ok(template)
 }
 

@@ -155,3 +155,23 @@ fn a_missing_directory_is_one_problem() {
         )
     );
 }
+
+#[test]
+fn an_agent_named_as_the_servers_own_template_is_refused_at_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let agents = dir.path().join("agents");
+    write(
+        &agents.join("default.md"),
+        "---\nid: default\ndescription: Shadowed.\nmodel: scripted:demo\n---\nD.\n",
+    );
+    let output = ratchet(dir.path(), &["agents", "check", agents.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(1), "{}", stderr_of(&output));
+    assert_eq!(
+        stderr_of(&output),
+        format!(
+            "{}:2: the id \"default\" is reserved: a session naming `default` runs the server's own run template, so this agent could never be used; choose another id\n\
+             1 problem; the catalog was rejected\n",
+            agents.join("default.md").display()
+        )
+    );
+}

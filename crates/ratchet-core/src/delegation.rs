@@ -26,6 +26,14 @@ pub const AGENT_TASK_TOOL: &str = "agent_task";
 pub const EMIT_SIGNAL_TOOL: &str = "emit_signal";
 /// The most tasks one `delegate` call may start.
 pub const MAX_TASKS_PER_CALL: usize = 64;
+/// The agent name a session gives to mean the server's own run template, as if it named none.
+pub const DEFAULT_AGENT: &str = "default";
+/// Agent names the runtime gives a meaning of its own, with that meaning: a catalog agent of
+/// one of these names could never be reached, so a catalog may not define one.
+pub const RESERVED_AGENT_IDS: &[(&str, &str)] = &[(
+    DEFAULT_AGENT,
+    "a session naming `default` runs the server's own run template",
+)];
 
 /// Whether a tool may be offered to child runs. Fails closed: a tool nobody marked is offered
 /// to root runs only.

@@ -251,6 +251,36 @@ pub struct SignalContract {
     /// not sent again: the earlier one stands for it.
     pub dedupe_window_ms: u64,
     pub delivery: Delivery,
+    /// Signals that may go out back to back: `min_interval_ms` refills one place of this
+    /// burst (a token bucket), so 1 means simply one per interval. Contracts frozen before it
+    /// read 1.
+    #[serde(default = "one_signal")]
+    pub max_burst: u32,
+    /// Deepest nesting of arrays and objects in a signal's `details`. Contracts frozen before
+    /// it read `DEFAULT_SIGNAL_DEPTH`.
+    #[serde(default = "default_signal_depth")]
+    pub max_depth: u32,
+}
+
+/// The nesting a contract allows a signal's `details` unless it says otherwise.
+pub const DEFAULT_SIGNAL_DEPTH: u32 = 8;
+
+fn one_signal() -> u32 {
+    1
+}
+
+fn default_signal_depth() -> u32 {
+    DEFAULT_SIGNAL_DEPTH
+}
+
+/// How deeply arrays and objects nest in `value`: 0 for a scalar, 1 for `{"a": 1}`.
+fn json_depth(value: &Value) -> u32 {
+    let inner = match value {
+        Value::Array(items) => items.iter().map(json_depth).max(),
+        Value::Object(fields) => fields.values().map(json_depth).max(),
+        _ => return 0,
+    };
+    1 + inner.unwrap_or(0)
 }
 
 /// The arguments of an `emit_signal` call.
@@ -290,6 +320,13 @@ pub fn parse_signal(arguments: &Value, contract: &SignalContract) -> Result<Sign
     }
     if request.summary.trim().is_empty() {
         return Err("the summary is empty; say what happened".into());
+    }
+    let depth = request.details.as_ref().map_or(0, json_depth);
+    if depth > contract.max_depth {
+        return Err(format!(
+            "the details nest {depth} levels deep and this run may send at most {}; flatten them",
+            contract.max_depth
+        ));
     }
     let bytes =
         serde_json::to_string(&json!({"summary": request.summary, "details": request.details}))
@@ -344,16 +381,41 @@ pub fn admit_signal(
         ));
     }
     if let Some(last) = earlier.iter().map(|e| e.created_at).max() {
-        let since = now.saturating_sub(last);
-        let wait = millis(contract.min_interval_ms).saturating_sub(since);
+        let wait = burst_wait(contract, earlier, now);
         if wait > 0 {
+            let since = now.saturating_sub(last);
             return SignalAdmission::Refuse(format!(
-                "signals must be at least {} ms apart and the last one was sent {since} ms ago; wait {wait} ms",
-                contract.min_interval_ms
+                "signals must be at least {} ms apart after a burst of at most {}; the last one was sent {since} ms ago; wait {wait} ms",
+                contract.min_interval_ms,
+                contract.max_burst.max(1)
             ));
         }
     }
     SignalAdmission::Accept
+}
+
+/// How long a signal sent at `now` must still wait: a token bucket of `max_burst` places,
+/// each place refilled in `min_interval_ms`, spent by every earlier signal (in time order).
+fn burst_wait(contract: &SignalContract, earlier: &[EarlierSignal], now: Millis) -> Millis {
+    let interval = millis(contract.min_interval_ms);
+    let capacity = interval.saturating_mul(Millis::from(contract.max_burst.max(1)));
+    let mut credit = capacity;
+    let mut last: Option<Millis> = None;
+    for sent_at in earlier.iter().map(|e| e.created_at) {
+        if let Some(last) = last {
+            credit = credit
+                .saturating_add(sent_at.saturating_sub(last).max(0))
+                .min(capacity);
+        }
+        credit = credit.saturating_sub(interval).max(0);
+        last = Some(last.map_or(sent_at, |l| l.max(sent_at)));
+    }
+    if let Some(last) = last {
+        credit = credit
+            .saturating_add(now.saturating_sub(last).max(0))
+            .min(capacity);
+    }
+    interval.saturating_sub(credit).max(0)
 }
 
 /// The `emit_signal` tool, as offered to a background run with a signal contract.
@@ -363,8 +425,12 @@ pub fn emit_signal_tool(contract: &SignalContract) -> crate::ToolSpec {
         calls: Default::default(),
         name: crate::delegation::EMIT_SIGNAL_TOOL.to_owned(),
         description: format!(
-            "Tell the conversation that started you something it should know before you finish (progress, a problem, a finding). At most {} signals, {} ms apart, {} bytes each; a repeat of a recent one is dropped.",
-            contract.max_count, contract.min_interval_ms, contract.max_bytes
+            "Tell the conversation that started you something it should know before you finish (progress, a problem, a finding). At most {} signals, {} ms apart after a burst of up to {}, {} bytes each, details nested at most {} levels deep; a repeat of a recent one is dropped.",
+            contract.max_count,
+            contract.min_interval_ms,
+            contract.max_burst.max(1),
+            contract.max_bytes,
+            contract.max_depth
         ),
         parameters: json!({
             "type": "object",
@@ -466,11 +532,16 @@ pub struct DueEvent {
 }
 
 /// The hidden message a continuation turn starts with: it is the runtime speaking, not the
-/// user, and it carries the events' reports as data.
-pub fn continuation_trigger(events: &[DueEvent]) -> String {
+/// user, and it carries the events' reports as data, each child's answer cut to
+/// `max_answer_bytes` (the inbox and the child runs keep them whole).
+pub fn continuation_trigger(events: &[DueEvent], max_answer_bytes: u64) -> String {
     let reports: Vec<Value> = events
         .iter()
-        .map(|e| json!({"event": e.id, "kind": e.kind, "report": e.payload}))
+        .map(|e| {
+            let mut report = e.payload.clone();
+            crate::bounds::bound_child_answers(&mut report, max_answer_bytes);
+            json!({"event": e.id, "kind": e.kind, "report": report})
+        })
         .collect();
     format!(
         "[runtime] Background work you started has reported back; the user did not write this message. \
@@ -587,6 +658,8 @@ mod tests {
             severities: vec![Severity::Info],
             dedupe_window_ms: u64::MAX,
             delivery: Delivery::Queue,
+            max_burst: 1,
+            max_depth: 8,
         };
         let earlier = [EarlierSignal {
             event: 1,
@@ -653,23 +726,41 @@ mod tests {
 
     #[test]
     fn the_trigger_says_who_speaks_and_carries_every_report() {
-        let text = continuation_trigger(&[
-            DueEvent {
-                id: 7,
-                kind: InboxKind::Completion,
-                payload: json!({"answer": "42"}),
-            },
-            DueEvent {
-                id: 9,
-                kind: InboxKind::Signal,
-                payload: json!({"summary": "half way"}),
-            },
-        ]);
+        let text = continuation_trigger(
+            &[
+                DueEvent {
+                    id: 7,
+                    kind: InboxKind::Completion,
+                    payload: json!({"answer": "42"}),
+                },
+                DueEvent {
+                    id: 9,
+                    kind: InboxKind::Signal,
+                    payload: json!({"summary": "half way"}),
+                },
+            ],
+            1_000,
+        );
         assert!(text.starts_with("[runtime]"));
         assert!(text.contains("the user did not write this message"));
         for needle in ["\"event\": 7", "\"42\"", "\"signal\"", "half way"] {
             assert!(text.contains(needle), "{needle} in {text}");
         }
+    }
+
+    #[test]
+    fn the_trigger_cuts_each_childs_answer_to_the_limit() {
+        let report = |answer: &str| DueEvent {
+            id: 1,
+            kind: InboxKind::Completion,
+            payload: json!({"results": [{"run_id": "run_7", "answer": answer}]}),
+        };
+        let long = "y".repeat(50);
+        let text = continuation_trigger(&[report(&long)], 8);
+        assert!(!text.contains(&long), "{text}");
+        assert!(text.contains("first 8 of 50 bytes"), "{text}");
+        assert!(text.contains("run run_7"), "{text}");
+        assert!(continuation_trigger(&[report(&long)], 50).contains(&long));
     }
     fn contract() -> SignalContract {
         SignalContract {
@@ -679,6 +770,8 @@ mod tests {
             severities: vec![Severity::Warning],
             dedupe_window_ms: 1_000,
             delivery: Delivery::Queue,
+            max_burst: 1,
+            max_depth: 8,
         }
     }
 
@@ -717,6 +810,78 @@ mod tests {
             json!({"severity": "warning", "summary": "x", "colour": 1}),
             "unknown field `colour`",
         );
+    }
+
+    #[test]
+    fn details_nested_deeper_than_the_contract_allows_are_refused() {
+        let shallow = SignalContract {
+            max_depth: 2,
+            ..contract()
+        };
+        let with = |details: Value| {
+            parse_signal(
+                &json!({"severity": "warning", "summary": "x", "details": details}),
+                &shallow,
+            )
+        };
+        assert!(with(json!("flat")).is_ok());
+        assert!(with(json!({"a": [1, 2]})).is_ok(), "two levels");
+        let error = with(json!({"a": [{"b": 1}]})).unwrap_err();
+        assert!(
+            error.contains("nest 3 levels deep") && error.contains("at most 2"),
+            "{error}"
+        );
+        assert!(
+            with(json!([[[]]])).is_err(),
+            "empty containers count as levels too"
+        );
+    }
+
+    #[test]
+    fn a_burst_may_go_out_back_to_back_then_one_per_interval() {
+        let bursty = SignalContract {
+            max_count: 10,
+            max_burst: 3,
+            min_interval_ms: 100,
+            dedupe_window_ms: 0,
+            ..contract()
+        };
+        let sent = |at: &[i64]| -> Vec<EarlierSignal> {
+            (at.iter().enumerate())
+                .map(|(i, created_at)| EarlierSignal {
+                    event: i as i64 + 1,
+                    dedupe_key: format!("k{i}"),
+                    created_at: *created_at,
+                })
+                .collect()
+        };
+        let admit = |at: &[i64], now| admit_signal(&bursty, &sent(at), "new", now);
+        assert_eq!(admit(&[], 0), SignalAdmission::Accept);
+        assert_eq!(admit(&[0], 0), SignalAdmission::Accept);
+        assert_eq!(
+            admit(&[0, 0], 0),
+            SignalAdmission::Accept,
+            "the third of a burst"
+        );
+        assert!(
+            matches!(admit(&[0, 0, 0], 40), SignalAdmission::Refuse(m) if m.contains("a burst of at most 3") && m.contains("wait 60 ms")),
+            "the fourth waits for one place to refill"
+        );
+        assert_eq!(admit(&[0, 0, 0], 100), SignalAdmission::Accept);
+        assert!(
+            matches!(admit(&[0, 0, 0, 100], 150), SignalAdmission::Refuse(_)),
+            "the refilled place was spent"
+        );
+        assert_eq!(
+            admit(&[0, 0, 0], 300),
+            SignalAdmission::Accept,
+            "after three intervals the whole burst is back"
+        );
+        assert_eq!(admit(&[0, 0, 0, 300, 300], 300), SignalAdmission::Accept);
+        assert!(matches!(
+            admit(&[0, 0, 0, 300, 300, 300], 300),
+            SignalAdmission::Refuse(_)
+        ));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 pub mod activity;
 pub mod approval;
+pub mod bounds;
 pub mod brain;
 pub mod completion;
 pub mod delegation;

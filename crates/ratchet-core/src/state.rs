@@ -79,6 +79,14 @@ pub struct Limits {
     /// without tools and concludes the run.
     #[serde(default)]
     pub max_duration_ms: Option<u64>,
+    /// Bytes of one tool result (and of one child's answer) the model is shown; the rest is
+    /// cut from its view, never from the store. Configs frozen before it existed read 64 KiB.
+    #[serde(default = "default_max_tool_result_bytes")]
+    pub max_tool_result_bytes: u64,
+}
+
+fn default_max_tool_result_bytes() -> u64 {
+    crate::bounds::DEFAULT_MAX_TOOL_RESULT_BYTES
 }
 
 impl Default for Limits {
@@ -93,6 +101,7 @@ impl Default for Limits {
             max_tokens: None,
             max_prompt_tokens: None,
             max_duration_ms: None,
+            max_tool_result_bytes: crate::bounds::DEFAULT_MAX_TOOL_RESULT_BYTES,
         }
     }
 }
@@ -189,6 +198,9 @@ pub struct RunConfigSnapshot {
     /// messages are marked `continuation`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub continuation: bool,
+    /// How much steering may wait for this run's next model call, per lane.
+    #[serde(default)]
+    pub steer: crate::bounds::SteerLimits,
 }
 
 impl RunConfigSnapshot {

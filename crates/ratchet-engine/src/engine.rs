@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::stream::{self, StreamExt};
+use ratchet_core::bounds::model_view;
 use ratchet_core::delegation::{
     AGENT_TASK_TOOL, ChildRun, DELEGATE_TOOL, DelegationMode, EMIT_SIGNAL_TOOL, await_children,
     background_started,
@@ -164,7 +165,10 @@ impl Engine {
         } else {
             state.config.tools.clone()
         };
-        let messages = answer_dangling_calls(context.into_iter().map(|m| m.message).collect());
+        let messages = model_view(
+            answer_dangling_calls(context.into_iter().map(|m| m.message).collect()),
+            state.config.limits.max_tool_result_bytes,
+        );
         let system_prompt = state.config.system_prompt.clone();
         let (reply, delta) = self
             .invoke_model(claimed, system_prompt, messages, tools, true, cancel)
@@ -209,8 +213,10 @@ impl Engine {
             .iter()
             .map(|m| m.message.estimated_tokens())
             .sum();
-        let mut messages =
-            answer_dangling_calls(context[..cut].iter().map(|m| m.message.clone()).collect());
+        let mut messages = model_view(
+            answer_dangling_calls(context[..cut].iter().map(|m| m.message.clone()).collect()),
+            state.config.limits.max_tool_result_bytes,
+        );
         messages.push(Message::user(SUMMARY_REQUEST));
         let (reply, _) = self
             .invoke_model(

@@ -478,7 +478,7 @@ async fn agent_task_reaches_only_the_runs_below_its_caller() {
 
 /// The run id of the first child in a `delegate` result.
 fn leaf_of(joined: &str) -> String {
-    let joined: Value = serde_json::from_str(joined).unwrap();
+    let joined: Value = serde_json::from_str(joined).unwrap_or_else(|e| panic!("{e}: {joined}"));
     joined["results"][0]["run_id"].as_str().unwrap().to_owned()
 }
 
@@ -700,4 +700,85 @@ async fn children_that_spend_the_trees_budget_make_their_parents_next_call_concl
     let (state, runs, _) = run_tree(TreeBudget::default()).await;
     assert_eq!(runs, 5, "without a tree budget the parent delegates twice");
     assert_eq!(state.final_answer.as_deref(), Some("delegated twice"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_model_sees_long_results_cut_and_marked_while_the_store_keeps_them_whole() {
+    let long_answer = "z".repeat(300);
+    let seen: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let model = PolicyModel::new(Duration::from_millis(1), {
+        let (seen, long_answer) = (Arc::clone(&seen), long_answer.clone());
+        move |request| {
+            if request.system_prompt == "you are worker" {
+                return text(long_answer.clone());
+            }
+            let results = tool_results(&request.messages);
+            if results.is_empty() {
+                let wrong = ToolCall {
+                    id: "call-add".into(),
+                    name: "add".into(),
+                    arguments: json!({"a": "not a number", "b": 1}),
+                };
+                let delegate = ToolCall {
+                    id: "call-delegate".into(),
+                    name: "delegate".into(),
+                    arguments: json!({"mode": "foreground", "tasks": [{"agent": "worker", "task": "write"}]}),
+                };
+                return ModelReply {
+                    tool_calls: vec![wrong, delegate],
+                    ..ModelReply::default()
+                };
+            }
+            let mut seen = seen.lock().unwrap();
+            seen.extend(results.into_iter().map(str::to_owned));
+            text("done".into())
+        }
+    });
+    let node = node(model, None, PermitLimits::default());
+    let mut boss = agent("boss", vec![agent("worker", Vec::new())]);
+    boss.config.tools.extend(Registry::builtin().specs());
+    boss.config.limits.max_tool_result_bytes = 40;
+    let root = start(&node.coordinator, "job", boss.config).await;
+    let state = wait_for(&node.coordinator, &root, RunStatus::is_terminal).await;
+    assert_eq!(state.status, RunStatus::Completed, "{state:?}");
+
+    let seen = seen.lock().unwrap().clone();
+    let [tool_error, joined] = seen.as_slice() else {
+        panic!("two results in the model's view: {seen:?}");
+    };
+    assert!(
+        tool_error.contains("[truncated by ratchet: showing the first 40 of"),
+        "the failed call's long error is cut and marked: {tool_error}"
+    );
+    let joined: Value = serde_json::from_str(joined).unwrap_or_else(|e| panic!("{e}: {joined}"));
+    let answer = joined["results"][0]["answer"].as_str().unwrap();
+    assert!(!answer.contains(&long_answer), "{answer}");
+    assert!(
+        answer.contains("showing the first 40 of 300 bytes"),
+        "the child's answer is cut with its size: {answer}"
+    );
+
+    let history = node
+        .coordinator
+        .store()
+        .history(&state.session_id)
+        .await
+        .unwrap();
+    let stored: Vec<&str> = tool_results(&history);
+    assert!(
+        stored.iter().all(|r| !r.contains("truncated by ratchet")),
+        "{stored:?}"
+    );
+    assert!(
+        stored[1].contains(&long_answer),
+        "the store keeps the child's answer whole"
+    );
+    let child = &node.coordinator.store().run_tree(&root).await.unwrap()[1];
+    let child = node
+        .coordinator
+        .store()
+        .load_state(&child.run_id)
+        .await
+        .unwrap();
+    assert_eq!(child.final_answer.as_deref(), Some(long_answer.as_str()));
 }

@@ -14,8 +14,7 @@ use ratchet_core::{AgentProfile, RunConfigSnapshot};
 
 use crate::{AppState, Tokens};
 
-/// The agent name that means the server's run template, like naming none.
-pub(crate) const DEFAULT_AGENT: &str = "default";
+pub(crate) use ratchet_core::delegation::DEFAULT_AGENT;
 
 /// The run template, the catalog and the tokens a server works with until the next reload.
 #[derive(Debug, Default)]

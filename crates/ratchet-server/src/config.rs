@@ -4,6 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
+use ratchet_core::bounds::{LaneLimit, SteerLimits};
 use ratchet_core::{ApprovalPolicy, ReplayPolicy};
 
 use ratchet_core::MemoryScope;
@@ -118,6 +119,18 @@ pub struct LimitSettings {
     pub stream_stall_ms: Option<u64>,
     /// The most text `memory_search` shows of one matching message (default 2048 bytes).
     pub max_snippet_bytes: Option<u64>,
+    /// Bytes of one tool result, or of one child's answer, a model is shown (default 65536);
+    /// the store and the API keep the whole value. Frozen into each run.
+    pub max_tool_result_bytes: Option<u64>,
+    /// Steering messages from users that may wait for a run's next model call (default 32).
+    pub max_user_steers: Option<u32>,
+    /// Their bytes in all (default 65536).
+    pub max_user_steer_bytes: Option<u64>,
+    /// Steered signals from background runs that may wait for a run's next model call
+    /// (default 8).
+    pub max_agent_steers: Option<u32>,
+    /// Their bytes in all (default 32768).
+    pub max_agent_steer_bytes: Option<u64>,
 }
 
 /// `[server]`: who may address the HTTP server.
@@ -642,6 +655,55 @@ impl Config {
         })
     }
 
+    /// What `[limits]` bounds of a run's inputs, checked (no zeros): the bytes of a tool result
+    /// the model is shown, and the steering each lane may queue. Frozen into each run.
+    pub fn input_bounds(&self) -> Result<(u64, SteerLimits), ConfigError> {
+        let settings = &self.limits;
+        let at_least_one = |name: &str, value: Option<u64>, default: u64| match value {
+            Some(0) => Err(ConfigError::Invalid(format!(
+                "limits.{name} must be at least 1, found 0"
+            ))),
+            _ => Ok(value.unwrap_or(default)),
+        };
+        let count = |name: &str, value: Option<u32>, default: u32| {
+            at_least_one(name, value.map(u64::from), u64::from(default))
+                .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+        };
+        let defaults = SteerLimits::default();
+        let tool_result = at_least_one(
+            "max_tool_result_bytes",
+            settings.max_tool_result_bytes,
+            ratchet_core::bounds::DEFAULT_MAX_TOOL_RESULT_BYTES,
+        )?;
+        let steer = SteerLimits {
+            user: LaneLimit {
+                max_messages: count(
+                    "max_user_steers",
+                    settings.max_user_steers,
+                    defaults.user.max_messages,
+                )?,
+                max_bytes: at_least_one(
+                    "max_user_steer_bytes",
+                    settings.max_user_steer_bytes,
+                    defaults.user.max_bytes,
+                )?,
+            },
+            agent: LaneLimit {
+                max_messages: count(
+                    "max_agent_steers",
+                    settings.max_agent_steers,
+                    defaults.agent.max_messages,
+                )?,
+                max_bytes: at_least_one(
+                    "max_agent_steer_bytes",
+                    settings.max_agent_steer_bytes,
+                    defaults.agent.max_bytes,
+                )?,
+            },
+        };
+        Ok((tool_result, steer))
+    }
+
     /// The accepted tokens, reading `env` tokens from the environment now.
     pub fn tokens(&self, env: impl Fn(&str) -> Option<String>) -> Result<Tokens, ConfigError> {
         let mut by_hash = HashMap::new();
@@ -883,6 +945,36 @@ mod tests {
             );
         }
         assert!(toml::from_str::<Config>("[inbox]\ncapasity = 8\n").is_err());
+    }
+
+    #[test]
+    fn input_bounds_are_read_checked_and_default_the_rest() {
+        let (tool_result, steer) = Config::default().input_bounds().unwrap();
+        assert_eq!(tool_result, 65_536);
+        assert_eq!(steer, SteerLimits::default());
+        let config: Config = toml::from_str(
+            "[limits]\nmax_tool_result_bytes = 100\nmax_user_steers = 2\nmax_agent_steer_bytes = 9\n",
+        )
+        .unwrap();
+        let (tool_result, steer) = config.input_bounds().unwrap();
+        assert_eq!(tool_result, 100);
+        assert_eq!(steer.user.max_messages, 2);
+        assert_eq!(steer.user.max_bytes, SteerLimits::default().user.max_bytes);
+        assert_eq!(steer.agent.max_bytes, 9);
+        for zero in [
+            "max_tool_result_bytes",
+            "max_user_steers",
+            "max_user_steer_bytes",
+            "max_agent_steers",
+            "max_agent_steer_bytes",
+        ] {
+            let config: Config = toml::from_str(&format!("[limits]\n{zero} = 0\n")).unwrap();
+            let error = config.input_bounds().unwrap_err().to_string();
+            assert!(
+                error.contains(&format!("limits.{zero} must be at least 1")),
+                "{error}"
+            );
+        }
     }
 
     #[test]

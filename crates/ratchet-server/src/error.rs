@@ -99,6 +99,9 @@ impl From<ratchet_store::Error> for ApiError {
             Error::QuotaExceeded(message) => {
                 ApiError::new(StatusCode::TOO_MANY_REQUESTS, "quota_exceeded", message)
             }
+            Error::SteerQueueFull(message) => {
+                ApiError::new(StatusCode::TOO_MANY_REQUESTS, "steer_queue_full", message)
+            }
             other => ApiError::internal(&other),
         }
     }

@@ -532,6 +532,55 @@ async fn a_run_that_spent_its_budget_is_continued_with_more() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steer_past_the_users_lane_is_refused_with_429_and_queues_nothing() {
+    let script = json!({"replies": [
+        {"text": "Sleeping.", "tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 600_000}}]},
+        {"text": "Awake."}
+    ]});
+    let server = Server::start_with(script, |template, _| {
+        template.steer.user.max_messages = 1;
+    })
+    .await;
+    let session = server.create_session(TOKEN_A).await;
+    let accepted = server.send(TOKEN_A, &session, "sleep").await;
+    let run = accepted["run_id"].as_str().unwrap().to_owned();
+    let mut events = server.stream(&format!("/v1/runs/{run}/events"), None).await;
+    events.until(|e| e.kind == "tool.call").await;
+    let path = format!("/v1/sessions/{session}/messages");
+    let steer = |content: &str| json!({"content": content, "multitask": "steer"});
+    let first = call(server.post(TOKEN_A, &path, steer("first"))).await;
+    assert_eq!(first.status, StatusCode::ACCEPTED, "{}", first.body);
+    let second = call(server.post(TOKEN_A, &path, steer("second"))).await;
+    assert_eq!(
+        second.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "{}",
+        second.body
+    );
+    assert_eq!(second.body["error"]["code"], "steer_queue_full");
+    let message = second.body["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("1 steering messages from users already wait"),
+        "{message}"
+    );
+    let cancelled = call(server.post(TOKEN_A, &format!("/v1/runs/{run}/cancel"), json!({}))).await;
+    assert_eq!(cancelled.status, StatusCode::OK, "{}", cancelled.body);
+    events.until(|e| e.kind == "run.finished").await;
+    let messages = server.get_ok(TOKEN_A, &path).await;
+    let contents: Vec<&str> = messages["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
+    assert!(contents.contains(&"first"), "{contents:?}");
+    assert!(
+        !contents.contains(&"second"),
+        "the refused steer was never stored: {contents:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_steering_message_joins_the_active_run_after_its_tool_results() {
     let script = json!({"replies": [
         {"text": "Sleeping.", "tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 300}}]},

@@ -406,7 +406,7 @@ pub(crate) fn start_continuation(
         session,
         &run_id,
         message_id.as_str(),
-        &continuation_trigger(&events),
+        &continuation_trigger(&events, config.limits.max_tool_result_bytes),
         config,
         now,
     )?;
@@ -799,6 +799,14 @@ pub(crate) fn emit_signal(
         )));
     }
     let payload = to_json(&signal.payload)?;
+    if contract.delivery == Delivery::Steer {
+        let limits = frozen_config(c, &lineage.parent_run_id)?.steer;
+        if let Err(why) = crate::bounds::admit_agent_steer(c, root, &limits, payload.len())? {
+            return Ok(refused(format!(
+                "{why}; the signal was not sent — put it in your final answer"
+            )));
+        }
+    }
     let id = c
         .query_opt(
             "INSERT INTO inbox (session_id, kind, status, delivery, parent_run_id, source_run_id, payload_json, call_key, dedupe_key, max_attempts, available_at, created_at, updated_at)

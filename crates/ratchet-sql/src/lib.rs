@@ -5,6 +5,7 @@
 //! of other processes' changes. `SqlStore` turns any backend into a `Store`; the decisions
 //! stay in `ratchet-core`, the bodies in `ops` only read, check fences and write.
 
+mod bounds;
 mod db;
 mod inbox;
 mod ops;

@@ -207,6 +207,7 @@ pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Sub
         )));
     }
     if let Some(active) = active.as_ref().filter(|_| new.when_busy == WhenBusy::Steer) {
+        crate::bounds::admit_user_steer(c, &new.session_id, active, &new.content)?;
         let frozen = to_json(&new.config)?;
         c.execute(
             "INSERT INTO steers (message_id, session_id, run_id, content, config_json, created_at)

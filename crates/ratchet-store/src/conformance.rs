@@ -9,6 +9,7 @@
 //! here sleeps. Step results are built with the pure functions of `ratchet_core::step`, the
 //! same ones the engine uses, so the store is exercised with realistic transitions.
 
+mod bounds;
 mod delegation;
 mod inbox;
 mod pause;
@@ -29,6 +30,7 @@ use ratchet_core::{
 };
 use serde_json::{Value, json};
 
+pub use bounds::*;
 pub use delegation::*;
 pub use inbox::*;
 pub use pause::*;
@@ -102,6 +104,8 @@ macro_rules! store_conformance_tests {
             a_pause_stops_a_run_at_its_next_step_boundary_and_resume_takes_it_up,
             a_pending_pause_is_withdrawn_by_resume_and_honoured_by_a_backoff,
             cancel_of_a_paused_run_frees_the_session,
+            a_users_steers_past_the_lanes_count_or_bytes_are_refused_and_nothing_is_written,
+            a_background_runs_steered_signals_past_the_agent_lane_are_refused,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,

@@ -47,6 +47,9 @@ pub enum Error {
     /// Admitting the run would exceed a run quota; nothing was written.
     #[error("{0}")]
     QuotaExceeded(String),
+    /// The steering queue of the session's active run is full; nothing was written.
+    #[error("{0}")]
+    SteerQueueFull(String),
     #[error("invalid database url {url:?}: {reason}")]
     BadUrl { url: String, reason: String },
     #[error("stored data is corrupt: {0}")]

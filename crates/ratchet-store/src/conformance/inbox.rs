@@ -20,7 +20,7 @@ use super::{
 };
 use crate::{ClaimedStep, Closing, Commit, Error, InboxEvent, NewSignal, SignalOutcome, Store};
 
-fn inbox_config(policy: InboxPolicy) -> RunConfigSnapshot {
+pub(super) fn inbox_config(policy: InboxPolicy) -> RunConfigSnapshot {
     let mut config = delegating_config(64);
     config.delegation.inbox = policy;
     config
@@ -39,7 +39,7 @@ async fn background(
 }
 
 /// `background`, with children that may signal under `contract`.
-async fn background_signalling(
+pub(super) async fn background_signalling(
     store: &dyn Store,
     parent: &RunId,
     tasks: usize,
@@ -119,7 +119,7 @@ async fn background_signalling(
 /// Claims `run`'s own job. A claim limited to a run takes its whole tree's jobs, and the
 /// background runs of this suite go on beside their parent: any of theirs claimed on the way
 /// is handed back.
-async fn claim_own(store: &dyn Store, run: &RunId, now: i64) -> ClaimedStep {
+pub(super) async fn claim_own(store: &dyn Store, run: &RunId, now: i64) -> ClaimedStep {
     for _ in 0..16 {
         let claimed = store
             .claim_next(lease(OWNER_A, now + LEASE_MS), Some(run), now)
@@ -138,7 +138,7 @@ async fn claim_own(store: &dyn Store, run: &RunId, now: i64) -> ClaimedStep {
     panic!("{run}'s own job could not be claimed at {now}")
 }
 
-async fn inbox(store: &dyn Store, session: &SessionId) -> Vec<InboxEvent> {
+pub(super) async fn inbox(store: &dyn Store, session: &SessionId) -> Vec<InboxEvent> {
     store.inbox(session, None, 0, 1_000).await.unwrap()
 }
 
@@ -649,6 +649,8 @@ fn contract(delivery: Delivery) -> SignalContract {
         severities: vec![Severity::Info, Severity::Warning],
         dedupe_window_ms: 1_000,
         delivery,
+        max_burst: 1,
+        max_depth: 8,
     }
 }
 
