@@ -341,6 +341,30 @@ fn model_call_and_tool_call_budgets_end_a_run_that_keeps_calling_tools() {
     );
 }
 
+/// `max_duration_ms` is a hard deadline: a tool still running when it passes is cut off, and
+/// the run ends `timed_out` with exit code 1.
+#[test]
+fn a_run_past_its_duration_ends_timed_out_even_inside_a_long_tool_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(
+        dir.path(),
+        "script.json",
+        &json!({"replies": [
+            {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 600000}}]},
+            {"text": "never reached"}
+        ]}),
+    );
+    let output = run(
+        dir.path(),
+        &model,
+        &["--max-duration-ms", "800", "--json", "wait"],
+    );
+    assert_eq!(output.status.code(), Some(1), "{}", stderr_of(&output));
+    let report = report(&output);
+    assert_eq!(report["stop_reason"], "timed_out", "{report}");
+    assert_eq!(report["status"], "failed", "{report}");
+}
+
 #[test]
 fn invalid_tool_arguments_end_the_run_after_repeated_parse_failures() {
     let dir = tempfile::tempdir().unwrap();
