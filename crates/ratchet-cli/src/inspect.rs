@@ -54,6 +54,7 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
             "counters": state.counters,
             "final_answer": state.final_answer,
             "pending_human": state.pending_human,
+            "in_doubt": state.in_doubt,
             "steps": steps.iter().map(|s| json!({
                 "index": s.index,
                 "instruction": s.instruction,
@@ -74,15 +75,16 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
     if let Some(HumanRequest::Reconciliation { calls }) = &state.pending_human {
         writeln!(
             out,
-            "waiting for  a human to reconcile calls whose outcome is unknown after a crash:"
+            "waiting for  a human to reconcile calls whose outcome is unknown (or whose tool changed):"
         )?;
-        for call in calls {
-            writeln!(
-                out,
-                "  call #{} {}: {} {} (idempotency key {})",
-                call.call_index, call.call_id, call.tool, call.arguments, call.idempotency_key
-            )?;
-        }
+        write_calls_in_doubt(&mut out, calls)?;
+    }
+    if !state.in_doubt.is_empty() {
+        writeln!(
+            out,
+            "in doubt     calls cut off when the run ended; record what happened with `ratchet runs reconcile`:"
+        )?;
+        write_calls_in_doubt(&mut out, &state.in_doubt)?;
     }
     if let Some(HumanRequest::Approval { approval_id, calls }) = &state.pending_human {
         writeln!(
@@ -235,4 +237,21 @@ pub async fn resume_failed(
         "{run_id} is running again; `ratchet resume` carries it on"
     )?;
     Ok(ExitCode::SUCCESS)
+}
+
+fn write_calls_in_doubt(
+    out: &mut impl Write,
+    calls: &[ratchet_core::UnknownCall],
+) -> std::io::Result<()> {
+    for call in calls {
+        writeln!(
+            out,
+            "  call #{} {}: {} {} (idempotency key {})",
+            call.call_index, call.call_id, call.tool, call.arguments, call.idempotency_key
+        )?;
+        if let Some(drift) = &call.drift {
+            writeln!(out, "    {drift}")?;
+        }
+    }
+    Ok(())
 }

@@ -739,15 +739,18 @@ function showSession(view, sessionId) {
     return card;
   }
 
-  function reconciliationCard(event) {
-    const runId = event.run_id;
-    const calls = event.payload.request?.calls ?? [];
+  // `ended`: the calls an ended run left in doubt; what happened can be recorded, nothing
+  // runs again.
+  function reconciliationCard(runId, calls, ended = false) {
     const cards = new Map();
+    const intro = ended
+      ? "The run ended while these calls ran, so whether they took effect is unknown. Record what happened to each; the run stays ended."
+      : "Whether these calls took effect is unknown (the process stopped, a call timed out or lost its connection), or their tool changed since the model saw it. Say what happened to each; nothing runs again until you do.";
     const card = h(
       "li",
       { class: "item card", "data-reconciliation": runId, "data-state": "pending" },
-      h("div", { class: "who", text: "Reconciliation needed" }),
-      h("p", {}, "The process stopped while these calls ran, so whether they took effect is unknown. Say what happened to each; nothing runs again until you do."),
+      h("div", { class: "who", text: ended ? "Calls in doubt" : "Reconciliation needed" }),
+      h("p", {}, intro),
     );
     calls.forEach((call, index) => {
       const cardRegion = errorRegion();
@@ -757,7 +760,7 @@ function showSession(view, sessionId) {
         { id: `${id}-outcome` },
         h("option", { value: "succeeded", text: "It succeeded" }),
         h("option", { value: "failed", text: "It failed" }),
-        h("option", { value: "retry", text: "Run it again" }),
+        ...(ended ? [] : [h("option", { value: "retry", text: "Run it again" })]),
         h("option", { value: "skip", text: "Skip it" }),
       );
       const result = h("input", { type: "text", id: `${id}-result` });
@@ -772,6 +775,7 @@ function showSession(view, sessionId) {
         "section",
         { "aria-label": `Reconcile ${call.call_id}` },
         h("p", {}, h("code", { text: call.tool }), " ", h("span", { class: "mono", text: call.call_id }), ` · key ${call.idempotency_key}`),
+        ...(call.drift ? [h("p", { text: call.drift })] : []),
         h("pre", { text: json(call.arguments) }),
         form,
         cardRegion,
@@ -899,12 +903,17 @@ function showSession(view, sessionId) {
       case "approval.decided":
         approvals.get(p.approval_id)?.decided(p.answer);
         break;
+      case "tool.outcome_unknown": {
+        const result = toolItem(runId, p.call_id, p.tool, undefined).querySelector(".result");
+        result.textContent = `Outcome unknown (attempt ${p.attempt}): ${p.reason}`;
+        break;
+      }
       case "reconciliation.required": {
         for (const call of p.request?.calls ?? []) {
           const result = toolItem(runId, call.call_id, call.tool, call.arguments).querySelector(".result");
-          result.textContent = "Outcome unknown: the process stopped while this call ran.";
+          result.textContent = call.drift ? `Not run: ${call.drift}.` : "Outcome unknown: nobody knows whether this call took effect.";
         }
-        const card = reconciliationCard(event);
+        const card = reconciliationCard(runId, p.request?.calls ?? []);
         reconciliations.set(runId, card);
         runOf(runId).cards.push(card);
         append(card);
@@ -935,6 +944,11 @@ function showSession(view, sessionId) {
         if (run.assistant) run.assistant.dataset.streaming = "false";
         run.assistant = null;
         for (const card of run.cards) card.closed();
+        if (p.in_doubt?.length) {
+          const card = reconciliationCard(runId, p.in_doubt, true);
+          reconciliations.set(runId, card);
+          append(card);
+        }
         if (p.status !== "completed") notice(`Run ended: ${p.status}${p.stop_reason && p.stop_reason !== p.status ? ` (${p.stop_reason.replaceAll("_", " ")})` : ""}.`);
         break;
       }
