@@ -4,7 +4,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use ratchet_core::{ReplayPolicy, ToolDelegation, ToolOutcome};
+use ratchet_core::{CallLimits, ReplayPolicy, ToolDelegation, ToolOutcome};
 use serde_json::{Value, json};
 
 use crate::workspace::Workspace;
@@ -102,12 +102,23 @@ impl Tool for SleepMs {
     fn replay(&self) -> ReplayPolicy {
         ReplayPolicy::Safe
     }
+    fn call_limits(&self) -> CallLimits {
+        sleep_limits()
+    }
     async fn call(&self, arguments: Value, context: &ToolContext) -> ToolOutcome {
         let ms = arguments["ms"].as_u64().unwrap_or(0).min(MAX_SLEEP_MS);
         tokio::select! {
             () = tokio::time::sleep(Duration::from_millis(ms)) => ToolOutcome::ok(format!("slept {ms} ms")),
             () = context.cancel.cancelled() => ToolOutcome::error("cancelled"),
         }
+    }
+}
+
+/// A sleep may take its longest allowed time and a little more before it counts as cut off.
+fn sleep_limits() -> CallLimits {
+    CallLimits {
+        timeout_ms: MAX_SLEEP_MS + 60_000,
+        ..CallLimits::default()
     }
 }
 
@@ -142,6 +153,9 @@ impl Tool for Sleep {
     }
     fn replay(&self) -> ReplayPolicy {
         ReplayPolicy::Safe
+    }
+    fn call_limits(&self) -> CallLimits {
+        sleep_limits()
     }
     async fn call(&self, arguments: Value, context: &ToolContext) -> ToolOutcome {
         let ms = arguments["ms"].as_u64().unwrap_or(0).min(MAX_SLEEP_MS);

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use ratchet_core::{
-    ApprovalPolicy, ReplayPolicy, SessionId, ToolDelegation, ToolOutcome, ToolSpec,
+    ApprovalPolicy, CallLimits, ReplayPolicy, SessionId, ToolDelegation, ToolOutcome, ToolSpec,
 };
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
@@ -64,6 +64,11 @@ pub trait Tool: Send + Sync {
     /// otherwise: a tool nobody thought about is never handed down a delegation.
     fn delegation(&self) -> ToolDelegation {
         ToolDelegation::RootOnly
+    }
+    /// How long a call may run and how often one whose outcome stays unknown is tried, unless
+    /// the configuration says otherwise. A tool that waits by design waits longer.
+    fn call_limits(&self) -> CallLimits {
+        CallLimits::default()
     }
     /// Runs the call with arguments already validated against `parameters`. Failures are
     /// outcomes the model sees, not errors of the runtime.
@@ -140,7 +145,6 @@ impl Registry {
         self.entries
             .values()
             .map(|e| ToolSpec {
-                calls: Default::default(),
                 name: e.tool.name().to_owned(),
                 description: e.tool.description().to_owned(),
                 parameters: e.tool.parameters(),
@@ -148,6 +152,7 @@ impl Registry {
                 completes_run: false,
                 approval: e.tool.approval(),
                 delegation: e.tool.delegation(),
+                calls: e.tool.call_limits(),
             })
             .collect()
     }
@@ -281,6 +286,19 @@ mod tests {
             assert_eq!(spec.approval, expected, "{}", spec.name);
         }
         assert_eq!(specs.len(), 7);
+    }
+
+    #[test]
+    fn a_sleep_may_run_its_longest_wait_before_it_counts_as_cut_off() {
+        let specs = Registry::builtin().specs();
+        let timeout = |n: &str| specs.iter().find(|s| s.name == n).unwrap().calls.timeout_ms;
+        for sleeping in ["sleep", "sleep_ms"] {
+            assert!(timeout(sleeping) > 600_000, "{sleeping}");
+        }
+        assert_eq!(
+            timeout("add"),
+            ratchet_core::effect::DEFAULT_TOOL_TIMEOUT_MS
+        );
     }
 
     #[test]
