@@ -782,3 +782,34 @@ async fn the_model_sees_long_results_cut_and_marked_while_the_store_keeps_them_w
         .unwrap();
     assert_eq!(child.final_answer.as_deref(), Some(long_answer.as_str()));
 }
+
+/// A child past its own `max_duration_ms` is cut off mid-call and ends `timed_out`; its parent
+/// reads it as a failed task and goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_child_past_its_deadline_is_a_failed_task_for_its_parent() {
+    // The worker thinks for a minute: only its deadline ends it.
+    let model = PolicyModel::new(Duration::from_secs(60), fan_out_policy(1, "worker"));
+    let quick = PolicyModel::new(Duration::from_millis(1), fan_out_policy(1, "worker"));
+    let node = node(Arc::clone(&model), Some(quick), PermitLimits::default());
+    let mut worker = agent("worker", Vec::new());
+    worker.config.limits.max_duration_ms = Some(500);
+    let mut boss = agent("boss", vec![worker]);
+    boss.config.model = "test:quick".into();
+    let root = start(&node.coordinator, "job", boss.config).await;
+    let state = wait_for(&node.coordinator, &root, RunStatus::is_terminal).await;
+    assert_eq!(state.status, RunStatus::Completed, "{state:?}");
+    let store = node.coordinator.store();
+    let child = &store.run_tree(&root).await.unwrap()[1];
+    let child = store.load_state(&child.run_id).await.unwrap();
+    assert_eq!(
+        (child.status, child.stop_reason),
+        (RunStatus::Failed, Some(StopReason::TimedOut))
+    );
+    let history = store.history(&state.session_id).await.unwrap();
+    let joined: Value = serde_json::from_str(tool_results(&history)[0]).unwrap();
+    assert_eq!(joined["results"][0]["status"], "failed", "{joined}");
+    assert_eq!(
+        joined["results"][0]["error"], "the run failed: timed_out",
+        "{joined}"
+    );
+}
