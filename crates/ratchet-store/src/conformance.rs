@@ -1790,7 +1790,7 @@ pub async fn a_run_waiting_past_its_deadline_times_out_and_frees_the_session(sto
     assert_eq!(load(store, &first).await.status, RunStatus::WaitingHuman);
 
     let swept = store.time_out_overdue(deadline).await.unwrap();
-    assert_eq!(swept.ended, [first.clone()]);
+    assert_eq!(swept.ended, std::slice::from_ref(&first));
     assert!(
         swept.enqueued,
         "the queued run starts and its job must wake the workers"
