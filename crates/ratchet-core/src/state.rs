@@ -228,11 +228,25 @@ pub struct ToolCheckpoint {
     /// A human has answered the batch's approval: its gate is open.
     #[serde(default)]
     pub approved: bool,
+    /// The step that follows the model call which asked for the batch: the step its calls'
+    /// idempotency keys name, however many steps the batch takes (a wait for a human, a
+    /// takeover), so a `keyed` call is never sent under a second key. None for a batch from
+    /// before this was recorded: its keys name the step that runs it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_step: Option<u64>,
 }
 
 impl ToolCheckpoint {
+    /// The idempotency key of the call at `slot` of this batch, run in step `step_index`:
+    /// `{run}#{step}#{slot}`, the step being the batch's first.
+    pub fn idempotency_key(&self, run_id: &crate::RunId, step_index: u64, slot: u32) -> String {
+        let step = self.key_step.unwrap_or(step_index);
+        format!("{run_id}#{step}#{slot}")
+    }
+
     pub fn new(calls: Vec<ToolCall>) -> Self {
         ToolCheckpoint {
+            key_step: None,
             calls: calls
                 .into_iter()
                 .map(|call| CallProgress {

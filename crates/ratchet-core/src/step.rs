@@ -225,8 +225,10 @@ pub fn after_model(
     } else {
         reply.tool_calls.clone()
     };
-    state.checkpoint =
-        (!reply.tool_calls.is_empty()).then(|| ToolCheckpoint::new(reply.tool_calls));
+    state.checkpoint = (!reply.tool_calls.is_empty()).then(|| ToolCheckpoint {
+        key_step: Some(job.step_index + 1),
+        ..ToolCheckpoint::new(reply.tool_calls)
+    });
     state.final_answer = Some(reply.text.clone());
     let message = Message {
         origin: agent_origin(&state),

@@ -399,7 +399,7 @@ impl Engine {
             }
             let replay = state.config.tool(&call.name).map(|spec| spec.replay);
             if started_before.is_some() && replay == Some(ReplayPolicy::Never) {
-                unknown.push(unknown_call(job, slot, call));
+                unknown.push(unknown_call(&state, job, slot, call));
                 outcomes.push(None);
                 continue;
             }
@@ -411,7 +411,7 @@ impl Engine {
             {
                 unknown.push(UnknownCall {
                     drift: Some(drift),
-                    ..unknown_call(job, slot, call)
+                    ..unknown_call(&state, job, slot, call)
                 });
                 outcomes.push(None);
                 continue;
@@ -486,7 +486,7 @@ impl Engine {
                 let limits = spec.map_or_else(CallLimits::default, |s| s.calls);
                 let context = ToolContext {
                     workspace: workspace.clone(),
-                    idempotency_key: idempotency_key(job, slot),
+                    idempotency_key: call_key(&state, job, slot),
                     cancel: cancel.child_token(),
                     session_id: state.session_id.clone(),
                     memory: Some(Arc::clone(&memory)),
@@ -524,7 +524,7 @@ impl Engine {
                 (slot, CallEnd::Known(outcome)) => outcomes[slot as usize] = Some(outcome),
                 (slot, CallEnd::InDoubt) => {
                     let call = &calls[slot as usize].0;
-                    unknown.push(unknown_call(job, slot, call));
+                    unknown.push(unknown_call(&state, job, slot, call));
                 }
             }
         }
@@ -772,14 +772,14 @@ fn unknown_event(claim: &Claim, call: &ToolCall, attempt: u32, reason: &str) -> 
 }
 
 /// A started call whose outcome is unknown, as a human is asked about it.
-fn unknown_call(job: &StepJob, slot: u32, call: &ToolCall) -> UnknownCall {
+fn unknown_call(state: &AgentState, job: &StepJob, slot: u32, call: &ToolCall) -> UnknownCall {
     UnknownCall {
         drift: None,
         call_index: slot as usize,
         call_id: call.id.clone(),
         tool: call.name.clone(),
         arguments: call.arguments.clone(),
-        idempotency_key: idempotency_key(job, slot),
+        idempotency_key: call_key(state, job, slot),
     }
 }
 
@@ -791,9 +791,20 @@ fn root_session(state: &AgentState) -> &SessionId {
         .map_or(&state.session_id, |l| &l.root_session_id)
 }
 
-/// Deterministic per call, so a tool sees the same key after a crash: `{run}#{step}#{slot}`.
-pub(crate) fn idempotency_key(job: &StepJob, slot: u32) -> String {
+/// Deterministic per model call, so a provider sees the same key after a crash:
+/// `{run}#{step}#{slot}`.
+fn idempotency_key(job: &StepJob, slot: u32) -> String {
     format!("{}#{}#{}", job.run_id, job.step_index, slot)
+}
+
+/// Deterministic per tool call, so a tool sees the same key after a crash, a takeover or a
+/// wait for a human that moved its batch to a later step: `{run}#{step}#{slot}`, the step
+/// being the batch's first.
+pub(crate) fn call_key(state: &AgentState, job: &StepJob, slot: u32) -> String {
+    match &state.checkpoint {
+        Some(checkpoint) => checkpoint.idempotency_key(&job.run_id, job.step_index, slot),
+        None => idempotency_key(job, slot),
+    }
 }
 
 /// Where a context is cut for a compaction: the earliest index from which the messages fit

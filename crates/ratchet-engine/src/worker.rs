@@ -335,7 +335,7 @@ impl Worker {
                     call_id: progress.call.id.clone(),
                     tool: progress.call.name.clone(),
                     arguments: progress.call.arguments.clone(),
-                    idempotency_key: crate::engine::idempotency_key(&claimed.job, intent.slot),
+                    idempotency_key: crate::engine::call_key(state, &claimed.job, intent.slot),
                     drift: None,
                 });
             }

@@ -477,3 +477,57 @@ async fn a_call_of_a_tool_that_drifted_since_the_model_saw_it_waits_for_a_human(
     );
     node.pool.shutdown().await;
 }
+
+/// A batch that waits for a human goes on in a later step; a call run again there keeps the
+/// idempotency key it was first sent under, so a server that deduplicates by key acts once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_run_again_after_a_wait_keeps_its_first_idempotency_key() {
+    let node = node(json!([
+        {"tool_calls": [
+            {"name": "unknown_never", "arguments": {}},
+            {"name": "unknown_keyed", "arguments": {}},
+        ]},
+        answer(),
+    ]));
+    let once = CallLimits {
+        max_attempts: 1,
+        ..CallLimits::default()
+    };
+    let run = node
+        .start(node.config(Limits::default(), &[("unknown_keyed", once)]))
+        .await;
+    let waiting = node.settle(&run).await;
+    assert_eq!(
+        reconciliation_tools(&waiting),
+        ["unknown_never", "unknown_keyed"]
+    );
+    let first_step = waiting.step_index;
+    let calls = match &waiting.pending_human {
+        Some(HumanRequest::Reconciliation { calls }) => calls.clone(),
+        other => panic!("{other:?}"),
+    };
+    node.coordinator
+        .reconcile(&run, &calls[0].call_id, Reconciliation::Failed, None)
+        .await
+        .unwrap();
+    node.coordinator
+        .reconcile(&run, &calls[1].call_id, Reconciliation::Retry, None)
+        .await
+        .unwrap();
+    let again = node.settle(&run).await;
+    assert!(
+        again.step_index > first_step,
+        "the batch went on in a later step"
+    );
+    let keys = node.keys();
+    assert_eq!(keys.len(), 3, "{keys:?}");
+    let under_first_key = keys
+        .iter()
+        .filter(|k| **k == calls[1].idempotency_key)
+        .count();
+    assert_eq!(
+        under_first_key, 2,
+        "the keyed call was sent again under its first key: {keys:?}"
+    );
+    node.pool.shutdown().await;
+}
