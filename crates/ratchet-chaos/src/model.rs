@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::Router;
@@ -30,9 +30,18 @@ pub struct ModelState {
     inner: Arc<Mutex<Inner>>,
 }
 
+/// A request for one round of a plan, when the model received it.
+#[derive(Debug, Clone)]
+pub struct RoundAsked {
+    pub tag: String,
+    pub round: usize,
+    pub at: Instant,
+}
+
 #[derive(Default)]
 struct Inner {
     plans: HashMap<String, Plan>,
+    rounds_asked: Vec<RoundAsked>,
     violations: Vec<String>,
     calls: u64,
     summaries: u64,
@@ -50,6 +59,11 @@ impl ModelState {
 
     pub fn calls(&self) -> u64 {
         self.inner.lock().unwrap().calls
+    }
+
+    /// Every request for a round of a plan, in the order received.
+    pub fn rounds_asked(&self) -> Vec<RoundAsked> {
+        self.inner.lock().unwrap().rounds_asked.clone()
     }
 
     pub fn summaries(&self) -> u64 {
@@ -84,6 +98,7 @@ enum Turn {
 }
 
 async fn complete(State(state): State<ModelState>, Json(body): Json<Value>) -> Response {
+    let received = Instant::now();
     let messages = body["messages"].as_array().cloned().unwrap_or_default();
     // About four bytes a token, as providers count: long sessions grow past the prompt
     // budget and are compacted.
@@ -110,7 +125,15 @@ async fn complete(State(state): State<ModelState>, Json(body): Json<Value>) -> R
                 (reply, 0)
             }
             Turn::Round { tag, round } => match inner.plans.get(&tag) {
-                Some(plan) => (plan.reply(round, tools_offered), plan.chunk_delay_ms),
+                Some(plan) => {
+                    let answer = (plan.reply(round, tools_offered), plan.chunk_delay_ms);
+                    inner.rounds_asked.push(RoundAsked {
+                        tag,
+                        round,
+                        at: received,
+                    });
+                    answer
+                }
                 None => {
                     drop(inner);
                     let problem = format!("no plan with tag {tag:?}");
