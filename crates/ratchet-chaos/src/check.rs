@@ -284,6 +284,7 @@ fn check_mcp_executions(executions: &[Execution], tally: &mut Tally, violations:
         .collect();
     let mut done: HashSet<&str> = HashSet::new();
     let mut key_of_line: HashMap<&str, &str> = HashMap::new();
+    let mut rekeyed: HashSet<&str> = HashSet::new();
     for execution in executions {
         let Execution {
             kind,
@@ -307,7 +308,7 @@ fn check_mcp_executions(executions: &[Execution], tally: &mut Tally, violations:
             }
         }
         let first_key = *key_of_line.entry(line).or_insert(key);
-        if first_key != key {
+        if first_key != key && rekeyed.insert(line) {
             violations.push(format!(
                 "invariant 5: call {line} ({MCP_SERVER}.{tool}) was sent under key {first_key}, then under {key}"
             ));
