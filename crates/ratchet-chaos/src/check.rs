@@ -2,16 +2,18 @@
 //! store, as the runtime itself reads it) and from what the clients received. Each finding is
 //! a sentence naming the invariant, the session or run, what was expected and what was found.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
+use std::time::Instant;
 
 use ratchet_core::{SessionId, Visibility};
 use ratchet_store::{Store, StoredEvent};
 use serde_json::Value;
 
-use crate::client::SessionLog;
-use crate::model::SUMMARY_MARK;
-use crate::plan::{GATED_DIR, LOG_DIR, parse_call_id};
+use crate::client::{RunLog, SessionLog};
+use crate::mcp_log::{self, Execution, ExecutionKind};
+use crate::model::{RoundAsked, SUMMARY_MARK};
+use crate::plan::{GATED_DIR, LOG_DIR, MCP_SERVER, NEVER_TOOLS, parse_call_id};
 
 /// What the checks counted, besides the violations.
 #[derive(Debug, Default)]
@@ -21,24 +23,46 @@ pub struct Tally {
     pub events: usize,
     pub hidden_messages: usize,
     pub appends: usize,
+    /// Calls the chaos MCP server executed, by tool.
+    pub mcp_executions: BTreeMap<String, usize>,
+    /// Retries of `keyed` calls the server answered from their first execution.
+    pub keyed_replays: usize,
+    /// Calls a human had to answer for before their run could go on.
+    pub calls_in_doubt: usize,
     pub stop_reasons: BTreeMap<String, usize>,
     /// How often the paths that chaos should reach were taken.
     pub events_of_kind: BTreeMap<&'static str, usize>,
 }
 
 /// The event kinds counted in the tally: each is a path the workload is meant to exercise.
-const COUNTED_KINDS: [&str; 4] = [
+const COUNTED_KINDS: [&str; 5] = [
     "approval.required",
+    "tool.outcome_unknown",
     "reconciliation.required",
     "context.compacted",
     "run.resumed",
 ];
 
+/// What the chaos saw besides the database: the clients' logs, the workspace the tools wrote
+/// to, the chaos MCP server's record of its executions, and the model's requests.
+pub struct Evidence<'a> {
+    pub logs: &'a [SessionLog],
+    pub workspace: &'a Path,
+    pub mcp_log: &'a Path,
+    pub rounds_asked: &'a [RoundAsked],
+}
+
 pub async fn check(
     store: &dyn Store,
-    logs: &[SessionLog],
-    workspace: &Path,
+    evidence: &Evidence<'_>,
 ) -> anyhow::Result<(Tally, Vec<String>)> {
+    let Evidence {
+        logs,
+        workspace,
+        mcp_log,
+        rounds_asked,
+    } = *evidence;
+    let rounds_asked = rounds_by_tag(rounds_asked);
     let mut tally = Tally::default();
     let mut violations = Vec::new();
     let with_jobs: HashSet<String> = store
@@ -118,6 +142,13 @@ pub async fn check(
                 ));
             }
 
+            // 5: no model call while a call of the run is in doubt.
+            let asked = rounds_asked
+                .get(run.tag.as_str())
+                .map_or(&[][..], Vec::as_slice);
+            tally.calls_in_doubt +=
+                check_model_waits_for_answers(run, &run_events, asked, &mut violations);
+
             // 7: the frozen configuration never changed.
             let config_now = serde_json::to_value(&*state.config)?;
             if config_now != run.config_at_start {
@@ -161,7 +192,128 @@ pub async fn check(
         check_history(store, &session_id, &mut tally, &mut violations).await?;
     }
     check_effects(workspace, &mut tally, &mut violations)?;
+    let (executions, strays) = mcp_log::read(mcp_log)?;
+    for stray in strays {
+        violations.push(format!(
+            "invariant 5: {} holds {stray:?}, which the server did not write",
+            mcp_log.display()
+        ));
+    }
+    check_mcp_executions(&executions, &mut tally, &mut violations);
     Ok((tally, violations))
+}
+
+/// The model's requests for each plan, in the order received.
+fn rounds_by_tag(rounds_asked: &[RoundAsked]) -> HashMap<&str, Vec<RoundAsked>> {
+    let mut by_tag: HashMap<&str, Vec<RoundAsked>> = HashMap::new();
+    for asked in rounds_asked {
+        by_tag.entry(&asked.tag).or_default().push(asked.clone());
+    }
+    by_tag
+}
+
+/// 5, seen by the model: once a call's outcome is unknown — a `never` call cut off
+/// (`tool.outcome_unknown`) or any call a human is asked about (`reconciliation.required`) —
+/// the model is not asked for the next round of that run before the client first sent its
+/// answer. A request that came earlier would have offered the model a batch whose effect
+/// nobody knew, or run without it. Returns how many calls were in doubt.
+fn check_model_waits_for_answers(
+    run: &RunLog,
+    run_events: &[&StoredEvent],
+    asked: &[RoundAsked],
+    violations: &mut Vec<String>,
+) -> usize {
+    let mut in_doubt: Vec<&str> = Vec::new();
+    for event in run_events {
+        match event.kind.as_str() {
+            "tool.outcome_unknown"
+                if event.payload["tool"]
+                    .as_str()
+                    .is_some_and(|tool| NEVER_TOOLS.contains(&tool)) =>
+            {
+                in_doubt.extend(event.payload["call_id"].as_str());
+            }
+            "reconciliation.required" => in_doubt.extend(
+                event.payload["request"]["calls"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|call| call["call_id"].as_str()),
+            ),
+            _ => {}
+        }
+    }
+    in_doubt.sort_unstable();
+    in_doubt.dedup();
+    for call_id in &in_doubt {
+        let Some((_, round, _)) = parse_call_id(call_id) else {
+            violations.push(format!(
+                "invariant 5: run {} has call {call_id:?} in doubt, which no plan made",
+                run.run_id
+            ));
+            continue;
+        };
+        let answered: Option<Instant> = (run.reconciled.iter())
+            .filter(|(id, _)| id == call_id)
+            .map(|(_, at)| *at)
+            .min();
+        let too_early = asked
+            .iter()
+            .find(|a| a.round > round && answered.is_none_or(|answered| a.at < answered));
+        if let Some(early) = too_early {
+            let when = if answered.is_some() {
+                "before its answer was sent"
+            } else {
+                "and it was never answered"
+            };
+            violations.push(format!(
+                "invariant 5: run {}'s call {call_id} was in doubt, yet the model was asked for round {} {when}",
+                run.run_id, early.round
+            ));
+        }
+    }
+    in_doubt.len()
+}
+
+/// 5, seen by the chaos MCP server: no `never` call's idempotency key executed twice; a
+/// `keyed` call is retried under one key only, and that key did its work once.
+fn check_mcp_executions(executions: &[Execution], tally: &mut Tally, violations: &mut Vec<String>) {
+    let never_tools: Vec<&str> = NEVER_TOOLS
+        .iter()
+        .filter_map(|tool| tool.strip_prefix(&format!("{MCP_SERVER}.")))
+        .collect();
+    let mut done: HashSet<&str> = HashSet::new();
+    let mut key_of_line: HashMap<&str, &str> = HashMap::new();
+    let mut rekeyed: HashSet<&str> = HashSet::new();
+    for execution in executions {
+        let Execution {
+            kind,
+            tool,
+            key,
+            line,
+        } = execution;
+        if *kind == ExecutionKind::Replay {
+            tally.keyed_replays += 1;
+        } else {
+            *tally.mcp_executions.entry(tool.clone()).or_default() += 1;
+            if !done.insert(key) {
+                let policy = if never_tools.contains(&tool.as_str()) {
+                    "never"
+                } else {
+                    "keyed"
+                };
+                violations.push(format!(
+                    "invariant 5: the {policy} call {line} ({MCP_SERVER}.{tool}) was executed twice under key {key}"
+                ));
+            }
+        }
+        let first_key = *key_of_line.entry(line).or_insert(key);
+        if first_key != key && rekeyed.insert(line) {
+            violations.push(format!(
+                "invariant 5: call {line} ({MCP_SERVER}.{tool}) was sent under key {first_key}, then under {key}"
+            ));
+        }
+    }
 }
 
 async fn all_events(store: &dyn Store, session: &SessionId) -> anyhow::Result<Vec<StoredEvent>> {
@@ -444,6 +596,167 @@ mod tests {
         check_one_active_run("ses_s", &overlapping, &mut violations);
         assert_eq!(violations.len(), 1);
         assert!(violations[0].starts_with("invariant 1"), "{violations:?}");
+    }
+
+    fn run_log(reconciled: Vec<(String, Instant)>) -> RunLog {
+        RunLog {
+            run_id: "run_a".into(),
+            tag: "t".into(),
+            config_at_start: Value::Null,
+            finished: true,
+            reconciled,
+        }
+    }
+
+    fn asked(round: usize, at: Instant) -> RoundAsked {
+        RoundAsked {
+            tag: "t".into(),
+            round,
+            at,
+        }
+    }
+
+    fn unknown(seq: i64, tool: &str, call_id: &str) -> StoredEvent {
+        stored(
+            seq,
+            "a",
+            "tool.outcome_unknown",
+            json!({"tool": tool, "call_id": call_id, "attempt": 1}),
+        )
+    }
+
+    fn reconciliation(seq: i64, call_id: &str) -> StoredEvent {
+        stored(
+            seq,
+            "a",
+            "reconciliation.required",
+            json!({"request": {"kind": "reconciliation", "calls": [{"call_id": call_id}]}}),
+        )
+    }
+
+    #[test]
+    fn the_model_asked_only_after_the_answer_to_a_call_in_doubt_passes() {
+        let start = Instant::now();
+        let at = |ms| start + std::time::Duration::from_millis(ms);
+        let events = [
+            unknown(1, "chaos.hang", "c-t-0-1"),
+            reconciliation(2, "c-t-0-1"),
+        ];
+        let events: Vec<&StoredEvent> = events.iter().collect();
+        let run = run_log(vec![("c-t-0-1".into(), at(10))]);
+        let mut violations = Vec::new();
+        let in_doubt = check_model_waits_for_answers(
+            &run,
+            &events,
+            &[asked(0, at(0)), asked(1, at(11))],
+            &mut violations,
+        );
+        assert_eq!((in_doubt, violations), (1, Vec::<String>::new()));
+    }
+
+    #[test]
+    fn the_model_asked_again_while_a_call_is_in_doubt_is_a_violation() {
+        let start = Instant::now();
+        let at = |ms| start + std::time::Duration::from_millis(ms);
+        let answered = run_log(vec![("c-t-0-1".into(), at(10))]);
+        let unanswered = run_log(Vec::new());
+        let never_unknown = [unknown(1, "chaos.hang", "c-t-0-1")];
+        let reconciled = [reconciliation(1, "c-t-0-1")];
+        let cases: [(&RunLog, &[StoredEvent]); 3] = [
+            // Re-offered before the answer: after a never call's unknown outcome, and after
+            // a reconciliation of any call (a crash, a keyed call out of attempts).
+            (&answered, &never_unknown),
+            (&answered, &reconciled),
+            // The run went on although nobody ever answered.
+            (&unanswered, &never_unknown),
+        ];
+        for (run, events) in cases {
+            let events: Vec<&StoredEvent> = events.iter().collect();
+            let mut violations = Vec::new();
+            check_model_waits_for_answers(
+                run,
+                &events,
+                &[asked(0, at(0)), asked(1, at(5))],
+                &mut violations,
+            );
+            assert_eq!(violations.len(), 1, "{violations:?}");
+            assert!(
+                violations[0].contains("c-t-0-1 was in doubt"),
+                "{violations:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_keyed_call_retried_after_an_unknown_outcome_is_not_in_doubt() {
+        let start = Instant::now();
+        let events = [unknown(1, "chaos.flaky", "c-t-0-0")];
+        let events: Vec<&StoredEvent> = events.iter().collect();
+        let mut violations = Vec::new();
+        let in_doubt = check_model_waits_for_answers(
+            &run_log(Vec::new()),
+            &events,
+            &[asked(0, start), asked(1, start)],
+            &mut violations,
+        );
+        assert_eq!((in_doubt, violations), (0, Vec::<String>::new()));
+    }
+
+    fn execution(kind: ExecutionKind, tool: &str, key: &str, line: &str) -> Execution {
+        Execution {
+            kind,
+            tool: tool.into(),
+            key: key.into(),
+            line: line.into(),
+        }
+    }
+
+    #[test]
+    fn mcp_calls_executed_once_and_keyed_retries_under_one_key_pass() {
+        let executions = [
+            execution(ExecutionKind::Exec, "hang", "run_a#1#0", "c-t-0-0"),
+            execution(ExecutionKind::Exec, "drop", "run_a#1#1", "c-t-0-1"),
+            execution(ExecutionKind::Exec, "flaky", "run_a#1#2", "c-t-0-2"),
+            execution(ExecutionKind::Replay, "flaky", "run_a#1#2", "c-t-0-2"),
+        ];
+        let mut tally = Tally::default();
+        let mut violations = Vec::new();
+        check_mcp_executions(&executions, &mut tally, &mut violations);
+        assert_eq!(violations, Vec::<String>::new());
+        assert_eq!((tally.mcp_executions.len(), tally.keyed_replays), (3, 1));
+    }
+
+    #[test]
+    fn a_never_call_executed_twice_or_a_keyed_call_under_two_keys_is_a_violation() {
+        let cases = [
+            (
+                [
+                    execution(ExecutionKind::Exec, "hang", "run_a#1#0", "c-t-0-0"),
+                    execution(ExecutionKind::Exec, "hang", "run_a#1#0", "c-t-0-0"),
+                ],
+                "the never call c-t-0-0 (chaos.hang) was executed twice",
+            ),
+            (
+                [
+                    execution(ExecutionKind::Exec, "drop", "run_a#1#0", "c-t-0-0"),
+                    execution(ExecutionKind::Exec, "drop", "run_a#1#0", "c-t-0-0"),
+                ],
+                "the never call c-t-0-0 (chaos.drop) was executed twice",
+            ),
+            (
+                [
+                    execution(ExecutionKind::Exec, "flaky", "run_a#1#0", "c-t-0-0"),
+                    execution(ExecutionKind::Exec, "flaky", "run_a#2#0", "c-t-0-0"),
+                ],
+                "was sent under key run_a#1#0, then under run_a#2#0",
+            ),
+        ];
+        for (executions, expected) in cases {
+            let mut violations = Vec::new();
+            check_mcp_executions(&executions, &mut Tally::default(), &mut violations);
+            assert_eq!(violations.len(), 1, "{violations:?}");
+            assert!(violations[0].contains(expected), "{violations:?}");
+        }
     }
 
     #[test]

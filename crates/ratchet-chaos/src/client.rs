@@ -19,8 +19,9 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::mcp_log;
 use crate::model::ModelState;
-use crate::plan::Plan;
+use crate::plan::{MCP_SERVER, Plan};
 
 /// An event as a client received it.
 #[derive(Debug, Clone)]
@@ -48,6 +49,9 @@ pub struct RunLog {
     /// The run's frozen configuration as first read from the database.
     pub config_at_start: Value,
     pub finished: bool,
+    /// The calls this client reconciled, each with when it first sent the answer: no answer
+    /// can have been committed before then.
+    pub reconciled: Vec<(String, Instant)>,
 }
 
 /// What every client shares.
@@ -59,6 +63,8 @@ pub struct Clients {
     pub model: ModelState,
     /// Where the runs' tools write (to reconcile appends).
     pub workspace: PathBuf,
+    /// Where the chaos MCP server records the calls it executed (to reconcile its calls).
+    pub mcp_log: PathBuf,
     /// No client waits past this: a run still going then is stranded.
     pub deadline: Instant,
 }
@@ -75,6 +81,7 @@ impl Clients {
         store: Arc<dyn Store>,
         model: ModelState,
         workspace: PathBuf,
+        mcp_log: PathBuf,
         deadline: Instant,
     ) -> anyhow::Result<Clients> {
         Ok(Clients {
@@ -89,6 +96,7 @@ impl Clients {
             store,
             model,
             workspace,
+            mcp_log,
             deadline,
         })
     }
@@ -134,6 +142,7 @@ impl Clients {
                 tag: plan.tag.clone(),
                 config_at_start,
                 finished: false,
+                reconciled: Vec::new(),
             });
             if let Some(after) = plan.cancel_after_ms {
                 let (client, run_id) = (Arc::clone(self), run_id.clone());
@@ -154,7 +163,11 @@ impl Clients {
                 }
                 match event.kind.as_str() {
                     "approval.required" => self.decide(&event.payload).await?,
-                    "reconciliation.required" => self.reconcile(&run_id, &event.payload).await?,
+                    "reconciliation.required" => {
+                        let run = log.runs.last_mut().context("the run being driven")?;
+                        self.reconcile(&run_id, &event.payload, &mut run.reconciled)
+                            .await?;
+                    }
                     "run.finished" => break,
                     _ => {}
                 }
@@ -231,38 +244,53 @@ impl Clients {
             .await
     }
 
-    /// Says what happened to each call whose outcome the crash made unknown, as an operator
-    /// would: the effect is looked up where it would be (the line in its workspace file). A
-    /// line that is there succeeded; one that is not is skipped or failed — never run again.
-    async fn reconcile(&self, run_id: &str, payload: &Value) -> anyhow::Result<()> {
+    /// Says what happened to each call whose outcome is unknown (a crash, a timeout, a
+    /// dropped connection), as an operator would: the effect is looked up where it would be
+    /// (the line in its workspace file, the call's key in the MCP server's record). One that
+    /// happened succeeded; one that did not is skipped or failed — never run again.
+    async fn reconcile(
+        &self,
+        run_id: &str,
+        payload: &Value,
+        reconciled: &mut Vec<(String, Instant)>,
+    ) -> anyhow::Result<()> {
         let calls = payload["request"]["calls"]
             .as_array()
             .cloned()
             .unwrap_or_default();
         for call in calls {
             let call_id = text(&call, "call_id")?;
-            let body = if self.effect_happened(&call["arguments"]) {
+            let body = if self.effect_happened(&call)? {
                 json!({"call_id": call_id, "outcome": "succeeded",
-                       "result": "the line is in the file"})
+                       "result": "the effect is there"})
             } else if stable_hash(&call_id).is_multiple_of(2) {
                 json!({"call_id": call_id, "outcome": "skip"})
             } else {
                 json!({"call_id": call_id, "outcome": "failed",
-                       "result": "the line is not in the file; not written again"})
+                       "result": "the effect is not there; not done again"})
             };
+            reconciled.push((call_id, Instant::now()));
             self.answer(&format!("/v1/runs/{run_id}/reconcile"), body)
                 .await?;
         }
         Ok(())
     }
 
-    fn effect_happened(&self, arguments: &Value) -> bool {
+    fn effect_happened(&self, call: &Value) -> anyhow::Result<bool> {
+        if call["tool"]
+            .as_str()
+            .is_some_and(|tool| tool.starts_with(&format!("{MCP_SERVER}.")))
+        {
+            let key = text(call, "idempotency_key")?;
+            return Ok(mcp_log::executed(&self.mcp_log, &key)?);
+        }
+        let arguments = &call["arguments"];
         let (Some(path), Some(line)) = (arguments["path"].as_str(), arguments["line"].as_str())
         else {
-            return false;
+            return Ok(false);
         };
-        std::fs::read_to_string(self.workspace.join(path))
-            .is_ok_and(|text| text.lines().any(|l| l == line))
+        Ok(std::fs::read_to_string(self.workspace.join(path))
+            .is_ok_and(|text| text.lines().any(|l| l == line)))
     }
 
     /// A human's answer: 409 means it was already given (by an attempt that died with the

@@ -30,7 +30,25 @@ impl FleetSpec {
     pub fn api(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)
     }
+
+    /// Where the chaos MCP server records every call it executes.
+    pub fn mcp_log(&self) -> PathBuf {
+        self.dir.join("mcp-calls.jsonl")
+    }
+
+    fn mcp_script(&self) -> PathBuf {
+        self.dir.join("chaos_mcp_server.py")
+    }
 }
+
+/// The chaos MCP server, written next to the configurations so that the program needs
+/// nothing but `python3` beside it.
+const MCP_SERVER_SCRIPT: &str = include_str!("../mcp_server.py");
+
+/// How long the chaos MCP server may hold a call before its outcome is unknown.
+pub const MCP_TIMEOUT_MS: u64 = 400;
+/// Attempts of a `keyed` call whose outcome stays unknown before a human is asked.
+pub const FLAKY_MAX_ATTEMPTS: u64 = 3;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Role {
@@ -61,6 +79,7 @@ impl Fleet {
         for dir in [crate::plan::LOG_DIR, crate::plan::GATED_DIR] {
             std::fs::create_dir_all(spec.workspace().join(dir))?;
         }
+        std::fs::write(spec.mcp_script(), MCP_SERVER_SCRIPT)?;
         let mut fleet = Fleet {
             spec,
             secrets_key: ratchet_store::Key::generate()?.to_hex(),
@@ -180,7 +199,9 @@ impl Fleet {
 
 /// The configuration of one generation. Leases are short so that a killed process's steps
 /// are taken over quickly; appends under `approve/` wait for a human; the prompt budget is
-/// small enough that long sessions are compacted (their summaries are hidden messages).
+/// small enough that long sessions are compacted (their summaries are hidden messages). The
+/// chaos MCP server's tools run without approval, `never` replay but `flaky` (`keyed`), and
+/// its timeout is short, so that calls whose outcome is unknown are frequent.
 fn config_text(spec: &FleetSpec, generation: u64) -> String {
     format!(
         r#"db = {db:?}
@@ -196,7 +217,23 @@ poll_ms = 100
 
 [tools.append_line]
 approval = {{ path = "{gated}/**" }}
+
+[mcp.servers.{server}]
+command = "python3"
+args = [{script:?}]
+env = {{ CHAOS_MCP_LOG = {mcp_log:?} }}
+timeout_ms = {MCP_TIMEOUT_MS}
+replay = "never"
+approval = "never"
+
+[tools."{flaky}"]
+replay = "keyed"
+max_attempts = {FLAKY_MAX_ATTEMPTS}
 "#,
+        server = crate::plan::MCP_SERVER,
+        script = spec.mcp_script().display().to_string(),
+        mcp_log = spec.mcp_log().display().to_string(),
+        flaky = crate::plan::FLAKY_TOOL,
         db = spec.db_url,
         port = spec.port,
         workspace = spec.workspace().display().to_string(),

@@ -12,6 +12,7 @@
 pub mod check;
 pub mod client;
 pub mod fleet;
+pub mod mcp_log;
 pub mod model;
 pub mod plan;
 
@@ -100,6 +101,19 @@ impl fmt::Display for Report {
             .iter()
             .map(|(reason, count)| format!("{reason} {count}"))
             .collect();
+        let executions: Vec<String> = self
+            .tally
+            .mcp_executions
+            .iter()
+            .map(|(tool, count)| format!("{tool} {count}"))
+            .collect();
+        writeln!(
+            f,
+            "MCP calls executed: {}; {} keyed retries answered from the first execution; {} calls in doubt held against the model's requests",
+            executions.join(", "),
+            self.tally.keyed_replays,
+            self.tally.calls_in_doubt
+        )?;
         writeln!(f, "stop reasons: {}", reasons.join(", "))?;
         let paths: Vec<String> = self
             .tally
@@ -140,6 +154,7 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
         Arc::clone(&store),
         model.clone(),
         spec.workspace(),
+        spec.mcp_log(),
         deadline,
     )?);
 
@@ -188,7 +203,14 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
     }
     fleet.stop().await?;
 
-    let (tally, mut violations) = check::check(store.as_ref(), &logs, &spec.workspace()).await?;
+    let rounds_asked = model.rounds_asked();
+    let evidence = check::Evidence {
+        logs: &logs,
+        workspace: &spec.workspace(),
+        mcp_log: &spec.mcp_log(),
+        rounds_asked: &rounds_asked,
+    };
+    let (tally, mut violations) = check::check(store.as_ref(), &evidence).await?;
     violations.extend(model.violations());
     violations.extend(logs.iter().flat_map(|log| log.problems.iter().cloned()));
     Ok(Report {

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::Router;
@@ -30,9 +30,18 @@ pub struct ModelState {
     inner: Arc<Mutex<Inner>>,
 }
 
+/// A request for one round of a plan, when the model received it.
+#[derive(Debug, Clone)]
+pub struct RoundAsked {
+    pub tag: String,
+    pub round: usize,
+    pub at: Instant,
+}
+
 #[derive(Default)]
 struct Inner {
     plans: HashMap<String, Plan>,
+    rounds_asked: Vec<RoundAsked>,
     violations: Vec<String>,
     calls: u64,
     summaries: u64,
@@ -50,6 +59,11 @@ impl ModelState {
 
     pub fn calls(&self) -> u64 {
         self.inner.lock().unwrap().calls
+    }
+
+    /// Every request for a round of a plan, in the order received.
+    pub fn rounds_asked(&self) -> Vec<RoundAsked> {
+        self.inner.lock().unwrap().rounds_asked.clone()
     }
 
     pub fn summaries(&self) -> u64 {
@@ -76,14 +90,25 @@ pub async fn serve(state: ModelState, stop: CancellationToken) -> anyhow::Result
     Ok(format!("http://{address}/v1"))
 }
 
+/// How the runtime presents a summary in later contexts (`Message::summary`).
+const SUMMARY_PREFIX: &str = "Summary of the earlier conversation:\n";
+
 /// Where the request stands in a run, read from its last messages.
 #[derive(Debug)]
 enum Turn {
-    Round { tag: String, round: usize },
-    Summary,
+    Round {
+        tag: String,
+        round: usize,
+    },
+    /// A summary of the messages before the last one, which asks for it; `at` is where the
+    /// run stands at the end of those messages, when it can be read from them.
+    Summary {
+        at: Option<(String, usize)>,
+    },
 }
 
 async fn complete(State(state): State<ModelState>, Json(body): Json<Value>) -> Response {
+    let received = Instant::now();
     let messages = body["messages"].as_array().cloned().unwrap_or_default();
     // About four bytes a token, as providers count: long sessions grow past the prompt
     // budget and are compacted.
@@ -100,9 +125,17 @@ async fn complete(State(state): State<ModelState>, Json(body): Json<Value>) -> R
         let mut inner = state.inner.lock().unwrap();
         inner.calls += 1;
         match turn {
-            Turn::Summary => {
+            Turn::Summary { at } => {
                 inner.summaries += 1;
-                let text = format!("{SUMMARY_MARK} {}: earlier chaos turns.", inner.summaries);
+                // The summary says where the run stands: a compaction may leave it as the
+                // whole context, and the next request must still find its plan and round.
+                let text = match at {
+                    Some((tag, round)) => format!(
+                        "{SUMMARY_MARK} {}: plan {tag} round {round}",
+                        inner.summaries
+                    ),
+                    None => format!("{SUMMARY_MARK} {}: earlier chaos turns.", inner.summaries),
+                };
                 let reply = Reply {
                     text,
                     tool_calls: Vec::new(),
@@ -110,7 +143,15 @@ async fn complete(State(state): State<ModelState>, Json(body): Json<Value>) -> R
                 (reply, 0)
             }
             Turn::Round { tag, round } => match inner.plans.get(&tag) {
-                Some(plan) => (plan.reply(round, tools_offered), plan.chunk_delay_ms),
+                Some(plan) => {
+                    let answer = (plan.reply(round, tools_offered), plan.chunk_delay_ms);
+                    inner.rounds_asked.push(RoundAsked {
+                        tag,
+                        round,
+                        at: received,
+                    });
+                    answer
+                }
                 None => {
                     drop(inner);
                     let problem = format!("no plan with tag {tag:?}");
@@ -132,13 +173,22 @@ fn read_turn(messages: &[Value]) -> Result<Turn, String> {
     match last["role"].as_str() {
         Some("user") => {
             let content = last["content"].as_str().unwrap_or_default();
-            Ok(match content.strip_prefix("chaos ") {
-                Some(tag) => Turn::Round {
+            if let Some(tag) = content.strip_prefix("chaos ") {
+                return Ok(Turn::Round {
                     tag: tag.to_owned(),
                     round: 0,
-                },
-                None => Turn::Summary,
-            })
+                });
+            }
+            if let Some(summary) = content.strip_prefix(SUMMARY_PREFIX) {
+                return read_summary(summary).ok_or_else(|| {
+                    format!("the context ends with a summary the model did not write: {summary:?}")
+                });
+            }
+            let at = match read_turn(&messages[..messages.len() - 1]) {
+                Ok(Turn::Round { tag, round }) => Some((tag, round)),
+                _ => None,
+            };
+            Ok(Turn::Summary { at })
         }
         Some("tool") => {
             let results_start = messages
@@ -176,6 +226,16 @@ fn read_turn(messages: &[Value]) -> Result<Turn, String> {
             "expected the last message to be a user message or a tool result, found role {other:?}"
         )),
     }
+}
+
+/// Where a run stands, from a summary the model wrote (`… plan TAG round N`).
+fn read_summary(summary: &str) -> Option<Turn> {
+    let (_, place) = summary.rsplit_once(": plan ")?;
+    let (tag, round) = place.split_once(" round ")?;
+    Some(Turn::Round {
+        tag: tag.to_owned(),
+        round: round.parse().ok()?,
+    })
 }
 
 /// The reply as OpenAI streams it: a role chunk, one chunk per word, the tool calls (each
@@ -280,6 +340,27 @@ mod tests {
         let start = [json!({"role": "user", "content": "chaos t9"})];
         assert!(matches!(read_turn(&start), Ok(Turn::Round { tag, round: 0 }) if tag == "t9"));
         let summary = [json!({"role": "user", "content": "Summarize the conversation above"})];
-        assert!(matches!(read_turn(&summary), Ok(Turn::Summary)));
+        assert!(matches!(
+            read_turn(&summary),
+            Ok(Turn::Summary { at: None })
+        ));
+    }
+
+    /// A compaction may summarise the whole context: the next request then ends with the
+    /// summary, which must lead back to the plan's round.
+    #[test]
+    fn a_context_that_is_only_a_summary_leads_to_the_round_it_summarised() {
+        let mut asking = tool_turn(&["c-t1-0-0"], &["c-t1-0-0"]);
+        asking.push(json!({"role": "user", "content": "Summarize the conversation above"}));
+        let Ok(Turn::Summary {
+            at: Some((tag, round)),
+        }) = read_turn(&asking)
+        else {
+            panic!("expected a summary of plan t1");
+        };
+        assert_eq!((tag.as_str(), round), ("t1", 1));
+        let summary = format!("{SUMMARY_PREFIX}{SUMMARY_MARK} 4: plan t1 round 1");
+        let next = [json!({"role": "user", "content": summary})];
+        assert!(matches!(read_turn(&next), Ok(Turn::Round { tag, round: 1 }) if tag == "t1"));
     }
 }

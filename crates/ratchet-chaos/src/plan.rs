@@ -30,7 +30,22 @@ pub enum Call {
     Append,
     /// As `Append`, under the approval-gated directory: a human decides first.
     GatedAppend,
+    /// `never` replay, on the chaos MCP server: never answers, so its outcome is unknown.
+    Hang,
+    /// `never` replay, on the chaos MCP server: the server exits mid-call.
+    Drop,
+    /// `keyed` replay, on the chaos MCP server: its first `stalls` attempts never answer.
+    Flaky { stalls: u64 },
 }
+
+/// The chaos MCP server's name in the fleet's configuration, and its tools' full names.
+pub const MCP_SERVER: &str = "chaos";
+pub const HANG_TOOL: &str = "chaos.hang";
+pub const DROP_TOOL: &str = "chaos.drop";
+pub const FLAKY_TOOL: &str = "chaos.flaky";
+/// Tools whose calls must never run twice: a human answers for them when their outcome is
+/// unknown.
+pub const NEVER_TOOLS: [&str; 3] = ["append_line", HANG_TOOL, DROP_TOOL];
 
 /// The path a plan's appends write to; gated ones need approval (see `Fleet`'s config).
 pub const LOG_DIR: &str = "log";
@@ -41,16 +56,21 @@ impl Plan {
         let rounds = (0..rng.usize(0..=3))
             .map(|_| {
                 (0..rng.usize(1..=4))
-                    .map(|_| match rng.u8(0..10) {
-                        0..=2 => Call::Add {
+                    .map(|_| match rng.u8(0..24) {
+                        0..=5 => Call::Add {
                             a: rng.i64(-1000..1000),
                             b: rng.i64(-1000..1000),
                         },
-                        3..=5 => Call::Sleep {
+                        6..=11 => Call::Sleep {
                             ms: rng.u64(0..250),
                         },
-                        6..=8 => Call::Append,
-                        _ => Call::GatedAppend,
+                        12..=17 => Call::Append,
+                        18..=19 => Call::GatedAppend,
+                        20 => Call::Hang,
+                        21 => Call::Drop,
+                        _ => Call::Flaky {
+                            stalls: rng.u64(0..=3),
+                        },
                     })
                     .collect()
             })
@@ -107,10 +127,15 @@ impl Plan {
                 "append_line",
                 json!({"path": format!("{GATED_DIR}/{}.log", self.tag), "line": id}),
             ),
+            Call::Hang => (HANG_TOOL, json!({"line": id})),
+            Call::Drop => (DROP_TOOL, json!({"line": id})),
+            Call::Flaky { stalls } => (FLAKY_TOOL, json!({"line": id, "stalls": stalls})),
         };
         ToolCallReply {
             id,
-            name: name.to_owned(),
+            // The wire protocol refuses `.` in a function name: the runtime offers an MCP
+            // tool `server.tool` as `server_tool`, and maps the call back.
+            name: name.replace('.', "_"),
             arguments,
         }
     }

@@ -1,6 +1,7 @@
 //! The chaos program in its short form, as CI runs it: real `ratchet` processes killed with
 //! SIGKILL at random instants for a while, on SQLite (one server) and on PostgreSQL (a server
-//! and a worker process), then every invariant checked. The seed is printed, so a failure
+//! and a worker process), with MCP calls that hang, drop their connection or stall, then every
+//! invariant checked. The seed is printed, so a failure
 //! replays with `ratchet-chaos --seed N`.
 
 use std::time::Duration;
@@ -45,6 +46,17 @@ fn assert_clean(report: &Report) {
     assert!(
         report.tally.appends > 0,
         "expected never-replay effects to have happened"
+    );
+    for tool in ["hang", "drop", "flaky"] {
+        assert!(
+            report.tally.mcp_executions.get(tool) > Some(&0),
+            "expected the MCP server to have executed {tool} calls: {:?}",
+            report.tally.mcp_executions
+        );
+    }
+    assert!(
+        report.tally.calls_in_doubt > 0,
+        "expected calls whose outcome was unknown to have waited for an answer"
     );
 }
 
