@@ -1124,7 +1124,7 @@ async fn racing_approvals_denials_cancels_and_messages_keep_every_invariant() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn past_its_deadline_a_run_concludes_with_one_last_call() {
+async fn past_its_deadline_a_run_ends_timed_out_and_starts_nothing_more() {
     let forever = json!({"replies": [
         {"text": "Waiting.", "tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 150}}]}
     ]});
@@ -1135,7 +1135,7 @@ async fn past_its_deadline_a_run_concludes_with_one_last_call() {
     let (_, run, ended) = server.run_to_end("wait").await;
     assert_eq!(
         (&ended["status"], &ended["stop_reason"]),
-        (&json!("failed"), &json!("budget_exhausted")),
+        (&json!("failed"), &json!("timed_out")),
         "{ended}"
     );
     let took = ended["finished_at"].as_i64().unwrap() - ended["started_at"].as_i64().unwrap();
@@ -1147,17 +1147,10 @@ async fn past_its_deadline_a_run_concludes_with_one_last_call() {
         .get_ok(TOKEN_A, &format!("/v1/runs/{run}/steps?limit=200"))
         .await;
     let steps = steps["items"].as_array().unwrap();
-    let last = steps.last().unwrap();
-    assert_eq!(last["instruction"], "call_llm");
-    assert_eq!(
-        last["summary"]["conclude"], true,
-        "the last call offered no tools"
+    assert!(
+        steps.iter().all(|s| s["summary"]["conclude"] != true),
+        "no concluding call is made past the deadline: {steps:?}"
     );
-    let concluding = steps
-        .iter()
-        .filter(|s| s["summary"]["conclude"] == true)
-        .count();
-    assert_eq!(concluding, 1, "exactly one concluding call");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
