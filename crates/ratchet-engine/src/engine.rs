@@ -453,15 +453,7 @@ impl Engine {
         }
         // Nothing of the batch runs while any outcome is in doubt: the human answers first.
         if !unknown.is_empty() {
-            let request = HumanRequest::Reconciliation { calls: unknown };
-            return Ok(await_reconciliation(
-                state,
-                job,
-                outcomes,
-                request,
-                started,
-                now_ms(),
-            ));
+            return Ok(ask_reconciliation(state, job, outcomes, unknown, started));
         }
         if !delegations.is_empty()
             && let Err(refusal) = admit(&self.coordinator, &state, &delegations).await?
@@ -531,16 +523,7 @@ impl Engine {
         // A call in doubt stops the batch where a crash would have: the human answers first,
         // and nothing else of the batch (no child run) starts.
         if !unknown.is_empty() {
-            unknown.sort_by_key(|c| c.call_index);
-            let request = HumanRequest::Reconciliation { calls: unknown };
-            return Ok(await_reconciliation(
-                state,
-                job,
-                outcomes,
-                request,
-                started,
-                now_ms(),
-            ));
+            return Ok(ask_reconciliation(state, job, outcomes, unknown, started));
         }
         let children = crate::delegation::children(&state, job, &delegations)
             .map_err(|e| StepFailure::Fatal(e.to_string()))?;
@@ -769,6 +752,20 @@ fn unknown_event(claim: &Claim, call: &ToolCall, attempt: u32, reason: &str) -> 
             "reason": reason,
         }),
     )
+}
+
+/// Parks the batch until a human has said what happened to each call in `unknown`; the
+/// outcomes known so far are kept.
+fn ask_reconciliation(
+    state: AgentState,
+    job: &StepJob,
+    outcomes: Vec<Option<ToolOutcome>>,
+    mut unknown: Vec<UnknownCall>,
+    started: ratchet_core::Millis,
+) -> StepResult {
+    unknown.sort_by_key(|c| c.call_index);
+    let request = HumanRequest::Reconciliation { calls: unknown };
+    await_reconciliation(state, job, outcomes, request, started, now_ms())
 }
 
 /// A started call whose outcome is unknown, as a human is asked about it.

@@ -799,16 +799,7 @@ pub(crate) fn time_out_run(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<Ti
         ended: vec![run_id.clone()],
         ..TimedOut::default()
     };
-    let children = c
-        .query(
-            &format!(
-                "SELECT id FROM runs WHERE parent_run_id = ?1 AND inbox_group IS NULL AND status IN {ACTIVE_STATUSES} ORDER BY created_at, id"
-            ),
-            &params![run_id.as_str()],
-        )?
-        .into_iter()
-        .map(|mut r| parse_run_id(&r.text(0)?))
-        .collect::<Result<Vec<_>>>()?;
+    let children = unfinished_foreground_children(c, run_id)?;
     let drafts = ratchet_core::step::time_out_idle(&mut state, now);
     write_state(c, &state)?;
     c.execute(
@@ -1536,19 +1527,24 @@ pub(crate) fn intents(c: &dyn Db, run_id: &RunId, step_index: u64) -> Result<Vec
     .collect()
 }
 
+/// The runs a parent's foreground delegations started that have not ended, oldest first (a
+/// background run belongs to the root session, not to its parent).
+fn unfinished_foreground_children(c: &dyn Db, parent: &RunId) -> Result<Vec<RunId>> {
+    c.query(
+        &format!(
+            "SELECT id FROM runs WHERE parent_run_id = ?1 AND inbox_group IS NULL AND status IN {ACTIVE_STATUSES} ORDER BY created_at, id"
+        ),
+        &params![parent.as_str()],
+    )?
+    .into_iter()
+    .map(|mut r| parse_run_id(&r.text(0)?))
+    .collect()
+}
+
 pub(crate) fn request_cancel(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
     lock_session_of_run(c, run_id)?;
     let mut outcome = cancel_one(c, run_id, now)?;
-    let children = c
-        .query(
-            &format!(
-                "SELECT id FROM runs WHERE parent_run_id = ?1 AND inbox_group IS NULL AND status IN {ACTIVE_STATUSES} ORDER BY created_at, id"
-            ),
-            &params![run_id.as_str()],
-        )?
-        .into_iter()
-        .map(|mut r| parse_run_id(&r.text(0)?))
-        .collect::<Result<Vec<_>>>()?;
+    let children = unfinished_foreground_children(c, run_id)?;
     for child in children {
         let (more, child_enqueued) = match request_cancel(c, &child, now)? {
             CancelOutcome::Cancelled { events, enqueued } => (events, enqueued),
