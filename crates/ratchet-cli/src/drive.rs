@@ -432,6 +432,13 @@ pub(crate) fn show_progress(out: &mut impl Write, kind: &str, payload: &serde_js
                 "; retrying"
             }
         ),
+        "tool.outcome_unknown" => writeln!(
+            out,
+            "  {}: outcome unknown (attempt {}): {}",
+            payload["tool"].as_str().unwrap_or_default(),
+            payload["attempt"],
+            payload["reason"].as_str().unwrap_or_default()
+        ),
         "reconciliation.required" => writeln!(
             out,
             "  waiting for a human to reconcile {}",
