@@ -184,7 +184,17 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                 break state;
             };
             let lines = answers.get_or_insert_with(approve::stdin_lines);
-            match approve::ask(id, calls, lines).await? {
+            // The run may end while the prompt waits (past its deadline, or cancelled from
+            // elsewhere): then the question is moot and the loop reports how it ended.
+            let asked = tokio::select! {
+                asked = approve::ask(id, calls, lines) => asked?,
+                ended = until_ended(coordinator.store().as_ref(), &run_id) => {
+                    ended?;
+                    eprintln!();
+                    continue;
+                }
+            };
+            match asked {
                 Some(answer) => {
                     coordinator.answer_approval(id, answer).await?;
                 }
@@ -204,6 +214,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let report = RunReport::of(&state);
     print_report(&report, args.json, true)?;
     Ok(report.exit_code())
+}
+
+/// Returns once the run has ended, looking every `RECHECK`.
+async fn until_ended(store: &dyn Store, run_id: &RunId) -> anyhow::Result<()> {
+    loop {
+        tokio::time::sleep(RECHECK).await;
+        if store.load_state(run_id).await?.status.is_terminal() {
+            return Ok(());
+        }
+    }
 }
 
 /// `ratchet run` drives the run it started and the runs it waits for; background work it

@@ -126,7 +126,8 @@ struct BudgetArgs {
     /// Estimated tokens a prompt may hold; a longer one is compacted (older turns summarised).
     #[arg(long)]
     max_prompt_tokens: Option<u64>,
-    /// Milliseconds the run may take; after them, the next model call concludes it.
+    /// Milliseconds the run may take; past them the step in flight is cut off and the run ends
+    /// `timed_out` (exit code 1).
     #[arg(long)]
     max_duration_ms: Option<u64>,
 }

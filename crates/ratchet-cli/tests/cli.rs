@@ -1164,6 +1164,70 @@ fn a_gated_batch_is_asked_about_at_the_prompt() {
     assert!(!aborted.path().join("log.txt").exists());
 }
 
+/// The deadline holds while the run waits at the approval prompt: nobody answers (stdin stays
+/// open), the run ends `timed_out` at its deadline, and `ratchet run` reports it and exits 1
+/// instead of waiting for an answer that no longer matters.
+#[test]
+fn a_run_waiting_at_the_approval_prompt_ends_timed_out_at_its_deadline() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let model = script(dir.path(), "guarded.json", &guarded_script());
+    let (db, workspace) = (db_url(dir.path()), dir.path().display().to_string());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratchet"))
+        .args([
+            "run",
+            "--db",
+            &db,
+            "--workspace",
+            &workspace,
+            "--model",
+            &model,
+            "--require-approval",
+            "append_line",
+            "--max-duration-ms",
+            "1500",
+            "--json",
+            "write it",
+        ])
+        .current_dir(dir.path())
+        .env_remove("RATCHET_DB")
+        .env_remove("RATCHET_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Held open and never written: a person at the prompt who does not answer.
+    let _silent = child.stdin.take().unwrap();
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > std::time::Duration::from_secs(30) {
+            child.kill().unwrap();
+            panic!("ratchet run still waits at the prompt long past the run's deadline");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let (mut stdout, mut stderr) = (String::new(), String::new());
+    child.stdout.unwrap().read_to_string(&mut stdout).unwrap();
+    child.stderr.unwrap().read_to_string(&mut stderr).unwrap();
+    assert!(stderr.contains("approval apr_"), "it was asked: {stderr}");
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    let report: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(
+        (&report["status"], &report["stop_reason"]),
+        (&json!("failed"), &json!("timed_out")),
+        "{report}"
+    );
+    assert!(
+        !dir.path().join("log.txt").exists(),
+        "the unapproved call never ran"
+    );
+}
+
 #[test]
 fn an_unanswered_approval_is_decided_later_from_the_command_line() {
     let dir = tempfile::tempdir().unwrap();

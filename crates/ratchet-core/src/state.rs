@@ -75,8 +75,8 @@ pub struct Limits {
     /// summarised by the model).
     #[serde(default)]
     pub max_prompt_tokens: Option<u64>,
-    /// Wall-clock time from the run's start: once passed, the next model call is made
-    /// without tools and concludes the run.
+    /// Wall-clock time from the run's start (time paused not counted): a hard deadline. Past
+    /// it nothing new starts, the step in flight is cut off, and the run ends `timed_out`.
     #[serde(default)]
     pub max_duration_ms: Option<u64>,
     /// Bytes of one tool result (and of one child's answer) the model is shown; the rest is

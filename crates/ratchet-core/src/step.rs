@@ -594,11 +594,18 @@ fn record_in_doubt(
 /// Ends a waiting run whose deadline has passed, as `timed_out`. `never` calls it was waiting
 /// on a human to reconcile stay in doubt on the ended run.
 pub fn time_out_idle(state: &mut AgentState, now: Millis) -> Vec<EventDraft> {
+    end_idle(state, StopReason::TimedOut, now)
+}
+
+/// Ends a run with no step in flight. A human request it waited on goes with it, except the
+/// calls it asked a human to reconcile: nobody knows whether they took effect, so they stay
+/// listed in doubt on the ended run, where a human may still record what happened.
+fn end_idle(state: &mut AgentState, reason: StopReason, now: Millis) -> Vec<EventDraft> {
     let mut events = Vec::new();
     if let Some(HumanRequest::Reconciliation { calls }) = state.pending_human.take() {
         state.in_doubt.extend(calls);
     }
-    finish_in_place(state, StopReason::TimedOut, now, &mut events);
+    finish_in_place(state, reason, now, &mut events);
     events
 }
 
@@ -803,11 +810,8 @@ pub fn ask_approval_step(
 
 /// Ends a run that has no step in flight (queued or waiting) at once, as a cancel does.
 pub fn cancel_idle(state: &mut AgentState, now: Millis) -> Vec<EventDraft> {
-    let mut events = Vec::new();
     state.cancel_requested = true;
-    state.pending_human = None;
-    finish_in_place(state, StopReason::Cancelled, now, &mut events);
-    events
+    end_idle(state, StopReason::Cancelled, now)
 }
 
 #[expect(

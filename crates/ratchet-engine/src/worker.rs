@@ -75,8 +75,11 @@ impl WorkerPool {
         let owner = process_owner();
         for index in 0..config.workers.max(1) {
             let worker = Worker {
-                // One worker of the pool looks for due continuations and runs past their
-                // deadline: the others would only repeat its queries.
+                // One worker of the pool ends runs waiting past their deadline and starts due
+                // continuations: the others would only repeat its queries. A pool scoped to one
+                // run still ends waiting runs past their deadline (that run's tree may wait on a
+                // human), but starts no other session's turns.
+                sweeps_deadlines: index == 0,
                 serves_inboxes: index == 0 && config.only_run.is_none(),
                 coordinator: Arc::clone(&coordinator),
                 engine: Arc::clone(&engine),
@@ -107,6 +110,7 @@ impl WorkerPool {
 }
 
 struct Worker {
+    sweeps_deadlines: bool,
     serves_inboxes: bool,
     coordinator: Arc<Coordinator>,
     engine: Arc<Engine>,
@@ -133,7 +137,7 @@ impl Worker {
                     self.run_streak(claimed).await;
                 }
                 Ok(None) => {
-                    if self.serves_inboxes {
+                    if self.sweeps_deadlines {
                         match self.coordinator.time_out_overdue().await {
                             Ok(0) => {}
                             Ok(_) => continue,
@@ -141,6 +145,8 @@ impl Worker {
                                 tracing::warn!(%error, "ending runs past their deadline failed");
                             }
                         }
+                    }
+                    if self.serves_inboxes {
                         match self.coordinator.serve_inboxes().await {
                             Ok(0) => {}
                             Ok(_) => continue,

@@ -51,7 +51,8 @@ pub struct Config {
     pub max_tokens: Option<u64>,
     /// Estimated prompt tokens beyond which a run compacts its context (default: no limit).
     pub max_prompt_tokens: Option<u64>,
-    /// Wall-clock milliseconds a run may take before it concludes (default: no limit).
+    /// Wall-clock milliseconds a run may take before it ends `timed_out`, cut off mid-step if
+    /// need be (default: no limit).
     pub max_duration_ms: Option<u64>,
     /// What `memory_search` looks through: `session` (the run's session, the default) or
     /// `tenant` (every session of the session's tenant).

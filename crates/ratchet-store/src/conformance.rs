@@ -88,6 +88,7 @@ macro_rules! store_conformance_tests {
             the_model_sees_the_latest_summary_in_place_of_what_it_replaces,
             a_delegation_starts_children_in_sessions_of_their_own_and_joins_once,
             cancelling_a_waiting_parent_cancels_its_tree,
+            a_parent_waiting_for_its_children_past_its_deadline_times_out_with_its_tree,
             a_delegation_beyond_its_tree_limit_writes_nothing,
             run_quotas_refuse_new_runs_beyond_them,
             concurrent_delegations_cannot_together_exceed_the_run_quota,
@@ -1832,7 +1833,8 @@ pub async fn a_run_waiting_past_its_deadline_times_out_and_frees_the_session(sto
 }
 
 /// A run waiting on a human holds its session but has nothing in flight: a cancel ends it
-/// at once and the next queued run starts.
+/// at once and the next queued run starts. The calls it waited to have reconciled stay in
+/// doubt on the ended run.
 pub async fn cancel_of_a_waiting_run_frees_the_session(store: &dyn Store) {
     let session = new_session(store).await;
     let (first, _) = submit(store, &session, "risky", config(), T0).await;
@@ -1864,7 +1866,7 @@ pub async fn cancel_of_a_waiting_run_frees_the_session(store: &dyn Store) {
     let state = load(store, &first).await;
     assert_eq!(
         (state.status, state.pending_human),
-        (RunStatus::WaitingHuman, Some(request))
+        (RunStatus::WaitingHuman, Some(request.clone()))
     );
     assert_eq!(
         load(store, &second).await.status,
@@ -1897,6 +1899,13 @@ pub async fn cancel_of_a_waiting_run_frees_the_session(store: &dyn Store) {
     assert_eq!(
         state.pending_human, None,
         "a cancelled run waits for no one"
+    );
+    let HumanRequest::Reconciliation { calls } = request else {
+        unreachable!("the request above asks for a reconciliation")
+    };
+    assert_eq!(
+        state.in_doubt, calls,
+        "nobody knows whether the call took effect: the cancelled run still lists it in doubt"
     );
     assert_eq!(
         load(store, &second).await.status,

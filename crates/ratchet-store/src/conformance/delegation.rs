@@ -11,8 +11,8 @@ use ratchet_core::{
 use serde_json::{Value, json};
 
 use super::{
-    LEASE_MS, OWNER_A, Snapshot, T0, commit, commit_stale, commit_within, config, kinds, lease,
-    load, new_session, snapshot, submit, text_reply, unique,
+    LEASE_MS, OWNER_A, Snapshot, T0, assert_attributed, commit, commit_stale, commit_within,
+    config, kinds, lease, load, new_session, snapshot, submit, text_reply, unique,
 };
 use crate::{CancelOutcome, ClaimedStep, Commit, Error, NewRun, RunQuota, Store, WhenBusy};
 
@@ -427,6 +427,79 @@ pub async fn cancelling_a_waiting_parent_cancels_its_tree(store: &dyn Store) {
         store.run_tree(&children[0]).await.unwrap().len(),
         2,
         "a subtree is its run and the runs below it"
+    );
+}
+
+/// A parent waiting for its children past its deadline is ended by the sweep, `timed_out`,
+/// and its unfinished children are cancelled with it: a waiting one at once, a running one
+/// through `cancelling`. A child's end afterwards wakes nobody.
+pub async fn a_parent_waiting_for_its_children_past_its_deadline_times_out_with_its_tree(
+    store: &dyn Store,
+) {
+    let session = new_session(store).await;
+    let mut timed = delegating_config(16);
+    timed.limits.max_duration_ms = Some(1_000);
+    let (root, _) = submit(store, &session, "split", timed, T0).await;
+    let children = delegate(store, &root, 2, T0 + 10).await;
+    let grandchildren = delegate(store, &children[0], 1, T0 + 20).await;
+    let deadline = load(store, &root)
+        .await
+        .deadline()
+        .expect("a started run with a budget");
+    assert!(
+        store
+            .time_out_overdue(deadline - 1)
+            .await
+            .unwrap()
+            .ended
+            .is_empty(),
+        "nothing is overdue before the deadline"
+    );
+
+    let swept = store.time_out_overdue(deadline).await.unwrap();
+    assert_eq!(swept.ended, std::slice::from_ref(&root));
+    assert_attributed(&swept.events);
+    let state = load(store, &root).await;
+    assert_eq!(
+        (state.status, state.stop_reason),
+        (RunStatus::Failed, Some(StopReason::TimedOut))
+    );
+    for (run, status) in [
+        (&children[0], RunStatus::Cancelled),
+        (&grandchildren[0], RunStatus::Cancelling),
+        (&children[1], RunStatus::Cancelling),
+    ] {
+        assert_eq!(load(store, run).await.status, status, "{run}");
+    }
+    for run in [&grandchildren[0], &children[1]] {
+        let step = claim_run(store, run, deadline + 10).await;
+        let ended = finish_step(
+            step.state.clone(),
+            &step.job,
+            StopReason::Cancelled,
+            deadline + 10,
+            deadline + 11,
+        );
+        commit(store, &step.claim, ended, None, deadline + 11).await;
+    }
+    let tree = store.run_tree(&root).await.unwrap();
+    assert!(
+        tree.iter().all(|n| n.status.is_terminal()),
+        "the whole tree ended: {tree:?}"
+    );
+    assert_eq!(
+        load(store, &root).await.stop_reason,
+        Some(StopReason::TimedOut),
+        "a child that ends afterwards does not wake its timed-out parent"
+    );
+    assert!(
+        store
+            .time_out_overdue(deadline + 10_000)
+            .await
+            .unwrap()
+            .ended
+            .is_empty(),
+        "an ended run is swept once"
     );
 }
 
