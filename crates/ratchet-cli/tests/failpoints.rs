@@ -445,16 +445,19 @@ fn ends_correct(failpoint: &str, report: &Value, after: &Snapshot) {
     assert_eq!(replies.last(), Some(&FINAL_ANSWER), "{failpoint}");
 }
 
+/// Only the `never` call writes ahead: `append_line` (slot 0) has its intent and outcome
+/// recorded before the commit; the replay-safe `sleep_ms` left nothing of its own, its outcome
+/// was to be durable with the commit that never came.
 fn the_first_batch_ran_in_full(crashed: &Snapshot) {
-    let outcomes: Vec<bool> = crashed
+    let recorded: Vec<(u32, &str, bool)> = crashed
         .intents_of_step(2)
         .iter()
-        .map(|i| i.outcome.is_some())
+        .map(|i| (i.slot, i.name.as_str(), i.outcome.is_some()))
         .collect();
     assert_eq!(
-        outcomes,
-        [true, true],
-        "both calls of step 2 had their outcome recorded before its commit"
+        recorded,
+        [(0, "append_line", true)],
+        "the never call of step 2 had its outcome recorded before the commit, and only it"
     );
 }
 

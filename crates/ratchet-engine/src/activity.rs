@@ -9,6 +9,9 @@
 //! nobody hears, or one a slow subscriber misses, is simply gone; the next `step.committed`
 //! says the step is over either way.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
+
 use ratchet_core::{Activity, Millis, RunId, SessionId};
 use ratchet_store::{ClaimedStep, StoredEvent};
 use serde_json::Value;
@@ -37,26 +40,39 @@ pub struct LiveActivity {
 }
 
 /// Both buses, subscribed together: `published` stored events were sent before `events`
-/// was subscribed, so the subscriber's count of published events starts there.
+/// was subscribed, so the subscriber's count of published events starts there. `in_flight`
+/// is what the steps running at that moment last announced: a subscriber that joins while a
+/// step runs learns what it is doing without waiting for its next announcement.
 pub struct Observed {
     pub events: broadcast::Receiver<StoredEvent>,
     pub activity: broadcast::Receiver<LiveActivity>,
     pub published: u64,
+    pub in_flight: Vec<LiveActivity>,
 }
 
 pub(crate) struct ActivityBus {
     sender: broadcast::Sender<LiveActivity>,
+    /// The latest announcement of each run with a step in flight here. Locked only to read
+    /// or replace one entry, never across an `.await`.
+    in_flight: Mutex<HashMap<RunId, LiveActivity>>,
 }
 
 impl ActivityBus {
     pub(crate) fn new() -> ActivityBus {
         ActivityBus {
             sender: broadcast::channel(BUFFER).0,
+            in_flight: Mutex::new(HashMap::new()),
         }
     }
 
-    pub(crate) fn subscribe(&self) -> broadcast::Receiver<LiveActivity> {
-        self.sender.subscribe()
+    /// Subscribes, and takes what the steps in flight last announced. The caller holds the
+    /// Coordinator's publication count, which `announce` is called under too, so nothing is
+    /// announced between the two: every announcement is in the snapshot or on the receiver,
+    /// never both.
+    pub(crate) fn subscribe(&self) -> (broadcast::Receiver<LiveActivity>, Vec<LiveActivity>) {
+        let receiver = self.sender.subscribe();
+        let in_flight = self.in_flight().values().cloned().collect();
+        (receiver, in_flight)
     }
 
     pub(crate) fn announce(&self, claimed: &ClaimedStep, activity: &Activity, published: u64) {
@@ -68,7 +84,24 @@ impl ActivityBus {
             at: now_ms(),
             published_before: published,
         };
+        self.in_flight()
+            .insert(state.run_id.clone(), announced.clone());
         // No subscriber is the common case, not an error: nobody is watching.
         let _ = self.sender.send(announced);
+    }
+
+    /// The run's step is over here (committed, given back or dropped): it no longer does what
+    /// it last announced.
+    pub(crate) fn step_over(&self, run_id: &RunId) {
+        self.in_flight().remove(run_id);
+    }
+
+    /// Whether `activity` is still what its run's step in flight last announced.
+    pub(crate) fn still_in_flight(&self, activity: &LiveActivity) -> bool {
+        self.in_flight().get(&activity.run_id) == Some(activity)
+    }
+
+    fn in_flight(&self) -> std::sync::MutexGuard<'_, HashMap<RunId, LiveActivity>> {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner())
     }
 }

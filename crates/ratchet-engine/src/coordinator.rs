@@ -23,7 +23,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::activity::{ActivityBus, Observed};
+use crate::activity::{ActivityBus, LiveActivity, Observed};
 use crate::{Result, now_ms};
 
 /// Live events; a subscriber that falls this far behind is told it lagged and replays.
@@ -137,19 +137,26 @@ impl Coordinator {
     /// `LiveActivity::published_before`). Activity is not a stored event and has no `seq`:
     /// a stream sends it between stored events, and no replay contains it.
     pub fn observe(&self) -> Observed {
-        let activity = self.activity.subscribe();
         let published = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        let (activity, in_flight) = self.activity.subscribe();
         Observed {
             events: self.events.subscribe(),
             activity,
             published: *published,
+            in_flight,
         }
     }
 
     /// Tells whoever watches the claimed step's session what the step is about to do.
     pub fn announce(&self, claimed: &ClaimedStep, activity: &ratchet_core::Activity) {
-        let published = *self.published.lock().unwrap_or_else(|e| e.into_inner());
-        self.activity.announce(claimed, activity, published);
+        let published = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        self.activity.announce(claimed, activity, *published);
+    }
+
+    /// Whether `activity` is still what its run's step in flight here last announced (a
+    /// stream that took it from `Observed::in_flight` sends it only then).
+    pub fn still_in_flight(&self, activity: &LiveActivity) -> bool {
+        self.activity.still_in_flight(activity)
     }
 
     pub async fn create_session(&self, spec: SessionSpec) -> Result<Session> {
@@ -231,7 +238,9 @@ impl Coordinator {
         let commit = self
             .store
             .commit_step_within(claim, result, continue_with, self.quota, now_ms())
-            .await?;
+            .await;
+        self.activity.step_over(&claim.run_id);
+        let commit = commit?;
         if let Commit::Committed {
             events, enqueued, ..
         } = &commit
@@ -255,7 +264,9 @@ impl Coordinator {
         let events = self
             .store
             .retry_later(claim, available_at, event, now_ms())
-            .await?;
+            .await;
+        self.activity.step_over(&claim.run_id);
+        let events = events?;
         let kept = events.is_some();
         self.publish(events.unwrap_or_default());
         Ok(kept)
@@ -531,6 +542,7 @@ impl Coordinator {
     }
 
     pub(crate) fn streak_ended(&self, run_id: &RunId) {
+        self.activity.step_over(run_id);
         self.forget_token(run_id);
     }
 

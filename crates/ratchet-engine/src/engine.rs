@@ -255,26 +255,18 @@ impl Engine {
         show_deltas: bool,
         cancel: &CancellationToken,
     ) -> Result<(ratchet_core::ModelReply, Option<EventDraft>), StepFailure> {
-        let (state, job) = (&claimed.state, &claimed.job);
+        let state = &claimed.state;
         self.coordinator
             .announce(claimed, &ratchet_core::Activity::calling_model(state));
         let model = self
             .models
             .for_config(&state.config)
             .map_err(|e| StepFailure::Fatal(e.to_string()))?;
-        let intent = Intent {
-            slot: 0,
-            kind: IntentKind::Model,
-            name: state.config.model.clone(),
-            idempotency_key: idempotency_key(job, 0),
-        };
-        // The intent's attempt count is this model call's: claims lost to crashes or lease
-        // expiry before the call was made do not use up its retries.
-        let attempts = self
-            .coordinator
-            .record_intents(&claimed.claim, vec![intent], Vec::new())
-            .await?;
-        let attempt = attempts.first().copied().unwrap_or(1);
+        // A model call is replay-safe: nothing is written before it, and it becomes durable
+        // with the step's commit. Only a failed attempt is recorded (as the step's model
+        // intent), so the retries it uses up survive a crash; claims lost to crashes do not
+        // use them up.
+        let attempt = self.failed_model_attempts(claimed).await? + 1;
         let request = ModelRequest {
             run_id: state.run_id.clone(),
             call_index: state.counters.model_calls,
@@ -326,7 +318,7 @@ impl Engine {
             }) => {
                 return Err(StepFailure::Transient {
                     message,
-                    attempt,
+                    attempt: self.record_failed_model_attempt(claimed).await?,
                     retry_after,
                 });
             }
@@ -335,7 +327,7 @@ impl Engine {
                 let message = "the model call was interrupted".to_owned();
                 return Err(StepFailure::Transient {
                     message,
-                    attempt,
+                    attempt: self.record_failed_model_attempt(claimed).await?,
                     retry_after: None,
                 });
             }
@@ -344,6 +336,38 @@ impl Engine {
         };
         let delta = (!pending.is_empty()).then(|| delta_event(state, pending));
         Ok((reply, delta))
+    }
+
+    /// How many attempts of this step's model call have failed, as recorded by
+    /// `record_failed_model_attempt`. Only a job claimed before can have any.
+    async fn failed_model_attempts(&self, claimed: &ClaimedStep) -> Result<u32, StepFailure> {
+        if claimed.job.attempt <= 1 {
+            return Ok(0);
+        }
+        let recorded = (self.coordinator.store())
+            .intents(&claimed.state.run_id, claimed.job.step_index)
+            .await?;
+        Ok(recorded
+            .iter()
+            .find(|r| r.slot == 0 && r.kind == IntentKind::Model)
+            .map_or(0, |r| r.attempts))
+    }
+
+    /// Counts a failed attempt of this step's model call, durably, and returns how many have
+    /// failed now: the number of the attempt that just failed.
+    async fn record_failed_model_attempt(&self, claimed: &ClaimedStep) -> Result<u32, StepFailure> {
+        let (state, job) = (&claimed.state, &claimed.job);
+        let intent = Intent {
+            slot: 0,
+            kind: IntentKind::Model,
+            name: state.config.model.clone(),
+            idempotency_key: idempotency_key(job, 0),
+        };
+        let attempts = self
+            .coordinator
+            .record_intents(&claimed.claim, vec![intent], Vec::new())
+            .await?;
+        Ok(attempts.first().copied().unwrap_or(1))
     }
 
     /// Runs the pending calls of the checkpoint, honouring what earlier attempts of this same
@@ -507,14 +531,20 @@ impl Engine {
                 )
             })
             .collect::<Vec<_>>();
-        let finished: Vec<Result<(u32, CallEnd), StepFailure>> = stream::iter(runs)
+        let mut finished: Vec<CallRun> = stream::iter(runs)
             .buffer_unordered(parallel)
-            .collect()
-            .await;
-        for done in finished {
-            match done? {
-                (slot, CallEnd::Known(outcome)) => outcomes[slot as usize] = Some(outcome),
-                (slot, CallEnd::InDoubt) => {
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()?;
+        // The calls' events go to the commit in the batch's order, before the step's own.
+        finished.sort_by_key(|run| run.slot);
+        let mut call_events = Vec::new();
+        for CallRun { slot, end, events } in finished {
+            call_events.extend(events);
+            match end {
+                CallEnd::Known(outcome) => outcomes[slot as usize] = Some(outcome),
+                CallEnd::InDoubt => {
                     let call = &calls[slot as usize].0;
                     unknown.push(unknown_call(&state, job, slot, call));
                 }
@@ -523,7 +553,8 @@ impl Engine {
         // A call in doubt stops the batch where a crash would have: the human answers first,
         // and nothing else of the batch (no child run) starts.
         if !unknown.is_empty() {
-            return Ok(ask_reconciliation(state, job, outcomes, unknown, started));
+            let result = ask_reconciliation(state, job, outcomes, unknown, started);
+            return Ok(with_call_events(result, call_events));
         }
         let children = crate::delegation::children(&state, job, &delegations)
             .map_err(|e| StepFailure::Fatal(e.to_string()))?;
@@ -542,14 +573,8 @@ impl Engine {
             .iter()
             .any(|d| d.request.mode == DelegationMode::Foreground);
         if waits {
-            return Ok(await_children(
-                state,
-                job,
-                outcomes,
-                children,
-                started,
-                now_ms(),
-            ));
+            let result = await_children(state, job, outcomes, children, started, now_ms());
+            return Ok(with_call_events(result, call_events));
         }
         let outcomes = outcomes
             .into_iter()
@@ -559,7 +584,7 @@ impl Engine {
         // and they report to the session, not to this run.
         let mut result = after_tools(state, job, outcomes, invalid, started, now_ms());
         result.children = children;
-        Ok(result)
+        Ok(with_call_events(result, call_events))
     }
 
     /// How the tool a call names differs from what the model was offered, if it does: gone
@@ -612,11 +637,16 @@ struct PlannedCall {
     context: ToolContext,
 }
 
-/// Records the intent, runs the call, records its outcome. A panicking tool is an error
-/// outcome, never a crashed worker. A call that ran has its outcome recorded even when the
-/// step was cancelled meanwhile: the effect happened. An attempt whose outcome is unknown (it
-/// timed out, lost its connection, or ignored a cancel past the grace period) is tried again
-/// or not as `effect::after_unknown` says; an unknown outcome is never recorded as the call's.
+/// Runs one call of a batch. A panicking tool is an error outcome, never a crashed worker. An
+/// attempt whose outcome is unknown (it timed out, lost its connection, or ignored a cancel
+/// past the grace period) is tried again or not as `effect::after_unknown` says; an unknown
+/// outcome is never recorded as the call's.
+///
+/// Only a `never` call writes ahead: its intent (with the `tool.call` event) is durable before
+/// each attempt and its outcome right after — even when the step was cancelled meanwhile, for
+/// the effect happened. A `safe` or `keyed` call may simply run again after a crash (a keyed
+/// one under the same key), so it writes nothing of its own: its events are handed back
+/// and become durable with the step's commit, and its outcome with the step's messages.
 async fn run_call(
     coordinator: Arc<Coordinator>,
     permits: &StepPermits,
@@ -624,7 +654,7 @@ async fn run_call(
     claim: Claim,
     planned: PlannedCall,
     grace: Duration,
-) -> Result<(u32, CallEnd), StepFailure> {
+) -> Result<CallRun, StepFailure> {
     let PlannedCall {
         slot,
         tool,
@@ -640,15 +670,11 @@ async fn run_call(
         permit = permits.tool_call(session) => permit,
         () = context.cancel.cancelled() => return Err(StepFailure::Cancelled),
     };
+    let writes_ahead = replay == ReplayPolicy::Never;
+    let mut events = Vec::new();
     let mut attempt = 0;
     let end = loop {
         attempt += 1;
-        let intent = Intent {
-            slot,
-            kind: IntentKind::Tool,
-            name: call.name.clone(),
-            idempotency_key: context.idempotency_key.clone(),
-        };
         let announce = EventDraft::new(
             EventKind::ToolCall,
             json!({
@@ -660,20 +686,31 @@ async fn run_call(
                 "attempt": attempt,
             }),
         );
-        coordinator
-            .record_intents(&claim, vec![intent], vec![announce])
-            .await?;
+        if writes_ahead {
+            let intent = Intent {
+                slot,
+                kind: IntentKind::Tool,
+                name: call.name.clone(),
+                idempotency_key: context.idempotency_key.clone(),
+            };
+            coordinator
+                .record_intents(&claim, vec![intent], vec![announce])
+                .await?;
+        } else {
+            events.push(announce);
+        }
         let outcome = attempt_call(&tool, &call, &context, limits, grace).await;
         if !outcome.unknown {
             break CallEnd::Known(outcome);
         }
-        coordinator
-            .append_events(
-                &context.session_id,
-                &claim.run_id,
-                vec![unknown_event(&claim, &call, attempt, &outcome.content)],
-            )
-            .await?;
+        let unknown = unknown_event(&claim, &call, attempt, &outcome.content);
+        if writes_ahead {
+            coordinator
+                .append_events(&context.session_id, &claim.run_id, vec![unknown])
+                .await?;
+        } else {
+            events.push(unknown);
+        }
         match after_unknown(replay, attempt, limits) {
             AfterUnknown::Retry if !context.cancel.is_cancelled() => {}
             AfterUnknown::Retry | AfterUnknown::Reconcile => break CallEnd::InDoubt,
@@ -686,7 +723,7 @@ async fn run_call(
         }
     };
     drop(permit);
-    if let CallEnd::Known(outcome) = &end {
+    if let (true, CallEnd::Known(outcome)) = (writes_ahead, &end) {
         coordinator
             .record_outcome(&claim, slot, outcome.clone())
             .await?;
@@ -696,12 +733,24 @@ async fn run_call(
     if context.cancel.is_cancelled() {
         return Err(StepFailure::Cancelled);
     }
-    Ok((slot, end))
+    Ok(CallRun { slot, end, events })
 }
 
-/// One attempt of a call, in a task of its own so that a tool that never yields or never
-/// looks at its token cannot hold the step: past its `timeout_ms`, or `grace` after a cancel,
-/// the task is aborted and the outcome is unknown.
+/// Puts the events the batch's calls left for the commit ahead of the step's own, so each
+/// `tool.call` precedes the result that answers it.
+fn with_call_events(mut result: StepResult, call_events: Vec<EventDraft>) -> StepResult {
+    result.events.splice(0..0, call_events);
+    result
+}
+
+/// What running one call of a batch gave: how it ended, and the events it left for the
+/// step's commit (none for a `never` call, whose events were written ahead).
+struct CallRun {
+    slot: u32,
+    end: CallEnd,
+    events: Vec<EventDraft>,
+}
+
 async fn attempt_call(
     tool: &Arc<dyn Tool>,
     call: &ToolCall,

@@ -186,6 +186,9 @@ fn stream(
 ) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
     // Subscribe before reading the backlog, so nothing published meanwhile is missed.
     let observed = state.coordinator.observe();
+    let joined_in_flight = (observed.in_flight.into_iter())
+        .filter(|activity| scope.hears(activity))
+        .collect();
     let feed = Feed {
         state,
         scope,
@@ -197,6 +200,7 @@ fn stream(
         activity: observed.activity,
         received: observed.published,
         held: None,
+        joined_in_flight,
         quiet: Box::pin(tokio::time::sleep(QUIET)),
         _permit: permit,
     };
@@ -230,6 +234,9 @@ struct Feed {
     received: u64,
     /// An activity waiting for the stored events published before it to be sent.
     held: Option<LiveActivity>,
+    /// What the steps in flight were doing when the stream started: sent once the backlog
+    /// is, each only if its step still does it.
+    joined_in_flight: VecDeque<LiveActivity>,
     /// Fires after `QUIET` without a delivery: announcements can be lost, the store cannot.
     quiet: Pin<Box<tokio::time::Sleep>>,
     _permit: StreamPermit,
@@ -265,6 +272,12 @@ impl Feed {
             }
             if !self.follow {
                 return None;
+            }
+            if let Some(activity) = self.joined_in_flight.pop_front() {
+                if self.state.coordinator.still_in_flight(&activity) {
+                    return Some(live_sse(&activity));
+                }
+                continue;
             }
             // Activity first: each is merged after exactly the stored events published before
             // it (`take_published`), so it never comes ahead of the commit before it nor after
@@ -406,6 +419,7 @@ mod tests {
             activity: observed.activity,
             received: observed.published,
             held: None,
+            joined_in_flight: VecDeque::new(),
             quiet: Box::pin(tokio::time::sleep(QUIET)),
             _permit: permit,
         }

@@ -989,7 +989,7 @@ async fn a_run_keeps_the_definition_and_configuration_it_was_frozen_with_across_
     let mut events = server
         .stream(&format!("/v1/runs/{old_run}/events"), None)
         .await;
-    events.until(|e| e.kind == "tool.call").await;
+    events.until_running("sleep_ms").await;
 
     // One step: the old run, which needs three, would stop early if it took this budget.
     let new = revised(

@@ -88,7 +88,7 @@ async fn a_session_tells_its_status_and_last_activity() {
     server
         .stream(&format!("/v1/sessions/{session}/events"), None)
         .await
-        .until(|e| e.kind == "tool.call")
+        .until_running("sleep_ms")
         .await;
     let events = server
         .replay(&format!("/v1/sessions/{session}/events?follow=false"), None)
@@ -222,7 +222,7 @@ async fn multitask_interrupt_cancels_the_active_run_and_starts_the_new_one() {
     let first = server.send(TOKEN_A, &session, "sleep").await;
     let run = first["run_id"].as_str().unwrap().to_owned();
     let mut run_events = server.stream(&format!("/v1/runs/{run}/events"), None).await;
-    run_events.until(|e| e.kind == "tool.call").await;
+    run_events.until_running("sleep_ms").await;
 
     let messages_path = format!("/v1/sessions/{session}/messages");
     let interrupting = call(server.post(
@@ -244,7 +244,7 @@ async fn multitask_interrupt_cancels_the_active_run_and_starts_the_new_one() {
     let mut newcomer_events = server
         .stream(&format!("/v1/runs/{newcomer}/events"), None)
         .await;
-    newcomer_events.until(|e| e.kind == "tool.call").await;
+    newcomer_events.until_running("sleep_ms").await;
     let session_now = server
         .get_ok(TOKEN_A, &format!("/v1/sessions/{session}"))
         .await;
@@ -272,7 +272,7 @@ async fn multitask_reject_conflicts_enqueue_queues_and_a_slow_run_is_cancelled()
     assert_eq!(first["run_status"], "running");
     let run = first["run_id"].as_str().unwrap().to_owned();
     let mut run_events = server.stream(&format!("/v1/runs/{run}/events"), None).await;
-    run_events.until(|e| e.kind == "tool.call").await;
+    run_events.until_running("sleep_ms").await;
 
     let messages_path = format!("/v1/sessions/{session}/messages");
     let rejected = call(server.post(
@@ -1128,7 +1128,7 @@ async fn follow_false_ends_after_the_backlog_while_a_run_is_still_active() {
         .unwrap()
         .to_owned();
     let mut live = server.stream(&format!("/v1/runs/{run}/events"), None).await;
-    let so_far = live.until(|e| e.kind == "tool.call").await;
+    let so_far = live.until_running("sleep_ms").await;
 
     let backlog = server
         .replay(&format!("/v1/sessions/{session}/events?follow=false"), None)

@@ -386,7 +386,7 @@ async fn a_paused_run_stops_at_its_step_boundary_holds_its_session_and_resumes()
         .unwrap()
         .to_owned();
     let mut stream = server.stream(&format!("/v1/runs/{run}/events"), None).await;
-    stream.until(|e| e.kind == "tool.call").await;
+    stream.until_running("sleep_ms").await;
 
     let pause_path = format!("/v1/runs/{run}/pause");
     let resume_path = format!("/v1/runs/{run}/resume");
@@ -545,7 +545,7 @@ async fn a_steer_past_the_users_lane_is_refused_with_429_and_queues_nothing() {
     let accepted = server.send(TOKEN_A, &session, "sleep").await;
     let run = accepted["run_id"].as_str().unwrap().to_owned();
     let mut events = server.stream(&format!("/v1/runs/{run}/events"), None).await;
-    events.until(|e| e.kind == "tool.call").await;
+    events.until_running("sleep_ms").await;
     let path = format!("/v1/sessions/{session}/messages");
     let steer = |content: &str| json!({"content": content, "multitask": "steer"});
     let first = call(server.post(TOKEN_A, &path, steer("first"))).await;
@@ -591,7 +591,7 @@ async fn a_steering_message_joins_the_active_run_after_its_tool_results() {
     let accepted = server.send(TOKEN_A, &session, "sleep").await;
     let run = accepted["run_id"].as_str().unwrap().to_owned();
     let mut events = server.stream(&format!("/v1/runs/{run}/events"), None).await;
-    events.until(|e| e.kind == "tool.call").await;
+    events.until_running("sleep_ms").await;
     let path = format!("/v1/sessions/{session}/messages");
     let body = json!({"content": "and then say hi", "multitask": "steer"});
     let reply = call(server.post(TOKEN_A, &path, body)).await;

@@ -1923,7 +1923,8 @@ pub(crate) fn events_after(
 
 /// Events after `after_seq` in `seq` order, at most `limit` of them, and no more than fit in
 /// `max_bytes` of payload — but always the first, however large, so a page never stalls.
-/// The running sum reads each row's stored length, not its payload.
+/// The page's end is found from each row's stored length alone, so no more payloads are read
+/// than the page returns (a window over whole rows would buffer up to `limit` of them).
 pub(crate) fn events_within(
     c: &dyn Db,
     session_id: &SessionId,
@@ -1934,12 +1935,15 @@ pub(crate) fn events_within(
     let max_bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
     c.query(
         &format!(
-            "SELECT {EVENT_COLUMNS} FROM (
-                 SELECT {EVENT_COLUMNS},
-                        SUM(octet_length(payload_json)) OVER (ORDER BY seq) - octet_length(payload_json) AS before
-                 FROM events WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3
-             ) AS page
-             WHERE before = 0 OR before + octet_length(payload_json) <= ?4
+            "SELECT {EVENT_COLUMNS} FROM events
+             WHERE session_id = ?1 AND seq > ?2 AND seq <= (
+                 SELECT COALESCE(MAX(seq), ?2) FROM (
+                     SELECT seq, octet_length(payload_json) AS size,
+                            SUM(octet_length(payload_json)) OVER (ORDER BY seq) - octet_length(payload_json) AS before
+                     FROM events WHERE session_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3
+                 ) AS page
+                 WHERE before = 0 OR before + size <= ?4
+             )
              ORDER BY seq"
         ),
         &params![session_id.as_str(), after_seq, limit, max_bytes],

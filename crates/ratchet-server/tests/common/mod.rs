@@ -490,6 +490,12 @@ pub struct Ev {
     pub data: Value,
 }
 
+/// What an event stream sends: a stored event, or the live activity of a step in flight.
+enum Item {
+    Stored(Ev),
+    Live(Value),
+}
+
 pub struct Sse {
     pub body: BoxStream<'static, reqwest::Result<Vec<u8>>>,
     pub buffer: Vec<u8>,
@@ -509,6 +515,42 @@ impl Sse {
     /// The next stored event, or `None` when the server ended the stream. Live activity
     /// (no `id`, `live: true`) is passed over: what these tests check is the stored events.
     pub async fn next(&mut self) -> Option<Ev> {
+        loop {
+            match self.next_item().await? {
+                Item::Stored(event) => return Some(event),
+                Item::Live(_) => {}
+            }
+        }
+    }
+
+    /// Reads until the live activity says a batch running `tool` is in flight (a replay-safe
+    /// call's `tool.call` is stored only with its step's commit); returns the stored events
+    /// read on the way.
+    pub async fn until_running(&mut self, tool: &str) -> Vec<Ev> {
+        let mut events = Vec::new();
+        let read = async {
+            loop {
+                match self.next_item().await.expect("the stream ended early") {
+                    Item::Stored(event) => events.push(event),
+                    Item::Live(data) => {
+                        let activity = &data["payload"];
+                        let running = activity["activity"] == "executing_tools"
+                            && (activity["tools"].as_array())
+                                .is_some_and(|tools| tools.iter().any(|t| t == tool));
+                        if running {
+                            return;
+                        }
+                    }
+                }
+            }
+        };
+        if timeout(DEADLINE, read).await.is_err() {
+            panic!("no batch running {tool} was announced; got {events:#?}");
+        }
+        events
+    }
+
+    async fn next_item(&mut self) -> Option<Item> {
         let (mut id, mut kind, mut data) = (None::<String>, None::<String>, None::<String>);
         loop {
             while let Some(end) = self.buffer.iter().position(|b| *b == b'\n') {
@@ -518,9 +560,10 @@ impl Sse {
                 if line.is_empty() {
                     let live = id.is_none() && data.as_deref().is_some_and(is_live);
                     if live {
-                        (kind, data) = (None, None);
+                        let data = serde_json::from_str(&data.unwrap_or_default()).unwrap();
+                        return Some(Item::Live(data));
                     } else if id.is_some() || kind.is_some() || data.is_some() {
-                        return Some(Ev::parse(id, kind, data));
+                        return Some(Item::Stored(Ev::parse(id, kind, data)));
                     }
                     continue;
                 }
