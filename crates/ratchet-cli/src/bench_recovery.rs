@@ -213,13 +213,9 @@ async fn wait_until_in_flight(
                     submitted.elapsed().as_millis()
                 );
             }
-            if summary.step_index == 1
-                && store
-                    .run_events_after(&summary.run_id, 0, 100)
-                    .await?
-                    .iter()
-                    .any(|event| event.kind == "tool.call")
-            {
+            // The commit of the model step leased the slow tools step to the same worker,
+            // which runs it now (its `tool.call` is stored only with the step's commit).
+            if summary.step_index == 1 {
                 outside.remove(&summary.run_id);
             }
         }

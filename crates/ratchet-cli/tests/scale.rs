@@ -437,15 +437,12 @@ async fn a_killed_worker_is_taken_over(db: &str) {
     let runs = submit_runs(&base, RUNS).await;
     let store = open(db);
 
-    // Every run is in A's tool call: A is the only process with workers.
+    // Every run is in A's tool call: A is the only process with workers, and the commit of a
+    // run's model step leased its tools step to the same worker. (A replay-safe call's
+    // `tool.call` is stored only with its step's commit, so the committed step tells.)
     let started = Instant::now();
     for run in &runs {
-        let session = store.load_state(run).await.unwrap().session_id;
-        while !session_events(store.as_ref(), &session)
-            .await
-            .iter()
-            .any(|e| e.kind == "tool.call")
-        {
+        while store.load_state(run).await.unwrap().step_index < 1 {
             assert!(started.elapsed() < DEADLINE, "{run} never called its tool");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -466,11 +463,18 @@ async fn a_killed_worker_is_taken_over(db: &str) {
             [doomed_owner.as_str(), &survivor_owner, &survivor_owner],
             "{run}: A committed the model step; B the tool step A held, and the answer"
         );
-        let intents = store.intents(run, 2).await.unwrap();
         assert_eq!(
-            intents.iter().map(|i| i.attempts).collect::<Vec<_>>(),
-            [2],
-            "{run}: the sleep was started by A and again by B"
+            store.intents(run, 2).await.unwrap(),
+            [],
+            "{run}: the replay-safe sleep wrote nothing ahead"
+        );
+        let session = store.load_state(run).await.unwrap().session_id;
+        let calls = (session_events(store.as_ref(), &session).await.into_iter())
+            .filter(|e| e.kind == "tool.call")
+            .count();
+        assert_eq!(
+            calls, 1,
+            "{run}: only the commit of B's attempt stored the sleep's call"
         );
     }
     assert_outbox_empty(store.as_ref()).await;

@@ -87,6 +87,10 @@ impl Server {
 }
 
 /// Reads an event stream until `marker` has gone by.
+/// What an event stream carries while a batch runs: its live activity (a replay-safe call's
+/// `tool.call` is stored only with its step's commit).
+const RUNNING_TOOLS: &str = r#""activity":"executing_tools""#;
+
 async fn read_until<S, B, E>(body: &mut S, marker: &str)
 where
     S: futures::Stream<Item = Result<B, E>> + Unpin,
@@ -131,8 +135,8 @@ async fn sigterm_lets_the_step_in_flight_commit_and_ends_event_streams() {
         .unwrap();
     assert!(stream.status().is_success());
     let mut body = stream.bytes_stream();
-    // Wait until the tool call is running: its announcement is on the stream.
-    read_until(&mut body, "event: tool.call").await;
+    // Wait until the tool call is running: the live activity of its batch is on the stream.
+    read_until(&mut body, RUNNING_TOOLS).await;
     let terminated = Command::new("kill")
         .args(["-TERM", &server.child.id().to_string()])
         .status()
@@ -262,7 +266,7 @@ async fn a_restart_with_another_model_does_not_change_a_running_run() {
         .await
         .unwrap();
     let mut body = stream.bytes_stream();
-    read_until(&mut body, "event: tool.call").await;
+    read_until(&mut body, RUNNING_TOOLS).await;
     first.child.kill().unwrap();
     first.child.wait().unwrap();
     drop(body);
@@ -327,7 +331,7 @@ async fn a_pause_survives_sigkill_and_the_paused_run_resumes_after_a_restart() {
         .await
         .unwrap();
     let mut body = stream.bytes_stream();
-    read_until(&mut body, "event: tool.call").await;
+    read_until(&mut body, RUNNING_TOOLS).await;
     let pausing = post(&http, format!("{}/v1/runs/{run}/pause", first.base)).await;
     assert_eq!(pausing["status"], "pausing", "{pausing}");
     first.child.kill().unwrap();
