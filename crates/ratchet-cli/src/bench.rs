@@ -219,6 +219,7 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         })
     };
 
+    let cpu_before = cpu_time()?;
     let started = Instant::now();
     let permits = Arc::new(Semaphore::new(args.concurrency));
     let mut tasks = Vec::with_capacity(args.runs);
@@ -272,6 +273,8 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         steps += state.step_index;
     }
     let elapsed = started.elapsed().as_secs_f64();
+    let cpu_ms_per_run = (cpu_time()? - cpu_before).as_secs_f64() * 1000.0 / args.runs as f64;
+    let peak_rss = process_memory_bytes(std::process::id(), "VmHWM")?;
     if let Some(pool) = pool {
         pool.shutdown().await;
     }
@@ -316,6 +319,8 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
         "p50_ms": p50,
         "p99_ms": p99,
         "latency_samples": latencies.len(),
+        "cpu_ms_per_run": cpu_ms_per_run,
+        "peak_rss_mb": peak_rss as f64 / 1e6,
         "commits": commits_per_s.map(|_| args.commits),
         "commits_per_s": commits_per_s,
         "steps_per_s_over_commits_per_s": over_commits,
@@ -346,7 +351,7 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
             None => String::new(),
         };
         format!(
-            "{} runs x {} steps, {} at a time{}: {steps_per_s:.0} durable steps/s, {runs_per_s:.1} runs/s, step latency p50 {p50:.2} ms, p99 {p99:.2} ms{disk}; the database grew {bytes_per_step:.0} bytes per step{webhook}",
+            "{} runs x {} steps, {} at a time{}: {steps_per_s:.0} durable steps/s, {runs_per_s:.1} runs/s, step latency p50 {p50:.2} ms, p99 {p99:.2} ms{disk}; {cpu_ms_per_run:.2} ms of CPU per run and {:.1} MB peak resident memory in this process; the database grew {bytes_per_step:.0} bytes per step{webhook}",
             args.runs,
             2 * args.turns + 1,
             args.concurrency,
@@ -354,8 +359,43 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
                 0 => String::new(),
                 n => format!(", steps run by {n} worker processes"),
             },
+            peak_rss as f64 / 1e6,
         )
     })
+}
+
+/// A memory figure of process `pid` in bytes — `VmRSS` (resident now) or `VmHWM` (the peak
+/// of resident memory) — from Linux's `/proc/PID/status`.
+pub fn process_memory_bytes(pid: u32, field: &str) -> anyhow::Result<u64> {
+    let path = format!("/proc/{pid}/status");
+    let status = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {path} (the benchmarks need Linux's /proc)"))?;
+    let kib = status
+        .lines()
+        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|value| value.trim().strip_suffix("kB"))
+        .and_then(|value| value.trim().parse::<u64>().ok())
+        .with_context(|| format!("{path} has no `{field}: N kB` line"))?;
+    Ok(kib * 1024)
+}
+
+/// The CPU time (user and system, every thread) this process has used, from Linux's
+/// `/proc/self/stat`, in its clock ticks of 10 ms.
+fn cpu_time() -> anyhow::Result<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").context("cannot read /proc/self/stat")?;
+    // The fields after the parenthesised command name; utime and stime are the 14th and 15th
+    // of the whole line, counted in USER_HZ (100 per second on Linux).
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| -> anyhow::Result<u64> {
+        let field = fields.get(i).context("/proc/self/stat is shorter than expected")?;
+        field
+            .parse()
+            .with_context(|| format!("/proc/self/stat field {field:?} is not a tick count"))
+    };
+    Ok(Duration::from_millis((ticks(11)? + ticks(12)?) * 10))
 }
 
 /// The value at quantile `p` (0 to 1) of ascending `sorted` values; 0 when there are none.

@@ -45,7 +45,7 @@ struct Stage {
 impl Stage {
     fn now(pid: u32, db: &str) -> anyhow::Result<Stage> {
         Ok(Stage {
-            resident: resident_bytes(pid)?,
+            resident: crate::bench::process_memory_bytes(pid, "VmRSS")?,
             database: database_bytes(db)?,
         })
     }
@@ -222,16 +222,3 @@ async fn run_until_approval(api: &Api, session: &str) -> anyhow::Result<(RunView
     Ok((run, seen))
 }
 
-/// A process's resident set size, from Linux's `/proc/PID/status`.
-fn resident_bytes(pid: u32) -> anyhow::Result<u64> {
-    let path = format!("/proc/{pid}/status");
-    let status = std::fs::read_to_string(&path)
-        .with_context(|| format!("cannot read {path} (bench memory needs Linux's /proc)"))?;
-    let kib = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|value| value.trim().strip_suffix("kB"))
-        .and_then(|value| value.trim().parse::<u64>().ok())
-        .with_context(|| format!("{path} has no `VmRSS: N kB` line"))?;
-    Ok(kib * 1024)
-}

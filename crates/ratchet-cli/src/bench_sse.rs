@@ -365,14 +365,7 @@ impl Backlog {
 
 /// The resident memory of process `pid` in MB (`VmRSS`).
 fn resident_mb(pid: u32) -> anyhow::Result<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .with_context(|| format!("cannot read the memory of process {pid}"))?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
-        .with_context(|| format!("no VmRSS in /proc/{pid}/status"))?;
-    Ok(kib * 1024.0 / 1e6)
+    Ok(crate::bench::process_memory_bytes(pid, "VmRSS")? as f64 / 1e6)
 }
 
 /// One subscriber: connects (signalling `ready` once the server is subscribed), then

@@ -807,3 +807,61 @@ fn serve_on_postgresql_without_a_key_refuses_to_start() {
 async fn post_json(http: &reqwest::Client, url: String, body: Value) -> Value {
     json(http.post(url).json(&body).send().await.unwrap()).await
 }
+
+/// The security settings of `ratchet.toml` reach the server `ratchet serve` starts: a host
+/// named in `[server] allowed_hosts` is answered and another is refused with 421, and a tenant
+/// past `[limits] max_streams_per_tenant` gets 429 until its stream closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_configured_host_names_and_stream_caps_hold_in_a_started_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ratchet.toml");
+    std::fs::write(
+        &config,
+        "[server]\nallowed_hosts = [\"agents.example\"]\n\n[limits]\nmax_streams_per_tenant = 1\n",
+    )
+    .unwrap();
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let (server, _stderr) = start_watched(&[
+        "--db",
+        &db,
+        "--config",
+        config.to_str().unwrap(),
+        "--model",
+        "scripted:demo",
+    ]);
+    let http = reqwest::Client::new();
+    let sessions = format!("{}/v1/sessions", server.base);
+    let named = |host: &str| http.get(&sessions).header("host", host).send();
+    assert_eq!(named("agents.example").await.unwrap().status(), 200);
+    let refused = named("elsewhere.example").await.unwrap();
+    assert_eq!(refused.status(), 421);
+    let body = json(refused).await;
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("allowed_hosts")),
+        "{body}"
+    );
+
+    let session = json(http.post(&sessions).json(&json!({})).send().await.unwrap()).await;
+    let events = format!("{sessions}/{}/events", session["id"].as_str().unwrap());
+    let first = http.get(&events).send().await.unwrap();
+    assert_eq!(first.status(), 200);
+    let second = http.get(&events).send().await.unwrap();
+    assert_eq!(second.status(), 429, "one stream per tenant is configured");
+    assert_eq!(json(second).await["error"]["code"], "too_many_streams");
+    drop(first);
+    let started = Instant::now();
+    loop {
+        let again = http.get(&events).send().await.unwrap();
+        if again.status() == 200 {
+            break;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the closed stream's place never came back: {}",
+            again.status()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
