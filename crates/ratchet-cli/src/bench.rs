@@ -390,7 +390,9 @@ fn cpu_time() -> anyhow::Result<Duration> {
         .map(|(_, rest)| rest.split_whitespace().collect())
         .unwrap_or_default();
     let ticks = |i: usize| -> anyhow::Result<u64> {
-        let field = fields.get(i).context("/proc/self/stat is shorter than expected")?;
+        let field = fields
+            .get(i)
+            .context("/proc/self/stat is shorter than expected")?;
         field
             .parse()
             .with_context(|| format!("/proc/self/stat field {field:?} is not a tick count"))

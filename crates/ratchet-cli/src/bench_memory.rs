@@ -221,4 +221,3 @@ async fn run_until_approval(api: &Api, session: &str) -> anyhow::Result<(RunView
     }
     Ok((run, seen))
 }
-

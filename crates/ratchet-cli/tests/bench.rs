@@ -102,6 +102,10 @@ fn steps_on_sqlite_report_the_disks_commit_rate_measured_beside_them_and_bytes_p
         "steps/s over commits/s",
     );
     assert_bytes_per_step(&figures);
+    // CPU time is counted in 10 ms ticks, so two short runs may round to none; a process
+    // holds more than a megabyte at its peak.
+    assert!(number(&figures, "cpu_ms_per_run") >= 0.0, "{figures}");
+    assert!(number(&figures, "peak_rss_mb") > 1.0, "{figures}");
 
     // A database of one's own, in its own directory, which the disk probe leaves as it was.
     let own = dir.path().join("own");
@@ -131,7 +135,8 @@ fn steps_on_sqlite_report_the_disks_commit_rate_measured_beside_them_and_bytes_p
         " durable steps/s",
         "; the disk: ",
         " fsynced single-row commits/s, so ",
-        "x that; the database grew ",
+        " ms of CPU per run and ",
+        " MB peak resident memory in this process; the database grew ",
         " bytes per step\n",
     ] {
         assert!(line.contains(said), "{said:?} in {line:?}");

@@ -835,7 +835,7 @@ async fn the_configured_host_names_and_stream_caps_hold_in_a_started_server() {
     assert_eq!(named("agents.example").await.unwrap().status(), 200);
     let refused = named("elsewhere.example").await.unwrap();
     assert_eq!(refused.status(), 421);
-    let body = json(refused).await;
+    let body: Value = refused.json().await.unwrap();
     assert!(
         body["error"]["message"]
             .as_str()
@@ -849,7 +849,8 @@ async fn the_configured_host_names_and_stream_caps_hold_in_a_started_server() {
     assert_eq!(first.status(), 200);
     let second = http.get(&events).send().await.unwrap();
     assert_eq!(second.status(), 429, "one stream per tenant is configured");
-    assert_eq!(json(second).await["error"]["code"], "too_many_streams");
+    let body: Value = second.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "too_many_streams", "{body}");
     drop(first);
     let started = Instant::now();
     loop {
