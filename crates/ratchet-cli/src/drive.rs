@@ -42,6 +42,8 @@ pub struct RunArgs {
     pub permits: ratchet_engine::PermitLimits,
     /// `[limits] max_snippet_bytes`.
     pub max_snippet_bytes: usize,
+    /// The configuration's worker settings (`lease_ms`, `cancel_grace_ms`, …).
+    pub pool: PoolConfig,
 }
 
 /// A catalog and the agent of it that answers.
@@ -142,7 +144,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     // This process drives its own run only; other runs in the database are `resume`'s job.
     let pool = runtime.start_workers(PoolConfig {
         only_run: Some(run_id.clone()),
-        ..PoolConfig::default()
+        ..args.pool.clone()
     });
     let mut stderr = std::io::stderr();
     // Read only once the run asks: stdin stays untouched by runs that never do.
@@ -367,12 +369,14 @@ pub async fn run_remote(args: RemoteRunArgs) -> anyhow::Result<ExitCode> {
     Ok(report.exit_code())
 }
 
-/// `mcp`: the servers whose tools the runs were started with (`--config`), started again.
+/// `mcp`: the servers whose tools the runs were started with (`--config`), started again;
+/// `pool`: the configuration's worker settings (its `cancel_grace_ms` among them).
 pub async fn resume(
     db: &str,
     json: bool,
     mcp: &ratchet_mcp::Config,
     max_snippet_bytes: usize,
+    pool: PoolConfig,
 ) -> anyhow::Result<ExitCode> {
     let store = open_existing_store(db)?;
     let runtime = Runtime::new(store, Toolbox::with_mcp(mcp, max_snippet_bytes).await?);
@@ -393,7 +397,7 @@ pub async fn resume(
         .map(|r| r.run_id)
         .collect();
     let mut events = runtime.coordinator.subscribe();
-    let pool = runtime.recover_and_start(PoolConfig::default()).await?;
+    let pool = runtime.recover_and_start(pool).await?;
     let mut stderr = std::io::stderr();
     loop {
         if store.runs_with_jobs().await?.is_empty() {

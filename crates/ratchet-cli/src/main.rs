@@ -671,6 +671,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let (quota, permits) = (file.quota()?, file.permits()?);
             let tree_budget = file.tree_budget()?;
             let max_snippet_bytes = file.limits()?.max_snippet_bytes;
+            let pool = file.pool()?;
             let mut overrides = runtime::ToolOverrides {
                 approval: file.approval_policies()?,
                 replay: file.replay_policies(),
@@ -702,6 +703,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 tree_budget,
                 permits,
                 max_snippet_bytes,
+                pool,
             })
             .await
         }
@@ -744,7 +746,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Resume { db, config, json } => {
             let file = ratchet_server::Config::load_or_default(config.as_deref())?;
             let max_snippet_bytes = file.limits()?.max_snippet_bytes;
-            drive::resume(&db.db, json, &file.mcp, max_snippet_bytes).await
+            drive::resume(&db.db, json, &file.mcp, max_snippet_bytes, file.pool()?).await
         }
         Command::Runs {
             command: RunsCommand::List { db, json },

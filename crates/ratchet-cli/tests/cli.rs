@@ -1095,10 +1095,12 @@ fn guarded_script() -> Value {
     ]})
 }
 
-fn run_guarded(dir: &Path, stdin: &str) -> Output {
+/// `ratchet run` of the guarded script in `dir` with `append_line` gated, `extra` before its
+/// message.
+fn guarded_args(dir: &Path, extra: &[&str]) -> Vec<String> {
     let model = script(dir, "guarded.json", &guarded_script());
     let (db, workspace) = (db_url(dir), dir.display().to_string());
-    let args = [
+    let mut args: Vec<String> = [
         "run",
         "--db",
         &db,
@@ -1109,8 +1111,17 @@ fn run_guarded(dir: &Path, stdin: &str) -> Output {
         "--require-approval",
         "append_line",
         "--json",
-        "write it",
-    ];
+    ]
+    .map(str::to_owned)
+    .to_vec();
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
+    args.push("write it".to_owned());
+    args
+}
+
+fn run_guarded(dir: &Path, stdin: &str) -> Output {
+    let args = guarded_args(dir, &[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     ratchet_fed(dir, &args, stdin)
 }
 
@@ -1172,24 +1183,8 @@ fn a_run_waiting_at_the_approval_prompt_ends_timed_out_at_its_deadline() {
     use std::io::Read;
     use std::process::Stdio;
     let dir = tempfile::tempdir().unwrap();
-    let model = script(dir.path(), "guarded.json", &guarded_script());
-    let (db, workspace) = (db_url(dir.path()), dir.path().display().to_string());
     let mut child = Command::new(env!("CARGO_BIN_EXE_ratchet"))
-        .args([
-            "run",
-            "--db",
-            &db,
-            "--workspace",
-            &workspace,
-            "--model",
-            &model,
-            "--require-approval",
-            "append_line",
-            "--max-duration-ms",
-            "1500",
-            "--json",
-            "write it",
-        ])
+        .args(guarded_args(dir.path(), &["--max-duration-ms", "1500"]))
         .current_dir(dir.path())
         .env_remove("RATCHET_DB")
         .env_remove("RATCHET_LOG")
