@@ -663,9 +663,6 @@ async fn run_call(
         limits,
         context,
     } = planned;
-    if context.cancel.is_cancelled() {
-        return Err(StepFailure::Cancelled);
-    }
     let permit = tokio::select! {
         permit = permits.tool_call(session) => permit,
         () = context.cancel.cancelled() => return Err(StepFailure::Cancelled),
@@ -675,6 +672,12 @@ async fn run_call(
     let mut attempt = 0;
     let end = loop {
         attempt += 1;
+        // Read before the token: an attempt that starts is stamped no later than any cancel
+        // that this process accepted after it.
+        let started_at = now_ms();
+        if context.cancel.is_cancelled() {
+            return Err(StepFailure::Cancelled);
+        }
         let announce = EventDraft::new(
             EventKind::ToolCall,
             json!({
@@ -684,6 +687,9 @@ async fn run_call(
                 "tool": call.name,
                 "arguments": call.arguments,
                 "attempt": attempt,
+                // A replay-safe call's event is stored with its step's commit, later than the
+                // call started: the payload says when it did.
+                "started_at": started_at,
             }),
         );
         if writes_ahead {

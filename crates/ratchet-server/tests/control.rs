@@ -1022,7 +1022,8 @@ async fn racing_approvals_denials_cancels_and_messages_keep_every_invariant() {
             .replay(&format!("/v1/sessions/{session}/events?follow=false"), None)
             .await;
         let mut status: std::collections::BTreeMap<String, String> = Default::default();
-        let mut ended_by_human: std::collections::BTreeSet<String> = Default::default();
+        // When a human's cancel or abort of each run was accepted.
+        let mut ended_by_human: std::collections::BTreeMap<String, i64> = Default::default();
         let mut denied: std::collections::BTreeSet<(String, String)> = Default::default();
         let mut finished: std::collections::BTreeMap<String, usize> = Default::default();
         let mut never_started: std::collections::BTreeSet<String> = Default::default();
@@ -1042,13 +1043,15 @@ async fn racing_approvals_denials_cancels_and_messages_keep_every_invariant() {
                         never_started.remove(&run);
                     }
                     if to == "cancelling" || to == "cancelled" {
-                        ended_by_human.insert(run.clone());
+                        let at = event.data["created_at"].as_i64().unwrap();
+                        ended_by_human.entry(run.clone()).or_insert(at);
                     }
                     status.insert(run, to);
                 }
                 "approval.decided" => {
                     if payload["answer"] == "abort" {
-                        ended_by_human.insert(run.clone());
+                        let at = event.data["created_at"].as_i64().unwrap();
+                        ended_by_human.entry(run.clone()).or_insert(at);
                     }
                     for decision in payload["answer"]["decisions"]
                         .as_array()
@@ -1064,9 +1067,12 @@ async fn racing_approvals_denials_cancels_and_messages_keep_every_invariant() {
                     }
                 }
                 "tool.call" => {
+                    // A replay-safe call's event is stored with its step's commit, which may
+                    // come after the cancel: when the call started is in the payload.
                     let call_id = payload["call_id"].as_str().unwrap().to_owned();
+                    let started_at = payload["started_at"].as_i64().unwrap();
                     assert!(
-                        !ended_by_human.contains(&run),
+                        ended_by_human.get(&run).is_none_or(|at| started_at <= *at),
                         "{run}: tool {call_id} started after its cancel was accepted"
                     );
                     assert!(
