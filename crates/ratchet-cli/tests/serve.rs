@@ -86,11 +86,11 @@ impl Server {
     }
 }
 
-/// Reads an event stream until `marker` has gone by.
 /// What an event stream carries while a batch runs: its live activity (a replay-safe call's
 /// `tool.call` is stored only with its step's commit).
 const RUNNING_TOOLS: &str = r#""activity":"executing_tools""#;
 
+/// Reads an event stream until `marker` has gone by.
 async fn read_until<S, B, E>(body: &mut S, marker: &str)
 where
     S: futures::Stream<Item = Result<B, E>> + Unpin,

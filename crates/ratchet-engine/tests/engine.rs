@@ -194,6 +194,14 @@ async fn cancelling_a_run_stops_its_in_flight_step() {
     let mut activity = node.coordinator.observe().activity;
     let run = start_run(&node.coordinator, "sleep".into(), config(&script)).await;
     until_running(&mut activity, "sleep_ms").await;
+    // An observer that joins now learns what the step in flight is doing.
+    let joined = node.coordinator.observe().in_flight;
+    assert_eq!(joined.len(), 1, "{joined:?}");
+    assert_eq!(
+        (&joined[0].run_id, &joined[0].payload["activity"]),
+        (&run, &json!("executing_tools"))
+    );
+    assert!(node.coordinator.still_in_flight(&joined[0]));
     node.coordinator.request_cancel(&run).await.unwrap();
     let state = wait_until_terminal(&node.coordinator, &run).await;
     assert_eq!(state.status, RunStatus::Cancelled);
@@ -221,7 +229,10 @@ async fn cancelling_a_run_stops_its_in_flight_step() {
         [],
         "the interrupted call is replay-safe: it wrote nothing ahead, and the run ended"
     );
+    // Once the workers are done, the step is over: nobody joining learns of it any more.
     node.pool.shutdown().await;
+    assert!(!node.coordinator.still_in_flight(&joined[0]));
+    assert_eq!(node.coordinator.observe().in_flight, []);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -472,15 +472,7 @@ pub async fn a_parent_waiting_for_its_children_past_its_deadline_times_out_with_
         assert_eq!(load(store, run).await.status, status, "{run}");
     }
     for run in [&grandchildren[0], &children[1]] {
-        let step = claim_run(store, run, deadline + 10).await;
-        let ended = finish_step(
-            step.state.clone(),
-            &step.job,
-            StopReason::Cancelled,
-            deadline + 10,
-            deadline + 11,
-        );
-        commit(store, &step.claim, ended, None, deadline + 11).await;
+        end_child(store, run, Err(StopReason::Cancelled), deadline + 10).await;
     }
     let tree = store.run_tree(&root).await.unwrap();
     assert!(
