@@ -89,6 +89,26 @@ impl From<crate::Error> for StepFailure {
     }
 }
 
+/// An executed step: its result, and the model's context as it stood before the step's own
+/// messages (`None` when unknown). The commit's added messages extend it for the next step of
+/// a streak, which then calls the model without reading the history back.
+#[derive(Debug)]
+pub struct Executed {
+    pub result: StepResult,
+    pub context: Option<Vec<Message>>,
+}
+
+/// The context after a commit that added `added`, or `None` when the commit put a summary in
+/// place of older messages (the store then has to say what the model sees).
+pub(crate) fn context_after(context: Option<Vec<Message>>, added: &[Message]) -> Option<Vec<Message>> {
+    let mut context = context?;
+    if added.iter().any(|m| m.keeps_from.is_some()) {
+        return None;
+    }
+    context.extend_from_slice(added);
+    Some(context)
+}
+
 pub struct Engine {
     coordinator: Arc<Coordinator>,
     models: Arc<Models>,
@@ -122,30 +142,55 @@ impl Engine {
         claimed: &ClaimedStep,
         cancel: &CancellationToken,
         grace: Duration,
-    ) -> Result<StepResult, StepFailure> {
+    ) -> Result<Executed, StepFailure> {
         let started = now_ms();
         let decided = decide(&claimed.state, claimed.job.phase, started);
-        match crate::delegation::within_tree_budget(&self.coordinator, &claimed.state, decided)
-            .await?
-        {
-            Instruction::Finish(reason) => Ok(finish_step(
+        let instruction =
+            crate::delegation::within_tree_budget(&self.coordinator, &claimed.state, decided)
+                .await?;
+        let result = match instruction {
+            Instruction::Finish(reason) => finish_step(
                 claimed.state.clone(),
                 &claimed.job,
                 reason,
                 started,
                 now_ms(),
-            )),
+            ),
             Instruction::CallLlm { conclude } => {
-                self.call_model(claimed, conclude, started, cancel).await
+                return self.call_model(claimed, conclude, started, cancel).await;
             }
-            Instruction::CallToolsBatch => self.run_batch(claimed, started, cancel, grace).await,
-            Instruction::AskApproval => Ok(ask_approval_step(
-                claimed.state.clone(),
-                &claimed.job,
-                started,
-                now_ms(),
-            )),
-            Instruction::CompressContext => self.compress(claimed, started, cancel).await,
+            Instruction::CallToolsBatch => self.run_batch(claimed, started, cancel, grace).await?,
+            Instruction::AskApproval => {
+                ask_approval_step(claimed.state.clone(), &claimed.job, started, now_ms())
+            }
+            // A compaction puts a summary in place of older messages: the next step reads
+            // the context as the store has it.
+            Instruction::CompressContext => {
+                let result = self.compress(claimed, started, cancel).await?;
+                return Ok(Executed {
+                    result,
+                    context: None,
+                });
+            }
+        };
+        Ok(Executed {
+            result,
+            context: claimed.context.clone(),
+        })
+    }
+
+    /// The model's context as the store has it, unless this streak's commits kept it.
+    async fn context_of(&self, claimed: &ClaimedStep) -> Result<Vec<Message>, StepFailure> {
+        match &claimed.context {
+            Some(context) => Ok(context.clone()),
+            None => Ok(self
+                .coordinator
+                .store()
+                .context(&claimed.state.session_id)
+                .await?
+                .into_iter()
+                .map(|m| m.message)
+                .collect()),
         }
     }
 
@@ -155,18 +200,18 @@ impl Engine {
         conclude: bool,
         started: ratchet_core::Millis,
         cancel: &CancellationToken,
-    ) -> Result<StepResult, StepFailure> {
+    ) -> Result<Executed, StepFailure> {
         let state = &claimed.state;
         self.coordinator
             .announce(claimed, &ratchet_core::Activity::LoadingContext);
-        let context = self.coordinator.store().context(&state.session_id).await?;
+        let context = self.context_of(claimed).await?;
         let tools = if conclude {
             Vec::new()
         } else {
             state.config.tools.clone()
         };
         let messages = model_view(
-            answer_dangling_calls(context.into_iter().map(|m| m.message).collect()),
+            answer_dangling_calls(context.clone()),
             state.config.limits.max_tool_result_bytes,
         );
         let system_prompt = state.config.system_prompt.clone();
@@ -184,7 +229,10 @@ impl Engine {
         if let Some(delta) = delta {
             result.events.insert(0, delta);
         }
-        Ok(result)
+        Ok(Executed {
+            result,
+            context: Some(context),
+        })
     }
 
     /// Asks the model to summarise the older part of the context, keeping the most recent
@@ -886,4 +934,25 @@ fn delta_event(state: &AgentState, text: String) -> EventDraft {
         EventKind::AssistantDelta,
         json!({"run_id": state.run_id, "text": text}),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_kept_context_grows_by_what_a_commit_added_and_a_summary_drops_it() {
+        let asked = vec![Message::user("hi")];
+        let answer = Message::assistant("hello", Vec::new());
+        assert_eq!(
+            context_after(Some(asked.clone()), std::slice::from_ref(&answer)),
+            Some(vec![Message::user("hi"), Message::assistant("hello", Vec::new())])
+        );
+        assert_eq!(context_after(None, &[answer]), None, "nothing kept to extend");
+        let summary = Message {
+            keeps_from: Some(7),
+            ..Message::assistant("summary", Vec::new())
+        };
+        assert_eq!(context_after(Some(asked), &[summary]), None);
+    }
 }

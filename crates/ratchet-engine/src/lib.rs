@@ -18,7 +18,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use activity::{LiveActivity, Observed};
 pub use coordinator::{Coordinator, Multitask, StartedRun};
-pub use engine::{DEFAULT_CANCEL_GRACE, Engine, StepFailure};
+pub use engine::{DEFAULT_CANCEL_GRACE, Engine, Executed, StepFailure};
 pub use gates::{PermitLimits, StepPermits};
 pub use models::Models;
 pub use worker::{WorkerPool, owner_is_dead_local_process, process_owner};

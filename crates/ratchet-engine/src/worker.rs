@@ -9,13 +9,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ratchet_core::step::finish_step;
-use ratchet_core::{EventDraft, EventKind, ReplayPolicy, StopReason, UnknownCall};
+use ratchet_core::{EventDraft, EventKind, Message, ReplayPolicy, StopReason, UnknownCall};
 use ratchet_store::{ClaimedStep, Commit, IntentKind, Lease};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
+use crate::engine::{Executed, context_after};
 use crate::{Coordinator, Engine, PoolConfig, StepFailure, now_ms};
 
 /// Names this process as a lease owner: `host:pid:instance`. Recovery on this host can tell
@@ -215,8 +216,8 @@ impl Worker {
             }
             (outcome, _) => outcome,
         };
-        let result = match outcome {
-            Ok(result) => result,
+        let (result, context) = match outcome {
+            Ok(Executed { result, context }) => (result, context),
             Err(StepFailure::Transient {
                 message,
                 attempt,
@@ -232,7 +233,7 @@ impl Worker {
                 result
                     .events
                     .insert(0, model_error_event(&claimed, &message, None, true));
-                result
+                (result, None)
             }
             // Only a cancel request cancels a run's token or refuses its intents; the store
             // already marked the run `cancelling`, so this step ends it.
@@ -251,15 +252,21 @@ impl Worker {
         // Decided at commit time: a shutdown that arrived while the step ran must not hand this
         // worker the run's next step.
         let continue_with = (may_continue && !self.shutdown.is_cancelled()).then(|| self.lease());
-        self.commit(&claimed, result, continue_with).await
+        let next = self.commit(&claimed, result, continue_with).await;
+        next.map(|(mut next, added)| {
+            next.context = context_after(context, &added);
+            next
+        })
     }
 
+    /// Commits the step; returns the run's next step when this worker holds it, with the
+    /// messages the commit added.
     async fn commit(
         &self,
         claimed: &ClaimedStep,
         mut result: ratchet_core::StepResult,
         continue_with: Option<Lease>,
-    ) -> Option<ClaimedStep> {
+    ) -> Option<(ClaimedStep, Vec<Message>)> {
         sign(&mut result, &self.owner);
         let instruction = result.record.instruction.clone();
         let seconds = (result.record.finished_at - result.record.started_at) as f64 / 1000.0;
@@ -286,7 +293,9 @@ impl Worker {
             .commit(&claimed.claim, result, continue_with)
             .await
         {
-            Ok(Commit::Committed { continued, .. }) => {
+            Ok(Commit::Committed {
+                continued, added, ..
+            }) => {
                 metrics::counter!("ratchet_steps_committed_total").increment(1);
                 metrics::histogram!("ratchet_step_duration_seconds", "instruction" => instruction)
                     .record(seconds);
@@ -297,7 +306,7 @@ impl Worker {
                 if cost > 0 {
                     metrics::counter!("ratchet_model_cost_microdollars_total").increment(cost);
                 }
-                continued
+                continued.map(|next| (next, added))
             }
             Ok(Commit::Stale(stale)) => {
                 tracing::info!(run = %claimed.job.run_id, step = claimed.job.step_index, ?stale, "stale commit discarded");
@@ -347,7 +356,7 @@ impl Worker {
             }
         }
         let result = finish_step(in_doubt_state, &claimed.job, reason, now_ms(), now_ms());
-        self.commit(claimed, result, None).await
+        self.commit(claimed, result, None).await.map(|(next, _)| next)
     }
 
     /// Runs the step, renewing its lease, and cuts it off (cancelling its token: calls get
@@ -357,10 +366,7 @@ impl Worker {
         &self,
         claimed: &ClaimedStep,
         cancel: &CancellationToken,
-    ) -> (
-        Result<ratchet_core::StepResult, StepFailure>,
-        Option<CutOff>,
-    ) {
+    ) -> (Result<Executed, StepFailure>, Option<CutOff>) {
         let step_cancel = cancel.child_token();
         let step = self
             .engine
@@ -428,7 +434,7 @@ impl Worker {
                 now_ms(),
             );
             result.events.insert(0, event);
-            return self.commit(claimed, result, None).await;
+            return self.commit(claimed, result, None).await.map(|(next, _)| next);
         }
         let asked = retry_after.map_or(0, |wait| wait.as_millis() as i64);
         let at = now_ms() + self.jittered_backoff(attempt).max(asked);

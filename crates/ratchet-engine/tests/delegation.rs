@@ -813,3 +813,71 @@ async fn a_child_past_its_deadline_is_a_failed_task_for_its_parent() {
         "{joined}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streak_shows_the_model_exactly_the_stored_context_a_steer_included() {
+    let requests: Arc<std::sync::Mutex<Vec<Vec<Message>>>> = Arc::default();
+    let model = PolicyModel::new(Duration::from_millis(150), {
+        let requests = Arc::clone(&requests);
+        move |request| {
+            requests.lock().unwrap().push(request.messages.clone());
+            let calls = tool_results(&request.messages).len();
+            if calls == 2 {
+                return text("two sums".into());
+            }
+            ModelReply {
+                tool_calls: vec![ToolCall {
+                    id: format!("call-{calls}"),
+                    name: "add".into(),
+                    arguments: json!({"a": calls, "b": 1}),
+                }],
+                ..ModelReply::default()
+            }
+        }
+    });
+    let node = node(model, None, PermitLimits::default());
+    let mut config = agent("adder", Vec::new()).config;
+    config.tools = Registry::builtin().specs();
+    let session = node
+        .coordinator
+        .create_session(SessionSpec::default())
+        .await
+        .unwrap()
+        .id;
+    let run = node
+        .coordinator
+        .submit(&session, "add twice".into(), config.clone(), Multitask::Enqueue)
+        .await
+        .unwrap()
+        .run_id;
+    // Lands while the first model call is held: the tools step's commit takes it in, and the
+    // second model call is the streak's own, made from the context it kept.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let steered = node
+        .coordinator
+        .submit(&session, "and say so".into(), config, Multitask::Steer)
+        .await
+        .unwrap();
+    assert_eq!(steered.run_id, run, "the steer joined the active run");
+    let state = wait_for(&node.coordinator, &run, RunStatus::is_terminal).await;
+    assert_eq!(state.final_answer.as_deref(), Some("two sums"), "{state:?}");
+
+    let stored: Vec<Message> = (node.coordinator.store().context(&session).await)
+        .unwrap()
+        .into_iter()
+        .map(|m| m.message)
+        .collect();
+    let requests = requests.lock().unwrap().clone();
+    assert_eq!(requests.len(), 3, "{requests:#?}");
+    for (call, sent) in requests.iter().enumerate() {
+        assert!(
+            stored.starts_with(sent),
+            "model call {call} was shown {sent:#?}, which is not how the store's context \
+             {stored:#?} began"
+        );
+    }
+    let steer_seen = |sent: &Vec<Message>| sent.iter().any(|m| m.content == "and say so");
+    assert!(!steer_seen(&requests[0]), "{:#?}", requests[0]);
+    assert!(steer_seen(&requests[1]), "{:#?}", requests[1]);
+    assert_eq!(requests[2].len(), stored.len() - 1, "all but the answer");
+}

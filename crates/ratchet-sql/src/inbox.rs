@@ -851,6 +851,7 @@ pub(crate) fn absorb_signals(
     c: &dyn Db,
     state: &AgentState,
     step_index: u64,
+    added: &mut Vec<ratchet_core::Message>,
     now: Millis,
 ) -> Result<Vec<EventDraft>> {
     if state.lineage.is_some() {
@@ -877,6 +878,7 @@ pub(crate) fn absorb_signals(
         };
         let message_id = format!("msg_{}-{step_index}-s{id}", &state.run_id.as_str()[4..]);
         insert_message(c, &message_id, state, &message, now)?;
+        added.push(message);
     }
     let ids: Vec<i64> = waiting.iter().map(|(id, _)| *id).collect();
     let consumed = move_events(

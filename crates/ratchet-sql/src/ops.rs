@@ -675,19 +675,20 @@ pub(crate) fn take_steers(c: &dyn Db, session_id: &SessionId) -> Result<Vec<Stee
 }
 
 /// The run's next step calls the model: the session's waiting steers join its history now.
-fn absorb_steers(c: &dyn Db, state: &AgentState, now: Millis) -> Result<Vec<EventDraft>> {
+fn absorb_steers(
+    c: &dyn Db,
+    state: &AgentState,
+    added: &mut Vec<Message>,
+    now: Millis,
+) -> Result<Vec<EventDraft>> {
     let mut drafts = Vec::new();
     for steer in take_steers(c, &state.session_id)? {
-        insert_message(
-            c,
-            &steer.message_id,
-            state,
-            &Message {
-                origin: Origin::Steer,
-                ..Message::user(steer.content.clone())
-            },
-            now,
-        )?;
+        let message = Message {
+            origin: Origin::Steer,
+            ..Message::user(steer.content.clone())
+        };
+        insert_message(c, &steer.message_id, state, &message, now)?;
+        added.push(message);
         drafts.push(EventDraft::new(
             EventKind::MessageSteered,
             json!({"run_id": state.run_id, "message_id": steer.message_id, "content": steer.content}),
@@ -1032,6 +1033,7 @@ fn lease_job(c: &dyn Db, run_id: &RunId, job: JobRow, lease: &Lease) -> Result<C
             epoch,
         },
         state,
+        context: None,
     })
 }
 
@@ -1270,18 +1272,21 @@ pub(crate) fn commit_step(
                         pause_requested: stored.pause_requested,
                         ..result.state.clone()
                     },
+                    context: None,
                 });
             }
             None => enqueued = true,
         }
     }
     let mut drafts = std::mem::take(&mut result.events);
+    let mut added = std::mem::take(&mut result.messages);
     if steer_boundary {
-        drafts.extend(absorb_steers(c, &result.state, now)?);
+        drafts.extend(absorb_steers(c, &result.state, &mut added, now)?);
         drafts.extend(crate::inbox::absorb_signals(
             c,
             &result.state,
             claim.step_index,
+            &mut added,
             now,
         )?);
     }
@@ -1302,6 +1307,7 @@ pub(crate) fn commit_step(
     Ok(Commit::Committed {
         events,
         continued,
+        added,
         enqueued,
     })
 }
@@ -1677,11 +1683,13 @@ pub(crate) fn resume_paused(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<R
         ratchet_core::decide(&state, job.phase, now),
         ratchet_core::Instruction::CallLlm { .. }
     ) {
-        drafts.extend(absorb_steers(c, &state, now)?);
+        let mut added = Vec::new();
+        drafts.extend(absorb_steers(c, &state, &mut added, now)?);
         drafts.extend(crate::inbox::absorb_signals(
             c,
             &state,
             state.step_index,
+            &mut added,
             now,
         )?);
     }

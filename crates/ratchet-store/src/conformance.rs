@@ -313,9 +313,13 @@ async fn commit(
         Ok(Commit::Committed {
             events,
             continued,
+            added,
             enqueued,
         }) => {
             assert_attributed(&events);
+            if let Some(next) = &continued {
+                assert_context_ends_with(store, next, &added).await;
+            }
             (events, continued, enqueued)
         }
         Ok(Commit::Stale(stale)) => {
@@ -329,6 +333,22 @@ async fn commit(
             claim.run_id, claim.step_index
         ),
     }
+}
+
+/// A streak's worker extends the context it had with what its commit added, instead of
+/// reading it back: that must be what the store's context ends with.
+async fn assert_context_ends_with(store: &dyn Store, next: &ClaimedStep, added: &[Message]) {
+    let context: Vec<Message> = (store.context(&next.state.session_id).await)
+        .expect("context")
+        .into_iter()
+        .map(|m| m.message)
+        .collect();
+    assert!(
+        context.ends_with(added),
+        "the commit said it added {added:?}, but the context of {} ends {:?}",
+        next.state.session_id,
+        &context[context.len().saturating_sub(added.len())..]
+    );
 }
 
 async fn commit_stale(

@@ -96,6 +96,9 @@ pub struct ClaimedStep {
     pub job: StepJob,
     pub claim: Claim,
     pub state: AgentState,
+    /// The model's context — the messages `Store::context` returns — when the worker's own
+    /// commits kept it through a streak; `None` when the step must read it from the store.
+    pub context: Option<Vec<Message>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -412,6 +415,9 @@ pub enum Commit {
         events: Vec<StoredEvent>,
         /// The next job, already leased to the committer when it asked to continue.
         continued: Option<ClaimedStep>,
+        /// The messages the commit added to the run's session, in their order: the step's
+        /// own, then the steers and steered signals it took in.
+        added: Vec<Message>,
         /// Jobs were enqueued that nobody holds (the next queued run of the session started,
         /// or the committer did not ask to continue): wake the workers.
         enqueued: bool,
