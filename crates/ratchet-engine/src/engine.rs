@@ -100,7 +100,10 @@ pub struct Executed {
 
 /// The context after a commit that added `added`, or `None` when the commit put a summary in
 /// place of older messages (the store then has to say what the model sees).
-pub(crate) fn context_after(context: Option<Vec<Message>>, added: &[Message]) -> Option<Vec<Message>> {
+pub(crate) fn context_after(
+    context: Option<Vec<Message>>,
+    added: &[Message],
+) -> Option<Vec<Message>> {
     let mut context = context?;
     if added.iter().any(|m| m.keeps_from.is_some()) {
         return None;
@@ -946,9 +949,16 @@ mod tests {
         let answer = Message::assistant("hello", Vec::new());
         assert_eq!(
             context_after(Some(asked.clone()), std::slice::from_ref(&answer)),
-            Some(vec![Message::user("hi"), Message::assistant("hello", Vec::new())])
+            Some(vec![
+                Message::user("hi"),
+                Message::assistant("hello", Vec::new())
+            ])
         );
-        assert_eq!(context_after(None, &[answer]), None, "nothing kept to extend");
+        assert_eq!(
+            context_after(None, &[answer]),
+            None,
+            "nothing kept to extend"
+        );
         let summary = Message {
             keeps_from: Some(7),
             ..Message::assistant("summary", Vec::new())

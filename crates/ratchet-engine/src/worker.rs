@@ -356,7 +356,9 @@ impl Worker {
             }
         }
         let result = finish_step(in_doubt_state, &claimed.job, reason, now_ms(), now_ms());
-        self.commit(claimed, result, None).await.map(|(next, _)| next)
+        self.commit(claimed, result, None)
+            .await
+            .map(|(next, _)| next)
     }
 
     /// Runs the step, renewing its lease, and cuts it off (cancelling its token: calls get
@@ -434,7 +436,10 @@ impl Worker {
                 now_ms(),
             );
             result.events.insert(0, event);
-            return self.commit(claimed, result, None).await.map(|(next, _)| next);
+            return self
+                .commit(claimed, result, None)
+                .await
+                .map(|(next, _)| next);
         }
         let asked = retry_after.map_or(0, |wait| wait.as_millis() as i64);
         let at = now_ms() + self.jittered_backoff(attempt).max(asked);

@@ -846,7 +846,12 @@ async fn a_streak_shows_the_model_exactly_the_stored_context_a_steer_included() 
         .id;
     let run = node
         .coordinator
-        .submit(&session, "add twice".into(), config.clone(), Multitask::Enqueue)
+        .submit(
+            &session,
+            "add twice".into(),
+            config.clone(),
+            Multitask::Enqueue,
+        )
         .await
         .unwrap()
         .run_id;

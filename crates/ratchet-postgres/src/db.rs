@@ -2,17 +2,28 @@
 //! (`ratchet_sql::Db`): `?N` parameters become `$N`, each statement is prepared once per
 //! connection, and values cross as the few kinds the bodies know (integer, real, text, null).
 //!
+//! Round trips are what a transaction costs across a network, so statements are pipelined:
+//! `BEGIN`, the session locks and every `Db::write` are held back and sent with the next
+//! statement that must answer (a query, an `execute`), or with the `COMMIT`, which itself goes
+//! out in one flight with the writes before it and the notifications after it. The server
+//! runs them in the order they were issued either way; the first that fails fails the
+//! transaction, which then keeps nothing.
+//!
 //! A transaction here never outlives its body and is never retried.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::pin::Pin;
 
 use bytes::BytesMut;
+use futures::future::{MaybeDone, maybe_done};
+use postgres::Statement;
 use postgres::types::{IsNull, ToSql, Type, to_sql_checked};
-use postgres::{Client, Statement};
 use ratchet_sql::{Announcement, Configs, Db, Param, Row, Value};
 use ratchet_store::Error;
+use tokio_postgres::Client;
 
 use crate::{Result, backend_error, changes, describe};
 
@@ -39,19 +50,74 @@ impl Access {
     }
 }
 
-/// A connection and the statements prepared on it, keyed by the bodies' own SQL.
+/// A parameter owned by a statement that waits to be sent.
+#[derive(Debug, Clone)]
+enum Owned {
+    Int(Option<i64>),
+    Real(Option<f64>),
+    Text(Option<String>),
+}
+
+impl Owned {
+    fn of(param: Param<'_>) -> Owned {
+        match param {
+            Param::Int(value) => Owned::Int(value),
+            Param::Real(value) => Owned::Real(value),
+            Param::Text(value) => Owned::Text(value.map(str::to_owned)),
+        }
+    }
+
+    fn param(&self) -> Param<'_> {
+        match self {
+            Owned::Int(value) => Param::Int(*value),
+            Owned::Real(value) => Param::Real(*value),
+            Owned::Text(value) => Param::Text(value.as_deref()),
+        }
+    }
+}
+
+/// A statement held back until the next round trip.
+enum Held {
+    /// Transaction control, sent as a simple query.
+    Control(&'static str),
+    Write {
+        sql: String,
+        statement: Statement,
+        params: Vec<Owned>,
+    },
+}
+
+impl Held {
+    fn sql(&self) -> &str {
+        match self {
+            Held::Control(sql) => sql,
+            Held::Write { sql, .. } => sql,
+        }
+    }
+}
+
+type Sent<'a, T> =
+    Pin<Box<dyn Future<Output = std::result::Result<T, tokio_postgres::Error>> + 'a>>;
+
+/// A connection and the statements prepared on it, keyed by the bodies' own SQL. It drives
+/// its own single-threaded runtime, only while a call of its waits for the server.
 pub(crate) struct Conn {
+    runtime: tokio::runtime::Runtime,
     client: Client,
     statements: HashMap<String, Statement>,
+    /// Statements issued and not yet sent, in their order.
+    held: Vec<Held>,
     /// Set when a transaction could not be ended: what state the session is in is unknown.
     broken: bool,
 }
 
 impl Conn {
-    pub(crate) fn new(client: Client) -> Conn {
+    pub(crate) fn new(runtime: tokio::runtime::Runtime, client: Client) -> Conn {
         Conn {
+            runtime,
             client,
             statements: HashMap::new(),
+            held: Vec::new(),
             broken: false,
         }
     }
@@ -61,11 +127,23 @@ impl Conn {
         !self.broken && !self.client.is_closed()
     }
 
-    /// Starts the transaction `run` runs a body in.
+    /// Starts the transaction `run` runs a body in; its `BEGIN` goes out with the body's
+    /// first statement. A connection the server closed while it sat idle (a restart, an idle
+    /// timeout) fails here, before any of the body runs: the server said so on the socket, and
+    /// letting the connection's task read it costs no round trip.
     pub(crate) fn begin(&mut self, access: Access) -> Result<()> {
-        self.client
-            .batch_execute(access.begin())
-            .map_err(|e| backend_error(&e))
+        self.runtime.block_on(async {
+            for _ in 0..2 {
+                tokio::task::yield_now().await;
+            }
+        });
+        if self.client.is_closed() {
+            return Err(Error::Backend(
+                "the connection to PostgreSQL was closed while idle".into(),
+            ));
+        }
+        self.held.push(Held::Control(access.begin()));
+        Ok(())
     }
 
     /// Runs `body` in the transaction `begin` started, which commits when the body returns
@@ -96,23 +174,18 @@ impl Conn {
             other => other,
         };
         match outcome {
-            Ok(value) => match self.client.batch_execute("COMMIT") {
-                Ok(()) => {
-                    self.notify(&announced);
-                    Ok(value)
-                }
-                // The server may have committed before the connection went: only the
-                // database can tell now.
-                Err(error) if self.client.is_closed() => Err(Error::Backend(format!(
-                    "the connection was lost while committing, so whether the write was kept \
-                     is unknown ({})",
-                    describe(&error)
-                ))),
-                // Any other failed COMMIT has ended the transaction, keeping nothing.
-                Err(error) => Err(backend_error(&error)),
-            },
+            Ok(value) => self.commit(&announced).map(|()| value),
             Err(error) => {
-                if self.client.batch_execute("ROLLBACK").is_err() {
+                // A body that failed before its first round trip has sent nothing, not even
+                // its BEGIN; otherwise the rollback ends whatever was sent.
+                let sent = !matches!(self.held.first(), Some(Held::Control(sql)) if sql.starts_with("BEGIN"));
+                self.held.clear();
+                if sent
+                    && self
+                        .runtime
+                        .block_on(self.client.batch_execute("ROLLBACK"))
+                        .is_err()
+                {
                     self.broken = true;
                 }
                 Err(error)
@@ -120,31 +193,44 @@ impl Conn {
         }
     }
 
-    /// Tells other processes what the transaction that just committed did. Sent after its
-    /// `COMMIT` rather than inside it: PostgreSQL serialises the commits of transactions that
-    /// notify (a global lock held through their WAL flush), which would make every step commit
-    /// wait for the one before it. This transaction writes nothing durable, so it commits
-    /// without waiting for the disk. A notification lost here (the process dying between the
-    /// two) costs the listeners latency only: they poll.
-    fn notify(&mut self, announced: &[(&'static str, String)]) {
-        if announced.is_empty() {
-            return;
-        }
-        let calls: Vec<String> = announced
-            .iter()
-            .map(|(channel, payload)| {
-                format!("pg_notify('{channel}', '{}')", payload.replace('\'', "''"))
-            })
-            .collect();
-        let sql = format!(
-            "BEGIN; SET LOCAL synchronous_commit TO off; SELECT {}; COMMIT",
-            calls.join(", ")
-        );
-        if let Err(error) = self.client.batch_execute(&sql) {
-            tracing::warn!(error = %describe(&error), "cannot notify other processes of a commit; they will find it by polling");
-            if self.client.batch_execute("ROLLBACK").is_err() {
-                self.broken = true;
+    /// Sends what is held back, the `COMMIT` and the notifications in one flight.
+    ///
+    /// The notifications go in a transaction of their own after the `COMMIT`: PostgreSQL
+    /// serialises the commits of transactions that notify (a global lock held through their
+    /// WAL flush), which would make every step commit wait for the one before it. That
+    /// transaction writes nothing durable, so it commits without waiting for the disk. A
+    /// notification after a commit that failed tells listeners of nothing new; one lost costs
+    /// them latency only: they poll.
+    fn commit(&mut self, announced: &[(&'static str, String)]) -> Result<()> {
+        let notify = notify_sql(announced);
+        let client = &self.client;
+        let last = async {
+            let committed = client.batch_execute("COMMIT").await;
+            if let Some(sql) = &notify
+                && let Err(error) = client.batch_execute(sql).await
+            {
+                tracing::warn!(error = %describe(&error), "cannot notify other processes of a commit; they will find it by polling");
             }
+            committed
+        };
+        let (written, committed) = flight(&self.runtime, client, &mut self.held, last);
+        // After a held write failed, the server ended the aborted transaction at the COMMIT,
+        // keeping nothing.
+        written?;
+        match committed {
+            Ok(()) => Ok(()),
+            // The server may have committed before the connection went: only the database
+            // can tell now.
+            Err(error) if self.client.is_closed() => {
+                self.broken = true;
+                Err(Error::Backend(format!(
+                    "the connection was lost while committing, so whether the write was kept is \
+                     unknown ({})",
+                    describe(&error)
+                )))
+            }
+            // Any other failed COMMIT has ended the transaction, keeping nothing.
+            Err(error) => Err(backend_error(&error)),
         }
     }
 
@@ -153,26 +239,124 @@ impl Conn {
     /// answers the `COMMIT` of an aborted transaction with a silent rollback, which must not
     /// reach the caller as a success.
     fn still_valid(&mut self) -> Result<()> {
-        self.client.batch_execute("SELECT 1").map_err(|e| {
-            Error::Backend(format!(
-                "a statement of this transaction failed and aborted it, yet the operation went \
-                 on as if it had not; nothing was kept ({})",
-                describe(&e)
-            ))
-        })
+        let client = &self.client;
+        let (written, answered) = flight(
+            &self.runtime,
+            client,
+            &mut self.held,
+            client.batch_execute("SELECT 1"),
+        );
+        written
+            .and_then(|()| answered.map_err(|e| backend_error(&e)))
+            .map_err(|e| {
+                Error::Backend(format!(
+                    "a statement of this transaction failed and aborted it, yet the operation went \
+                 on as if it had not; nothing was kept ({e})"
+                ))
+            })
     }
 
-    fn statement(&mut self, sql: &str) -> std::result::Result<Statement, postgres::Error> {
+    fn statement(&mut self, sql: &str) -> std::result::Result<Statement, tokio_postgres::Error> {
         if let Some(statement) = self.statements.get(sql) {
             return Ok(statement.clone());
         }
-        let statement = self.client.prepare(&dollar_parameters(sql))?;
+        let statement = self
+            .runtime
+            .block_on(self.client.prepare(&dollar_parameters(sql)))?;
         if self.statements.len() >= MAX_CACHED_STATEMENTS {
             self.statements.clear();
         }
         self.statements.insert(sql.to_owned(), statement.clone());
         Ok(statement)
     }
+}
+
+/// Sends the held statements, then `last`, in one flight on `runtime`, and empties `held`.
+/// Returns the first held statement's failure, if one failed (the ones after it were refused
+/// by the aborted transaction), and `last`'s answer.
+fn flight<T>(
+    runtime: &tokio::runtime::Runtime,
+    client: &Client,
+    held: &mut Vec<Held>,
+    last: impl Future<Output = T>,
+) -> (Result<()>, T) {
+    let sending = std::mem::take(held);
+    let (written, answer) = runtime.block_on(send_in_order(client, &sending, last));
+    let written = written.map_err(|(index, error)| {
+        Error::Backend(format!(
+            "{}; in `{}`",
+            describe(&error),
+            one_line(sending[index].sql())
+        ))
+    });
+    (written, answer)
+}
+
+/// Sends every held statement, then `last`, without waiting for any answer in between:
+/// each request goes out when its future is first polled, and they are polled in order.
+/// Returns the index and error of the first held statement that failed (the ones after it
+/// were refused by the aborted transaction), and `last`'s own answer.
+async fn send_in_order<'a, T>(
+    client: &'a Client,
+    held: &'a [Held],
+    last: impl Future<Output = T> + 'a,
+) -> (std::result::Result<(), (usize, tokio_postgres::Error)>, T) {
+    let binds: Vec<Vec<Bind<'_>>> = held
+        .iter()
+        .map(|held| match held {
+            Held::Control(_) => Vec::new(),
+            Held::Write { params, .. } => params.iter().map(|p| Bind(p.param())).collect(),
+        })
+        .collect();
+    let refs: Vec<Vec<&(dyn ToSql + Sync)>> = binds
+        .iter()
+        .map(|binds| binds.iter().map(|b| b as &(dyn ToSql + Sync)).collect())
+        .collect();
+    let mut sent: Vec<MaybeDone<Sent<'_, ()>>> = held
+        .iter()
+        .zip(&refs)
+        .map(|(held, params)| {
+            let future: Sent<'_, ()> = match held {
+                Held::Control(sql) => Box::pin(client.batch_execute(sql)),
+                Held::Write { statement, .. } => {
+                    Box::pin(async move { client.execute(statement, params).await.map(|_| ()) })
+                }
+            };
+            maybe_done(future)
+        })
+        .collect();
+    for future in &mut sent {
+        let _ = futures::poll!(future);
+    }
+    let answer = last.await;
+    let mut first_failure = Ok(());
+    for (index, future) in sent.iter_mut().enumerate() {
+        (&mut *future).await;
+        let outcome = Pin::new(future)
+            .take_output()
+            .expect("a finished future has its output");
+        if let (Err(error), Ok(())) = (outcome, &first_failure) {
+            first_failure = Err((index, error));
+        }
+    }
+    (first_failure, answer)
+}
+
+/// The statement that tells other processes what a committed transaction did.
+fn notify_sql(announced: &[(&'static str, String)]) -> Option<String> {
+    if announced.is_empty() {
+        return None;
+    }
+    let calls: Vec<String> = announced
+        .iter()
+        .map(|(channel, payload)| {
+            format!("pg_notify('{channel}', '{}')", payload.replace('\'', "''"))
+        })
+        .collect();
+    Some(format!(
+        "BEGIN; SET LOCAL synchronous_commit TO off; SELECT {}; COMMIT",
+        calls.join(", ")
+    ))
 }
 
 /// The open transaction handed to a body.
@@ -188,71 +372,102 @@ struct Tx<'a> {
 }
 
 impl Tx<'_> {
-    /// Prepares (or reuses) `sql` and runs `run` with it and the bound parameters.
-    fn with_statement<T>(
+    /// Sends what is held back and `sql` with `params` in one flight, and returns what `run`
+    /// made of the answer.
+    fn answered<T>(
         &self,
         sql: &str,
         params: &[Param<'_>],
-        run: impl FnOnce(
-            &mut Client,
+        run: impl AsyncFnOnce(
+            &Client,
             &Statement,
             &[&(dyn ToSql + Sync)],
-        ) -> std::result::Result<T, postgres::Error>,
+        ) -> std::result::Result<T, tokio_postgres::Error>,
     ) -> Result<T> {
         let binds: Vec<Bind<'_>> = params.iter().copied().map(Bind).collect();
         let refs: Vec<&(dyn ToSql + Sync)> =
             binds.iter().map(|b| b as &(dyn ToSql + Sync)).collect();
         let mut conn = self.conn.borrow_mut();
-        let outcome = conn
+        let statement = conn
             .statement(sql)
-            .and_then(|statement| run(&mut conn.client, &statement, &refs));
-        outcome.map_err(|error| {
-            self.failed.set(true);
-            Error::Backend(format!("{}; in `{}`", describe(&error), one_line(sql)))
-        })
+            .map_err(|error| self.failure(sql, &error))?;
+        let conn = &mut **conn;
+        let (written, answered) = flight(
+            &conn.runtime,
+            &conn.client,
+            &mut conn.held,
+            run(&conn.client, &statement, &refs),
+        );
+        written
+            .inspect_err(|_| self.failed.set(true))
+            .and_then(|()| answered.map_err(|error| self.failure(sql, &error)))
+    }
+
+    /// Holds `sql` back until the next round trip.
+    fn hold(&self, sql: &str, params: &[Param<'_>]) -> Result<()> {
+        let mut conn = self.conn.borrow_mut();
+        let statement = conn
+            .statement(sql)
+            .map_err(|error| self.failure(sql, &error))?;
+        conn.held.push(Held::Write {
+            sql: sql.to_owned(),
+            statement,
+            params: params.iter().copied().map(Owned::of).collect(),
+        });
+        Ok(())
+    }
+
+    fn failure(&self, sql: &str, error: &tokio_postgres::Error) -> Error {
+        self.failed.set(true);
+        Error::Backend(format!("{}; in `{}`", describe(error), one_line(sql)))
     }
 }
 
 impl Db for Tx<'_> {
     fn execute(&self, sql: &str, params: &[Param<'_>]) -> Result<u64> {
-        self.with_statement(sql, params, |client, statement, params| {
-            client.execute(statement, params)
+        self.answered(sql, params, async |client, statement, params| {
+            client.execute(statement, params).await
         })
     }
 
+    fn write(&self, sql: &str, params: &[Param<'_>]) -> Result<()> {
+        self.hold(sql, params)
+    }
+
     fn query(&self, sql: &str, params: &[Param<'_>]) -> Result<Vec<Row>> {
-        let rows = self.with_statement(sql, params, |client, statement, params| {
-            client.query(statement, params)
+        let rows = self.answered(sql, params, async |client, statement, params| {
+            client.query(statement, params).await
         })?;
         rows.iter().map(row).collect()
     }
 
     fn lock_session(&self, session_id: &str) -> Result<()> {
-        self.execute(
+        self.hold(
             "SELECT 1 FROM sessions WHERE id = COALESCE((SELECT root_session_id FROM sessions WHERE id = ?1), ?1) FOR UPDATE",
             &[Param::from(session_id)],
         )
-        .map(|_| ())
     }
 
     fn lock_session_of_run(&self, run_id: &str) -> Result<()> {
-        self.execute(
+        self.hold(
             "SELECT 1 FROM sessions WHERE id = (SELECT COALESCE(s.root_session_id, s.id) FROM runs r JOIN sessions s ON s.id = r.session_id WHERE r.id = ?1) FOR UPDATE",
             &[Param::from(run_id)],
         )
-        .map(|_| ())
     }
 
     fn lock_run_quota(&self) -> Result<()> {
-        self.execute(
+        self.hold(
             &format!("SELECT pg_advisory_xact_lock({RUN_QUOTA_LOCK})"),
             &[],
         )
-        .map(|_| ())
     }
 
     fn skip_locked(&self) -> &'static str {
         " FOR UPDATE SKIP LOCKED"
+    }
+
+    fn for_update(&self) -> &'static str {
+        " FOR UPDATE"
     }
 
     fn announce(&self, announcement: Announcement<'_>) -> Result<()> {
@@ -369,7 +584,7 @@ impl ToSql for Bind<'_> {
     to_sql_checked!();
 }
 
-fn row(row: &postgres::Row) -> Result<Row> {
+fn row(row: &tokio_postgres::Row) -> Result<Row> {
     (0..row.len())
         .map(|index| value(row, index))
         .collect::<Result<Vec<Value>>>()
@@ -378,10 +593,10 @@ fn row(row: &postgres::Row) -> Result<Row> {
 
 /// A column's value as one of the kinds the bodies read. Any other type is refused rather
 /// than guessed at: the statement should cast it.
-fn value(row: &postgres::Row, index: usize) -> Result<Value> {
+fn value(row: &tokio_postgres::Row, index: usize) -> Result<Value> {
     let column = &row.columns()[index];
     let ty = column.type_();
-    let read = |error: postgres::Error| {
+    let read = |error: tokio_postgres::Error| {
         Error::Backend(format!("cannot read column {}: {error}", column.name()))
     };
     let value = match *ty {

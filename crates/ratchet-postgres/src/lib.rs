@@ -50,7 +50,7 @@ const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct PgOptions {
     /// Where the server is and who connects (everything of the url but ratchet's options).
     /// Its `ssl_mode` is not read: `tls` says how connections are secured.
-    pub config: postgres::Config,
+    pub config: tokio_postgres::Config,
     /// How every connection is secured (`sslmode`, `sslrootcert`).
     pub tls: Tls,
     /// Most connections open at once for reads and writes; callers beyond wait for one. The
@@ -134,11 +134,11 @@ impl PgOptions {
         } else {
             format!("{base}?{}", passed.join("&"))
         };
-        let mut config: postgres::Config = rest.parse().map_err(|e| {
+        let mut config: tokio_postgres::Config = rest.parse().map_err(|e| {
             // The driver does not say which part it refused; an option is tried alone.
             let refused = passed.iter().find(|pair| {
                 format!("{base}?{pair}")
-                    .parse::<postgres::Config>()
+                    .parse::<tokio_postgres::Config>()
                     .is_err()
             });
             bad(match refused.map(|pair| redacted(pair)) {
@@ -184,20 +184,42 @@ impl PgOptions {
 #[derive(Clone)]
 pub(crate) struct Connector {
     /// The options' configuration with the driver's `ssl_mode` set from `tls`.
-    config: postgres::Config,
+    config: tokio_postgres::Config,
     tls: Tls,
 }
 
 impl Connector {
-    /// Opens one connection. Blocks: call it off the async workers (see `off_runtime`).
+    /// Opens one synchronous connection (migration's, the change follower's). Blocks: call it
+    /// off the async workers (see `off_runtime`).
     pub(crate) fn connect(&self) -> Result<postgres::Client> {
-        self.config.connect(self.tls.connector()).map_err(|e| {
-            Error::Backend(format!(
-                "cannot connect to PostgreSQL ({}): {}",
-                self.tls,
-                describe(&e)
-            ))
-        })
+        postgres::Config::from(self.config.clone())
+            .connect(self.tls.connector())
+            .map_err(|e| self.refused(&e))
+    }
+
+    /// Opens one connection of the pool, on a runtime of its own. Blocks, like `connect`.
+    pub(crate) fn connect_pooled(&self) -> Result<Conn> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| Error::Backend(format!("cannot start a connection's runtime: {e}")))?;
+        let (client, connection) = runtime
+            .block_on(self.config.connect(self.tls.connector()))
+            .map_err(|e| self.refused(&e))?;
+        runtime.spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(error = %describe(&error), "a pooled PostgreSQL connection closed");
+            }
+        });
+        Ok(Conn::new(runtime, client))
+    }
+
+    fn refused(&self, error: &postgres::Error) -> Error {
+        Error::Backend(format!(
+            "cannot connect to PostgreSQL ({}): {}",
+            self.tls,
+            describe(error)
+        ))
     }
 }
 
@@ -297,7 +319,7 @@ impl PgBackend {
             } else {
                 schema::check(&mut client)?;
             }
-            Ok(Conn::new(client))
+            connector.connect_pooled()
         })?;
         Ok(PgBackend {
             shared: Arc::new(Shared {
@@ -347,7 +369,7 @@ impl Shared {
             }
             // The server closed the idle connection (a restart, an idle timeout) and the
             // client learnt it only now. Nothing of the body ran: a new connection serves it.
-            conn = self.connector.connect().map(Conn::new)?;
+            conn = self.connector.connect_pooled()?;
             conn.begin(access)?;
         }
         let outcome = conn.run(&self.origin, &self.configs, body);
@@ -376,7 +398,7 @@ impl Shared {
                 Some(conn) if conn.is_reusable() => return Ok(conn),
                 // The server closed it while it was idle (a restart, an idle timeout).
                 Some(_closed) => continue,
-                None => return self.connector.connect().map(Conn::new),
+                None => return self.connector.connect_pooled(),
             }
         }
     }

@@ -169,7 +169,7 @@ impl Tls {
     }
 
     /// Points the driver's configuration at this mode (it decides whether TLS is asked for).
-    pub(crate) fn configure(&self, config: &mut postgres::Config) {
+    pub(crate) fn configure(&self, config: &mut tokio_postgres::Config) {
         config.ssl_mode(self.mode.driver());
     }
 

@@ -637,7 +637,9 @@ async fn a_deadlock_is_reported_as_a_conflict_worth_retrying() {
         tokio::spawn(async move {
             backend
                 .write(move |db| {
+                    // A lock goes out with the body's next statement that answers.
                     db.lock_session(mine)?;
+                    db.query("SELECT 1", &[])?;
                     taken.send(()).unwrap();
                     other.blocking_recv().unwrap();
                     db.lock_session(theirs)

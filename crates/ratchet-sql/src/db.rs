@@ -171,6 +171,14 @@ pub trait Db {
     /// Runs a statement, returning how many rows it changed.
     fn execute(&self, sql: &str, params: &[Param<'_>]) -> Result<u64>;
 
+    /// Runs a write whose row count the body does not need. An adapter may hold it back and
+    /// send it with the next statement that answers (or the commit), saving a round trip;
+    /// statements still run in the order they were issued, and if this one fails, the
+    /// statement it went with fails, and so does the transaction.
+    fn write(&self, sql: &str, params: &[Param<'_>]) -> Result<()> {
+        self.execute(sql, params).map(|_| ())
+    }
+
     /// Runs a query, returning every row.
     fn query(&self, sql: &str, params: &[Param<'_>]) -> Result<Vec<Row>>;
 
@@ -199,6 +207,11 @@ pub trait Db {
     /// What a claim appends to its `SELECT` so that concurrent claims pass over the rows
     /// others are taking instead of waiting for them ("" with one writer).
     fn skip_locked(&self) -> &'static str;
+
+    /// What a read appends to its `SELECT` to hold the rows it read until the transaction
+    /// ends, so that a write the body makes later on the strength of what it read still finds
+    /// them so ("" with one writer).
+    fn for_update(&self) -> &'static str;
 
     /// Tells other processes what this transaction did, once it commits (nothing with one
     /// process).

@@ -755,7 +755,7 @@ fn write_state(c: &dyn Db, state: &AgentState) -> Result<()> {
         RunStatus::WaitingHuman | RunStatus::WaitingChildren
     );
     let deadline_at = state.deadline().filter(|_| waits);
-    c.execute(
+    c.write(
         "UPDATE runs SET status = ?2, step_index = ?3, stop_reason = ?4, state_json = ?5, finished_at = ?6,
          deadline_at = ?7
          WHERE id = ?1",
@@ -840,7 +840,7 @@ pub(crate) fn insert_message(
         sql_str(&message.visibility)?,
         sql_str(&message.origin)?,
     );
-    c.execute(
+    c.write(
         "INSERT INTO messages (id, session_id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, created_at, keeps_from, is_error)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
         &params![
@@ -857,8 +857,7 @@ pub(crate) fn insert_message(
             message.keeps_from,
             message.is_error
         ],
-    )?;
-    Ok(())
+    )
 }
 
 /// How a new job row starts: leased to the committer that continues with it (its first
@@ -907,21 +906,16 @@ fn insert_job(c: &dyn Db, job: &StepJob, now: Millis) -> Result<()> {
     c.announce(Announcement::JobsReady)
 }
 
-/// Moves the claimed job on to `next` (or deletes it) if `claim` still holds it; false when
-/// the claim was lost and nothing was written.
-fn advance_job(
-    c: &dyn Db,
-    claim: &Claim,
-    next: Option<&StepJob>,
-    row: &NewJob<'_>,
-) -> Result<bool> {
+/// Moves the claimed job on to `next` (or deletes it). The caller has checked, holding the
+/// job's row, that `claim` still holds it.
+fn advance_job(c: &dyn Db, claim: &Claim, next: Option<&StepJob>, row: &NewJob<'_>) -> Result<()> {
     let (run_id, step_index) = (claim.run_id.as_str(), claim.step_index as i64);
-    let changed = match next {
-        None => c.execute(
+    match next {
+        None => c.write(
             "DELETE FROM step_jobs WHERE run_id = ?1 AND step_index = ?2 AND epoch = ?3",
             &params![run_id, step_index, claim.epoch],
         )?,
-        Some(next) => c.execute(
+        Some(next) => c.write(
             "UPDATE step_jobs SET step_index = ?4, phase = ?5, attempt = ?6, epoch = ?7, lease_owner = ?8, ready_at = ?9
              WHERE run_id = ?1 AND step_index = ?2 AND epoch = ?3",
             &params![
@@ -936,11 +930,11 @@ fn advance_job(
                 row.ready_at
             ],
         )?,
-    };
-    if changed == 1 && next.is_some() && row.owner.is_none() {
+    }
+    if next.is_some() && row.owner.is_none() {
         c.announce(Announcement::JobsReady)?;
     }
-    Ok(changed == 1)
+    Ok(())
 }
 
 pub(crate) fn insert_events(
@@ -963,11 +957,50 @@ pub(crate) fn insert_events(
             id: session_id.to_string(),
         })?
         .int(0)?;
-    let first = last - drafts.len() as i64 + 1;
+    store_events(
+        c,
+        session_id,
+        run_id,
+        drafts,
+        last - drafts.len() as i64,
+        now,
+    )
+}
+
+/// `insert_events` for a caller that read the session's `last_seq` under its lock, which
+/// no other transaction can move before this one ends.
+fn append_events(
+    c: &dyn Db,
+    session_id: &SessionId,
+    run_id: Option<&RunId>,
+    drafts: &[EventDraft],
+    last_seq: i64,
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
+    if drafts.is_empty() {
+        return Ok(Vec::new());
+    }
+    c.write(
+        "UPDATE sessions SET last_seq = ?2 WHERE id = ?1",
+        &params![session_id.as_str(), last_seq + drafts.len() as i64],
+    )?;
+    store_events(c, session_id, run_id, drafts, last_seq, now)
+}
+
+/// Writes the events after `before`, the session's `last_seq` before them.
+fn store_events(
+    c: &dyn Db,
+    session_id: &SessionId,
+    run_id: Option<&RunId>,
+    drafts: &[EventDraft],
+    before: i64,
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
+    let first = before + 1;
     let mut stored = Vec::with_capacity(drafts.len());
     for (seq, draft) in (first..).zip(drafts) {
         let payload = to_json(&draft.payload)?;
-        c.execute(
+        c.write(
             "INSERT INTO events (session_id, seq, run_id, kind, payload_json, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             &params![
                 session_id.as_str(),
@@ -990,7 +1023,7 @@ pub(crate) fn insert_events(
     c.announce(Announcement::Events {
         session_id: session_id.as_str(),
         first_seq: first,
-        last_seq: last,
+        last_seq: before + drafts.len() as i64,
     })?;
     Ok(stored)
 }
@@ -1005,7 +1038,7 @@ struct JobRow {
 fn lease_job(c: &dyn Db, run_id: &RunId, job: JobRow, lease: &Lease) -> Result<ClaimedStep> {
     let attempt = job.attempt + 1;
     let epoch = job.epoch + 1;
-    c.execute(
+    c.write(
         "UPDATE step_jobs SET attempt = ?3, epoch = ?4, lease_owner = ?5, ready_at = ?6
          WHERE run_id = ?1 AND step_index = ?2",
         &params![
@@ -1085,11 +1118,11 @@ pub(crate) fn claim_next(
         };
         let (run_id, job) = to_claimable(found)?;
         let step_index = job.step_index;
-        c.execute("SAVEPOINT claim", &[])?;
+        c.write("SAVEPOINT claim", &[])?;
         let leased = parse_run_id(&run_id).and_then(|id| lease_job(c, &id, job, lease));
         match leased {
             Ok(claimed) => {
-                c.execute("RELEASE claim", &[])?;
+                c.write("RELEASE claim", &[])?;
                 return Ok(Some(claimed));
             }
             Err(error) => {
@@ -1158,6 +1191,49 @@ fn run_row(c: &dyn Db, run_id: &RunId) -> Result<RunRow> {
     })
 }
 
+/// What a commit reads besides the run's row, in the same statement: one round trip where
+/// the database is across a network.
+struct CommitView {
+    /// The job's epoch now (its row held until the commit), if the job is still there.
+    epoch: Option<i64>,
+    /// The session's last event, which no one else can move while its lock is held.
+    last_seq: i64,
+    steers_waiting: bool,
+    signals_waiting: bool,
+}
+
+fn commit_row(c: &dyn Db, claim: &Claim) -> Result<(RunRow, CommitView)> {
+    let mut row = c
+        .query_opt(
+            &format!(
+                "SELECT r.session_id, r.status, r.step_index, r.cancel_requested, r.pause_requested,
+                        (SELECT epoch FROM step_jobs WHERE run_id = ?1 AND step_index = ?2{}),
+                        s.last_seq,
+                        EXISTS (SELECT 1 FROM steers WHERE session_id = r.session_id),
+                        EXISTS (SELECT 1 FROM inbox WHERE session_id = r.session_id
+                                  AND status = 'pending' AND delivery = 'steer')
+                 FROM runs r JOIN sessions s ON s.id = r.session_id WHERE r.id = ?1",
+                c.for_update()
+            ),
+            &params![claim.run_id.as_str(), claim.step_index as i64],
+        )?
+        .ok_or_else(|| run_not_found(&claim.run_id))?;
+    let run = RunRow {
+        session_id: parse_session_id(&row.text(0)?)?,
+        status: parse_status(&row.text(1)?)?,
+        step_index: row.int(2)? as u64,
+        cancel_requested: row.flag(3)?,
+        pause_requested: row.flag(4)?,
+    };
+    let view = CommitView {
+        epoch: row.opt_int(5)?,
+        last_seq: row.int(6)?,
+        steers_waiting: row.flag(7)?,
+        signals_waiting: row.flag(8)?,
+    };
+    Ok((run, view))
+}
+
 pub(crate) fn commit_step(
     c: &dyn Db,
     claim: &Claim,
@@ -1173,7 +1249,7 @@ pub(crate) fn commit_step(
         )));
     }
     lock_session_of_run(c, &claim.run_id)?;
-    let stored = run_row(c, &claim.run_id)?;
+    let (stored, seen) = commit_row(c, claim)?;
     if stored.cancel_requested {
         result.yield_to_cancel();
     }
@@ -1190,22 +1266,18 @@ pub(crate) fn commit_step(
             .err()
             .map(Stale::Edge)
     };
-    if let Some(refused) = refused {
-        let reason = if claim_holds(c, claim)? {
-            refused
-        } else {
-            Stale::LeaseLost
-        };
-        return Ok(Commit::Stale(reason));
+    // The fence: the claimed job becomes the next one (or goes) only while the claim's
+    // epoch still holds it, and the row stays held until the commit.
+    if seen.epoch != Some(claim.epoch) {
+        return Ok(Commit::Stale(Stale::LeaseLost));
     }
-    // The fence, and the first write: the claimed job becomes the next one (or goes) only
-    // while the claim's epoch still holds it.
+    if let Some(refused) = refused {
+        return Ok(Commit::Stale(refused));
+    }
     let next_row = NewJob::new(continue_with.as_ref(), now);
     #[cfg(feature = "failpoints")]
     fail::fail_point!("commit.before_outbox", |_| injected("commit.before_outbox"));
-    if !advance_job(c, claim, result.next.as_ref(), &next_row)? {
-        return Ok(Commit::Stale(Stale::LeaseLost));
-    }
+    advance_job(c, claim, result.next.as_ref(), &next_row)?;
     #[cfg(feature = "failpoints")]
     fail::fail_point!("commit.after_outbox", |_| injected("commit.after_outbox"));
     let steer_boundary = result.accepts_steer();
@@ -1216,7 +1288,7 @@ pub(crate) fn commit_step(
     }
     if let Some(HumanRequest::Approval { approval_id, calls }) = &state.pending_human {
         let calls_json = to_json(calls)?;
-        c.execute(
+        c.write(
             "INSERT INTO approvals (id, run_id, session_id, status, calls_json, created_at) VALUES (?1, ?2, ?3, 'pending', ?4, ?5)",
             &params![
                 approval_id.as_str(),
@@ -1238,7 +1310,7 @@ pub(crate) fn commit_step(
     }
     let record = &result.record;
     let summary_json = to_json(&record.summary)?;
-    c.execute(
+    c.write(
         "INSERT INTO steps (run_id, step_index, instruction, started_at, finished_at, summary_json) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
         &params![
             state.run_id.as_str(),
@@ -1280,8 +1352,10 @@ pub(crate) fn commit_step(
     }
     let mut drafts = std::mem::take(&mut result.events);
     let mut added = std::mem::take(&mut result.messages);
-    if steer_boundary {
+    if steer_boundary && seen.steers_waiting {
         drafts.extend(absorb_steers(c, &result.state, &mut added, now)?);
+    }
+    if steer_boundary && seen.signals_waiting {
         drafts.extend(crate::inbox::absorb_signals(
             c,
             &result.state,
@@ -1290,7 +1364,14 @@ pub(crate) fn commit_step(
             now,
         )?);
     }
-    let mut events = insert_events(c, &stored.session_id, Some(&claim.run_id), &drafts, now)?;
+    let mut events = append_events(
+        c,
+        &stored.session_id,
+        Some(&claim.run_id),
+        &drafts,
+        seen.last_seq,
+        now,
+    )?;
     if !result.children.is_empty() {
         events.extend(start_children(
             c,
@@ -1698,7 +1779,7 @@ pub(crate) fn resume_paused(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<R
 }
 
 fn set_pause_requested(c: &dyn Db, run_id: &RunId, requested: bool) -> Result<()> {
-    c.execute(
+    c.write(
         "UPDATE runs SET pause_requested = ?2 WHERE id = ?1",
         &params![run_id.as_str(), i64::from(requested)],
     )?;

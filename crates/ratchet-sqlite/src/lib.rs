@@ -219,6 +219,10 @@ impl Db for Tx<'_> {
         ""
     }
 
+    fn for_update(&self) -> &'static str {
+        ""
+    }
+
     /// Another process on the same file finds new work and events by polling.
     fn announce(&self, _announcement: Announcement<'_>) -> Result<()> {
         Ok(())
