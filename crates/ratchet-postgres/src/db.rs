@@ -202,26 +202,28 @@ impl Conn {
     /// notification after a commit that failed tells listeners of nothing new; one lost costs
     /// them latency only: they poll.
     fn commit(&mut self, announced: &[(&'static str, String)]) -> Result<()> {
+        self.held.push(Held::Control("COMMIT"));
+        let commit_at = self.held.len() - 1;
         let notify = notify_sql(announced);
         let client = &self.client;
-        let last = async {
-            let committed = client.batch_execute("COMMIT").await;
-            if let Some(sql) = &notify
-                && let Err(error) = client.batch_execute(sql).await
-            {
-                tracing::warn!(error = %describe(&error), "cannot notify other processes of a commit; they will find it by polling");
+        let notified = async {
+            match &notify {
+                Some(sql) => client.batch_execute(sql).await,
+                None => Ok(()),
             }
-            committed
         };
-        let (written, committed) = flight(&self.runtime, client, &mut self.held, last);
-        // After a held write failed, the server ended the aborted transaction at the COMMIT,
-        // keeping nothing.
-        written?;
-        match committed {
+        let sending = std::mem::take(&mut self.held);
+        let (written, notified) = self
+            .runtime
+            .block_on(send_in_order(client, &sending, notified));
+        if let Err(error) = notified {
+            tracing::warn!(error = %describe(&error), "cannot notify other processes of a commit; they will find it by polling");
+        }
+        match written {
             Ok(()) => Ok(()),
             // The server may have committed before the connection went: only the database
             // can tell now.
-            Err(error) if self.client.is_closed() => {
+            Err((at, error)) if at == commit_at && self.client.is_closed() => {
                 self.broken = true;
                 Err(Error::Backend(format!(
                     "the connection was lost while committing, so whether the write was kept is \
@@ -230,7 +232,14 @@ impl Conn {
                 )))
             }
             // Any other failed COMMIT has ended the transaction, keeping nothing.
-            Err(error) => Err(backend_error(&error)),
+            Err((at, error)) if at == commit_at => Err(backend_error(&error)),
+            // After a held write failed, the server ended the aborted transaction at the
+            // COMMIT, keeping nothing.
+            Err((at, error)) => Err(Error::Backend(format!(
+                "{}; in `{}`",
+                describe(&error),
+                one_line(sending[at].sql())
+            ))),
         }
     }
 
