@@ -1326,3 +1326,45 @@ async fn sslmode_verify_full_also_checks_the_host_name() {
         other => panic!("a name the certificate does not hold: expected Backend, got {other}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_write_that_fails_fails_its_transaction_and_keeps_nothing() {
+    let Some(database) = TestDatabase::create() else {
+        return;
+    };
+    let backend = open(&database);
+    let insert = "INSERT INTO sessions (id, created_at) VALUES (?1, 0)";
+    // Failing with the next statement that answers: the body hears it there.
+    let heard = backend
+        .write(move |db| {
+            db.write(insert, &params!["ses_a"])?;
+            db.write(insert, &params!["ses_a"])?;
+            db.query("SELECT 1", &[])
+        })
+        .await
+        .expect_err("the duplicate insert fails the query it went with");
+    let heard = heard.to_string();
+    assert!(
+        heard.contains("duplicate key") && heard.contains("INSERT INTO sessions"),
+        "the error names the held statement that failed: {heard}"
+    );
+    // Failing with the COMMIT: the body returned Ok, and the write still fails.
+    let committed = backend
+        .write(move |db| {
+            db.write(insert, &params!["ses_b"])?;
+            db.write(insert, &params!["ses_b"])
+        })
+        .await
+        .expect_err("the duplicate insert fails the commit it went with");
+    assert!(
+        committed.to_string().contains("duplicate key"),
+        "{committed}"
+    );
+    assert_eq!(count(&backend, "SELECT count(*) FROM sessions").await, 0);
+    // The connection serves the next transaction, whose held writes commit.
+    backend
+        .write(move |db| db.write(insert, &params!["ses_c"]))
+        .await
+        .unwrap();
+    assert_eq!(count(&backend, "SELECT count(*) FROM sessions").await, 1);
+}
