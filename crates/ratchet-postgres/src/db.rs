@@ -235,11 +235,7 @@ impl Conn {
             Err((at, error)) if at == commit_at => Err(backend_error(&error)),
             // After a held write failed, the server ended the aborted transaction at the
             // COMMIT, keeping nothing.
-            Err((at, error)) => Err(Error::Backend(format!(
-                "{}; in `{}`",
-                describe(&error),
-                one_line(sending[at].sql())
-            ))),
+            Err((at, error)) => Err(failed_statement(sending[at].sql(), &error)),
         }
     }
 
@@ -291,13 +287,7 @@ fn flight<T>(
 ) -> (Result<()>, T) {
     let sending = std::mem::take(held);
     let (written, answer) = runtime.block_on(send_in_order(client, &sending, last));
-    let written = written.map_err(|(index, error)| {
-        Error::Backend(format!(
-            "{}; in `{}`",
-            describe(&error),
-            one_line(sending[index].sql())
-        ))
-    });
+    let written = written.map_err(|(index, error)| failed_statement(sending[index].sql(), &error));
     (written, answer)
 }
 
@@ -428,7 +418,7 @@ impl Tx<'_> {
 
     fn failure(&self, sql: &str, error: &tokio_postgres::Error) -> Error {
         self.failed.set(true);
-        Error::Backend(format!("{}; in `{}`", describe(error), one_line(sql)))
+        failed_statement(sql, error)
     }
 }
 
@@ -496,6 +486,11 @@ impl Db for Tx<'_> {
 /// The advisory lock global run-quota admissions take ("quota" in ASCII); the migrations'
 /// lock is another key.
 const RUN_QUOTA_LOCK: i64 = 0x0071_756f_7461;
+
+/// The error of a statement that failed: what the server said, and which statement.
+fn failed_statement(sql: &str, error: &tokio_postgres::Error) -> Error {
+    Error::Backend(format!("{}; in `{}`", describe(error), one_line(sql)))
+}
 
 /// A statement, shortened to fit in an error message.
 fn one_line(sql: &str) -> String {
