@@ -374,8 +374,13 @@ impl Worker {
             .engine
             .execute(claimed, &step_cancel, self.config.cancel_grace);
         tokio::pin!(step);
-        let mut beat = tokio::time::interval(self.config.heartbeat);
-        beat.tick().await;
+        // The first beat is one period from now. (An interval's immediate first tick is not
+        // free: tokio rounds its deadline up to the timer's next millisecond, so awaiting it
+        // held every step back by up to a millisecond.)
+        let mut beat = tokio::time::interval_at(
+            tokio::time::Instant::now() + self.config.heartbeat,
+            self.config.heartbeat,
+        );
         let until_deadline = claimed
             .state
             .deadline()
