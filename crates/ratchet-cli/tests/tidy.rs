@@ -218,12 +218,23 @@ fn no_statement_rewrites_a_frozen_run_config() {
         .filter(|f| f.file_name() != Some(this_file))
     {
         let text = std::fs::read_to_string(&file).unwrap().to_lowercase();
-        for pattern in ["set config_json", "config_json ="] {
+        for pattern in ["set config_json", "config_json =", "update run_configs"] {
             assert!(
                 !text.contains(pattern),
-                "{} rewrites config_json; a run's config is frozen",
+                "{} rewrites a stored config ({pattern:?}); a run's config is frozen",
                 file.display()
             );
+        }
+        // The one migration that moved configurations into `run_configs` points each run at
+        // its own; nothing else ever points a run at another configuration.
+        if file.file_name() != Some(std::ffi::OsStr::new("schema.rs")) {
+            for pattern in ["set config_id", "config_id ="] {
+                assert!(
+                    !text.contains(pattern),
+                    "{} points a run at another config ({pattern:?}); a run's config is frozen",
+                    file.display()
+                );
+            }
         }
     }
 }

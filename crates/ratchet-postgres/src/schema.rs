@@ -268,6 +268,20 @@ UPDATE webhooks SET secret = 'clear:' || secret;
 ALTER TABLE runs ADD COLUMN deadline_at BIGINT;
 CREATE INDEX runs_by_deadline ON runs (deadline_at) WHERE deadline_at IS NOT NULL;
 "#,
+    r#"
+-- A run's frozen configuration is stored once for all the runs frozen with it (an agent's
+-- runs share one): a run's row stays small, and a step's update of its state no longer
+-- rewrites the configuration with it. `id` is the SHA-256 of the JSON; the runs created
+-- before keep theirs under 'run:' and their own id. Rows are never updated.
+CREATE TABLE run_configs (
+    id          TEXT COLLATE "C" PRIMARY KEY,
+    config_json TEXT NOT NULL
+);
+INSERT INTO run_configs (id, config_json) SELECT 'run:' || id, config_json FROM runs;
+ALTER TABLE runs ADD COLUMN config_id TEXT NOT NULL DEFAULT '';
+UPDATE runs SET config_id = 'run:' || id;
+ALTER TABLE runs DROP COLUMN config_json;
+"#,
 ];
 
 /// The advisory lock that makes processes opening one database at once migrate it one

@@ -224,24 +224,53 @@ pub trait Db {
 /// Most run configurations kept parsed; past this the cache starts over.
 const MAX_CACHED_CONFIGS: usize = 4096;
 
-/// Parsed run configurations by run. A configuration never changes after its run is
-/// created, so a cached copy is never stale, whichever process wrote the run; caching spares
-/// every claim and commit from parsing the tool schemas again.
+/// Parsed run configurations, by run and by stored configuration. A configuration never
+/// changes after its run is created, so a cached copy is never stale, whichever process wrote
+/// the run; caching spares every claim and commit from parsing the tool schemas again, and the
+/// runs frozen with one configuration (an agent's) share one parsed copy.
 #[derive(Default)]
 pub struct Configs {
     by_run: std::sync::Mutex<std::collections::HashMap<RunId, Arc<RunConfigSnapshot>>>,
+    by_id: std::sync::Mutex<std::collections::HashMap<String, Arc<RunConfigSnapshot>>>,
+}
+
+/// A run's stored configuration as read: its id in `run_configs` and its JSON.
+pub struct StoredConfig {
+    pub id: String,
+    pub json: String,
 }
 
 impl Configs {
+    /// The run's configuration: cached, or read by `load` and parsed by `parse` unless a run
+    /// with the same stored configuration was read before.
     pub fn get_or_load(
         &self,
         run_id: &RunId,
-        load: impl FnOnce() -> Result<RunConfigSnapshot>,
+        load: impl FnOnce() -> Result<StoredConfig>,
+        parse: impl FnOnce(&str) -> Result<RunConfigSnapshot>,
     ) -> Result<Arc<RunConfigSnapshot>> {
         if let Some(config) = self.by_run.lock().ok().and_then(|m| m.get(run_id).cloned()) {
             return Ok(config);
         }
-        let config = Arc::new(load()?);
+        let stored = load()?;
+        let known = self
+            .by_id
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&stored.id).cloned());
+        let config = match known {
+            Some(config) => config,
+            None => {
+                let config = Arc::new(parse(&stored.json)?);
+                if let Ok(mut by_id) = self.by_id.lock() {
+                    if by_id.len() >= MAX_CACHED_CONFIGS {
+                        by_id.clear();
+                    }
+                    by_id.insert(stored.id, Arc::clone(&config));
+                }
+                config
+            }
+        };
         if let Ok(mut by_run) = self.by_run.lock() {
             if by_run.len() >= MAX_CACHED_CONFIGS {
                 by_run.clear();

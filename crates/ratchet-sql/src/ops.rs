@@ -24,8 +24,9 @@ use ratchet_store::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::json;
+use sha2::{Digest, Sha256};
 
-use crate::db::{Announcement, Db, Row};
+use crate::db::{Announcement, Db, Row, StoredConfig};
 use crate::{Result, params};
 
 pub(crate) fn to_json(value: &impl Serialize) -> Result<String> {
@@ -613,14 +614,19 @@ pub(crate) fn insert_queued_run(
         to_json(&state)?,
         to_json(&input)?,
     );
+    let stored_as = config_id(&config_json);
+    c.write(
+        "INSERT INTO run_configs (id, config_json) VALUES (?1, ?2) ON CONFLICT (id) DO NOTHING",
+        &params![&stored_as, &config_json],
+    )?;
     let agent = state.config.agent.as_ref().map(|a| a.id.as_str());
     c.execute(
-        "INSERT INTO runs (id, session_id, status, step_index, config_json, state_json, input_json, created_at, agent)
+        "INSERT INTO runs (id, session_id, status, step_index, config_id, state_json, input_json, created_at, agent)
          VALUES (?1, ?2, 'queued', 0, ?3, ?4, ?5, ?6, ?7)",
         &params![
             run_id.as_str(),
             session_id.as_str(),
-            &config_json,
+            &stored_as,
             &state_json,
             &input_json,
             created_at,
@@ -1813,16 +1819,32 @@ pub(crate) fn frozen_config(
     c: &dyn Db,
     run_id: &RunId,
 ) -> Result<std::sync::Arc<RunConfigSnapshot>> {
-    c.configs().get_or_load(run_id, || {
-        let config = c
-            .query_opt(
-                "SELECT config_json FROM runs WHERE id = ?1",
-                &params![run_id.as_str()],
-            )?
-            .ok_or_else(|| run_not_found(run_id))?
-            .text(0)?;
-        from_json::<RunConfigSnapshot>(&config, "run config")
-    })
+    c.configs().get_or_load(
+        run_id,
+        || {
+            let mut row = c
+                .query_opt(
+                    "SELECT c.id, c.config_json FROM runs r JOIN run_configs c ON c.id = r.config_id
+                     WHERE r.id = ?1",
+                    &params![run_id.as_str()],
+                )?
+                .ok_or_else(|| run_not_found(run_id))?;
+            Ok(StoredConfig {
+                id: row.text(0)?,
+                json: row.text(1)?,
+            })
+        },
+        |json| from_json::<RunConfigSnapshot>(json, "run config"),
+    )
+}
+
+/// The key a configuration is stored under in `run_configs`: the SHA-256 of its JSON, so that
+/// every run frozen with the same configuration refers to one row.
+fn config_id(config_json: &str) -> String {
+    Sha256::digest(config_json.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 const STORED_MESSAGE_COLUMNS: &str = "rowid, id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, is_error, created_at";

@@ -431,7 +431,7 @@ mod tests {
             conn: &conn,
             configs: &configs,
         };
-        for (id, k) in [("a1", 1), ("a2", 2), ("a1", 1), ("a2", 5)] {
+        for (id, k) in [("a1", 1_i64), ("a2", 2), ("a1", 1), ("a2", 5)] {
             let rows = tx.query(sql, &ratchet_sql::params![id, k]).unwrap();
             assert_eq!(rows.len(), 1);
         }

@@ -290,6 +290,20 @@ UPDATE webhooks SET secret = 'clear:' || secret;
 ALTER TABLE runs ADD COLUMN deadline_at INTEGER;
 CREATE INDEX runs_by_deadline ON runs(deadline_at) WHERE deadline_at IS NOT NULL;
 "#,
+    r#"
+-- A run's frozen configuration is stored once for all the runs frozen with it (an agent's
+-- runs share one): a run's row stays small, and a step's update of its state no longer
+-- rewrites the configuration with it. `id` is the SHA-256 of the JSON; the runs created
+-- before keep theirs under 'run:' and their own id. Rows are never updated.
+CREATE TABLE run_configs (
+    id          TEXT PRIMARY KEY,
+    config_json TEXT NOT NULL
+);
+INSERT INTO run_configs (id, config_json) SELECT 'run:' || id, config_json FROM runs;
+ALTER TABLE runs ADD COLUMN config_id TEXT NOT NULL DEFAULT '';
+UPDATE runs SET config_id = 'run:' || id;
+ALTER TABLE runs DROP COLUMN config_json;
+"#,
 ];
 
 /// The schema version this build migrates a database to.
@@ -389,6 +403,94 @@ mod tests {
             found,
             ["msg_old", "msg_new"],
             "the rebuild indexes old messages, the catch-up new ones"
+        );
+    }
+
+    /// A run created before configurations were stored apart keeps its own after the
+    /// migration; runs created since with one configuration share one stored row.
+    #[tokio::test]
+    async fn runs_keep_their_frozen_config_when_configs_move_to_their_own_table() {
+        use ratchet_core::{AgentState, MessageId, RunConfigSnapshot, RunId, SessionId};
+        use ratchet_store::{NewRun, SessionSpec, Store, WhenBusy};
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("r.db");
+        let conn = Connection::open(&path).unwrap();
+        let before = MIGRATIONS
+            .iter()
+            .position(|sql| sql.contains("CREATE TABLE run_configs"))
+            .expect("a migration moves configurations to their own table");
+        for sql in &MIGRATIONS[..before] {
+            conn.execute_batch(sql).unwrap();
+        }
+        conn.pragma_update(None, "user_version", before as i64)
+            .unwrap();
+        let old_config = RunConfigSnapshot {
+            system_prompt: "frozen before the move".into(),
+            ..RunConfigSnapshot::default()
+        };
+        let (session, old_run) = (
+            SessionId::from_suffix("s").unwrap(),
+            RunId::from_suffix("old").unwrap(),
+        );
+        let state = AgentState::new(session.clone(), old_run.clone(), old_config, 1);
+        conn.execute(
+            "INSERT INTO sessions (id, created_at) VALUES (?1, 1)",
+            [session.as_str()],
+        )
+        .unwrap();
+        conn.execute(
+            "INSERT INTO runs (id, session_id, status, step_index, config_json, state_json, input_json, created_at)
+             VALUES (?1, ?2, 'completed', 0, ?3, ?4, '{}', 1)",
+            [
+                old_run.as_str(),
+                session.as_str(),
+                &serde_json::to_string(state.config.as_ref()).unwrap(),
+                &serde_json::to_string(&state).unwrap(),
+            ],
+        )
+        .unwrap();
+        drop(conn);
+
+        let store = crate::open_url(&format!("sqlite://{}", path.display())).unwrap();
+        let loaded = store.load_state(&old_run).await.unwrap();
+        assert_eq!(loaded.config.system_prompt, "frozen before the move");
+
+        let shared = RunConfigSnapshot {
+            system_prompt: "one agent's".into(),
+            ..RunConfigSnapshot::default()
+        };
+        let mut new_runs = Vec::new();
+        for i in 0..3 {
+            let session = SessionId::from_suffix(&format!("n{i}")).unwrap();
+            store
+                .create_session(&session, SessionSpec::default(), 2)
+                .await
+                .unwrap();
+            let run_id = RunId::from_suffix(&format!("new{i}")).unwrap();
+            let new = NewRun {
+                session_id: session,
+                run_id: run_id.clone(),
+                message_id: MessageId::from_suffix(&format!("m{i}")).unwrap(),
+                content: "hi".into(),
+                config: shared.clone(),
+                when_busy: WhenBusy::Enqueue,
+                quota: Default::default(),
+            };
+            store.submit_message(new, 2).await.unwrap();
+            new_runs.push(run_id);
+        }
+        for run_id in &new_runs {
+            let loaded = store.load_state(run_id).await.unwrap();
+            assert_eq!(loaded.config.system_prompt, "one agent's");
+        }
+        let rows: i64 = Connection::open(&path)
+            .unwrap()
+            .query_row("SELECT count(*) FROM run_configs", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(
+            rows, 2,
+            "expected the old run's config and one shared by the three new runs"
         );
     }
 }
