@@ -216,8 +216,9 @@ impl<B: Backend> Store for SqlStore<B> {
         now: Millis,
     ) -> Result<Commit> {
         let claim = claim.clone();
+        let encoded = ops::EncodedStep::of(&result)?;
         self.backend
-            .write(move |c| ops::commit_step(c, &claim, result, continue_with, quota, now))
+            .write(move |c| ops::commit_step(c, &claim, result, encoded, continue_with, quota, now))
             .await
     }
 

@@ -752,8 +752,12 @@ pub(crate) fn start_queued_run(
 }
 
 fn write_state(c: &dyn Db, state: &AgentState) -> Result<()> {
+    write_encoded_state(c, state, &to_json(state)?)
+}
+
+/// `write_state` with the state's JSON encoded already.
+fn write_encoded_state(c: &dyn Db, state: &AgentState, state_json: &str) -> Result<()> {
     let stop_reason = state.stop_reason.map(|r| r.as_str());
-    let state_json = to_json(state)?;
     // Only a waiting run needs the sweep to end it in time: a running one is cut off by the
     // worker that holds its step.
     let waits = matches!(
@@ -770,7 +774,7 @@ fn write_state(c: &dyn Db, state: &AgentState) -> Result<()> {
             state.status.as_str(),
             state.step_index as i64,
             stop_reason,
-            &state_json,
+            state_json,
             state.finished_at,
             deadline_at
         ],
@@ -836,11 +840,26 @@ pub(crate) fn insert_message(
     message: &Message,
     now: Millis,
 ) -> Result<()> {
-    let tool_calls = if message.tool_calls.is_empty() {
-        None
-    } else {
-        Some(to_json(&message.tool_calls)?)
-    };
+    let tool_calls = encode_tool_calls(message)?;
+    insert_encoded_message(c, id, state, message, tool_calls.as_deref(), now)
+}
+
+fn encode_tool_calls(message: &Message) -> Result<Option<String>> {
+    if message.tool_calls.is_empty() {
+        return Ok(None);
+    }
+    to_json(&message.tool_calls).map(Some)
+}
+
+/// `insert_message` with the message's tool calls encoded already.
+fn insert_encoded_message(
+    c: &dyn Db,
+    id: &str,
+    state: &AgentState,
+    message: &Message,
+    tool_calls: Option<&str>,
+    now: Millis,
+) -> Result<()> {
     let (role, visibility, origin) = (
         sql_str(&message.role)?,
         sql_str(&message.visibility)?,
@@ -855,7 +874,7 @@ pub(crate) fn insert_message(
             state.run_id.as_str(),
             &role,
             &message.content,
-            &tool_calls,
+            tool_calls,
             &message.tool_call_id,
             &visibility,
             &origin,
@@ -963,23 +982,27 @@ pub(crate) fn insert_events(
             id: session_id.to_string(),
         })?
         .int(0)?;
+    let before = last - drafts.len() as i64;
     store_events(
         c,
         session_id,
         run_id,
-        drafts,
-        last - drafts.len() as i64,
+        drafts.to_vec(),
+        Vec::new(),
+        before,
         now,
     )
 }
 
 /// `insert_events` for a caller that read the session's `last_seq` under its lock, which
-/// no other transaction can move before this one ends.
+/// no other transaction can move before this one ends. The first of `drafts` may come with
+/// their payloads encoded already (`encoded`).
 fn append_events(
     c: &dyn Db,
     session_id: &SessionId,
     run_id: Option<&RunId>,
-    drafts: &[EventDraft],
+    drafts: Vec<EventDraft>,
+    encoded: Vec<String>,
     last_seq: i64,
     now: Millis,
 ) -> Result<Vec<StoredEvent>> {
@@ -990,22 +1013,29 @@ fn append_events(
         "UPDATE sessions SET last_seq = ?2 WHERE id = ?1",
         &params![session_id.as_str(), last_seq + drafts.len() as i64],
     )?;
-    store_events(c, session_id, run_id, drafts, last_seq, now)
+    store_events(c, session_id, run_id, drafts, encoded, last_seq, now)
 }
 
-/// Writes the events after `before`, the session's `last_seq` before them.
+/// Writes the events after `before`, the session's `last_seq` before them; the first of
+/// `drafts` with the payloads `encoded` already.
 fn store_events(
     c: &dyn Db,
     session_id: &SessionId,
     run_id: Option<&RunId>,
-    drafts: &[EventDraft],
+    drafts: Vec<EventDraft>,
+    encoded: Vec<String>,
     before: i64,
     now: Millis,
 ) -> Result<Vec<StoredEvent>> {
     let first = before + 1;
+    let count = drafts.len() as i64;
+    let mut encoded = encoded.into_iter();
     let mut stored = Vec::with_capacity(drafts.len());
     for (seq, draft) in (first..).zip(drafts) {
-        let payload = to_json(&draft.payload)?;
+        let payload = match encoded.next() {
+            Some(payload) => payload,
+            None => to_json(&draft.payload)?,
+        };
         c.write(
             "INSERT INTO events (session_id, seq, run_id, kind, payload_json, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
             &params![
@@ -1022,14 +1052,14 @@ fn store_events(
             seq,
             run_id: run_id.cloned(),
             kind: draft.kind.as_str().to_owned(),
-            payload: draft.payload.clone(),
+            payload: draft.payload,
             created_at: now,
         });
     }
     c.announce(Announcement::Events {
         session_id: session_id.as_str(),
         first_seq: first,
-        last_seq: before + drafts.len() as i64,
+        last_seq: before + count,
     })?;
     Ok(stored)
 }
@@ -1240,10 +1270,41 @@ fn commit_row(c: &dyn Db, claim: &Claim) -> Result<(RunRow, CommitView)> {
     Ok((run, view))
 }
 
+/// What a step's commit writes as JSON, encoded before its transaction: a writer that many
+/// steps share (SQLite's one thread) then spends its time on the statements alone.
+pub struct EncodedStep {
+    state: String,
+    summary: String,
+    /// Each of the result's messages' tool calls.
+    tool_calls: Vec<Option<String>>,
+    /// Each of the result's events' payload.
+    events: Vec<String>,
+}
+
+impl EncodedStep {
+    pub fn of(result: &StepResult) -> Result<EncodedStep> {
+        Ok(EncodedStep {
+            state: to_json(&result.state)?,
+            summary: to_json(&result.record.summary)?,
+            tool_calls: result
+                .messages
+                .iter()
+                .map(encode_tool_calls)
+                .collect::<Result<_>>()?,
+            events: result
+                .events
+                .iter()
+                .map(|draft| to_json(&draft.payload))
+                .collect::<Result<_>>()?,
+        })
+    }
+}
+
 pub(crate) fn commit_step(
     c: &dyn Db,
     claim: &Claim,
     mut result: StepResult,
+    encoded: EncodedStep,
     continue_with: Option<Lease>,
     quota: ratchet_store::RunQuota,
     now: Millis,
@@ -1260,6 +1321,12 @@ pub(crate) fn commit_step(
         result.yield_to_cancel();
     }
     let paused = stored.pause_requested && result.yield_to_pause();
+    // A cancel or a pause that arrived during the step changed the result it was encoded from.
+    let encoded = if stored.cancel_requested || paused {
+        EncodedStep::of(&result)?
+    } else {
+        encoded
+    };
     let refused = if stored.step_index + 1 != claim.step_index {
         Some(Stale::StepMismatch {
             committed: stored.step_index,
@@ -1288,7 +1355,7 @@ pub(crate) fn commit_step(
     fail::fail_point!("commit.after_outbox", |_| injected("commit.after_outbox"));
     let steer_boundary = result.accepts_steer();
     let state = &result.state;
-    write_state(c, state)?;
+    write_encoded_state(c, state, &encoded.state)?;
     if paused {
         set_pause_requested(c, &state.run_id, false)?;
     }
@@ -1305,17 +1372,16 @@ pub(crate) fn commit_step(
             ],
         )?;
     }
-    for (i, message) in result.messages.iter().enumerate() {
+    for (i, (message, tool_calls)) in result.messages.iter().zip(&encoded.tool_calls).enumerate() {
         let id = format!(
             "msg_{}-{}-{}",
             &state.run_id.as_str()[4..],
             claim.step_index,
             i
         );
-        insert_message(c, &id, state, message, now)?;
+        insert_encoded_message(c, &id, state, message, tool_calls.as_deref(), now)?;
     }
     let record = &result.record;
-    let summary_json = to_json(&record.summary)?;
     c.write(
         "INSERT INTO steps (run_id, step_index, instruction, started_at, finished_at, summary_json) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
         &params![
@@ -1324,38 +1390,10 @@ pub(crate) fn commit_step(
             &record.instruction,
             record.started_at,
             record.finished_at,
-            &summary_json
+            &encoded.summary
         ],
     )?;
-    let mut enqueued = false;
-    let mut continued = None;
-    if let Some(next) = &result.next {
-        match continue_with {
-            Some(_) => {
-                // The state as a claim would load it: the frozen config and the store's
-                // cancel flag, never the ones the result carried.
-                continued = Some(ClaimedStep {
-                    job: StepJob {
-                        attempt: 1,
-                        ..next.clone()
-                    },
-                    claim: Claim {
-                        run_id: next.run_id.clone(),
-                        step_index: next.step_index,
-                        epoch: next_row.epoch,
-                    },
-                    state: AgentState {
-                        config: frozen_config(c, &claim.run_id)?,
-                        cancel_requested: stored.cancel_requested,
-                        pause_requested: stored.pause_requested,
-                        ..result.state.clone()
-                    },
-                    context: None,
-                });
-            }
-            None => enqueued = true,
-        }
-    }
+    let mut enqueued = result.next.is_some() && continue_with.is_none();
     let mut drafts = std::mem::take(&mut result.events);
     let mut added = std::mem::take(&mut result.messages);
     if steer_boundary && seen.steers_waiting {
@@ -1374,7 +1412,8 @@ pub(crate) fn commit_step(
         c,
         &stored.session_id,
         Some(&claim.run_id),
-        &drafts,
+        drafts,
+        encoded.events,
         seen.last_seq,
         now,
     )?;
@@ -1391,6 +1430,26 @@ pub(crate) fn commit_step(
     if result.state.status.is_terminal() {
         events.extend(run_ended(c, &result.state, &mut enqueued, now)?);
     }
+    let continued = match (result.next, continue_with.is_some()) {
+        (Some(next), true) => Some(ClaimedStep {
+            claim: Claim {
+                run_id: next.run_id.clone(),
+                step_index: next.step_index,
+                epoch: next_row.epoch,
+            },
+            job: StepJob { attempt: 1, ..next },
+            // The state as a claim would load it: the frozen config and the store's cancel
+            // flag, never the ones the result carried.
+            state: AgentState {
+                config: frozen_config(c, &claim.run_id)?,
+                cancel_requested: stored.cancel_requested,
+                pause_requested: stored.pause_requested,
+                ..result.state
+            },
+            context: None,
+        }),
+        _ => None,
+    };
     Ok(Commit::Committed {
         events,
         continued,
