@@ -752,11 +752,24 @@ pub(crate) fn start_queued_run(
 }
 
 fn write_state(c: &dyn Db, state: &AgentState) -> Result<()> {
-    write_encoded_state(c, state, &to_json(state)?)
+    write_encoded_state(c, None, state, &to_json(state)?)
 }
 
-/// `write_state` with the state's JSON encoded already.
-fn write_encoded_state(c: &dyn Db, state: &AgentState, state_json: &str) -> Result<()> {
+/// `write_state` with the state's JSON encoded already, for a run whose stored status is
+/// `was` when known. A step of a run that stays running changes only its step and state: its
+/// indexed columns (status, deadline) are left alone, so no index of `runs` is rewritten.
+fn write_encoded_state(
+    c: &dyn Db,
+    was: Option<RunStatus>,
+    state: &AgentState,
+    state_json: &str,
+) -> Result<()> {
+    if was == Some(RunStatus::Running) && state.status == RunStatus::Running {
+        return c.write(
+            "UPDATE runs SET step_index = ?2, state_json = ?3 WHERE id = ?1",
+            &params![state.run_id.as_str(), state.step_index as i64, state_json],
+        );
+    }
     let stop_reason = state.stop_reason.map(|r| r.as_str());
     // Only a waiting run needs the sweep to end it in time: a running one is cut off by the
     // worker that holds its step.
@@ -1355,7 +1368,7 @@ pub(crate) fn commit_step(
     fail::fail_point!("commit.after_outbox", |_| injected("commit.after_outbox"));
     let steer_boundary = result.accepts_steer();
     let state = &result.state;
-    write_encoded_state(c, state, &encoded.state)?;
+    write_encoded_state(c, Some(stored.status), state, &encoded.state)?;
     if paused {
         set_pause_requested(c, &state.run_id, false)?;
     }
