@@ -84,10 +84,12 @@ impl ActivityBus {
             at: now_ms(),
             published_before: published,
         };
-        self.in_flight()
-            .insert(state.run_id.clone(), announced.clone());
-        // No subscriber is the common case, not an error: nobody is watching.
-        let _ = self.sender.send(announced);
+        // No subscriber is the common case, not an error: nobody is watching, and the
+        // announcement is only kept for a stream that joins mid-step.
+        if self.sender.receiver_count() > 0 {
+            let _ = self.sender.send(announced.clone());
+        }
+        self.in_flight().insert(state.run_id.clone(), announced);
     }
 
     /// The run's step is over here (committed, given back or dropped): it no longer does what

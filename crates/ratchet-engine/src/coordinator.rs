@@ -227,6 +227,8 @@ impl Coordinator {
         Ok(self.store.heartbeat(claim, lease.expires_at).await?)
     }
 
+    /// Commits a step and publishes its events; the `Commit` returned keeps everything else
+    /// (its events have gone to the bus, not copied).
     pub async fn commit(
         &self,
         claim: &Claim,
@@ -240,14 +242,14 @@ impl Coordinator {
             .commit_step_within(claim, result, continue_with, self.quota, now_ms())
             .await;
         self.activity.step_over(&claim.run_id);
-        let commit = commit?;
+        let mut commit = commit?;
         if let Commit::Committed {
             events, enqueued, ..
-        } = &commit
+        } = &mut commit
         {
             #[cfg(feature = "failpoints")]
             fail::fail_point!("step.after_commit", |_| std::process::abort());
-            self.publish(events.clone());
+            self.publish(std::mem::take(events));
             if *enqueued {
                 self.wake.notify_one();
             }
