@@ -235,15 +235,29 @@ pub struct Configs {
 }
 
 /// A run's stored configuration as read: its id in `run_configs` and its JSON.
-pub struct StoredConfig {
-    pub id: String,
-    pub json: String,
+pub(crate) struct StoredConfig {
+    pub(crate) id: String,
+    pub(crate) json: String,
+}
+
+/// Keeps `config` under `key`, starting the cache over once it holds `MAX_CACHED_CONFIGS`.
+fn remember<K: std::hash::Hash + Eq>(
+    cache: &std::sync::Mutex<std::collections::HashMap<K, Arc<RunConfigSnapshot>>>,
+    key: K,
+    config: &Arc<RunConfigSnapshot>,
+) {
+    if let Ok(mut cache) = cache.lock() {
+        if cache.len() >= MAX_CACHED_CONFIGS {
+            cache.clear();
+        }
+        cache.insert(key, Arc::clone(config));
+    }
 }
 
 impl Configs {
     /// The run's configuration: cached, or read by `load` and parsed by `parse` unless a run
     /// with the same stored configuration was read before.
-    pub fn get_or_load(
+    pub(crate) fn get_or_load(
         &self,
         run_id: &RunId,
         load: impl FnOnce() -> Result<StoredConfig>,
@@ -262,21 +276,11 @@ impl Configs {
             Some(config) => config,
             None => {
                 let config = Arc::new(parse(&stored.json)?);
-                if let Ok(mut by_id) = self.by_id.lock() {
-                    if by_id.len() >= MAX_CACHED_CONFIGS {
-                        by_id.clear();
-                    }
-                    by_id.insert(stored.id, Arc::clone(&config));
-                }
+                remember(&self.by_id, stored.id, &config);
                 config
             }
         };
-        if let Ok(mut by_run) = self.by_run.lock() {
-            if by_run.len() >= MAX_CACHED_CONFIGS {
-                by_run.clear();
-            }
-            by_run.insert(run_id.clone(), Arc::clone(&config));
-        }
+        remember(&self.by_run, run_id.clone(), &config);
         Ok(config)
     }
 

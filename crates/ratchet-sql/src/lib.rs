@@ -30,7 +30,7 @@ use ratchet_store::{
     WebhookDelivery,
 };
 
-pub use db::{Announcement, Configs, Db, Param, Row, StoredConfig, Value};
+pub use db::{Announcement, Configs, Db, Param, Row, Value};
 pub use ops::sql_enum;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

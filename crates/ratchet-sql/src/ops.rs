@@ -757,7 +757,9 @@ fn write_state(c: &dyn Db, state: &AgentState) -> Result<()> {
 
 /// `write_state` with the state's JSON encoded already, for a run whose stored status is
 /// `was` when known. A step of a run that stays running changes only its step and state: its
-/// indexed columns (status, deadline) are left alone, so no index of `runs` is rewritten.
+/// indexed columns (status, deadline) are left alone, so no index of `runs` is rewritten. The
+/// full update below is the only writer of a run's status, and it leaves a running run's stop
+/// reason, end and deadline empty, so there is nothing else to keep true.
 fn write_encoded_state(
     c: &dyn Db,
     was: Option<RunStatus>,
@@ -1285,7 +1287,7 @@ fn commit_row(c: &dyn Db, claim: &Claim) -> Result<(RunRow, CommitView)> {
 
 /// What a step's commit writes as JSON, encoded before its transaction: a writer that many
 /// steps share (SQLite's one thread) then spends its time on the statements alone.
-pub struct EncodedStep {
+pub(crate) struct EncodedStep {
     state: String,
     summary: String,
     /// Each of the result's messages' tool calls.
@@ -1295,7 +1297,7 @@ pub struct EncodedStep {
 }
 
 impl EncodedStep {
-    pub fn of(result: &StepResult) -> Result<EncodedStep> {
+    pub(crate) fn of(result: &StepResult) -> Result<EncodedStep> {
         Ok(EncodedStep {
             state: to_json(&result.state)?,
             summary: to_json(&result.record.summary)?,
