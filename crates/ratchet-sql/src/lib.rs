@@ -9,6 +9,7 @@ mod bounds;
 mod db;
 mod inbox;
 mod ops;
+mod payload;
 mod webhooks;
 
 use std::future::Future;

@@ -1046,10 +1046,11 @@ fn store_events(
     let count = drafts.len() as i64;
     let mut encoded = encoded.into_iter();
     let mut stored = Vec::with_capacity(drafts.len());
-    for (seq, draft) in (first..).zip(drafts) {
+    for (seq, mut draft) in (first..).zip(drafts) {
+        crate::payload::name_run(&mut draft.payload, run_id);
         let payload = match encoded.next() {
             Some(payload) => payload,
-            None => to_json(&draft.payload)?,
+            None => crate::payload::encode(&draft.payload, run_id)?,
         };
         c.write(
             "INSERT INTO events (session_id, seq, run_id, kind, payload_json, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
@@ -1309,7 +1310,7 @@ impl EncodedStep {
             events: result
                 .events
                 .iter()
-                .map(|draft| to_json(&draft.payload))
+                .map(|draft| crate::payload::encode(&draft.payload, Some(&result.state.run_id)))
                 .collect::<Result<_>>()?,
         })
     }
@@ -2079,12 +2080,13 @@ pub(crate) fn steps(c: &dyn Db, run_id: &RunId) -> Result<Vec<StepRecord>> {
 pub(crate) const EVENT_COLUMNS: &str = "session_id, seq, run_id, kind, payload_json, created_at";
 
 pub(crate) fn to_event(mut r: Row) -> Result<StoredEvent> {
+    let run_id = r.opt_text(2)?.as_deref().map(parse_run_id).transpose()?;
     Ok(StoredEvent {
         session_id: parse_session_id(&r.text(0)?)?,
         seq: r.int(1)?,
-        run_id: r.opt_text(2)?.as_deref().map(parse_run_id).transpose()?,
         kind: r.text(3)?,
-        payload: from_json(&r.text(4)?, "event payload")?,
+        payload: crate::payload::decode(&r.text(4)?, run_id.as_ref())?,
+        run_id,
         created_at: r.int(5)?,
     })
 }

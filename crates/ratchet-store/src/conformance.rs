@@ -76,6 +76,7 @@ macro_rules! store_conformance_tests {
             sessions_are_listed_per_tenant_in_pages,
             client_reads_show_visible_messages_runs_and_run_events,
             event_pages_stop_at_their_byte_budget_but_never_come_back_empty,
+            a_run_events_payload_names_its_run_as_published_and_read_back,
             an_approval_holds_the_whole_batch_until_a_human_answers,
             an_aborted_or_cancelled_approval_ends_its_run_and_frees_the_session,
             a_failed_run_is_retried_or_continued_once_its_session_is_free,
@@ -1039,6 +1040,45 @@ pub async fn client_reads_show_visible_messages_runs_and_run_events(store: &dyn 
 
 /// A page bounded by bytes holds whole events up to the budget, always at least one (an
 /// event larger than the budget comes alone), and paging by it reads every event once.
+/// Every event of a run names its run in its payload, as published and as read back, however
+/// its writer built it; a payload naming another run keeps it.
+pub async fn a_run_events_payload_names_its_run_as_published_and_read_back(store: &dyn Store) {
+    let session = new_session(store).await;
+    let run = RunId::from_suffix("named").unwrap();
+    let other = RunId::from_suffix("other").unwrap();
+    let drafts = vec![
+        EventDraft::new(EventKind::Activity, json!({"run_id": run, "n": 1})),
+        EventDraft::new(EventKind::Activity, json!({"n": 2})),
+        EventDraft::new(EventKind::Activity, json!({"run_id": other, "n": 3})),
+        EventDraft::new(EventKind::Activity, json!(["not", "an", "object"])),
+    ];
+    let published = store
+        .append_events(&session, &run, drafts, T0)
+        .await
+        .unwrap();
+    let payloads: Vec<Value> = published.iter().map(|e| e.payload.clone()).collect();
+    assert_eq!(
+        payloads,
+        [
+            json!({"run_id": run, "n": 1}),
+            json!({"run_id": run, "n": 2}),
+            json!({"run_id": other, "n": 3}),
+            json!(["not", "an", "object"]),
+        ]
+    );
+    assert_eq!(
+        store.events_after(&session, 0, 100).await.unwrap(),
+        published
+    );
+    assert_eq!(
+        store
+            .events_within(&session, 0, 100, u64::MAX)
+            .await
+            .unwrap(),
+        published
+    );
+}
+
 pub async fn event_pages_stop_at_their_byte_budget_but_never_come_back_empty(store: &dyn Store) {
     let session = new_session(store).await;
     let run = RunId::from_suffix("paged").unwrap();

@@ -909,9 +909,9 @@ pub trait Store: Observation + Send + Sync + 'static {
         limit: u32,
     ) -> Result<Vec<StoredEvent>>;
 
-    /// Like `events_after`, but stops before the page's payloads would pass `max_bytes`; the
-    /// first event comes whatever its size. Readers that must hold little in memory (event
-    /// streams) page with it.
+    /// Like `events_after`, but stops before the page's payloads, as stored, would pass
+    /// `max_bytes`; the first event comes whatever its size. Readers that must hold little in
+    /// memory (event streams) page with it.
     async fn events_within(
         &self,
         session_id: &SessionId,
