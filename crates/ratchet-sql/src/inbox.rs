@@ -435,8 +435,10 @@ pub(crate) fn start_continuation(
 }
 
 /// A continuation run has ended: the events it held are consumed when it completed; when it
-/// failed each goes back to pending for a later attempt (or to the dead letter after its last);
-/// when it was cancelled they are dead-lettered, so that a stopped turn does not start again.
+/// failed each goes back to pending for a later attempt (or to the dead letter after its last).
+/// When someone stopped it (a cancel, an interrupting message) they go back to pending without
+/// the attempt counting, held for the session's next user turn: the turn after that tells
+/// them, and a stopped turn does not start again on its own (`wake_held`).
 pub(crate) fn continuation_ended(
     c: &dyn Db,
     state: &AgentState,
@@ -470,15 +472,30 @@ pub(crate) fn continuation_ended(
         }
         RunStatus::Cancelled => {
             let reason = format!("the continuation run {run} was cancelled");
-            let dead = move_events(
+            let held = move_events(
                 c,
                 &ids,
                 InboxStatus::Leased,
-                InboxStatus::DeadLetter,
+                InboxStatus::Pending,
                 Some(&reason),
                 now,
             )?;
-            drafts.push(dead_lettered(&dead, &reason));
+            for id in &held {
+                c.execute(
+                    "UPDATE inbox SET attempts = attempts - 1, available_at = NULL WHERE id = ?1",
+                    &params![*id],
+                )?;
+            }
+            if !held.is_empty() {
+                let released: Vec<_> = held
+                    .iter()
+                    .map(|id| json!({"event": id, "available_at": null}))
+                    .collect();
+                drafts.push(EventDraft::new(
+                    EventKind::InboxReleased,
+                    json!({"events": released, "run_id": run, "reason": reason}),
+                ));
+            }
         }
         _ => {
             let reason = format!(
@@ -528,6 +545,16 @@ pub(crate) fn continuation_ended(
         }
     }
     insert_events(c, &state.session_id, Some(run), &drafts, now)
+}
+
+/// A user turn starts in `session`: the events a stopped continuation gave back become due, so
+/// the continuation after this turn tells them.
+pub(crate) fn wake_held(c: &dyn Db, session: &SessionId, now: Millis) -> Result<()> {
+    c.write(
+        "UPDATE inbox SET available_at = ?2
+         WHERE session_id = ?1 AND status = 'pending' AND available_at IS NULL",
+        &params![session.as_str(), now],
+    )
 }
 
 /// Root sessions a continuation could start in now.

@@ -735,6 +735,9 @@ pub(crate) fn start_queued_run(
         Message::user(input.content)
     };
     insert_message(c, &input.message_id, &state, &message, now)?;
+    if !continuation && state.lineage.is_none() {
+        crate::inbox::wake_held(c, &state.session_id, now)?;
+    }
     let (job, event) = start_run(&mut state, now);
     write_state(c, &state)?;
     insert_job(c, &job, now)?;

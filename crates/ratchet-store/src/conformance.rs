@@ -99,6 +99,7 @@ macro_rules! store_conformance_tests {
             a_full_inbox_refuses_background_work_and_never_loses_an_accepted_report,
             a_group_reports_once_when_its_last_run_ends,
             a_failing_continuation_is_retried_then_dead_lettered,
+            a_stopped_continuation_gives_its_reports_back_for_after_the_next_user_turn,
             users_and_the_inbox_take_turns,
             closing_a_session_cancels_its_background_work_and_empties_its_inbox,
             signals_follow_their_contract_and_a_cancelled_runs_unread_ones_are_superseded,

@@ -18,7 +18,10 @@ use super::delegation::{claim_run, delegating_config, end_child, finish_claimed}
 use super::{
     LEASE_MS, OWNER_A, T0, commit, config, kinds, lease, load, new_session, submit, unique,
 };
-use crate::{ClaimedStep, Closing, Commit, Error, InboxEvent, NewSignal, SignalOutcome, Store};
+use crate::{
+    CancelOutcome, ClaimedStep, Closing, Commit, Error, InboxEvent, NewRun, NewSignal,
+    SignalOutcome, Store, WhenBusy,
+};
 
 pub(super) fn inbox_config(policy: InboxPolicy) -> RunConfigSnapshot {
     let mut config = delegating_config(64);
@@ -478,6 +481,105 @@ pub async fn a_failing_continuation_is_retried_then_dead_lettered(store: &dyn St
     assert!(
         matches!(refused, Err(Error::Conflict(_))),
         "a continuation is retried by the inbox, not by hand: {refused:?}"
+    );
+}
+
+/// Stops a running continuation turn: its cancel, and the cancel step a worker then runs.
+async fn stop(store: &dyn Store, run: &RunId, now: i64) {
+    if let CancelOutcome::Cancelling { .. } = store.request_cancel(run, now).await.unwrap() {
+        let step = claim_run(store, run, now + 1).await;
+        finish_claimed(store, &step, Err(StopReason::Cancelled), now + 1).await;
+    }
+    assert_eq!(load(store, run).await.status, RunStatus::Cancelled);
+}
+
+/// A continuation someone stops, by a cancel or by a message that interrupts it, gives its
+/// reports back without the attempt counting. They wait for the session's next user turn (a
+/// stopped turn does not start again on its own), and the continuation after that turn tells
+/// them. Only closing the session dead-letters them.
+pub async fn a_stopped_continuation_gives_its_reports_back_for_after_the_next_user_turn(
+    store: &dyn Store,
+) {
+    let session = new_session(store).await;
+    let policy = InboxPolicy {
+        max_attempts: 1,
+        ..InboxPolicy::default()
+    };
+    let (parent, _) = submit(store, &session, "start work", inbox_config(policy), T0).await;
+    let children = background(store, &parent, 1, CompletionPolicy::Each, T0 + 10)
+        .await
+        .unwrap();
+    let step = claim_own(store, &parent, T0 + 20).await;
+    finish_claimed(store, &step, Ok("it runs"), T0 + 20).await;
+    end_child(store, &children[0], Ok("result"), T0 + 30).await;
+    let event = inbox(store, &session).await[0].id;
+    let first = continuation_holding(store, &session, &[event]).await;
+
+    stop(store, &first, T0 + 40).await;
+    let held = inbox(store, &session).await;
+    assert_eq!(
+        (held[0].status, held[0].attempts, held[0].available_at),
+        (InboxStatus::Pending, 0, None),
+        "a cancelled continuation gives its events back, the attempt not counted, held"
+    );
+    assert!(held[0].reason.as_deref().unwrap().contains("cancelled"));
+    assert_eq!(
+        store.get_session(&session).await.unwrap().active_run_id,
+        None
+    );
+    assert_eq!(
+        store.serve_inboxes(T0 + 10_000_000).await.unwrap().started,
+        [],
+        "a stopped turn does not start again on its own"
+    );
+
+    let (user, _) = submit(store, &session, "something else", config(), T0 + 50).await;
+    let step = claim_run(store, &user, T0 + 60).await;
+    finish_claimed(store, &step, Ok("answered"), T0 + 60).await;
+    let second = continuation_holding(store, &session, &[event]).await;
+    assert_eq!(
+        inbox(store, &session).await[0].attempts,
+        1,
+        "the continuation after the user's turn tells the report, on its first counted attempt"
+    );
+
+    let interrupting = NewRun {
+        session_id: session.clone(),
+        run_id: RunId::from_suffix(&unique()).unwrap(),
+        message_id: MessageId::from_suffix(&unique()).unwrap(),
+        content: "stop, do this instead".into(),
+        config: config(),
+        when_busy: WhenBusy::Interrupt,
+        quota: Default::default(),
+    };
+    let user = interrupting.run_id.clone();
+    let submitted = store.submit_message(interrupting, T0 + 70).await.unwrap();
+    assert_eq!(submitted.interrupted.as_ref(), Some(&second));
+    if load(store, &second).await.status == RunStatus::Cancelling {
+        let step = claim_run(store, &second, T0 + 71).await;
+        finish_claimed(store, &step, Err(StopReason::Cancelled), T0 + 71).await;
+    }
+    let held = inbox(store, &session).await;
+    assert_eq!(
+        (held[0].status, held[0].attempts),
+        (InboxStatus::Pending, 0),
+        "an interrupted continuation gives its events back the same way"
+    );
+    assert_eq!(
+        store.get_session(&session).await.unwrap().active_run_id,
+        Some(user.clone()),
+        "the interrupting message's turn runs first"
+    );
+    let step = claim_run(store, &user, T0 + 80).await;
+    finish_claimed(store, &step, Ok("done that"), T0 + 80).await;
+    let third = continuation_holding(store, &session, &[event]).await;
+    let step = claim_run(store, &third, T0 + 90).await;
+    finish_claimed(store, &step, Ok("reported"), T0 + 90).await;
+    let told = inbox(store, &session).await;
+    assert_eq!(
+        (told[0].status, told[0].lease_run_id.as_ref()),
+        (InboxStatus::Consumed, Some(&third)),
+        "the report is told once, by the turn that completed"
     );
 }
 
