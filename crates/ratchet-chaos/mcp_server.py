@@ -8,19 +8,25 @@ the runtime cannot know.
          `stalls` attempts of a key never answer (the first one does the work), later ones
          answer what the first did.
 
-Every call it executes is appended to CHAOS_MCP_LOG as a JSON line (`exec`, or `replay` for
-a deduplicated one) with its idempotency key, and fsynced before the call goes on: the
-processes that start this server are killed at random, and the checks read the file after.
-The file is shared by the servers of every `ratchet` process, so the deduplication survives
-restarts and reaches across processes.
+Every call it executes is recorded in the directory CHAOS_MCP_LOG as a file of its own, one
+JSON object (`exec`, or `replay` for a deduplicated one) with its idempotency key, made
+durable before the call goes on: the processes that start this server are killed at random,
+and the checks read the records after. A record is written to a temporary file and renamed
+into place, so a kill leaves a whole record or none — an append to one shared file could be
+cut short by a kill in the middle of the write and run into the next record. The directory
+is shared by the servers of every `ratchet` process, so the deduplication survives restarts
+and reaches across processes.
 """
 
 import json
 import os
 import sys
 import threading
+import time
+import urllib.parse
 
 LOG = os.environ["CHAOS_MCP_LOG"]
+os.makedirs(LOG, exist_ok=True)
 KEY_META = "ratchet/idempotency_key"
 
 write_lock = threading.Lock()
@@ -29,21 +35,31 @@ flaky_lock = threading.Lock()
 
 def record(kind, tool, key, line):
     entry = json.dumps({"kind": kind, "tool": tool, "key": key, "line": line,
-                        "pid": os.getpid()}) + "\n"
-    fd = os.open(LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                        "pid": os.getpid()})
+    # Named so that names sort in the order of the calls, and a key's records are found by name.
+    name = "%020d-%d-%s" % (time.time_ns(), os.getpid(), urllib.parse.quote(key, safe=""))
+    temporary = os.path.join(LOG, "." + name + ".tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         os.write(fd, entry.encode())
         os.fsync(fd)
     finally:
         os.close(fd)
+    os.rename(temporary, os.path.join(LOG, name + ".json"))
+    directory = os.open(LOG, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def recorded(key):
-    try:
-        with open(LOG) as f:
-            entries = [json.loads(l) for l in f if l.endswith("\n")]
-    except FileNotFoundError:
-        return []
+    suffix = "-%s.json" % urllib.parse.quote(key, safe="")
+    entries = []
+    for name in sorted(os.listdir(LOG)):
+        if name.endswith(suffix):
+            with open(os.path.join(LOG, name)) as f:
+                entries.append(json.load(f))
     return [e for e in entries if e["key"] == key]
 
 

@@ -31,9 +31,9 @@ impl FleetSpec {
         format!("http://127.0.0.1:{}", self.port)
     }
 
-    /// Where the chaos MCP server records every call it executes.
+    /// The directory where the chaos MCP server records every call it executes, a file each.
     pub fn mcp_log(&self) -> PathBuf {
-        self.dir.join("mcp-calls.jsonl")
+        self.dir.join("mcp-calls")
     }
 
     fn mcp_script(&self) -> PathBuf {
