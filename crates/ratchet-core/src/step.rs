@@ -168,15 +168,18 @@ impl StepResult {
     }
 
     /// The run's next step calls the model: a boundary where a user's steering message can
-    /// join the history without splitting a tool call from its result.
+    /// join the history without splitting a tool call from its result. Never in a continuation
+    /// turn: its messages are drafts until it completes, and a steer must not be lost with an
+    /// attempt that fails; it waits for the turn's end and becomes a run of its own.
     pub fn accepts_steer(&self) -> bool {
         let now = self.record.finished_at;
-        self.next.as_ref().is_some_and(|job| {
-            matches!(
-                decide(&self.state, job.phase, now),
-                Instruction::CallLlm { .. }
-            )
-        })
+        !self.state.config.continuation
+            && self.next.as_ref().is_some_and(|job| {
+                matches!(
+                    decide(&self.state, job.phase, now),
+                    Instruction::CallLlm { .. }
+                )
+            })
     }
 }
 

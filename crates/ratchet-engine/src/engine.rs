@@ -189,7 +189,7 @@ impl Engine {
             None => Ok(self
                 .coordinator
                 .store()
-                .context(&claimed.state.session_id)
+                .context(&claimed.state.session_id, &claimed.state.run_id)
                 .await?
                 .into_iter()
                 .map(|m| m.message)
@@ -250,7 +250,9 @@ impl Engine {
         let state = &claimed.state;
         self.coordinator
             .announce(claimed, &ratchet_core::Activity::LoadingContext);
-        let context = self.coordinator.store().context(&state.session_id).await?;
+        let context = (self.coordinator.store())
+            .context(&state.session_id, &state.run_id)
+            .await?;
         let budget = state.limits().max_prompt_tokens.unwrap_or(u64::MAX) / 2;
         let cut = compaction_cut(&context, budget);
         if cut == 0 {

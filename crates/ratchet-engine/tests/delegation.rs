@@ -867,7 +867,7 @@ async fn a_streak_shows_the_model_exactly_the_stored_context_a_steer_included() 
     let state = wait_for(&node.coordinator, &run, RunStatus::is_terminal).await;
     assert_eq!(state.final_answer.as_deref(), Some("two sums"), "{state:?}");
 
-    let stored: Vec<Message> = (node.coordinator.store().context(&session).await)
+    let stored: Vec<Message> = (node.coordinator.store().context(&session, &run).await)
         .unwrap()
         .into_iter()
         .map(|m| m.message)

@@ -56,6 +56,7 @@ fn sql(scope: &SearchScope, words: usize) -> String {
                WHERE to_tsvector('english', m.content) @@ q.query
                  AND {filter}
                  AND m.visibility = 'visible' AND m.role IN ('user', 'assistant')
+                 AND m.draft_of IS NULL
                ORDER BY score, m.rowid
                LIMIT ?2) hit
          ORDER BY hit.score, hit.rowid"

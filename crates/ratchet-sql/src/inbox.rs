@@ -457,6 +457,12 @@ pub(crate) fn continuation_ended(
     let mut drafts = Vec::new();
     match state.status {
         RunStatus::Completed => {
+            // The turn's messages join the session's history in the commit that consumes what
+            // they tell; an attempt that failed or was stopped leaves its drafts out of it.
+            c.write(
+                "UPDATE messages SET draft_of = NULL WHERE session_id = ?1 AND draft_of = ?2",
+                &params![state.session_id.as_str(), run.as_str()],
+            )?;
             let consumed = move_events(
                 c,
                 &ids,

@@ -457,10 +457,10 @@ impl<B: Backend> Store for SqlStore<B> {
             .await
     }
 
-    async fn context(&self, session_id: &SessionId) -> Result<Vec<StoredMessage>> {
-        let session_id = session_id.clone();
+    async fn context(&self, session_id: &SessionId, run: &RunId) -> Result<Vec<StoredMessage>> {
+        let (session_id, run) = (session_id.clone(), run.clone());
         self.backend
-            .read(move |c| ops::context(c, &session_id))
+            .read(move |c| ops::context(c, &session_id, &run))
             .await
     }
 

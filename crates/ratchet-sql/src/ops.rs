@@ -883,9 +883,11 @@ fn insert_encoded_message(
         sql_str(&message.visibility)?,
         sql_str(&message.origin)?,
     );
+    // A continuation turn's messages are drafts until it completes (`publish_drafts`).
+    let draft_of = state.config.continuation.then(|| state.run_id.as_str());
     c.write(
-        "INSERT INTO messages (id, session_id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, created_at, keeps_from, is_error)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+        "INSERT INTO messages (id, session_id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, created_at, keeps_from, is_error, draft_of)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
         &params![
             id,
             state.session_id.as_str(),
@@ -898,7 +900,8 @@ fn insert_encoded_message(
             &origin,
             now,
             message.keeps_from,
-            message.is_error
+            message.is_error,
+            draft_of
         ],
     )
 }
@@ -1937,6 +1940,7 @@ pub(crate) fn visible_messages(
         &format!(
             "SELECT {STORED_MESSAGE_COLUMNS}
              FROM messages WHERE session_id = ?1 AND visibility = 'visible' AND rowid > ?2
+               AND draft_of IS NULL
              ORDER BY rowid LIMIT ?3"
         ),
         &params![session_id.as_str(), after_position, limit],
@@ -1956,20 +1960,26 @@ fn to_stored_message(mut r: Row) -> Result<StoredMessage> {
     })
 }
 
-/// What the model sees of a session: the latest summary (if the context was ever compacted)
-/// in place of every message before the first one it keeps, then the messages from there on.
-pub(crate) fn context(c: &dyn Db, session_id: &SessionId) -> Result<Vec<StoredMessage>> {
+/// What the model sees of a session in `run`'s turn: the latest summary (if the context was
+/// ever compacted) in place of every message before the first one it keeps, then the messages
+/// from there on — drafts left out, but the turn's own.
+pub(crate) fn context(
+    c: &dyn Db,
+    session_id: &SessionId,
+    run: &RunId,
+) -> Result<Vec<StoredMessage>> {
     let mut messages = c
         .query(
             &format!(
                 "SELECT {STORED_MESSAGE_COLUMNS}
                  FROM messages
-                 WHERE session_id = ?1
+                 WHERE session_id = ?1 AND (draft_of IS NULL OR draft_of = ?2)
                    AND rowid >= COALESCE((SELECT MAX(keeps_from) FROM messages
-                                          WHERE session_id = ?1 AND keeps_from IS NOT NULL), 0)
+                                          WHERE session_id = ?1 AND keeps_from IS NOT NULL
+                                            AND (draft_of IS NULL OR draft_of = ?2)), 0)
                  ORDER BY rowid"
             ),
-            &params![session_id.as_str()],
+            &params![session_id.as_str(), run.as_str()],
         )?
         .into_iter()
         .map(to_stored_message)
@@ -2009,7 +2019,7 @@ fn to_message(r: &mut Row, at: usize) -> Result<Message> {
 pub(crate) fn history(c: &dyn Db, session_id: &SessionId) -> Result<Vec<Message>> {
     c.query(
         "SELECT role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, is_error FROM messages
-         WHERE session_id = ?1 ORDER BY rowid",
+         WHERE session_id = ?1 AND draft_of IS NULL ORDER BY rowid",
         &params![session_id.as_str()],
     )?
     .into_iter()

@@ -304,6 +304,12 @@ ALTER TABLE runs ADD COLUMN config_id TEXT NOT NULL DEFAULT '';
 UPDATE runs SET config_id = 'run:' || id;
 ALTER TABLE runs DROP COLUMN config_json;
 "#,
+    r#"
+-- A continuation turn's messages are drafts of its run (`draft_of`) until it completes: other
+-- turns' context, clients and search leave them out, so a failed or stopped attempt leaves
+-- nothing in the session's history and the attempt that completes tells its reports once.
+ALTER TABLE messages ADD COLUMN draft_of TEXT;
+"#,
 ];
 
 /// The schema version this build migrates a database to.

@@ -26,7 +26,7 @@ macro_rules! search_sql {
             $join,
             " WHERE messages_fts MATCH ?1 AND ",
             $filter,
-            " AND m.visibility = 'visible' AND m.role IN ('user', 'assistant')
+            " AND m.visibility = 'visible' AND m.role IN ('user', 'assistant') AND m.draft_of IS NULL
              ORDER BY score, m.rowid LIMIT ?3"
         )
     };

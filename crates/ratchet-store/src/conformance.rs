@@ -100,6 +100,7 @@ macro_rules! store_conformance_tests {
             a_group_reports_once_when_its_last_run_ends,
             a_failing_continuation_is_retried_then_dead_lettered,
             a_stopped_continuation_gives_its_reports_back_for_after_the_next_user_turn,
+            a_continuation_that_fails_after_answering_in_part_tells_its_report_once,
             users_and_the_inbox_take_turns,
             closing_a_session_cancels_its_background_work_and_empties_its_inbox,
             signals_follow_their_contract_and_a_cancelled_runs_unread_ones_are_superseded,
@@ -340,7 +341,9 @@ async fn commit(
 /// A streak's worker extends the context it had with what its commit added, instead of
 /// reading it back: that must be what the store's context ends with.
 async fn assert_context_ends_with(store: &dyn Store, next: &ClaimedStep, added: &[Message]) {
-    let context: Vec<Message> = (store.context(&next.state.session_id).await)
+    let context: Vec<Message> = (store
+        .context(&next.state.session_id, &next.state.run_id)
+        .await)
         .expect("context")
         .into_iter()
         .map(|m| m.message)
@@ -3073,7 +3076,7 @@ pub async fn search_reads_query_syntax_as_plain_words(store: &dyn Store) {
 pub async fn the_model_sees_the_latest_summary_in_place_of_what_it_replaces(store: &dyn Store) {
     let session = new_session(store).await;
     let (run, _) = submit(store, &session, "one", config(), T0).await;
-    let context = store.context(&session).await.unwrap();
+    let context = store.context(&session, &run).await.unwrap();
     assert_eq!(context.len(), 1);
     assert_eq!(context[0].message.content, "one");
     assert_eq!(context[0].run_id, run);
@@ -3083,7 +3086,7 @@ pub async fn the_model_sees_the_latest_summary_in_place_of_what_it_replaces(stor
     asked.messages.push(Message::user("two"));
     asked.messages.push(Message::user("three"));
     commit(store, &step.claim, asked, None, T0 + 2).await;
-    let full = store.context(&session).await.unwrap();
+    let full = store.context(&session, &run).await.unwrap();
     let texts = |messages: &[crate::StoredMessage]| -> Vec<String> {
         messages.iter().map(|m| m.message.content.clone()).collect()
     };
@@ -3104,7 +3107,7 @@ pub async fn the_model_sees_the_latest_summary_in_place_of_what_it_replaces(stor
     ran.messages
         .push(Message::summary("one and a look", full[2].position));
     commit(store, &step.claim, ran, None, T0 + 4).await;
-    let context = store.context(&session).await.unwrap();
+    let context = store.context(&session, &run).await.unwrap();
     assert_eq!(
         texts(&context),
         [
@@ -3135,7 +3138,7 @@ pub async fn the_model_sees_the_latest_summary_in_place_of_what_it_replaces(stor
         .messages
         .push(Message::summary("up to three", context[3].position));
     commit(store, &step.claim, answered, None, T0 + 6).await;
-    let context = store.context(&session).await.unwrap();
+    let context = store.context(&session, &run).await.unwrap();
     assert_eq!(
         texts(&context),
         [

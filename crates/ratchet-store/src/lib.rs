@@ -890,13 +890,15 @@ pub trait Store: Observation + Send + Sync + 'static {
     /// erased. Closing a closed session again is `Error::Conflict`.
     async fn close_session(&self, id: &SessionId, how: Closing, now: Millis) -> Result<Closed>;
 
-    /// The session's messages in order, hidden ones included.
+    /// The session's messages in order, hidden ones included; not the drafts of a continuation
+    /// turn that has not completed.
     async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>>;
 
-    /// What the model is shown of a session: the latest compaction summary in place of the
-    /// messages before the first one it keeps, then every message from there on, in order.
-    /// Without a compaction, the whole history.
-    async fn context(&self, session_id: &SessionId) -> Result<Vec<StoredMessage>>;
+    /// What the model is shown of a session in `run`'s turn: the latest compaction summary in
+    /// place of the messages before the first one it keeps, then every message from there on,
+    /// in order. Without a compaction, the whole history. A continuation turn's messages are
+    /// drafts until it completes: only that turn sees them.
+    async fn context(&self, session_id: &SessionId, run: &RunId) -> Result<Vec<StoredMessage>>;
 
     async fn list_runs(&self) -> Result<Vec<RunSummary>>;
 

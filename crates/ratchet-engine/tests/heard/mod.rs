@@ -372,8 +372,8 @@ impl Store for Heard {
         self.inner.history(session_id).await
     }
 
-    async fn context(&self, session_id: &SessionId) -> Result<Vec<StoredMessage>> {
-        self.inner.context(session_id).await
+    async fn context(&self, session_id: &SessionId, run: &RunId) -> Result<Vec<StoredMessage>> {
+        self.inner.context(session_id, run).await
     }
 
     async fn list_runs(&self) -> Result<Vec<RunSummary>> {

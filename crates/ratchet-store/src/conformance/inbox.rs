@@ -16,7 +16,8 @@ use serde_json::{Value, json};
 
 use super::delegation::{claim_run, delegating_config, end_child, finish_claimed};
 use super::{
-    LEASE_MS, OWNER_A, T0, commit, config, kinds, lease, load, new_session, submit, unique,
+    LEASE_MS, OWNER_A, T0, commit, config, kinds, lease, load, new_session, submit, tool_reply,
+    unique,
 };
 use crate::{
     CancelOutcome, ClaimedStep, Closing, Commit, Error, InboxEvent, NewRun, NewSignal,
@@ -581,6 +582,101 @@ pub async fn a_stopped_continuation_gives_its_reports_back_for_after_the_next_us
         (InboxStatus::Consumed, Some(&third)),
         "the report is told once, by the turn that completed"
     );
+}
+
+/// A continuation's messages join the session's history only with the commit that completes
+/// it and consumes its reports: attempts that failed after answering in part leave no trigger
+/// and no text behind, so the model and the user see the report told once. What the failed
+/// attempts said stays in their runs' events.
+pub async fn a_continuation_that_fails_after_answering_in_part_tells_its_report_once(
+    store: &dyn Store,
+) {
+    let session = new_session(store).await;
+    let policy = InboxPolicy {
+        max_attempts: 3,
+        retry_backoff_ms: 1_000,
+        ..InboxPolicy::default()
+    };
+    let (parent, _) = submit(store, &session, "start work", inbox_config(policy), T0).await;
+    let children = background(store, &parent, 1, CompletionPolicy::Each, T0 + 10)
+        .await
+        .unwrap();
+    let step = claim_own(store, &parent, T0 + 20).await;
+    finish_claimed(store, &step, Ok("it runs"), T0 + 20).await;
+    end_child(store, &children[0], Ok("result"), T0 + 30).await;
+    let event = inbox(store, &session).await[0].id;
+    let before = store.history(&session).await.unwrap();
+
+    let mut now = T0 + 40;
+    let mut failed = Vec::new();
+    for _ in 0..2 {
+        let attempt = continuation_holding(store, &session, &[event]).await;
+        let model = claim_run(store, &attempt, now).await;
+        let answered = after_model(model.state, &model.job, tool_reply(), false, now, now + 1);
+        commit(store, &model.claim, answered, None, now + 1).await;
+        let context = store.context(&session, &attempt).await.unwrap();
+        assert_eq!(
+            context.len(),
+            before.len() + 2,
+            "the turn sees its own trigger and answer"
+        );
+        let tools = claim_run(store, &attempt, now + 2).await;
+        finish_claimed(store, &tools, Err(StopReason::LlmError), now + 2).await;
+        assert_eq!(
+            store.history(&session).await.unwrap(),
+            before,
+            "a failed attempt leaves nothing in the session's history"
+        );
+        now += 10_000;
+        store.serve_inboxes(now).await.unwrap();
+        failed.push(attempt);
+    }
+    let last = continuation_holding(store, &session, &[event]).await;
+    let model = claim_run(store, &last, now).await;
+    assert_eq!(
+        store.context(&session, &last).await.unwrap().len(),
+        before.len() + 1,
+        "the third attempt sees one trigger, its own"
+    );
+    finish_claimed(store, &model, Ok("the report, told once"), now).await;
+    assert_eq!(
+        inbox(store, &session).await[0].status,
+        InboxStatus::Consumed
+    );
+
+    let history = store.history(&session).await.unwrap();
+    let triggers = (history.iter())
+        .filter(|m| m.origin == Origin::Continuation && m.visibility == Visibility::Hidden)
+        .count();
+    let told: Vec<&str> = (history.iter())
+        .filter(|m| m.origin == Origin::Continuation && m.visibility == Visibility::Visible)
+        .map(|m| m.content.as_str())
+        .collect();
+    assert_eq!(
+        (triggers, told),
+        (1, vec!["the report, told once"]),
+        "the model's history holds the completed turn alone"
+    );
+    let visible: Vec<String> = (store.visible_messages(&session, 0, 100).await.unwrap())
+        .into_iter()
+        .map(|m| m.message.content)
+        .collect();
+    assert_eq!(
+        visible.iter().filter(|c| *c == "let me look").count(),
+        0,
+        "clients never list what a failed attempt said: {visible:?}"
+    );
+    assert_eq!(
+        visible.last().map(String::as_str),
+        Some("the report, told once")
+    );
+    for attempt in &failed {
+        let said = store.run_events_after(attempt, 0, 100).await.unwrap();
+        assert!(
+            kinds(&said).contains(&"assistant.message"),
+            "what {attempt} said stays in its events"
+        );
+    }
 }
 
 pub async fn users_and_the_inbox_take_turns(store: &dyn Store) {
