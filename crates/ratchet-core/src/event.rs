@@ -33,13 +33,15 @@ pub enum EventKind {
     InboxReleased,
     InboxDeadLettered,
     InboxSuperseded,
+    InboxRequeued,
+    InboxDiscarded,
     SignalEmitted,
     SessionClosed,
     RunFinished,
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 30] = [
+    pub const ALL: [EventKind; 32] = [
         EventKind::RunCreated,
         EventKind::RunStatus,
         EventKind::StepCommitted,
@@ -67,6 +69,8 @@ impl EventKind {
         EventKind::InboxReleased,
         EventKind::InboxDeadLettered,
         EventKind::InboxSuperseded,
+        EventKind::InboxRequeued,
+        EventKind::InboxDiscarded,
         EventKind::SignalEmitted,
         EventKind::SessionClosed,
         EventKind::RunFinished,
@@ -101,6 +105,8 @@ impl EventKind {
             EventKind::InboxReleased => "inbox.released",
             EventKind::InboxDeadLettered => "inbox.dead_lettered",
             EventKind::InboxSuperseded => "inbox.superseded",
+            EventKind::InboxRequeued => "inbox.requeued",
+            EventKind::InboxDiscarded => "inbox.discarded",
             EventKind::SignalEmitted => "signal.emitted",
             EventKind::SessionClosed => "session.closed",
             EventKind::RunFinished => "run.finished",

@@ -55,10 +55,13 @@ pub enum InboxStatus {
     /// Handed to a continuation run, which consumes it when it completes.
     Leased,
     Consumed,
-    /// Given up on: too many failed attempts, or its session was archived or deleted.
+    /// Given up on: too many failed attempts, or its session was archived or deleted. An
+    /// operator may requeue it (pending again) or discard it.
     DeadLetter,
     /// A signal of a run that was cancelled before anyone read it.
     Superseded,
+    /// A dead letter an operator chose to drop.
+    Discarded,
 }
 
 /// An inbox status change the table below does not allow.
@@ -70,13 +73,14 @@ pub struct IllegalInboxEdge {
 }
 
 impl InboxStatus {
-    pub const ALL: [InboxStatus; 6] = [
+    pub const ALL: [InboxStatus; 7] = [
         InboxStatus::Reserved,
         InboxStatus::Pending,
         InboxStatus::Leased,
         InboxStatus::Consumed,
         InboxStatus::DeadLetter,
         InboxStatus::Superseded,
+        InboxStatus::Discarded,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -87,6 +91,7 @@ impl InboxStatus {
             InboxStatus::Consumed => "consumed",
             InboxStatus::DeadLetter => "dead_letter",
             InboxStatus::Superseded => "superseded",
+            InboxStatus::Discarded => "discarded",
         }
     }
 
@@ -104,14 +109,16 @@ impl InboxStatus {
 
     /// The one table of legal inbox edges. A reservation becomes its completion; a pending
     /// event is leased by a continuation (or absorbed as a steer, straight to consumed); a
-    /// lease ends consumed, or released (pending again, or dead after its last attempt).
+    /// lease ends consumed, or released (pending again, or dead after its last attempt). A dead
+    /// letter ends there unless an operator requeues it (pending) or discards it.
     pub fn edge(self, to: InboxStatus) -> Result<(), IllegalInboxEdge> {
         use InboxStatus::*;
         let legal = match self {
             Reserved => matches!(to, Pending | DeadLetter),
             Pending => matches!(to, Leased | Consumed | DeadLetter | Superseded),
             Leased => matches!(to, Consumed | Pending | DeadLetter),
-            Consumed | DeadLetter | Superseded => false,
+            DeadLetter => matches!(to, Pending | Discarded),
+            Consumed | Superseded | Discarded => false,
         };
         if legal {
             Ok(())
@@ -568,6 +575,8 @@ mod tests {
             (Leased, Consumed),
             (Leased, Pending),
             (Leased, DeadLetter),
+            (DeadLetter, Pending),
+            (DeadLetter, Discarded),
         ];
         for from in InboxStatus::ALL {
             for to in InboxStatus::ALL {

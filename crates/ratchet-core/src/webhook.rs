@@ -58,13 +58,15 @@ impl DeliveryStatus {
 
     /// The one table of legal delivery edges. An attempt starts from pending, or again from
     /// delivering when the dispatcher holding it died (its lease expired); it ends delivered,
-    /// pending for a later attempt, or dead after the last one.
+    /// pending for a later attempt, or dead after the last one. An operator may requeue a dead
+    /// one: pending again, its attempts counted afresh.
     pub fn edge(self, to: DeliveryStatus) -> Result<(), IllegalDeliveryEdge> {
         use DeliveryStatus::*;
         let legal = match self {
             Pending => to == Delivering,
             Delivering => matches!(to, Delivering | Delivered | Pending | DeadLetter),
-            Delivered | DeadLetter => false,
+            DeadLetter => to == Pending,
+            Delivered => false,
         };
         if legal {
             Ok(())
@@ -137,6 +139,7 @@ mod tests {
             (Delivering, Delivered),
             (Delivering, Pending),
             (Delivering, DeadLetter),
+            (DeadLetter, Pending),
         ];
         for from in DeliveryStatus::ALL {
             for to in DeliveryStatus::ALL {

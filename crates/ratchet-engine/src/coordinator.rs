@@ -489,6 +489,35 @@ impl Coordinator {
         Ok(closed)
     }
 
+    /// An operator requeues (`InboxStatus::Pending`) or discards (`InboxStatus::Discarded`) a
+    /// dead letter of a root session's inbox; what it publishes goes out, and a continuation it
+    /// started wakes a worker.
+    pub async fn operate_inbox(
+        &self,
+        session: &SessionId,
+        event_id: i64,
+        to: ratchet_core::InboxStatus,
+        by: &str,
+    ) -> Result<ratchet_store::InboxEvent> {
+        let changed = match to {
+            ratchet_core::InboxStatus::Discarded => {
+                (self.store)
+                    .discard_inbox_event(session, event_id, by, now_ms())
+                    .await?
+            }
+            _ => {
+                (self.store)
+                    .requeue_inbox_event(session, event_id, by, now_ms())
+                    .await?
+            }
+        };
+        self.publish(changed.events);
+        if changed.enqueued {
+            self.wake.notify_one();
+        }
+        Ok(changed.event)
+    }
+
     /// Releases the leases of processes on this machine that no longer exist, so their steps
     /// are taken over now instead of after lease expiry. Returns how many jobs were freed.
     pub async fn recover(&self, is_dead: impl Fn(&str) -> bool) -> Result<u64> {

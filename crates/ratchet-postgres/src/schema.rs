@@ -288,6 +288,12 @@ ALTER TABLE runs DROP COLUMN config_json;
 -- nothing in the session's history and the attempt that completes tells its reports once.
 ALTER TABLE messages ADD COLUMN draft_of TEXT COLLATE "C";
 "#,
+    r#"
+-- An operator may requeue a dead letter (of the inbox, of a webhook's deliveries): when they
+-- last did, so that a repeat of the request changes nothing.
+ALTER TABLE inbox ADD COLUMN requeued_at BIGINT;
+ALTER TABLE webhook_deliveries ADD COLUMN requeued_at BIGINT;
+"#,
 ];
 
 /// The advisory lock that makes processes opening one database at once migrate it one

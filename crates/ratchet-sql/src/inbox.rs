@@ -16,7 +16,8 @@ use ratchet_core::{
     InboxStatus, MessageId, Millis, RunId, RunStatus, SessionId,
 };
 use ratchet_store::{
-    Claim, Closed, Closing, EmittedSignal, Error, InboxEvent, NewSignal, SignalOutcome, StoredEvent,
+    Claim, Closed, Closing, EmittedSignal, Error, InboxChange, InboxEvent, NewSignal,
+    SignalOutcome, StoredEvent,
 };
 use serde_json::json;
 
@@ -704,7 +705,7 @@ pub(crate) fn close_session(
     Ok(Closed { events, enqueued })
 }
 
-const INBOX_COLUMNS: &str = "id, session_id, kind, status, delivery, parent_run_id, source_run_id, group_id, payload_json, attempts, max_attempts, available_at, lease_run_id, reason, created_at, updated_at";
+const INBOX_COLUMNS: &str = "id, session_id, kind, status, delivery, parent_run_id, source_run_id, group_id, payload_json, attempts, max_attempts, available_at, lease_run_id, reason, created_at, updated_at, requeued_at";
 
 fn to_inbox_event(mut r: Row) -> Result<InboxEvent> {
     let kind = r.text(2)?;
@@ -731,6 +732,112 @@ fn to_inbox_event(mut r: Row) -> Result<InboxEvent> {
         reason: r.opt_text(13)?,
         created_at: r.int(14)?,
         updated_at: r.int(15)?,
+        requeued_at: r.opt_int(16)?,
+    })
+}
+
+/// The event `id` of `session`'s inbox, as it stands.
+fn inbox_event(c: &dyn Db, session: &SessionId, id: i64) -> Result<InboxEvent> {
+    c.query_opt(
+        &format!("SELECT {INBOX_COLUMNS} FROM inbox WHERE session_id = ?1 AND id = ?2"),
+        &params![session.as_str(), id],
+    )?
+    .map(to_inbox_event)
+    .transpose()?
+    .ok_or_else(|| Error::NotFound {
+        kind: "inbox event",
+        id: format!("{id} of session {session}"),
+    })
+}
+
+/// Whether an operator's request to move `event` (no dead letter now) to `to` is a repeat of
+/// one that did: it was discarded, or requeued and on its way since.
+fn already_done(event: &InboxEvent, to: InboxStatus) -> bool {
+    match to {
+        InboxStatus::Discarded => event.status == InboxStatus::Discarded,
+        _ => {
+            event.requeued_at.is_some()
+                && matches!(
+                    event.status,
+                    InboxStatus::Pending | InboxStatus::Leased | InboxStatus::Consumed
+                )
+        }
+    }
+}
+
+/// An operator moves a dead letter of `session`'s inbox to `to`: back to pending (a requeue),
+/// or discarded. See `Store::requeue_inbox_event` and `Store::discard_inbox_event`.
+pub(crate) fn operate(
+    c: &dyn Db,
+    session: &SessionId,
+    id: i64,
+    to: InboxStatus,
+    by: &str,
+    now: Millis,
+) -> Result<InboxChange> {
+    c.lock_session(session.as_str())?;
+    let event = inbox_event(c, session, id)?;
+    let verb = if to == InboxStatus::Discarded {
+        "discarded"
+    } else {
+        "requeued"
+    };
+    if event.status != InboxStatus::DeadLetter {
+        if already_done(&event, to) {
+            return Ok(InboxChange {
+                event,
+                events: Vec::new(),
+                enqueued: false,
+            });
+        }
+        return Err(Error::Conflict(format!(
+            "inbox event {id} is {}: only a dead letter can be {verb}",
+            event.status.as_str()
+        )));
+    }
+    let mut enqueued = false;
+    let reason = format!(
+        "{verb} by {by}, after: {}",
+        event.reason.as_deref().unwrap_or("no reason recorded")
+    );
+    let drafts = if to == InboxStatus::Pending {
+        if is_closed(c, session)? {
+            return Err(Error::Conflict(format!(
+                "session {session} is closed: it starts no continuation, so its dead letters stay"
+            )));
+        }
+        let policy = policy_of(c, event.parent_run_id.as_str())?;
+        let holding = held(c, session)?;
+        if holding >= u64::from(policy.capacity) {
+            return Err(Error::QuotaExceeded(format!(
+                "the inbox of session {session} holds {holding} events and reservations and may hold {}: no room to requeue event {id}",
+                policy.capacity
+            )));
+        }
+        move_events(c, &[id], InboxStatus::DeadLetter, to, Some(&reason), now)?;
+        c.write(
+            "UPDATE inbox SET attempts = 0, available_at = ?2, requeued_at = ?2, lease_run_id = NULL WHERE id = ?1",
+            &params![id, now],
+        )?;
+        vec![EventDraft::new(
+            EventKind::InboxRequeued,
+            json!({"events": [id], "by": by}),
+        )]
+    } else {
+        move_events(c, &[id], InboxStatus::DeadLetter, to, Some(&reason), now)?;
+        vec![EventDraft::new(
+            EventKind::InboxDiscarded,
+            json!({"events": [id], "by": by}),
+        )]
+    };
+    let mut events = insert_events(c, session, None, &drafts, now)?;
+    if to == InboxStatus::Pending {
+        events.extend(serve_if_free(c, session, &mut enqueued, now)?);
+    }
+    Ok(InboxChange {
+        event: inbox_event(c, session, id)?,
+        events,
+        enqueued,
     })
 }
 

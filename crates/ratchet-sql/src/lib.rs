@@ -24,11 +24,11 @@ use ratchet_core::{
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, ChangeStream,
     Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeliveryClaim, EmittedSignal,
-    Error, InboxEvent, Intent, IntentRecord, Keyring, Lease, ListOrder, MessageHit, NewRun,
-    NewSignal, NewWebhook, Observation, PauseOutcome, PendingInput, Reconciled, RecordedIntents,
-    ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session, SessionSpec, Store,
-    StoreStats, StoredEvent, StoredMessage, Submitted, TimedOut, TreeNode, Webhook,
-    WebhookDelivery,
+    Error, InboxChange, InboxEvent, Intent, IntentRecord, Keyring, Lease, ListOrder, MessageHit,
+    NewRun, NewSignal, NewWebhook, Observation, PauseOutcome, PendingInput, Reconciled,
+    RecordedIntents, ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session,
+    SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted, TimedOut, TreeNode,
+    Webhook, WebhookDelivery,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -396,6 +396,36 @@ impl<B: Backend> Store for SqlStore<B> {
             .await
     }
 
+    async fn requeue_inbox_event(
+        &self,
+        session_id: &SessionId,
+        event_id: i64,
+        by: &str,
+        now: Millis,
+    ) -> Result<InboxChange> {
+        let (session_id, by) = (session_id.clone(), by.to_owned());
+        self.backend
+            .write(move |c| {
+                inbox::operate(c, &session_id, event_id, InboxStatus::Pending, &by, now)
+            })
+            .await
+    }
+
+    async fn discard_inbox_event(
+        &self,
+        session_id: &SessionId,
+        event_id: i64,
+        by: &str,
+        now: Millis,
+    ) -> Result<InboxChange> {
+        let (session_id, by) = (session_id.clone(), by.to_owned());
+        self.backend
+            .write(move |c| {
+                inbox::operate(c, &session_id, event_id, InboxStatus::Discarded, &by, now)
+            })
+            .await
+    }
+
     async fn emit_signal(
         &self,
         claim: &Claim,
@@ -584,6 +614,25 @@ impl<B: Backend> Observation for SqlStore<B> {
         let webhook_id = webhook_id.clone();
         self.backend
             .read(move |c| webhooks::deliveries(c, &webhook_id, status, after, limit))
+            .await
+    }
+
+    async fn requeue_delivery(
+        &self,
+        webhook_id: &WebhookId,
+        delivery_id: i64,
+        now: Millis,
+    ) -> Result<WebhookDelivery> {
+        let webhook_id = webhook_id.clone();
+        self.backend
+            .write(move |c| webhooks::requeue_delivery(c, &webhook_id, delivery_id, now))
+            .await
+    }
+
+    async fn requeue_dead_deliveries(&self, webhook_id: &WebhookId, now: Millis) -> Result<u64> {
+        let webhook_id = webhook_id.clone();
+        self.backend
+            .write(move |c| webhooks::requeue_dead_deliveries(c, &webhook_id, now))
             .await
     }
 

@@ -158,7 +158,7 @@ pub(crate) fn seal_webhook_secrets(c: &dyn Db, keyring: &Keyring) -> Result<u64>
 
 const DELIVERY_COLUMNS: &str = "d.id, d.webhook_id, d.session_id, d.seq, d.event_kind, d.status, \
      d.attempts, w.max_attempts, d.available_at, d.last_status, d.last_error, d.delivered_at, \
-     d.created_at, d.updated_at";
+     d.created_at, d.updated_at, d.requeued_at";
 
 fn to_delivery(mut r: Row) -> Result<WebhookDelivery> {
     Ok(WebhookDelivery {
@@ -182,6 +182,7 @@ fn to_delivery(mut r: Row) -> Result<WebhookDelivery> {
         delivered_at: r.opt_int(11)?,
         created_at: r.int(12)?,
         updated_at: r.int(13)?,
+        requeued_at: r.opt_int(14)?,
     })
 }
 
@@ -213,6 +214,67 @@ pub(crate) fn deliveries(
         )?,
     };
     rows.into_iter().map(to_delivery).collect()
+}
+
+/// Moves a webhook's dead letters (`one` of them, or all) back to pending, due now, their
+/// attempts counted afresh; returns how many moved.
+fn requeue_dead(c: &dyn Db, webhook_id: &WebhookId, one: Option<i64>, now: Millis) -> Result<u64> {
+    DeliveryStatus::DeadLetter
+        .edge(DeliveryStatus::Pending)
+        .map_err(|e| Error::Conflict(format!("webhook delivery: {e}")))?;
+    let requeue = "UPDATE webhook_deliveries
+         SET status = 'pending', attempts = 0, available_at = ?2, lease_owner = NULL,
+             lease_expires_at = NULL, requeued_at = ?2, updated_at = ?2
+         WHERE webhook_id = ?1 AND status = 'dead_letter'";
+    match one {
+        Some(id) => c.execute(
+            &format!("{requeue} AND id = ?3"),
+            &params![webhook_id.as_str(), now, id],
+        ),
+        None => c.execute(requeue, &params![webhook_id.as_str(), now]),
+    }
+}
+
+pub(crate) fn requeue_delivery(
+    c: &dyn Db,
+    webhook_id: &WebhookId,
+    id: i64,
+    now: Millis,
+) -> Result<WebhookDelivery> {
+    get_webhook(c, webhook_id)?;
+    let moved = requeue_dead(c, webhook_id, Some(id), now)?;
+    let delivery = c
+        .query_opt(
+            &format!(
+                "SELECT {DELIVERY_COLUMNS} FROM webhook_deliveries d JOIN webhooks w ON w.id = d.webhook_id
+                 WHERE d.webhook_id = ?1 AND d.id = ?2"
+            ),
+            &params![webhook_id.as_str(), id],
+        )?
+        .map(to_delivery)
+        .transpose()?
+        .ok_or_else(|| Error::NotFound {
+            kind: "webhook delivery",
+            id: format!("{id} of webhook {webhook_id}"),
+        })?;
+    // A repeat of the requeue that moved it finds it on its way again.
+    if moved == 1 || delivery.requeued_at.is_some() && delivery.status != DeliveryStatus::DeadLetter
+    {
+        return Ok(delivery);
+    }
+    Err(Error::Conflict(format!(
+        "delivery {id} is {}: only a dead letter can be requeued",
+        delivery.status.as_str()
+    )))
+}
+
+pub(crate) fn requeue_dead_deliveries(
+    c: &dyn Db,
+    webhook_id: &WebhookId,
+    now: Millis,
+) -> Result<u64> {
+    get_webhook(c, webhook_id)?;
+    requeue_dead(c, webhook_id, None, now)
 }
 
 /// Each webhook with each session of its tenant that has events past the webhook's cursor.

@@ -184,6 +184,17 @@ pub struct Closed {
     pub enqueued: bool,
 }
 
+/// What an operator's requeue or discard of an inbox event did.
+#[derive(Debug, Clone)]
+pub struct InboxChange {
+    /// The event as it stands now.
+    pub event: InboxEvent,
+    /// What the change published (none when it was a repeat that changed nothing).
+    pub events: Vec<StoredEvent>,
+    /// A continuation turn started with the requeued event.
+    pub enqueued: bool,
+}
+
 /// An event of a root session's inbox, as `Store::inbox` lists it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct InboxEvent {
@@ -206,8 +217,11 @@ pub struct InboxEvent {
     pub available_at: Option<Millis>,
     /// The continuation run holding (or, once consumed, that consumed) it.
     pub lease_run_id: Option<RunId>,
-    /// Why it was dead-lettered or superseded, or why its last attempt failed.
+    /// Why it was dead-lettered, superseded or discarded, why its last attempt failed, or who
+    /// requeued it.
     pub reason: Option<String>,
+    /// When an operator last requeued it from the dead letter.
+    pub requeued_at: Option<Millis>,
     pub created_at: Millis,
     pub updated_at: Millis,
 }
@@ -855,6 +869,31 @@ pub trait Store: Observation + Send + Sync + 'static {
         after: i64,
         limit: u32,
     ) -> Result<Vec<InboxEvent>>;
+
+    /// An operator puts a dead letter of a root session's inbox back to `pending`: due now, its
+    /// attempts counted afresh, `by` noted in its reason; a continuation turn starts with it
+    /// when the session is free. A repeat of that requeue (the event was requeued and is no
+    /// dead letter since) changes nothing. Refused with `Error::Conflict` for any other event
+    /// or a closed session, with `Error::QuotaExceeded` when the inbox has no room for it, and
+    /// `Error::NotFound` for an event the session does not have.
+    async fn requeue_inbox_event(
+        &self,
+        session_id: &SessionId,
+        event_id: i64,
+        by: &str,
+        now: Millis,
+    ) -> Result<InboxChange>;
+
+    /// An operator drops a dead letter for good (`discarded`, `by` noted in its reason, `now`
+    /// in `updated_at`). Discarding it again changes nothing; any other event is refused with
+    /// `Error::Conflict`, one the session does not have with `Error::NotFound`.
+    async fn discard_inbox_event(
+        &self,
+        session_id: &SessionId,
+        event_id: i64,
+        by: &str,
+        now: Millis,
+    ) -> Result<InboxChange>;
 
     /// Sends a signal of the claimed step's run (a background run with a signal contract) to
     /// its root session's inbox, under the contract's count, interval and dedupe window and

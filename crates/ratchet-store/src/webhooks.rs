@@ -65,6 +65,8 @@ pub struct WebhookDelivery {
     /// Why the last attempt failed.
     pub last_error: Option<String>,
     pub delivered_at: Option<Millis>,
+    /// When an operator last requeued it from the dead letter.
+    pub requeued_at: Option<Millis>,
     pub created_at: Millis,
     pub updated_at: Millis,
 }
@@ -136,6 +138,20 @@ pub trait Observation: Send + Sync + 'static {
         after: i64,
         limit: u32,
     ) -> Result<Vec<WebhookDelivery>>;
+
+    /// An operator puts a dead-lettered delivery back to `pending`: due now, its attempts
+    /// counted afresh. A repeat of that requeue (the delivery was requeued and is no dead
+    /// letter since) changes nothing. Refused with `Error::Conflict` for any other delivery,
+    /// `Error::NotFound` for one the webhook does not have.
+    async fn requeue_delivery(
+        &self,
+        webhook_id: &WebhookId,
+        delivery_id: i64,
+        now: Millis,
+    ) -> Result<WebhookDelivery>;
+
+    /// `requeue_delivery` for every dead letter of a webhook; returns how many it requeued.
+    async fn requeue_dead_deliveries(&self, webhook_id: &WebhookId, now: Millis) -> Result<u64>;
 
     /// Queues a pending delivery for each event a webhook wants that was written since it
     /// last looked, at most about `limit` events in one transaction; returns how many events

@@ -12,9 +12,9 @@ use ratchet_core::{
 };
 use ratchet_store::{
     Answered, Approval, ApprovalStatus, CancelOutcome, Change, ChangeStream, Claim, ClaimedStep,
-    Commit, Intent, IntentRecord, Lease, ListOrder, MessageHit, NewRun, PauseOutcome, Reconciled,
-    RecordedIntents, Result, ResumeOutcome, RunSummary, SearchScope, Session, SessionSpec, Store,
-    StoreStats, StoredEvent, StoredMessage, Submitted,
+    Commit, InboxChange, Intent, IntentRecord, Lease, ListOrder, MessageHit, NewRun, PauseOutcome,
+    Reconciled, RecordedIntents, Result, ResumeOutcome, RunSummary, SearchScope, Session,
+    SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted,
 };
 use ratchet_store::{
     AttemptOutcome, ClaimedDelivery, DeliveryClaim, NewWebhook, Observation, Webhook,
@@ -76,6 +76,21 @@ impl Observation for Heard {
         self.inner
             .deliveries(webhook_id, status, after, limit)
             .await
+    }
+
+    async fn requeue_delivery(
+        &self,
+        webhook_id: &WebhookId,
+        delivery_id: i64,
+        now: Millis,
+    ) -> Result<WebhookDelivery> {
+        self.inner
+            .requeue_delivery(webhook_id, delivery_id, now)
+            .await
+    }
+
+    async fn requeue_dead_deliveries(&self, webhook_id: &WebhookId, now: Millis) -> Result<u64> {
+        self.inner.requeue_dead_deliveries(webhook_id, now).await
     }
 
     async fn queue_deliveries(&self, limit: u32, now: Millis) -> Result<u32> {
@@ -332,6 +347,30 @@ impl Store for Heard {
         limit: u32,
     ) -> Result<Vec<ratchet_store::InboxEvent>> {
         self.inner.inbox(session_id, status, after, limit).await
+    }
+
+    async fn requeue_inbox_event(
+        &self,
+        session_id: &SessionId,
+        event_id: i64,
+        by: &str,
+        now: Millis,
+    ) -> Result<InboxChange> {
+        self.inner
+            .requeue_inbox_event(session_id, event_id, by, now)
+            .await
+    }
+
+    async fn discard_inbox_event(
+        &self,
+        session_id: &SessionId,
+        event_id: i64,
+        by: &str,
+        now: Millis,
+    ) -> Result<InboxChange> {
+        self.inner
+            .discard_inbox_event(session_id, event_id, by, now)
+            .await
     }
 
     async fn emit_signal(

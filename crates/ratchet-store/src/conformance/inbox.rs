@@ -679,6 +679,122 @@ pub async fn a_continuation_that_fails_after_answering_in_part_tells_its_report_
     }
 }
 
+/// An operator acts on a dead letter: a requeue puts it back to pending with its attempts
+/// counted afresh and starts a continuation with it; a discard drops it for good, saying who.
+/// Repeats change nothing; an event that is not a dead letter, and a closed session's dead
+/// letters, are refused.
+pub async fn an_operator_requeues_or_discards_a_dead_letter_once(store: &dyn Store) {
+    let session = new_session(store).await;
+    let policy = InboxPolicy {
+        max_attempts: 1,
+        ..InboxPolicy::default()
+    };
+    let (parent, _) = submit(store, &session, "start work", inbox_config(policy), T0).await;
+    let children = background(store, &parent, 2, CompletionPolicy::Each, T0 + 10)
+        .await
+        .unwrap();
+    let step = claim_own(store, &parent, T0 + 20).await;
+    finish_claimed(store, &step, Ok("it runs"), T0 + 20).await;
+    end_child(store, &children[0], Ok("first"), T0 + 30).await;
+    let event = inbox(store, &session).await[0].id;
+    let refused = store
+        .discard_inbox_event(&session, event, "ops", T0 + 31)
+        .await;
+    assert!(
+        matches!(&refused, Err(Error::Conflict(m)) if m.contains("leased")),
+        "a leased event: {refused:?}"
+    );
+    let missing = store
+        .requeue_inbox_event(&session, 1_000_000, "ops", T0 + 31)
+        .await;
+    assert!(
+        matches!(missing, Err(Error::NotFound { .. })),
+        "{missing:?}"
+    );
+    let first = continuation_holding(store, &session, &[event]).await;
+    let step = claim_run(store, &first, T0 + 40).await;
+    finish_claimed(store, &step, Err(StopReason::LlmError), T0 + 40).await;
+    assert_eq!(
+        inbox(store, &session).await[0].status,
+        InboxStatus::DeadLetter
+    );
+
+    let requeued = store
+        .requeue_inbox_event(&session, event, "ops", T0 + 50)
+        .await
+        .unwrap();
+    assert!(
+        requeued.enqueued,
+        "the free session starts a continuation with it"
+    );
+    assert!(kinds(&requeued.events).contains(&"inbox.requeued"));
+    assert_eq!(
+        (
+            requeued.event.status,
+            requeued.event.attempts,
+            requeued.event.requeued_at
+        ),
+        (InboxStatus::Leased, 1, Some(T0 + 50)),
+        "pending again, its attempts afresh, and leased to the new turn at once"
+    );
+    assert!(
+        requeued
+            .event
+            .reason
+            .as_deref()
+            .unwrap()
+            .starts_with("requeued by ops")
+    );
+    let repeat = store
+        .requeue_inbox_event(&session, event, "ops", T0 + 51)
+        .await
+        .unwrap();
+    assert_eq!((repeat.event, repeat.events.len()), (requeued.event, 0));
+    let second = continuation_holding(store, &session, &[event]).await;
+    let step = claim_run(store, &second, T0 + 60).await;
+    finish_claimed(store, &step, Err(StopReason::LlmError), T0 + 60).await;
+
+    let discarded = store
+        .discard_inbox_event(&session, event, "alice", T0 + 70)
+        .await
+        .unwrap();
+    assert_eq!(
+        (discarded.event.status, discarded.event.updated_at),
+        (InboxStatus::Discarded, T0 + 70)
+    );
+    assert!(
+        discarded
+            .event
+            .reason
+            .as_deref()
+            .unwrap()
+            .starts_with("discarded by alice")
+    );
+    assert!(kinds(&discarded.events).contains(&"inbox.discarded"));
+    let repeat = store
+        .discard_inbox_event(&session, event, "alice", T0 + 71)
+        .await
+        .unwrap();
+    assert_eq!((repeat.event, repeat.events.len()), (discarded.event, 0));
+    let refused = store
+        .requeue_inbox_event(&session, event, "ops", T0 + 72)
+        .await;
+    assert!(matches!(refused, Err(Error::Conflict(_))), "{refused:?}");
+
+    store
+        .close_session(&session, Closing::Archive, T0 + 80)
+        .await
+        .unwrap();
+    let reserved = inbox(store, &session).await[1].id;
+    let refused = store
+        .requeue_inbox_event(&session, reserved, "ops", T0 + 81)
+        .await;
+    assert!(
+        matches!(&refused, Err(Error::Conflict(m)) if m.contains("closed")),
+        "a closed session's dead letter: {refused:?}"
+    );
+}
+
 pub async fn users_and_the_inbox_take_turns(store: &dyn Store) {
     let session = new_session(store).await;
     let policy = InboxPolicy {

@@ -361,6 +361,94 @@ pub async fn a_delivery_is_dead_lettered_after_its_last_attempt_and_the_rest_go_
     );
 }
 
+/// An operator requeues a dead delivery: pending again, due now, its attempts counted afresh,
+/// and the next claim sends it. A repeat changes nothing; a delivery that is not a dead letter
+/// is refused; the bulk requeue takes every dead letter of the webhook, and none twice.
+pub async fn an_operator_requeues_dead_deliveries_once(store: &dyn Store, hooks: &dyn Observation) {
+    let (hook, session, seqs) = deltas_queued(store, hooks, 2, 2).await;
+    let refused = hooks.requeue_delivery(&hook.id, 1_000_000, T0).await;
+    assert!(
+        matches!(refused, Err(Error::NotFound { .. })),
+        "{refused:?}"
+    );
+    let open = hooks.deliveries(&hook.id, None, 0, 10).await.unwrap();
+    let refused = hooks.requeue_delivery(&hook.id, open[0].id, T0).await;
+    assert!(
+        matches!(&refused, Err(Error::Conflict(m)) if m.contains("only a dead letter")),
+        "a pending delivery: {refused:?}"
+    );
+    for seq in [seqs[0], seqs[1]] {
+        let claimed = claim_deliveries(hooks, DISPATCHER_A, T0 + 1).await;
+        assert_eq!(claimed_seqs(&claimed), [(session.clone(), seq)]);
+        let dead = failed(None);
+        assert!(
+            finish(hooks, &claimed[0].claim, dead, T0 + 2)
+                .await
+                .unwrap()
+        );
+    }
+    let dead = hooks
+        .deliveries(&hook.id, Some(DeliveryStatus::DeadLetter), 0, 10)
+        .await
+        .unwrap();
+    assert_eq!(dead.len(), 2);
+
+    let requeued = hooks
+        .requeue_delivery(&hook.id, dead[0].id, T0 + 5)
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            requeued.status,
+            requeued.attempts,
+            requeued.available_at,
+            requeued.requeued_at
+        ),
+        (DeliveryStatus::Pending, 0, Some(T0 + 5), Some(T0 + 5))
+    );
+    let again = hooks
+        .requeue_delivery(&hook.id, dead[0].id, T0 + 6)
+        .await
+        .unwrap();
+    assert_eq!(again, requeued, "a repeat changes nothing");
+    assert_eq!(
+        hooks
+            .requeue_dead_deliveries(&hook.id, T0 + 7)
+            .await
+            .unwrap(),
+        1,
+        "the other dead letter"
+    );
+    assert_eq!(
+        hooks
+            .requeue_dead_deliveries(&hook.id, T0 + 8)
+            .await
+            .unwrap(),
+        0
+    );
+    let claimed = claim_deliveries(hooks, DISPATCHER_A, T0 + 9).await;
+    assert_eq!(
+        (claimed_seqs(&claimed), claimed[0].claim.attempt),
+        (vec![(session.clone(), seqs[0])], 1),
+        "sent again in seq order, its first attempt since the requeue"
+    );
+    let delivered = AttemptOutcome::Delivered { status: 200 };
+    assert!(
+        finish(hooks, &claimed[0].claim, delivered, T0 + 10)
+            .await
+            .unwrap()
+    );
+    let after = hooks
+        .requeue_delivery(&hook.id, dead[0].id, T0 + 11)
+        .await
+        .unwrap();
+    assert_eq!(
+        after.status,
+        DeliveryStatus::Delivered,
+        "a repeat after it was delivered still changes nothing"
+    );
+}
+
 /// A dispatcher that stops mid-attempt loses its claim when the lease expires: the attempt
 /// is made again (counted), and the old claim can no longer record an outcome. An expired
 /// last attempt is dead-lettered instead of being made once more.
