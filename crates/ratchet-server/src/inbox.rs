@@ -5,7 +5,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use ratchet_core::{InboxStatus, Millis};
 use ratchet_store::{Closing, InboxEvent};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
@@ -13,13 +13,15 @@ use utoipa_axum::routes;
 
 use crate::api::{ErrorBody, Page, SessionView, StatusPageQuery};
 use crate::auth::Tenant;
-use crate::error::{ApiPath, ApiQuery};
+use crate::error::{ApiJson, ApiPath, ApiQuery};
 use crate::routes::{parse_session_id, tenant_session};
 use crate::{ApiError, AppState};
 
 pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(list_inbox))
+        .routes(routes!(requeue_inbox_event))
+        .routes(routes!(discard_inbox_event))
         .routes(routes!(archive_session))
         .routes(routes!(delete_session))
 }
@@ -31,7 +33,8 @@ pub struct InboxEventView {
     /// `completion`, `group_completion` or `signal`.
     pub kind: String,
     /// `reserved` (a place held for running work), `pending`, `leased` (a continuation turn
-    /// holds it), `consumed`, `dead_letter` or `superseded`.
+    /// holds it), `consumed`, `dead_letter`, `superseded` or `discarded` (a dead letter an
+    /// operator dropped).
     pub status: String,
     /// `queue` or `steer`.
     pub delivery: String,
@@ -46,8 +49,11 @@ pub struct InboxEventView {
     pub available_at: Option<Millis>,
     /// The continuation run holding it, or that consumed it.
     pub lease_run_id: Option<String>,
-    /// Why it was dead-lettered or superseded, or why its last attempt failed.
+    /// Why it was dead-lettered, superseded or discarded, why its last attempt failed, or who
+    /// requeued it.
     pub reason: Option<String>,
+    /// When an operator last requeued it from the dead letter.
+    pub requeued_at: Option<Millis>,
     pub created_at: Millis,
     pub updated_at: Millis,
 }
@@ -68,6 +74,7 @@ impl From<InboxEvent> for InboxEventView {
             available_at: event.available_at,
             lease_run_id: event.lease_run_id.map(|r| r.to_string()),
             reason: event.reason,
+            requeued_at: event.requeued_at,
             created_at: event.created_at,
             updated_at: event.updated_at,
         }
@@ -100,6 +107,103 @@ async fn list_inbox(
     Ok(axum::Json(Page::new(items, limit, |e: &InboxEventView| {
         e.id.to_string()
     })))
+}
+
+/// Who acts on a dead letter, for the record.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct OperatorBody {
+    /// Who requeues or discards it (at most 200 characters); the caller's tenant when absent.
+    pub by: Option<String>,
+}
+
+impl OperatorBody {
+    /// The name to record: `by` when given, checked, or the tenant.
+    pub fn operator(body: Option<OperatorBody>, tenant: &Tenant) -> Result<String, ApiError> {
+        match body.and_then(|b| b.by) {
+            None => Ok(format!("tenant {}", tenant.0)),
+            Some(by) if by.trim().is_empty() || by.chars().count() > 200 => Err(
+                ApiError::unprocessable("`by` must be 1 to 200 characters, not blank"),
+            ),
+            Some(by) if by.chars().any(char::is_control) => Err(ApiError::unprocessable(
+                "`by` must not contain control characters",
+            )),
+            Some(by) => Ok(by),
+        }
+    }
+}
+
+/// An inbox event's place in a session's inbox: the session's id and the event's.
+fn inbox_event_path(
+    (session, event): (String, String),
+) -> Result<(ratchet_core::SessionId, i64), ApiError> {
+    let event = event.parse::<i64>().map_err(|_| {
+        ApiError::bad_request(format!(
+            "expected an inbox event id (an integer), found {event:?}"
+        ))
+    })?;
+    Ok((parse_session_id(&session)?, event))
+}
+
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/inbox/{event_id}/requeue", tag = "sessions",
+    params(
+        ("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"),
+        ("event_id" = i64, Path, description = "Inbox event id"),
+    ),
+    request_body(content = Option<OperatorBody>, description = "Optional: who requeues it"),
+    responses(
+        (status = 200, body = InboxEventView, description = "Requeued: pending again, due now, its attempts counted afresh — and leased to a continuation turn that started with it when the session was free. A repeat of the request changes nothing and answers the same."),
+        (status = 404, body = ErrorBody, description = "no such session, or no such event in its inbox"),
+        (status = 409, body = ErrorBody, description = "the event is not a dead letter (or was discarded), or the session is closed"),
+        (status = 429, body = ErrorBody, description = "the session's inbox is full"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn requeue_inbox_event(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(path): ApiPath<(String, String)>,
+    body: Option<ApiJson<OperatorBody>>,
+) -> Result<axum::Json<InboxEventView>, ApiError> {
+    operate(state, tenant, path, body, InboxStatus::Pending).await
+}
+
+#[utoipa::path(
+    post, path = "/v1/sessions/{id}/inbox/{event_id}/discard", tag = "sessions",
+    params(
+        ("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"),
+        ("event_id" = i64, Path, description = "Inbox event id"),
+    ),
+    request_body(content = Option<OperatorBody>, description = "Optional: who discards it"),
+    responses(
+        (status = 200, body = InboxEventView, description = "Discarded for good: `reason` says by whom, `updated_at` when. A repeat changes nothing and answers the same."),
+        (status = 404, body = ErrorBody, description = "no such session, or no such event in its inbox"),
+        (status = 409, body = ErrorBody, description = "the event is not a dead letter"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn discard_inbox_event(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(path): ApiPath<(String, String)>,
+    body: Option<ApiJson<OperatorBody>>,
+) -> Result<axum::Json<InboxEventView>, ApiError> {
+    operate(state, tenant, path, body, InboxStatus::Discarded).await
+}
+
+async fn operate(
+    state: AppState,
+    tenant: Tenant,
+    path: (String, String),
+    body: Option<ApiJson<OperatorBody>>,
+    to: InboxStatus,
+) -> Result<axum::Json<InboxEventView>, ApiError> {
+    let (id, event) = inbox_event_path(path)?;
+    let by = OperatorBody::operator(body.map(|ApiJson(b)| b), &tenant)?;
+    tenant_session(&state, &tenant, &id).await?;
+    let event = state.coordinator.operate_inbox(&id, event, to, &by).await?;
+    Ok(axum::Json(event.into()))
 }
 
 #[utoipa::path(

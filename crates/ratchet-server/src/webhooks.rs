@@ -35,6 +35,8 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(get_webhook, delete_webhook))
         .routes(routes!(rotate_secret))
         .routes(routes!(list_deliveries))
+        .routes(routes!(requeue_delivery))
+        .routes(routes!(requeue_dead_deliveries))
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -113,6 +115,8 @@ pub struct DeliveryView {
     /// Why the last attempt failed.
     pub last_error: Option<String>,
     pub delivered_at: Option<Millis>,
+    /// When an operator last requeued it from the dead letter.
+    pub requeued_at: Option<Millis>,
     pub created_at: Millis,
     pub updated_at: Millis,
 }
@@ -131,6 +135,7 @@ impl From<WebhookDelivery> for DeliveryView {
             last_status: d.last_status,
             last_error: d.last_error,
             delivered_at: d.delivered_at,
+            requeued_at: d.requeued_at,
             created_at: d.created_at,
             updated_at: d.updated_at,
         }
@@ -372,4 +377,66 @@ async fn list_deliveries(
     Ok(axum::Json(Page::new(items, limit, |d: &DeliveryView| {
         d.id.to_string()
     })))
+}
+
+/// How many dead letters a bulk requeue put back.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RequeuedView {
+    pub requeued: u64,
+}
+
+#[utoipa::path(
+    post, path = "/v1/webhooks/{id}/deliveries/{delivery_id}/requeue", tag = "webhooks",
+    params(
+        ("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$"),
+        ("delivery_id" = i64, Path, description = "Delivery id"),
+    ),
+    responses(
+        (status = 200, body = DeliveryView, description = "Requeued: pending again, due now, its attempts counted afresh; sent in its session's `seq` order. A repeat of the request changes nothing and answers the delivery as it stands."),
+        (status = 404, body = ErrorBody, description = "no such webhook, or no such delivery of it"),
+        (status = 409, body = ErrorBody, description = "the delivery is not a dead letter"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn requeue_delivery(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath((id, delivery)): ApiPath<(String, String)>,
+) -> Result<axum::Json<DeliveryView>, ApiError> {
+    let id = parse_webhook_id(&id)?;
+    let delivery = delivery.parse::<i64>().map_err(|_| {
+        ApiError::bad_request(format!(
+            "expected a delivery id (an integer), found {delivery:?}"
+        ))
+    })?;
+    tenant_webhook(&state, &tenant, &id).await?;
+    let requeued = state
+        .coordinator
+        .store()
+        .requeue_delivery(&id, delivery, now_ms())
+        .await?;
+    Ok(axum::Json(requeued.into()))
+}
+
+#[utoipa::path(
+    post, path = "/v1/webhooks/{id}/deliveries/requeue", tag = "webhooks",
+    params(("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$")),
+    responses(
+        (status = 200, body = RequeuedView, description = "Every dead letter of the webhook requeued; a repeat finds none left"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn requeue_dead_deliveries(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+) -> Result<axum::Json<RequeuedView>, ApiError> {
+    let id = parse_webhook_id(&id)?;
+    tenant_webhook(&state, &tenant, &id).await?;
+    let requeued = state
+        .coordinator
+        .store()
+        .requeue_dead_deliveries(&id, now_ms())
+        .await?;
+    Ok(axum::Json(RequeuedView { requeued }))
 }

@@ -802,6 +802,103 @@ async fn a_continuation_whose_model_keeps_failing_is_retried_then_dead_lettered(
             .any(|m| m["content"].as_str().unwrap().contains("[runtime]")),
         "failed triggers stay hidden too"
     );
+
+    // An operator acts on the dead letter.
+    let id = event["id"].as_i64().unwrap();
+    let path = |action: &str| format!("/v1/sessions/{session}/inbox/{id}/{action}");
+    for (what, reply, status, code) in [
+        (
+            "a blank name",
+            call(server.post(TOKEN_A, &path("requeue"), json!({"by": " "}))).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+        (
+            "an unknown field",
+            call(server.post(TOKEN_A, &path("requeue"), json!({"who": "x"}))).await,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        ),
+        (
+            "an event id that is not a number",
+            call(server.post(
+                TOKEN_A,
+                &format!("/v1/sessions/{session}/inbox/x/requeue"),
+                json!({}),
+            ))
+            .await,
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
+        (
+            "an event the inbox does not have",
+            call(server.post(
+                TOKEN_A,
+                &format!("/v1/sessions/{session}/inbox/999999/discard"),
+                json!({}),
+            ))
+            .await,
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+        (
+            "another tenant's dead letter",
+            call(server.post(TOKEN_B, &path("requeue"), json!({}))).await,
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+    ] {
+        assert_error(what, &reply, status, code);
+    }
+    let requeued = call(server.post(TOKEN_A, &path("requeue"), json!({"by": "ops"}))).await;
+    assert_eq!(requeued.status, StatusCode::OK, "{}", requeued.body);
+    assert_eq!(
+        (&requeued.body["status"], &requeued.body["attempts"]),
+        (&json!("leased"), &json!(1)),
+        "its attempts afresh, and at once a continuation's: {}",
+        requeued.body
+    );
+    assert!(requeued.body["requeued_at"].is_i64(), "{}", requeued.body);
+    let seen = events.until(|e| e.kind == "inbox.dead_lettered").await;
+    let inbox_kinds: Vec<&str> = kinds(&seen)
+        .into_iter()
+        .filter(|k| k.starts_with("inbox."))
+        .collect();
+    assert_eq!(
+        inbox_kinds,
+        [
+            "inbox.requeued",
+            "inbox.leased",
+            "inbox.released",
+            "inbox.leased",
+            "inbox.dead_lettered"
+        ],
+        "a requeued report gets its attempts afresh"
+    );
+    let discarded = call(server.post(TOKEN_A, &path("discard"), json!({"by": "alice"}))).await;
+    assert_eq!(discarded.status, StatusCode::OK, "{}", discarded.body);
+    assert_eq!(discarded.body["status"], "discarded");
+    assert!(
+        discarded.body["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("discarded by alice"),
+        "{}",
+        discarded.body
+    );
+    let again = call(server.post(TOKEN_A, &path("discard"), json!({"by": "alice"}))).await;
+    assert_eq!(
+        (again.status, &again.body),
+        (StatusCode::OK, &discarded.body),
+        "a repeat"
+    );
+    let refused = call(server.post(TOKEN_A, &path("requeue"), json!({}))).await;
+    assert_error(
+        "requeue of a discarded event",
+        &refused,
+        StatusCode::CONFLICT,
+        "conflict",
+    );
 }
 
 // ---------------------------------------------------------------------------------------

@@ -434,6 +434,8 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/sessions/{id}", vec!["delete", "get"]),
         ("/v1/sessions/{id}/archive", vec!["post"]),
         ("/v1/sessions/{id}/inbox", vec!["get"]),
+        ("/v1/sessions/{id}/inbox/{event_id}/discard", vec!["post"]),
+        ("/v1/sessions/{id}/inbox/{event_id}/requeue", vec!["post"]),
         ("/v1/sessions/{id}/messages", vec!["get", "post"]),
         ("/v1/sessions/{id}/runs", vec!["get"]),
         ("/v1/sessions/{id}/events", vec!["get"]),
@@ -452,6 +454,11 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/webhooks", vec!["get", "post"]),
         ("/v1/webhooks/{id}", vec!["delete", "get"]),
         ("/v1/webhooks/{id}/deliveries", vec!["get"]),
+        ("/v1/webhooks/{id}/deliveries/requeue", vec!["post"]),
+        (
+            "/v1/webhooks/{id}/deliveries/{delivery_id}/requeue",
+            vec!["post"],
+        ),
         ("/v1/webhooks/{id}/rotate-secret", vec!["post"]),
     ]);
     assert_eq!(paths, expected);

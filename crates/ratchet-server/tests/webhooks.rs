@@ -231,6 +231,95 @@ async fn a_receiver_failing_three_times_then_succeeding_gets_every_event_once_in
     );
 }
 
+/// A receiver that was down: its dead letters are requeued, one by id and the rest at once,
+/// and each arrives once, signed; a repeat changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_requeues_dead_deliveries_and_they_arrive_once() {
+    let server =
+        Server::start_with_dispatcher(quick_script(), quick_dispatch(Duration::from_secs(5), 4))
+            .await;
+    let receiver = Arc::new(Receiver {
+        failures_left: AtomicU32::new(2),
+        ..Receiver::default()
+    });
+    let url = start_receiver(Arc::clone(&receiver)).await;
+    let webhook = create_webhook(
+        &server,
+        json!({"url": url, "max_attempts": 1, "events": ["run.finished"]}),
+    )
+    .await;
+    *receiver.secret.lock().unwrap() = webhook["secret"].as_str().unwrap().to_owned();
+    let id = webhook["id"].as_str().unwrap();
+    server.run_to_end("add two and three").await;
+    server.run_to_end("and again").await;
+    let dead = wait_for(&server, id, |log| {
+        log.len() == 2 && log.iter().all(|d| d["status"] == "dead_letter")
+    })
+    .await;
+
+    let one = format!("/v1/webhooks/{id}/deliveries/{}/requeue", dead[0]["id"]);
+    let requeued = call(server.post(TOKEN_A, &one, json!({}))).await;
+    assert_eq!(requeued.status, StatusCode::OK, "{}", requeued.body);
+    assert_eq!(requeued.body["attempts"], 0, "{}", requeued.body);
+    assert!(requeued.body["requeued_at"].is_i64(), "{}", requeued.body);
+    let bulk = format!("/v1/webhooks/{id}/deliveries/requeue");
+    let all = call(server.post(TOKEN_A, &bulk, json!({}))).await;
+    assert_eq!(
+        (all.status, &all.body),
+        (StatusCode::OK, &json!({"requeued": 1}))
+    );
+    let log = wait_for(&server, id, |log| {
+        log.iter().all(|d| d["status"] == "delivered")
+    })
+    .await;
+    assert!(log.iter().all(|d| d["attempts"] == 1), "{log:?}");
+    assert_eq!(receiver.accepted.lock().unwrap().len(), 2, "each once");
+    assert!(
+        receiver.problems.lock().unwrap().is_empty(),
+        "{:?}",
+        receiver.problems.lock().unwrap()
+    );
+
+    let again = call(server.post(TOKEN_A, &one, json!({}))).await;
+    assert_eq!(
+        (again.status, &again.body["status"]),
+        (StatusCode::OK, &json!("delivered")),
+        "a repeat of the requeue changes nothing"
+    );
+    let all = call(server.post(TOKEN_A, &bulk, json!({}))).await;
+    assert_eq!(all.body, json!({"requeued": 0}));
+    for (what, path, token, status, code) in [
+        (
+            "a delivery id that is not a number",
+            format!("/v1/webhooks/{id}/deliveries/x/requeue"),
+            TOKEN_A,
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+        ),
+        (
+            "a delivery the webhook does not have",
+            format!("/v1/webhooks/{id}/deliveries/999999/requeue"),
+            TOKEN_A,
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+        (
+            "another tenant's webhook",
+            one.clone(),
+            TOKEN_B,
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+    ] {
+        assert_error(
+            what,
+            &call(server.post(token, &path, json!({}))).await,
+            status,
+            code,
+        );
+    }
+}
+
 /// Reads the delivery log until `done` holds of it.
 async fn wait_for(server: &Server, webhook: &str, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
     let deadline = tokio::time::Instant::now() + DEADLINE;
