@@ -247,6 +247,12 @@ impl Api {
             .await
     }
 
+    /// `POST path` with a JSON body, answering the JSON the server answers.
+    pub async fn post(&self, path: &str, body: &Value) -> Result<Value, ClientError> {
+        self.call(self.request(reqwest::Method::POST, path).json(body))
+            .await
+    }
+
     /// `POST /v1/runs/{id}/{action}` with no body (`pause`, `resume`).
     pub async fn run_action(&self, run_id: &str, action: &str) -> Result<Value, ClientError> {
         let path = format!("/v1/runs/{run_id}/{action}");

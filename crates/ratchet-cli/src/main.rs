@@ -11,6 +11,7 @@ mod bench_sse;
 mod bench_webhooks;
 mod chat;
 mod client;
+mod dead_letters;
 mod drive;
 mod inspect;
 mod pause;
@@ -266,6 +267,16 @@ enum Command {
         #[command(subcommand)]
         command: ApprovalsCommand,
     },
+    /// Act on the dead letters of a session's inbox.
+    Inbox {
+        #[command(subcommand)]
+        command: InboxCommand,
+    },
+    /// Act on the dead deliveries of a webhook.
+    Webhooks {
+        #[command(subcommand)]
+        command: WebhooksCommand,
+    },
     /// Check agent catalogs.
     Agents {
         #[command(subcommand)]
@@ -415,6 +426,46 @@ enum ApprovalsCommand {
         /// End the run as cancelled instead.
         #[arg(long)]
         abort: bool,
+        #[command(flatten)]
+        target: ServerOrDb,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum InboxCommand {
+    /// Put a dead letter back to pending: due now, its attempts counted afresh; a continuation
+    /// turn tells it when the session is free.
+    Requeue {
+        session_id: String,
+        event_id: i64,
+        /// Who requeues it, for the record [default: $USER].
+        #[arg(long, value_name = "NAME")]
+        by: Option<String>,
+        #[command(flatten)]
+        target: ServerOrDb,
+    },
+    /// Drop a dead letter for good, recording who did and when.
+    Discard {
+        session_id: String,
+        event_id: i64,
+        /// Who discards it, for the record [default: $USER].
+        #[arg(long, value_name = "NAME")]
+        by: Option<String>,
+        #[command(flatten)]
+        target: ServerOrDb,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum WebhooksCommand {
+    /// Put a dead delivery back to pending (or, with --all-dead, every one of the webhook):
+    /// due now, its attempts counted afresh.
+    Requeue {
+        webhook_id: String,
+        delivery_id: Option<i64>,
+        /// Every dead delivery of the webhook.
+        #[arg(long)]
+        all_dead: bool,
         #[command(flatten)]
         target: ServerOrDb,
     },
@@ -797,6 +848,42 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             };
             let how = ratchet_core::step::Resumption::Continue { extension };
             inspect::resume_failed(&db.db, &run_id, how).await
+        }
+        Command::Inbox {
+            command:
+                InboxCommand::Requeue {
+                    session_id,
+                    event_id,
+                    by,
+                    target,
+                },
+        } => {
+            let to = ratchet_core::InboxStatus::Pending;
+            dead_letters::inbox(target.target()?, to, &session_id, event_id, by).await
+        }
+        Command::Inbox {
+            command:
+                InboxCommand::Discard {
+                    session_id,
+                    event_id,
+                    by,
+                    target,
+                },
+        } => {
+            let to = ratchet_core::InboxStatus::Discarded;
+            dead_letters::inbox(target.target()?, to, &session_id, event_id, by).await
+        }
+        Command::Webhooks {
+            command:
+                WebhooksCommand::Requeue {
+                    webhook_id,
+                    delivery_id,
+                    all_dead,
+                    target,
+                },
+        } => {
+            let delivery = dead_letters::chosen_delivery(delivery_id, all_dead)?;
+            dead_letters::webhook(target.target()?, &webhook_id, delivery).await
         }
         Command::Approvals {
             command:

@@ -41,6 +41,12 @@ macro_rules! scenarios {
                 let Some(db) = super::$backend() else { return };
                 super::killed_during_a_continuation(&db.url).await;
             }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn dead_letters_are_discarded_from_the_terminal_and_a_closed_sessions_stay() {
+                let Some(db) = super::$backend() else { return };
+                super::dead_letters_from_the_terminal(&db.url).await;
+            }
         }
     };
 }
@@ -443,4 +449,87 @@ async fn run_leaves_background_work_to_resume(url: &str) {
         [RunStatus::Completed, RunStatus::Completed],
         "the run and its continuation"
     );
+}
+
+/// `ratchet inbox` and `ratchet webhooks` act on dead letters in the database: a closed
+/// session's report cannot be requeued (nothing would tell it) but can be discarded, once;
+/// bad requests say what is wrong and exit non-zero.
+async fn dead_letters_from_the_terminal(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = dir.path().join("agents");
+    std::fs::create_dir(&catalog).unwrap();
+    write_background_catalog(&catalog);
+    let ran = output_within_deadline(
+        Command::new(BIN)
+            .args(["run", "--json", "--db", url, "--agents"])
+            .arg(&catalog)
+            .args(["--agent", "lead", "--workspace"])
+            .arg(dir.path())
+            .arg("start the work"),
+        "",
+    );
+    assert!(ran.status.success(), "run failed: {}", stderr_of(&ran));
+    let report: serde_json::Value = serde_json::from_slice(&ran.stdout).unwrap();
+    let session = SessionId::parse(report["session_id"].as_str().unwrap()).unwrap();
+    let store = open(url);
+    store
+        .close_session(&session, ratchet_store::Closing::Archive, 1)
+        .await
+        .unwrap();
+    let event = store.inbox(&session, None, 0, 10).await.unwrap()[0].id;
+    let cli = |args: &[&str]| {
+        let mut command = Command::new(BIN);
+        command.args(args).args(["--db", url]);
+        output_within_deadline(&mut command, "")
+    };
+    let (session_arg, event_arg) = (session.to_string(), event.to_string());
+
+    let refused = cli(&["inbox", "requeue", &session_arg, &event_arg]);
+    assert!(
+        !refused.status.success(),
+        "a closed session's dead letter was requeued"
+    );
+    assert!(
+        stderr_of(&refused).contains("is closed"),
+        "{}",
+        stderr_of(&refused)
+    );
+    for _ in 0..2 {
+        let discarded = cli(&[
+            "inbox",
+            "discard",
+            &session_arg,
+            &event_arg,
+            "--by",
+            "alice",
+        ]);
+        assert!(discarded.status.success(), "{}", stderr_of(&discarded));
+        let said = String::from_utf8_lossy(&discarded.stdout).into_owned();
+        assert!(said.contains("is discarded: discarded by alice"), "{said}");
+    }
+    let inbox = store.inbox(&session, None, 0, 10).await.unwrap();
+    assert_eq!(inbox[0].status, InboxStatus::Discarded);
+
+    for (args, says) in [
+        (
+            vec!["webhooks", "requeue", "whk_nothing"],
+            "give the DELIVERY_ID of a dead delivery, or --all-dead",
+        ),
+        (
+            vec!["webhooks", "requeue", "whk_nothing", "--all-dead"],
+            "webhook whk_nothing not found",
+        ),
+        (
+            vec!["inbox", "discard", &session_arg, "999999"],
+            "inbox event 999999 of session",
+        ),
+    ] {
+        let failed = cli(&args);
+        assert!(!failed.status.success(), "{args:?} succeeded");
+        assert!(
+            stderr_of(&failed).contains(says),
+            "{args:?}: {}",
+            stderr_of(&failed)
+        );
+    }
 }

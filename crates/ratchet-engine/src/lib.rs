@@ -77,7 +77,8 @@ impl Default for PoolConfig {
     }
 }
 
-pub(crate) fn now_ms() -> Millis {
+/// The wall clock in milliseconds since the epoch, as the runtime stamps what it writes.
+pub fn now_ms() -> Millis {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as Millis)
