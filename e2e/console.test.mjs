@@ -365,7 +365,7 @@ test("a server killed mid-call comes back: the stream resumes and the console as
   assert.deepEqual(page.errors, []);
 });
 
-test("archiving a session with background work sends its report to the dead letter", async () => {
+test("archiving a session with background work sends its report to the dead letter, which can be discarded", async () => {
   const server = await serve();
   const page = await openPage(browser, server.url);
   const sessionId = await newSession(page, "dispatcher");
@@ -389,6 +389,20 @@ test("archiving a session with background work sends its report to the dead lett
   await page.getByLabel("Status").selectOption("dead_letter");
   await row.first().waitFor();
   await screenshot(page, "inbox");
+
+  // A closed session's dead letter is not requeued (nothing would tell it): the refusal shows.
+  const dead = truth.items.length;
+  await row.first().getByRole("button", { name: /^Requeue event/ }).click();
+  await page.getByText(/is closed: it starts no continuation/).waitFor();
+  // It can be discarded, saying who did.
+  page.once("dialog", (dialog) => dialog.accept());
+  await row.first().getByRole("button", { name: /^Discard event/ }).click();
+  await page.waitForFunction((left) => document.querySelectorAll("tr[data-inbox]").length === left, dead - 1);
+  const discarded = await server.get(`/v1/sessions/${sessionId}/inbox?status=discarded`);
+  assert.equal(discarded.items.length, 1);
+  assert.match(discarded.items[0].reason, /^discarded by the console/);
+  await page.getByLabel("Status").selectOption("discarded");
+  await row.first().locator(".chip", { hasText: "discarded" }).waitFor();
   assert.deepEqual(page.errors, []);
 });
 

@@ -1050,14 +1050,17 @@ function showInbox(view, sessionId) {
   const filter = h(
     "select",
     { id: "inbox-status" },
-    ...["all", "reserved", "pending", "leased", "consumed", "dead_letter", "superseded"].map((s) =>
+    ...["all", "reserved", "pending", "leased", "consumed", "dead_letter", "superseded", "discarded"].map((s) =>
       h("option", { value: s, text: s.replaceAll("_", " ") }),
     ),
   );
   const body = h("tbody");
   view.append(
     h("h1", {}, "Inbox of ", h("a", { href: `#/sessions/${sessionId}`, class: "mono", text: sessionId })),
-    h("p", { class: "muted", text: "Reports from background work, in order. Dead letters are reports no continuation could deliver." }),
+    h("p", {
+      class: "muted",
+      text: "Reports from background work, in order. Dead letters are reports no continuation could deliver: requeue one to have it told again, or discard it.",
+    }),
     h("div", { class: "inline" }, h("div", { class: "field" }, h("label", { for: "inbox-status", text: "Status" }), filter)),
     region,
     h(
@@ -1073,7 +1076,7 @@ function showInbox(view, sessionId) {
           h(
             "tr",
             {},
-            ...["#", "Kind", "Status", "Attempts", "From", "Payload"].map((t) => h("th", { scope: "col", text: t })),
+            ...["#", "Kind", "Status", "Attempts", "From", "Payload", "Actions"].map((t) => h("th", { scope: "col", text: t })),
           ),
         ),
         body,
@@ -1100,14 +1103,33 @@ function showInbox(view, sessionId) {
             h("td", { text: `${item.attempts} of ${item.max_attempts}` }),
             h("td", {}, item.parent_run_id ? runLink(item.parent_run_id) : ""),
             h("td", {}, h("details", {}, h("summary", { text: "Payload" }), h("pre", { text: json(item.payload) }))),
+            h("td", {}, item.status === "dead_letter" ? deadLetterActions(item) : null),
           ),
         ),
       );
-      if (items.length === 0) body.append(h("tr", {}, h("td", { colspan: "6", class: "muted", text: "Nothing here." })));
+      if (items.length === 0) body.append(h("tr", {}, h("td", { colspan: "7", class: "muted", text: "Nothing here." })));
       clearError(region);
     } catch (error) {
       showError(region, error);
     }
+  }
+  // A dead letter's buttons: requeue (told again by a continuation turn) or discard for good.
+  function deadLetterActions(item) {
+    const requeue = h("button", { type: "button", text: "Requeue", "aria-label": `Requeue event ${item.id}` });
+    const discard = h("button", { type: "button", class: "danger", text: "Discard", "aria-label": `Discard event ${item.id}` });
+    const path = (action) => `/v1/sessions/${sessionId}/inbox/${item.id}/${action}`;
+    // The list is read again only after a success: a refusal stays on screen.
+    const operate = (button, action) =>
+      act(button, region, async () => {
+        await api(path(action), { method: "POST", body: { by: "the console" } });
+        await refresh();
+      });
+    requeue.addEventListener("click", () => operate(requeue, "requeue"));
+    discard.addEventListener("click", () => {
+      if (!confirm(`Discard event ${item.id}? Its report is dropped for good.`)) return;
+      operate(discard, "discard");
+    });
+    return h("div", { class: "actions" }, requeue, discard);
   }
   filter.addEventListener("change", refresh);
   let later = null;
