@@ -1047,6 +1047,8 @@ function showSession(view, sessionId) {
 
 function showInbox(view, sessionId) {
   const region = errorRegion();
+  // What a requeue or discard was refused for: a later read of the list does not clear it.
+  const actionRegion = errorRegion();
   const filter = h(
     "select",
     { id: "inbox-status" },
@@ -1063,6 +1065,7 @@ function showInbox(view, sessionId) {
     }),
     h("div", { class: "inline" }, h("div", { class: "field" }, h("label", { for: "inbox-status", text: "Status" }), filter)),
     region,
+    actionRegion,
     h(
       "div",
       { class: "scroll" },
@@ -1120,7 +1123,7 @@ function showInbox(view, sessionId) {
     const path = (action) => `/v1/sessions/${sessionId}/inbox/${item.id}/${action}`;
     // The list is read again only after a success: a refusal stays on screen.
     const operate = (button, action) =>
-      act(button, region, async () => {
+      act(button, actionRegion, async () => {
         await api(path(action), { method: "POST", body: { by: "the console" } });
         await refresh();
       });
