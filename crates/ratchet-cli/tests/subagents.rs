@@ -402,9 +402,9 @@ async fn killed_during_a_continuation(url: &str) {
     );
 }
 
-async fn run_leaves_background_work_to_resume(url: &str) {
-    let dir = tempfile::tempdir().unwrap();
-    let catalog = dir.path().join("agents");
+/// `ratchet run` of the `lead` agent in `dir`, which leaves its background work behind.
+fn run_lead(url: &str, dir: &Path) -> std::process::Output {
+    let catalog = dir.join("agents");
     std::fs::create_dir(&catalog).unwrap();
     write_background_catalog(&catalog);
     let ran = output_within_deadline(
@@ -412,11 +412,17 @@ async fn run_leaves_background_work_to_resume(url: &str) {
             .args(["run", "--json", "--db", url, "--agents"])
             .arg(&catalog)
             .args(["--agent", "lead", "--workspace"])
-            .arg(dir.path())
+            .arg(dir)
             .arg("start the work"),
         "",
     );
     assert!(ran.status.success(), "run failed: {}", stderr_of(&ran));
+    ran
+}
+
+async fn run_leaves_background_work_to_resume(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let ran = run_lead(url, dir.path());
     let stderr = stderr_of(&ran);
     assert!(
         stderr.contains("background work goes on in session")
@@ -456,19 +462,7 @@ async fn run_leaves_background_work_to_resume(url: &str) {
 /// bad requests say what is wrong and exit non-zero.
 async fn dead_letters_from_the_terminal(url: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let catalog = dir.path().join("agents");
-    std::fs::create_dir(&catalog).unwrap();
-    write_background_catalog(&catalog);
-    let ran = output_within_deadline(
-        Command::new(BIN)
-            .args(["run", "--json", "--db", url, "--agents"])
-            .arg(&catalog)
-            .args(["--agent", "lead", "--workspace"])
-            .arg(dir.path())
-            .arg("start the work"),
-        "",
-    );
-    assert!(ran.status.success(), "run failed: {}", stderr_of(&ran));
+    let ran = run_lead(url, dir.path());
     let report: serde_json::Value = serde_json::from_slice(&ran.stdout).unwrap();
     let session = SessionId::parse(report["session_id"].as_str().unwrap()).unwrap();
     let store = open(url);

@@ -541,10 +541,7 @@ async fn background_work_reports_back_in_a_continuation_turn_and_an_archived_ses
     let ended = server.finish(&root).await;
     assert_eq!(ended["final_answer"], "started", "{ended}");
     let seen = events.until(|e| e.kind == "inbox.consumed").await;
-    let inbox_kinds: Vec<&str> = kinds(&seen)
-        .into_iter()
-        .filter(|k| k.starts_with("inbox."))
-        .collect();
+    let inbox_kinds = inbox_kinds(&seen);
     assert_eq!(
         inbox_kinds,
         [
@@ -740,10 +737,7 @@ async fn a_continuation_whose_model_keeps_failing_is_retried_then_dead_lettered(
         .to_owned();
     assert_eq!(server.finish(&root).await["final_answer"], "started");
     let seen = events.until(|e| e.kind == "inbox.dead_lettered").await;
-    let inbox_kinds: Vec<&str> = kinds(&seen)
-        .into_iter()
-        .filter(|k| k.starts_with("inbox."))
-        .collect();
+    let inbox_kinds = inbox_kinds(&seen);
     assert_eq!(
         inbox_kinds,
         [
@@ -860,10 +854,7 @@ async fn a_continuation_whose_model_keeps_failing_is_retried_then_dead_lettered(
     );
     assert!(requeued.body["requeued_at"].is_i64(), "{}", requeued.body);
     let seen = events.until(|e| e.kind == "inbox.dead_lettered").await;
-    let inbox_kinds: Vec<&str> = kinds(&seen)
-        .into_iter()
-        .filter(|k| k.starts_with("inbox."))
-        .collect();
+    let inbox_kinds = inbox_kinds(&seen);
     assert_eq!(
         inbox_kinds,
         [
@@ -1215,4 +1206,11 @@ async fn concurrent_reloads_are_prepared_and_activated_one_at_a_time() {
         "prepares overlapped"
     );
     assert_eq!(state.active().run_template().model, "scripted:reload-4");
+}
+
+/// The kinds of the inbox's events among `events`, in order.
+fn inbox_kinds(events: &[Ev]) -> Vec<&str> {
+    (kinds(events).into_iter())
+        .filter(|k| k.starts_with("inbox."))
+        .collect()
 }

@@ -408,21 +408,29 @@ pub async fn a_group_reports_once_when_its_last_run_ends(store: &dyn Store) {
     continuation_holding(store, &session, &[reported[0].id]).await;
 }
 
-pub async fn a_failing_continuation_is_retried_then_dead_lettered(store: &dyn Store) {
+/// A session whose first run started `tasks` background runs (`each`) and answered, the first
+/// of which has reported: a continuation turn holds its report. Returns the session, its first
+/// run and the report's event.
+async fn first_report(store: &dyn Store, policy: InboxPolicy, tasks: usize) -> (SessionId, RunId, i64) {
     let session = new_session(store).await;
-    let policy = InboxPolicy {
-        max_attempts: 2,
-        retry_backoff_ms: 1_000,
-        ..InboxPolicy::default()
-    };
     let (parent, _) = submit(store, &session, "start work", inbox_config(policy), T0).await;
-    let children = background(store, &parent, 1, CompletionPolicy::Each, T0 + 10)
+    let children = background(store, &parent, tasks, CompletionPolicy::Each, T0 + 10)
         .await
         .unwrap();
     let step = claim_own(store, &parent, T0 + 20).await;
     finish_claimed(store, &step, Ok("it runs"), T0 + 20).await;
     end_child(store, &children[0], Ok("result"), T0 + 30).await;
     let event = inbox(store, &session).await[0].id;
+    (session, parent, event)
+}
+
+pub async fn a_failing_continuation_is_retried_then_dead_lettered(store: &dyn Store) {
+    let policy = InboxPolicy {
+        max_attempts: 2,
+        retry_backoff_ms: 1_000,
+        ..InboxPolicy::default()
+    };
+    let (session, parent, event) = first_report(store, policy, 1).await;
     let first = continuation_holding(store, &session, &[event]).await;
 
     let step = claim_run(store, &first, T0 + 40).await;
@@ -501,19 +509,11 @@ async fn stop(store: &dyn Store, run: &RunId, now: i64) {
 pub async fn a_stopped_continuation_gives_its_reports_back_for_after_the_next_user_turn(
     store: &dyn Store,
 ) {
-    let session = new_session(store).await;
     let policy = InboxPolicy {
         max_attempts: 1,
         ..InboxPolicy::default()
     };
-    let (parent, _) = submit(store, &session, "start work", inbox_config(policy), T0).await;
-    let children = background(store, &parent, 1, CompletionPolicy::Each, T0 + 10)
-        .await
-        .unwrap();
-    let step = claim_own(store, &parent, T0 + 20).await;
-    finish_claimed(store, &step, Ok("it runs"), T0 + 20).await;
-    end_child(store, &children[0], Ok("result"), T0 + 30).await;
-    let event = inbox(store, &session).await[0].id;
+    let (session, _, event) = first_report(store, policy, 1).await;
     let first = continuation_holding(store, &session, &[event]).await;
 
     stop(store, &first, T0 + 40).await;
@@ -591,20 +591,12 @@ pub async fn a_stopped_continuation_gives_its_reports_back_for_after_the_next_us
 pub async fn a_continuation_that_fails_after_answering_in_part_tells_its_report_once(
     store: &dyn Store,
 ) {
-    let session = new_session(store).await;
     let policy = InboxPolicy {
         max_attempts: 3,
         retry_backoff_ms: 1_000,
         ..InboxPolicy::default()
     };
-    let (parent, _) = submit(store, &session, "start work", inbox_config(policy), T0).await;
-    let children = background(store, &parent, 1, CompletionPolicy::Each, T0 + 10)
-        .await
-        .unwrap();
-    let step = claim_own(store, &parent, T0 + 20).await;
-    finish_claimed(store, &step, Ok("it runs"), T0 + 20).await;
-    end_child(store, &children[0], Ok("result"), T0 + 30).await;
-    let event = inbox(store, &session).await[0].id;
+    let (session, _, event) = first_report(store, policy, 1).await;
     let before = store.history(&session).await.unwrap();
 
     let mut now = T0 + 40;
@@ -684,19 +676,11 @@ pub async fn a_continuation_that_fails_after_answering_in_part_tells_its_report_
 /// Repeats change nothing; an event that is not a dead letter, and a closed session's dead
 /// letters, are refused.
 pub async fn an_operator_requeues_or_discards_a_dead_letter_once(store: &dyn Store) {
-    let session = new_session(store).await;
     let policy = InboxPolicy {
         max_attempts: 1,
         ..InboxPolicy::default()
     };
-    let (parent, _) = submit(store, &session, "start work", inbox_config(policy), T0).await;
-    let children = background(store, &parent, 2, CompletionPolicy::Each, T0 + 10)
-        .await
-        .unwrap();
-    let step = claim_own(store, &parent, T0 + 20).await;
-    finish_claimed(store, &step, Ok("it runs"), T0 + 20).await;
-    end_child(store, &children[0], Ok("first"), T0 + 30).await;
-    let event = inbox(store, &session).await[0].id;
+    let (session, _, event) = first_report(store, policy, 2).await;
     let refused = store
         .discard_inbox_event(&session, event, "ops", T0 + 31)
         .await;
