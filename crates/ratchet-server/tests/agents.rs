@@ -541,9 +541,8 @@ async fn background_work_reports_back_in_a_continuation_turn_and_an_archived_ses
     let ended = server.finish(&root).await;
     assert_eq!(ended["final_answer"], "started", "{ended}");
     let seen = events.until(|e| e.kind == "inbox.consumed").await;
-    let inbox_kinds = inbox_kinds(&seen);
     assert_eq!(
-        inbox_kinds,
+        inbox_kinds(&seen),
         [
             "inbox.reserved",
             "inbox.pending",
@@ -737,9 +736,8 @@ async fn a_continuation_whose_model_keeps_failing_is_retried_then_dead_lettered(
         .to_owned();
     assert_eq!(server.finish(&root).await["final_answer"], "started");
     let seen = events.until(|e| e.kind == "inbox.dead_lettered").await;
-    let inbox_kinds = inbox_kinds(&seen);
     assert_eq!(
-        inbox_kinds,
+        inbox_kinds(&seen),
         [
             "inbox.reserved",
             "inbox.pending",
@@ -854,9 +852,8 @@ async fn a_continuation_whose_model_keeps_failing_is_retried_then_dead_lettered(
     );
     assert!(requeued.body["requeued_at"].is_i64(), "{}", requeued.body);
     let seen = events.until(|e| e.kind == "inbox.dead_lettered").await;
-    let inbox_kinds = inbox_kinds(&seen);
     assert_eq!(
-        inbox_kinds,
+        inbox_kinds(&seen),
         [
             "inbox.requeued",
             "inbox.leased",

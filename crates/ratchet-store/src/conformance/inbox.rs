@@ -411,7 +411,11 @@ pub async fn a_group_reports_once_when_its_last_run_ends(store: &dyn Store) {
 /// A session whose first run started `tasks` background runs (`each`) and answered, the first
 /// of which has reported: a continuation turn holds its report. Returns the session, its first
 /// run and the report's event.
-async fn first_report(store: &dyn Store, policy: InboxPolicy, tasks: usize) -> (SessionId, RunId, i64) {
+async fn first_report(
+    store: &dyn Store,
+    policy: InboxPolicy,
+    tasks: usize,
+) -> (SessionId, RunId, i64) {
     let session = new_session(store).await;
     let (parent, _) = submit(store, &session, "start work", inbox_config(policy), T0).await;
     let children = background(store, &parent, tasks, CompletionPolicy::Each, T0 + 10)
