@@ -883,7 +883,7 @@ fn insert_encoded_message(
         sql_str(&message.visibility)?,
         sql_str(&message.origin)?,
     );
-    // A continuation turn's messages are drafts until it completes (`publish_drafts`).
+    // A continuation turn's messages are drafts until it completes (`inbox::continuation_ended`).
     let draft_of = state.config.continuation.then(|| state.run_id.as_str());
     c.write(
         "INSERT INTO messages (id, session_id, run_id, role, content, tool_calls_json, tool_call_id, visibility, origin, created_at, keeps_from, is_error, draft_of)
