@@ -406,6 +406,43 @@ test("archiving a session with background work sends its report to the dead lett
   assert.deepEqual(page.errors, []);
 });
 
+// Polls `check` until it holds; fails after 30 s.
+async function until(what, check) {
+  const deadline = Date.now() + 30000;
+  while (!(await check())) {
+    if (Date.now() > deadline) throw new Error(`timed out waiting until ${what}`);
+    await new Promise((resolve) => setTimeout(resolve, 100));
+  }
+}
+
+test("a webhook's dead deliveries are requeued from its delivery log", async () => {
+  const server = await serve();
+  // A receiver whose name never resolves: the one attempt allowed fails and the delivery dies.
+  const webhook = await server.post("/v1/webhooks", { url: "http://receiver.invalid/hook", max_attempts: 1, events: ["run.created"] });
+  const session = await server.post("/v1/sessions", { agent: "chat" });
+  await server.post(`/v1/sessions/${session.id}/messages`, { content: "Hello" });
+  const log = `/v1/webhooks/${webhook.id}/deliveries`;
+  const dead = async () => (await server.get(`${log}?status=dead_letter`)).items;
+  await until("the delivery is dead", async () => (await dead()).length === 1);
+
+  const page = await openPage(browser, server.url);
+  await page.getByRole("link", { name: "Webhooks" }).click();
+  await page.getByRole("link", { name: webhook.id }).click();
+  await page.getByRole("heading", { name: /^Deliveries of/ }).waitFor();
+  const row = page.locator("tr[data-delivery]");
+  await row.first().locator(".chip", { hasText: "dead letter" }).waitFor();
+  await row.first().getByRole("button", { name: /^Requeue delivery/ }).click();
+  await until("the delivery was requeued", async () => (await server.get(log)).items[0].requeued_at !== null);
+  // The receiver is still away: tried once more, it dies again, and the log shows it.
+  await until("the requeued delivery is dead again", async () => (await dead()).length === 1);
+  const first = (await dead())[0].requeued_at;
+  await row.first().locator(".chip", { hasText: "dead letter" }).waitFor();
+  await page.getByRole("button", { name: "Requeue every dead letter" }).click();
+  await until("every dead letter was requeued", async () => (await server.get(log)).items[0].requeued_at > first);
+  assert.deepEqual(await accessibilityViolations(page), []);
+  assert.deepEqual(page.errors, []);
+});
+
 test("on a phone the conversation fits the screen", async () => {
   const server = await serve();
   const page = await openPage(browser, server.url, { width: 390, height: 844 });

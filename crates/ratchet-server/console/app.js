@@ -1354,6 +1354,120 @@ function showApprovals(view) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Webhooks and their delivery logs, dead letters included.
+
+function showWebhooks(view) {
+  const region = errorRegion();
+  const list = h("ul", {});
+  view.append(
+    h("h1", { text: "Webhooks" }),
+    h("p", { class: "muted", text: "Where this tenant's events are sent. Open one for its delivery log." }),
+    region,
+    list,
+  );
+  (async () => {
+    try {
+      const { items } = await api("/v1/webhooks");
+      list.replaceChildren(
+        ...items.map((webhook) =>
+          h(
+            "li",
+            {},
+            h("a", { href: `#/webhooks/${webhook.id}`, class: "mono", text: webhook.id }),
+            " ",
+            h("span", { text: webhook.url }),
+            h("div", { class: "muted", text: webhook.events ? `sends ${webhook.events.join(", ")}` : "sends every event" }),
+          ),
+        ),
+      );
+      if (items.length === 0) list.append(h("li", { class: "muted", text: "No webhooks." }));
+    } catch (error) {
+      showError(region, error);
+    }
+  })();
+  connection.set("idle", "");
+  return null;
+}
+
+function showWebhook(view, webhookId) {
+  const region = errorRegion();
+  // What a requeue was refused for: a later read of the log does not clear it.
+  const actionRegion = errorRegion();
+  const filter = h(
+    "select",
+    { id: "delivery-status" },
+    ...["all", "pending", "delivering", "delivered", "dead_letter"].map((s) => h("option", { value: s, text: s.replaceAll("_", " ") })),
+  );
+  const requeueAll = h("button", { type: "button", text: "Requeue every dead letter" });
+  const body = h("tbody");
+  view.append(
+    h("h1", {}, "Deliveries of ", h("span", { class: "mono", text: webhookId })),
+    h("p", { class: "muted", text: "Each event's trip to the receiver, in the order they were queued. Requeue a dead letter to send it again." }),
+    h("div", { class: "inline" }, h("div", { class: "field" }, h("label", { for: "delivery-status", text: "Status" }), filter), requeueAll),
+    region,
+    actionRegion,
+    h(
+      "div",
+      { class: "scroll" },
+      h(
+        "table",
+        {},
+        h("caption", { text: "Deliveries" }),
+        h(
+          "thead",
+          {},
+          h("tr", {}, ...["#", "Event", "Status", "Attempts", "Last answer", "Actions"].map((t) => h("th", { scope: "col", text: t }))),
+        ),
+        body,
+      ),
+    ),
+  );
+  const operate = (button, path) =>
+    act(button, actionRegion, async () => {
+      await api(path, { method: "POST" });
+      await refresh();
+    });
+  requeueAll.addEventListener("click", () => operate(requeueAll, `/v1/webhooks/${webhookId}/deliveries/requeue`));
+
+  let reads = 0;
+  async function refresh() {
+    const read = ++reads;
+    try {
+      const query = filter.value === "all" ? "" : `?status=${filter.value}`;
+      const items = await allPages(`/v1/webhooks/${webhookId}/deliveries${query}`);
+      if (read !== reads) return;
+      body.replaceChildren(
+        ...items.map((delivery) => {
+          const requeue = h("button", { type: "button", text: "Requeue", "aria-label": `Requeue delivery ${delivery.id}` });
+          requeue.addEventListener("click", () =>
+            operate(requeue, `/v1/webhooks/${webhookId}/deliveries/${delivery.id}/requeue`),
+          );
+          return h(
+            "tr",
+            { "data-delivery": delivery.id },
+            h("td", { text: delivery.id }),
+            h("td", {}, h("a", { href: `#/sessions/${delivery.session_id}`, class: "mono", text: `${delivery.session_id} #${delivery.seq}` }), ` ${delivery.event_kind}`),
+            h("td", {}, chip(delivery.status)),
+            h("td", { text: `${delivery.attempts} of ${delivery.max_attempts}` }),
+            h("td", { text: delivery.last_error ?? (delivery.last_status ? `HTTP ${delivery.last_status}` : "") }),
+            h("td", {}, delivery.status === "dead_letter" ? requeue : null),
+          );
+        }),
+      );
+      if (items.length === 0) body.append(h("tr", {}, h("td", { colspan: "6", class: "muted", text: "Nothing here." })));
+      clearError(region);
+    } catch (error) {
+      showError(region, error);
+    }
+  }
+  filter.addEventListener("change", refresh);
+  refresh();
+  const timer = setInterval(refresh, 3000);
+  connection.set("idle", "");
+  return () => clearInterval(timer);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Routing by the URL's fragment, so that every view has an address and the server serves one page.
 
 const ROUTES = [
@@ -1362,6 +1476,8 @@ const ROUTES = [
   [/^#\/sessions\/([A-Za-z0-9_-]+)\/inbox$/, showInbox],
   [/^#\/runs\/([A-Za-z0-9_-]+)$/, showRun],
   [/^#\/approvals$/, showApprovals],
+  [/^#\/webhooks$/, showWebhooks],
+  [/^#\/webhooks\/([A-Za-z0-9_-]+)$/, showWebhook],
 ];
 
 let teardown = null;
