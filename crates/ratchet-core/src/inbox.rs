@@ -185,6 +185,9 @@ pub struct InboxPolicy {
     pub max_wait_ms: u64,
     /// How long a continuation turn may take: past it, its next model call concludes it.
     pub continuation_max_duration_ms: u64,
+    /// How long a report may wait to be told from when it was written (or requeued): past it,
+    /// a pending one goes to the dead letter as `expired`.
+    pub max_age_ms: u64,
 }
 
 impl Default for InboxPolicy {
@@ -196,6 +199,7 @@ impl Default for InboxPolicy {
             user_turns_before_inbox: 3,
             max_wait_ms: 60_000,
             continuation_max_duration_ms: 300_000,
+            max_age_ms: 7 * 24 * 3_600_000,
         }
     }
 }
@@ -210,6 +214,11 @@ fn millis(ms: u64) -> Millis {
 const MAX_BACKOFF_MS: u64 = 3_600_000;
 
 impl InboxPolicy {
+    /// When a report written (or requeued) at `now` expires if no one has told it.
+    pub fn expires_at(&self, now: Millis) -> Millis {
+        now.saturating_add(millis(self.max_age_ms))
+    }
+
     /// A continuation holding an event for its `attempts`-th time failed: when the event is
     /// offered again, or None when it is dead-lettered now.
     pub fn retry_at(&self, attempts: u32, now: Millis) -> Option<Millis> {

@@ -294,6 +294,12 @@ ALTER TABLE messages ADD COLUMN draft_of TEXT COLLATE "C";
 ALTER TABLE inbox ADD COLUMN requeued_at BIGINT;
 ALTER TABLE webhook_deliveries ADD COLUMN requeued_at BIGINT;
 "#,
+    r#"
+-- When a pending report expires untold (its inbox policy's `max_age_ms` after it was written
+-- or requeued); idle workers dead-letter it then.
+ALTER TABLE inbox ADD COLUMN expires_at BIGINT;
+CREATE INDEX inbox_expiring ON inbox(expires_at) WHERE status = 'pending';
+"#,
 ];
 
 /// The advisory lock that makes processes opening one database at once migrate it one

@@ -211,6 +211,9 @@ pub struct InboxSettings {
     pub max_wait_ms: Option<u64>,
     /// How long a continuation turn may take (default 300000).
     pub continuation_max_duration_ms: Option<u64>,
+    /// How long a report may wait to be told before it is dead-lettered as expired (default
+    /// 604800000, seven days).
+    pub max_age_ms: Option<u64>,
 }
 
 /// `[gates]`: a run quota (unfinished runs: queued, running, waiting, cancelling) and step
@@ -460,6 +463,14 @@ impl Config {
             continuation_max_duration_ms: settings
                 .continuation_max_duration_ms
                 .unwrap_or(defaults.continuation_max_duration_ms),
+            max_age_ms: match settings.max_age_ms {
+                Some(0) => {
+                    return Err(ConfigError::Invalid(
+                        "inbox.max_age_ms must be at least 1, found 0".into(),
+                    ));
+                }
+                age => age.unwrap_or(defaults.max_age_ms),
+            },
         })
     }
 
@@ -930,14 +941,18 @@ mod tests {
 
     #[test]
     fn inbox_settings_are_read_checked_and_default_the_rest() {
-        let config: Config = toml::from_str("[inbox]\ncapacity = 8\nmax_wait_ms = 10\n").unwrap();
+        let config: Config =
+            toml::from_str("[inbox]\ncapacity = 8\nmax_wait_ms = 10\nmax_age_ms = 99\n").unwrap();
         let policy = config.inbox_policy().unwrap();
-        assert_eq!((policy.capacity, policy.max_wait_ms), (8, 10));
+        assert_eq!(
+            (policy.capacity, policy.max_wait_ms, policy.max_age_ms),
+            (8, 10, 99)
+        );
         assert_eq!(
             policy.max_attempts,
             ratchet_core::InboxPolicy::default().max_attempts
         );
-        for zero in ["capacity", "max_attempts"] {
+        for zero in ["capacity", "max_attempts", "max_age_ms"] {
             let config: Config = toml::from_str(&format!("[inbox]\n{zero} = 0\n")).unwrap();
             let error = config.inbox_policy().unwrap_err().to_string();
             assert!(

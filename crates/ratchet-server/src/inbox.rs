@@ -54,6 +54,8 @@ pub struct InboxEventView {
     pub reason: Option<String>,
     /// When an operator last requeued it from the dead letter.
     pub requeued_at: Option<Millis>,
+    /// When it goes to the dead letter (`expired`) if it is still pending untold.
+    pub expires_at: Option<Millis>,
     pub created_at: Millis,
     pub updated_at: Millis,
 }
@@ -75,6 +77,7 @@ impl From<InboxEvent> for InboxEventView {
             lease_run_id: event.lease_run_id.map(|r| r.to_string()),
             reason: event.reason,
             requeued_at: event.requeued_at,
+            expires_at: event.expires_at,
             created_at: event.created_at,
             updated_at: event.updated_at,
         }

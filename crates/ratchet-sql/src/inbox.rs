@@ -230,11 +230,12 @@ pub(crate) fn background_ended(
     };
     let report = to_json(&completion_report(&lineage.parent_run_id, results))?;
     let closed = is_closed(c, root)?;
+    let expires_at = policy_of(c, lineage.parent_run_id.as_str())?.expires_at(now);
     let mut drafts = Vec::new();
     for id in place {
         c.execute(
-            "UPDATE inbox SET payload_json = ?2, available_at = ?3 WHERE id = ?1",
-            &params![id, &report, now],
+            "UPDATE inbox SET payload_json = ?2, available_at = ?3, expires_at = ?4 WHERE id = ?1",
+            &params![id, &report, now, expires_at],
         )?;
         if closed {
             let dead = move_events(
@@ -564,6 +565,60 @@ pub(crate) fn wake_held(c: &dyn Db, session: &SessionId, now: Millis) -> Result<
     )
 }
 
+/// Most pending reports one pass of `expire` dead-letters.
+const EXPIRED_PER_PASS: u32 = 256;
+
+/// Whether a pending report has outlived its max age as of `now`: a read, so that an idle
+/// worker finding none does not take the writer.
+pub(crate) fn anything_expired(c: &dyn Db, now: Millis) -> Result<bool> {
+    Ok(c.query_opt(
+        "SELECT 1 FROM inbox WHERE status = 'pending' AND expires_at <= ?1 LIMIT 1",
+        &params![now],
+    )?
+    .is_some())
+}
+
+/// Dead-letters the pending reports that have outlived their max age (`expired`), at most
+/// `EXPIRED_PER_PASS`, under each root session's lock.
+pub(crate) fn expire(c: &dyn Db, now: Millis) -> Result<Vec<StoredEvent>> {
+    let rows = c.query(
+        "SELECT session_id, id FROM inbox WHERE status = 'pending' AND expires_at <= ?1
+         ORDER BY session_id, id LIMIT ?2",
+        &params![now, EXPIRED_PER_PASS],
+    )?;
+    let mut by_session: Vec<(SessionId, Vec<i64>)> = Vec::new();
+    for mut row in rows {
+        let (session, id) = (parse_session_id(&row.text(0)?)?, row.int(1)?);
+        match by_session.last_mut() {
+            Some((last, ids)) if *last == session => ids.push(id),
+            _ => by_session.push((session, vec![id])),
+        }
+    }
+    let reason = "expired: not told within its inbox policy's max_age_ms";
+    let mut events = Vec::new();
+    for (session, ids) in by_session {
+        c.lock_session(session.as_str())?;
+        let dead = move_events(
+            c,
+            &ids,
+            InboxStatus::Pending,
+            InboxStatus::DeadLetter,
+            Some(reason),
+            now,
+        )?;
+        if !dead.is_empty() {
+            events.extend(insert_events(
+                c,
+                &session,
+                None,
+                &[dead_lettered(&dead, reason)],
+                now,
+            )?);
+        }
+    }
+    Ok(events)
+}
+
 /// Root sessions a continuation could start in now.
 pub(crate) fn servable_sessions(c: &dyn Db, now: Millis) -> Result<Vec<SessionId>> {
     c.query(
@@ -705,7 +760,7 @@ pub(crate) fn close_session(
     Ok(Closed { events, enqueued })
 }
 
-const INBOX_COLUMNS: &str = "id, session_id, kind, status, delivery, parent_run_id, source_run_id, group_id, payload_json, attempts, max_attempts, available_at, lease_run_id, reason, created_at, updated_at, requeued_at";
+const INBOX_COLUMNS: &str = "id, session_id, kind, status, delivery, parent_run_id, source_run_id, group_id, payload_json, attempts, max_attempts, available_at, lease_run_id, reason, created_at, updated_at, requeued_at, expires_at";
 
 fn to_inbox_event(mut r: Row) -> Result<InboxEvent> {
     let kind = r.text(2)?;
@@ -733,6 +788,7 @@ fn to_inbox_event(mut r: Row) -> Result<InboxEvent> {
         created_at: r.int(14)?,
         updated_at: r.int(15)?,
         requeued_at: r.opt_int(16)?,
+        expires_at: r.opt_int(17)?,
     })
 }
 
@@ -816,8 +872,10 @@ pub(crate) fn operate(
         }
         move_events(c, &[id], InboxStatus::DeadLetter, to, Some(&reason), now)?;
         c.write(
-            "UPDATE inbox SET attempts = 0, available_at = ?2, requeued_at = ?2, lease_run_id = NULL WHERE id = ?1",
-            &params![id, now],
+            "UPDATE inbox SET attempts = 0, available_at = ?2, requeued_at = ?2, expires_at = ?3,
+                              lease_run_id = NULL
+             WHERE id = ?1",
+            &params![id, now, policy.expires_at(now)],
         )?;
         vec![EventDraft::new(
             EventKind::InboxRequeued,
@@ -949,8 +1007,8 @@ pub(crate) fn emit_signal(
     }
     let id = c
         .query_opt(
-            "INSERT INTO inbox (session_id, kind, status, delivery, parent_run_id, source_run_id, payload_json, call_key, dedupe_key, max_attempts, available_at, created_at, updated_at)
-             VALUES (?1, 'signal', 'pending', ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, ?9) RETURNING id",
+            "INSERT INTO inbox (session_id, kind, status, delivery, parent_run_id, source_run_id, payload_json, call_key, dedupe_key, max_attempts, available_at, created_at, updated_at, expires_at)
+             VALUES (?1, 'signal', 'pending', ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?9, ?9, ?10) RETURNING id",
             &params![
                 root.as_str(),
                 contract.delivery.as_str(),
@@ -960,7 +1018,8 @@ pub(crate) fn emit_signal(
                 &signal.call_key,
                 &signal.dedupe_key,
                 policy.max_attempts,
-                now
+                now,
+                policy.expires_at(now)
             ],
         )?
         .ok_or_else(|| Error::Backend("an insert returned no id".into()))?

@@ -446,11 +446,18 @@ impl<B: Backend> Store for SqlStore<B> {
     }
 
     async fn serve_inboxes(&self, now: Millis) -> Result<Served> {
+        let mut served = Served::default();
+        if self
+            .backend
+            .read(move |c| inbox::anything_expired(c, now))
+            .await?
+        {
+            served.events = self.backend.write(move |c| inbox::expire(c, now)).await?;
+        }
         let candidates = self
             .backend
             .read(move |c| inbox::servable_sessions(c, now))
             .await?;
-        let mut served = Served::default();
         for session in candidates {
             let (events, started) = self
                 .backend

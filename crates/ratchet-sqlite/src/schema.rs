@@ -316,6 +316,12 @@ ALTER TABLE messages ADD COLUMN draft_of TEXT;
 ALTER TABLE inbox ADD COLUMN requeued_at INTEGER;
 ALTER TABLE webhook_deliveries ADD COLUMN requeued_at INTEGER;
 "#,
+    r#"
+-- When a pending report expires untold (its inbox policy's `max_age_ms` after it was written
+-- or requeued); idle workers dead-letter it then.
+ALTER TABLE inbox ADD COLUMN expires_at INTEGER;
+CREATE INDEX inbox_expiring ON inbox(expires_at) WHERE status = 'pending';
+"#,
 ];
 
 /// The schema version this build migrates a database to.

@@ -102,6 +102,7 @@ macro_rules! store_conformance_tests {
             a_stopped_continuation_gives_its_reports_back_for_after_the_next_user_turn,
             a_continuation_that_fails_after_answering_in_part_tells_its_report_once,
             an_operator_requeues_or_discards_a_dead_letter_once,
+            a_report_untold_past_its_max_age_expires,
             users_and_the_inbox_take_turns,
             closing_a_session_cancels_its_background_work_and_empties_its_inbox,
             signals_follow_their_contract_and_a_cancelled_runs_unread_ones_are_superseded,

@@ -222,6 +222,9 @@ pub struct InboxEvent {
     pub reason: Option<String>,
     /// When an operator last requeued it from the dead letter.
     pub requeued_at: Option<Millis>,
+    /// When it goes to the dead letter if it is still pending untold (None before it is
+    /// written, for a reservation).
+    pub expires_at: Option<Millis>,
     pub created_at: Millis,
     pub updated_at: Millis,
 }
@@ -911,9 +914,10 @@ pub trait Store: Observation + Send + Sync + 'static {
     /// What waits for `session_id` besides its active run, as of `now`.
     async fn pending_input(&self, session_id: &SessionId, now: Millis) -> Result<PendingInput>;
 
-    /// Starts a continuation turn in every open root session that has no active run and has
-    /// inbox events due by `now` (an event released for a later attempt becomes due without a
-    /// commit to start it). Each start is its own transaction under the session's lock.
+    /// Dead-letters the pending reports past their max age (`expired`; a few hundred a pass),
+    /// then starts a continuation turn in every open root session that has no active run and
+    /// has inbox events due by `now` (an event released for a later attempt becomes due without
+    /// a commit to start it). Each start is its own transaction under the session's lock.
     async fn serve_inboxes(&self, now: Millis) -> Result<Served>;
 
     /// Ends every run that waits (for a human, for its children) past its deadline as

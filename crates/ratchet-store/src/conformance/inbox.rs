@@ -783,6 +783,54 @@ pub async fn an_operator_requeues_or_discards_a_dead_letter_once(store: &dyn Sto
     );
 }
 
+/// A report nobody tells within its policy's max age goes to the dead letter as expired —
+/// one held after a stopped continuation too — and a requeue gives it a fresh max age.
+pub async fn a_report_untold_past_its_max_age_expires(store: &dyn Store) {
+    let policy = InboxPolicy {
+        max_attempts: 1,
+        max_age_ms: 1_000,
+        ..InboxPolicy::default()
+    };
+    let (session, _, event) = first_report(store, policy, 1).await;
+    let first = continuation_holding(store, &session, &[event]).await;
+    stop(store, &first, T0 + 40).await;
+    let held = &inbox(store, &session).await[0];
+    assert_eq!(
+        (held.status, held.available_at, held.expires_at),
+        (InboxStatus::Pending, None, Some(T0 + 31 + 1_000)),
+        "held for the next user turn; its max age counts from when it was written (T0 + 31)"
+    );
+    assert!(
+        store
+            .serve_inboxes(T0 + 1_030)
+            .await
+            .unwrap()
+            .events
+            .is_empty()
+    );
+    let served = store.serve_inboxes(T0 + 1_031).await.unwrap();
+    assert!(
+        kinds(&served.events).contains(&"inbox.dead_lettered"),
+        "{served:?}"
+    );
+    let expired = &inbox(store, &session).await[0];
+    assert_eq!(expired.status, InboxStatus::DeadLetter);
+    assert!(
+        expired.reason.as_deref().unwrap().starts_with("expired"),
+        "{expired:?}"
+    );
+
+    let requeued = store
+        .requeue_inbox_event(&session, event, "ops", T0 + 2_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        requeued.event.expires_at,
+        Some(T0 + 3_000),
+        "a fresh max age"
+    );
+}
+
 pub async fn users_and_the_inbox_take_turns(store: &dyn Store) {
     let session = new_session(store).await;
     let policy = InboxPolicy {
