@@ -58,12 +58,13 @@ impl DeliveryStatus {
 
     /// The one table of legal delivery edges. An attempt starts from pending, or again from
     /// delivering when the dispatcher holding it died (its lease expired); it ends delivered,
-    /// pending for a later attempt, or dead after the last one. An operator may requeue a dead
-    /// one: pending again, its attempts counted afresh.
+    /// pending for a later attempt, or dead after the last one. A pending one too old, or
+    /// beyond its session's bound on open deliveries, is dead-lettered. An operator may requeue
+    /// a dead one: pending again, its attempts counted afresh.
     pub fn edge(self, to: DeliveryStatus) -> Result<(), IllegalDeliveryEdge> {
         use DeliveryStatus::*;
         let legal = match self {
-            Pending => to == Delivering,
+            Pending => matches!(to, Delivering | DeadLetter),
             Delivering => matches!(to, Delivering | Delivered | Pending | DeadLetter),
             DeadLetter => to == Pending,
             Delivered => false,
@@ -135,6 +136,7 @@ mod tests {
         use DeliveryStatus::*;
         let legal = [
             (Pending, Delivering),
+            (Pending, DeadLetter),
             (Delivering, Delivering),
             (Delivering, Delivered),
             (Delivering, Pending),

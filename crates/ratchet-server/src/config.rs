@@ -185,6 +185,12 @@ pub struct WebhookSettings {
     pub retry_backoff_ms: Option<u64>,
     /// The longest wait between two attempts (default 600000).
     pub max_backoff_ms: Option<u64>,
+    /// How long a delivery may wait to be delivered before it is dead-lettered as expired
+    /// (default 604800000, seven days).
+    pub max_age_ms: Option<u64>,
+    /// Open deliveries a webhook may hold for one session; past it the oldest pending ones are
+    /// dead-lettered (default 10000).
+    pub max_open_per_session: Option<u32>,
     /// Destinations allowed besides public addresses: CIDR blocks (`10.1.0.0/16`), addresses,
     /// host names (`hooks.example.internal`, with every address it resolves to) and `*.domain`
     /// patterns (every name below the domain). Default: none; loopback is allowed without a
@@ -532,7 +538,21 @@ impl Config {
                  ({first})"
             )));
         }
+        let max_age_ms = positive(
+            "max_age_ms",
+            settings.max_age_ms,
+            defaults.bounds.max_age_ms,
+        )?;
+        let max_open = positive(
+            "max_open_per_session",
+            settings.max_open_per_session.map(u64::from),
+            u64::from(defaults.bounds.max_open_per_session),
+        )?;
         Ok(Some(ratchet_webhooks::DispatcherConfig {
+            bounds: ratchet_store::DeliveryBounds {
+                max_age_ms,
+                max_open_per_session: u32::try_from(max_open).unwrap_or(u32::MAX),
+            },
             poll: Duration::from_millis(poll),
             timeout: Duration::from_millis(timeout),
             concurrency: u32::try_from(concurrency).unwrap_or(u32::MAX),
@@ -996,13 +1016,22 @@ mod tests {
     #[test]
     fn webhook_settings_are_read_checked_and_default_the_rest() {
         let defaults = ratchet_webhooks::DispatcherConfig::default();
-        let config: Config =
-            toml::from_str("[webhooks]\ntimeout_ms = 500\nretry_backoff_ms = 20\n").unwrap();
+        let config: Config = toml::from_str(
+            "[webhooks]\ntimeout_ms = 500\nretry_backoff_ms = 20\nmax_open_per_session = 7\n",
+        )
+        .unwrap();
         let dispatch = config
             .webhooks(WebhookPolicy::default())
             .unwrap()
             .expect("enabled by default");
         assert_eq!(dispatch.timeout, Duration::from_millis(500));
+        assert_eq!(
+            (
+                dispatch.bounds.max_open_per_session,
+                dispatch.bounds.max_age_ms
+            ),
+            (7, defaults.bounds.max_age_ms)
+        );
         assert_eq!(dispatch.backoff.first_ms, 20);
         assert_eq!(dispatch.backoff.max_ms, defaults.backoff.max_ms);
         assert_eq!(
@@ -1011,7 +1040,14 @@ mod tests {
         );
         let off: Config = toml::from_str("[webhooks]\nenabled = false\n").unwrap();
         assert!(off.webhooks(WebhookPolicy::default()).unwrap().is_none());
-        for zero in ["poll_ms", "timeout_ms", "concurrency", "retry_backoff_ms"] {
+        for zero in [
+            "poll_ms",
+            "timeout_ms",
+            "concurrency",
+            "retry_backoff_ms",
+            "max_age_ms",
+            "max_open_per_session",
+        ] {
             let config: Config = toml::from_str(&format!("[webhooks]\n{zero} = 0\n")).unwrap();
             let error = config
                 .webhooks(WebhookPolicy::default())

@@ -23,9 +23,9 @@ use ratchet_core::{
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, ChangeStream,
-    Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeliveryClaim, EmittedSignal,
-    Error, InboxChange, InboxEvent, Intent, IntentRecord, Keyring, Lease, ListOrder, MessageHit,
-    NewRun, NewSignal, NewWebhook, Observation, PauseOutcome, PendingInput, Reconciled,
+    Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeliveryBounds, DeliveryClaim,
+    EmittedSignal, Error, InboxChange, InboxEvent, Intent, IntentRecord, Keyring, Lease, ListOrder,
+    MessageHit, NewRun, NewSignal, NewWebhook, Observation, PauseOutcome, PendingInput, Reconciled,
     RecordedIntents, ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session,
     SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted, TimedOut, TreeNode,
     Webhook, WebhookDelivery,
@@ -640,6 +640,12 @@ impl<B: Backend> Observation for SqlStore<B> {
         let webhook_id = webhook_id.clone();
         self.backend
             .write(move |c| webhooks::requeue_dead_deliveries(c, &webhook_id, now))
+            .await
+    }
+
+    async fn bound_deliveries(&self, bounds: DeliveryBounds, now: Millis) -> Result<u64> {
+        self.backend
+            .write(move |c| webhooks::bound_deliveries(c, bounds, now))
             .await
     }
 

@@ -7,8 +7,8 @@
 
 use ratchet_core::{DeliveryStatus, Millis, WebhookId};
 use ratchet_store::{
-    AttemptOutcome, ClaimedDelivery, DeliveryClaim, Error, Keyring, NewWebhook, Webhook,
-    WebhookDelivery,
+    AttemptOutcome, ClaimedDelivery, DeliveryBounds, DeliveryClaim, Error, Keyring, NewWebhook,
+    Webhook, WebhookDelivery,
 };
 
 use crate::db::{Db, Row};
@@ -275,6 +275,47 @@ pub(crate) fn requeue_dead_deliveries(
 ) -> Result<u64> {
     get_webhook(c, webhook_id)?;
     requeue_dead(c, webhook_id, None, now)
+}
+
+pub(crate) fn bound_deliveries(c: &dyn Db, bounds: DeliveryBounds, now: Millis) -> Result<u64> {
+    DeliveryStatus::Pending
+        .edge(DeliveryStatus::DeadLetter)
+        .map_err(|e| Error::Conflict(format!("webhook delivery: {e}")))?;
+    let dead_letter = "UPDATE webhook_deliveries
+         SET status = 'dead_letter', available_at = NULL, last_error = ?2, updated_at = ?3
+         WHERE status = 'pending' AND";
+    let max_age = Millis::try_from(bounds.max_age_ms).unwrap_or(Millis::MAX);
+    let expired = format!(
+        "expired: not delivered within max_age_ms ({} ms) of being queued",
+        bounds.max_age_ms
+    );
+    let mut dead = c.execute(
+        &format!("{dead_letter} created_at <= ?1"),
+        &params![now.saturating_sub(max_age), &expired, now],
+    )?;
+    let crowded = c.query(
+        "SELECT webhook_id, session_id, count(*) FROM webhook_deliveries
+         WHERE status IN ('pending', 'delivering')
+         GROUP BY webhook_id, session_id HAVING count(*) > ?1",
+        &params![bounds.max_open_per_session],
+    )?;
+    let dropped = format!(
+        "dropped: the session had more than max_open_per_session ({}) deliveries open",
+        bounds.max_open_per_session
+    );
+    for mut row in crowded {
+        let (webhook, session) = (row.text(0)?, row.text(1)?);
+        let excess = row.int(2)? - i64::from(bounds.max_open_per_session);
+        dead += c.execute(
+            &format!(
+                "{dead_letter} id IN (SELECT id FROM webhook_deliveries
+                     WHERE webhook_id = ?4 AND session_id = ?5 AND status = 'pending'
+                     ORDER BY id LIMIT ?1)"
+            ),
+            &params![excess, &dropped, now, webhook.as_str(), session.as_str()],
+        )?;
+    }
+    Ok(dead)
 }
 
 /// Each webhook with each session of its tenant that has events past the webhook's cursor.

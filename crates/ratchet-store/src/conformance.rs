@@ -125,6 +125,7 @@ macro_rules! store_conformance_tests {
             a_sessions_deliveries_are_attempted_strictly_in_seq_order,
             a_delivery_is_dead_lettered_after_its_last_attempt_and_the_rest_go_on,
             an_operator_requeues_dead_deliveries_once,
+            open_deliveries_are_kept_within_their_age_and_count,
             an_expired_attempt_is_taken_over_and_the_old_claim_is_refused,
             webhooks_are_listed_per_tenant_and_deleted_with_their_deliveries,
             a_rotated_secret_signs_the_attempts_claimed_after_it,

@@ -23,8 +23,8 @@ mod webhooks;
 
 pub use secrets::{Key, Keyring};
 pub use webhooks::{
-    AttemptOutcome, ClaimedDelivery, DeliveryClaim, NewWebhook, Observation, Webhook,
-    WebhookDelivery,
+    AttemptOutcome, ClaimedDelivery, DeliveryBounds, DeliveryClaim, NewWebhook, Observation,
+    Webhook, WebhookDelivery,
 };
 
 #[derive(Debug, thiserror::Error)]

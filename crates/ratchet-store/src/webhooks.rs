@@ -71,6 +71,13 @@ pub struct WebhookDelivery {
     pub updated_at: Millis,
 }
 
+/// How many open deliveries a webhook's log may hold, and for how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeliveryBounds {
+    pub max_age_ms: u64,
+    pub max_open_per_session: u32,
+}
+
 /// Proof that a dispatcher holds an attempt: finishing it is refused once the attempt was
 /// taken over (every claim counts an attempt, so the attempt number is the fence).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -152,6 +159,13 @@ pub trait Observation: Send + Sync + 'static {
 
     /// `requeue_delivery` for every dead letter of a webhook; returns how many it requeued.
     async fn requeue_dead_deliveries(&self, webhook_id: &WebhookId, now: Millis) -> Result<u64>;
+
+    /// Keeps the open deliveries within `bounds`, so that a receiver down for long does not
+    /// grow the log without end: a pending delivery queued more than `max_age_ms` ago is
+    /// dead-lettered (`expired`), and so are the oldest pending deliveries of a webhook and
+    /// session with more than `max_open_per_session` open ones. Returns how many it
+    /// dead-lettered; they stay in the log, saying why.
+    async fn bound_deliveries(&self, bounds: DeliveryBounds, now: Millis) -> Result<u64>;
 
     /// Queues a pending delivery for each event a webhook wants that was written since it
     /// last looked, at most about `limit` events in one transaction; returns how many events

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use hmac::{Hmac, KeyInit, Mac};
 use ratchet_core::Millis;
 use ratchet_core::webhook::{AfterFailure, Backoff, after_failure};
-use ratchet_store::{AttemptOutcome, ClaimedDelivery, DeliveryClaim, Observation};
+use ratchet_store::{AttemptOutcome, ClaimedDelivery, DeliveryBounds, DeliveryClaim, Observation};
 use serde_json::json;
 use sha2::Sha256;
 use tokio::task::JoinSet;
@@ -57,7 +57,12 @@ pub struct DispatcherConfig {
     pub backoff: Backoff,
     /// Where attempts may connect.
     pub policy: WebhookPolicy,
+    /// How many open deliveries the log may hold, and for how long.
+    pub bounds: DeliveryBounds,
 }
+
+/// How often the dispatcher keeps the open deliveries within their bounds.
+const BOUND_EVERY: Duration = Duration::from_secs(10);
 
 impl Default for DispatcherConfig {
     fn default() -> Self {
@@ -69,6 +74,10 @@ impl Default for DispatcherConfig {
             batch: 2000,
             backoff: Backoff::default(),
             policy: WebhookPolicy::default(),
+            bounds: DeliveryBounds {
+                max_age_ms: 7 * 24 * 3_600_000,
+                max_open_per_session: 10_000,
+            },
         }
     }
 }
@@ -135,7 +144,12 @@ impl Dispatcher {
         let mut in_flight: JoinSet<Attempt> = JoinSet::new();
         let mut queued_at: Option<Instant> = None;
         let mut caught_up = true;
+        let mut bounded_at: Option<Instant> = None;
         loop {
+            if bounded_at.is_none_or(|at| at.elapsed() >= BOUND_EVERY) {
+                self.bound().await;
+                bounded_at = Some(Instant::now());
+            }
             // New events are looked for every `poll`, or at once while a backlog remains;
             // attempts are claimed whenever one has ended, to keep sessions moving.
             if !caught_up || queued_at.is_none_or(|at| at.elapsed() >= self.config.poll) {
@@ -187,6 +201,23 @@ impl Dispatcher {
             Err(error) => {
                 tracing::warn!(%error, "cannot queue webhook deliveries");
                 true
+            }
+        }
+    }
+
+    async fn bound(&self) {
+        match self
+            .hooks
+            .bound_deliveries(self.config.bounds, now_ms())
+            .await
+        {
+            Ok(0) => {}
+            Ok(dead) => tracing::warn!(
+                dead,
+                "webhook deliveries dead-lettered: too old or too many open"
+            ),
+            Err(error) => {
+                tracing::warn!(%error, "cannot keep webhook deliveries within their bounds")
             }
         }
     }

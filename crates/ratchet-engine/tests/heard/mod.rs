@@ -17,8 +17,8 @@ use ratchet_store::{
     SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted,
 };
 use ratchet_store::{
-    AttemptOutcome, ClaimedDelivery, DeliveryClaim, NewWebhook, Observation, Webhook,
-    WebhookDelivery,
+    AttemptOutcome, ClaimedDelivery, DeliveryBounds, DeliveryClaim, NewWebhook, Observation,
+    Webhook, WebhookDelivery,
 };
 use tokio::sync::mpsc;
 
@@ -91,6 +91,10 @@ impl Observation for Heard {
 
     async fn requeue_dead_deliveries(&self, webhook_id: &WebhookId, now: Millis) -> Result<u64> {
         self.inner.requeue_dead_deliveries(webhook_id, now).await
+    }
+
+    async fn bound_deliveries(&self, bounds: DeliveryBounds, now: Millis) -> Result<u64> {
+        self.inner.bound_deliveries(bounds, now).await
     }
 
     async fn queue_deliveries(&self, limit: u32, now: Millis) -> Result<u32> {

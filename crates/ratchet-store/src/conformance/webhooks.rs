@@ -449,6 +449,69 @@ pub async fn an_operator_requeues_dead_deliveries_once(store: &dyn Store, hooks:
     );
 }
 
+/// A receiver down for long does not grow the log without end: pending deliveries older than
+/// the max age are dead-lettered as expired, and past the open bound of a webhook and session
+/// the oldest pending ones go; a delivery in flight is left to its attempt.
+pub async fn open_deliveries_are_kept_within_their_age_and_count(
+    store: &dyn Store,
+    hooks: &dyn Observation,
+) {
+    let (hook, session, seqs) = deltas_queued(store, hooks, 5, 4).await;
+    let in_flight = claim_deliveries(hooks, DISPATCHER_A, T0 + 1).await;
+    assert_eq!(claimed_seqs(&in_flight), [(session.clone(), seqs[0])]);
+    let bounds = |max_age_ms, max_open_per_session| crate::DeliveryBounds {
+        max_age_ms,
+        max_open_per_session,
+    };
+    assert_eq!(
+        hooks
+            .bound_deliveries(bounds(1_000, 4), T0 + 2)
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        hooks
+            .bound_deliveries(bounds(1_000, 2), T0 + 2)
+            .await
+            .unwrap(),
+        2,
+        "four open, two allowed: the two oldest pending ones go"
+    );
+    let log = hooks.deliveries(&hook.id, None, 0, 10).await.unwrap();
+    let statuses: Vec<_> = log.iter().map(|d| (d.seq, d.status)).collect();
+    assert_eq!(
+        statuses,
+        [
+            (seqs[0], DeliveryStatus::Delivering),
+            (seqs[1], DeliveryStatus::DeadLetter),
+            (seqs[2], DeliveryStatus::DeadLetter),
+            (seqs[3], DeliveryStatus::Pending),
+        ]
+    );
+    assert!(
+        log[1].last_error.as_deref().unwrap().starts_with("dropped"),
+        "{log:?}"
+    );
+    assert_eq!(
+        hooks
+            .bound_deliveries(bounds(1_000, 10), T0 + 1_000)
+            .await
+            .unwrap(),
+        1,
+        "the pending one queued 1000 ms ago expires; the one in flight is left to its attempt"
+    );
+    let log = hooks.deliveries(&hook.id, None, 0, 10).await.unwrap();
+    assert_eq!(
+        (log[0].status, log[3].status),
+        (DeliveryStatus::Delivering, DeliveryStatus::DeadLetter)
+    );
+    assert!(
+        log[3].last_error.as_deref().unwrap().starts_with("expired"),
+        "{log:?}"
+    );
+}
+
 /// A dispatcher that stops mid-attempt loses its claim when the lease expires: the attempt
 /// is made again (counted), and the old claim can no longer record an outcome. An expired
 /// last attempt is dead-lettered instead of being made once more.
