@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::bail;
 use ratchet_core::{InboxStatus, SessionId, WebhookId};
+use ratchet_store::DeadLetterAction;
 use serde_json::{Value, json};
 
 use crate::approve::Target;
@@ -17,10 +18,10 @@ fn operator(by: Option<String>) -> String {
         .unwrap_or_else(|| "the ratchet CLI".to_owned())
 }
 
-/// Requeues (`to` pending) or discards a dead letter of a session's inbox.
+/// Requeues or discards a dead letter of a session's inbox.
 pub async fn inbox(
     target: Target,
-    to: InboxStatus,
+    action: DeadLetterAction,
     session: &str,
     event: i64,
     by: Option<String>,
@@ -29,18 +30,15 @@ pub async fn inbox(
     let by = operator(by);
     let (status, reason) = match target {
         Target::Server(api) => {
-            let action = if to == InboxStatus::Discarded {
-                "discard"
-            } else {
-                "requeue"
-            };
-            let path = format!("/v1/sessions/{session}/inbox/{event}/{action}");
+            let path = format!("/v1/sessions/{session}/inbox/{event}/{}", action.as_str());
             let changed = api.post(&path, &json!({"by": by})).await?;
             (text(&changed["status"]), text(&changed["reason"]))
         }
         Target::Db(db) => {
             let coordinator = ratchet_engine::Coordinator::new(open_existing_store(&db)?);
-            let changed = coordinator.operate_inbox(&session, event, to, &by).await?;
+            let changed = (coordinator)
+                .act_on_dead_letter(&session, event, action, &by)
+                .await?;
             if changed.status == InboxStatus::Leased {
                 eprintln!(
                     "a continuation turn holds it now; `ratchet resume --db {db}` carries it on"

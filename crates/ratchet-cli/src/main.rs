@@ -858,8 +858,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     target,
                 },
         } => {
-            let to = ratchet_core::InboxStatus::Pending;
-            dead_letters::inbox(target.target()?, to, &session_id, event_id, by).await
+            let action = ratchet_store::DeadLetterAction::Requeue;
+            dead_letters::inbox(target.target()?, action, &session_id, event_id, by).await
         }
         Command::Inbox {
             command:
@@ -870,8 +870,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                     target,
                 },
         } => {
-            let to = ratchet_core::InboxStatus::Discarded;
-            dead_letters::inbox(target.target()?, to, &session_id, event_id, by).await
+            let action = ratchet_store::DeadLetterAction::Discard;
+            dead_letters::inbox(target.target()?, action, &session_id, event_id, by).await
         }
         Command::Webhooks {
             command:

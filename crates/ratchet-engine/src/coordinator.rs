@@ -489,28 +489,18 @@ impl Coordinator {
         Ok(closed)
     }
 
-    /// An operator requeues (`InboxStatus::Pending`) or discards (`InboxStatus::Discarded`) a
-    /// dead letter of a root session's inbox; what it publishes goes out, and a continuation it
-    /// started wakes a worker.
-    pub async fn operate_inbox(
+    /// An operator requeues or discards a dead letter of a root session's inbox; what it
+    /// publishes goes out, and a continuation it started wakes a worker.
+    pub async fn act_on_dead_letter(
         &self,
         session: &SessionId,
         event_id: i64,
-        to: ratchet_core::InboxStatus,
+        action: ratchet_store::DeadLetterAction,
         by: &str,
     ) -> Result<ratchet_store::InboxEvent> {
-        let changed = match to {
-            ratchet_core::InboxStatus::Discarded => {
-                (self.store)
-                    .discard_inbox_event(session, event_id, by, now_ms())
-                    .await?
-            }
-            _ => {
-                (self.store)
-                    .requeue_inbox_event(session, event_id, by, now_ms())
-                    .await?
-            }
-        };
+        let changed = (self.store)
+            .act_on_dead_letter(session, event_id, action, by, now_ms())
+            .await?;
         self.publish(changed.events);
         if changed.enqueued {
             self.wake.notify_one();

@@ -4,7 +4,7 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use ratchet_core::{InboxStatus, Millis};
-use ratchet_store::{Closing, InboxEvent};
+use ratchet_store::{Closing, DeadLetterAction, InboxEvent};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
@@ -169,7 +169,7 @@ async fn requeue_inbox_event(
     ApiPath(path): ApiPath<(String, String)>,
     body: Option<ApiJson<OperatorBody>>,
 ) -> Result<axum::Json<InboxEventView>, ApiError> {
-    operate(state, tenant, path, body, InboxStatus::Pending).await
+    act_on_dead_letter(state, tenant, path, body, DeadLetterAction::Requeue).await
 }
 
 #[utoipa::path(
@@ -192,20 +192,22 @@ async fn discard_inbox_event(
     ApiPath(path): ApiPath<(String, String)>,
     body: Option<ApiJson<OperatorBody>>,
 ) -> Result<axum::Json<InboxEventView>, ApiError> {
-    operate(state, tenant, path, body, InboxStatus::Discarded).await
+    act_on_dead_letter(state, tenant, path, body, DeadLetterAction::Discard).await
 }
 
-async fn operate(
+async fn act_on_dead_letter(
     state: AppState,
     tenant: Tenant,
     path: (String, String),
     body: Option<ApiJson<OperatorBody>>,
-    to: InboxStatus,
+    action: DeadLetterAction,
 ) -> Result<axum::Json<InboxEventView>, ApiError> {
     let (id, event) = inbox_event_path(path)?;
     let by = OperatorBody::operator(body.map(|ApiJson(b)| b), &tenant)?;
     tenant_session(&state, &tenant, &id).await?;
-    let event = state.coordinator.operate_inbox(&id, event, to, &by).await?;
+    let event = (state.coordinator)
+        .act_on_dead_letter(&id, event, action, &by)
+        .await?;
     Ok(axum::Json(event.into()))
 }
 

@@ -16,8 +16,8 @@ use ratchet_core::{
     InboxStatus, MessageId, Millis, RunId, RunStatus, SessionId,
 };
 use ratchet_store::{
-    Claim, Closed, Closing, EmittedSignal, Error, InboxChange, InboxEvent, NewSignal,
-    SignalOutcome, StoredEvent,
+    Claim, Closed, Closing, DeadLetterAction, EmittedSignal, Error, InboxChange, InboxEvent,
+    NewSignal, SignalOutcome, StoredEvent,
 };
 use serde_json::json;
 
@@ -806,12 +806,12 @@ fn inbox_event(c: &dyn Db, session: &SessionId, id: i64) -> Result<InboxEvent> {
     })
 }
 
-/// Whether an operator's request to move `event` (no dead letter now) to `to` is a repeat of
-/// one that did: it was discarded, or requeued and on its way since.
-fn already_done(event: &InboxEvent, to: InboxStatus) -> bool {
-    match to {
-        InboxStatus::Discarded => event.status == InboxStatus::Discarded,
-        _ => {
+/// Whether an operator's `action` on `event` (no dead letter now) is a repeat of one that was
+/// done: it was discarded, or requeued and on its way since.
+fn already_done(event: &InboxEvent, action: DeadLetterAction) -> bool {
+    match action {
+        DeadLetterAction::Discard => event.status == InboxStatus::Discarded,
+        DeadLetterAction::Requeue => {
             event.requeued_at.is_some()
                 && matches!(
                     event.status,
@@ -821,25 +821,23 @@ fn already_done(event: &InboxEvent, to: InboxStatus) -> bool {
     }
 }
 
-/// An operator moves a dead letter of `session`'s inbox to `to`: back to pending (a requeue),
-/// or discarded. See `Store::requeue_inbox_event` and `Store::discard_inbox_event`.
-pub(crate) fn operate(
+/// See `Store::act_on_dead_letter`.
+pub(crate) fn act_on_dead_letter(
     c: &dyn Db,
     session: &SessionId,
     id: i64,
-    to: InboxStatus,
+    action: DeadLetterAction,
     by: &str,
     now: Millis,
 ) -> Result<InboxChange> {
     c.lock_session(session.as_str())?;
     let event = inbox_event(c, session, id)?;
-    let verb = if to == InboxStatus::Discarded {
-        "discarded"
-    } else {
-        "requeued"
+    let verb = match action {
+        DeadLetterAction::Requeue => "requeued",
+        DeadLetterAction::Discard => "discarded",
     };
     if event.status != InboxStatus::DeadLetter {
-        if already_done(&event, to) {
+        if already_done(&event, action) {
             return Ok(InboxChange {
                 event,
                 events: Vec::new(),
@@ -851,45 +849,44 @@ pub(crate) fn operate(
             event.status.as_str()
         )));
     }
-    let mut enqueued = false;
     let reason = format!(
         "{verb} by {by}, after: {}",
         event.reason.as_deref().unwrap_or("no reason recorded")
     );
-    let drafts = if to == InboxStatus::Pending {
-        if is_closed(c, session)? {
-            return Err(Error::Conflict(format!(
-                "session {session} is closed: it starts no continuation, so its dead letters stay"
-            )));
+    let (dead, to) = (InboxStatus::DeadLetter, action.target());
+    let kind = match action {
+        DeadLetterAction::Requeue => {
+            if is_closed(c, session)? {
+                return Err(Error::Conflict(format!(
+                    "session {session} is closed: it starts no continuation, so its dead letters stay"
+                )));
+            }
+            let policy = policy_of(c, event.parent_run_id.as_str())?;
+            let holding = held(c, session)?;
+            if holding >= u64::from(policy.capacity) {
+                return Err(Error::QuotaExceeded(format!(
+                    "the inbox of session {session} holds {holding} events and reservations and may hold {}: no room to requeue event {id}",
+                    policy.capacity
+                )));
+            }
+            move_events(c, &[id], dead, to, Some(&reason), now)?;
+            c.write(
+                "UPDATE inbox SET attempts = 0, available_at = ?2, requeued_at = ?2, expires_at = ?3,
+                                  lease_run_id = NULL
+                 WHERE id = ?1",
+                &params![id, now, policy.expires_at(now)],
+            )?;
+            EventKind::InboxRequeued
         }
-        let policy = policy_of(c, event.parent_run_id.as_str())?;
-        let holding = held(c, session)?;
-        if holding >= u64::from(policy.capacity) {
-            return Err(Error::QuotaExceeded(format!(
-                "the inbox of session {session} holds {holding} events and reservations and may hold {}: no room to requeue event {id}",
-                policy.capacity
-            )));
+        DeadLetterAction::Discard => {
+            move_events(c, &[id], dead, to, Some(&reason), now)?;
+            EventKind::InboxDiscarded
         }
-        move_events(c, &[id], InboxStatus::DeadLetter, to, Some(&reason), now)?;
-        c.write(
-            "UPDATE inbox SET attempts = 0, available_at = ?2, requeued_at = ?2, expires_at = ?3,
-                              lease_run_id = NULL
-             WHERE id = ?1",
-            &params![id, now, policy.expires_at(now)],
-        )?;
-        vec![EventDraft::new(
-            EventKind::InboxRequeued,
-            json!({"events": [id], "by": by}),
-        )]
-    } else {
-        move_events(c, &[id], InboxStatus::DeadLetter, to, Some(&reason), now)?;
-        vec![EventDraft::new(
-            EventKind::InboxDiscarded,
-            json!({"events": [id], "by": by}),
-        )]
     };
-    let mut events = insert_events(c, session, None, &drafts, now)?;
-    if to == InboxStatus::Pending {
+    let told = EventDraft::new(kind, json!({"events": [id], "by": by}));
+    let mut events = insert_events(c, session, None, &[told], now)?;
+    let mut enqueued = false;
+    if action == DeadLetterAction::Requeue {
         events.extend(serve_if_free(c, session, &mut enqueued, now)?);
     }
     Ok(InboxChange {

@@ -23,12 +23,12 @@ use ratchet_core::{
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, ChangeStream,
-    Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeliveryBounds, DeliveryClaim,
-    EmittedSignal, Error, InboxChange, InboxEvent, Intent, IntentRecord, Keyring, Lease, ListOrder,
-    MessageHit, NewRun, NewSignal, NewWebhook, Observation, PauseOutcome, PendingInput, Reconciled,
-    RecordedIntents, ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session,
-    SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted, TimedOut, TreeNode,
-    Webhook, WebhookDelivery,
+    Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction, DeliveryBounds,
+    DeliveryClaim, EmittedSignal, Error, InboxChange, InboxEvent, Intent, IntentRecord, Keyring,
+    Lease, ListOrder, MessageHit, NewRun, NewSignal, NewWebhook, Observation, PauseOutcome,
+    PendingInput, Reconciled, RecordedIntents, ResumeOutcome, RunQuota, RunSummary, SearchScope,
+    Served, Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted,
+    TimedOut, TreeNode, Webhook, WebhookDelivery,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -396,33 +396,17 @@ impl<B: Backend> Store for SqlStore<B> {
             .await
     }
 
-    async fn requeue_inbox_event(
+    async fn act_on_dead_letter(
         &self,
         session_id: &SessionId,
         event_id: i64,
+        action: DeadLetterAction,
         by: &str,
         now: Millis,
     ) -> Result<InboxChange> {
         let (session_id, by) = (session_id.clone(), by.to_owned());
         self.backend
-            .write(move |c| {
-                inbox::operate(c, &session_id, event_id, InboxStatus::Pending, &by, now)
-            })
-            .await
-    }
-
-    async fn discard_inbox_event(
-        &self,
-        session_id: &SessionId,
-        event_id: i64,
-        by: &str,
-        now: Millis,
-    ) -> Result<InboxChange> {
-        let (session_id, by) = (session_id.clone(), by.to_owned());
-        self.backend
-            .write(move |c| {
-                inbox::operate(c, &session_id, event_id, InboxStatus::Discarded, &by, now)
-            })
+            .write(move |c| inbox::act_on_dead_letter(c, &session_id, event_id, action, &by, now))
             .await
     }
 

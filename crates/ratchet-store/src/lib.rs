@@ -184,6 +184,34 @@ pub struct Closed {
     pub enqueued: bool,
 }
 
+/// What an operator does with a dead letter of an inbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadLetterAction {
+    /// Back to `pending`: due now, its attempts counted afresh; a continuation turn starts
+    /// with it when the session is free.
+    Requeue,
+    /// Dropped for good (`discarded`, `now` in `updated_at`).
+    Discard,
+}
+
+impl DeadLetterAction {
+    /// The request's name: `requeue` or `discard`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterAction::Requeue => "requeue",
+            DeadLetterAction::Discard => "discard",
+        }
+    }
+
+    /// The status the action moves a dead letter to.
+    pub fn target(self) -> InboxStatus {
+        match self {
+            DeadLetterAction::Requeue => InboxStatus::Pending,
+            DeadLetterAction::Discard => InboxStatus::Discarded,
+        }
+    }
+}
+
 /// What an operator's requeue or discard of an inbox event did.
 #[derive(Debug, Clone)]
 pub struct InboxChange {
@@ -873,27 +901,16 @@ pub trait Store: Observation + Send + Sync + 'static {
         limit: u32,
     ) -> Result<Vec<InboxEvent>>;
 
-    /// An operator puts a dead letter of a root session's inbox back to `pending`: due now, its
-    /// attempts counted afresh, `by` noted in its reason; a continuation turn starts with it
-    /// when the session is free. A repeat of that requeue (the event was requeued and is no
-    /// dead letter since) changes nothing. Refused with `Error::Conflict` for any other event
-    /// or a closed session, with `Error::QuotaExceeded` when the inbox has no room for it, and
-    /// `Error::NotFound` for an event the session does not have.
-    async fn requeue_inbox_event(
+    /// An operator acts on a dead letter of a root session's inbox, `by` noted in its reason
+    /// (see `DeadLetterAction`). A repeat of the action (the event was discarded, or requeued
+    /// and no dead letter since) changes nothing. Refused with `Error::Conflict` for any other
+    /// event, and for a requeue in a closed session; with `Error::QuotaExceeded` for a requeue
+    /// into a full inbox; with `Error::NotFound` for an event the session does not have.
+    async fn act_on_dead_letter(
         &self,
         session_id: &SessionId,
         event_id: i64,
-        by: &str,
-        now: Millis,
-    ) -> Result<InboxChange>;
-
-    /// An operator drops a dead letter for good (`discarded`, `by` noted in its reason, `now`
-    /// in `updated_at`). Discarding it again changes nothing; any other event is refused with
-    /// `Error::Conflict`, one the session does not have with `Error::NotFound`.
-    async fn discard_inbox_event(
-        &self,
-        session_id: &SessionId,
-        event_id: i64,
+        action: DeadLetterAction,
         by: &str,
         now: Millis,
     ) -> Result<InboxChange>;

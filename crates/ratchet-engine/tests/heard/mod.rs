@@ -12,9 +12,9 @@ use ratchet_core::{
 };
 use ratchet_store::{
     Answered, Approval, ApprovalStatus, CancelOutcome, Change, ChangeStream, Claim, ClaimedStep,
-    Commit, InboxChange, Intent, IntentRecord, Lease, ListOrder, MessageHit, NewRun, PauseOutcome,
-    Reconciled, RecordedIntents, Result, ResumeOutcome, RunSummary, SearchScope, Session,
-    SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted,
+    Commit, DeadLetterAction, InboxChange, Intent, IntentRecord, Lease, ListOrder, MessageHit,
+    NewRun, PauseOutcome, Reconciled, RecordedIntents, Result, ResumeOutcome, RunSummary,
+    SearchScope, Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted,
 };
 use ratchet_store::{
     AttemptOutcome, ClaimedDelivery, DeliveryBounds, DeliveryClaim, NewWebhook, Observation,
@@ -353,27 +353,16 @@ impl Store for Heard {
         self.inner.inbox(session_id, status, after, limit).await
     }
 
-    async fn requeue_inbox_event(
+    async fn act_on_dead_letter(
         &self,
         session_id: &SessionId,
         event_id: i64,
+        action: DeadLetterAction,
         by: &str,
         now: Millis,
     ) -> Result<InboxChange> {
         self.inner
-            .requeue_inbox_event(session_id, event_id, by, now)
-            .await
-    }
-
-    async fn discard_inbox_event(
-        &self,
-        session_id: &SessionId,
-        event_id: i64,
-        by: &str,
-        now: Millis,
-    ) -> Result<InboxChange> {
-        self.inner
-            .discard_inbox_event(session_id, event_id, by, now)
+            .act_on_dead_letter(session_id, event_id, action, by, now)
             .await
     }
 

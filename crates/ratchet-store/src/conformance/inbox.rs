@@ -20,8 +20,8 @@ use super::{
     unique,
 };
 use crate::{
-    CancelOutcome, ClaimedStep, Closing, Commit, Error, InboxEvent, NewRun, NewSignal,
-    SignalOutcome, Store, WhenBusy,
+    CancelOutcome, ClaimedStep, Closing, Commit, DeadLetterAction, Error, InboxEvent, NewRun,
+    NewSignal, SignalOutcome, Store, WhenBusy,
 };
 
 pub(super) fn inbox_config(policy: InboxPolicy) -> RunConfigSnapshot {
@@ -686,14 +686,20 @@ pub async fn an_operator_requeues_or_discards_a_dead_letter_once(store: &dyn Sto
     };
     let (session, _, event) = first_report(store, policy, 2).await;
     let refused = store
-        .discard_inbox_event(&session, event, "ops", T0 + 31)
+        .act_on_dead_letter(&session, event, DeadLetterAction::Discard, "ops", T0 + 31)
         .await;
     assert!(
         matches!(&refused, Err(Error::Conflict(m)) if m.contains("leased")),
         "a leased event: {refused:?}"
     );
     let missing = store
-        .requeue_inbox_event(&session, 1_000_000, "ops", T0 + 31)
+        .act_on_dead_letter(
+            &session,
+            1_000_000,
+            DeadLetterAction::Requeue,
+            "ops",
+            T0 + 31,
+        )
         .await;
     assert!(
         matches!(missing, Err(Error::NotFound { .. })),
@@ -708,7 +714,7 @@ pub async fn an_operator_requeues_or_discards_a_dead_letter_once(store: &dyn Sto
     );
 
     let requeued = store
-        .requeue_inbox_event(&session, event, "ops", T0 + 50)
+        .act_on_dead_letter(&session, event, DeadLetterAction::Requeue, "ops", T0 + 50)
         .await
         .unwrap();
     assert!(
@@ -734,7 +740,7 @@ pub async fn an_operator_requeues_or_discards_a_dead_letter_once(store: &dyn Sto
             .starts_with("requeued by ops")
     );
     let repeat = store
-        .requeue_inbox_event(&session, event, "ops", T0 + 51)
+        .act_on_dead_letter(&session, event, DeadLetterAction::Requeue, "ops", T0 + 51)
         .await
         .unwrap();
     assert_eq!((repeat.event, repeat.events.len()), (requeued.event, 0));
@@ -743,7 +749,7 @@ pub async fn an_operator_requeues_or_discards_a_dead_letter_once(store: &dyn Sto
     finish_claimed(store, &step, Err(StopReason::LlmError), T0 + 60).await;
 
     let discarded = store
-        .discard_inbox_event(&session, event, "alice", T0 + 70)
+        .act_on_dead_letter(&session, event, DeadLetterAction::Discard, "alice", T0 + 70)
         .await
         .unwrap();
     assert_eq!(
@@ -760,12 +766,12 @@ pub async fn an_operator_requeues_or_discards_a_dead_letter_once(store: &dyn Sto
     );
     assert!(kinds(&discarded.events).contains(&"inbox.discarded"));
     let repeat = store
-        .discard_inbox_event(&session, event, "alice", T0 + 71)
+        .act_on_dead_letter(&session, event, DeadLetterAction::Discard, "alice", T0 + 71)
         .await
         .unwrap();
     assert_eq!((repeat.event, repeat.events.len()), (discarded.event, 0));
     let refused = store
-        .requeue_inbox_event(&session, event, "ops", T0 + 72)
+        .act_on_dead_letter(&session, event, DeadLetterAction::Requeue, "ops", T0 + 72)
         .await;
     assert!(matches!(refused, Err(Error::Conflict(_))), "{refused:?}");
 
@@ -775,7 +781,13 @@ pub async fn an_operator_requeues_or_discards_a_dead_letter_once(store: &dyn Sto
         .unwrap();
     let reserved = inbox(store, &session).await[1].id;
     let refused = store
-        .requeue_inbox_event(&session, reserved, "ops", T0 + 81)
+        .act_on_dead_letter(
+            &session,
+            reserved,
+            DeadLetterAction::Requeue,
+            "ops",
+            T0 + 81,
+        )
         .await;
     assert!(
         matches!(&refused, Err(Error::Conflict(m)) if m.contains("closed")),
@@ -821,7 +833,13 @@ pub async fn a_report_untold_past_its_max_age_expires(store: &dyn Store) {
     );
 
     let requeued = store
-        .requeue_inbox_event(&session, event, "ops", T0 + 2_000)
+        .act_on_dead_letter(
+            &session,
+            event,
+            DeadLetterAction::Requeue,
+            "ops",
+            T0 + 2_000,
+        )
         .await
         .unwrap();
     assert_eq!(
