@@ -309,6 +309,31 @@ test("open a run tree: a delegating run, its children and their steps", async ()
   assert.deepEqual(page.errors, []);
 });
 
+test("answer a child's approval from the root conversation", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  await newSession(page, "overseer");
+  await send(page, "Have it written down");
+
+  const child = page.locator(".item-notice[data-child-run]", { hasText: /^Started checker/ });
+  const card = child.getByRole("region", { name: /^Approval apr_/ });
+  await card.waitFor();
+  await latestRunStatus(page).filter({ hasText: "waiting children" }).waitFor();
+  assert.match(await card.textContent(), /add/);
+  await assertLabelled(page);
+  await screenshot(page, "child-approval");
+
+  await card.getByLabel("Approve").check();
+  await card.getByRole("button", { name: "Submit decisions" }).click();
+  await page.locator(".item-assistant", { hasText: "The checker added them." }).waitFor();
+  await child.locator('.card[data-state="decided"]').waitFor();
+  await child.locator('.item-below[data-call="call_0_0"]', { hasText: "done" }).waitFor();
+  await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
+  // The parent read the child's answer as its tool result.
+  await page.locator(".item-tool .result", { hasText: "It is 5." }).waitFor();
+  assert.deepEqual(page.errors, []);
+});
+
 test("a token is asked for once and kept for the tab", async () => {
   const server = await serve({ token: "s3cret-console-token" });
   const page = await openPage(browser, server.url);

@@ -66,6 +66,20 @@ const AGENTS = {
       { text: "Both workers reported back." },
     ],
   },
+  overseer: {
+    description: "Has a checker add two numbers",
+    delegates: ["checker"],
+    script: [
+      { tool_calls: [{ name: "delegate", arguments: { mode: "foreground", tasks: [{ agent: "checker", task: "Add 2 and 3" }] } }] },
+      { text: "The checker added them." },
+    ],
+  },
+  checker: {
+    description: "Adds, which a person must approve",
+    tools: ["add"],
+    approval: "add: always",
+    script: [{ tool_calls: [{ name: "add", arguments: { a: 2, b: 3 } }] }, { text: "It is 5." }],
+  },
   worker: {
     description: "Does one task",
     script: [{ text: "Counted: 7." }],

@@ -1,16 +1,20 @@
 //! Approvals at the terminal: `ratchet run` and `ratchet chat` ask a person about a gated
 //! tool batch, and `ratchet approvals list|decide` answer from anywhere.
 
+use std::collections::HashSet;
 use std::io::Write;
 use std::process::ExitCode;
 
 use anyhow::{Context, bail};
-use ratchet_core::{ApprovalAnswer, ApprovalCall, ApprovalId, CallDecision, HumanRequest, Verdict};
+use ratchet_core::{
+    ApprovalAnswer, ApprovalCall, ApprovalId, CallDecision, HumanRequest, RunStatus, Verdict,
+};
 use ratchet_store::{ApprovalStatus, DEFAULT_TENANT};
+use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::client::{self, Api, EventView, LiveView, RunView};
+use crate::client::{Api, ClientError, EventView, IDLE_CHECK, LiveView, RunView, Streamed};
 use crate::runtime::open_existing_store;
 
 /// Lines of stdin, read on their own thread: a blocking read never holds up the runtime,
@@ -86,9 +90,10 @@ pub async fn ask(
     }
 }
 
-/// Follows a run on a server until it ends or waits; each time it waits for an approval, the
-/// person at stdin is asked and the run followed on. Returns the run when it has ended, waits
-/// for something else, or nobody answered.
+/// Follows a run and every run below it on a server (`/v1/runs/{id}/tree/events`) until the
+/// run ends or waits for something other than its children. Whenever a run of the tree asks
+/// for an approval, the person at stdin is asked and the answer sent. Returns the run when it
+/// has ended, is paused, waits for something else (a reconciliation), or nobody answered.
 pub async fn follow_answering(
     api: &Api,
     run_id: &str,
@@ -96,30 +101,95 @@ pub async fn follow_answering(
     mut on_event: impl FnMut(&EventView),
     mut on_live: impl FnMut(&LiveView),
 ) -> anyhow::Result<RunView> {
-    let mut after = 0;
+    let mut events = api.follow(&format!("/v1/runs/{run_id}/tree/events"));
+    // Approvals asked about here: each is asked once, however often it is seen.
+    let mut asked: HashSet<String> = HashSet::new();
     loop {
-        let run = client::follow_run_live(
-            api,
-            run_id,
-            after,
-            |event| {
-                after = event.seq;
-                on_event(event);
+        let settled = match tokio::time::timeout(IDLE_CHECK, events.next_streamed()).await {
+            Ok(streamed) => match streamed? {
+                Streamed::Live(activity) => {
+                    on_live(&activity);
+                    continue;
+                }
+                Streamed::Stored(event) => {
+                    on_event(&event);
+                    if let Some((id, calls)) = requested(&event)
+                        && !answer(api, &id, &calls, lines, &mut asked).await?
+                    {
+                        return Ok(api.get_run(run_id).await?);
+                    }
+                    event.depth == 0 && settles(&event)
+                }
             },
-            &mut on_live,
-        )
-        .await?;
-        if !run.status.is_waiting() {
-            return Ok(run);
+            // Silence: ask for the run's state rather than trust the stream blindly.
+            Err(_) => true,
+        };
+        if !settled {
+            continue;
         }
-        let Some((id, calls)) = pending(run.pending_human.as_ref()) else {
-            return Ok(run);
-        };
-        let Some(answer) = ask(id, calls, lines).await? else {
-            return Ok(run);
-        };
-        api.answer_approval(id.as_str(), &request_body(&answer))
-            .await?;
+        let run = api.get_run(run_id).await?;
+        match run.status {
+            RunStatus::WaitingHuman => {
+                let Some((id, calls)) = pending(run.pending_human.as_ref()) else {
+                    return Ok(run);
+                };
+                if !answer(api, id, calls, lines, &mut asked).await? {
+                    return Ok(run);
+                }
+            }
+            status if status.is_terminal() || status == RunStatus::Paused => return Ok(run),
+            _ => {}
+        }
+    }
+}
+
+/// A root event after which the run may have stopped moving by itself.
+fn settles(event: &EventView) -> bool {
+    matches!(event.kind.as_str(), "run.status" | "run.finished")
+        && event.payload["status"]
+            .as_str()
+            .and_then(RunStatus::parse)
+            .is_some_and(|s| s != RunStatus::WaitingChildren && (s.is_terminal() || s.is_waiting()))
+}
+
+/// The approval an `approval.required` event asks for.
+fn requested(event: &EventView) -> Option<(ApprovalId, Vec<ApprovalCall>)> {
+    if event.kind != "approval.required" {
+        return None;
+    }
+    let id = ApprovalId::parse(event.payload["approval_id"].as_str()?).ok()?;
+    let calls = serde_json::from_value(event.payload["calls"].clone()).ok()?;
+    Some((id, calls))
+}
+
+/// Asks about an approval not asked about before and sends the answer. False when nobody
+/// answered (stdin has ended). An approval someone else answered first is said so, not an
+/// error.
+async fn answer(
+    api: &Api,
+    id: &ApprovalId,
+    calls: &[ApprovalCall],
+    lines: &mut mpsc::Receiver<std::io::Result<String>>,
+    asked: &mut HashSet<String>,
+) -> anyhow::Result<bool> {
+    if !asked.insert(id.to_string()) {
+        return Ok(true);
+    }
+    let Some(answer) = ask(id, calls, lines).await? else {
+        return Ok(false);
+    };
+    match api
+        .answer_approval(id.as_str(), &request_body(&answer))
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(ClientError::Api {
+            status, message, ..
+        }) if status == StatusCode::CONFLICT => {
+            eprintln!("approval {id} was not taken: {message}");
+            Ok(true)
+        }
+        Err(error) => Err(error.into()),
     }
 }
 

@@ -137,14 +137,14 @@ pub async fn memory(args: MemoryArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn measure(api: &Api, pid: u32, db: &str, sessions: usize) -> anyhow::Result<Stages> {
-    let warm_up = api.create_session().await?.id;
+    let warm_up = api.create_session(None).await?.id;
     complete_a_run(api, &warm_up).await?;
     leave_a_run_waiting(api, &warm_up).await?;
     let baseline = Stage::now(pid, db)?;
 
     let created: Vec<String> = futures::stream::iter(0..sessions)
         .map(|_| async {
-            let session = api.create_session().await?.id;
+            let session = api.create_session(None).await?.id;
             complete_a_run(api, &session).await?;
             anyhow::Ok(session)
         })

@@ -141,7 +141,7 @@ pub async fn sse(args: SseArgs) -> anyhow::Result<ExitCode> {
 async fn measure(args: &SseArgs, server: &str) -> anyhow::Result<serde_json::Value> {
     let subscribers = args.subscribers.unwrap_or_default();
     let api = Api::new(server, args.token.clone(), subscribers + 8)?;
-    let session = api.create_session().await?.id;
+    let session = api.create_session(None).await?.id;
     let path = format!("/v1/sessions/{session}/events");
 
     // Dropping the set (on any error below) aborts every subscriber.
@@ -245,7 +245,7 @@ async fn measure_stalled(
 ) -> anyhow::Result<serde_json::Value> {
     let pid = stalled.server_pid.unwrap_or_else(std::process::id);
     let api = Api::new(server, args.token.clone(), 8)?;
-    let session = api.create_session().await?.id;
+    let session = api.create_session(None).await?.id;
     let path = format!("/v1/sessions/{session}/events");
     let large = "x".repeat(BACKLOG_MESSAGE_BYTES);
     let mut backlog = Backlog::default();

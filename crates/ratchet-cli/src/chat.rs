@@ -15,10 +15,11 @@ use ratchet_core::RunStatus;
 use tokio::sync::mpsc;
 
 use crate::client::{Api, EventView, LiveView};
-use crate::drive::show_progress;
+use crate::drive::{CHILD_SHOWN, show_progress, show_tree_progress};
 
 pub struct ChatArgs {
     pub server: String,
+    pub agent: Option<String>,
     pub token: Option<String>,
 }
 
@@ -26,7 +27,7 @@ pub async fn chat(args: ChatArgs) -> anyhow::Result<ExitCode> {
     let api = Api::new(&args.server, args.token, 4)?;
     let interactive = std::io::stdin().is_terminal();
     let spinner = interactive && std::io::stderr().is_terminal();
-    let session = api.create_session().await?;
+    let session = api.create_session(args.agent.as_deref()).await?;
     if interactive {
         eprintln!(
             "ratchet chat: {} (session {}); /quit or Ctrl-D leaves",
@@ -204,6 +205,9 @@ struct Render {
 
 impl Render {
     fn shows(event: &EventView) -> bool {
+        if event.depth > 0 {
+            return CHILD_SHOWN.contains(&event.kind.as_str());
+        }
         match event.kind.as_str() {
             "assistant.delta" => event.payload["text"]
                 .as_str()
@@ -211,12 +215,24 @@ impl Render {
             "assistant.message" => event.payload["content"]
                 .as_str()
                 .is_some_and(|t| !t.is_empty()),
-            "tool.call" | "tool.result" | "model.error" | "reconciliation.required" => true,
+            "tool.call"
+            | "tool.result"
+            | "model.error"
+            | "reconciliation.required"
+            | "subagent.started"
+            | "subagent.finished" => true,
             _ => false,
         }
     }
 
     fn show(&mut self, out: &mut impl Write, event: &EventView) {
+        if event.depth > 0 {
+            if Render::shows(event) {
+                self.end_line(out);
+                show_tree_progress(out, event);
+            }
+            return;
+        }
         match event.kind.as_str() {
             "assistant.delta" => {
                 let text = event.payload["text"].as_str().unwrap_or_default();
@@ -236,7 +252,12 @@ impl Render {
                 self.streamed = false;
                 self.end_line(out);
             }
-            "tool.call" | "tool.result" | "model.error" | "reconciliation.required" => {
+            "tool.call"
+            | "tool.result"
+            | "model.error"
+            | "reconciliation.required"
+            | "subagent.started"
+            | "subagent.finished" => {
                 self.end_line(out);
                 show_progress(out, &event.kind, &event.payload);
             }
@@ -266,6 +287,14 @@ mod tests {
             kind: kind.into(),
             payload,
             created_at: 0,
+            depth: 0,
+        }
+    }
+
+    fn child_event(depth: u32, kind: &str, payload: serde_json::Value) -> EventView {
+        EventView {
+            depth,
+            ..event(kind, payload)
         }
     }
 
@@ -320,6 +349,42 @@ mod tests {
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "Let me add.\n  [c0] add {\"a\":1}\n  [c0] -> 2\nIt is 2.\n"
+        );
+    }
+
+    #[test]
+    fn a_childs_tool_calls_are_indented_by_its_depth_and_its_text_is_not_shown() {
+        let mut out = Vec::new();
+        let mut render = Render::default();
+        for e in [
+            event("assistant.delta", json!({"text": "Asking."})),
+            event(
+                "subagent.started",
+                json!({"agent": "worker", "child_run_id": "run_c", "task": "count"}),
+            ),
+            child_event(1, "assistant.delta", json!({"text": "child text"})),
+            child_event(
+                1,
+                "tool.call",
+                json!({"call_id": "c1", "tool": "add", "arguments": {}}),
+            ),
+            child_event(
+                1,
+                "subagent.started",
+                json!({"agent": "helper", "child_run_id": "run_g", "task": "t"}),
+            ),
+            child_event(2, "tool.result", json!({"call_id": "g1", "content": "3"})),
+            child_event(1, "assistant.message", json!({"content": "child answer"})),
+            event(
+                "subagent.finished",
+                json!({"agent": "worker", "child_run_id": "run_c", "status": "completed"}),
+            ),
+        ] {
+            render.show(&mut out, &e);
+        }
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "Asking.\n  -> worker run_c: count\n    [c1] add {}\n    -> helper run_g: t\n      [g1] -> 3\n  <- worker run_c completed\n"
         );
     }
 }

@@ -28,7 +28,7 @@ const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(5);
 /// a stream is given up.
 const MAX_RECONNECTS: u32 = 12;
 /// How long `follow_run` waits on a silent stream before asking for the run's state.
-const IDLE_CHECK: Duration = Duration::from_secs(30);
+pub(crate) const IDLE_CHECK: Duration = Duration::from_secs(30);
 
 /// Why a call to the server failed.
 #[derive(Debug)]
@@ -106,6 +106,9 @@ pub struct EventView {
     pub payload: Value,
     /// When the event was written, in ms since the epoch (the server's clock).
     pub created_at: i64,
+    /// On a tree stream, levels below the followed run's root (0: a root run's own event).
+    #[serde(default)]
+    pub depth: u32,
 }
 
 /// The `data` of a live `activity` event: what a step in flight is doing. It is never stored
@@ -198,10 +201,15 @@ impl Api {
         })
     }
 
-    pub async fn create_session(&self) -> Result<SessionView, ClientError> {
+    /// A new session of the catalog agent `agent`, or of the server's model without one.
+    pub async fn create_session(&self, agent: Option<&str>) -> Result<SessionView, ClientError> {
+        let body = match agent {
+            Some(agent) => json!({"agent": agent}),
+            None => json!({}),
+        };
         self.call(
             self.request(reqwest::Method::POST, "/v1/sessions")
-                .json(&json!({})),
+                .json(&body),
         )
         .await
     }

@@ -14,7 +14,7 @@ use serde::Serialize;
 use tokio::sync::broadcast::error::RecvError;
 
 use crate::approve;
-use crate::client::Api;
+use crate::client::{Api, EventView};
 use crate::runtime::{Runtime, Schema, ToolOverrides, Toolbox, open_existing_store, open_store};
 
 /// How often a driver re-reads the store: events of its run may never reach its bus (another
@@ -334,6 +334,7 @@ impl SessionFeed {
 
 pub struct RemoteRunArgs {
     pub server: String,
+    pub agent: Option<String>,
     pub token: Option<String>,
     pub json: bool,
     pub message: String,
@@ -345,7 +346,7 @@ pub struct RemoteRunArgs {
 pub async fn run_remote(args: RemoteRunArgs) -> anyhow::Result<ExitCode> {
     check_message(&args.message)?;
     let api = Api::new(&args.server, args.token, 4)?;
-    let session = api.create_session().await?;
+    let session = api.create_session(args.agent.as_deref()).await?;
     let accepted = api.send_message(&session.id, &args.message).await?;
     let mut stderr = std::io::stderr();
     let mut lines = approve::stdin_lines();
@@ -353,7 +354,7 @@ pub async fn run_remote(args: RemoteRunArgs) -> anyhow::Result<ExitCode> {
         &api,
         &accepted.run_id,
         &mut lines,
-        |event| show_progress(&mut stderr, &event.kind, &event.payload),
+        |event| show_tree_progress(&mut stderr, event),
         |_| {},
     )
     .await?;
@@ -425,6 +426,35 @@ pub async fn resume(
     Ok(code)
 }
 
+/// What a tree stream's event shows: a root event as `show_progress` shows it; of a run
+/// below, only what it does (its tool calls and results, the runs it starts, a wait for a
+/// human), indented by its depth. A child's text is not shown: it is its parent's tool result.
+pub(crate) fn show_tree_progress(out: &mut impl Write, event: &EventView) {
+    if event.depth == 0 {
+        return show_progress(out, &event.kind, &event.payload);
+    }
+    if !CHILD_SHOWN.contains(&event.kind.as_str()) {
+        return;
+    }
+    let mut lines = Vec::new();
+    show_progress(&mut lines, &event.kind, &event.payload);
+    let indent = "  ".repeat(event.depth as usize);
+    for line in String::from_utf8_lossy(&lines).lines() {
+        let _ = writeln!(out, "{indent}{line}");
+    }
+    let _ = out.flush();
+}
+
+/// The events of a run below the followed one that a terminal shows.
+pub(crate) const CHILD_SHOWN: [&str; 6] = [
+    "tool.call",
+    "tool.result",
+    "tool.outcome_unknown",
+    "reconciliation.required",
+    "subagent.started",
+    "subagent.finished",
+];
+
 pub(crate) fn show_progress(out: &mut impl Write, kind: &str, payload: &serde_json::Value) {
     let _ = match kind {
         "assistant.delta" => write!(out, "{}", payload["text"].as_str().unwrap_or_default()),
@@ -467,6 +497,20 @@ pub(crate) fn show_progress(out: &mut impl Write, kind: &str, payload: &serde_js
             out,
             "  waiting for a human to reconcile {}",
             payload["request"]
+        ),
+        "subagent.started" => writeln!(
+            out,
+            "  -> {} {}: {}",
+            payload["agent"].as_str().unwrap_or("agent"),
+            payload["child_run_id"].as_str().unwrap_or_default(),
+            payload["task"].as_str().unwrap_or_default()
+        ),
+        "subagent.finished" => writeln!(
+            out,
+            "  <- {} {} {}",
+            payload["agent"].as_str().unwrap_or("agent"),
+            payload["child_run_id"].as_str().unwrap_or_default(),
+            payload["status"].as_str().unwrap_or_default()
         ),
         _ => Ok(()),
     };

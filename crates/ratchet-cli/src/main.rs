@@ -195,7 +195,8 @@ enum Command {
         /// picks the one that answers.
         #[arg(long, value_name = "DIR")]
         agents: Option<PathBuf>,
-        /// The catalog agent that answers: its model, prompt, tools, limits and delegates.
+        /// The catalog agent that answers: its model, prompt, tools, limits and delegates
+        /// (with `--server`, an agent of the server's catalog).
         #[arg(long, value_name = "ID")]
         agent: Option<String>,
         #[command(flatten)]
@@ -213,6 +214,9 @@ enum Command {
         /// The server's URL.
         #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:7700")]
         server: String,
+        /// The agent of the server's catalog that answers (default: the server's model).
+        #[arg(long, value_name = "ID")]
+        agent: Option<String>,
         #[command(flatten)]
         token: TokenArg,
     },
@@ -651,7 +655,6 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         } => {
             let local_only = [
                 agents.is_some().then_some("--agents"),
-                agent.is_some().then_some("--agent"),
                 model.is_some().then_some("--model"),
                 workspace.is_some().then_some("--workspace"),
                 (!require_approval.is_empty()).then_some("--require-approval"),
@@ -673,6 +676,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let _ = db;
             drive::run_remote(drive::RemoteRunArgs {
                 server,
+                agent,
                 token: token.token,
                 json,
                 message,
@@ -758,9 +762,14 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             })
             .await
         }
-        Command::Chat { server, token } => {
+        Command::Chat {
+            server,
+            agent,
+            token,
+        } => {
             chat::chat(chat::ChatArgs {
                 server,
+                agent,
                 token: token.token,
             })
             .await

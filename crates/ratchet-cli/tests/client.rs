@@ -590,6 +590,98 @@ fn run_and_chat_over_the_server_ask_at_the_prompt_when_a_batch_is_gated() {
     assert_eq!(statuses, ["decided", "decided"]);
 }
 
+/// A server whose catalog's `boss` hands a task to `scribe`, whose `add` calls a person must
+/// approve (a child is offered only tools that may be delegated, which `append_line` is not).
+fn delegating_server(dir: &Path) -> Server {
+    let agents = dir.join("agents");
+    std::fs::create_dir_all(&agents).unwrap();
+    let boss = json!({"replies": [
+        {"tool_calls": [{"name": "delegate", "arguments": {"mode": "foreground", "tasks": [
+            {"agent": "scribe", "task": "write it"}
+        ]}}]},
+        {"text": "The scribe is done."}
+    ]});
+    let scribe = json!({"replies": [
+        {"tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]},
+        {"text": "Written."}
+    ]});
+    for (id, script, front) in [
+        ("boss", boss, "delegates: [scribe]"),
+        ("scribe", scribe, "tools: [add]\napproval:\n  add: always"),
+    ] {
+        std::fs::write(agents.join(format!("{id}.json")), script.to_string()).unwrap();
+        let definition = format!(
+            "---\nid: {id}\ndescription: the {id}\nmodel: scripted:{id}.json\n{front}\n---\nYou are the {id}.\n"
+        );
+        std::fs::write(agents.join(format!("{id}.md")), definition).unwrap();
+    }
+    let unused = json!({"replies": [{"text": "no agent"}]});
+    Server::start(dir, &unused, &["--agents", "agents"], &[])
+}
+
+/// The root run waits for its child, which waits for a person: `chat` and `run --server`
+/// follow the whole tree, show the child's calls indented below its start and ask about the
+/// child's approval at the prompt.
+#[test]
+fn chat_and_run_over_the_server_follow_a_delegation_and_ask_for_a_childs_approval() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let server = delegating_server(dir);
+    let args = ["chat", "--server", &server.url, "--agent", "boss"];
+    let chat = ratchet_with(dir, &args, "write it down\ny\n", &[]);
+    let (stdout, stderr) = (stdout_of(&chat), stderr_of(&chat));
+    assert!(chat.status.success(), "{stderr}\n{}", server.log());
+    assert!(
+        stderr.contains("approval apr_") && stderr.contains("[call_0_0] add {"),
+        "the child's approval was asked at the prompt: {stderr}"
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    let started = (lines.iter())
+        .position(|l| l.starts_with("  -> scribe run_") && l.ends_with(": write it"))
+        .unwrap_or_else(|| panic!("no line tells of the child's start: {stdout}"));
+    assert!(
+        lines[started + 1].starts_with("    [call_0_0] add {"),
+        "the child's call is indented below its start: {stdout}"
+    );
+    assert_eq!(lines[started + 2], "    [call_0_0] -> 5", "{stdout}");
+    assert!(
+        lines[started + 3].starts_with("  <- scribe run_")
+            && lines[started + 3].ends_with(" completed"),
+        "{stdout}"
+    );
+    assert!(
+        !lines.contains(&"Written."),
+        "the child's answer is its parent's tool result, not the chat's: {stdout}"
+    );
+    assert!(stdout.contains("The scribe is done."), "{stdout}");
+
+    let args = [
+        "run",
+        "--server",
+        &server.url,
+        "--agent",
+        "boss",
+        "--json",
+        "go",
+    ];
+    let run = ratchet_with(dir, &args, "y\n", &[]);
+    let stderr = stderr_of(&run);
+    assert!(run.status.success(), "{stderr}\n{}", server.log());
+    assert_eq!(report(&run)["status"], "completed", "{stderr}");
+    // (The prompt has no newline of its own when stdin is not a terminal.)
+    assert!(stderr.contains("    [call_0_0] add {"), "{stderr}");
+    assert!(stderr.contains("\n    [call_0_0] -> 5\n"), "{stderr}");
+
+    let args = ["chat", "--server", &server.url, "--agent", "nobody"];
+    let refused = ratchet_with(dir, &args, "hi\n", &[]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(
+        stderr_of(&refused).contains("nobody"),
+        "{}",
+        stderr_of(&refused)
+    );
+}
+
 /// `ratchet runs list|show --db` on the server's database, which must succeed.
 fn server_runs(dir: &Path, args: &[&str]) -> Value {
     let db = format!("sqlite://{}", dir.join("server.db").display());

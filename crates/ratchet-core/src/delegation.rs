@@ -341,21 +341,8 @@ pub fn await_children(
     });
     let (record, committed) = park_batch(&mut state, job, outcomes, summary, started_at, now);
     state.status = RunStatus::WaitingChildren;
-    let mut events: Vec<EventDraft> = children
-        .iter()
-        .map(|child| {
-            EventDraft::new(
-                EventKind::SubagentStarted,
-                json!({
-                    "run_id": state.run_id,
-                    "child_run_id": child.run_id,
-                    "child_session_id": child.session_id,
-                    "agent": child.lineage.agent,
-                    "task": child.task,
-                    "depth": child.lineage.depth,
-                }),
-            )
-        })
+    let mut events: Vec<EventDraft> = (children.iter())
+        .map(|child| child_started(&state.run_id, child))
         .collect();
     events.push(status_event(&state));
     events.push(committed);
@@ -395,6 +382,37 @@ impl ChildResult {
             answer: state.final_answer.clone(),
         })
     }
+}
+
+/// What a child's start tells its parent: the `subagent.started` event, in the commit that
+/// starts it.
+fn child_started(parent: &RunId, child: &ChildRun) -> EventDraft {
+    EventDraft::new(
+        EventKind::SubagentStarted,
+        json!({
+            "run_id": parent,
+            "child_run_id": child.run_id,
+            "child_session_id": child.session_id,
+            "agent": child.lineage.agent,
+            "task": child.task,
+            "depth": child.lineage.depth,
+            "background": child.lineage.background.is_some(),
+        }),
+    )
+}
+
+/// The step's background children start in its commit, which tells of each
+/// (`subagent.started`) before its `step.committed`: a client following the parent learns of
+/// every run below it from the parent's events.
+pub fn start_in_background(result: &mut StepResult, children: Vec<ChildRun>) {
+    let at = (result.events.iter())
+        .position(|event| event.kind == EventKind::StepCommitted)
+        .unwrap_or(result.events.len());
+    let started: Vec<EventDraft> = (children.iter())
+        .map(|child| child_started(&result.state.run_id, child))
+        .collect();
+    result.events.splice(at..at, started);
+    result.children = children;
 }
 
 /// What a child's end tells its parent: the `subagent.finished` event.

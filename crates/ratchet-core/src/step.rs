@@ -128,13 +128,13 @@ impl StepResult {
         self.state.cancel_requested = true;
         // No run starts after a cancel was accepted, background ones included.
         self.children.clear();
+        self.events
+            .retain(|event| event.kind != EventKind::SubagentStarted);
         if self.state.status.is_waiting() {
             self.state.pending_human = None;
             let waiting = serde_json::to_value(self.state.status).unwrap_or_default();
             self.events.retain(|event| match event.kind {
-                EventKind::ApprovalRequired
-                | EventKind::ReconciliationRequired
-                | EventKind::SubagentStarted => false,
+                EventKind::ApprovalRequired | EventKind::ReconciliationRequired => false,
                 EventKind::RunStatus => event.payload["status"] != waiting,
                 _ => true,
             });

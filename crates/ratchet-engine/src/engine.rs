@@ -11,7 +11,7 @@ use futures::stream::{self, StreamExt};
 use ratchet_core::bounds::model_view;
 use ratchet_core::delegation::{
     AGENT_TASK_TOOL, ChildRun, DELEGATE_TOOL, DelegationMode, EMIT_SIGNAL_TOOL, await_children,
-    background_started,
+    background_started, start_in_background,
 };
 use ratchet_core::message::answer_dangling_calls;
 use ratchet_core::step::{
@@ -636,7 +636,7 @@ impl Engine {
         // Background runs start even when this step ends the run: the call's outcome named them,
         // and they report to the session, not to this run.
         let mut result = after_tools(state, job, outcomes, invalid, started, now_ms());
-        result.children = children;
+        start_in_background(&mut result, children);
         Ok(with_call_events(result, call_events))
     }
 

@@ -174,11 +174,14 @@ const connection = {
 
 class EventStream {
   // `onLive` receives the live activity of steps in flight: events without an id or a seq,
-  // never stored, which must not move the cursor.
-  constructor(path, onEvent, onLive = () => {}) {
+  // never stored, which must not move the cursor. A tree stream's ids are whole cursors
+  // (`ses_a:12,ses_b:7`) the server resumes after; a session's or run's are its `seq`.
+  constructor(path, onEvent, onLive = () => {}, { tree = false } = {}) {
     this.path = path;
     this.onEvent = onEvent;
     this.onLive = onLive;
+    this.tree = tree;
+    this.lastId = null;
     this.lastSeq = 0;
     this.stopped = false;
     this.controller = null;
@@ -201,7 +204,7 @@ class EventStream {
       const sent = sessionStorage.getItem(TOKEN_KEY);
       try {
         const headers = { Accept: "text/event-stream", ...authHeaders() };
-        if (this.lastSeq > 0) headers["Last-Event-ID"] = String(this.lastSeq);
+        if (this.tree ? this.lastId : this.lastSeq > 0) headers["Last-Event-ID"] = this.tree ? this.lastId : String(this.lastSeq);
         const response = await fetch(this.path, { headers, signal: this.controller.signal, cache: "no-store" });
         if (response.status === 401) {
           if (sessionStorage.getItem(TOKEN_KEY) === sent) await askForToken(Boolean(sent));
@@ -263,14 +266,18 @@ class EventStream {
       this.onLive(event);
       return;
     }
-    const seq = Number(id ?? event.seq);
-    if (seq <= this.lastSeq) return;
-    this.lastSeq = seq;
+    if (this.tree) {
+      this.lastId = id;
+    } else {
+      const seq = Number(id ?? event.seq);
+      if (seq <= this.lastSeq) return;
+      this.lastSeq = seq;
+    }
     try {
       this.onEvent(event);
     } catch (error) {
       // One event the view cannot draw must not stop the stream for every later one.
-      console.error(`cannot show event ${seq} (${event.kind}):`, error);
+      console.error(`cannot show event ${id} (${event.kind}):`, error);
     }
   }
 }
@@ -813,6 +820,97 @@ function showSession(view, sessionId) {
   const approvals = new Map();
   const reconciliations = new Map();
 
+  // The runs below this session's runs live in sessions of their own: each root run that
+  // starts one is followed through its tree stream, and what its children do that a person
+  // must see (their approvals above all) is shown under their `subagent.started` notice.
+  // child run id -> the notice's list of what that run does
+  const below = new Map();
+  // root run id -> its tree stream, until every run of the tree has finished
+  const trees = new Map();
+
+  function childNotice(p, parentList) {
+    if (below.has(p.child_run_id)) return;
+    const item = h(
+      "li",
+      { class: "item item-notice", "data-child-run": p.child_run_id },
+      `Started ${p.agent} `,
+      runLink(p.child_run_id),
+      `${p.background ? " in the background" : ""} for: ${p.task}`,
+    );
+    below.set(p.child_run_id, { item, list: null, agent: p.agent });
+    if (parentList) parentList.append(item);
+    else append(item);
+  }
+
+  // The list under a child's notice, made when it first holds something.
+  function workOf(runId) {
+    const child = below.get(runId);
+    if (!child) return null;
+    if (!child.list) {
+      child.list = h("ul", { class: "below", "aria-label": `What ${child.agent} ${runId} does` });
+      child.item.append(child.list);
+    }
+    return child.list;
+  }
+
+  function followTree(rootId) {
+    if (trees.has(rootId)) return;
+    const open = new Set([rootId]);
+    const tools = new Map();
+    const stream = new EventStream(
+      `/v1/runs/${rootId}/tree/events`,
+      (event) => {
+        const p = event.payload ?? {};
+        const runId = event.run_id;
+        if (event.kind === "subagent.started") open.add(p.child_run_id);
+        if (event.kind === "run.finished") open.delete(runId);
+        // The root's own events come from the session's stream.
+        if (event.depth > 0) applyBelow(event, p, runId, tools);
+        if (open.size === 0) stream.stop();
+      },
+      () => {},
+      { tree: true },
+    );
+    trees.set(rootId, stream);
+    stream.start();
+  }
+
+  function applyBelow(event, p, runId, tools) {
+    const list = workOf(runId) ?? log;
+    switch (event.kind) {
+      case "subagent.started":
+        childNotice(p, list);
+        break;
+      case "tool.call": {
+        const result = h("span", { class: "muted", text: "running…" });
+        tools.set(`${runId}/${p.call_id}`, result);
+        list.append(h("li", { class: "item-below", "data-call": p.call_id }, h("code", { text: p.tool }), " ", result));
+        break;
+      }
+      case "tool.result": {
+        const result = tools.get(`${runId}/${p.call_id}`);
+        if (result) result.textContent = p.is_error ? "failed" : "done";
+        break;
+      }
+      case "approval.required": {
+        const card = approvalCard(event);
+        approvals.set(p.approval_id, card);
+        runOf(runId).cards.push(card);
+        list.append(card);
+        card.scrollIntoView({ block: "nearest" });
+        break;
+      }
+      case "approval.decided":
+        approvals.get(p.approval_id)?.decided(p.answer);
+        break;
+      case "run.finished":
+        for (const card of runOf(runId).cards) card.closed();
+        break;
+      default:
+        break;
+    }
+  }
+
   // While events pour in (a replay, a streaming answer) the log is busy, so a screen reader
   // reads what settled rather than every fragment.
   let settle = null;
@@ -923,7 +1021,8 @@ function showSession(view, sessionId) {
         reconciliations.get(runId)?.decided(p.call_id, p.answer);
         break;
       case "subagent.started":
-        notice(`Started ${p.agent} `, runLink(p.child_run_id), ` for: ${p.task}`);
+        childNotice(p, null);
+        followTree(runId);
         break;
       case "subagent.finished":
         notice(`${p.agent} `, runLink(p.child_run_id), ` ended: ${p.status}.`);
@@ -1037,6 +1136,7 @@ function showSession(view, sessionId) {
   refreshSide();
   return () => {
     stream.stop();
+    for (const tree of trees.values()) tree.stop();
     clearTimeout(refreshTimer);
     clearTimeout(settle);
   };

@@ -598,6 +598,87 @@ impl From<&ratchet_engine::LiveActivity> for LiveActivityView {
     }
 }
 
+/// The `data` of a tree stream's event: the event, with where its run sits in the tree.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TreeEventView {
+    #[serde(flatten)]
+    pub event: EventView,
+    /// The run that started this event's run; `null` for the tree's root.
+    pub parent_run_id: Option<String>,
+    /// Levels below the run a message started (0).
+    pub depth: u32,
+}
+
+impl TreeEventView {
+    pub(crate) fn new(event: EventView, place: crate::feed::Place) -> TreeEventView {
+        TreeEventView {
+            event,
+            parent_run_id: place.parent_run_id.map(|run| run.to_string()),
+            depth: place.depth,
+        }
+    }
+}
+
+/// The `data` of a tree stream's live `activity` event, with where its run sits in the tree.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TreeActivityView {
+    #[serde(flatten)]
+    pub activity: LiveActivityView,
+    pub parent_run_id: Option<String>,
+    pub depth: u32,
+}
+
+impl TreeActivityView {
+    pub(crate) fn new(activity: LiveActivityView, place: crate::feed::Place) -> TreeActivityView {
+        TreeActivityView {
+            activity,
+            parent_run_id: place.parent_run_id.map(|run| run.to_string()),
+            depth: place.depth,
+        }
+    }
+}
+
+/// One event as a tree stream sends it: `id: <cursor>`, `event: <kind>`,
+/// `data: <TreeEventView>`.
+#[derive(Debug, ToSchema)]
+pub struct ServerSentTreeEvent {
+    /// The stream's cursor after this event, `SESSION:SEQ` pairs joined by commas: a client
+    /// that reconnects sends the last one as `Last-Event-ID`.
+    pub id: String,
+    /// The event's kind.
+    pub event: String,
+    /// The whole event: a `TreeEventView` as JSON.
+    #[schema(schema_with = tree_event_view_json)]
+    pub data: String,
+}
+
+impl ServerSentTreeEvent {
+    pub(crate) fn new(
+        event: &StoredEvent,
+        place: crate::feed::Place,
+        cursor: String,
+    ) -> ServerSentTreeEvent {
+        let view = TreeEventView::new(EventView::from(event), place);
+        ServerSentTreeEvent {
+            id: cursor,
+            event: event.kind.clone(),
+            data: serde_json::to_string(&view).unwrap_or_default(),
+        }
+    }
+}
+
+/// A string that holds a `TreeEventView` in JSON.
+fn tree_event_view_json() -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .content_media_type("application/json")
+        .content_schema(Some(utoipa::openapi::Ref::from_schema_name(
+            "TreeEventView",
+        )))
+        .description(Some("The whole event: a `TreeEventView` as JSON."))
+        .build()
+}
+
 impl From<&StoredEvent> for ServerSentEvent {
     fn from(event: &StoredEvent) -> ServerSentEvent {
         ServerSentEvent {

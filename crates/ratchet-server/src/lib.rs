@@ -11,6 +11,7 @@ mod auth;
 mod config;
 mod console;
 mod error;
+mod feed;
 mod hosts;
 mod inbox;
 mod listener;
@@ -125,7 +126,13 @@ impl AppState {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Ratchet", description = "A durable runtime for LLM agents."),
-    components(schemas(api::ErrorBody, api::EventView, api::LiveActivityView))
+    components(schemas(
+        api::ErrorBody,
+        api::EventView,
+        api::LiveActivityView,
+        api::TreeEventView,
+        api::TreeActivityView
+    ))
 )]
 struct ApiDoc;
 

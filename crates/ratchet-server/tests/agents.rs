@@ -329,6 +329,7 @@ async fn a_delegation_runs_through_the_api_and_its_tree_lists_the_children() {
                 "agent": "worker",
                 "task": task,
                 "depth": 1,
+                "background": false,
             })
         );
     }
@@ -377,6 +378,179 @@ async fn a_delegation_runs_through_the_api_and_its_tree_lists_the_children() {
             "as for a run that does not exist"
         );
     }
+}
+
+/// `top` hands one task to `lead`, which hands two to `worker`s: a tree three levels deep.
+fn three_levels(template: &RunConfigSnapshot, dir: &Path) -> Vec<AgentProfile> {
+    let mut agents = lead_and_worker(template, dir);
+    let delegate = json!({"replies": [
+        {"tool_calls": [{"name": "delegate", "arguments": {"mode": "foreground", "tasks": [
+            {"agent": "lead", "task": "lead it"}
+        ]}}]},
+        {"text": "topped"}
+    ]});
+    let top = agent("top", template, dir, delegate, vec![agents[0].clone()]);
+    agents.push(top);
+    agents
+}
+
+/// A key for an event wherever a stream sent it: its session and seq.
+fn at(event: &Ev) -> (String, i64) {
+    (
+        event.data["session_id"].as_str().unwrap().to_owned(),
+        event.seq,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tree_stream_sends_every_event_of_every_run_once_and_resumes_after_any_of_them() {
+    let server = Server::start_with_agents(quick_script(), three_levels).await;
+    let created = create_session_with(&server, TOKEN_A, json!({"agent": "top"})).await;
+    let session = created.body["id"].as_str().unwrap().to_owned();
+    let root = server.send(TOKEN_A, &session, "go").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let tree_path = format!("/v1/runs/{root}/tree/events");
+    // Followed live from the start, to the root's end.
+    let mut live = server.stream(&tree_path, None).await;
+    let followed = live
+        .until(|e| e.kind == "run.finished" && e.run_id.as_deref() == Some(root.as_str()))
+        .await;
+    drop(live);
+
+    let tree = server
+        .get_ok(TOKEN_A, &format!("/v1/runs/{root}/tree"))
+        .await;
+    let nodes = tree["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 4, "top, lead and two workers: {tree}");
+    assert_eq!(nodes.iter().filter(|n| n["depth"] == 2).count(), 2);
+    let replay = server
+        .replay(&format!("{tree_path}?follow=false"), None)
+        .await;
+
+    // Every event of every run of the tree, as each run's own stream sends it, and nothing
+    // else; each with its run's place.
+    let mut expected = Vec::new();
+    for node in nodes {
+        let run = node["run_id"].as_str().unwrap();
+        let own = server
+            .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
+            .await;
+        let in_tree: Vec<&Ev> = (replay.iter())
+            .filter(|e| e.run_id.as_deref() == Some(run))
+            .collect();
+        assert_eq!(
+            in_tree
+                .iter()
+                .map(|e| (e.seq, &e.kind, &e.data["payload"]))
+                .collect::<Vec<_>>(),
+            own.iter()
+                .map(|e| (e.seq, &e.kind, &e.data["payload"]))
+                .collect::<Vec<_>>(),
+            "run {run}'s events, in its order"
+        );
+        for event in in_tree {
+            assert_eq!(
+                (&event.data["parent_run_id"], &event.data["depth"]),
+                (&node["parent_run_id"], &node["depth"]),
+                "{event:?}"
+            );
+        }
+        expected.extend(own.iter().map(at));
+    }
+    let mut sent: Vec<_> = replay.iter().map(at).collect();
+    assert_eq!(sent.len(), expected.len(), "nothing twice");
+    sent.sort();
+    expected.sort();
+    assert_eq!(sent, expected, "every event once");
+
+    // A child's first event comes after the `subagent.started` that tells of it.
+    for node in &nodes[1..] {
+        let run = node["run_id"].as_str().unwrap();
+        let started = (replay.iter())
+            .position(|e| e.kind == "subagent.started" && e.data["payload"]["child_run_id"] == run)
+            .unwrap_or_else(|| panic!("no subagent.started for {run}"));
+        let first = (replay.iter())
+            .position(|e| e.run_id.as_deref() == Some(run))
+            .unwrap();
+        assert!(
+            started < first,
+            "{run}: started at {started}, first event at {first}"
+        );
+    }
+
+    // What was followed live is what a replay holds (each run's events in its order).
+    let mut followed_at: Vec<_> = followed.iter().map(at).collect();
+    followed_at.sort();
+    assert_eq!(
+        followed_at, sent,
+        "the live stream sent what the replay does"
+    );
+
+    // Resumed after any event, a replay sends exactly the rest.
+    for (index, event) in replay.iter().enumerate() {
+        let rest = server
+            .replay(&format!("{tree_path}?follow=false"), Some(&event.id))
+            .await;
+        assert_eq!(
+            rest,
+            replay[index + 1..],
+            "resumed after event {index} ({})",
+            event.id
+        );
+    }
+    let middle = &replay[replay.len() / 2];
+    let by_query = server
+        .replay(
+            &format!(
+                "{tree_path}?follow=false&after={}",
+                middle.id.replace(',', "%2C")
+            ),
+            None,
+        )
+        .await;
+    assert_eq!(
+        by_query,
+        replay[replay.len() / 2 + 1..],
+        "?after= is Last-Event-ID"
+    );
+
+    // A child's tree stream is its subtree.
+    let lead = nodes[1]["run_id"].as_str().unwrap();
+    let subtree = server
+        .replay(&format!("/v1/runs/{lead}/tree/events?follow=false"), None)
+        .await;
+    let mut runs: Vec<&str> = subtree.iter().filter_map(|e| e.run_id.as_deref()).collect();
+    runs.dedup();
+    assert!(!runs.contains(&root.as_str()), "{runs:?}");
+    assert_eq!(
+        subtree[0].data["depth"], 1,
+        "depth is counted from the tree's root"
+    );
+
+    // Cursors that are not this stream's, and another tenant, are refused.
+    let stranger = create_session_with(&server, TOKEN_A, json!({})).await.body["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for (cursor, says) in [
+        (format!("{stranger}:1"), "holds no run of"),
+        ("17".to_owned(), "is not SESSION:SEQ"),
+        (format!("{session}:-3"), "not a non-negative seq"),
+    ] {
+        let reply = call(
+            server
+                .get(TOKEN_A, &tree_path)
+                .header("last-event-id", &cursor),
+        )
+        .await;
+        assert_error(&cursor, &reply, StatusCode::BAD_REQUEST, "bad_request");
+        let message = reply.body["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{cursor}: {message}");
+    }
+    let foreign = call(server.get(TOKEN_B, &tree_path)).await;
+    assert_error(&tree_path, &foreign, StatusCode::NOT_FOUND, "not_found");
 }
 
 // ---------------------------------------------------------------------------------------

@@ -442,6 +442,7 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/runs/{id}", vec!["get"]),
         ("/v1/runs/{id}/steps", vec!["get"]),
         ("/v1/runs/{id}/tree", vec!["get"]),
+        ("/v1/runs/{id}/tree/events", vec!["get"]),
         ("/v1/runs/{id}/cancel", vec!["post"]),
         ("/v1/runs/{id}/pause", vec!["post"]),
         ("/v1/runs/{id}/reconcile", vec!["post"]),

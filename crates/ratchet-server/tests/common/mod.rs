@@ -484,6 +484,8 @@ pub async fn all_pages(server: &Server, path: &str, limit: u32) -> Vec<Vec<Value
 /// One event: `id` (the seq), `event` (the kind) and `data` (an EventView), checked to agree.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Ev {
+    /// The server-sent `id`: the `seq`, or on a tree stream the whole cursor.
+    pub id: String,
     pub seq: i64,
     pub kind: String,
     pub run_id: Option<String>,
@@ -631,10 +633,13 @@ impl Ev {
         let id = id.expect("every event has an id");
         let kind = kind.expect("every event has a kind");
         let data: Value = serde_json::from_str(&data.expect("every event has data")).unwrap();
-        let seq: i64 = id.parse().unwrap();
-        assert_eq!(data["seq"], seq, "id and data.seq agree");
+        let seq = data["seq"].as_i64().expect("every event has a seq");
+        if data.get("depth").is_none() {
+            assert_eq!(id, seq.to_string(), "id and data.seq agree");
+        }
         assert_eq!(data["kind"], kind.as_str(), "event and data.kind agree");
         Ev {
+            id,
             seq,
             kind,
             run_id: data["run_id"].as_str().map(str::to_owned),
