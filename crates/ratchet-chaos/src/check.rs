@@ -6,14 +6,14 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::time::Instant;
 
-use ratchet_core::{SessionId, Visibility};
-use ratchet_store::{Store, StoredEvent};
+use ratchet_core::{InboxStatus, RunStatus, SessionId, Visibility};
+use ratchet_store::{InboxEvent, Store, StoredEvent};
 use serde_json::Value;
 
 use crate::client::{RunLog, SessionLog};
 use crate::mcp_log::{self, Execution, ExecutionKind};
-use crate::model::{RoundAsked, SUMMARY_MARK};
-use crate::plan::{GATED_DIR, LOG_DIR, MCP_SERVER, NEVER_TOOLS, parse_call_id};
+use crate::model::{RoundAsked, SUMMARY_MARK, TRIGGER_PREFIX, trigger_events};
+use crate::plan::{GATED_DIR, LOG_DIR, MCP_SERVER, NEVER_TOOLS, parse_call_id, told_in};
 
 /// What the checks counted, besides the violations.
 #[derive(Debug, Default)]
@@ -32,6 +32,13 @@ pub struct Tally {
     pub stop_reasons: BTreeMap<String, usize>,
     /// How often the paths that chaos should reach were taken.
     pub events_of_kind: BTreeMap<&'static str, usize>,
+    /// Helper runs the dispatchers' background delegations started.
+    pub children: usize,
+    /// Reports told by a completed continuation, and reports dead-lettered.
+    pub reports_told: usize,
+    pub reports_dead: usize,
+    /// Messages sent with `multitask: "interrupt"`.
+    pub interrupts: usize,
 }
 
 /// The event kinds counted in the tally: each is a path the workload is meant to exercise.
@@ -190,6 +197,11 @@ pub async fn check(
             }
         }
         check_history(store, &session_id, &mut tally, &mut violations).await?;
+        check_children(store, log, &mut tally, &mut violations).await?;
+        if log.delegating {
+            tally.interrupts += log.interrupts;
+            check_inbox(store, &session_id, &mut tally, &mut violations).await?;
+        }
     }
     check_effects(workspace, &mut tally, &mut violations)?;
     let (executions, strays) = mcp_log::read(mcp_log)?;
@@ -375,21 +387,34 @@ fn check_event_log(log: &SessionLog, stored: &[StoredEvent], violations: &mut Ve
 }
 
 /// 1: within a session, a run holds it from its first step or holding status to its last
-/// step or status event, and these spans of different runs never overlap.
+/// step or status event, and these spans of different runs never overlap. A run that ends
+/// while queued (cancelled behind another) never held the session.
 fn check_one_active_run(session: &str, events: &[StoredEvent], violations: &mut Vec<String>) {
     let mut spans: BTreeMap<String, (i64, i64)> = BTreeMap::new();
     for event in events {
         let Some(run) = event.run_id.as_ref().map(ToString::to_string) else {
             continue;
         };
-        let holds = match event.kind.as_str() {
-            "run.status" => event.payload["status"] != "queued",
-            "step.committed" | "run.finished" => true,
-            _ => false,
+        let status = event.payload["status"].as_str();
+        let ends = match event.kind.as_str() {
+            "run.status" => status
+                .and_then(RunStatus::parse)
+                .map(RunStatus::is_terminal),
+            "step.committed" => Some(false),
+            "run.finished" => Some(true),
+            _ => None,
         };
-        if holds {
-            let span = spans.entry(run).or_insert((event.seq, event.seq));
-            span.1 = event.seq;
+        match ends {
+            Some(false) if status != Some("queued") => {
+                let span = spans.entry(run).or_insert((event.seq, event.seq));
+                span.1 = event.seq;
+            }
+            Some(true) => {
+                if let Some(span) = spans.get_mut(&run) {
+                    span.1 = event.seq;
+                }
+            }
+            _ => {}
         }
     }
     let mut spans: Vec<(i64, i64, String)> = spans
@@ -446,6 +471,122 @@ async fn check_history(
                 "invariant 10: session {session_id}: hidden message {} is in client history",
                 stored.id
             ));
+        }
+    }
+    Ok(())
+}
+
+/// 3, below the clients' runs: every run their delegations started has ended.
+async fn check_children(
+    store: &dyn Store,
+    log: &SessionLog,
+    tally: &mut Tally,
+    violations: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    for run in &log.runs {
+        let run_id = ratchet_core::RunId::parse(&run.run_id)
+            .map_err(|e| anyhow::anyhow!("run id {:?}: {e}", run.run_id))?;
+        for node in store.run_tree(&run_id).await?.iter().skip(1) {
+            tally.children += 1;
+            if !node.status.is_terminal() {
+                violations.push(format!(
+                    "invariant 3: run {}, started by {}, is {} after the chaos settled",
+                    node.run_id, run.run_id, node.status
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// 15: every report of a dispatcher's session reached exactly one completed continuation or
+/// the dead letter — never both, never twice. A consumed report's trigger, the first step of
+/// the turn that told it and that turn's answer are each in the history once, and the run
+/// that consumed it is a continuation that completed; a dead-lettered one's are nowhere (a
+/// failed continuation's messages never reach the history).
+async fn check_inbox(
+    store: &dyn Store,
+    session_id: &SessionId,
+    tally: &mut Tally,
+    violations: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    let mut reports: Vec<InboxEvent> = Vec::new();
+    loop {
+        let after = reports.last().map_or(0, |report| report.id);
+        let page = store.inbox(session_id, None, after, 500).await?;
+        if page.is_empty() {
+            break;
+        }
+        reports.extend(page);
+    }
+    let (mut triggered, mut drafted, mut told) = (
+        HashMap::<i64, usize>::new(),
+        HashMap::<i64, usize>::new(),
+        HashMap::<i64, usize>::new(),
+    );
+    for message in store.history(session_id).await? {
+        let text = &message.content;
+        let counted: (&mut HashMap<i64, usize>, Vec<i64>) = match message.role {
+            ratchet_core::Role::User if text.starts_with(TRIGGER_PREFIX) => {
+                (&mut triggered, trigger_events(text))
+            }
+            ratchet_core::Role::Assistant if !told_in(text).is_empty() => {
+                (&mut told, told_in(text))
+            }
+            ratchet_core::Role::Assistant => {
+                let tag = (text.split_once("of plan "))
+                    .and_then(|(_, rest)| rest.split(':').next())
+                    .unwrap_or_default();
+                (&mut drafted, crate::plan::told(tag).unwrap_or_default())
+            }
+            _ => continue,
+        };
+        for event in counted.1 {
+            *counted.0.entry(event).or_default() += 1;
+        }
+    }
+    for report in &reports {
+        let id = report.id;
+        let count = |of: &HashMap<i64, usize>| of.get(&id).copied().unwrap_or(0);
+        let seen = (count(&triggered), count(&drafted), count(&told));
+        let said = format!(
+            "its trigger is in the history {} times, its turn's first step {} times and its turn's answer {} times",
+            seen.0, seen.1, seen.2
+        );
+        match report.status {
+            InboxStatus::Consumed => {
+                tally.reports_told += 1;
+                if seen != (1, 1, 1) {
+                    violations.push(format!(
+                        "invariant 15: session {session_id}'s report {id} was consumed, yet {said}; expected once each"
+                    ));
+                }
+                let consumer = match &report.lease_run_id {
+                    Some(run) => Some(store.load_state(run).await?),
+                    None => None,
+                };
+                let completed = consumer.as_ref().is_some_and(|run| {
+                    run.config.continuation && run.status == ratchet_core::RunStatus::Completed
+                });
+                if !completed {
+                    violations.push(format!(
+                        "invariant 15: session {session_id}'s report {id} was consumed by {:?}, which is not a completed continuation",
+                        report.lease_run_id
+                    ));
+                }
+            }
+            InboxStatus::DeadLetter => {
+                tally.reports_dead += 1;
+                if seen != (0, 0, 0) {
+                    violations.push(format!(
+                        "invariant 15: session {session_id}'s report {id} went to the dead letter, yet {said}"
+                    ));
+                }
+            }
+            other => violations.push(format!(
+                "invariant 15: session {session_id}'s report {id} is {} after the chaos settled",
+                other.as_str()
+            )),
         }
     }
     Ok(())
@@ -583,6 +724,11 @@ mod tests {
             stored(7, "a", "run.finished", json!({})),
             status(8, "b", "running"),
             stored(9, "b", "step.committed", json!({})),
+            // Queued behind b and cancelled there: c never held the session.
+            status(10, "c", "queued"),
+            status(11, "c", "cancelled"),
+            stored(12, "c", "run.finished", json!({})),
+            stored(13, "b", "step.committed", json!({})),
         ];
         let mut violations = Vec::new();
         check_one_active_run("ses_s", &sequential, &mut violations);

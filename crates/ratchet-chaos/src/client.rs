@@ -32,12 +32,24 @@ pub struct ClientEvent {
     pub payload: Value,
 }
 
+/// The runs one client drives in one session.
+#[derive(Debug, Clone)]
+pub struct SessionPlan {
+    /// The catalog agent the session is of (the dispatcher), or the server's model.
+    pub agent: Option<&'static str>,
+    pub plans: Vec<Plan>,
+}
+
 /// What one session's client saw and did.
 #[derive(Debug, Default)]
 pub struct SessionLog {
     pub session_id: String,
+    /// The session's runs delegate in the background: its inbox is checked.
+    pub delegating: bool,
     pub events: Vec<ClientEvent>,
     pub runs: Vec<RunLog>,
+    /// Messages sent with `multitask: "interrupt"`.
+    pub interrupts: usize,
     /// Things the client saw go wrong (a run that never finished, a 5xx).
     pub problems: Vec<String>,
 }
@@ -101,10 +113,13 @@ impl Clients {
         })
     }
 
-    /// Runs `plans` one after the other in a new session.
-    pub async fn drive_session(self: Arc<Self>, plans: Vec<Plan>) -> SessionLog {
-        let mut log = SessionLog::default();
-        if let Err(error) = self.drive(&plans, &mut log).await {
+    /// Runs the session's plans one after the other in a new session.
+    pub async fn drive_session(self: Arc<Self>, session: SessionPlan) -> SessionLog {
+        let mut log = SessionLog {
+            delegating: session.agent.is_some(),
+            ..SessionLog::default()
+        };
+        if let Err(error) = self.drive(&session, &mut log).await {
             log.problems.push(format!(
                 "session {}: {error:#}",
                 if log.session_id.is_empty() {
@@ -117,9 +132,17 @@ impl Clients {
         log
     }
 
-    async fn drive(self: &Arc<Self>, plans: &[Plan], log: &mut SessionLog) -> anyhow::Result<()> {
+    async fn drive(
+        self: &Arc<Self>,
+        session: &SessionPlan,
+        log: &mut SessionLog,
+    ) -> anyhow::Result<()> {
+        let body = match session.agent {
+            Some(agent) => json!({"agent": agent}),
+            None => json!({}),
+        };
         let created = self
-            .retrying(Method::POST, "/v1/sessions", Some(json!({})))
+            .retrying(Method::POST, "/v1/sessions", Some(body))
             .await?;
         log.session_id = text(&created, "id")?;
         let (events, mut received) = mpsc::unbounded_channel();
@@ -131,19 +154,8 @@ impl Clients {
             events,
             stop,
         ));
-        for plan in plans {
-            self.model.add_plan(plan.clone());
-            let run_id = self
-                .send_message(&log.session_id, log.runs.len(), plan)
-                .await?;
-            let config_at_start = self.frozen_config(&run_id).await?;
-            log.runs.push(RunLog {
-                run_id: run_id.clone(),
-                tag: plan.tag.clone(),
-                config_at_start,
-                finished: false,
-                reconciled: Vec::new(),
-            });
+        for plan in &session.plans {
+            let run_id = self.start_run(plan, "enqueue", log).await?;
             if let Some(after) = plan.cancel_after_ms {
                 let (client, run_id) = (Arc::clone(self), run_id.clone());
                 tokio::spawn(async move {
@@ -152,57 +164,159 @@ impl Clients {
                         .await;
                 });
             }
-            loop {
+            // The runs this turn waits for: the plan's, and the one that interrupts it.
+            let mut waiting = vec![run_id];
+            let mut interrupt_at = plan
+                .interrupt_after_ms
+                .map(|after| tokio::time::Instant::now() + Duration::from_millis(after));
+            while !waiting.is_empty() || interrupt_at.is_some() {
                 let wait = self.deadline.saturating_duration_since(Instant::now());
-                let Ok(Some(event)) = tokio::time::timeout(wait, received.recv()).await else {
-                    bail!("run {run_id} did not finish by the deadline (stranded)");
+                let received = tokio::select! {
+                    received = tokio::time::timeout(wait, received.recv()) => received,
+                    () = sleep_until(interrupt_at) => {
+                        interrupt_at = None;
+                        waiting.push(self.start_run(&plan.interrupting(), "interrupt", log).await?);
+                        log.interrupts += 1;
+                        continue;
+                    }
+                };
+                let Ok(Some(event)) = received else {
+                    bail!("runs {waiting:?} did not finish by the deadline (stranded)");
                 };
                 log.events.push(event.clone());
-                if event.run_id.as_deref() != Some(run_id.as_str()) {
+                let Some(run_id) = (event.run_id.clone()).filter(|run| waiting.contains(run))
+                else {
                     continue;
-                }
+                };
                 match event.kind.as_str() {
                     "approval.required" => self.decide(&event.payload).await?,
                     "reconciliation.required" => {
-                        let run = log.runs.last_mut().context("the run being driven")?;
+                        let run = (log.runs.iter_mut())
+                            .find(|run| run.run_id == run_id)
+                            .context("the run being driven")?;
                         self.reconcile(&run_id, &event.payload, &mut run.reconciled)
                             .await?;
                     }
-                    "run.finished" => break,
+                    "run.finished" => {
+                        waiting.retain(|run| *run != run_id);
+                        if let Some(run) = log.runs.iter_mut().find(|run| run.run_id == run_id) {
+                            run.finished = true;
+                        }
+                    }
                     _ => {}
                 }
             }
-            log.runs.last_mut().unwrap().finished = true;
+        }
+        if log.delegating {
+            self.settle(&mut received, log).await?;
         }
         Ok(())
     }
 
-    /// Sends the run's message once; when the server died meanwhile, the message may have
-    /// committed: it counts if the session has a new run, and is sent again otherwise.
+    /// Sends a plan's message and records its run; the model learns the plan (and its
+    /// helpers') first.
+    async fn start_run(
+        &self,
+        plan: &Plan,
+        multitask: &str,
+        log: &mut SessionLog,
+    ) -> anyhow::Result<String> {
+        self.model.add_plan(plan);
+        let run_id = self.send_message(&log.session_id, plan, multitask).await?;
+        let config_at_start = self.frozen_config(&run_id).await?;
+        log.runs.push(RunLog {
+            run_id: run_id.clone(),
+            tag: plan.tag.clone(),
+            config_at_start,
+            finished: false,
+            reconciled: Vec::new(),
+        });
+        Ok(run_id)
+    }
+
+    /// Waits for the session's background work to be told: no run active, and every report
+    /// of its inbox consumed or dead-lettered. The events meanwhile are logged.
+    async fn settle(
+        &self,
+        received: &mut mpsc::UnboundedReceiver<ClientEvent>,
+        log: &mut SessionLog,
+    ) -> anyhow::Result<()> {
+        let session = &log.session_id;
+        loop {
+            while let Ok(event) = received.try_recv() {
+                log.events.push(event);
+            }
+            let state = self
+                .retrying(Method::GET, &format!("/v1/sessions/{session}"), None)
+                .await?;
+            let inbox = self
+                .retrying(
+                    Method::GET,
+                    &format!("/v1/sessions/{session}/inbox?limit=200"),
+                    None,
+                )
+                .await?;
+            let open = (inbox["items"].as_array().into_iter().flatten())
+                .filter(|item| !matches!(item["status"].as_str(), Some("consumed" | "dead_letter")))
+                .count();
+            if state["active_run_id"].is_null() && open == 0 {
+                return Ok(());
+            }
+            if Instant::now() >= self.deadline {
+                bail!(
+                    "the session's background work was not told by the deadline: {open} reports open, active run {}",
+                    state["active_run_id"]
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Sends a plan's message once; when the server died meanwhile, the message may have
+    /// committed: it counts if the session holds it, and is sent again otherwise.
     async fn send_message(
         &self,
         session_id: &str,
-        runs_before: usize,
         plan: &Plan,
+        multitask: &str,
     ) -> anyhow::Result<String> {
         let path = format!("/v1/sessions/{session_id}/messages");
-        let body = json!({"content": plan.user_message()});
+        let content = plan.user_message();
+        let body = json!({"content": content, "multitask": multitask});
         loop {
             match self.once(Method::POST, &path, Some(&body)).await {
                 Ok(accepted) => return text(&accepted, "run_id"),
                 Err(Failure::Answered(error)) => return Err(error),
                 Err(Failure::Unreachable) => {}
             }
-            let runs = self
-                .retrying(
-                    Method::GET,
-                    &format!("/v1/sessions/{session_id}/runs"),
-                    None,
-                )
-                .await?;
-            let runs = runs["items"].as_array().cloned().unwrap_or_default();
-            if runs.len() > runs_before {
-                return text(&runs[runs_before], "id");
+            if let Some(run) = self.run_of_message(session_id, &content).await? {
+                return Ok(run);
+            }
+        }
+    }
+
+    /// The run a user message with `content` started, if the session holds one (tags are
+    /// unique, so the content is too).
+    async fn run_of_message(
+        &self,
+        session_id: &str,
+        content: &str,
+    ) -> anyhow::Result<Option<String>> {
+        let mut cursor: Option<String> = None;
+        loop {
+            let mut path = format!("/v1/sessions/{session_id}/messages?limit=200");
+            if let Some(cursor) = &cursor {
+                path.push_str(&format!("&cursor={cursor}"));
+            }
+            let page = self.retrying(Method::GET, &path, None).await?;
+            let found = (page["items"].as_array().into_iter().flatten())
+                .find(|m| m["role"] == "user" && m["content"] == content);
+            if let Some(message) = found {
+                return Ok(Some(text(message, "run_id")?));
+            }
+            match page["next_cursor"].as_str() {
+                Some(next) => cursor = Some(next.to_owned()),
+                None => return Ok(None),
             }
         }
     }
@@ -366,6 +480,14 @@ impl Clients {
             status,
             serde_json::from_slice(&bytes).unwrap_or(Value::Null),
         ))
+    }
+}
+
+/// Sleeps until `at`, or forever without one.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

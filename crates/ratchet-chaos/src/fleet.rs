@@ -39,6 +39,31 @@ impl FleetSpec {
     fn mcp_script(&self) -> PathBuf {
         self.dir.join("chaos_mcp_server.py")
     }
+
+    fn agents(&self) -> PathBuf {
+        self.dir.join("agents")
+    }
+}
+
+/// The catalog: the dispatcher delegates in the background to helpers; both talk to the
+/// chaos model. A child is offered only tools that may be delegated (`add`, `sleep_ms`).
+fn write_catalog(dir: &std::path::Path) -> std::io::Result<()> {
+    use crate::plan::{DISPATCHER, HELPER};
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(
+        dir.join(format!("{DISPATCHER}.md")),
+        format!(
+            "---\nid: {DISPATCHER}\ndescription: starts background work\nmodel: openai:chaos\n\
+             tools: [add, sleep_ms, append_line]\ndelegates: [{HELPER}]\n---\nYou dispatch.\n"
+        ),
+    )?;
+    std::fs::write(
+        dir.join(format!("{HELPER}.md")),
+        format!(
+            "---\nid: {HELPER}\ndescription: does one task\nmodel: openai:chaos\n\
+             tools: [add, sleep_ms]\n---\nYou help.\n"
+        ),
+    )
 }
 
 /// The chaos MCP server, written next to the configurations so that the program needs
@@ -80,6 +105,7 @@ impl Fleet {
             std::fs::create_dir_all(spec.workspace().join(dir))?;
         }
         std::fs::write(spec.mcp_script(), MCP_SERVER_SCRIPT)?;
+        write_catalog(&spec.agents())?;
         let mut fleet = Fleet {
             spec,
             secrets_key: ratchet_store::Key::generate()?.to_hex(),
@@ -201,10 +227,12 @@ impl Fleet {
 /// are taken over quickly; appends under `approve/` wait for a human; the prompt budget is
 /// small enough that long sessions are compacted (their summaries are hidden messages). The
 /// chaos MCP server's tools run without approval, `never` replay but `flaky` (`keyed`), and
-/// its timeout is short, so that calls whose outcome is unknown are frequent.
+/// its timeout is short, so that calls whose outcome is unknown are frequent. A report whose
+/// continuation fails is offered again soon and dead-lettered after its second attempt.
 fn config_text(spec: &FleetSpec, generation: u64) -> String {
     format!(
         r#"db = {db:?}
+agents = {agents:?}
 listen = "127.0.0.1:{port}"
 model = "openai:chaos"
 workspace = {workspace:?}
@@ -217,6 +245,10 @@ poll_ms = 100
 
 [tools.append_line]
 approval = {{ path = "{gated}/**" }}
+
+[inbox]
+max_attempts = 2
+retry_backoff_ms = 200
 
 [mcp.servers.{server}]
 command = "python3"
@@ -235,6 +267,7 @@ max_attempts = {FLAKY_MAX_ATTEMPTS}
         mcp_log = spec.mcp_log().display().to_string(),
         flaky = crate::plan::FLAKY_TOOL,
         db = spec.db_url,
+        agents = spec.agents().display().to_string(),
         port = spec.port,
         workspace = spec.workspace().display().to_string(),
         max_steps = 40 + generation % 7,

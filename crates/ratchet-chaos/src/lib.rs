@@ -27,10 +27,10 @@ use ratchet_store::Store;
 use tokio_util::sync::CancellationToken;
 
 use crate::check::Tally;
-use crate::client::Clients;
+use crate::client::{Clients, SessionPlan};
 use crate::fleet::{Fleet, FleetSpec};
 use crate::model::ModelState;
-use crate::plan::Plan;
+use crate::plan::{DISPATCHER, Plan};
 
 #[derive(Debug, Clone)]
 pub enum Database {
@@ -114,6 +114,14 @@ impl fmt::Display for Report {
             self.tally.keyed_replays,
             self.tally.calls_in_doubt
         )?;
+        writeln!(
+            f,
+            "background: {} helper runs; {} reports told by a continuation, {} dead-lettered; {} interrupting messages",
+            self.tally.children,
+            self.tally.reports_told,
+            self.tally.reports_dead,
+            self.tally.interrupts
+        )?;
         writeln!(f, "stop reasons: {}", reasons.join(", "))?;
         let paths: Vec<String> = self
             .tally
@@ -169,7 +177,7 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
         tokio::spawn(async move {
             let logs: Vec<_> = futures::stream::iter(sessions)
                 .take_until(kills_over.cancelled_owned())
-                .map(|plans| tokio::spawn(Arc::clone(&clients).drive_session(plans)))
+                .map(|session| tokio::spawn(Arc::clone(&clients).drive_session(session)))
                 .buffer_unordered(concurrency)
                 .collect()
                 .await;
@@ -224,18 +232,28 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
     })
 }
 
-/// `runs` plans in sessions of one to three runs; tags name the session and the run.
-fn sessions_of_plans(runs: usize, rng: &mut fastrand::Rng) -> Vec<Vec<Plan>> {
+/// `runs` plans in sessions of one to three runs; tags name the session and the run. One
+/// session in four is the dispatcher's, whose runs start background work.
+fn sessions_of_plans(runs: usize, rng: &mut fastrand::Rng) -> Vec<SessionPlan> {
     let mut sessions = Vec::new();
     let mut made = 0;
     while made < runs {
         let size = rng.usize(1..=3).min(runs - made);
         let session = sessions.len();
-        sessions.push(
-            (0..size)
-                .map(|run| Plan::random(format!("s{session}r{run}"), rng))
-                .collect(),
-        );
+        let dispatching = rng.u8(0..4) == 0;
+        let plans = (0..size)
+            .map(|run| {
+                let tag = format!("s{session}r{run}");
+                match dispatching {
+                    true => Plan::dispatching(tag, rng),
+                    false => Plan::random(tag, rng),
+                }
+            })
+            .collect();
+        sessions.push(SessionPlan {
+            agent: dispatching.then_some(DISPATCHER),
+            plans,
+        });
         made += size;
     }
     sessions

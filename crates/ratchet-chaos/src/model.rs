@@ -19,7 +19,7 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use crate::plan::{Plan, Reply, parse_call_id};
+use crate::plan::{Plan, Reply, continuation_tag, parse_call_id, poisoned, told};
 
 /// The text of a compaction summary starts with this, so checks can look for it where it
 /// must never appear.
@@ -48,9 +48,12 @@ struct Inner {
 }
 
 impl ModelState {
-    pub fn add_plan(&self, plan: Plan) {
+    /// Registers a plan and the plans of the helpers it delegates to.
+    pub fn add_plan(&self, plan: &Plan) {
         let mut inner = self.inner.lock().unwrap();
-        inner.plans.insert(plan.tag.clone(), plan);
+        for plan in plan.with_descendants() {
+            inner.plans.insert(plan.tag.clone(), plan.clone());
+        }
     }
 
     pub fn violations(&self) -> Vec<String> {
@@ -142,23 +145,32 @@ async fn complete(State(state): State<ModelState>, Json(body): Json<Value>) -> R
                 };
                 (reply, 0)
             }
-            Turn::Round { tag, round } => match inner.plans.get(&tag) {
-                Some(plan) => {
-                    let answer = (plan.reply(round, tools_offered), plan.chunk_delay_ms);
-                    inner.rounds_asked.push(RoundAsked {
-                        tag,
-                        round,
-                        at: received,
-                    });
-                    answer
+            Turn::Round { tag, round } if round > 0 && told(&tag).is_some_and(|e| poisoned(&e)) => {
+                drop(inner);
+                // Fatal for the runtime (a 400 is not retried): the continuation fails after
+                // its first step, and every attempt of it will.
+                let problem = format!("chaos: the continuation {tag} fails");
+                return (StatusCode::BAD_REQUEST, problem).into_response();
+            }
+            Turn::Round { tag, round } => {
+                match (inner.plans.get(&tag).cloned()).or_else(|| Plan::continuation(&tag)) {
+                    Some(plan) => {
+                        let answer = (plan.reply(round, tools_offered), plan.chunk_delay_ms);
+                        inner.rounds_asked.push(RoundAsked {
+                            tag,
+                            round,
+                            at: received,
+                        });
+                        answer
+                    }
+                    None => {
+                        drop(inner);
+                        let problem = format!("no plan with tag {tag:?}");
+                        state.violation(format!("model request: {problem}"));
+                        return (StatusCode::BAD_REQUEST, problem).into_response();
+                    }
                 }
-                None => {
-                    drop(inner);
-                    let problem = format!("no plan with tag {tag:?}");
-                    state.violation(format!("model request: {problem}"));
-                    return (StatusCode::BAD_REQUEST, problem).into_response();
-                }
-            },
+            }
         }
     };
     stream(reply, prompt_tokens, Duration::from_millis(delay))
@@ -176,6 +188,12 @@ fn read_turn(messages: &[Value]) -> Result<Turn, String> {
             if let Some(tag) = content.strip_prefix("chaos ") {
                 return Ok(Turn::Round {
                     tag: tag.to_owned(),
+                    round: 0,
+                });
+            }
+            if content.starts_with(TRIGGER_PREFIX) {
+                return Ok(Turn::Round {
+                    tag: continuation_tag(&trigger_events(content)),
                     round: 0,
                 });
             }
@@ -226,6 +244,20 @@ fn read_turn(messages: &[Value]) -> Result<Turn, String> {
             "expected the last message to be a user message or a tool result, found role {other:?}"
         )),
     }
+}
+
+/// How a continuation turn's hidden trigger starts (`ratchet_core::inbox::continuation_trigger`).
+pub const TRIGGER_PREFIX: &str = "[runtime] Background work you started has reported back";
+
+/// The inbox events a trigger carries: after its first line, a JSON array of
+/// `{"event": ID, "kind", "report"}`.
+pub fn trigger_events(trigger: &str) -> Vec<i64> {
+    let reports: Value = (trigger.split_once('\n'))
+        .and_then(|(_, reports)| serde_json::from_str(reports).ok())
+        .unwrap_or_default();
+    (reports.as_array().into_iter().flatten())
+        .filter_map(|report| report["event"].as_i64())
+        .collect()
 }
 
 /// Where a run stands, from a summary the model wrote (`… plan TAG round N`).
@@ -343,6 +375,33 @@ mod tests {
         assert!(matches!(
             read_turn(&summary),
             Ok(Turn::Summary { at: None })
+        ));
+    }
+
+    #[test]
+    fn a_continuation_trigger_leads_to_the_turn_of_the_reports_it_carries() {
+        let reports = vec![
+            ratchet_core::inbox::DueEvent {
+                id: 12,
+                kind: ratchet_core::inbox::InboxKind::Completion,
+                payload: json!({"answer": "x", "event": 99}),
+            },
+            ratchet_core::inbox::DueEvent {
+                id: 40,
+                kind: ratchet_core::inbox::InboxKind::GroupCompletion,
+                payload: json!({"runs": []}),
+            },
+        ];
+        let trigger = ratchet_core::inbox::continuation_trigger(&reports, 1000);
+        assert_eq!(trigger_events(&trigger), [12, 40], "{trigger}");
+        let messages = [
+            json!({"role": "user", "content": "chaos d1r0"}),
+            json!({"role": "assistant", "content": "Plan d1r0 is done after 1 rounds."}),
+            json!({"role": "user", "content": trigger}),
+        ];
+        assert!(matches!(
+            read_turn(&messages),
+            Ok(Turn::Round { tag, round: 0 }) if tag == "inbox12x40"
         ));
     }
 

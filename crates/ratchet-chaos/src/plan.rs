@@ -18,7 +18,18 @@ pub struct Plan {
     pub chunk_delay_ms: u64,
     /// The client cancels the run this long after sending its message.
     pub cancel_after_ms: Option<u64>,
+    /// This long after sending the run's message, the client sends another
+    /// (`interrupting().user_message()`) with `multitask: "interrupt"`: it cancels whatever
+    /// run of the session is active then — this one, or a continuation turn telling the
+    /// user of background work.
+    pub interrupt_after_ms: Option<u64>,
+    /// The plans of the helper runs its background delegations start.
+    pub children: Vec<Plan>,
 }
+
+/// The catalog agent that delegates in the background, and the agent it delegates to.
+pub const DISPATCHER: &str = "dispatcher";
+pub const HELPER: &str = "helper";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Call {
@@ -36,6 +47,10 @@ pub enum Call {
     Drop,
     /// `keyed` replay, on the chaos MCP server: its first `stalls` attempts never answer.
     Flaky { stalls: u64 },
+    /// A background delegation of `tasks` helper runs, reported one by one (`each`) or
+    /// together: the run goes on at once, and the reports reach the session later, in
+    /// continuation turns.
+    Background { tasks: usize, each: bool },
 }
 
 /// The chaos MCP server's name in the fleet's configuration, and its tools' full names.
@@ -52,15 +67,13 @@ pub const LOG_DIR: &str = "log";
 pub const GATED_DIR: &str = "approve";
 
 impl Plan {
+    /// A run of a session of the default agent: every kind of call but delegations.
     pub fn random(tag: String, rng: &mut fastrand::Rng) -> Plan {
         let rounds = (0..rng.usize(0..=3))
             .map(|_| {
                 (0..rng.usize(1..=4))
                     .map(|_| match rng.u8(0..24) {
-                        0..=5 => Call::Add {
-                            a: rng.i64(-1000..1000),
-                            b: rng.i64(-1000..1000),
-                        },
+                        0..=5 => add(rng),
                         6..=11 => Call::Sleep {
                             ms: rng.u64(0..250),
                         },
@@ -80,19 +93,126 @@ impl Plan {
             rounds,
             chunk_delay_ms: rng.u64(0..12),
             cancel_after_ms: (rng.u8(0..10) == 0).then(|| rng.u64(0..1500)),
+            interrupt_after_ms: None,
+            children: Vec::new(),
         }
+    }
+
+    /// A run of a dispatcher's session: safe calls, appends (gated or not) and background
+    /// delegations, whose helpers' plans it holds; some are interrupted by the next message.
+    pub fn dispatching(tag: String, rng: &mut fastrand::Rng) -> Plan {
+        let mut children = Vec::new();
+        let rounds = (0..rng.usize(1..=3))
+            .map(|round| {
+                (0..rng.usize(1..=3))
+                    .map(|index| match rng.u8(0..10) {
+                        0..=1 => add(rng),
+                        2..=3 => Call::Sleep {
+                            ms: rng.u64(0..250),
+                        },
+                        4 => Call::Append,
+                        5 => Call::GatedAppend,
+                        _ => {
+                            let tasks = rng.usize(1..=3);
+                            children.extend((0..tasks).map(|task| {
+                                Plan::helping(child_tag(&tag, round, index, task), rng)
+                            }));
+                            Call::Background {
+                                tasks,
+                                each: rng.bool(),
+                            }
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        Plan {
+            tag,
+            rounds,
+            chunk_delay_ms: rng.u64(0..12),
+            cancel_after_ms: (rng.u8(0..12) == 0).then(|| rng.u64(0..1500)),
+            interrupt_after_ms: (rng.u8(0..3) == 0).then(|| rng.u64(0..3000)),
+            children,
+        }
+    }
+
+    /// A helper's run: safe calls only (a child is offered no others), slow enough that
+    /// its report often lands while its parent's session is busy.
+    fn helping(tag: String, rng: &mut fastrand::Rng) -> Plan {
+        let rounds = (0..rng.usize(1..=2))
+            .map(|_| {
+                (0..rng.usize(1..=2))
+                    .map(|_| match rng.bool() {
+                        true => add(rng),
+                        false => Call::Sleep {
+                            ms: rng.u64(0..1200),
+                        },
+                    })
+                    .collect()
+            })
+            .collect();
+        Plan {
+            tag,
+            rounds,
+            chunk_delay_ms: rng.u64(0..8),
+            cancel_after_ms: None,
+            interrupt_after_ms: None,
+            children: Vec::new(),
+        }
+    }
+
+    /// The run of the message that interrupts this plan's (`interrupt_after_ms`).
+    pub fn interrupting(&self) -> Plan {
+        Plan {
+            tag: format!("{}i", self.tag),
+            rounds: vec![vec![Call::Add { a: 1, b: 1 }]],
+            chunk_delay_ms: self.chunk_delay_ms,
+            cancel_after_ms: None,
+            interrupt_after_ms: None,
+            children: Vec::new(),
+        }
+    }
+
+    /// A continuation turn telling of the inbox events `events` (its tag, from
+    /// `continuation_tag`): a short sleep, then an answer that names each report.
+    pub fn continuation(tag: &str) -> Option<Plan> {
+        let events = told(tag)?;
+        let ms = events.iter().map(|e| e.unsigned_abs()).sum::<u64>() * 37 % 400;
+        Some(Plan {
+            tag: tag.to_owned(),
+            rounds: vec![vec![Call::Sleep { ms }]],
+            chunk_delay_ms: 3,
+            cancel_after_ms: None,
+            interrupt_after_ms: None,
+            children: Vec::new(),
+        })
+    }
+
+    /// This plan and every plan below it.
+    pub fn with_descendants(&self) -> Vec<&Plan> {
+        let mut plans = vec![self];
+        plans.extend(self.children.iter().flat_map(Plan::with_descendants));
+        plans
     }
 
     pub fn user_message(&self) -> String {
         format!("chaos {}", self.tag)
     }
 
+    /// A continuation names the reports it tells (`TOLD` and their inbox ids): the checks
+    /// count how often each reached the user.
     pub fn final_answer(&self) -> String {
-        format!(
-            "Plan {} is done after {} rounds.",
-            self.tag,
-            self.rounds.len()
-        )
+        match told(&self.tag) {
+            Some(events) => {
+                let ids: Vec<String> = events.iter().map(ToString::to_string).collect();
+                format!("{TOLD}{}.", ids.join(", "))
+            }
+            None => format!(
+                "Plan {} is done after {} rounds.",
+                self.tag,
+                self.rounds.len()
+            ),
+        }
     }
 
     /// The model's reply at `round`: a tool batch, or the final answer past the last batch
@@ -130,6 +250,19 @@ impl Plan {
             Call::Hang => (HANG_TOOL, json!({"line": id})),
             Call::Drop => (DROP_TOOL, json!({"line": id})),
             Call::Flaky { stalls } => (FLAKY_TOOL, json!({"line": id, "stalls": stalls})),
+            Call::Background { tasks, each } => {
+                let tasks: Vec<Value> = (0..tasks)
+                    .map(|task| {
+                        let child = child_tag(&self.tag, round, index, task);
+                        json!({"agent": HELPER, "task": format!("chaos {child}")})
+                    })
+                    .collect();
+                let policy = if each { "each" } else { "all" };
+                (
+                    "delegate",
+                    json!({"mode": "background", "completion_policy": policy, "tasks": tasks}),
+                )
+            }
         };
         ToolCallReply {
             id,
@@ -152,6 +285,51 @@ pub struct ToolCallReply {
     pub id: String,
     pub name: String,
     pub arguments: Value,
+}
+
+fn add(rng: &mut fastrand::Rng) -> Call {
+    Call::Add {
+        a: rng.i64(-1000..1000),
+        b: rng.i64(-1000..1000),
+    }
+}
+
+/// The tag of the helper run started by task `task` of the call at `round`, `index`.
+fn child_tag(tag: &str, round: usize, index: usize, task: usize) -> String {
+    format!("{tag}k{round}x{index}x{task}")
+}
+
+/// A continuation's answer starts with this, then names the inbox events it told.
+pub const TOLD: &str = "Told reports ";
+
+/// The tag a continuation turn telling of `events` (inbox ids) is answered under.
+pub fn continuation_tag(events: &[i64]) -> String {
+    let ids: Vec<String> = events.iter().map(ToString::to_string).collect();
+    format!("inbox{}", ids.join("x"))
+}
+
+/// The inbox events a continuation tag tells of.
+pub fn told(tag: &str) -> Option<Vec<i64>> {
+    let ids = tag.strip_prefix("inbox")?;
+    ids.split('x').map(|id| id.parse().ok()).collect()
+}
+
+/// A continuation telling of any of these events fails at its second model call, every time:
+/// its reports go to the dead letter once their attempts are spent.
+pub fn poisoned(events: &[i64]) -> bool {
+    events.iter().any(|event| event % 7 == 0)
+}
+
+/// The inbox events a continuation's answer names.
+pub fn told_in(answer: &str) -> Vec<i64> {
+    let Some(at) = answer.find(TOLD) else {
+        return Vec::new();
+    };
+    answer[at + TOLD.len()..]
+        .trim_end_matches('.')
+        .split(", ")
+        .filter_map(|id| id.trim().parse().ok())
+        .collect()
 }
 
 pub fn call_id(tag: &str, round: usize, index: usize) -> String {
@@ -188,6 +366,8 @@ mod tests {
             rounds: vec![vec![Call::Add { a: 1, b: 2 }, Call::Append]],
             chunk_delay_ms: 0,
             cancel_after_ms: None,
+            interrupt_after_ms: None,
+            children: Vec::new(),
         };
         let first = plan.reply(0, true);
         assert_eq!(first.tool_calls.len(), 2);
@@ -206,5 +386,48 @@ mod tests {
         };
         assert_eq!(draw(7), draw(7));
         assert_ne!(draw(7), draw(8));
+    }
+
+    /// A background call hands each helper its own plan's tag, and every helper plan the
+    /// calls name is among the plan's children.
+    #[test]
+    fn a_dispatching_plans_background_calls_name_its_childrens_plans() {
+        let mut rng = fastrand::Rng::with_seed(3);
+        let plans: Vec<Plan> = (0..40)
+            .map(|i| Plan::dispatching(format!("d{i}"), &mut rng))
+            .collect();
+        let mut delegations = 0;
+        for plan in &plans {
+            let mut named = Vec::new();
+            for round in 0..plan.rounds.len() {
+                for call in plan.reply(round, true).tool_calls {
+                    if call.name == "delegate" {
+                        delegations += 1;
+                        assert_eq!(call.arguments["mode"], "background");
+                        for task in call.arguments["tasks"].as_array().unwrap() {
+                            assert_eq!(task["agent"], HELPER);
+                            let message = task["task"].as_str().unwrap();
+                            named.push(message.strip_prefix("chaos ").unwrap().to_owned());
+                        }
+                    }
+                }
+            }
+            let children: Vec<String> = plan.children.iter().map(|c| c.tag.clone()).collect();
+            assert_eq!(named, children, "plan {}", plan.tag);
+            assert!(!plan.tag.contains('-') && children.iter().all(|c| !c.contains('-')));
+        }
+        assert!(delegations > 10, "the workload delegates: {delegations}");
+    }
+
+    #[test]
+    fn a_continuation_answers_with_the_reports_it_was_told_of() {
+        let tag = continuation_tag(&[12, 40]);
+        assert_eq!(told(&tag), Some(vec![12, 40]));
+        let plan = Plan::continuation(&tag).unwrap();
+        assert_eq!(plan.reply(0, true).tool_calls[0].name, "sleep_ms");
+        let answer = plan.reply(1, true).text;
+        assert_eq!(told_in(&answer), [12, 40]);
+        assert_eq!(told("s1r0"), None);
+        assert!(told_in("Plan s1r0 is done after 2 rounds.").is_empty());
     }
 }
