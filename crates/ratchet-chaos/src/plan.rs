@@ -74,9 +74,7 @@ impl Plan {
                 (0..rng.usize(1..=4))
                     .map(|_| match rng.u8(0..24) {
                         0..=5 => add(rng),
-                        6..=11 => Call::Sleep {
-                            ms: rng.u64(0..250),
-                        },
+                        6..=11 => sleep(rng, 250),
                         12..=17 => Call::Append,
                         18..=19 => Call::GatedAppend,
                         20 => Call::Hang,
@@ -89,12 +87,8 @@ impl Plan {
             })
             .collect();
         Plan {
-            tag,
-            rounds,
-            chunk_delay_ms: rng.u64(0..12),
             cancel_after_ms: (rng.u8(0..10) == 0).then(|| rng.u64(0..1500)),
-            interrupt_after_ms: None,
-            children: Vec::new(),
+            ..Plan::of(tag, rounds, rng.u64(0..12))
         }
     }
 
@@ -107,9 +101,7 @@ impl Plan {
                 (0..rng.usize(1..=3))
                     .map(|index| match rng.u8(0..10) {
                         0..=1 => add(rng),
-                        2..=3 => Call::Sleep {
-                            ms: rng.u64(0..250),
-                        },
+                        2..=3 => sleep(rng, 250),
                         4 => Call::Append,
                         5 => Call::GatedAppend,
                         _ => {
@@ -127,12 +119,10 @@ impl Plan {
             })
             .collect();
         Plan {
-            tag,
-            rounds,
-            chunk_delay_ms: rng.u64(0..12),
             cancel_after_ms: (rng.u8(0..12) == 0).then(|| rng.u64(0..1500)),
             interrupt_after_ms: (rng.u8(0..3) == 0).then(|| rng.u64(0..3000)),
             children,
+            ..Plan::of(tag, rounds, rng.u64(0..12))
         }
     }
 
@@ -144,33 +134,21 @@ impl Plan {
                 (0..rng.usize(1..=2))
                     .map(|_| match rng.bool() {
                         true => add(rng),
-                        false => Call::Sleep {
-                            ms: rng.u64(0..1200),
-                        },
+                        false => sleep(rng, 1200),
                     })
                     .collect()
             })
             .collect();
-        Plan {
-            tag,
-            rounds,
-            chunk_delay_ms: rng.u64(0..8),
-            cancel_after_ms: None,
-            interrupt_after_ms: None,
-            children: Vec::new(),
-        }
+        Plan::of(tag, rounds, rng.u64(0..8))
     }
 
     /// The run of the message that interrupts this plan's (`interrupt_after_ms`).
     pub fn interrupting(&self) -> Plan {
-        Plan {
-            tag: format!("{}i", self.tag),
-            rounds: vec![vec![Call::Add { a: 1, b: 1 }]],
-            chunk_delay_ms: self.chunk_delay_ms,
-            cancel_after_ms: None,
-            interrupt_after_ms: None,
-            children: Vec::new(),
-        }
+        Plan::of(
+            format!("{}i", self.tag),
+            vec![vec![Call::Add { a: 1, b: 1 }]],
+            self.chunk_delay_ms,
+        )
     }
 
     /// A continuation turn telling of the inbox events `events` (its tag, from
@@ -178,14 +156,19 @@ impl Plan {
     pub fn continuation(tag: &str) -> Option<Plan> {
         let events = told(tag)?;
         let ms = events.iter().map(|e| e.unsigned_abs()).sum::<u64>() * 37 % 400;
-        Some(Plan {
-            tag: tag.to_owned(),
-            rounds: vec![vec![Call::Sleep { ms }]],
-            chunk_delay_ms: 3,
+        Some(Plan::of(tag.to_owned(), vec![vec![Call::Sleep { ms }]], 3))
+    }
+
+    /// A plan of these rounds that nobody cancels or interrupts and that delegates nothing.
+    fn of(tag: String, rounds: Vec<Vec<Call>>, chunk_delay_ms: u64) -> Plan {
+        Plan {
+            tag,
+            rounds,
+            chunk_delay_ms,
             cancel_after_ms: None,
             interrupt_after_ms: None,
             children: Vec::new(),
-        })
+        }
     }
 
     /// This plan and every plan below it.
@@ -287,6 +270,12 @@ pub struct ToolCallReply {
     pub arguments: Value,
 }
 
+fn sleep(rng: &mut fastrand::Rng, most_ms: u64) -> Call {
+    Call::Sleep {
+        ms: rng.u64(0..most_ms),
+    }
+}
+
 fn add(rng: &mut fastrand::Rng) -> Call {
     Call::Add {
         a: rng.i64(-1000..1000),
@@ -361,14 +350,11 @@ mod tests {
 
     #[test]
     fn the_reply_past_the_last_round_or_without_tools_is_the_final_answer() {
-        let plan = Plan {
-            tag: "t".into(),
-            rounds: vec![vec![Call::Add { a: 1, b: 2 }, Call::Append]],
-            chunk_delay_ms: 0,
-            cancel_after_ms: None,
-            interrupt_after_ms: None,
-            children: Vec::new(),
-        };
+        let plan = Plan::of(
+            "t".into(),
+            vec![vec![Call::Add { a: 1, b: 2 }, Call::Append]],
+            0,
+        );
         let first = plan.reply(0, true);
         assert_eq!(first.tool_calls.len(), 2);
         assert_eq!(first.tool_calls[1].arguments["line"], "c-t-0-1");

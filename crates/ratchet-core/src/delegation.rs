@@ -676,8 +676,9 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_parent_that_yields_to_a_cancel_starts_no_children() {
+    /// A parent about to take its step 4, and the child that step starts (in the background
+    /// under `group`).
+    fn parent_and_child(group: Option<BackgroundGroup>) -> (AgentState, StepJob, Vec<ChildRun>) {
         let mut state = waiting_parent();
         state.status = RunStatus::Running;
         state.step_index = 3;
@@ -696,7 +697,7 @@ mod tests {
             root_session_id: state.session_id.clone(),
             depth: 1,
             agent: "writer".into(),
-            background: None,
+            background: group,
         };
         let children = vec![ChildRun {
             run_id: RunId::from_suffix("c").unwrap(),
@@ -706,6 +707,53 @@ mod tests {
             config: RunConfigSnapshot::default(),
             lineage,
         }];
+        (state, job, children)
+    }
+
+    #[test]
+    fn background_children_are_told_before_the_step_commits_and_not_at_all_after_a_cancel() {
+        let (state, job, children) = parent_and_child(Some(BackgroundGroup::new(
+            &RunId::from_suffix("p").unwrap(),
+            4,
+            0,
+            CompletionPolicy::Each,
+        )));
+        let outcomes = vec![ToolOutcome::ok("started"); 3];
+        let mut result = crate::step::after_tools(state, &job, outcomes, 0, 0, 1);
+        start_in_background(&mut result, children);
+        let kinds: Vec<EventKind> = result.events.iter().map(|e| e.kind).collect();
+        let started = kinds.iter().position(|k| *k == EventKind::SubagentStarted);
+        let committed = kinds.iter().position(|k| *k == EventKind::StepCommitted);
+        assert!(
+            started.is_some() && started < committed,
+            "subagent.started, then step.committed: {kinds:?}"
+        );
+        let payload = &result.events[started.unwrap()].payload;
+        assert_eq!(
+            (
+                &payload["child_session_id"],
+                &payload["background"],
+                &payload["depth"]
+            ),
+            (&json!("ses_c"), &json!(true), &json!(1))
+        );
+        assert_eq!(result.children.len(), 1);
+
+        result.yield_to_cancel();
+        assert!(result.children.is_empty());
+        assert!(
+            !result
+                .events
+                .iter()
+                .any(|e| e.kind == EventKind::SubagentStarted),
+            "a child that does not start is not told of: {:?}",
+            result.events
+        );
+    }
+
+    #[test]
+    fn a_parent_that_yields_to_a_cancel_starts_no_children() {
+        let (state, job, children) = parent_and_child(None);
         let mut result = await_children(state, &job, vec![None, None, None], children, 0, 1);
         assert_eq!(result.state.status, RunStatus::WaitingChildren);
         assert!(
