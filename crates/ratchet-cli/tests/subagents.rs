@@ -2,7 +2,8 @@
 //! with `ratchet run --agents DIR --agent ID`, the process is killed with SIGKILL while the
 //! children run, and `ratchet resume` finishes every child, joins the parent exactly once and
 //! completes it; and `ratchet serve` is killed with SIGKILL while a continuation turn reports
-//! background work, and `ratchet resume` finishes that turn, consuming its event exactly once.
+//! background work, and `ratchet resume` finishes that turn, consuming its event exactly once;
+//! and a client follows a delegating run's tree stream across a SIGKILL of the server.
 
 mod common;
 
@@ -40,6 +41,12 @@ macro_rules! scenarios {
             async fn a_server_killed_during_a_continuation_turn_resumes_and_consumes_once() {
                 let Some(db) = super::$backend() else { return };
                 super::killed_during_a_continuation(&db.url).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_tree_stream_followed_across_a_server_kill_sends_every_event_once() {
+                let Some(db) = super::$backend() else { return };
+                super::tree_stream_across_a_kill(&db.url).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -259,28 +266,8 @@ async fn killed_during_a_continuation(url: &str) {
     std::fs::create_dir(&catalog).unwrap();
     write_background_catalog(&catalog);
     let port = free_port();
-    let mut serve = Command::new(BIN)
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--db",
-            url,
-            "--agents",
-        ])
-        .arg(&catalog)
-        .arg("--workspace")
-        .arg(dir.path())
-        .env("RATCHET_SECRETS_KEY", SECRETS_KEY)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut serve = serve(url, &catalog, dir.path(), port).await;
     let started = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(started.elapsed() < DEADLINE, "ratchet serve did not listen");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     let base = format!("http://127.0.0.1:{port}");
     let session: serde_json::Value = http
@@ -400,6 +387,169 @@ async fn killed_during_a_continuation(url: &str) {
             .any(|l| l.contains("worker  background  completed")),
         "the tree marks the background run: {text}"
     );
+}
+
+/// `ratchet serve` of `catalog` on `port`, listening when this returns.
+async fn serve(url: &str, catalog: &Path, workspace: &Path, port: u16) -> std::process::Child {
+    let serve = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--db",
+            url,
+            "--lease-ms",
+            "1500",
+            "--agents",
+        ])
+        .arg(catalog)
+        .arg("--workspace")
+        .arg(workspace)
+        .env("RATCHET_SECRETS_KEY", SECRETS_KEY)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(started.elapsed() < DEADLINE, "ratchet serve did not listen");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    serve
+}
+
+/// One event of a tree stream as a client received it: its id (the whole cursor), its
+/// session and seq, its run and depth.
+#[derive(Debug, Clone, PartialEq)]
+struct TreeEvent {
+    id: String,
+    at: (String, i64),
+    run: String,
+    depth: u64,
+    kind: String,
+}
+
+/// Reads a tree stream from `after` (a cursor) until `last` holds for an event or the
+/// connection ends; returns what it received.
+async fn read_tree(
+    http: &reqwest::Client,
+    url: &str,
+    after: Option<&str>,
+    mut last: impl FnMut(&TreeEvent) -> bool,
+) -> Vec<TreeEvent> {
+    let mut request = http.get(url);
+    if let Some(after) = after {
+        request = request.header("Last-Event-ID", after);
+    }
+    let mut received = Vec::new();
+    let Ok(mut response) = request.send().await else {
+        return received;
+    };
+    let mut parser = ratchet_llm::sse::SseParser::default();
+    let read = async {
+        while let Ok(Some(bytes)) = response.chunk().await {
+            for event in parser.feed(&bytes) {
+                let data: serde_json::Value = serde_json::from_str(&event.data).unwrap();
+                if data["live"] == true {
+                    continue;
+                }
+                let event = TreeEvent {
+                    id: event.id.clone(),
+                    at: (
+                        data["session_id"].as_str().unwrap().to_owned(),
+                        data["seq"].as_i64().unwrap(),
+                    ),
+                    run: data["run_id"].as_str().unwrap().to_owned(),
+                    depth: data["depth"].as_u64().unwrap(),
+                    kind: data["kind"].as_str().unwrap().to_owned(),
+                };
+                let done = last(&event);
+                received.push(event);
+                if done {
+                    return;
+                }
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DEADLINE, read).await;
+    received
+}
+
+/// A client follows a delegating run's tree stream; the server is killed with SIGKILL while
+/// the children run (after their tool steps) and started again; the client resumes with the last id it received. It
+/// gets every event of every run of the tree exactly once, each run's in order — what a
+/// replay of the whole tree holds.
+async fn tree_stream_across_a_kill(url: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let catalog = dir.path().join("agents");
+    std::fs::create_dir(&catalog).unwrap();
+    write_catalog(&catalog, 1500);
+    let port = free_port();
+    let mut server = serve(url, &catalog, dir.path(), port).await;
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let session: serde_json::Value = (http.post(format!("{base}/v1/sessions")))
+        .json(&json!({"agent": "boss"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let session = session["id"].as_str().unwrap();
+    let accepted: serde_json::Value = (http.post(format!("{base}/v1/sessions/{session}/messages")))
+        .json(&json!({"content": "split the job"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let root = accepted["run_id"].as_str().unwrap().to_owned();
+    let stream = format!("{base}/v1/runs/{root}/tree/events");
+    let root_finished = |e: &TreeEvent| e.kind == "run.finished" && e.run == root;
+
+    // Until every child's tool call is committed: their answers, their ends, the parent's
+    // join and its answer are still to come when the server dies.
+    let mut calls = 0;
+    let mut received = read_tree(&http, &stream, None, |e| {
+        calls += usize::from(e.depth == 1 && e.kind == "tool.call");
+        calls == TASKS
+    })
+    .await;
+    assert_eq!(calls, TASKS, "every child called its tool: {received:#?}");
+    server.kill().unwrap();
+    assert_eq!(server.wait().unwrap().signal(), Some(9));
+    let mut server = serve(url, &catalog, dir.path(), port).await;
+    while !received.last().is_some_and(root_finished) {
+        let after = received.last().map(|e| e.id.clone());
+        let more = read_tree(&http, &stream, after.as_deref(), root_finished).await;
+        assert!(
+            !more.is_empty(),
+            "the stream resumed with nothing: {received:#?}"
+        );
+        received.extend(more);
+    }
+
+    let replay = read_tree(&http, &format!("{stream}?follow=false"), None, |_| false).await;
+    server.kill().unwrap();
+    let _ = server.wait();
+    let runs: std::collections::BTreeSet<&str> = replay.iter().map(|e| e.run.as_str()).collect();
+    assert_eq!(runs.len(), 1 + TASKS, "the root and its children: {runs:?}");
+    let mut got: Vec<&(String, i64)> = received.iter().map(|e| &e.at).collect();
+    let mut all: Vec<&(String, i64)> = replay.iter().map(|e| &e.at).collect();
+    for run in &runs {
+        let of = |events: &[TreeEvent]| -> Vec<(String, i64)> {
+            (events.iter().filter(|e| e.run == *run))
+                .map(|e| e.at.clone())
+                .collect()
+        };
+        assert_eq!(of(&received), of(&replay), "run {run}'s events, in order");
+    }
+    got.sort();
+    all.sort();
+    assert_eq!(got.len(), all.len(), "nothing twice");
+    assert_eq!(got, all, "every event of the tree, across the kill");
 }
 
 /// `ratchet run` of the `lead` agent in `dir`, which leaves its background work behind.
