@@ -58,6 +58,12 @@ fn assert_clean(report: &Report) {
         report.tally.calls_in_doubt > 0,
         "expected calls whose outcome was unknown to have waited for an answer"
     );
+    assert!(
+        report.tally.children > 0 && report.tally.reports_told > 0,
+        "expected background work told in continuation turns: {} helper runs, {} reports told",
+        report.tally.children,
+        report.tally.reports_told
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
