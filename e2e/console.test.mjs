@@ -146,9 +146,17 @@ test("approve a guarded batch: nothing runs until a person says yes", async () =
   await approvals.close();
 
   await screenshot(page, "approval");
-  await card.getByLabel("Approve").check();
+  // Nothing is decided for the person: Submit sends nothing while a call is undecided.
+  assert.equal(await card.locator("input[type=radio]:checked").count(), 0);
   await card.getByRole("button", { name: "Submit decisions" }).click();
+  await page.waitForTimeout(300);
+  assert.equal(await page.locator(".card[data-approval]").getAttribute("data-state"), "pending");
+  assert.ok(!page.requests.some((r) => r.startsWith("POST") && r.includes("/v1/approvals/")), page.requests.join("\n"));
+  await card.getByRole("button", { name: "Approve all" }).click();
   await page.locator(".item-assistant", { hasText: "The line is written and 2 + 3 = 5." }).waitFor();
+  // The decided card keeps what was decided, by whom and when.
+  await card.locator('li[data-call="call_0_0"][data-verdict="approved"]').waitFor();
+  assert.match(await card.textContent(), /Decided by default on /);
   await page.locator('.card[data-state="decided"]').waitFor();
   await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
   assert.equal(await page.locator('.item-tool[data-call="call_0_1"] pre').last().textContent(), "5");
@@ -168,8 +176,72 @@ test("deny a call: the model reads the denial and nothing is written", async () 
   await card.getByLabel("Note (optional)").fill("not today");
   await card.getByRole("button", { name: "Submit decisions" }).click();
   await page.locator('.item-tool[data-call="call_0_0"][data-error="true"]', { hasText: "not today" }).waitFor();
+  await card.locator('li[data-call="call_0_0"][data-verdict="denied"]', { hasText: "“not today”" }).waitFor();
   await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
   assert.throws(() => readFileSync(join(server.dir, "workspace", "notes.txt")), /ENOENT/);
+  assert.deepEqual(page.errors, []);
+});
+
+test("after queueing a message, Cancel stops the running run and its tool card closes", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  const sessionId = await newSession(page, "slow");
+  await send(page, "Take a nap");
+  await page.locator(".item-tool .result", { hasText: "Running…" }).waitFor();
+  await send(page, "Queue it after the nap");
+  // The queued message shows at once, under its own run.
+  const groups = page.locator(".run-group");
+  await groups.nth(1).locator(".item-user", { hasText: "Queue it after the nap" }).waitFor();
+  assert.equal(await groups.nth(1).locator(".run-status .chip").textContent(), "queued");
+  const panel = page.getByRole("complementary", { name: "Session details" });
+  await panel.getByRole("heading", { name: "Active run" }).waitFor();
+  const [first, second] = (await server.get(`/v1/sessions/${sessionId}/runs`)).items.map((r) => r.id);
+  await panel.locator(".controls a", { hasText: first }).waitFor();
+
+  await page.getByRole("button", { name: "Cancel run" }).click();
+  const firstGroup = page.locator(`.run-group[data-run="${first}"]`);
+  await firstGroup.locator(".item-notice", { hasText: "Run ended: cancelled" }).waitFor();
+  await firstGroup.locator('.item-tool[data-state="ended"]', { hasText: "Not finished: the run ended cancelled." }).waitFor();
+  assert.equal((await server.get(`/v1/runs/${first}`)).status, "cancelled");
+  // The queued run went on: it is the active one now.
+  await page.locator(`.run-group[data-run="${second}"] .item-tool .result`, { hasText: "Running…" }).waitFor();
+  await panel.locator(".controls a", { hasText: second }).waitFor();
+  assert.equal(await page.locator(`.run-group[data-run="${second}"] .item-notice`).count(), 0, "nothing of the first run lands under the second");
+  // Tool names keep their case.
+  assert.equal(await firstGroup.locator(".item-tool .who code").innerText(), "sleep_ms");
+  assert.deepEqual(page.errors, []);
+});
+
+test("a steering message shows at once, waiting, and joins its run when taken", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  await newSession(page, "napper");
+  await send(page, "Nap a little");
+  await page.locator(".item-tool .result", { hasText: "Running…" }).waitFor();
+  await page.getByLabel("While a run is active").selectOption("steer");
+  await page.getByLabel("Message", { exact: true }).fill("Also say hello");
+  await page.getByRole("button", { name: "Send" }).click();
+  const steer = page.locator('.item-user[data-pending="true"]', { hasText: "Also say hello" });
+  await steer.waitFor();
+  assert.match(await steer.textContent(), /waits for the run's next model call/);
+  // The run takes it at its next model call: the same item, no longer waiting, never twice.
+  await page.locator('.item-user[data-pending="false"]', { hasText: "Also say hello" }).waitFor();
+  assert.equal(await page.locator(".item-user", { hasText: "Also say hello" }).count(), 1);
+  assert.deepEqual(page.errors, []);
+});
+
+test("an address that names nothing says so, with nothing to act on", async () => {
+  const server = await serve();
+  const page = await openPage(browser, `${server.url}/#/sessions/ses_nope`);
+  await page.getByRole("heading", { name: "Not found" }).waitFor();
+  await page.getByText("no session ses_nope").waitFor();
+  assert.equal(await page.locator("main textarea, main button").count(), 0);
+  await page.goto(`${server.url}/#/runs/run_doesnotexist`);
+  await page.getByText("no run run_doesnotexist").waitFor();
+  assert.equal(await page.locator("main button").count(), 0);
+  const icon = await fetch(`${server.url}/favicon.ico`);
+  assert.equal(icon.status, 200);
+  assert.equal(icon.headers.get("content-type"), "image/svg+xml");
   assert.deepEqual(page.errors, []);
 });
 
@@ -401,6 +473,8 @@ test("archiving a session with background work sends its report to the dead lett
   await page.getByRole("button", { name: "Archive session" }).click();
   await page.locator(".item-notice", { hasText: "This session was archived." }).waitFor();
   await page.waitForFunction(() => document.querySelector(".composer button[type=submit]").disabled);
+  await page.getByText("This session is archived: it is read-only").waitFor();
+  assert.ok(await page.getByLabel("While a run is active").isDisabled());
 
   await page.getByRole("link", { name: "Inbox and dead letters" }).click();
   await page.getByRole("heading", { name: /^Inbox of/ }).waitFor();
@@ -471,6 +545,11 @@ test("a webhook's dead deliveries are requeued from its delivery log", async () 
 test("on a phone the conversation fits the screen", async () => {
   const server = await serve();
   const page = await openPage(browser, server.url, { width: 390, height: 844 });
+  // The agent list holds a long description: the page still does not scroll sideways.
+  await page.getByLabel("Agent").waitFor();
+  await page.waitForFunction(() => document.querySelectorAll("#new-agent option").length > 3);
+  const listOverflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+  assert.ok(listOverflow <= 0, `the sessions page scrolls sideways by ${listOverflow}px`);
   await newSession(page, "chat");
   await send(page, "Hello from a phone");
   await page.locator('.item-assistant[data-streaming="false"]').waitFor();

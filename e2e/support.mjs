@@ -40,6 +40,10 @@ const AGENTS = {
     tools: ["sleep_ms"],
     script: [{ tool_calls: [{ name: "sleep_ms", arguments: { ms: 60000 } }] }, { text: "I woke up." }],
   },
+  planner: {
+    description: "Plans a trip end to end, researching destinations, comparing the fares of every carrier, booking the rooms and writing the day-by-day schedule",
+    script: [{ text: "Planned." }],
+  },
   napper: {
     description: "Naps briefly, then answers",
     tools: ["sleep_ms"],

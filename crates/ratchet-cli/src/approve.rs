@@ -329,7 +329,7 @@ pub async fn decide(target: Target, args: Decide) -> anyhow::Result<ExitCode> {
         Target::Db(db) => {
             let coordinator = ratchet_engine::Coordinator::new(open_existing_store(&db)?);
             coordinator
-                .answer_approval(&id, answer)
+                .answer_approval(&id, answer, crate::drive::COMMAND_LINE)
                 .await
                 .with_context(|| format!("cannot answer approval {id}"))?;
             let approval = coordinator.store().get_approval(&id).await?;

@@ -198,7 +198,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             };
             match asked {
                 Some(answer) => {
-                    coordinator.answer_approval(id, answer).await?;
+                    coordinator
+                        .answer_approval(id, answer, COMMAND_LINE)
+                        .await?;
                 }
                 None => {
                     eprintln!(
@@ -429,6 +431,9 @@ pub async fn resume(
 /// What a tree stream's event shows: a root event as `show_progress` shows it; of a run
 /// below, only what it does (its tool calls and results, the runs it starts, a wait for a
 /// human), indented by its depth. A child's text is not shown: it is its parent's tool result.
+/// Who answers an approval from this process's own prompt or `approvals decide --db`.
+pub(crate) const COMMAND_LINE: &str = "the command line";
+
 pub(crate) fn show_tree_progress(out: &mut impl Write, event: &EventView) {
     if event.depth == 0 {
         return show_progress(out, &event.kind, &event.payload);

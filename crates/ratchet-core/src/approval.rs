@@ -175,11 +175,13 @@ pub(crate) fn ask_in_place(state: &mut AgentState, step_index: u64, events: &mut
 /// Applies a human's answer to the run's pending approval `id`. Decisions must name every
 /// call that needs approval, and only calls of the batch, each once. The run goes back to
 /// `running` with a job that runs the approved calls (denied ones get their error result),
-/// or — on `Abort` — ends as cancelled.
+/// or — on `Abort` — ends as cancelled. `by` (who answered: a tenant, the command line) is
+/// kept with the answer in `approval.decided`.
 pub fn answer_approval(
     state: &mut AgentState,
     id: &ApprovalId,
     answer: &ApprovalAnswer,
+    by: &str,
     now: Millis,
 ) -> Result<(Vec<EventDraft>, Option<StepJob>), DecisionError> {
     let calls = match &state.pending_human {
@@ -198,7 +200,7 @@ pub fn answer_approval(
     };
     let mut events = vec![EventDraft::new(
         EventKind::ApprovalDecided,
-        json!({"run_id": state.run_id, "approval_id": id, "answer": answer}),
+        json!({"run_id": state.run_id, "approval_id": id, "answer": answer, "by": by}),
     )];
     let decisions = match answer {
         ApprovalAnswer::Abort => {

@@ -227,7 +227,7 @@ proptest! {
                     };
                     let before = state.status;
                     now += 1;
-                    let (events, next) = answer_approval(&mut state, &approval_id, &answer, now).unwrap();
+                    let (events, next) = answer_approval(&mut state, &approval_id, &answer, "a human", now).unwrap();
                     prop_assert!(before.edge(state.status).is_ok());
                     prop_assert_eq!(events[0].kind.as_str(), "approval.decided");
                     match next {

@@ -421,13 +421,14 @@ impl Coordinator {
     }
 
     /// Records a human's answer to an approval: the run goes on with the approved calls, or
-    /// ends when aborted (and the session's next run starts).
+    /// ends when aborted (and the session's next run starts). `by` is who answered.
     pub async fn answer_approval(
         &self,
         id: &ratchet_core::ApprovalId,
         answer: ratchet_core::ApprovalAnswer,
+        by: &str,
     ) -> Result<ratchet_store::Answered> {
-        let answered = self.store.answer_approval(id, answer, now_ms()).await?;
+        let answered = self.store.answer_approval(id, answer, by, now_ms()).await?;
         self.publish(answered.events.clone());
         if answered.resumed || answered.enqueued {
             self.wake.notify_one();

@@ -52,6 +52,10 @@ function timeAgo(millis) {
   return h("time", { datetime: new Date(millis).toISOString(), title: when(millis), text: ago(millis) });
 }
 
+function seconds(ms) {
+  return ms < 10000 ? `${(ms / 1000).toFixed(1)} s` : `${Math.round(ms / 1000)} s`;
+}
+
 function json(value) {
   return JSON.stringify(value, null, 2);
 }
@@ -364,6 +368,17 @@ function replaceKeepingFocus(container, children) {
   target?.focus();
 }
 
+// What a view shows in place of itself when what its address names does not exist (or is
+// another tenant's): a page that never half-loads, with no control left to act on.
+function showGone(view, error, stop) {
+  stop();
+  view.replaceChildren(
+    h("h1", { text: "Not found" }),
+    h("p", { role: "alert" }, `${error.message}. `, h("a", { href: "#/", text: "Go to the sessions." })),
+  );
+  connection.set("idle", "");
+}
+
 function runLink(runId) {
   return h("a", { href: `#/runs/${runId}`, class: "mono", text: runId });
 }
@@ -373,7 +388,7 @@ function runControls(onChange) {
   const region = errorRegion();
   // The run and its status on lines of their own: a new status never moves the buttons.
   const which = h("p", { class: "muted" });
-  const status = h("p", { class: "one-line" });
+  const status = h("p", { class: "run-line" });
   const cancel = h("button", { type: "button", class: "danger", text: "Cancel run" });
   const pause = h("button", { type: "button", text: "Pause" });
   const resume = h("button", { type: "button", text: "Resume" });
@@ -554,7 +569,7 @@ function showSession(view, sessionId) {
   const region = errorRegion();
   const title = h("h1", {}, "Session ", h("span", { class: "mono", text: sessionId }));
   // Holds its line from the start, so that nothing below it moves when the facts arrive.
-  const facts = h("p", { class: "muted one-line", text: "Loading…" });
+  const facts = h("p", { class: "muted run-line", text: "Loading…" });
   // The live region wraps the list, so its items stay list items.
   const log = h("ol", { class: "log" });
   const conversation = h("div", { role: "log", "aria-label": "Conversation", "aria-live": "polite" }, log);
@@ -584,6 +599,8 @@ function showSession(view, sessionId) {
     h("p", { class: "notice", text: "Ctrl+Enter sends." }),
   );
   const archive = h("button", { type: "button", class: "danger", text: "Archive session" });
+  const panelTitle = h("h2", { id: "latest-run", text: "Latest run" });
+  const readOnly = h("p", { class: "notice read-only", role: "status", hidden: true, text: "This session is archived: it is read-only and takes no more messages." });
 
   view.append(
     title,
@@ -592,11 +609,11 @@ function showSession(view, sessionId) {
     h(
       "div",
       { class: "session" },
-      h("div", {}, conversation, activity.el, composer),
+      h("div", {}, conversation, activity.el, readOnly, composer),
       h(
         "aside",
         { class: "side", "aria-label": "Session details" },
-        h("section", { "aria-labelledby": "latest-run" }, h("h2", { id: "latest-run", text: "Latest run" }), controls.el),
+        h("section", { "aria-labelledby": "latest-run" }, panelTitle, controls.el),
         h(
           "section",
           { "aria-labelledby": "more-title" },
@@ -619,25 +636,63 @@ function showSession(view, sessionId) {
   function closeIfArchived() {
     send.disabled = archived;
     content.disabled = archived;
+    multitask.disabled = archived;
     archive.disabled = archived;
+    readOnly.hidden = !archived;
   }
 
   function runOf(runId) {
-    if (!runs.has(runId)) runs.set(runId, { status: "queued", assistant: null, tools: new Map(), cards: [] });
+    if (!runs.has(runId)) runs.set(runId, { status: "queued", assistant: null, tools: new Map(), cards: [], group: null });
     return runs.get(runId);
+  }
+
+  // Each run of the session is a group of its own — its messages, answers, tools, cards and
+  // notices, under a line with its status, times, tokens and cost — so that nothing of one run
+  // lands under another, whatever order the events interleave in.
+  function groupOf(runId) {
+    const run = runOf(runId);
+    if (!run.group) {
+      const chipAt = h("span", { class: "run-status" }, chip(run.status));
+      const facts = h("span", { class: "run-facts" });
+      const head = h("div", { class: "item-run" }, "Run ", runLink(runId), " ", chipAt, " ", facts);
+      const items = h("ol", { class: "log run-items" });
+      const el = h("li", { class: "run-group", "data-run": runId }, head, items);
+      run.group = { el, items, chipAt, facts };
+      follow(() => log.append(el), el);
+    }
+    return run.group;
+  }
+
+  function drawRunHead(runId, finished) {
+    const run = runOf(runId);
+    const group = groupOf(runId);
+    group.chipAt.replaceChildren(chip(run.status));
+    if (!finished) return;
+    const counters = finished.payload?.counters ?? {};
+    const tokens = (counters.input_tokens ?? 0) + (counters.output_tokens ?? 0);
+    const parts = [];
+    if (run.createdAt) parts.push(`${when(run.createdAt)} – ${new Date(finished.created_at).toLocaleTimeString()}, ${seconds(finished.created_at - run.createdAt)}`);
+    if (tokens) parts.push(`${tokens.toLocaleString()} tokens`);
+    if (counters.cost_microusd) parts.push(`$${(counters.cost_microusd / 1e6).toFixed(4)}`);
+    group.facts.textContent = parts.length ? `· ${parts.join(" · ")}` : "";
   }
 
   // Follows the conversation only while the reader is at its end, never pulling them away
   // from what they scrolled back to.
-  function append(item) {
+  function follow(add, item) {
     const atEnd = window.innerHeight + window.scrollY >= document.documentElement.scrollHeight - 80;
-    log.append(item);
+    add();
     if (atEnd) item.scrollIntoView({ block: "nearest" });
     return item;
   }
 
-  function notice(text, ...extra) {
-    return append(h("li", { class: "item item-notice" }, text, ...extra));
+  // An item of run `runId`, or of the session when it names none.
+  function append(item, runId) {
+    return follow(() => (runId ? groupOf(runId).items : log).append(item), item);
+  }
+
+  function notice(runId, text, ...extra) {
+    return append(h("li", { class: "item item-notice" }, text, ...extra), runId);
   }
 
   function assistantItem(runId) {
@@ -650,6 +705,7 @@ function showSession(view, sessionId) {
           h("div", { class: "who", text: "Assistant" }),
           h("div", { class: "text" }),
         ),
+        runId,
       );
     }
     return run.assistant;
@@ -662,21 +718,27 @@ function showSession(view, sessionId) {
       item = append(
         h(
           "li",
-          { class: "item item-tool", "data-call": callId },
+          { class: "item item-tool", "data-call": callId, "data-state": "waiting" },
           h("div", { class: "who" }, "Tool ", h("code", { text: name })),
           h("details", {}, h("summary", { text: "Arguments" }), h("pre", { text: json(args) })),
           h("div", { class: "result muted", text: "Waiting to run…" }),
         ),
+        runId,
       );
       run.tools.set(callId, item);
     }
     return item;
   }
 
+  // Nothing is decided for the person: each call that needs approval starts undecided, and
+  // "Approve all" / "Deny all" are explicit. Once decided, the card keeps what was decided,
+  // with the notes, by whom and when.
   function approvalCard(event) {
     const { approval_id: approvalId, calls } = event.payload;
     const cardRegion = errorRegion();
     const decide = h("button", { type: "submit", class: "primary", text: "Submit decisions" });
+    const approveAll = h("button", { type: "button", text: "Approve all" });
+    const denyAll = h("button", { type: "button", text: "Deny all" });
     const abort = h("button", { type: "button", class: "danger", text: "Abort run" });
     const state = h("p", { class: "muted", tabindex: "-1", text: "Waiting for your decision: no call of this batch runs until then." });
     const groups = calls.map((call, index) => {
@@ -688,8 +750,7 @@ function showSession(view, sessionId) {
           el: h("p", {}, h("code", { text: call.tool }), " ", h("span", { class: "mono", text: call.call_id }), " runs with its batch once it is approved."),
         };
       }
-      const radio = (value, label, checked) =>
-        h("label", {}, h("input", { type: "radio", name, value, checked }), ` ${label}`);
+      const radio = (value, label) => h("label", {}, h("input", { type: "radio", name, value, required: true }), ` ${label}`);
       return {
         call,
         note,
@@ -699,42 +760,71 @@ function showSession(view, sessionId) {
           {},
           h("legend", {}, h("code", { text: call.tool }), " ", h("span", { class: "mono", text: call.call_id })),
           h("pre", { text: json(call.arguments) }),
-          h("div", { class: "actions" }, radio("approve", "Approve", true), radio("deny", "Deny", false)),
+          h("div", { class: "actions" }, radio("approve", "Approve"), radio("deny", "Deny")),
           h("div", { class: "field" }, h("label", { for: note.id, text: "Note (optional)" }), note),
         ),
       };
     });
+    const gated = groups.filter((g) => g.name);
     const form = h(
       "form",
       {},
       ...groups.map((g) => g.el),
-      h("div", { class: "actions" }, decide, abort),
+      h("div", { class: "actions" }, decide, approveAll, denyAll, abort),
     );
     const card = h(
       "li",
       { class: "item card", "data-approval": approvalId, "data-state": "pending" },
       h("section", { "aria-label": `Approval ${approvalId}` }, h("div", { class: "who", text: "Approval needed" }), state, form, cardRegion),
     );
-    form.addEventListener("submit", (submitted) => {
-      submitted.preventDefault();
-      act(decide, cardRegion, async () => {
-        const decisions = groups
-          .filter((g) => g.name)
-          .map((g) => {
-            const decision = form.querySelector(`input[name="${g.name}"]:checked`).value;
-            const note = g.note.value.trim();
-            return note ? { call_id: g.call.call_id, decision, note } : { call_id: g.call.call_id, decision };
-          });
+    const send = (button, verdictOf) =>
+      act(button, cardRegion, async () => {
+        const decisions = gated.map((g) => {
+          const decision = verdictOf(g);
+          const note = g.note.value.trim();
+          return note ? { call_id: g.call.call_id, decision, note } : { call_id: g.call.call_id, decision };
+        });
         await api(`/v1/approvals/${approvalId}`, { method: "POST", body: { decisions } });
       });
+    // The browser refuses to submit while a call is undecided (each radio is required).
+    form.addEventListener("submit", (submitted) => {
+      submitted.preventDefault();
+      send(decide, (g) => form.querySelector(`input[name="${g.name}"]:checked`).value);
     });
+    approveAll.addEventListener("click", () => send(approveAll, () => "approve"));
+    denyAll.addEventListener("click", () => send(denyAll, () => "deny"));
     abort.addEventListener("click", () =>
       act(abort, cardRegion, () => api(`/v1/approvals/${approvalId}`, { method: "POST", body: { abort: true } })),
     );
-    card.decided = (answer) => {
+    card.decided = (answer, by, at) => {
       card.dataset.state = "decided";
       form.hidden = true;
-      state.textContent = answer === "abort" || answer?.abort ? "Aborted: the run was cancelled." : "Decided.";
+      const who = `${by ? ` by ${by}` : ""}${at ? ` on ${when(at)}` : ""}`;
+      if (answer === "abort" || answer?.abort) {
+        state.textContent = `Aborted${who}: the run was cancelled.`;
+      } else {
+        state.textContent = `Decided${who}:`;
+        const byCall = new Map((answer?.decisions ?? []).map((d) => [d.call_id, d]));
+        state.after(
+          h(
+            "ul",
+            { class: "decisions" },
+            ...gated.map((g) => {
+              const decision = byCall.get(g.call.call_id);
+              const verdict = decision?.decision === "approve" ? "approved" : decision?.decision === "deny" ? "denied" : "undecided";
+              return h(
+                "li",
+                { "data-call": g.call.call_id, "data-verdict": verdict },
+                h("code", { text: g.call.tool }),
+                " ",
+                h("span", { class: "mono", text: g.call.call_id }),
+                `: ${verdict}`,
+                decision?.note ? ` — “${decision.note}”` : "",
+              );
+            }),
+          ),
+        );
+      }
       if (card.contains(document.activeElement)) state.focus();
     };
     card.closed = () => {
@@ -764,7 +854,8 @@ function showSession(view, sessionId) {
       const id = `reconcile-${runId}-${index}`;
       const outcome = h(
         "select",
-        { id: `${id}-outcome` },
+        { id: `${id}-outcome`, required: true },
+        h("option", { value: "", text: "Choose what happened…", disabled: true, selected: true }),
         h("option", { value: "succeeded", text: "It succeeded" }),
         h("option", { value: "failed", text: "It failed" }),
         ...(ended ? [] : [h("option", { value: "retry", text: "Run it again" })]),
@@ -819,6 +910,8 @@ function showSession(view, sessionId) {
 
   const approvals = new Map();
   const reconciliations = new Map();
+  // message id -> the item of a steering message the run has not taken yet
+  const pendingSteers = new Map();
 
   // The runs below this session's runs live in sessions of their own: each root run that
   // starts one is followed through its tree stream, and what its children do that a person
@@ -838,8 +931,7 @@ function showSession(view, sessionId) {
       `${p.background ? " in the background" : ""} for: ${p.task}`,
     );
     below.set(p.child_run_id, { item, list: null, agent: p.agent });
-    if (parentList) parentList.append(item);
-    else append(item);
+    follow(() => parentList.append(item), item);
   }
 
   // The list under a child's notice, made when it first holds something.
@@ -901,7 +993,7 @@ function showSession(view, sessionId) {
         break;
       }
       case "approval.decided":
-        approvals.get(p.approval_id)?.decided(p.answer);
+        approvals.get(p.approval_id)?.decided(p.answer, p.by, event.created_at);
         break;
       case "run.finished":
         for (const card of runOf(runId).cards) card.closed();
@@ -929,25 +1021,40 @@ function showSession(view, sessionId) {
         latestRunId = runId;
         const run = runOf(runId);
         run.status = "queued";
-        append(h("li", { class: "item item-run" }, "Run ", runLink(runId), p.origin === "continuation" ? " — a continuation turn: background work reports back" : ""));
+        run.createdAt = event.created_at;
+        drawRunHead(runId);
+        if (p.origin === "continuation") notice(runId, "A continuation turn: background work reports back.");
+        // A steer sent while the run ended became this run: its waiting item goes.
+        pendingSteers.get(p.message_id)?.remove();
+        pendingSteers.delete(p.message_id);
         if (p.content !== undefined) {
-          append(h("li", { class: "item item-user", "data-message": p.message_id }, h("div", { class: "who", text: "You" }), h("div", { class: "text", text: p.content })));
+          append(h("li", { class: "item item-user", "data-message": p.message_id }, h("div", { class: "who", text: "You" }), h("div", { class: "text", text: p.content })), runId);
         }
         break;
       }
-      case "message.steered":
-        append(h("li", { class: "item item-user", "data-message": p.message_id }, h("div", { class: "who", text: "You (steering)" }), h("div", { class: "text", text: p.content })));
+      case "message.steered": {
+        const waiting = pendingSteers.get(p.message_id);
+        pendingSteers.delete(p.message_id);
+        if (waiting) {
+          waiting.dataset.pending = "false";
+          waiting.querySelector(".who").textContent = "You (steering)";
+          groupOf(runId).items.append(waiting);
+        } else {
+          append(h("li", { class: "item item-user", "data-message": p.message_id }, h("div", { class: "who", text: "You (steering)" }), h("div", { class: "text", text: p.content })), runId);
+        }
         break;
+      }
       case "run.status": {
         const run = runOf(runId);
-        if (p.status === "paused") notice("Run paused: it goes on when resumed.");
-        else if (run.status === "paused" && p.status === "running") notice("Run resumed.");
+        if (p.status === "paused") notice(runId, "Run paused: it goes on when resumed.");
+        else if (run.status === "paused" && p.status === "running") notice(runId, "Run resumed.");
         run.status = p.status;
+        drawRunHead(runId);
         break;
       }
       case "run.resumed":
         // `how` is `retry`, or `{"continue": {extension}}`.
-        notice(`Run resumed (${typeof p.how === "string" ? p.how : Object.keys(p.how ?? { continue: 0 })[0]}).`);
+        notice(runId, `Run resumed (${typeof p.how === "string" ? p.how : Object.keys(p.how ?? { continue: 0 })[0]}).`);
         break;
       case "assistant.delta": {
         const item = assistantItem(runId);
@@ -971,12 +1078,13 @@ function showSession(view, sessionId) {
         const run = runOf(runId);
         run.assistant?.remove();
         run.assistant = null;
-        notice(`The model call failed (attempt ${p.attempt ?? "?"}): ${p.message ?? p.error ?? "unknown error"}`);
+        notice(runId, `The model call failed (attempt ${p.attempt ?? "?"}): ${p.message ?? p.error ?? "unknown error"}`);
         break;
       }
       case "tool.call": {
         const item = toolItem(runId, p.call_id, p.tool, p.arguments);
         item.querySelector(".result").textContent = "Running…";
+        item.dataset.state = "running";
         break;
       }
       case "tool.result": {
@@ -985,6 +1093,7 @@ function showSession(view, sessionId) {
         result.className = "result";
         result.replaceChildren(h("span", { class: "muted", text: p.is_error ? "Error: " : "Result: " }), h("pre", { text: String(p.content) }));
         item.dataset.error = String(Boolean(p.is_error));
+        item.dataset.state = "done";
         break;
       }
       case "approval.required": {
@@ -995,11 +1104,11 @@ function showSession(view, sessionId) {
         const card = approvalCard(event);
         approvals.set(p.approval_id, card);
         runOf(runId).cards.push(card);
-        append(card);
+        append(card, runId);
         break;
       }
       case "approval.decided":
-        approvals.get(p.approval_id)?.decided(p.answer);
+        approvals.get(p.approval_id)?.decided(p.answer, p.by, event.created_at);
         break;
       case "tool.outcome_unknown": {
         const result = toolItem(runId, p.call_id, p.tool, undefined).querySelector(".result");
@@ -1014,27 +1123,27 @@ function showSession(view, sessionId) {
         const card = reconciliationCard(runId, p.request?.calls ?? []);
         reconciliations.set(runId, card);
         runOf(runId).cards.push(card);
-        append(card);
+        append(card, runId);
         break;
       }
       case "reconciliation.decided":
         reconciliations.get(runId)?.decided(p.call_id, p.answer);
         break;
       case "subagent.started":
-        childNotice(p, null);
+        childNotice(p, groupOf(runId).items);
         followTree(runId);
         break;
       case "subagent.finished":
-        notice(`${p.agent} `, runLink(p.child_run_id), ` ended: ${p.status}.`);
+        notice(runId, `${p.agent} `, runLink(p.child_run_id), ` ended: ${p.status}.`);
         break;
       case "context.compacted":
-        notice("Older turns were summarised to fit the model's context.");
+        notice(runId, "Older turns were summarised to fit the model's context.");
         break;
       case "inbox.dead_lettered":
-        notice("A background report went to the dead letter: ", h("a", { href: `#/sessions/${sessionId}/inbox`, text: "see the inbox" }), ".");
+        notice(null, "A background report went to the dead letter: ", h("a", { href: `#/sessions/${sessionId}/inbox`, text: "see the inbox" }), ".");
         break;
       case "session.closed":
-        notice(`This session was ${p.how}.`);
+        notice(null, `This session was ${p.how}.`);
         break;
       case "run.finished": {
         const run = runOf(runId);
@@ -1043,12 +1152,19 @@ function showSession(view, sessionId) {
         if (run.assistant) run.assistant.dataset.streaming = "false";
         run.assistant = null;
         for (const card of run.cards) card.closed();
+        // A tool still waiting or running when its run ended never will.
+        for (const item of run.tools.values()) {
+          if (item.dataset.state === "done") continue;
+          item.dataset.state = "ended";
+          item.querySelector(".result").textContent = `Not finished: the run ended ${p.status}.`;
+        }
+        drawRunHead(runId, event);
         if (p.in_doubt?.length) {
           const card = reconciliationCard(runId, p.in_doubt, true);
           reconciliations.set(runId, card);
-          append(card);
+          append(card, runId);
         }
-        if (p.status !== "completed") notice(`Run ended: ${p.status}${p.stop_reason && p.stop_reason !== p.status ? ` (${p.stop_reason.replaceAll("_", " ")})` : ""}.`);
+        if (p.status !== "completed") notice(runId, `Run ended: ${p.status}${p.stop_reason && p.stop_reason !== p.status ? ` (${p.stop_reason.replaceAll("_", " ")})` : ""}.`);
         break;
       }
       default:
@@ -1079,9 +1195,13 @@ function showSession(view, sessionId) {
         api(`/v1/sessions/${sessionId}`),
         api(`/v1/sessions/${sessionId}/runs?limit=200`),
       ]);
-      const latest = latestRunId ?? runPage.items.at(-1)?.id;
-      const run = latest ? await api(`/v1/runs/${latest}`) : null;
+      // The controls act on the run that holds the session — not on one queued behind it;
+      // only when none does, on the newest.
+      const active = session.active_run_id;
+      const target = active ?? latestRunId ?? runPage.items.at(-1)?.id;
+      const run = target ? await api(`/v1/runs/${target}`) : null;
       if (read !== sideReads) return;
+      panelTitle.textContent = active ? "Active run" : "Latest run";
       clearError(region);
       facts.replaceChildren(
         `Agent ${session.agent ?? "default"} · `,
@@ -1100,6 +1220,7 @@ function showSession(view, sessionId) {
       // The events saw every run of the session; the list is its first 200.
       controls.update(run);
     } catch (error) {
+      if (error.status === 404) return showGone(view, error, leave);
       showError(region, error);
     }
   }
@@ -1109,9 +1230,21 @@ function showSession(view, sessionId) {
     const text = content.value;
     if (send.disabled || !text.trim()) return;
     act(send, region, async () => {
-      await api(`/v1/sessions/${sessionId}/messages`, { method: "POST", body: { content: text, multitask: multitask.value } });
+      const accepted = await api(`/v1/sessions/${sessionId}/messages`, { method: "POST", body: { content: text, multitask: multitask.value } });
       content.value = "";
       content.focus();
+      // A steering message is an event only once the run takes it: until then it is shown
+      // as waiting, under the run it will join.
+      if (accepted.steered && !document.querySelector(`[data-message="${accepted.message_id}"]`)) {
+        const item = h(
+          "li",
+          { class: "item item-user", "data-message": accepted.message_id, "data-pending": "true" },
+          h("div", { class: "who", text: "You (steering: waits for the run's next model call)" }),
+          h("div", { class: "text", text }),
+        );
+        pendingSteers.set(accepted.message_id, item);
+        append(item, accepted.run_id);
+      }
     }).then(closeIfArchived);
   });
   content.addEventListener("keydown", (key) => {
@@ -1134,12 +1267,13 @@ function showSession(view, sessionId) {
     activity.live,
   ).start();
   refreshSide();
-  return () => {
+  function leave() {
     stream.stop();
     for (const tree of trees.values()) tree.stop();
     clearTimeout(refreshTimer);
     clearTimeout(settle);
-  };
+  }
+  return leave;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1353,6 +1487,7 @@ function showRun(view, runId) {
       drawTree(treeView.nodes);
       clearError(region);
     } catch (error) {
+      if (error.status === 404) return showGone(view, error, leave);
       showError(region, error);
     }
   }
@@ -1406,10 +1541,11 @@ function showRun(view, runId) {
     }
   }, activity.live).start();
   refresh();
-  return () => {
+  function leave() {
     stream.stop();
     clearTimeout(refreshTimer);
-  };
+  }
+  return leave;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -141,7 +141,10 @@ async fn answer_approval(
         }
     };
     tenant_approval(&state, &tenant, &id).await?;
-    state.coordinator.answer_approval(&id, answer).await?;
+    state
+        .coordinator
+        .answer_approval(&id, answer, &tenant.0)
+        .await?;
     Ok(axum::Json(
         tenant_approval(&state, &tenant, &id).await?.into(),
     ))

@@ -76,6 +76,9 @@ static STYLES: LazyLock<Asset> = LazyLock::new(|| {
     )
 });
 
+static ICON: LazyLock<Asset> =
+    LazyLock::new(|| Asset::new(include_str!("../console/favicon.svg"), "image/svg+xml"));
+
 pub fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
     Router::new()
         .route(
@@ -89,6 +92,15 @@ pub fn router<S: Clone + Send + Sync + 'static>() -> Router<S> {
         .route(
             "/console/style.css",
             get(|headers: HeaderMap| async move { STYLES.respond(&headers) }),
+        )
+        // Browsers ask for `/favicon.ico` whatever the page names.
+        .route(
+            "/console/favicon.svg",
+            get(|headers: HeaderMap| async move { ICON.respond(&headers) }),
+        )
+        .route(
+            "/favicon.ico",
+            get(|headers: HeaderMap| async move { ICON.respond(&headers) }),
         )
 }
 
@@ -125,6 +137,8 @@ mod tests {
                 "text/css; charset=utf-8",
                 ":focus-visible",
             ),
+            ("/console/favicon.svg", "image/svg+xml", "<svg"),
+            ("/favicon.ico", "image/svg+xml", "<svg"),
         ] {
             let response = get_with(path, None).await;
             assert_eq!(response.status(), StatusCode::OK, "{path}");

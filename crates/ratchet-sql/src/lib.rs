@@ -351,11 +351,12 @@ impl<B: Backend> Store for SqlStore<B> {
         &self,
         id: &ApprovalId,
         answer: ApprovalAnswer,
+        by: &str,
         now: Millis,
     ) -> Result<Answered> {
-        let id = id.clone();
+        let (id, by) = (id.clone(), by.to_owned());
         self.backend
-            .write(move |c| ops::answer_approval(c, &id, answer, now))
+            .write(move |c| ops::answer_approval(c, &id, answer, &by, now))
             .await
     }
 

@@ -2360,6 +2360,7 @@ pub(crate) fn answer_approval(
     c: &dyn Db,
     id: &ApprovalId,
     answer: ApprovalAnswer,
+    by: &str,
     now: Millis,
 ) -> Result<Answered> {
     let session = c
@@ -2387,7 +2388,7 @@ pub(crate) fn answer_approval(
         )));
     }
     let mut state = load_state(c, &approval.run_id)?;
-    let (drafts, job) = ratchet_core::approval::answer_approval(&mut state, id, &answer, now)?;
+    let (drafts, job) = ratchet_core::approval::answer_approval(&mut state, id, &answer, by, now)?;
     write_state(c, &state)?;
     let status = match answer {
         ApprovalAnswer::Abort => ApprovalStatus::Aborted,

@@ -2395,7 +2395,10 @@ pub async fn an_approval_holds_the_whole_batch_until_a_human_answers(store: &dyn
             "a call is decided twice",
         ),
     ] {
-        match store.answer_approval(&approval.id, wrong, T0 + 2).await {
+        match store
+            .answer_approval(&approval.id, wrong, "a human", T0 + 2)
+            .await
+        {
             Err(Error::Invalid(_)) => {}
             other => panic!("{why}: expected Error::Invalid, got {other:?}"),
         }
@@ -2411,7 +2414,7 @@ pub async fn an_approval_holds_the_whole_batch_until_a_human_answers(store: &dyn
         ("call-1", Verdict::Deny, Some("not today")),
     ]);
     let answered = store
-        .answer_approval(&approval.id, answer.clone(), T0 + 3)
+        .answer_approval(&approval.id, answer.clone(), "a human", T0 + 3)
         .await
         .unwrap();
     assert!(answered.resumed && !answered.repeated);
@@ -2420,6 +2423,10 @@ pub async fn an_approval_holds_the_whole_batch_until_a_human_answers(store: &dyn
         kinds(&answered.events),
         ["approval.decided", "run.status"],
         "the answer and the run's return to running"
+    );
+    assert_eq!(
+        answered.events[0].payload["by"], "a human",
+        "the answer says who gave it"
     );
     let state = load(store, &run).await;
     assert_eq!(
@@ -2451,7 +2458,7 @@ pub async fn an_approval_holds_the_whole_batch_until_a_human_answers(store: &dyn
         ("call-2", Verdict::Approve, None),
     ]);
     let again = store
-        .answer_approval(&approval.id, reordered, T0 + 5)
+        .answer_approval(&approval.id, reordered, "a human", T0 + 5)
         .await
         .unwrap();
     assert!(
@@ -2462,7 +2469,10 @@ pub async fn an_approval_holds_the_whole_batch_until_a_human_answers(store: &dyn
         ("call-1", Verdict::Approve, None),
         ("call-2", Verdict::Approve, None),
     ]);
-    match store.answer_approval(&approval.id, different, T0 + 6).await {
+    match store
+        .answer_approval(&approval.id, different, "a human", T0 + 6)
+        .await
+    {
         Err(Error::Conflict(message)) => {
             assert!(message.contains("already answered"), "{message}")
         }
@@ -2502,7 +2512,7 @@ pub async fn an_aborted_or_cancelled_approval_ends_its_run_and_frees_the_session
     let (run, approval) = gated_run(store, &session, T0).await;
     let (next, _) = submit(store, &session, "after", config(), T0 + 2).await;
     let aborted = store
-        .answer_approval(&approval.id, ApprovalAnswer::Abort, T0 + 3)
+        .answer_approval(&approval.id, ApprovalAnswer::Abort, "a human", T0 + 3)
         .await
         .unwrap();
     assert!(aborted.enqueued && !aborted.resumed);
@@ -2519,7 +2529,7 @@ pub async fn an_aborted_or_cancelled_approval_ends_its_run_and_frees_the_session
         ApprovalStatus::Aborted
     );
     let repeat = store
-        .answer_approval(&approval.id, ApprovalAnswer::Abort, T0 + 4)
+        .answer_approval(&approval.id, ApprovalAnswer::Abort, "a human", T0 + 4)
         .await
         .unwrap();
     assert!(repeat.repeated, "aborting twice is the same answer");
@@ -2540,7 +2550,10 @@ pub async fn an_aborted_or_cancelled_approval_ends_its_run_and_frees_the_session
         .unwrap();
     assert!(cancelled.iter().any(|a| a.id == approval.id));
     let answer = decisions(&[("call-1", Verdict::Approve, None)]);
-    match store.answer_approval(&approval.id, answer, T0 + 13).await {
+    match store
+        .answer_approval(&approval.id, answer, "a human", T0 + 13)
+        .await
+    {
         Err(Error::Conflict(message)) => assert!(message.contains("not waiting"), "{message}"),
         other => panic!("answering a cancelled run's approval: expected Conflict, got {other:?}"),
     }

@@ -870,11 +870,13 @@ pub trait Store: Observation + Send + Sync + 'static {
     /// Records a human's answer to a pending approval (see
     /// `ratchet_core::approval::answer_approval`) in one transaction with the run's new state
     /// and its next job. The same answer again is accepted and changes nothing; a different
-    /// one is `Error::Conflict`, as is an answer to an approval whose run has ended.
+    /// one is `Error::Conflict`, as is an answer to an approval whose run has ended. `by` says
+    /// who answered, in `approval.decided`.
     async fn answer_approval(
         &self,
         id: &ApprovalId,
         answer: ApprovalAnswer,
+        by: &str,
         now: Millis,
     ) -> Result<Answered>;
 

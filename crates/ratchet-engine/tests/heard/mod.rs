@@ -322,9 +322,10 @@ impl Store for Heard {
         &self,
         id: &ApprovalId,
         answer: ApprovalAnswer,
+        by: &str,
         now: Millis,
     ) -> Result<Answered> {
-        self.inner.answer_approval(id, answer, now).await
+        self.inner.answer_approval(id, answer, by, now).await
     }
 
     async fn load_state(&self, run_id: &RunId) -> Result<AgentState> {
