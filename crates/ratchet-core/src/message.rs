@@ -194,6 +194,24 @@ fn close_batch(answered: &mut Vec<Message>, waiting: &mut Vec<String>) {
     }
 }
 
+/// Most characters of a title a session takes from its first message.
+pub const TITLE_CHARS: usize = 80;
+
+/// The title a session takes from its first message: the first line that has text, trimmed,
+/// cut to `TITLE_CHARS` characters (with an ellipsis when cut).
+pub fn title_of(content: &str) -> String {
+    let line = (content.lines())
+        .map(str::trim)
+        .find(|line| !line.is_empty())
+        .unwrap_or_default();
+    let mut title: String = line.chars().take(TITLE_CHARS).collect();
+    if line.chars().count() > TITLE_CHARS {
+        title.pop();
+        title.push('…');
+    }
+    title
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -256,5 +274,16 @@ mod tests {
             answered,
             "nothing left to answer"
         );
+    }
+
+    #[test]
+    fn a_title_is_the_first_line_with_text_cut_to_its_length() {
+        assert_eq!(title_of("\n  Plan my trip  \nto Rome"), "Plan my trip");
+        assert_eq!(title_of(""), "");
+        let long = "é".repeat(100);
+        let title = title_of(&long);
+        assert_eq!(title.chars().count(), TITLE_CHARS);
+        assert!(title.ends_with('…') && title.starts_with("éé"));
+        assert_eq!(title_of(&"a".repeat(TITLE_CHARS)), "a".repeat(TITLE_CHARS));
     }
 }

@@ -300,6 +300,18 @@ ALTER TABLE webhook_deliveries ADD COLUMN requeued_at BIGINT;
 ALTER TABLE inbox ADD COLUMN expires_at BIGINT;
 CREATE INDEX inbox_expiring ON inbox(expires_at) WHERE status = 'pending';
 "#,
+    r#"
+-- A session's title: its first message's opening words until someone renames it. Sessions
+-- that have messages take their first visible user message's first line.
+ALTER TABLE sessions ADD COLUMN title TEXT;
+UPDATE sessions SET title = (
+    SELECT left(btrim(split_part(m.content, E'\n', 1)), 80)
+    FROM messages m
+    WHERE m.session_id = sessions.id AND m.role = 'user' AND m.origin = 'user'
+      AND m.visibility = 'visible'
+    ORDER BY m.rowid LIMIT 1
+);
+"#,
 ];
 
 /// The advisory lock that makes processes opening one database at once migrate it one

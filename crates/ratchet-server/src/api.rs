@@ -115,19 +115,37 @@ impl StatusPageQuery {
     }
 }
 
-/// `GET /v1/sessions`: a page of the tenant's sessions, from either end of the id order.
+/// `GET /v1/sessions`: a page of the tenant's sessions that match every filter given, in
+/// the order asked for.
 #[derive(Debug, Deserialize, ToSchema, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct SessionsQuery {
-    /// The `next_cursor` of the previous page.
+    /// The `next_cursor` of the previous page (of the same order and filters).
     #[param(min_length = 1)]
     pub cursor: Option<String>,
     /// Items per page, 1–200 (default 50).
     #[param(minimum = 1, maximum = 200)]
     pub limit: Option<u32>,
-    /// `oldest` first (the default) or `newest` first; ids are time-ordered.
+    /// `oldest` first (the default) or `newest` first (ids are time-ordered), or the latest
+    /// `activity` first.
     pub order: Option<SessionOrder>,
+    /// What the session is doing: `waiting_human` (its active run waits for a person),
+    /// `active` (any other active run), `failed` (no active run; its latest failed), `idle`
+    /// (no active run; its latest did not fail, or it has none) or `archived`.
+    pub status: Option<SessionStatusFilter>,
+    /// Sessions of this catalog agent; `default` for those of the server's own model.
+    #[param(min_length = 1)]
+    pub agent: Option<String>,
+    /// Created at or after this time (ms since the epoch).
+    #[param(minimum = 0)]
+    pub created_from: Option<i64>,
+    /// Created before this time (ms since the epoch).
+    #[param(minimum = 0)]
+    pub created_before: Option<i64>,
+    /// Text found, in any case, in the session's id, its title or its visible messages.
+    #[param(min_length = 1, max_length = 200)]
+    pub q: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, ToSchema, PartialEq, Eq)]
@@ -135,6 +153,25 @@ pub struct SessionsQuery {
 pub enum SessionOrder {
     Oldest,
     Newest,
+    Activity,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, ToSchema, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionStatusFilter {
+    WaitingHuman,
+    Active,
+    Failed,
+    Idle,
+    Archived,
+}
+
+/// `PATCH /v1/sessions/{id}`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct UpdateSession {
+    /// The session's new title: 1–200 characters, not only spaces, no control characters.
+    pub title: String,
 }
 
 impl SessionsQuery {
@@ -178,6 +215,10 @@ pub struct SessionView {
     pub status: String,
     /// When the session's latest event was written (its creation, before any).
     pub last_activity_at: Millis,
+    /// Its first message's first line until someone renames it (`PATCH`); null before any.
+    pub title: Option<String>,
+    /// How its latest run stands (`completed`, `failed`, …); null before any.
+    pub last_run_status: Option<String>,
 }
 
 impl From<Session> for SessionView {
@@ -195,6 +236,8 @@ impl From<Session> for SessionView {
                 (None, None) => "idle".to_owned(),
             },
             last_activity_at: session.last_activity_at,
+            title: session.title,
+            last_run_status: session.last_run_status.map(|s| s.as_str().to_owned()),
         }
     }
 }

@@ -5,7 +5,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use ratchet_core::{AgentState, RunConfigSnapshot, RunId, RunStatus, SessionId};
 use ratchet_engine::Multitask as EngineMultitask;
-use ratchet_store::{ListOrder, Session, SessionSpec};
+use ratchet_store::{ListOrder, Session, SessionCursor, SessionQuery, SessionSpec, SessionState};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -13,8 +13,8 @@ use crate::active::{Active, Current, DEFAULT_AGENT};
 use crate::api::{
     AgentView, CancelView, ContinueRequest, CreateSession, ErrorBody, MessageAccepted, MessageView,
     Multitask, Page, PageQuery, PauseView, ReconcileOutcome, ReconcileRequest, ReconcileView,
-    ResumedView, RunSummaryView, RunTreeView, RunView, SendMessage, SessionOrder, SessionView,
-    SessionsQuery, StepView,
+    ResumedView, RunSummaryView, RunTreeView, RunView, SendMessage, SessionOrder,
+    SessionStatusFilter, SessionView, SessionsQuery, StepView, UpdateSession,
 };
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
@@ -24,7 +24,7 @@ pub fn router() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(list_agents))
         .routes(routes!(create_session, list_sessions))
-        .routes(routes!(get_session))
+        .routes(routes!(get_session, update_session))
         .routes(routes!(send_message, list_messages))
         .routes(routes!(list_session_runs))
         .routes(routes!(get_run))
@@ -171,21 +171,93 @@ async fn list_sessions(
     ApiQuery(query): ApiQuery<SessionsQuery>,
 ) -> Result<axum::Json<Page<SessionView>>, ApiError> {
     let limit = query.limit()?;
-    let after = query.cursor.as_deref().map(parse_session_id).transpose()?;
     let order = match query.order {
         None | Some(SessionOrder::Oldest) => ListOrder::OldestFirst,
         Some(SessionOrder::Newest) => ListOrder::NewestFirst,
+        Some(SessionOrder::Activity) => ListOrder::LatestActivityFirst,
+    };
+    let after = query
+        .cursor
+        .as_deref()
+        .map(|cursor| session_cursor(order, cursor))
+        .transpose()?;
+    let text = query.q.as_deref().map(str::trim).filter(|q| !q.is_empty());
+    let store_query = SessionQuery {
+        order,
+        after,
+        state: query.status.map(|status| match status {
+            SessionStatusFilter::WaitingHuman => SessionState::WaitingHuman,
+            SessionStatusFilter::Active => SessionState::Active,
+            SessionStatusFilter::Failed => SessionState::Failed,
+            SessionStatusFilter::Idle => SessionState::Idle,
+            SessionStatusFilter::Archived => SessionState::Archived,
+        }),
+        agent: query
+            .agent
+            .map(|agent| (agent != DEFAULT_AGENT).then_some(agent)),
+        created_from: query.created_from,
+        created_before: query.created_before,
+        text: text.map(str::to_owned),
     };
     let sessions = state
         .coordinator
         .store()
-        .list_sessions(&tenant.0, order, after.as_ref(), limit)
+        .list_sessions(&tenant.0, &store_query, limit)
         .await?;
     let items = sessions.into_iter().map(SessionView::from).collect();
-    Ok(axum::Json(Page::new(items, limit, |s: &SessionView| {
-        s.id.clone()
-    })))
+    Ok(axum::Json(Page::new(
+        items,
+        limit,
+        |s: &SessionView| match order {
+            ListOrder::LatestActivityFirst => format!("{}.{}", s.last_activity_at, s.id),
+            ListOrder::OldestFirst | ListOrder::NewestFirst => s.id.clone(),
+        },
+    )))
 }
+
+/// A sessions list's cursor: a session id, or `ACTIVITY.ID` in activity order.
+fn session_cursor(order: ListOrder, cursor: &str) -> Result<SessionCursor, ApiError> {
+    let invalid = || ApiError::bad_request(format!("invalid cursor {cursor:?}"));
+    match order {
+        ListOrder::LatestActivityFirst => {
+            let (at, id) = cursor.split_once('.').ok_or_else(invalid)?;
+            let at = at.parse().map_err(|_| invalid())?;
+            Ok(SessionCursor::Activity(at, parse_session_id(id)?))
+        }
+        ListOrder::OldestFirst | ListOrder::NewestFirst => {
+            Ok(SessionCursor::Id(parse_session_id(cursor)?))
+        }
+    }
+}
+
+#[utoipa::path(
+    patch, path = "/v1/sessions/{id}", tag = "sessions",
+    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$")),
+    request_body = UpdateSession,
+    responses((status = 200, body = SessionView), (status = "4XX", body = ErrorBody)),
+)]
+async fn update_session(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<UpdateSession>,
+) -> Result<axum::Json<SessionView>, ApiError> {
+    let id = parse_session_id(&id)?;
+    let title = body.title.trim();
+    let length = title.chars().count();
+    if !(1..=MAX_TITLE_CHARS).contains(&length) || title.chars().any(char::is_control) {
+        return Err(ApiError::unprocessable(format!(
+            "title must be 1 to {MAX_TITLE_CHARS} characters, not only spaces, without control \
+             characters; found {length} characters"
+        )));
+    }
+    tenant_session(&state, &tenant, &id).await?;
+    let session = state.coordinator.store().rename_session(&id, title).await?;
+    Ok(axum::Json(session.into()))
+}
+
+/// The longest title a session may be given.
+const MAX_TITLE_CHARS: usize = 200;
 
 #[utoipa::path(
     get, path = "/v1/sessions/{id}", tag = "sessions",

@@ -74,6 +74,79 @@ async fn sessions_are_created_fetched_and_listed_page_by_page() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_are_titled_renamed_found_and_paged_by_activity() {
+    let server = Server::start(quick_script()).await;
+    let quiet = server.create_session(TOKEN_A).await;
+    let trip = server.create_session(TOKEN_A).await;
+    let budget = server.create_session(TOKEN_A).await;
+    let run = server.send(TOKEN_A, &trip, "Plan my trip\nto Rome").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    server.finish(&run).await;
+    let titled = server.get_ok(TOKEN_A, &format!("/v1/sessions/{trip}")).await;
+    assert_eq!(
+        (&titled["title"], &titled["last_run_status"], &titled["status"]),
+        (&json!("Plan my trip"), &json!("completed"), &json!("idle"))
+    );
+
+    let path = format!("/v1/sessions/{budget}");
+    let renamed = call(server.patch(TOKEN_A, &path, json!({"title": "  Budget review "}))).await;
+    assert_eq!(renamed.status, StatusCode::OK, "{}", renamed.body);
+    assert_eq!(renamed.body["title"], "Budget review");
+    for (body, status) in [
+        (json!({"title": "   "}), StatusCode::UNPROCESSABLE_ENTITY),
+        (json!({"title": "a\u{7}b"}), StatusCode::UNPROCESSABLE_ENTITY),
+        (json!({"title": "x".repeat(201)}), StatusCode::UNPROCESSABLE_ENTITY),
+        (json!({"name": "x"}), StatusCode::UNPROCESSABLE_ENTITY),
+    ] {
+        let refused = call(server.patch(TOKEN_A, &path, body.clone())).await;
+        assert_eq!(refused.status, status, "{body}: {}", refused.body);
+        assert!(refused.body["error"]["message"].is_string(), "{}", refused.body);
+    }
+    let foreign = call(server.patch(TOKEN_B, &path, json!({"title": "mine"}))).await;
+    assert_error("another tenant's session", &foreign, StatusCode::NOT_FOUND, "not_found");
+    assert_eq!(
+        server.get_ok(TOKEN_A, &path).await["title"],
+        "Budget review",
+        "nothing refused was written"
+    );
+
+    let on = &server;
+    let found = |query: &str| {
+        let path = format!("/v1/sessions?{query}");
+        async move { ids(&on.get_ok(TOKEN_A, &path).await["items"]) }
+    };
+    assert_eq!(found("q=ROME").await, [trip.clone()], "message text, any case");
+    assert_eq!(found("q=budget").await, [budget.clone()], "titles");
+    assert_eq!(found(&format!("q={}", &quiet[4..20])).await, [quiet.clone()], "ids");
+    let mut all = vec![quiet.clone(), trip.clone(), budget.clone()];
+    all.sort();
+    assert_eq!(found("status=idle&agent=default").await, all);
+    assert!(found("status=failed").await.is_empty());
+    assert!(found("status=waiting_human").await.is_empty());
+    assert!(found("created_from=99999999999999").await.is_empty());
+    assert!(found("agent=planner").await.is_empty());
+
+    // Latest activity first, a page at a time: the run's session leads.
+    let pages = all_pages(&server, "/v1/sessions?order=activity", 2).await;
+    let listed: Vec<String> = pages
+        .iter()
+        .flat_map(|p| ids(&Value::Array(p.clone())))
+        .collect();
+    assert_eq!(listed.len(), 3, "every session once: {listed:?}");
+    assert_eq!(listed[0], trip);
+    let page = server.get_ok(TOKEN_A, "/v1/sessions?order=activity&limit=1").await;
+    let cursor = page["next_cursor"].as_str().unwrap();
+    assert!(cursor.ends_with(&format!(".{trip}")), "{cursor}");
+
+    for query in ["order=activity&cursor=nonsense", "status=bogus", "cursor=ses_x&order=activity"] {
+        let refused = call(server.get(TOKEN_A, &format!("/v1/sessions?{query}"))).await;
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{query}: {}", refused.body);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_tells_its_status_and_last_activity() {
     let server = Server::start(sleepy_script()).await;
     let session = server.create_session(TOKEN_A).await;
@@ -431,7 +504,7 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/agents", vec!["get"]),
         ("/v1/admin/reload", vec!["post"]),
         ("/v1/sessions", vec!["get", "post"]),
-        ("/v1/sessions/{id}", vec!["delete", "get"]),
+        ("/v1/sessions/{id}", vec!["delete", "get", "patch"]),
         ("/v1/sessions/{id}/archive", vec!["post"]),
         ("/v1/sessions/{id}/inbox", vec!["get"]),
         ("/v1/sessions/{id}/inbox/{event_id}/discard", vec!["post"]),

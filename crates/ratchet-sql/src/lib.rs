@@ -25,10 +25,10 @@ use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, ChangeStream,
     Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction, DeliveryBounds,
     DeliveryClaim, EmittedSignal, Error, InboxChange, InboxEvent, Intent, IntentRecord, Keyring,
-    Lease, ListOrder, MessageHit, NewRun, NewSignal, NewWebhook, Observation, PauseOutcome,
-    PendingInput, Reconciled, RecordedIntents, ResumeOutcome, RunQuota, RunSummary, SearchScope,
-    Served, Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted,
-    TimedOut, TreeNode, Webhook, WebhookDelivery,
+    Lease, MessageHit, NewRun, NewSignal, NewWebhook, Observation, PauseOutcome, PendingInput,
+    Reconciled, RecordedIntents, ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session,
+    SessionQuery, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted, TimedOut,
+    TreeNode, Webhook, WebhookDelivery,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -126,13 +126,19 @@ impl<B: Backend> Store for SqlStore<B> {
     async fn list_sessions(
         &self,
         tenant: &str,
-        order: ListOrder,
-        after: Option<&SessionId>,
+        query: &SessionQuery,
         limit: u32,
     ) -> Result<Vec<Session>> {
-        let (tenant, after) = (tenant.to_owned(), after.cloned());
+        let (tenant, query) = (tenant.to_owned(), query.clone());
         self.backend
-            .read(move |c| ops::list_sessions(c, &tenant, order, after.as_ref(), limit))
+            .read(move |c| ops::list_sessions(c, &tenant, &query, limit))
+            .await
+    }
+
+    async fn rename_session(&self, id: &SessionId, title: &str) -> Result<Session> {
+        let (id, title) = (id.clone(), title.to_owned());
+        self.backend
+            .write(move |c| ops::rename_session(c, &id, &title))
             .await
     }
 

@@ -18,8 +18,9 @@ use ratchet_core::{
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit,
     Error, Intent, IntentKind, IntentRecord, Lease, ListOrder, NewRun, PauseOutcome, Reconciled,
-    RecordedIntents, ResumeOutcome, RunSummary, Session, SessionSpec, Stale, StoreStats,
-    StoredEvent, StoredMessage, Submitted, TimedOut, TreeNode, WhenBusy,
+    RecordedIntents, ResumeOutcome, RunSummary, Session, SessionCursor, SessionQuery, SessionSpec,
+    SessionState, Stale, StoreStats, StoredEvent, StoredMessage, Submitted, TimedOut, TreeNode,
+    WhenBusy,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -100,13 +101,20 @@ pub(crate) fn create_session(
         deleted_at: None,
         active_run_status: None,
         last_activity_at: now,
+        title: None,
+        last_run_status: None,
     })
 }
 
 // The last two read the active run's status and the latest event's time, each by a primary key.
-const SESSION_COLUMNS: &str = "id, tenant, agent, metadata_json, created_at, active_run_id, archived_at, deleted_at,
-     (SELECT status FROM runs WHERE runs.id = sessions.active_run_id),
-     (SELECT created_at FROM events WHERE events.session_id = sessions.id ORDER BY seq DESC LIMIT 1)";
+/// A session as read: its columns, its active run's status, when it was last active, and its
+/// latest run's status (run ids are time-ordered), named so that a list can filter on them.
+const SELECT_SESSION: &str = "SELECT id, tenant, agent, metadata_json, created_at, active_run_id, archived_at, deleted_at,
+     (SELECT status FROM runs WHERE runs.id = sessions.active_run_id) AS active_status,
+     COALESCE((SELECT created_at FROM events WHERE events.session_id = sessions.id ORDER BY seq DESC LIMIT 1), created_at) AS activity,
+     title,
+     (SELECT status FROM runs WHERE runs.session_id = sessions.id ORDER BY id DESC LIMIT 1) AS last_status
+     FROM sessions";
 
 fn to_session(mut row: Row) -> Result<Session> {
     let created_at = row.int(4)?;
@@ -124,13 +132,15 @@ fn to_session(mut row: Row) -> Result<Session> {
         deleted_at: row.opt_int(7)?,
         active_run_status: row.opt_text(8)?.as_deref().map(parse_status).transpose()?,
         last_activity_at: row.opt_int(9)?.unwrap_or(created_at),
+        title: row.opt_text(10)?,
+        last_run_status: row.opt_text(11)?.as_deref().map(parse_status).transpose()?,
     })
 }
 
 pub(crate) fn get_session(c: &dyn Db, id: &SessionId) -> Result<Session> {
     let row = c
         .query_opt(
-            &format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = ?1"),
+            &format!("{SELECT_SESSION} WHERE id = ?1"),
             &params![id.as_str()],
         )?
         .ok_or_else(|| Error::NotFound {
@@ -140,33 +150,130 @@ pub(crate) fn get_session(c: &dyn Db, id: &SessionId) -> Result<Session> {
     to_session(row)
 }
 
+/// A value bound to a statement built as it goes.
+enum Arg {
+    Int(i64),
+    Text(String),
+}
+
 pub(crate) fn list_sessions(
     c: &dyn Db,
     tenant: &str,
-    order: ListOrder,
-    after: Option<&SessionId>,
+    query: &SessionQuery,
     limit: u32,
 ) -> Result<Vec<Session>> {
-    let visible = "tenant = ?1 AND root_session_id IS NULL AND deleted_at IS NULL";
-    let sql = match (order, after) {
-        (ListOrder::OldestFirst, _) => format!(
-            "SELECT {SESSION_COLUMNS} FROM sessions WHERE {visible} AND id > ?2 ORDER BY id LIMIT ?3"
-        ),
-        (ListOrder::NewestFirst, Some(_)) => format!(
-            "SELECT {SESSION_COLUMNS} FROM sessions WHERE {visible} AND id < ?2 ORDER BY id DESC LIMIT ?3"
-        ),
-        // Every id is greater than "", so the first page of this order has no bound.
-        (ListOrder::NewestFirst, None) => format!(
-            "SELECT {SESSION_COLUMNS} FROM sessions WHERE {visible} AND id > ?2 ORDER BY id DESC LIMIT ?3"
-        ),
+    let mut args = vec![Arg::Text(tenant.to_owned())];
+    let mut bind = |arg: Arg| {
+        args.push(arg);
+        format!("?{}", args.len())
     };
-    c.query(
-        &sql,
-        &params![tenant, after.map_or("", |a| a.as_str()), limit],
-    )?
-    .into_iter()
-    .map(to_session)
-    .collect()
+    let mut sql = format!(
+        "SELECT * FROM ({SELECT_SESSION} WHERE tenant = ?1 AND root_session_id IS NULL AND deleted_at IS NULL) s
+         WHERE 1 = 1"
+    );
+    if let Some(state) = query.state {
+        sql.push_str(match state {
+            SessionState::Archived => " AND archived_at IS NOT NULL",
+            SessionState::WaitingHuman => {
+                " AND archived_at IS NULL AND active_status = 'waiting_human'"
+            }
+            SessionState::Active => {
+                " AND archived_at IS NULL AND active_status IS NOT NULL AND active_status <> 'waiting_human'"
+            }
+            SessionState::Failed => {
+                " AND archived_at IS NULL AND active_status IS NULL AND last_status = 'failed'"
+            }
+            SessionState::Idle => {
+                " AND archived_at IS NULL AND active_status IS NULL AND (last_status IS NULL OR last_status <> 'failed')"
+            }
+        });
+    }
+    match &query.agent {
+        Some(Some(agent)) => {
+            let agent = bind(Arg::Text(agent.clone()));
+            sql.push_str(&format!(" AND agent = {agent}"));
+        }
+        Some(None) => sql.push_str(" AND agent IS NULL"),
+        None => {}
+    }
+    if let Some(from) = query.created_from {
+        let from = bind(Arg::Int(from));
+        sql.push_str(&format!(" AND created_at >= {from}"));
+    }
+    if let Some(before) = query.created_before {
+        let before = bind(Arg::Int(before));
+        sql.push_str(&format!(" AND created_at < {before}"));
+    }
+    if let Some(text) = &query.text {
+        // LIKE's wildcards in the text are matched as themselves.
+        let escaped: String = (text.to_lowercase().chars())
+            .flat_map(|ch| match ch {
+                '%' | '_' | '\\' => vec!['\\', ch],
+                ch => vec![ch],
+            })
+            .collect();
+        let pattern = bind(Arg::Text(format!("%{escaped}%")));
+        sql.push_str(&format!(
+            " AND (LOWER(id) LIKE {pattern} ESCAPE '\\' OR LOWER(COALESCE(title, '')) LIKE {pattern} ESCAPE '\\'
+               OR EXISTS (SELECT 1 FROM messages m WHERE m.session_id = s.id AND m.visibility = 'visible'
+                          AND m.draft_of IS NULL AND m.role IN ('user', 'assistant')
+                          AND LOWER(m.content) LIKE {pattern} ESCAPE '\\'))"
+        ));
+    }
+    let order = match (query.order, &query.after) {
+        (ListOrder::OldestFirst, None) => "ORDER BY id",
+        (ListOrder::NewestFirst, None) => "ORDER BY id DESC",
+        (ListOrder::LatestActivityFirst, None) => "ORDER BY activity DESC, id DESC",
+        (ListOrder::OldestFirst, Some(SessionCursor::Id(after))) => {
+            let after = bind(Arg::Text(after.to_string()));
+            sql.push_str(&format!(" AND id > {after}"));
+            "ORDER BY id"
+        }
+        (ListOrder::NewestFirst, Some(SessionCursor::Id(after))) => {
+            let after = bind(Arg::Text(after.to_string()));
+            sql.push_str(&format!(" AND id < {after}"));
+            "ORDER BY id DESC"
+        }
+        (ListOrder::LatestActivityFirst, Some(SessionCursor::Activity(at, after))) => {
+            let at = bind(Arg::Int(*at));
+            let after = bind(Arg::Text(after.to_string()));
+            sql.push_str(&format!(
+                " AND (activity < {at} OR (activity = {at} AND id < {after}))"
+            ));
+            "ORDER BY activity DESC, id DESC"
+        }
+        (order, Some(cursor)) => {
+            return Err(Error::Invalid(format!(
+                "a cursor of a list in {order:?} order, found {cursor:?}"
+            )));
+        }
+    };
+    let limit = bind(Arg::Int(i64::from(limit)));
+    sql.push_str(&format!(" {order} LIMIT {limit}"));
+    let params: Vec<crate::db::Param<'_>> = (args.iter())
+        .map(|arg| match arg {
+            Arg::Int(value) => crate::db::Param::from(*value),
+            Arg::Text(value) => crate::db::Param::from(value.as_str()),
+        })
+        .collect();
+    c.query(&sql, &params)?
+        .into_iter()
+        .map(to_session)
+        .collect()
+}
+
+pub(crate) fn rename_session(c: &dyn Db, id: &SessionId, title: &str) -> Result<Session> {
+    let renamed = c.execute(
+        "UPDATE sessions SET title = ?2 WHERE id = ?1 AND deleted_at IS NULL",
+        &params![id.as_str(), title],
+    )?;
+    if renamed == 0 {
+        return Err(Error::NotFound {
+            kind: "session",
+            id: id.to_string(),
+        });
+    }
+    get_session(c, id)
 }
 
 pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Submitted> {
@@ -237,6 +344,14 @@ pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Sub
         &new.content,
         new.config,
         now,
+    )?;
+    // A session is called by its first message until someone renames it.
+    c.execute(
+        "UPDATE sessions SET title = ?2 WHERE id = ?1 AND title IS NULL",
+        &params![
+            new.session_id.as_str(),
+            &ratchet_core::message::title_of(&new.content)
+        ],
     )?;
     let mut drafts = vec![created];
     let Some(active) = active else {

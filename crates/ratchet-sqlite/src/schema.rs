@@ -322,6 +322,20 @@ ALTER TABLE webhook_deliveries ADD COLUMN requeued_at INTEGER;
 ALTER TABLE inbox ADD COLUMN expires_at INTEGER;
 CREATE INDEX inbox_expiring ON inbox(expires_at) WHERE status = 'pending';
 "#,
+    r#"
+-- A session's title: its first message's opening words until someone renames it. Sessions
+-- that have messages take their first visible user message's first line.
+ALTER TABLE sessions ADD COLUMN title TEXT;
+UPDATE sessions SET title = (
+    SELECT substr(trim(CASE WHEN instr(m.content, char(10)) > 0
+                            THEN substr(m.content, 1, instr(m.content, char(10)) - 1)
+                            ELSE m.content END), 1, 80)
+    FROM messages m
+    WHERE m.session_id = sessions.id AND m.role = 'user' AND m.origin = 'user'
+      AND m.visibility = 'visible'
+    ORDER BY m.rowid LIMIT 1
+);
+"#,
 ];
 
 /// The schema version this build migrates a database to.

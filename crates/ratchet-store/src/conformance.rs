@@ -59,6 +59,7 @@ macro_rules! store_conformance_tests {
     ($make:expr) => {
         $crate::store_conformance_tests!(@borrowed $make;
             submit_starts_a_run_or_queues_it_behind_the_active_one,
+            sessions_are_titled_found_and_ordered_by_activity,
             commit_writes_the_step_and_continues_under_lease,
             stale_and_duplicate_commits_change_nothing,
             intents_keep_slot_order_attempts_and_outcomes,
@@ -885,31 +886,31 @@ pub async fn sessions_are_listed_per_tenant_in_pages(store: &dyn Store) {
             .unwrap();
     }
     let first = store
-        .list_sessions("acme", ListOrder::OldestFirst, None, 2)
+        .list_sessions("acme", &by_id(ListOrder::OldestFirst, None), 2)
         .await
         .unwrap();
     let ids = |page: &[Session]| page.iter().map(|s| s.id.clone()).collect::<Vec<_>>();
     assert_eq!(ids(&first), acme[..2]);
     let second = store
-        .list_sessions("acme", ListOrder::OldestFirst, Some(&acme[1]), 2)
+        .list_sessions("acme", &by_id(ListOrder::OldestFirst, Some(&acme[1])), 2)
         .await
         .unwrap();
     assert_eq!(ids(&second), acme[2..4]);
     let last = store
-        .list_sessions("acme", ListOrder::OldestFirst, Some(&acme[3]), 2)
+        .list_sessions("acme", &by_id(ListOrder::OldestFirst, Some(&acme[3])), 2)
         .await
         .unwrap();
     assert_eq!(ids(&last), acme[4..]);
     assert!(
         store
-            .list_sessions("acme", ListOrder::OldestFirst, Some(&acme[4]), 2)
+            .list_sessions("acme", &by_id(ListOrder::OldestFirst, Some(&acme[4])), 2)
             .await
             .unwrap()
             .is_empty()
     );
     assert_eq!(
         store
-            .list_sessions("globex", ListOrder::OldestFirst, None, 10)
+            .list_sessions("globex", &by_id(ListOrder::OldestFirst, None), 10)
             .await
             .unwrap()
             .len(),
@@ -917,7 +918,7 @@ pub async fn sessions_are_listed_per_tenant_in_pages(store: &dyn Store) {
     );
     assert!(
         store
-            .list_sessions("initech", ListOrder::OldestFirst, None, 10)
+            .list_sessions("initech", &by_id(ListOrder::OldestFirst, None), 10)
             .await
             .unwrap()
             .is_empty()
@@ -934,17 +935,17 @@ pub async fn sessions_are_listed_per_tenant_in_pages(store: &dyn Store) {
         "a session without events was last active when it was created"
     );
     let newest = store
-        .list_sessions("acme", ListOrder::NewestFirst, None, 2)
+        .list_sessions("acme", &by_id(ListOrder::NewestFirst, None), 2)
         .await
         .unwrap();
     assert_eq!(ids(&newest), [acme[4].clone(), acme[3].clone()]);
     let older = store
-        .list_sessions("acme", ListOrder::NewestFirst, Some(&acme[3]), 2)
+        .list_sessions("acme", &by_id(ListOrder::NewestFirst, Some(&acme[3])), 2)
         .await
         .unwrap();
     assert_eq!(ids(&older), [acme[2].clone(), acme[1].clone()]);
     let oldest = store
-        .list_sessions("acme", ListOrder::NewestFirst, Some(&acme[1]), 2)
+        .list_sessions("acme", &by_id(ListOrder::NewestFirst, Some(&acme[1])), 2)
         .await
         .unwrap();
     assert_eq!(ids(&oldest), [acme[0].clone()]);
@@ -959,7 +960,7 @@ pub async fn sessions_are_listed_per_tenant_in_pages(store: &dyn Store) {
         "run.created is its latest event"
     );
     let listed = store
-        .list_sessions("acme", ListOrder::NewestFirst, None, 2)
+        .list_sessions("acme", &by_id(ListOrder::NewestFirst, None), 2)
         .await
         .unwrap();
     assert_eq!(
@@ -971,6 +972,187 @@ pub async fn sessions_are_listed_per_tenant_in_pages(store: &dyn Store) {
     assert!(matches!(
         store.get_session(&missing).await,
         Err(Error::NotFound { .. })
+    ));
+}
+
+fn by_id(order: ListOrder, after: Option<&SessionId>) -> crate::SessionQuery {
+    crate::SessionQuery {
+        order,
+        after: after.cloned().map(crate::SessionCursor::Id),
+        ..crate::SessionQuery::default()
+    }
+}
+
+/// A session is titled by its first message's first line until it is renamed, and a list
+/// finds sessions by what they are doing, their agent, when they were made and any text of
+/// their id, title or visible messages (wildcards in it matched as themselves), and orders
+/// them by their latest activity with a cursor that carries it.
+pub async fn sessions_are_titled_found_and_ordered_by_activity(store: &dyn Store) {
+    let prefix = unique();
+    let make = |name: &str, agent: Option<&str>, at: Millis| {
+        let id = SessionId::from_suffix(&format!("{prefix}-{name}")).unwrap();
+        let spec = SessionSpec {
+            tenant: "find".into(),
+            agent: agent.map(str::to_owned),
+            metadata: None,
+        };
+        async move {
+            store.create_session(&id, spec, at).await.unwrap();
+            id
+        }
+    };
+    let trip = make("trip", Some("planner"), T0).await;
+    let fare = make("fare", None, T0 + 1).await;
+    let quiet = make("quiet", Some("planner"), T0 + 2).await;
+    let gated = make("gated", None, T0 + 3).await;
+    let closed = make("closed", None, T0 + 4).await;
+    let broken = make("broken", None, T0 + 5).await;
+
+    submit(
+        store,
+        &trip,
+        "\n Plan my trip to Rome \nwith two stops",
+        config(),
+        T0 + 10,
+    )
+    .await;
+    submit(
+        store,
+        &fare,
+        "Find the cheapest 100% refundable fare",
+        config(),
+        T0 + 11,
+    )
+    .await;
+    // Only the first message names a session.
+    submit(store, &fare, "and a hotel", config(), T0 + 12).await;
+    gated_run(store, &gated, T0 + 20).await;
+    store
+        .close_session(&closed, crate::Closing::Archive, T0 + 30)
+        .await
+        .unwrap();
+    let (failing, _) = submit(store, &broken, "flaky", config(), T0 + 40).await;
+    let step = store
+        .claim_next(lease(OWNER_A, T0 + 41 + LEASE_MS), Some(&failing), T0 + 41)
+        .await
+        .unwrap()
+        .expect("its first job");
+    let failed = finish_step(
+        step.state,
+        &step.job,
+        StopReason::LlmError,
+        T0 + 41,
+        T0 + 42,
+    );
+    commit(store, &step.claim, failed, None, T0 + 42).await;
+
+    let title = |id: &SessionId| {
+        let id = id.clone();
+        async move { store.get_session(&id).await.unwrap().title }
+    };
+    assert_eq!(title(&trip).await.as_deref(), Some("Plan my trip to Rome"));
+    assert_eq!(
+        title(&fare).await.as_deref(),
+        Some("Find the cheapest 100% refundable fare")
+    );
+    assert_eq!(title(&quiet).await, None, "no message, no title yet");
+    let renamed = store
+        .rename_session(&quiet, "Renamed by hand")
+        .await
+        .unwrap();
+    assert_eq!(renamed.title.as_deref(), Some("Renamed by hand"));
+    let missing = SessionId::from_suffix(&format!("{prefix}-none")).unwrap();
+    assert!(matches!(
+        store.rename_session(&missing, "x").await,
+        Err(Error::NotFound { .. })
+    ));
+
+    let find = |query: crate::SessionQuery| async move {
+        let listed = store.list_sessions("find", &query, 100).await.unwrap();
+        listed.into_iter().map(|s| s.id).collect::<Vec<_>>()
+    };
+    let state = |state| crate::SessionQuery {
+        state: Some(state),
+        ..Default::default()
+    };
+    use crate::SessionState::*;
+    assert_eq!(find(state(WaitingHuman)).await, [gated.clone()]);
+    // (Ids sort by name here: `…-broken` < `…-closed` < `…-fare` < `…-gated` < …)
+    assert_eq!(find(state(Active)).await, [fare.clone(), trip.clone()]);
+    assert_eq!(find(state(Failed)).await, [broken.clone()]);
+    assert_eq!(find(state(Idle)).await, [quiet.clone()]);
+    assert_eq!(find(state(Archived)).await, [closed.clone()]);
+    let agent = |agent: Option<&str>| crate::SessionQuery {
+        agent: Some(agent.map(str::to_owned)),
+        ..Default::default()
+    };
+    assert_eq!(
+        find(agent(Some("planner"))).await,
+        [quiet.clone(), trip.clone()]
+    );
+    assert_eq!(
+        find(agent(None)).await,
+        [broken.clone(), closed.clone(), fare.clone(), gated.clone()]
+    );
+    let made = crate::SessionQuery {
+        created_from: Some(T0 + 1),
+        created_before: Some(T0 + 3),
+        ..Default::default()
+    };
+    assert_eq!(find(made).await, [fare.clone(), quiet.clone()]);
+    let text = |text: &str| crate::SessionQuery {
+        text: Some(text.to_owned()),
+        ..Default::default()
+    };
+    assert_eq!(find(text("ROME")).await, [trip.clone()], "titles, any case");
+    assert_eq!(
+        find(text("TWO stops")).await,
+        [trip.clone()],
+        "any visible message"
+    );
+    assert_eq!(find(text("100%")).await, [fare.clone()]);
+    assert_eq!(
+        find(text("0_")).await,
+        Vec::<SessionId>::new(),
+        "`_` is no wildcard"
+    );
+    assert_eq!(
+        find(text(&format!("{prefix}-qui"))).await,
+        [quiet.clone()],
+        "ids"
+    );
+    assert_eq!(find(text("renamed by")).await, [quiet.clone()]);
+
+    // Latest activity first, two at a time: the cursor carries the activity.
+    let mut order = Vec::new();
+    let mut after = None;
+    loop {
+        let query = crate::SessionQuery {
+            order: ListOrder::LatestActivityFirst,
+            after: after.clone(),
+            ..Default::default()
+        };
+        let page = store.list_sessions("find", &query, 2).await.unwrap();
+        let Some(last) = page.last() else { break };
+        after = Some(crate::SessionCursor::Activity(
+            last.last_activity_at,
+            last.id.clone(),
+        ));
+        order.extend(page.iter().map(|s| s.id.clone()));
+    }
+    assert_eq!(
+        order,
+        [broken, closed, gated, fare, trip, quiet],
+        "by their latest events; one without any by its creation"
+    );
+    let mismatched = crate::SessionQuery {
+        order: ListOrder::LatestActivityFirst,
+        after: Some(crate::SessionCursor::Id(missing)),
+        ..Default::default()
+    };
+    assert!(matches!(
+        store.list_sessions("find", &mismatched, 2).await,
+        Err(Error::Invalid(_))
     ));
 }
 

@@ -150,14 +150,58 @@ pub struct Session {
     pub active_run_status: Option<RunStatus>,
     /// When the session's latest event was written (its creation, before any).
     pub last_activity_at: Millis,
+    /// What the session is called: its first message's opening words until someone renames
+    /// it; None before its first message.
+    pub title: Option<String>,
+    /// The status of its latest run (how its last turn ended, when none is active).
+    pub last_run_status: Option<RunStatus>,
 }
 
-/// Which end of the id order a list starts from (ids are time-ordered).
+/// Which end of the id order a list starts from (ids are time-ordered), or the latest
+/// activity first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ListOrder {
     #[default]
     OldestFirst,
     NewestFirst,
+    LatestActivityFirst,
+}
+
+/// Where a page of sessions starts: after this session, in the query's order (for
+/// `LatestActivityFirst`, after this activity time, ties broken by id).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionCursor {
+    Id(SessionId),
+    Activity(Millis, SessionId),
+}
+
+/// What a session is doing, as the list filters it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionState {
+    /// Its active run waits for a person (an approval, a reconciliation).
+    WaitingHuman,
+    /// A run of it is active (running, waiting for its children, paused, cancelling).
+    Active,
+    /// No run is active and its latest run failed.
+    Failed,
+    /// No run is active, and its latest run did not fail (or it has none).
+    Idle,
+    Archived,
+}
+
+/// Which of a tenant's sessions a list holds, and in what order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SessionQuery {
+    pub order: ListOrder,
+    pub after: Option<SessionCursor>,
+    pub state: Option<SessionState>,
+    /// The catalog agent its runs are of (`Some(None)`: sessions of the server's model).
+    pub agent: Option<Option<String>>,
+    /// Created at or after, and before, these times.
+    pub created_from: Option<Millis>,
+    pub created_before: Option<Millis>,
+    /// Found in its id, its title or the text of its visible messages (case-insensitive).
+    pub text: Option<String>,
 }
 
 /// How a session is closed (see `Store::close_session`).
@@ -666,16 +710,17 @@ pub trait Store: Observation + Send + Sync + 'static {
 
     async fn get_session(&self, id: &SessionId) -> Result<Session>;
 
-    /// A tenant's sessions in id order (ids are time-ordered) from the end `order` names,
-    /// past `after` when given. The sessions of delegated runs are not listed: they are
-    /// reached through their run tree.
+    /// A tenant's sessions that `query` selects, in its order, past its cursor. The sessions
+    /// of delegated runs are not listed: they are reached through their run tree.
     async fn list_sessions(
         &self,
         tenant: &str,
-        order: ListOrder,
-        after: Option<&SessionId>,
+        query: &SessionQuery,
         limit: u32,
     ) -> Result<Vec<Session>>;
+
+    /// Renames a session (`title`, already checked by the caller) and answers it.
+    async fn rename_session(&self, id: &SessionId, title: &str) -> Result<Session>;
 
     /// A session's visible messages (hidden ones never leave the store this way), in order,
     /// after `after_position`.

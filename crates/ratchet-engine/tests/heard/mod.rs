@@ -12,9 +12,9 @@ use ratchet_core::{
 };
 use ratchet_store::{
     Answered, Approval, ApprovalStatus, CancelOutcome, Change, ChangeStream, Claim, ClaimedStep,
-    Commit, DeadLetterAction, InboxChange, Intent, IntentRecord, Lease, ListOrder, MessageHit,
-    NewRun, PauseOutcome, Reconciled, RecordedIntents, Result, ResumeOutcome, RunSummary,
-    SearchScope, Session, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted,
+    Commit, DeadLetterAction, InboxChange, Intent, IntentRecord, Lease, MessageHit, NewRun,
+    PauseOutcome, Reconciled, RecordedIntents, Result, ResumeOutcome, RunSummary, SearchScope,
+    Session, SessionQuery, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted,
 };
 use ratchet_store::{
     AttemptOutcome, ClaimedDelivery, DeliveryBounds, DeliveryClaim, NewWebhook, Observation,
@@ -147,11 +147,14 @@ impl Store for Heard {
     async fn list_sessions(
         &self,
         tenant: &str,
-        order: ListOrder,
-        after: Option<&SessionId>,
+        query: &SessionQuery,
         limit: u32,
     ) -> Result<Vec<Session>> {
-        self.inner.list_sessions(tenant, order, after, limit).await
+        self.inner.list_sessions(tenant, query, limit).await
+    }
+
+    async fn rename_session(&self, id: &SessionId, title: &str) -> Result<Session> {
+        self.inner.rename_session(id, title).await
     }
 
     async fn visible_messages(

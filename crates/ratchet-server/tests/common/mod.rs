@@ -293,6 +293,13 @@ impl Server {
             .json(&body)
     }
 
+    pub fn patch(&self, token: &str, path: &str, body: Value) -> RequestBuilder {
+        self.http
+            .patch(self.url(path))
+            .bearer_auth(token)
+            .json(&body)
+    }
+
     pub async fn get_ok(&self, token: &str, path: &str) -> Value {
         let reply = call(self.get(token, path)).await;
         assert_eq!(reply.status, StatusCode::OK, "GET {path}: {}", reply.body);

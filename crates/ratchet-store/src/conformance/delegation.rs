@@ -223,8 +223,7 @@ pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_onc
     let listed = store
         .list_sessions(
             crate::DEFAULT_TENANT,
-            crate::ListOrder::OldestFirst,
-            None,
+            &crate::SessionQuery::default(),
             1_000,
         )
         .await

@@ -983,8 +983,7 @@ pub async fn closing_a_session_cancels_its_background_work_and_empties_its_inbox
     let listed = store
         .list_sessions(
             crate::DEFAULT_TENANT,
-            crate::ListOrder::OldestFirst,
-            None,
+            &crate::SessionQuery::default(),
             10_000,
         )
         .await
