@@ -84,9 +84,15 @@ async fn sessions_are_titled_renamed_found_and_paged_by_activity() {
         .unwrap()
         .to_owned();
     server.finish(&run).await;
-    let titled = server.get_ok(TOKEN_A, &format!("/v1/sessions/{trip}")).await;
+    let titled = server
+        .get_ok(TOKEN_A, &format!("/v1/sessions/{trip}"))
+        .await;
     assert_eq!(
-        (&titled["title"], &titled["last_run_status"], &titled["status"]),
+        (
+            &titled["title"],
+            &titled["last_run_status"],
+            &titled["status"]
+        ),
         (&json!("Plan my trip"), &json!("completed"), &json!("idle"))
     );
 
@@ -96,16 +102,31 @@ async fn sessions_are_titled_renamed_found_and_paged_by_activity() {
     assert_eq!(renamed.body["title"], "Budget review");
     for (body, status) in [
         (json!({"title": "   "}), StatusCode::UNPROCESSABLE_ENTITY),
-        (json!({"title": "a\u{7}b"}), StatusCode::UNPROCESSABLE_ENTITY),
-        (json!({"title": "x".repeat(201)}), StatusCode::UNPROCESSABLE_ENTITY),
+        (
+            json!({"title": "a\u{7}b"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
+        (
+            json!({"title": "x".repeat(201)}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+        ),
         (json!({"name": "x"}), StatusCode::UNPROCESSABLE_ENTITY),
     ] {
         let refused = call(server.patch(TOKEN_A, &path, body.clone())).await;
         assert_eq!(refused.status, status, "{body}: {}", refused.body);
-        assert!(refused.body["error"]["message"].is_string(), "{}", refused.body);
+        assert!(
+            refused.body["error"]["message"].is_string(),
+            "{}",
+            refused.body
+        );
     }
     let foreign = call(server.patch(TOKEN_B, &path, json!({"title": "mine"}))).await;
-    assert_error("another tenant's session", &foreign, StatusCode::NOT_FOUND, "not_found");
+    assert_error(
+        "another tenant's session",
+        &foreign,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    );
     assert_eq!(
         server.get_ok(TOKEN_A, &path).await["title"],
         "Budget review",
@@ -117,9 +138,17 @@ async fn sessions_are_titled_renamed_found_and_paged_by_activity() {
         let path = format!("/v1/sessions?{query}");
         async move { ids(&on.get_ok(TOKEN_A, &path).await["items"]) }
     };
-    assert_eq!(found("q=ROME").await, [trip.clone()], "message text, any case");
+    assert_eq!(
+        found("q=ROME").await,
+        [trip.clone()],
+        "message text, any case"
+    );
     assert_eq!(found("q=budget").await, [budget.clone()], "titles");
-    assert_eq!(found(&format!("q={}", &quiet[4..20])).await, [quiet.clone()], "ids");
+    assert_eq!(
+        found(&format!("q={}", &quiet[4..20])).await,
+        [quiet.clone()],
+        "ids"
+    );
     let mut all = vec![quiet.clone(), trip.clone(), budget.clone()];
     all.sort();
     assert_eq!(found("status=idle&agent=default").await, all);
@@ -136,13 +165,24 @@ async fn sessions_are_titled_renamed_found_and_paged_by_activity() {
         .collect();
     assert_eq!(listed.len(), 3, "every session once: {listed:?}");
     assert_eq!(listed[0], trip);
-    let page = server.get_ok(TOKEN_A, "/v1/sessions?order=activity&limit=1").await;
+    let page = server
+        .get_ok(TOKEN_A, "/v1/sessions?order=activity&limit=1")
+        .await;
     let cursor = page["next_cursor"].as_str().unwrap();
     assert!(cursor.ends_with(&format!(".{trip}")), "{cursor}");
 
-    for query in ["order=activity&cursor=nonsense", "status=bogus", "cursor=ses_x&order=activity"] {
+    for query in [
+        "order=activity&cursor=nonsense",
+        "status=bogus",
+        "cursor=ses_x&order=activity",
+    ] {
         let refused = call(server.get(TOKEN_A, &format!("/v1/sessions?{query}"))).await;
-        assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{query}: {}", refused.body);
+        assert_eq!(
+            refused.status,
+            StatusCode::BAD_REQUEST,
+            "{query}: {}",
+            refused.body
+        );
     }
 }
 
