@@ -140,13 +140,17 @@ async fn sessions_are_titled_renamed_found_and_paged_by_activity() {
     };
     assert_eq!(
         found("q=ROME").await,
-        [trip.clone()],
+        std::slice::from_ref(&trip),
         "message text, any case"
     );
-    assert_eq!(found("q=budget").await, [budget.clone()], "titles");
+    assert_eq!(
+        found("q=budget").await,
+        std::slice::from_ref(&budget),
+        "titles"
+    );
     assert_eq!(
         found(&format!("q={}", &quiet[4..20])).await,
-        [quiet.clone()],
+        std::slice::from_ref(&quiet),
         "ids"
     );
     let mut all = vec![quiet.clone(), trip.clone(), budget.clone()];
