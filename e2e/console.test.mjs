@@ -37,7 +37,7 @@ async function newSession(page, agent) {
     const html = await page.evaluate(() => document.documentElement.outerHTML);
     throw new Error(`${error.message}\nurl ${page.url()}\nerrors ${page.errors}\n${html}`);
   }
-  await page.getByLabel("Agent").selectOption(agent);
+  await page.getByLabel("Agent", { exact: true }).selectOption(agent);
   await page.getByRole("button", { name: "Create session" }).click();
   await page.waitForURL(/#\/sessions\/ses_/);
   await page.getByRole("log", { name: "Conversation" }).waitFor({ state: "attached" });
@@ -104,8 +104,9 @@ test("create a session, send a message and watch the answer stream in", async ()
   assert.equal(await page.locator(".item-assistant").count(), 1, "one answer, drawn once");
   await screenshot(page, "conversation");
 
-  // The list shows each session with its agent, its status and when it was last active,
-  // newest first: here beside one whose run sleeps and one waiting for an approval.
+  // The list shows each session with its title, agent, status and when it was last active,
+  // the latest activity first: here beside one whose run sleeps and one waiting for an
+  // approval.
   const busy = {};
   for (const agent of ["slow", "guarded"]) {
     busy[agent] = (await server.post("/v1/sessions", { agent })).id;
@@ -115,12 +116,16 @@ test("create a session, send a message and watch the answer stream in", async ()
   const row = page.locator(`tr[data-session="${sessionId}"]`);
   await row.waitFor();
   assert.equal(await row.locator("td").nth(1).textContent(), "chat");
+  assert.equal(await row.getByRole("link").textContent(), "Tell me about streaming", "titled by its first message");
   await row.locator(".chip", { hasText: "idle" }).waitFor();
   assert.match(await row.locator("time").textContent(), /ago$/);
   await page.locator(`tr[data-session="${busy.slow}"] .chip`, { hasText: "running" }).waitFor();
   await page.locator(`tr[data-session="${busy.guarded}"] .chip`, { hasText: "waiting human" }).waitFor();
-  const order = await page.locator("tr[data-session]").evaluateAll((rows) => rows.map((r) => r.dataset.session));
-  assert.deepEqual(order, [busy.guarded, busy.slow, sessionId], "newest first");
+  const truth = (await server.get("/v1/sessions?order=activity")).items.map((s) => s.id);
+  await page.waitForFunction(
+    (ids) => JSON.stringify([...document.querySelectorAll("tr[data-session]")].map((r) => r.dataset.session)) === JSON.stringify(ids),
+    truth,
+  );
   await screenshot(page, "sessions");
   assert.deepEqual(page.errors, []);
 });
@@ -406,6 +411,44 @@ test("answer a child's approval from the root conversation", async () => {
   assert.deepEqual(page.errors, []);
 });
 
+test("find sessions: page past the 230th, search, filter by status and rename", async () => {
+  const server = await serve();
+  for (let i = 0; i < 230; i += 1) await server.post("/v1/sessions", {});
+  const page = await openPage(browser, server.url);
+  await page.getByText("50+ sessions shown.").waitFor();
+  const more = page.getByRole("button", { name: "Load more" });
+  while (await more.isVisible()) {
+    const before = await page.locator("tr[data-session]").count();
+    await more.click();
+    await page.waitForFunction((n) => document.querySelectorAll("tr[data-session]").length > n, before);
+  }
+  assert.equal(await page.locator("tr[data-session]").count(), 230, "every session, none capped");
+  await page.getByText("230 sessions shown.").waitFor();
+
+  const sessionId = await newSession(page, "chat");
+  await send(page, "Plan my trip to Rome");
+  await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
+  await page.getByRole("heading", { name: "Plan my trip to Rome" }).waitFor();
+  await page.getByRole("button", { name: "Rename" }).click();
+  await page.getByLabel("Title").fill("Rome, in spring");
+  await page.getByRole("button", { name: "Save title" }).click();
+  await page.getByRole("heading", { name: "Rome, in spring" }).waitFor();
+  assert.equal((await server.get(`/v1/sessions/${sessionId}`)).title, "Rome, in spring");
+
+  await page.getByRole("link", { name: "Sessions" }).click();
+  await page.getByLabel("Search").fill("ROME");
+  await page.waitForFunction(() => document.querySelectorAll("tr[data-session]").length === 1);
+  await page.locator(`tr[data-session="${sessionId}"]`, { hasText: "Rome, in spring" }).waitFor();
+  await page.getByLabel("Search").fill("");
+  await page.getByLabel("Status").selectOption("failed");
+  await page.getByText("No session matches.").waitFor();
+  await page.getByLabel("Status").selectOption("");
+  await page.getByLabel("Of agent").selectOption("chat");
+  await page.waitForFunction(() => document.querySelectorAll("tr[data-session]").length === 1);
+  await assertLabelled(page);
+  assert.deepEqual(page.errors, []);
+});
+
 test("a token is asked for once and kept for the tab", async () => {
   const server = await serve({ token: "s3cret-console-token" });
   const page = await openPage(browser, server.url);
@@ -546,7 +589,7 @@ test("on a phone the conversation fits the screen", async () => {
   const server = await serve();
   const page = await openPage(browser, server.url, { width: 390, height: 844 });
   // The agent list holds a long description: the page still does not scroll sideways.
-  await page.getByLabel("Agent").waitFor();
+  await page.getByLabel("Agent", { exact: true }).waitFor();
   await page.waitForFunction(() => document.querySelectorAll("#new-agent option").length > 3);
   const listOverflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
   assert.ok(listOverflow <= 0, `the sessions page scrolls sideways by ${listOverflow}px`);
@@ -565,7 +608,7 @@ test("the keyboard alone creates a session and sends a message", async () => {
   const server = await serve();
   const page = await openPage(browser, server.url);
   await page.getByRole("heading", { name: "Sessions" }).waitFor();
-  await page.getByLabel("Agent").focus();
+  await page.getByLabel("Agent", { exact: true }).focus();
   await page.keyboard.press("Tab");
   assert.equal(await page.evaluate(() => document.activeElement.textContent), "Create session");
   await page.keyboard.press("Enter");

@@ -459,17 +459,52 @@ function runControls(onChange) {
 
 function showSessions(view) {
   const region = errorRegion();
-  const agents = h("select", { id: "new-agent", name: "agent" }, h("option", { value: "default", text: "default" }));
+  const agents = h("select", { id: "new-agent", name: "agent" }, h("option", { value: "default", text: "default — the server's own model" }));
   const create = h("button", { type: "submit", class: "primary", text: "Create session" });
   const body = h("tbody");
-  const more = h("button", { type: "button", text: "Older sessions", hidden: true });
-  let shown = 50;
-  let nextCursor = null;
+  const more = h("button", { type: "button", text: "Load more", hidden: true });
+  const summary = h("p", { class: "muted", role: "status" });
+
+  // What the list shows: every filter is a query of `GET /v1/sessions`.
+  const search = h("input", { type: "search", id: "find-text", placeholder: "Title, message or id" });
+  const status = h(
+    "select",
+    { id: "find-status" },
+    ...[
+      ["", "Any status"],
+      ["waiting_human", "Waiting for a person"],
+      ["failed", "Failed"],
+      ["active", "Active"],
+      ["idle", "Idle"],
+      ["archived", "Archived"],
+    ].map(([value, text]) => h("option", { value, text })),
+  );
+  const agentFilter = h("select", { id: "find-agent" }, h("option", { value: "", text: "Any agent" }), h("option", { value: "default", text: "default" }));
+  const from = h("input", { type: "date", id: "find-from" });
+  const until = h("input", { type: "date", id: "find-until" });
+  const order = h(
+    "select",
+    { id: "find-order" },
+    h("option", { value: "activity", text: "Latest activity first" }),
+    h("option", { value: "newest", text: "Newest first" }),
+    h("option", { value: "oldest", text: "Oldest first" }),
+  );
+  const field = (control, label) => h("div", { class: "field" }, h("label", { for: control.id, text: label }), control);
+  const filters = h(
+    "form",
+    { class: "inline filters", role: "search", "aria-label": "Find sessions" },
+    field(search, "Search"),
+    field(status, "Status"),
+    field(agentFilter, "Of agent"),
+    field(from, "Created from"),
+    field(until, "Created until"),
+    field(order, "Order"),
+  );
 
   const form = h(
     "form",
     { "aria-label": "New session", class: "inline" },
-    h("div", { class: "field" }, h("label", { for: "new-agent", text: "Agent" }), agents),
+    field(agents, "Agent"),
     create,
   );
   form.addEventListener("submit", (event) => {
@@ -482,15 +517,18 @@ function showSessions(view) {
 
   view.append(
     h("h1", { text: "Sessions" }),
+    h("p", { class: "muted", text: "A session is one conversation with an agent: each message you send starts a run, one at a time. Agents come from the server's catalog." }),
     form,
+    filters,
     region,
+    summary,
     h(
       "div",
       { class: "scroll" },
       h(
         "table",
         {},
-        h("caption", { text: "Newest first; refreshed every few seconds." }),
+        h("caption", { text: "Sessions matching the filters; refreshed every few seconds." }),
         h(
           "thead",
           {},
@@ -511,55 +549,109 @@ function showSessions(view) {
   );
 
   function row(session) {
+    // An idle session whose last run failed says so: that is what a person must look at.
+    const shown = session.status === "idle" && session.last_run_status === "failed" ? "failed" : session.status;
     return h(
       "tr",
       { "data-session": session.id, "data-key": session.id },
-      h("td", {}, h("a", { href: `#/sessions/${session.id}`, class: "mono", text: session.id })),
+      h(
+        "td",
+        {},
+        h("a", { href: `#/sessions/${session.id}`, text: session.title || "Untitled" }),
+        h("div", { class: "mono small", text: session.id }),
+      ),
       h("td", { text: session.agent ?? "default" }),
-      h("td", {}, chip(session.status)),
+      h("td", {}, chip(shown)),
       h("td", {}, timeAgo(session.last_activity_at)),
       h("td", { class: "hide-narrow", text: when(session.created_at) }),
     );
   }
 
+  function query() {
+    const params = new URLSearchParams({ order: order.value });
+    if (search.value.trim()) params.set("q", search.value.trim());
+    if (status.value) params.set("status", status.value);
+    if (agentFilter.value) params.set("agent", agentFilter.value);
+    if (from.value) params.set("created_from", String(new Date(`${from.value}T00:00:00`).getTime()));
+    if (until.value) params.set("created_before", String(new Date(`${until.value}T00:00:00`).getTime() + 86400000));
+    return params;
+  }
+
+  // How many sessions the person has asked to see; every refresh reads that many again,
+  // page after page, so the list never stops at a cap.
+  let wanted = 50;
+  let reads = 0;
   let drawn = null;
   async function refresh() {
+    const read = ++reads;
     try {
-      const page = await api(`/v1/sessions?order=newest&limit=${Math.min(shown, 200)}`);
-      const data = JSON.stringify(page.items);
+      const items = [];
+      let cursor = null;
+      let exhausted = false;
+      while (items.length < wanted) {
+        const params = query();
+        params.set("limit", String(Math.min(200, wanted - items.length)));
+        if (cursor) params.set("cursor", cursor);
+        const page = await api(`/v1/sessions?${params}`);
+        items.push(...page.items);
+        cursor = page.next_cursor;
+        if (!cursor) {
+          exhausted = true;
+          break;
+        }
+      }
+      if (read !== reads) return;
+      const data = JSON.stringify(items);
       if (data === drawn) {
         for (const time of body.querySelectorAll("time")) time.textContent = ago(Date.parse(time.dateTime));
       } else {
         drawn = data;
-        replaceKeepingFocus(body, page.items.map(row));
+        replaceKeepingFocus(body, items.map(row));
       }
-      if (page.items.length === 0) {
-        body.replaceChildren(h("tr", {}, h("td", { colspan: "5", class: "muted", text: "No sessions yet: create one above." })));
+      if (items.length === 0) {
+        const filtered = [...query().keys()].some((key) => key !== "order");
+        body.replaceChildren(h("tr", {}, h("td", { colspan: "5", class: "muted", text: filtered ? "No session matches." : "No sessions yet: create one above." })));
       }
-      nextCursor = page.next_cursor;
-      more.hidden = !nextCursor || shown >= 200;
+      summary.textContent = `${items.length}${exhausted ? "" : "+"} session${items.length === 1 ? "" : "s"} shown.`;
+      more.hidden = exhausted;
       clearError(region);
     } catch (error) {
-      showError(region, error);
+      if (read === reads) showError(region, error);
     }
   }
 
   more.addEventListener("click", () => {
-    shown = Math.min(shown + 50, 200);
+    wanted += 50;
     refresh();
   });
+  let typing = null;
+  const restart = () => {
+    wanted = 50;
+    drawn = null;
+    refresh();
+  };
+  search.addEventListener("input", () => {
+    clearTimeout(typing);
+    typing = setTimeout(restart, 250);
+  });
+  filters.addEventListener("submit", (event) => event.preventDefault());
+  for (const control of [status, agentFilter, from, until, order]) control.addEventListener("change", restart);
 
   api("/v1/agents")
     .then((page) => {
       for (const agent of page.items) {
         agents.append(h("option", { value: agent.id, text: agent.description ? `${agent.id} — ${agent.description}` : agent.id }));
+        agentFilter.append(h("option", { value: agent.id, text: agent.id }));
       }
     })
     .catch((error) => showError(region, error));
   refresh();
   const timer = setInterval(refresh, 3000);
   connection.set("idle", "");
-  return () => clearInterval(timer);
+  return () => {
+    clearInterval(timer);
+    clearTimeout(typing);
+  };
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -567,7 +659,39 @@ function showSessions(view) {
 
 function showSession(view, sessionId) {
   const region = errorRegion();
-  const title = h("h1", {}, "Session ", h("span", { class: "mono", text: sessionId }));
+  const titleText = h("span", { text: "Session" });
+  const title = h("h1", {}, titleText);
+  // A session is named by its first message until someone renames it here.
+  const rename = h("button", { type: "button", class: "quiet", text: "Rename" });
+  const newTitle = h("input", { type: "text", id: "session-title", maxlength: "200", required: true });
+  const saveTitle = h("button", { type: "submit", class: "primary", text: "Save title" });
+  const cancelRename = h("button", { type: "button", text: "Keep it" });
+  const renameForm = h(
+    "form",
+    { class: "inline", hidden: true, "aria-label": "Rename the session" },
+    h("div", { class: "field" }, h("label", { for: newTitle.id, text: "Title" }), newTitle),
+    saveTitle,
+    cancelRename,
+  );
+  const identity = h("p", { class: "muted mono small" }, sessionId, " ", rename);
+  rename.addEventListener("click", () => {
+    renameForm.hidden = false;
+    newTitle.value = titleText.textContent === "Untitled session" ? "" : titleText.textContent;
+    newTitle.focus();
+  });
+  cancelRename.addEventListener("click", () => {
+    renameForm.hidden = true;
+    rename.focus();
+  });
+  renameForm.addEventListener("submit", (submitted) => {
+    submitted.preventDefault();
+    act(saveTitle, region, async () => {
+      const session = await api(`/v1/sessions/${sessionId}`, { method: "PATCH", body: { title: newTitle.value } });
+      titleText.textContent = session.title;
+      renameForm.hidden = true;
+      rename.focus();
+    });
+  });
   // Holds its line from the start, so that nothing below it moves when the facts arrive.
   const facts = h("p", { class: "muted run-line", text: "Loading…" });
   // The live region wraps the list, so its items stay list items.
@@ -604,6 +728,8 @@ function showSession(view, sessionId) {
 
   view.append(
     title,
+    identity,
+    renameForm,
     facts,
     region,
     h(
@@ -1203,6 +1329,7 @@ function showSession(view, sessionId) {
       if (read !== sideReads) return;
       panelTitle.textContent = active ? "Active run" : "Latest run";
       clearError(region);
+      if (renameForm.hidden) titleText.textContent = session.title || "Untitled session";
       facts.replaceChildren(
         `Agent ${session.agent ?? "default"} · `,
         chip(session.status),
