@@ -303,12 +303,20 @@ test("continue a run that spent its budget, with more steps", async () => {
   const sessionId = await newSession(page, "looper");
   await send(page, "Add until done");
   await page.locator(".item-notice", { hasText: "Run ended: failed (budget exhausted)" }).waitFor();
-  const cont = page.getByRole("button", { name: "Continue" });
-  await page.waitForFunction(() => [...document.querySelectorAll("button")].find((b) => b.textContent === "Continue")?.disabled === false);
-  assert.ok(await page.getByRole("button", { name: "Retry" }).isDisabled(), "retry is for a failed model call");
-  await page.getByLabel("Extra steps").fill("10");
-  await cont.click();
+  // Why it stopped, where the person looks: which budget ran out and by how much, with
+  // Continue right there (Retry is for a failed model call).
+  const banner = page.getByRole("region", { name: "Why the run stopped" });
+  await banner.getByText("The run spent its budget.").waitFor();
+  await banner.locator('li[data-budget="steps"]', { hasText: "3 of 3 steps used" }).waitFor();
+  assert.equal(await banner.getByRole("button", { name: "Retry" }).count(), 0);
+  const panel = page.getByRole("complementary", { name: "Session details" });
+  assert.ok(await panel.getByRole("button", { name: "Retry" }).isDisabled(), "retry is for a failed model call");
+  assert.equal(await banner.getByLabel("More steps").inputValue(), "2", "half the spent budget again, to start from");
+  await screenshot(page, "why-it-stopped");
+  await banner.getByLabel("More steps").fill("10");
+  await banner.getByRole("button", { name: "Continue" }).click();
   await page.locator(".item-assistant", { hasText: "Finally done." }).waitFor();
+  await banner.waitFor({ state: "detached" });
   await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
   await page.locator(".item-notice", { hasText: "Run resumed (continue)." }).waitFor();
   const runs = await server.get(`/v1/sessions/${sessionId}/runs`);
@@ -336,9 +344,11 @@ test("retry a run whose model kept failing, and read its cost", async () => {
     await send(page, "Are you there?");
     await page.locator(".item-notice", { hasText: "The model call failed" }).waitFor();
     await page.locator(".item-notice", { hasText: "Run ended: failed (llm error)" }).waitFor();
-    await page.waitForFunction(() => [...document.querySelectorAll("button")].find((b) => b.textContent === "Retry")?.disabled === false);
+    const banner = page.getByRole("region", { name: "Why the run stopped" });
+    await banner.getByText("The model call failed, and its attempts ran out.").waitFor();
+    await banner.locator("code", { hasText: "503" }).waitFor();
 
-    await page.getByRole("button", { name: "Retry" }).click();
+    await banner.getByRole("button", { name: "Retry" }).click();
     await page.locator(".item-assistant", { hasText: "Recovered after a retry." }).waitFor();
     await page.locator(".item-notice", { hasText: "Run resumed (retry)." }).waitFor();
     await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();

@@ -33,9 +33,9 @@ pub use id::{ApprovalId, IdError, MessageId, RunId, SessionId, WebhookId};
 pub use inbox::{CompletionPolicy, Delivery, InboxKind, InboxPolicy, InboxStatus};
 pub use message::{Message, Origin, Role, ToolCall, ToolOutcome, Visibility};
 pub use state::{
-    AgentState, BudgetExtension, CallProgress, Counters, HumanRequest, Limits, MemoryScope,
-    ModelSettings, Pause, Prices, ReplayPolicy, RunConfigSnapshot, ToolCheckpoint, ToolSpec,
-    UnknownCall,
+    AgentState, BudgetExtension, BudgetKind, BudgetUse, CallProgress, Counters, HumanRequest,
+    Limits, MemoryScope, ModelSettings, Pause, Prices, ReplayPolicy, RunConfigSnapshot,
+    ToolCheckpoint, ToolSpec, UnknownCall,
 };
 pub use status::{IllegalEdge, RunStatus, StopReason};
 pub use step::{ModelReply, Phase, StepJob, StepRecord, StepResult, Usage};

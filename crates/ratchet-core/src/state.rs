@@ -315,6 +315,35 @@ pub struct Pause {
     pub since: Millis,
 }
 
+/// A budget of a run: what it counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BudgetKind {
+    Steps,
+    ModelCalls,
+    ToolCalls,
+    /// Input and output tokens together.
+    Tokens,
+    /// The prompt the next model call sends (compaction keeps it under).
+    PromptTokens,
+    /// Time running, pauses left out.
+    DurationMs,
+}
+
+/// How much of one budget a run has used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BudgetUse {
+    pub kind: BudgetKind,
+    pub used: u64,
+    pub limit: u64,
+}
+
+impl BudgetUse {
+    pub fn spent(&self) -> bool {
+        self.used >= self.limit
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Counters {
     pub model_calls: u64,
@@ -416,6 +445,56 @@ impl AgentState {
     /// When the run's duration budget runs out: its start plus `max_duration_ms` plus the
     /// time it spent paused (a client's time, not the run's). None without a budget or before
     /// the run started.
+    /// Each budget the run has, with what it has used of it: a person reads which one ran out,
+    /// and by how much, before giving it more. Time paused is not counted; a run still going
+    /// counts up to `now`.
+    pub fn budgets(&self, now: Millis) -> Vec<BudgetUse> {
+        let limits = self.limits();
+        let counters = &self.counters;
+        let elapsed = self.started_at.map(|started| {
+            let until = self.finished_at.unwrap_or(now);
+            u64::try_from(until.saturating_sub(started))
+                .unwrap_or(0)
+                .saturating_sub(self.paused_ms)
+        });
+        let mut budgets = vec![BudgetUse {
+            kind: BudgetKind::Steps,
+            used: self.step_index,
+            limit: limits.max_steps,
+        }];
+        let optional = [
+            (
+                BudgetKind::ModelCalls,
+                Some(counters.model_calls),
+                limits.max_model_calls,
+            ),
+            (
+                BudgetKind::ToolCalls,
+                Some(counters.tool_calls),
+                limits.max_tool_calls,
+            ),
+            (
+                BudgetKind::Tokens,
+                Some(counters.input_tokens.saturating_add(counters.output_tokens)),
+                limits.max_tokens,
+            ),
+            (
+                BudgetKind::PromptTokens,
+                Some(counters.context_tokens),
+                limits.max_prompt_tokens,
+            ),
+            (BudgetKind::DurationMs, elapsed, limits.max_duration_ms),
+        ];
+        budgets.extend(optional.into_iter().filter_map(|(kind, used, limit)| {
+            Some(BudgetUse {
+                kind,
+                used: used.unwrap_or(0),
+                limit: limit?,
+            })
+        }));
+        budgets
+    }
+
     pub fn deadline(&self) -> Option<Millis> {
         let (duration, started) = self.limits().max_duration_ms.zip(self.started_at)?;
         let allowed = duration.saturating_add(self.paused_ms);
@@ -453,5 +532,67 @@ impl AgentState {
             started_at: None,
             finished_at: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every budget a run has is reported with what it used, extensions included; the
+    /// optional ones only when set, and the time budget without the time paused.
+    #[test]
+    fn a_runs_budgets_say_what_each_allows_and_what_was_used() {
+        let mut config = RunConfigSnapshot::default();
+        config.limits.max_steps = 3;
+        config.limits.max_tokens = Some(100);
+        config.limits.max_duration_ms = Some(60_000);
+        let mut state = AgentState::new(
+            SessionId::from_suffix("s").unwrap(),
+            RunId::from_suffix("r").unwrap(),
+            config,
+            0,
+        );
+        state.step_index = 3;
+        state.counters.input_tokens = 70;
+        state.counters.output_tokens = 10;
+        state.extension.tokens = 50;
+        state.started_at = Some(1_000);
+        state.paused_ms = 4_000;
+        let running = state.budgets(11_000);
+        assert_eq!(
+            running,
+            [
+                BudgetUse {
+                    kind: BudgetKind::Steps,
+                    used: 3,
+                    limit: 3
+                },
+                BudgetUse {
+                    kind: BudgetKind::Tokens,
+                    used: 80,
+                    limit: 150
+                },
+                BudgetUse {
+                    kind: BudgetKind::DurationMs,
+                    used: 6_000,
+                    limit: 60_000
+                },
+            ]
+        );
+        assert_eq!(
+            running
+                .iter()
+                .filter(|b| b.spent())
+                .map(|b| b.kind)
+                .collect::<Vec<_>>(),
+            [BudgetKind::Steps]
+        );
+        state.finished_at = Some(9_000);
+        assert_eq!(
+            state.budgets(99_000)[2].used,
+            4_000,
+            "an ended run stops counting"
+        );
     }
 }

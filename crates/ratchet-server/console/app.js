@@ -383,6 +383,82 @@ function runLink(runId) {
   return h("a", { href: `#/runs/${runId}`, class: "mono", text: runId });
 }
 
+// Why a run stopped, in words, where the person looks — the reason, the model's last error,
+// each budget that ran out and by how much — with what fits inline: Retry for a failed model
+// call, Continue with more of each budget for any failed run. `run` is a `RunView`.
+const STOPPED = {
+  llm_error: "The model call failed, and its attempts ran out.",
+  budget_exhausted: "The run spent its budget.",
+  timed_out: "The run ran out of time.",
+  parse_failures: "The model's tool calls could not be read, again and again.",
+  cancelled: "The run was cancelled.",
+  human_aborted: "A person aborted the run.",
+};
+const BUDGETS = {
+  steps: ["steps", "extra_steps", 1],
+  model_calls: ["model calls", "extra_model_calls", 1],
+  tool_calls: ["tool calls", "extra_tool_calls", 1],
+  tokens: ["tokens", "extra_tokens", 1],
+  prompt_tokens: ["prompt tokens", null, 1],
+  duration_ms: ["seconds", "extra_duration_ms", 1000],
+};
+
+function stopBanner(run, lastError, onChange) {
+  const region = errorRegion();
+  const reason = STOPPED[run.stop_reason] ?? `The run ended ${run.status} (${(run.stop_reason ?? "").replaceAll("_", " ")}).`;
+  const spent = (run.budgets ?? []).filter((b) => b.spent);
+  const items = [h("p", {}, h("strong", { text: reason }))];
+  if (lastError) items.push(h("p", {}, "The last error: ", h("code", { text: lastError })));
+  if (spent.length) {
+    items.push(
+      h(
+        "ul",
+        { class: "spent" },
+        ...spent.map((b) => {
+          const [name, , scale] = BUDGETS[b.kind] ?? [b.kind, null, 1];
+          const used = Math.round(b.used / scale).toLocaleString();
+          const limit = Math.round(b.limit / scale).toLocaleString();
+          return h("li", { "data-budget": b.kind }, `${used} of ${limit} ${name} used`);
+        }),
+      ),
+    );
+  }
+  if (run.status === "failed") {
+    const actions = h("div", { class: "actions" });
+    if (run.stop_reason === "llm_error") {
+      const retry = h("button", { type: "button", text: "Retry" });
+      retry.addEventListener("click", () => act(retry, region, async () => onChange(await api(`/v1/runs/${run.id}/retry`, { method: "POST" }))));
+      actions.append(retry);
+      items.push(h("p", { class: "muted", text: "Retry calls the model again where it failed, with the budget the run has. Continue gives it more budget as well." }));
+    }
+    // One field per budget the API can extend; the ones that ran out first, filled in.
+    const fields = Object.entries(BUDGETS)
+      .filter(([, [, key]]) => key)
+      .map(([kind, [name, key, scale]]) => {
+        const input = h("input", { type: "number", min: "1", class: "narrow", id: `more-${kind}-${run.id}` });
+        const budget = (run.budgets ?? []).find((b) => b.kind === kind);
+        if (budget?.spent) input.value = String(Math.max(1, Math.ceil(budget.limit / scale / 2)));
+        return { input, key, scale, el: h("div", { class: "field" }, h("label", { for: input.id, text: `More ${name}` }), input) };
+      });
+    const cont = h("button", { type: "submit", class: "primary", text: "Continue" });
+    const form = h("form", { class: "inline", "aria-label": "Continue with more budget" }, ...fields.map((f) => f.el), cont);
+    form.addEventListener("submit", (submitted) => {
+      submitted.preventDefault();
+      act(cont, region, async () => {
+        const body = {};
+        for (const f of fields) {
+          const value = Number(f.input.value);
+          if (f.input.value && Number.isFinite(value) && value > 0) body[f.key] = Math.round(value * f.scale);
+        }
+        onChange(await api(`/v1/runs/${run.id}/continue`, { method: "POST", body }));
+      });
+    });
+    if (run.stop_reason !== "llm_error") items.push(h("p", { class: "muted", text: "Continue goes on from where the run stopped, with more of each budget you fill in." }));
+    items.push(form, actions);
+  }
+  return h("section", { class: "stop-banner", "data-run": run.id, "aria-label": "Why the run stopped" }, ...items, region);
+}
+
 // Cancel, retry and continue for one run, enabled by what its status allows.
 function runControls(onChange) {
   const region = errorRegion();
@@ -1179,6 +1255,7 @@ function showSession(view, sessionId) {
         break;
       }
       case "run.resumed":
+        runOf(runId).banner?.remove();
         // `how` is `retry`, or `{"continue": {extension}}`.
         notice(runId, `Run resumed (${typeof p.how === "string" ? p.how : Object.keys(p.how ?? { continue: 0 })[0]}).`);
         break;
@@ -1204,7 +1281,8 @@ function showSession(view, sessionId) {
         const run = runOf(runId);
         run.assistant?.remove();
         run.assistant = null;
-        notice(runId, `The model call failed (attempt ${p.attempt ?? "?"}): ${p.message ?? p.error ?? "unknown error"}`);
+        run.lastError = p.message ?? p.error ?? "unknown error";
+        notice(runId, `The model call failed (attempt ${p.attempt ?? "?"}): ${run.lastError}`);
         break;
       }
       case "tool.call": {
@@ -1290,13 +1368,30 @@ function showSession(view, sessionId) {
           reconciliations.set(runId, card);
           append(card, runId);
         }
-        if (p.status !== "completed") notice(runId, `Run ended: ${p.status}${p.stop_reason && p.stop_reason !== p.status ? ` (${p.stop_reason.replaceAll("_", " ")})` : ""}.`);
+        if (p.status !== "completed") {
+          notice(runId, `Run ended: ${p.status}${p.stop_reason && p.stop_reason !== p.status ? ` (${p.stop_reason.replaceAll("_", " ")})` : ""}.`);
+          if (p.status === "failed") explainStop(runId);
+        }
         break;
       }
       default:
         break;
     }
     if (["run.created", "run.status", "run.finished", "run.resumed", "session.closed"].includes(event.kind)) scheduleRefresh();
+  }
+
+  // A failed run says why under its group, read once from the API (its budgets).
+  async function explainStop(runId) {
+    const run = runOf(runId);
+    try {
+      const view = await api(`/v1/runs/${runId}`);
+      if (view.status !== "failed") return;
+      run.banner?.remove();
+      run.banner = h("li", { class: "item" }, stopBanner(view, run.lastError, () => refreshSide()));
+      append(run.banner, runId);
+    } catch (error) {
+      showError(region, error);
+    }
   }
 
   // The side panel re-reads runs from the API when the events say they moved; bursts of
@@ -1525,10 +1620,13 @@ function showRun(view, runId) {
     const id = `panel-${title.toLowerCase().replaceAll(" ", "-")}`;
     return h("section", { class: "panel", "aria-labelledby": id }, h("h2", { id, text: title }), ...content);
   };
+  const why = h("div", {});
+  let lastError = null;
   view.append(
     h("h1", {}, "Run ", h("span", { class: "mono", text: runId })),
     activity.el,
     region,
+    why,
     h(
       "div",
       { class: "run-grid" },
@@ -1570,9 +1668,10 @@ function showRun(view, runId) {
         api(`/v1/runs/${runId}/tree`),
       ]);
       // Only the latest read draws, and only what changed: focus stays where it was.
-      const data = JSON.stringify([run, steps, treeView]);
+      const data = JSON.stringify([run, steps, treeView, lastError]);
       if (read !== reads || data === drawn) return;
       drawn = data;
+      why.replaceChildren(...(run.status === "failed" ? [stopBanner(run, lastError, () => refresh())] : []));
       facts.replaceChildren(
         ...fact("Status", chip(run.status), run.stop_reason ? ` stop reason: ${run.stop_reason.replaceAll("_", " ")}` : ""),
         ...fact("Session", h("a", { href: `#/sessions/${run.session_id}`, class: "mono", text: run.session_id })),
@@ -1652,6 +1751,7 @@ function showRun(view, runId) {
   let refreshTimer = null;
   const stream = new EventStream(`/v1/runs/${runId}/events`, (event) => {
     activity.stored(event);
+    if (event.kind === "model.error") lastError = event.payload?.message ?? event.payload?.error ?? null;
     events.append(
       h(
         "tr",

@@ -361,7 +361,11 @@ pub struct RunView {
     /// (`succeeded`, `failed` or `skip`; the run stays ended).
     #[schema(value_type = Vec<Object>)]
     pub in_doubt: Vec<Value>,
+    /// The run's answer, once it has completed.
     pub final_answer: Option<String>,
+    /// Each budget the run has (`steps` always; the others when set), with what it used of
+    /// it, extensions given by `continue` included: which one ran out, and by how much.
+    pub budgets: Vec<BudgetView>,
     pub created_at: Millis,
     pub started_at: Option<Millis>,
     pub finished_at: Option<Millis>,
@@ -372,6 +376,19 @@ pub struct RunView {
     pub parent_run_id: Option<String>,
 }
 
+/// One budget of a run and what it used.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BudgetView {
+    /// `steps`, `model_calls`, `tool_calls`, `tokens` (input and output), `prompt_tokens`
+    /// or `duration_ms` (time running, pauses left out).
+    #[schema(value_type = String)]
+    pub kind: ratchet_core::BudgetKind,
+    pub used: u64,
+    pub limit: u64,
+    /// `used` has reached `limit`.
+    pub spent: bool,
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct RunAgentView {
     pub id: String,
@@ -380,6 +397,14 @@ pub struct RunAgentView {
 
 impl From<AgentState> for RunView {
     fn from(state: AgentState) -> RunView {
+        let budgets = (state.budgets(crate::metrics::now_ms()).into_iter())
+            .map(|budget| BudgetView {
+                kind: budget.kind,
+                used: budget.used,
+                limit: budget.limit,
+                spent: budget.spent(),
+            })
+            .collect();
         RunView {
             id: state.run_id.to_string(),
             session_id: state.session_id.to_string(),
@@ -407,7 +432,12 @@ impl From<AgentState> for RunView {
             in_doubt: (state.in_doubt.iter())
                 .filter_map(|c| serde_json::to_value(c).ok())
                 .collect(),
-            final_answer: state.final_answer.filter(|_| state.status.is_terminal()),
+            // Only a completed run has an answer: the text before a cancel or a failure is
+            // what the model said on its way, not its answer.
+            final_answer: state
+                .final_answer
+                .filter(|_| state.status == RunStatus::Completed),
+            budgets,
             created_at: state.created_at,
             started_at: state.started_at,
             finished_at: state.finished_at,

@@ -190,6 +190,51 @@ async fn sessions_are_titled_renamed_found_and_paged_by_activity() {
     }
 }
 
+/// A run reads back each budget it has with what it used; a cancelled run has no answer,
+/// whatever its model said on the way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_tells_its_budgets_and_only_a_completed_run_its_answer() {
+    let script = json!({"replies": [
+        {"text": "Going to sleep.", "tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 60000}}]},
+        {"text": "never"}
+    ]});
+    let server = Server::start_with(script, |config, _| {
+        config.limits.max_steps = 9;
+        config.limits.max_tokens = Some(5_000);
+    })
+    .await;
+    let session = server.create_session(TOKEN_A).await;
+    let run = server.send(TOKEN_A, &session, "nap").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    server
+        .stream(&format!("/v1/runs/{run}/events"), None)
+        .await
+        .until_running("sleep_ms")
+        .await;
+    let running = server.get_ok(TOKEN_A, &format!("/v1/runs/{run}")).await;
+    let budgets = running["budgets"].as_array().unwrap();
+    assert_eq!(
+        budgets[0],
+        json!({"kind": "steps", "used": 1, "limit": 9, "spent": false}),
+        "{running}"
+    );
+    assert_eq!(budgets[1]["kind"], "tokens");
+    assert_eq!(budgets[1]["limit"], 5_000);
+    assert!(budgets[1]["used"].as_u64().unwrap() > 0, "{running}");
+    assert_eq!(budgets.len(), 2, "only the budgets the run has: {running}");
+
+    let cancelled = call(server.post(TOKEN_A, &format!("/v1/runs/{run}/cancel"), json!({}))).await;
+    assert!(cancelled.status.is_success(), "{}", cancelled.body);
+    let ended = server.finish(&run).await;
+    assert_eq!(ended["status"], "cancelled", "{ended}");
+    assert!(
+        ended["final_answer"].is_null(),
+        "what it said on its way is not its answer: {ended}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_tells_its_status_and_last_activity() {
     let server = Server::start(sleepy_script()).await;
