@@ -145,9 +145,15 @@ test("approve a guarded batch: nothing runs until a person says yes", async () =
   // No call of the batch ran while it waits.
   assert.equal(await page.locator(".item-tool .result", { hasText: "Result" }).count(), 0);
 
-  // The approvals page lists it too.
+  // The approvals page lists it too, with its arguments, its agent and its session, and the
+  // navigation counts it.
   const approvals = await openPage(browser, `${server.url}/#/approvals`);
-  await approvals.getByRole("link", { name: "append_line" }).waitFor();
+  const listed = approvals.getByRole("region", { name: /^Approval apr_/ });
+  await listed.waitFor();
+  assert.match(await listed.textContent(), /Agent guarded/);
+  assert.match(await listed.textContent(), /"path": "notes\.txt"/);
+  await listed.getByRole("link", { name: "Write it down" }).waitFor();
+  await approvals.locator('nav a[href="#/approvals"] .count', { hasText: "1" }).waitFor();
   await approvals.close();
 
   await screenshot(page, "approval");
@@ -168,6 +174,26 @@ test("approve a guarded batch: nothing runs until a person says yes", async () =
   assert.equal(readFileSync(join(server.dir, "workspace", "notes.txt"), "utf8"), "approved line\n");
   const runs = await server.get(`/v1/sessions/${sessionId}/runs`);
   assert.equal(runs.items[0].status, "completed");
+  assert.deepEqual(page.errors, []);
+});
+
+test("decide an approval on the approvals page, with the navigation's count", async () => {
+  const server = await serve();
+  const session = await server.post("/v1/sessions", { agent: "guarded" });
+  const accepted = await server.post(`/v1/sessions/${session.id}/messages`, { content: "Write it down" });
+  const page = await openPage(browser, `${server.url}/#/approvals`);
+  const count = page.locator('nav a[href="#/approvals"] .count');
+  await count.filter({ hasText: "1" }).waitFor();
+  const card = page.getByRole("region", { name: /^Approval apr_/ });
+  assert.equal(await card.locator("input[type=radio]:checked").count(), 0, "nothing decided for the person");
+  await card.getByRole("button", { name: "Deny all" }).click();
+  await card.locator('li[data-call="call_0_0"][data-verdict="denied"]').waitFor();
+  await count.waitFor({ state: "hidden" });
+  for (let i = 0; (await server.get(`/v1/runs/${accepted.run_id}`)).status !== "completed"; i += 1) {
+    assert.ok(i < 100, "the run went on after the decision");
+    await new Promise((resolve) => setTimeout(resolve, 100));
+  }
+  await assertLabelled(page);
   assert.deepEqual(page.errors, []);
 });
 

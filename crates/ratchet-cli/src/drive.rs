@@ -72,11 +72,9 @@ impl RunReport {
             status: state.status,
             stop_reason: state.stop_reason,
             steps: state.step_index,
-            final_answer: if state.status.is_terminal() {
-                state.final_answer.clone()
-            } else {
-                None
-            },
+            // As the API says it: only a completed run has an answer.
+            final_answer: (state.final_answer.clone())
+                .filter(|_| state.status == RunStatus::Completed),
         }
     }
 

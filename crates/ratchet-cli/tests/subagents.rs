@@ -270,23 +270,15 @@ async fn killed_during_a_continuation(url: &str) {
     let started = Instant::now();
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     let base = format!("http://127.0.0.1:{port}");
-    let session: serde_json::Value = http
-        .post(format!("{base}/v1/sessions"))
-        .json(&json!({"agent": "lead"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let session = post(
+        &http,
+        &format!("{base}/v1/sessions"),
+        json!({"agent": "lead"}),
+    )
+    .await;
     let session = SessionId::parse(session["id"].as_str().unwrap()).unwrap();
-    let sent = http
-        .post(format!("{base}/v1/sessions/{session}/messages"))
-        .json(&json!({"content": "start the work"}))
-        .send()
-        .await
-        .unwrap();
-    assert!(sent.status().is_success());
+    let path = format!("{base}/v1/sessions/{session}/messages");
+    post(&http, &path, json!({"content": "start the work"})).await;
 
     // Kill it while the continuation turn sleeps in its tool call.
     let store = open(url);
@@ -418,6 +410,17 @@ async fn serve(url: &str, catalog: &Path, workspace: &Path, port: u16) -> std::p
     serve
 }
 
+/// A successful `POST` of `body` to `url`, answering the JSON it answered.
+async fn post(http: &reqwest::Client, url: &str, body: serde_json::Value) -> serde_json::Value {
+    let response = http.post(url).json(&body).send().await.unwrap();
+    assert!(
+        response.status().is_success(),
+        "POST {url}: {}",
+        response.status()
+    );
+    response.json().await.unwrap()
+}
+
 /// One event of a tree stream as a client received it: its id (the whole cursor), its
 /// session and seq, its run and depth.
 #[derive(Debug, Clone, PartialEq)]
@@ -488,23 +491,15 @@ async fn tree_stream_across_a_kill(url: &str) {
     let mut server = serve(url, &catalog, dir.path(), port).await;
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     let base = format!("http://127.0.0.1:{port}");
-    let session: serde_json::Value = (http.post(format!("{base}/v1/sessions")))
-        .json(&json!({"agent": "boss"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let session = post(
+        &http,
+        &format!("{base}/v1/sessions"),
+        json!({"agent": "boss"}),
+    )
+    .await;
     let session = session["id"].as_str().unwrap();
-    let accepted: serde_json::Value = (http.post(format!("{base}/v1/sessions/{session}/messages")))
-        .json(&json!({"content": "split the job"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let path = format!("{base}/v1/sessions/{session}/messages");
+    let accepted = post(&http, &path, json!({"content": "split the job"})).await;
     let root = accepted["run_id"].as_str().unwrap().to_owned();
     let stream = format!("{base}/v1/runs/{root}/tree/events");
     let root_finished = |e: &TreeEvent| e.kind == "run.finished" && e.run == root;

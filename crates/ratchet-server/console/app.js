@@ -459,6 +459,112 @@ function stopBanner(run, lastError, onChange) {
   return h("section", { class: "stop-banner", "data-run": run.id, "aria-label": "Why the run stopped" }, ...items, region);
 }
 
+// Nothing is decided for the person: each call that needs approval starts undecided, and
+// "Approve all" / "Deny all" are explicit. Once decided, the card keeps what was decided,
+// with the notes, by whom and when.
+function approvalCard(event) {
+  const { approval_id: approvalId, calls } = event.payload;
+  const cardRegion = errorRegion();
+  const decide = h("button", { type: "submit", class: "primary", text: "Submit decisions" });
+  const approveAll = h("button", { type: "button", text: "Approve all" });
+  const denyAll = h("button", { type: "button", text: "Deny all" });
+  const abort = h("button", { type: "button", class: "danger", text: "Abort run" });
+  const state = h("p", { class: "muted", tabindex: "-1", text: "Waiting for your decision: no call of this batch runs until then." });
+  const groups = calls.map((call, index) => {
+    const name = `decision-${approvalId}-${index}`;
+    const note = h("input", { type: "text", id: `${name}-note`, name: `${name}-note` });
+    if (!call.needs_approval) {
+      return {
+        call,
+        el: h("p", {}, h("code", { text: call.tool }), " ", h("span", { class: "mono", text: call.call_id }), " runs with its batch once it is approved."),
+      };
+    }
+    const radio = (value, label) => h("label", {}, h("input", { type: "radio", name, value, required: true }), ` ${label}`);
+    return {
+      call,
+      note,
+      name,
+      el: h(
+        "fieldset",
+        {},
+        h("legend", {}, h("code", { text: call.tool }), " ", h("span", { class: "mono", text: call.call_id })),
+        h("pre", { text: json(call.arguments) }),
+        h("div", { class: "actions" }, radio("approve", "Approve"), radio("deny", "Deny")),
+        h("div", { class: "field" }, h("label", { for: note.id, text: "Note (optional)" }), note),
+      ),
+    };
+  });
+  const gated = groups.filter((g) => g.name);
+  const form = h(
+    "form",
+    {},
+    ...groups.map((g) => g.el),
+    h("div", { class: "actions" }, decide, approveAll, denyAll, abort),
+  );
+  const card = h(
+    "li",
+    { class: "item card", "data-approval": approvalId, "data-state": "pending" },
+    h("section", { "aria-label": `Approval ${approvalId}` }, h("div", { class: "who", text: "Approval needed" }), state, form, cardRegion),
+  );
+  const send = (button, verdictOf) =>
+    act(button, cardRegion, async () => {
+      const decisions = gated.map((g) => {
+        const decision = verdictOf(g);
+        const note = g.note.value.trim();
+        return note ? { call_id: g.call.call_id, decision, note } : { call_id: g.call.call_id, decision };
+      });
+      await api(`/v1/approvals/${approvalId}`, { method: "POST", body: { decisions } });
+    });
+  // The browser refuses to submit while a call is undecided (each radio is required).
+  form.addEventListener("submit", (submitted) => {
+    submitted.preventDefault();
+    send(decide, (g) => form.querySelector(`input[name="${g.name}"]:checked`).value);
+  });
+  approveAll.addEventListener("click", () => send(approveAll, () => "approve"));
+  denyAll.addEventListener("click", () => send(denyAll, () => "deny"));
+  abort.addEventListener("click", () =>
+    act(abort, cardRegion, () => api(`/v1/approvals/${approvalId}`, { method: "POST", body: { abort: true } })),
+  );
+  card.decided = (answer, by, at) => {
+    card.dataset.state = "decided";
+    form.hidden = true;
+    const who = `${by ? ` by ${by}` : ""}${at ? ` on ${when(at)}` : ""}`;
+    if (answer === "abort" || answer?.abort) {
+      state.textContent = `Aborted${who}: the run was cancelled.`;
+    } else {
+      state.textContent = `Decided${who}:`;
+      const byCall = new Map((answer?.decisions ?? []).map((d) => [d.call_id, d]));
+      state.after(
+        h(
+          "ul",
+          { class: "decisions" },
+          ...gated.map((g) => {
+            const decision = byCall.get(g.call.call_id);
+            const verdict = decision?.decision === "approve" ? "approved" : decision?.decision === "deny" ? "denied" : "undecided";
+            return h(
+              "li",
+              { "data-call": g.call.call_id, "data-verdict": verdict },
+              h("code", { text: g.call.tool }),
+              " ",
+              h("span", { class: "mono", text: g.call.call_id }),
+              `: ${verdict}`,
+              decision?.note ? ` — “${decision.note}”` : "",
+            );
+          }),
+        ),
+      );
+    }
+    if (card.contains(document.activeElement)) state.focus();
+  };
+  card.closed = () => {
+    if (card.dataset.state !== "pending") return;
+    card.dataset.state = "decided";
+    form.hidden = true;
+    state.textContent = "The run ended before anyone decided.";
+  };
+  return card;
+}
+
 // Cancel, retry and continue for one run, enabled by what its status allows.
 function runControls(onChange) {
   const region = errorRegion();
@@ -930,112 +1036,6 @@ function showSession(view, sessionId) {
       run.tools.set(callId, item);
     }
     return item;
-  }
-
-  // Nothing is decided for the person: each call that needs approval starts undecided, and
-  // "Approve all" / "Deny all" are explicit. Once decided, the card keeps what was decided,
-  // with the notes, by whom and when.
-  function approvalCard(event) {
-    const { approval_id: approvalId, calls } = event.payload;
-    const cardRegion = errorRegion();
-    const decide = h("button", { type: "submit", class: "primary", text: "Submit decisions" });
-    const approveAll = h("button", { type: "button", text: "Approve all" });
-    const denyAll = h("button", { type: "button", text: "Deny all" });
-    const abort = h("button", { type: "button", class: "danger", text: "Abort run" });
-    const state = h("p", { class: "muted", tabindex: "-1", text: "Waiting for your decision: no call of this batch runs until then." });
-    const groups = calls.map((call, index) => {
-      const name = `decision-${approvalId}-${index}`;
-      const note = h("input", { type: "text", id: `${name}-note`, name: `${name}-note` });
-      if (!call.needs_approval) {
-        return {
-          call,
-          el: h("p", {}, h("code", { text: call.tool }), " ", h("span", { class: "mono", text: call.call_id }), " runs with its batch once it is approved."),
-        };
-      }
-      const radio = (value, label) => h("label", {}, h("input", { type: "radio", name, value, required: true }), ` ${label}`);
-      return {
-        call,
-        note,
-        name,
-        el: h(
-          "fieldset",
-          {},
-          h("legend", {}, h("code", { text: call.tool }), " ", h("span", { class: "mono", text: call.call_id })),
-          h("pre", { text: json(call.arguments) }),
-          h("div", { class: "actions" }, radio("approve", "Approve"), radio("deny", "Deny")),
-          h("div", { class: "field" }, h("label", { for: note.id, text: "Note (optional)" }), note),
-        ),
-      };
-    });
-    const gated = groups.filter((g) => g.name);
-    const form = h(
-      "form",
-      {},
-      ...groups.map((g) => g.el),
-      h("div", { class: "actions" }, decide, approveAll, denyAll, abort),
-    );
-    const card = h(
-      "li",
-      { class: "item card", "data-approval": approvalId, "data-state": "pending" },
-      h("section", { "aria-label": `Approval ${approvalId}` }, h("div", { class: "who", text: "Approval needed" }), state, form, cardRegion),
-    );
-    const send = (button, verdictOf) =>
-      act(button, cardRegion, async () => {
-        const decisions = gated.map((g) => {
-          const decision = verdictOf(g);
-          const note = g.note.value.trim();
-          return note ? { call_id: g.call.call_id, decision, note } : { call_id: g.call.call_id, decision };
-        });
-        await api(`/v1/approvals/${approvalId}`, { method: "POST", body: { decisions } });
-      });
-    // The browser refuses to submit while a call is undecided (each radio is required).
-    form.addEventListener("submit", (submitted) => {
-      submitted.preventDefault();
-      send(decide, (g) => form.querySelector(`input[name="${g.name}"]:checked`).value);
-    });
-    approveAll.addEventListener("click", () => send(approveAll, () => "approve"));
-    denyAll.addEventListener("click", () => send(denyAll, () => "deny"));
-    abort.addEventListener("click", () =>
-      act(abort, cardRegion, () => api(`/v1/approvals/${approvalId}`, { method: "POST", body: { abort: true } })),
-    );
-    card.decided = (answer, by, at) => {
-      card.dataset.state = "decided";
-      form.hidden = true;
-      const who = `${by ? ` by ${by}` : ""}${at ? ` on ${when(at)}` : ""}`;
-      if (answer === "abort" || answer?.abort) {
-        state.textContent = `Aborted${who}: the run was cancelled.`;
-      } else {
-        state.textContent = `Decided${who}:`;
-        const byCall = new Map((answer?.decisions ?? []).map((d) => [d.call_id, d]));
-        state.after(
-          h(
-            "ul",
-            { class: "decisions" },
-            ...gated.map((g) => {
-              const decision = byCall.get(g.call.call_id);
-              const verdict = decision?.decision === "approve" ? "approved" : decision?.decision === "deny" ? "denied" : "undecided";
-              return h(
-                "li",
-                { "data-call": g.call.call_id, "data-verdict": verdict },
-                h("code", { text: g.call.tool }),
-                " ",
-                h("span", { class: "mono", text: g.call.call_id }),
-                `: ${verdict}`,
-                decision?.note ? ` — “${decision.note}”` : "",
-              );
-            }),
-          ),
-        );
-      }
-      if (card.contains(document.activeElement)) state.focus();
-    };
-    card.closed = () => {
-      if (card.dataset.state !== "pending") return;
-      card.dataset.state = "decided";
-      form.hidden = true;
-      state.textContent = "The run ended before anyone decided.";
-    };
-    return card;
   }
 
   // `ended`: the calls an ended run left in doubt; what happened can be recorded, nothing
@@ -1778,33 +1778,71 @@ function showRun(view, runId) {
 // ---------------------------------------------------------------------------------------------
 // Pending approvals across the tenant's sessions.
 
+// The approvals a person owes, decided right here: each batch's calls with their arguments,
+// the agent and the session they come from.
 function showApprovals(view) {
   const region = errorRegion();
-  const list = h("ul", {});
+  const list = h("ol", { class: "log approvals" });
+  const empty = h("p", { class: "muted", text: "Nothing waits for a decision.", hidden: true });
   view.append(
     h("h1", { text: "Pending approvals" }),
-    h("p", { class: "muted", text: "Batches of tool calls waiting for a person. Decide them in their conversation." }),
+    h("p", { class: "muted", text: "Batches of tool calls waiting for a person, oldest first: no call of a batch runs until it is decided." }),
     region,
+    empty,
     list,
   );
+  // approval id -> its card; a card stays (decided) after its decision, until the page is left
+  const cards = new Map();
+  const sessions = new Map();
+  async function sessionOf(id) {
+    if (!sessions.has(id)) sessions.set(id, api(`/v1/sessions/${id}`).catch(() => null));
+    return sessions.get(id);
+  }
   async function refresh() {
     try {
       const items = await allPages("/v1/approvals?status=pending");
-      replaceKeepingFocus(
-        list,
-        items.map((approval) =>
+      for (const approval of items) {
+        if (cards.has(approval.id)) continue;
+        const session = await sessionOf(approval.session_id);
+        const event = {
+          payload: {
+            approval_id: approval.id,
+            calls: approval.calls.map((c) => ({ call_id: c.call_id, tool: c.name, arguments: c.arguments, needs_approval: c.needs_approval })),
+          },
+        };
+        const card = approvalCard(event);
+        card.dataset.key = approval.id;
+        card.querySelector(".who").after(
           h(
-            "li",
-            { "data-approval": approval.id, "data-key": approval.id },
-            h("a", { href: `#/sessions/${approval.session_id}`, text: `${approval.calls.filter((c) => c.needs_approval).map((c) => c.name).join(", ")}` }),
-            " in run ",
+            "p",
+            { class: "muted" },
+            `Agent ${session?.agent ?? "default"} · `,
+            h("a", { href: `#/sessions/${approval.session_id}`, text: session?.title || approval.session_id }),
+            " · run ",
             runLink(approval.run_id),
-            ", asked ",
+            " · asked ",
             timeAgo(approval.created_at),
           ),
-        ),
-      );
-      if (items.length === 0) list.append(h("li", { class: "muted", text: "Nothing waits for a decision." }));
+        );
+        cards.set(approval.id, { card, pending: true });
+        list.append(card);
+      }
+      // One decided elsewhere (or whose run ended) shows how it stands now.
+      const pending = new Set(items.map((a) => a.id));
+      for (const [id, entry] of cards) {
+        if (!entry.pending || pending.has(id)) continue;
+        entry.pending = false;
+        const now = await api(`/v1/approvals/${id}`).catch(() => null);
+        if (now?.status === "decided") {
+          const decisions = now.calls.filter((c) => c.decision).map((c) => ({ call_id: c.call_id, decision: c.decision, note: c.note ?? undefined }));
+          entry.card.decided({ decisions }, null, now.decided_at);
+        } else if (now?.status === "aborted") {
+          entry.card.decided("abort", null, now.decided_at);
+        } else {
+          entry.card.closed();
+        }
+      }
+      empty.hidden = cards.size > 0;
       clearError(region);
     } catch (error) {
       showError(region, error);
@@ -1815,6 +1853,31 @@ function showApprovals(view) {
   connection.set("idle", "");
   return () => clearInterval(timer);
 }
+
+// How many approvals wait, beside "Approvals" on every page.
+const pendingCount = {
+  el: null,
+  timer: null,
+  start() {
+    const link = document.querySelector('nav a[href="#/approvals"]');
+    if (!link || this.el) return;
+    this.el = h("span", { class: "count", hidden: true });
+    link.append(" ", this.el);
+    const read = async () => {
+      try {
+        const page = await api("/v1/approvals?status=pending&limit=200");
+        const n = page.items.length;
+        this.el.hidden = n === 0;
+        this.el.textContent = page.next_cursor ? "200+" : String(n);
+        this.el.setAttribute("aria-label", `${this.el.textContent} waiting`);
+      } catch {
+        // The page in view says what is wrong; the count waits for the next read.
+      }
+    };
+    read();
+    this.timer = setInterval(read, 5000);
+  },
+};
 
 // ---------------------------------------------------------------------------------------------
 // Webhooks and their delivery logs, dead letters included.
@@ -1986,3 +2049,4 @@ document.getElementById("sign-out").addEventListener("click", () => {
 window.addEventListener("hashchange", route);
 updateSignOut();
 route();
+pendingCount.start();
