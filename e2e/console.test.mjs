@@ -113,6 +113,8 @@ test("create a session, send a message and watch the answer stream in", async ()
     await server.post(`/v1/sessions/${busy[agent]}/messages`, { content: "Go" });
   }
   await page.getByRole("link", { name: "Sessions" }).click();
+  // A list page says whether it reaches the server too.
+  await page.locator('#connection[data-state="live"]').waitFor();
   const row = page.locator(`tr[data-session="${sessionId}"]`);
   await row.waitFor();
   assert.equal(await row.locator("td").nth(1).textContent(), "chat");
@@ -520,8 +522,13 @@ test("a server killed mid-call comes back: the stream resumes and the console as
 
   await server.kill();
   await page.locator('#connection[data-state="reconnecting"]').waitFor();
+  // While the server is away the page says it may be stale, and nothing acts on the run.
+  await page.getByText("The server cannot be reached: this page may be out of date").waitFor();
+  assert.equal(await page.evaluate(() => document.querySelector("main .controls").inert), true);
   await server.restart();
   await page.locator('#connection[data-state="live"]').waitFor();
+  assert.equal(await page.evaluate(() => document.querySelector("main .controls").inert), false);
+  assert.ok(await page.getByText("The server cannot be reached: this page may be out of date").isHidden());
 
   const card = page.getByRole("region", { name: "Reconcile call_0_0" });
   await card.waitFor({ timeout: 20000 });
@@ -561,7 +568,10 @@ test("archiving a session with background work sends its report to the dead lett
   await row.first().locator(".chip", { hasText: "dead letter" }).waitFor();
   const truth = await server.get(`/v1/sessions/${sessionId}/inbox?status=dead_letter`);
   assert.equal(await row.count(), truth.items.length);
-  assert.equal(await row.locator(".muted").first().textContent(), truth.items[0].reason);
+  assert.equal(await row.locator("td").nth(2).locator(".muted").textContent(), truth.items[0].reason);
+  // Its place in this inbox, the run that delegated the work, and when.
+  assert.equal(await row.first().locator("td").first().textContent(), `1id ${truth.items[0].id}`);
+  await row.first().getByText(/^written /).waitFor();
   await page.getByLabel("Status").selectOption("pending");
   await page.getByText("Nothing here.").waitFor();
   await page.getByLabel("Status").selectOption("dead_letter");

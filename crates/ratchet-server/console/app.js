@@ -130,6 +130,7 @@ async function api(path, { method = "GET", body } = {}) {
         cache: "no-store",
       });
     } catch {
+      connection.set("reconnecting", "Reconnecting…");
       throw new ApiError(0, "unreachable", "The server cannot be reached. Is it running?");
     }
     if (response.status === 401) {
@@ -168,11 +169,16 @@ async function allPages(path) {
 // than the URL. A dropped stream reconnects with backoff and `Last-Event-ID`, and the server
 // replays exactly what was missed; a `seq` already seen is never applied twice.
 
+// The header's connection state, on every page. While the server cannot be reached the page
+// says it may be out of date, and what acts on a run waits (inert) until it is back.
 const connection = {
   set(state, text) {
     const el = document.getElementById("connection");
     el.dataset.state = state;
     el.textContent = text;
+    const down = state === "reconnecting";
+    document.getElementById("stale").hidden = !down;
+    for (const acting of document.querySelectorAll("main .controls, main .card, main .stop-banner")) acting.inert = down;
   },
 };
 
@@ -797,6 +803,7 @@ function showSessions(view) {
       summary.textContent = `${items.length}${exhausted ? "" : "+"} session${items.length === 1 ? "" : "s"} shown.`;
       more.hidden = exhausted;
       clearError(region);
+      connection.set("live", "Live");
     } catch (error) {
       if (read === reads) showError(region, error);
     }
@@ -1535,7 +1542,7 @@ function showInbox(view, sessionId) {
           h(
             "tr",
             {},
-            ...["#", "Kind", "Status", "Attempts", "From", "Payload", "Actions"].map((t) => h("th", { scope: "col", text: t })),
+            ...["#", "Kind", "Status", "Attempts", "From", "Told by", "When", "Report", "Actions"].map((t) => h("th", { scope: "col", text: t })),
           ),
         ),
         body,
@@ -1556,18 +1563,41 @@ function showInbox(view, sessionId) {
           h(
             "tr",
             { "data-inbox": item.id },
-            h("td", { text: item.id }),
+            // Its place in this session's inbox; the event's own id (which the API takes) beside.
+            h("td", {}, String(items.indexOf(item) + 1), h("div", { class: "muted mono small", text: `id ${item.id}` })),
             h("td", { text: item.kind.replaceAll("_", " ") }),
             h("td", {}, chip(item.status), item.reason ? h("div", { class: "muted", text: item.reason }) : null),
             h("td", { text: `${item.attempts} of ${item.max_attempts}` }),
-            h("td", {}, item.parent_run_id ? runLink(item.parent_run_id) : ""),
-            h("td", {}, h("details", {}, h("summary", { text: "Payload" }), h("pre", { text: json(item.payload) }))),
+            // The run that reported (a group's report has none of its own), then the one that
+            // delegated the work.
+            h(
+              "td",
+              {},
+              item.source_run_id ? runLink(item.source_run_id) : h("span", { class: "muted", text: item.group ? "its group" : "—" }),
+              h("div", { class: "muted small" }, "delegated by ", runLink(item.parent_run_id)),
+            ),
+            h("td", {}, item.lease_run_id ? runLink(item.lease_run_id) : h("span", { class: "muted", text: "—" })),
+            h(
+              "td",
+              { class: "small" },
+              h("div", {}, "written ", timeAgo(item.created_at)),
+              h("div", {}, "changed ", timeAgo(item.updated_at)),
+              item.expires_at && item.status === "pending" ? h("div", {}, "expires ", when(item.expires_at)) : null,
+            ),
+            h(
+              "td",
+              {},
+              item.payload === null
+                ? h("span", { class: "muted", text: "No report: the work never reported." })
+                : h("details", {}, h("summary", { text: "Report" }), h("pre", { text: json(item.payload) })),
+            ),
             h("td", {}, item.status === "dead_letter" ? deadLetterActions(item) : null),
           ),
         ),
       );
-      if (items.length === 0) body.append(h("tr", {}, h("td", { colspan: "7", class: "muted", text: "Nothing here." })));
+      if (items.length === 0) body.append(h("tr", {}, h("td", { colspan: "9", class: "muted", text: "Nothing here." })));
       clearError(region);
+      connection.set("live", "Live");
     } catch (error) {
       showError(region, error);
     }
@@ -1645,8 +1675,8 @@ function showRun(view, runId) {
       { class: "scroll" },
       h(
         "table",
-        {},
-        h("caption", { text: "Every event of this run, as stored" }),
+        { class: "events" },
+        h("caption", { text: "Every event of this run, as stored (seq counts the session's events)" }),
         h("thead", {}, h("tr", {}, ...["seq", "Kind", "Time", "Payload"].map((t) => h("th", { scope: "col", text: t })))),
         events,
       ),
@@ -1758,7 +1788,7 @@ function showRun(view, runId) {
         { "data-seq": event.seq },
         h("td", { class: "mono", text: event.seq }),
         h("td", { class: "mono", text: event.kind }),
-        h("td", { text: new Date(event.created_at).toLocaleTimeString() }),
+        h("td", { class: "time", text: new Date(event.created_at).toLocaleTimeString() }),
         h("td", {}, h("details", {}, h("summary", { text: "Payload" }), h("pre", { text: json(event.payload) }))),
       ),
     );
@@ -1844,6 +1874,7 @@ function showApprovals(view) {
       }
       empty.hidden = cards.size > 0;
       clearError(region);
+      connection.set("live", "Live");
     } catch (error) {
       showError(region, error);
     }
@@ -1982,6 +2013,7 @@ function showWebhook(view, webhookId) {
       );
       if (items.length === 0) body.append(h("tr", {}, h("td", { colspan: "6", class: "muted", text: "Nothing here." })));
       clearError(region);
+      connection.set("live", "Live");
     } catch (error) {
       showError(region, error);
     }
