@@ -104,6 +104,24 @@ test("create a session, send a message and watch the answer stream in", async ()
   assert.equal(await page.locator(".item-assistant").count(), 1, "one answer, drawn once");
   await screenshot(page, "conversation");
 
+  // The run's events: the streamed fragments hidden until asked for, filtered by kind, and
+  // downloaded whole.
+  await page.getByRole("complementary", { name: "Session details" }).locator(".controls a").click();
+  await page.getByRole("heading", { name: /^Run run_/ }).waitFor();
+  await page.locator('tr[data-kind="run.finished"]').waitFor();
+  const deltas = page.locator('tr[data-kind="assistant.delta"]');
+  assert.ok((await deltas.count()) > 1, "the answer was streamed in fragments");
+  assert.equal(await deltas.filter({ visible: true }).count(), 0, "fragments are hidden by default");
+  await page.getByLabel("Show assistant.delta fragments").check();
+  assert.equal(await deltas.filter({ visible: true }).count(), await deltas.count());
+  await page.getByLabel("Kinds").selectOption("run.finished");
+  assert.equal(await page.locator("tr[data-kind]").filter({ visible: true }).count(), 1);
+  const [download] = await Promise.all([page.waitForEvent("download"), page.getByRole("button", { name: "Download events (JSON)" }).click()]);
+  assert.match(download.suggestedFilename(), /^run_.*-events\.json$/);
+  const saved = JSON.parse(readFileSync(await download.path(), "utf8"));
+  assert.equal(saved.length, await page.locator("tr[data-kind]").count(), "every event received");
+  await page.goBack();
+
   // The list shows each session with its title, agent, status and when it was last active,
   // the latest activity first: here beside one whose run sleeps and one waiting for an
   // approval.
@@ -285,6 +303,8 @@ test("cancel a slow run from its conversation", async () => {
   await send(page, "Take a nap");
   await page.locator(".item-tool .result", { hasText: "Running…" }).waitFor();
   await latestRunStatus(page).filter({ hasText: "running" }).waitFor();
+  // A running tool says how long it has run.
+  await page.locator(".item-tool .result", { hasText: /^Running… \(\d+\.\d s\)$/ }).waitFor();
 
   await page.getByRole("button", { name: "Cancel run" }).click();
   await page.locator(".item-notice", { hasText: "Run ended: cancelled" }).waitFor();

@@ -385,6 +385,21 @@ function showGone(view, error, stop) {
   connection.set("idle", "");
 }
 
+// A button that copies `text` (an id) to the clipboard, and says so.
+function copyButton(text, what) {
+  const button = h("button", { type: "button", class: "quiet", text: "Copy", "aria-label": `Copy ${what}` });
+  button.addEventListener("click", async () => {
+    try {
+      await navigator.clipboard.writeText(text);
+      button.textContent = "Copied";
+    } catch {
+      button.textContent = "Copy failed";
+    }
+    setTimeout(() => (button.textContent = "Copy"), 1500);
+  });
+  return button;
+}
+
 function runLink(runId) {
   return h("a", { href: `#/runs/${runId}`, class: "mono", text: runId });
 }
@@ -862,7 +877,7 @@ function showSession(view, sessionId) {
     saveTitle,
     cancelRename,
   );
-  const identity = h("p", { class: "muted mono small" }, sessionId, " ", rename);
+  const identity = h("p", { class: "muted mono small" }, sessionId, " ", copyButton(sessionId, "the session id"), " ", rename);
   rename.addEventListener("click", () => {
     renameForm.hidden = false;
     newTitle.value = titleText.textContent === "Untitled session" ? "" : titleText.textContent;
@@ -1119,6 +1134,11 @@ function showSession(view, sessionId) {
 
   const approvals = new Map();
   const reconciliations = new Map();
+  const ticking = setInterval(() => {
+    for (const result of log.querySelectorAll('.item-tool[data-state="running"] .result[data-since]')) {
+      result.textContent = `Running… (${seconds(Date.now() - Number(result.dataset.since))})`;
+    }
+  }, 1000);
   // message id -> the item of a steering message the run has not taken yet
   const pendingSteers = new Map();
 
@@ -1294,7 +1314,10 @@ function showSession(view, sessionId) {
       }
       case "tool.call": {
         const item = toolItem(runId, p.call_id, p.tool, p.arguments);
-        item.querySelector(".result").textContent = "Running…";
+        const result = item.querySelector(".result");
+        result.textContent = "Running…";
+        // How long it has run, counted on the page from when its attempt started.
+        if (p.started_at) result.dataset.since = String(p.started_at);
         item.dataset.state = "running";
         break;
       }
@@ -1497,6 +1520,7 @@ function showSession(view, sessionId) {
   ).start();
   refreshSide();
   function leave() {
+    clearInterval(ticking);
     stream.stop();
     for (const tree of trees.values()) tree.stop();
     clearTimeout(refreshTimer);
@@ -1652,8 +1676,31 @@ function showRun(view, runId) {
   };
   const why = h("div", {});
   let lastError = null;
+  // What the events table shows: every kind but the streamed fragments by default, or one
+  // kind; and the events as received, to download.
+  const received = [];
+  const kinds = h("select", { id: "event-kind" }, h("option", { value: "", text: "Every kind" }));
+  const deltas = h("input", { type: "checkbox", id: "show-deltas" });
+  const showDeltas = h("label", { class: "check" }, deltas, " Show assistant.delta fragments");
+  const download = h("button", { type: "button", text: "Download events (JSON)" });
+  function filterEvents() {
+    for (const row of events.querySelectorAll("tr[data-kind]")) {
+      const kind = row.dataset.kind;
+      row.hidden = (kinds.value && kind !== kinds.value) || (kind === "assistant.delta" && !deltas.checked && kinds.value !== kind);
+    }
+  }
+  kinds.addEventListener("change", filterEvents);
+  deltas.addEventListener("change", filterEvents);
+  download.addEventListener("click", () => {
+    const file = new Blob([JSON.stringify(received, null, 2)], { type: "application/json" });
+    const link = h("a", { href: URL.createObjectURL(file), download: `${runId}-events.json` });
+    document.body.append(link);
+    link.click();
+    link.remove();
+    setTimeout(() => URL.revokeObjectURL(link.href), 1000);
+  });
   view.append(
-    h("h1", {}, "Run ", h("span", { class: "mono", text: runId })),
+    h("h1", {}, "Run ", h("span", { class: "mono", text: runId }), " ", copyButton(runId, "the run id")),
     activity.el,
     region,
     why,
@@ -1670,6 +1717,7 @@ function showRun(view, runId) {
       h("div", {}, panel("Run tree", tree), panel("Steps", timeline)),
     ),
     h("h2", { text: "Events" }),
+    h("div", { class: "inline" }, h("div", { class: "field" }, h("label", { for: "event-kind", text: "Kinds" }), kinds), showDeltas, download),
     h(
       "div",
       { class: "scroll" },
@@ -1782,10 +1830,12 @@ function showRun(view, runId) {
   const stream = new EventStream(`/v1/runs/${runId}/events`, (event) => {
     activity.stored(event);
     if (event.kind === "model.error") lastError = event.payload?.message ?? event.payload?.error ?? null;
+    received.push(event);
+    if (![...kinds.options].some((o) => o.value === event.kind)) kinds.append(h("option", { value: event.kind, text: event.kind }));
     events.append(
       h(
         "tr",
-        { "data-seq": event.seq },
+        { "data-seq": event.seq, "data-kind": event.kind, hidden: event.kind === "assistant.delta" && !deltas.checked },
         h("td", { class: "mono", text: event.seq }),
         h("td", { class: "mono", text: event.kind }),
         h("td", { class: "time", text: new Date(event.created_at).toLocaleTimeString() }),
