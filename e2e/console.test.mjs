@@ -507,6 +507,25 @@ test("find sessions: page past the 230th, search, filter by status and rename", 
   assert.deepEqual(page.errors, []);
 });
 
+test("the theme and the time zone are chosen in the header and kept", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  const sessionId = await newSession(page, "chat");
+  await page.getByLabel("Theme").selectOption("dark");
+  assert.equal(await page.evaluate(() => document.documentElement.dataset.theme), "dark");
+  assert.equal(await page.evaluate(() => getComputedStyle(document.documentElement).getPropertyValue("--bg").trim()), "#14161a");
+  await page.getByLabel("Times shown in").selectOption("UTC");
+  await page.locator("p.run-line", { hasText: /created .*UTC/ }).waitFor();
+  await page.reload();
+  await page.getByRole("log", { name: "Conversation" }).waitFor({ state: "attached" });
+  assert.equal(await page.evaluate(() => document.documentElement.dataset.theme), "dark", "kept across a reload");
+  assert.equal(await page.getByLabel("Times shown in").inputValue(), "UTC");
+  await page.getByLabel("Theme").selectOption("light");
+  assert.equal(await page.evaluate(() => getComputedStyle(document.documentElement).getPropertyValue("--bg").trim()), "#ffffff");
+  assert.ok(sessionId.startsWith("ses_"));
+  assert.deepEqual(page.errors, []);
+});
+
 test("a token is asked for once and kept for the tab", async () => {
   const server = await serve({ token: "s3cret-console-token" });
   const page = await openPage(browser, server.url);

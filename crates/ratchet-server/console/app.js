@@ -35,9 +35,14 @@ function chip(status) {
   return h("span", { class: "chip", "data-status": status, text: status.replaceAll("_", " ") });
 }
 
+// Times are shown in the person's chosen zone: local (the default) or UTC.
+const SETTINGS_KEY = "ratchet.settings";
+const settings = JSON.parse(localStorage.getItem(SETTINGS_KEY) ?? "{}");
+
 function when(millis) {
   if (!millis) return "";
-  return new Date(millis).toLocaleString();
+  const zone = settings.timeZone ? { timeZone: settings.timeZone, timeZoneName: "short" } : {};
+  return new Date(millis).toLocaleString(undefined, zone);
 }
 
 function ago(millis) {
@@ -2132,3 +2137,25 @@ window.addEventListener("hashchange", route);
 updateSignOut();
 route();
 pendingCount.start();
+
+// The header's settings, kept for this browser: the colour scheme and the time zone.
+const theme = document.getElementById("theme");
+const zone = document.getElementById("time-zone");
+theme.value = settings.theme ?? "";
+zone.value = settings.timeZone ?? "";
+function applySettings() {
+  if (settings.theme) document.documentElement.dataset.theme = settings.theme;
+  else delete document.documentElement.dataset.theme;
+  localStorage.setItem(SETTINGS_KEY, JSON.stringify(settings));
+}
+theme.addEventListener("change", () => {
+  settings.theme = theme.value || undefined;
+  applySettings();
+});
+zone.addEventListener("change", () => {
+  settings.timeZone = zone.value || undefined;
+  applySettings();
+  route();
+});
+applySettings();
+
