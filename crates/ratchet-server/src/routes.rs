@@ -182,6 +182,20 @@ async fn list_sessions(
         .map(|cursor| session_cursor(order, cursor))
         .transpose()?;
     let text = query.q.as_deref().map(str::trim).filter(|q| !q.is_empty());
+    if let Some(text) = text
+        && text.chars().count() > MAX_QUERY_CHARS
+    {
+        return Err(ApiError::bad_request(format!(
+            "q must be at most {MAX_QUERY_CHARS} characters; found {}",
+            text.chars().count()
+        )));
+    }
+    if query.created_from.is_some_and(|at| at < 0) || query.created_before.is_some_and(|at| at < 0)
+    {
+        return Err(ApiError::bad_request(
+            "created_from and created_before are times in ms since the epoch, not negative",
+        ));
+    }
     let store_query = SessionQuery {
         order,
         after,
@@ -255,6 +269,9 @@ async fn update_session(
     let session = state.coordinator.store().rename_session(&id, title).await?;
     Ok(axum::Json(session.into()))
 }
+
+/// The longest text a sessions list searches for.
+const MAX_QUERY_CHARS: usize = 200;
 
 /// The longest title a session may be given.
 const MAX_TITLE_CHARS: usize = 200;

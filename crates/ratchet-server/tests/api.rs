@@ -175,10 +175,13 @@ async fn sessions_are_titled_renamed_found_and_paged_by_activity() {
     let cursor = page["next_cursor"].as_str().unwrap();
     assert!(cursor.ends_with(&format!(".{trip}")), "{cursor}");
 
+    let long = format!("q={}", "x".repeat(201));
     for query in [
         "order=activity&cursor=nonsense",
         "status=bogus",
         "cursor=ses_x&order=activity",
+        &long,
+        "created_from=-1",
     ] {
         let refused = call(server.get(TOKEN_A, &format!("/v1/sessions?{query}"))).await;
         assert_eq!(
