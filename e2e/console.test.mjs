@@ -434,6 +434,9 @@ test("open a run tree: a delegating run, its children and their steps", async ()
   await page.locator('tr[data-seq] td:text-is("run.finished")').waitFor();
   const steps = await page.getByRole("list", { name: "Steps" }).locator("li[data-step]").count();
   assert.equal(steps, (await server.get(`/v1/runs/${rootId}/steps`)).items.length);
+  // A step says what it did: the batch that started the children, the call that asked for it.
+  await page.getByRole("list", { name: "Steps" }).getByText("started 2 child runs, then waited for them").waitFor();
+  await page.getByRole("list", { name: "Steps" }).getByText("asking for 1 tool call").waitFor();
   await assertLabelled(page);
   await screenshot(page, "run-tree");
 

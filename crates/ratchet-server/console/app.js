@@ -1786,7 +1786,7 @@ function showRun(view, runId) {
             "li",
             { "data-step": step.index },
             h("span", { class: "mono", text: `#${step.index}` }),
-            h("span", { text: step.instruction.replaceAll("_", " ") }),
+            h("span", { text: stepLabel(step) }),
             h("span", { class: "duration-cell" }, durationBar(step.duration_ms, longest)),
             h("span", { class: "muted", text: `${step.duration_ms} ms${tokens ? ` · ${tokens}` : ""}` }),
           );
@@ -1799,6 +1799,19 @@ function showRun(view, runId) {
       if (error.status === 404) return showGone(view, error, leave);
       showError(region, error);
     }
+  }
+
+  // What a step did, from its instruction and summary: the tools of a batch, the children it
+  // started, the wait it began, why a finish ended the run.
+  function stepLabel(step) {
+    const s = step.summary ?? {};
+    const name = step.instruction.replaceAll("_", " ");
+    if (s.children?.length) return `${name}: started ${s.children.length} child run${s.children.length === 1 ? "" : "s"}, then waited for them`;
+    if (s.reconciliation) return `${name}: waited for a person to reconcile`;
+    if (step.instruction === "finish" && s.stop_reason) return `finish: ${String(s.stop_reason).replaceAll("_", " ")}`;
+    if (s.calls?.length) return `${name}: ${s.calls.join(", ")}`;
+    if (s.tool_calls) return `${name}, asking for ${s.tool_calls} tool call${s.tool_calls === 1 ? "" : "s"}`;
+    return name;
   }
 
   // Sized through the CSSOM: the page's policy forbids style attributes.
