@@ -303,8 +303,9 @@ test("cancel a slow run from its conversation", async () => {
   await send(page, "Take a nap");
   await page.locator(".item-tool .result", { hasText: "Running…" }).waitFor();
   await latestRunStatus(page).filter({ hasText: "running" }).waitFor();
-  // A running tool says how long it has run.
+  // A running tool says how long it has run, and so does the step in flight.
   await page.locator(".item-tool .result", { hasText: /^Running… \(\d+\.\d s\)$/ }).waitFor();
+  await page.locator("p.activity", { hasText: /^running tools: sleep_ms… \(\d+\.\d s\)$/ }).waitFor();
 
   await page.getByRole("button", { name: "Cancel run" }).click();
   await page.locator(".item-notice", { hasText: "Run ended: cancelled" }).waitFor();

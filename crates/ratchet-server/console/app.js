@@ -304,7 +304,20 @@ class EventStream {
 // that step is committed or its run ends.
 function activityLine() {
   const el = h("p", { class: "activity muted", role: "status", "aria-live": "polite", hidden: true });
+  // How long the step has been at it, counted on the page: kept out of what a screen reader
+  // announces, which would otherwise change every second.
+  const text = h("span");
+  const elapsed = h("span", { "aria-hidden": "true" });
+  el.append(text, elapsed);
   let step = null;
+  let since = null;
+  // Ticks while its view is shown; stops once the view has gone.
+  let shown = false;
+  const tick = setInterval(() => {
+    if (el.isConnected) shown = true;
+    else if (shown) return clearInterval(tick);
+    elapsed.textContent = since === null ? "" : ` (${seconds(Math.max(0, Date.now() - since))})`;
+  }, 1000);
   const describe = (p) => {
     switch (p.activity) {
       case "loading_context":
@@ -319,16 +332,19 @@ function activityLine() {
   };
   const clear = () => {
     step = null;
-    el.textContent = "";
+    since = null;
+    text.textContent = "";
+    elapsed.textContent = "";
     el.hidden = true;
   };
   return {
     el,
     live(event) {
-      const text = describe(event.payload ?? {});
-      if (text === null) return;
+      const said = describe(event.payload ?? {});
+      if (said === null) return;
+      if (said !== text.textContent || step !== event.payload.step_index) since = event.created_at ?? Date.now();
       step = event.payload.step_index;
-      el.textContent = text;
+      text.textContent = said;
       el.hidden = false;
     },
     stored(event) {
