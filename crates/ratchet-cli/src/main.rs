@@ -858,28 +858,23 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let how = ratchet_core::step::Resumption::Continue { extension };
             inspect::resume_failed(&db.db, &run_id, how).await
         }
-        Command::Inbox {
-            command:
-                InboxCommand::Requeue {
-                    session_id,
-                    event_id,
-                    by,
-                    target,
-                },
-        } => {
-            let action = ratchet_store::DeadLetterAction::Requeue;
-            dead_letters::inbox(target.target()?, action, &session_id, event_id, by).await
-        }
-        Command::Inbox {
-            command:
-                InboxCommand::Discard {
-                    session_id,
-                    event_id,
-                    by,
-                    target,
-                },
-        } => {
-            let action = ratchet_store::DeadLetterAction::Discard;
+        Command::Inbox { command } => {
+            let action = match command {
+                InboxCommand::Requeue { .. } => ratchet_store::DeadLetterAction::Requeue,
+                InboxCommand::Discard { .. } => ratchet_store::DeadLetterAction::Discard,
+            };
+            let (InboxCommand::Requeue {
+                session_id,
+                event_id,
+                by,
+                target,
+            }
+            | InboxCommand::Discard {
+                session_id,
+                event_id,
+                by,
+                target,
+            }) = command;
             dead_letters::inbox(target.target()?, action, &session_id, event_id, by).await
         }
         Command::Webhooks {

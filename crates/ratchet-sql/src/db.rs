@@ -71,6 +71,18 @@ impl<'a> From<&'a Option<String>> for Param<'a> {
     }
 }
 
+/// A value kept to be bound later (a statement built as it goes), bound as it would read back.
+impl<'a> From<&'a Value> for Param<'a> {
+    fn from(value: &'a Value) -> Self {
+        match value {
+            Value::Null => Param::Text(None),
+            Value::Int(value) => Param::Int(Some(*value)),
+            Value::Real(value) => Param::Real(Some(*value)),
+            Value::Text(value) => Param::Text(Some(value)),
+        }
+    }
+}
+
 /// The parameters of one statement: `params![a, b]` is `[Param::from(a), Param::from(b)]`.
 #[macro_export]
 macro_rules! params {

@@ -27,7 +27,7 @@ use serde::de::DeserializeOwned;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use crate::db::{Announcement, Db, Row, StoredConfig};
+use crate::db::{Announcement, Db, Row, StoredConfig, Value};
 use crate::{Result, params};
 
 pub(crate) fn to_json(value: &impl Serialize) -> Result<String> {
@@ -150,20 +150,15 @@ pub(crate) fn get_session(c: &dyn Db, id: &SessionId) -> Result<Session> {
     to_session(row)
 }
 
-/// A value bound to a statement built as it goes.
-enum Arg {
-    Int(i64),
-    Text(String),
-}
-
 pub(crate) fn list_sessions(
     c: &dyn Db,
     tenant: &str,
     query: &SessionQuery,
     limit: u32,
 ) -> Result<Vec<Session>> {
-    let mut args = vec![Arg::Text(tenant.to_owned())];
-    let mut bind = |arg: Arg| {
+    let mut args = vec![Value::Text(tenant.to_owned())];
+    // The values bound to the statement as it is built, each as a column would read back.
+    let mut bind = |arg: Value| {
         args.push(arg);
         format!("?{}", args.len())
     };
@@ -190,18 +185,18 @@ pub(crate) fn list_sessions(
     }
     match &query.agent {
         Some(Some(agent)) => {
-            let agent = bind(Arg::Text(agent.clone()));
+            let agent = bind(Value::Text(agent.clone()));
             sql.push_str(&format!(" AND agent = {agent}"));
         }
         Some(None) => sql.push_str(" AND agent IS NULL"),
         None => {}
     }
     if let Some(from) = query.created_from {
-        let from = bind(Arg::Int(from));
+        let from = bind(Value::Int(from));
         sql.push_str(&format!(" AND created_at >= {from}"));
     }
     if let Some(before) = query.created_before {
-        let before = bind(Arg::Int(before));
+        let before = bind(Value::Int(before));
         sql.push_str(&format!(" AND created_at < {before}"));
     }
     if let Some(text) = &query.text {
@@ -212,7 +207,7 @@ pub(crate) fn list_sessions(
                 ch => vec![ch],
             })
             .collect();
-        let pattern = bind(Arg::Text(format!("%{escaped}%")));
+        let pattern = bind(Value::Text(format!("%{escaped}%")));
         sql.push_str(&format!(
             " AND (LOWER(id) LIKE {pattern} ESCAPE '\\' OR LOWER(COALESCE(title, '')) LIKE {pattern} ESCAPE '\\'
                OR EXISTS (SELECT 1 FROM messages m WHERE m.session_id = s.id AND m.visibility = 'visible'
@@ -225,18 +220,18 @@ pub(crate) fn list_sessions(
         (ListOrder::NewestFirst, None) => "ORDER BY id DESC",
         (ListOrder::LatestActivityFirst, None) => "ORDER BY activity DESC, id DESC",
         (ListOrder::OldestFirst, Some(SessionCursor::Id(after))) => {
-            let after = bind(Arg::Text(after.to_string()));
+            let after = bind(Value::Text(after.to_string()));
             sql.push_str(&format!(" AND id > {after}"));
             "ORDER BY id"
         }
         (ListOrder::NewestFirst, Some(SessionCursor::Id(after))) => {
-            let after = bind(Arg::Text(after.to_string()));
+            let after = bind(Value::Text(after.to_string()));
             sql.push_str(&format!(" AND id < {after}"));
             "ORDER BY id DESC"
         }
         (ListOrder::LatestActivityFirst, Some(SessionCursor::Activity(at, after))) => {
-            let at = bind(Arg::Int(*at));
-            let after = bind(Arg::Text(after.to_string()));
+            let at = bind(Value::Int(*at));
+            let after = bind(Value::Text(after.to_string()));
             sql.push_str(&format!(
                 " AND (activity < {at} OR (activity = {at} AND id < {after}))"
             ));
@@ -248,14 +243,9 @@ pub(crate) fn list_sessions(
             )));
         }
     };
-    let limit = bind(Arg::Int(i64::from(limit)));
+    let limit = bind(Value::Int(i64::from(limit)));
     sql.push_str(&format!(" {order} LIMIT {limit}"));
-    let params: Vec<crate::db::Param<'_>> = (args.iter())
-        .map(|arg| match arg {
-            Arg::Int(value) => crate::db::Param::from(*value),
-            Arg::Text(value) => crate::db::Param::from(value.as_str()),
-        })
-        .collect();
+    let params: Vec<crate::db::Param<'_>> = args.iter().map(crate::db::Param::from).collect();
     c.query(&sql, &params)?
         .into_iter()
         .map(to_session)
