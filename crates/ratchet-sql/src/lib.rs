@@ -27,8 +27,8 @@ use ratchet_store::{
     DeliveryClaim, EmittedSignal, Error, InboxChange, InboxEvent, Intent, IntentRecord, Keyring,
     Lease, MessageHit, NewRun, NewSignal, NewWebhook, Observation, PauseOutcome, PendingInput,
     Reconciled, RecordedIntents, ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session,
-    SessionQuery, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted, TimedOut,
-    TreeNode, Webhook, WebhookDelivery,
+    SessionQuery, SessionSpec, StepMessages, Store, StoreStats, StoredEvent, StoredMessage,
+    Submitted, TimedOut, TreeNode, Webhook, WebhookDelivery,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -489,6 +489,13 @@ impl<B: Backend> Store for SqlStore<B> {
         let (session_id, run) = (session_id.clone(), run.clone());
         self.backend
             .read(move |c| ops::context(c, &session_id, &run))
+            .await
+    }
+
+    async fn step_messages(&self, run_id: &RunId, step_index: u64) -> Result<StepMessages> {
+        let run_id = run_id.clone();
+        self.backend
+            .read(move |c| ops::step_messages(c, &run_id, step_index))
             .await
     }
 

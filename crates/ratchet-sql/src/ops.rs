@@ -19,8 +19,8 @@ use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit,
     Error, Intent, IntentKind, IntentRecord, Lease, ListOrder, NewRun, PauseOutcome, Reconciled,
     RecordedIntents, ResumeOutcome, RunSummary, Session, SessionCursor, SessionQuery, SessionSpec,
-    SessionState, Stale, StoreStats, StoredEvent, StoredMessage, Submitted, TimedOut, TreeNode,
-    WhenBusy,
+    SessionState, Stale, StepMessages, StoreStats, StoredEvent, StoredMessage, Submitted, TimedOut,
+    TreeNode, WhenBusy,
 };
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -2073,18 +2073,29 @@ pub(crate) fn context(
     session_id: &SessionId,
     run: &RunId,
 ) -> Result<Vec<StoredMessage>> {
+    context_through(c, session_id, run, i64::MAX)
+}
+
+/// The context as it stood when the session's messages ended at position `through`.
+fn context_through(
+    c: &dyn Db,
+    session_id: &SessionId,
+    run: &RunId,
+    through: i64,
+) -> Result<Vec<StoredMessage>> {
     let mut messages = c
         .query(
             &format!(
                 "SELECT {STORED_MESSAGE_COLUMNS}
                  FROM messages
-                 WHERE session_id = ?1 AND (draft_of IS NULL OR draft_of = ?2)
+                 WHERE session_id = ?1 AND (draft_of IS NULL OR draft_of = ?2) AND rowid <= ?3
                    AND rowid >= COALESCE((SELECT MAX(keeps_from) FROM messages
                                           WHERE session_id = ?1 AND keeps_from IS NOT NULL
-                                            AND (draft_of IS NULL OR draft_of = ?2)), 0)
+                                            AND (draft_of IS NULL OR draft_of = ?2)
+                                            AND rowid <= ?3), 0)
                  ORDER BY rowid"
             ),
-            &params![session_id.as_str(), run.as_str()],
+            &params![session_id.as_str(), run.as_str(), through],
         )?
         .into_iter()
         .map(to_stored_message)
@@ -2100,6 +2111,53 @@ pub(crate) fn context(
         messages.insert(0, summary);
     }
     Ok(messages)
+}
+
+/// What the model was shown at step `step_index` of `run`, and what that step wrote under its
+/// own name. While a run is active only its own commits add to its session's history, and a
+/// step's messages are named after it (`msg_{run}-{step}-…`), so the step's context ends just
+/// before the first message of this step or a later one; with none, at the run's last message.
+pub(crate) fn step_messages(c: &dyn Db, run_id: &RunId, step_index: u64) -> Result<StepMessages> {
+    let session_id = c
+        .query_opt(
+            "SELECT session_id FROM runs WHERE id = ?1",
+            &params![run_id.as_str()],
+        )?
+        .ok_or_else(|| run_not_found(run_id))?
+        .text(0)?;
+    let session_id = parse_session_id(&session_id)?;
+    let prefix = format!("msg_{}-", &run_id.as_str()[4..]);
+    let written_by = |id: &str| {
+        (id.strip_prefix(&prefix))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|step| step.parse::<u64>().ok())
+    };
+    let runs_messages = c
+        .query(
+            &format!(
+                "SELECT {STORED_MESSAGE_COLUMNS} FROM messages
+                 WHERE session_id = ?1 AND run_id = ?2 ORDER BY rowid"
+            ),
+            &params![session_id.as_str(), run_id.as_str()],
+        )?
+        .into_iter()
+        .map(to_stored_message)
+        .collect::<Result<Vec<_>>>()?;
+    let first_from = (runs_messages.iter())
+        .position(|m| written_by(&m.id).is_some_and(|step| step >= step_index));
+    let through = match first_from {
+        Some(first) => runs_messages[first].position - 1,
+        None => match runs_messages.last() {
+            Some(last) => last.position,
+            None => return Ok(StepMessages::default()),
+        },
+    };
+    Ok(StepMessages {
+        context: context_through(c, &session_id, run_id, through)?,
+        written: (runs_messages.into_iter())
+            .filter(|m| written_by(&m.id) == Some(step_index))
+            .collect(),
+    })
 }
 
 /// Reads the message columns `role, content, tool_calls_json, tool_call_id, visibility,

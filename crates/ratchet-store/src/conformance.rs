@@ -88,6 +88,7 @@ macro_rules! store_conformance_tests {
             search_ranks_better_matches_first_and_respects_the_limit,
             search_reads_query_syntax_as_plain_words,
             the_model_sees_the_latest_summary_in_place_of_what_it_replaces,
+            a_steps_context_is_what_the_model_was_shown_at_that_step,
             a_delegation_starts_children_in_sessions_of_their_own_and_joins_once,
             cancelling_a_waiting_parent_cancels_its_tree,
             a_parent_waiting_for_its_children_past_its_deadline_times_out_with_its_tree,
@@ -3365,5 +3366,105 @@ pub async fn the_model_sees_the_latest_summary_in_place_of_what_it_replaces(stor
             .iter()
             .all(|m| m.message.origin != ratchet_core::Origin::Summary),
         "summaries are hidden from clients"
+    );
+}
+
+pub async fn a_steps_context_is_what_the_model_was_shown_at_that_step(store: &dyn Store) {
+    let texts = |messages: Vec<crate::StoredMessage>| -> Vec<String> {
+        messages.into_iter().map(|m| m.message.content).collect()
+    };
+    let shown = async |run: &RunId, step: u64| -> Vec<String> {
+        texts(store.step_messages(run, step).await.unwrap().context)
+    };
+    let session = new_session(store).await;
+    let earlier = exchange(store, &session, "hello", "hi", Vec::new(), T0).await;
+    let (run, _) = submit(store, &session, "one", config(), T0 + 10).await;
+
+    let step = claim(store, OWNER_A, T0 + 11).await;
+    let mut asked = after_model(step.state, &step.job, tool_reply(), false, T0 + 11, T0 + 12);
+    asked.messages.push(Message::user("two"));
+    commit(store, &step.claim, asked, None, T0 + 12).await;
+    let before_summary = store.context(&session, &run).await.unwrap();
+
+    let step = claim(store, OWNER_A, T0 + 13).await;
+    let mut ran = after_tools(
+        step.state,
+        &step.job,
+        vec![ToolOutcome::error("4")],
+        0,
+        T0 + 13,
+        T0 + 14,
+    );
+    ran.messages
+        .push(Message::summary("so far", before_summary[4].position));
+    commit(store, &step.claim, ran, None, T0 + 14).await;
+
+    let step = claim(store, OWNER_A, T0 + 15).await;
+    let answered = after_model(
+        step.state,
+        &step.job,
+        text_reply("five"),
+        false,
+        T0 + 15,
+        T0 + 16,
+    );
+    commit(store, &step.claim, answered, None, T0 + 16).await;
+    exchange(store, &session, "later", "much later", Vec::new(), T0 + 20).await;
+
+    assert_eq!(
+        shown(&run, 1).await,
+        ["hello", "hi", "one"],
+        "the first step saw the session's earlier turns and the run's message"
+    );
+    assert_eq!(
+        shown(&run, 2).await,
+        ["hello", "hi", "one", "let me look", "two"],
+        "the second step saw what the first one added, not what it added itself"
+    );
+    assert_eq!(
+        shown(&run, 3).await,
+        ["Summary of the earlier conversation:\nso far", "two", "4"],
+        "a summary written before the step stands in for what it replaced"
+    );
+    assert_eq!(
+        shown(&run, 4).await,
+        [
+            "Summary of the earlier conversation:\nso far",
+            "two",
+            "4",
+            "five"
+        ],
+        "a step past the run's last writes sees the run's last message, not a later run's"
+    );
+    assert_eq!(
+        shown(&earlier, 1).await,
+        ["hello"],
+        "an earlier run's step never sees what came after it"
+    );
+    let expected_writes: [(u64, &[&str], &str); 4] = [
+        (
+            1,
+            &["let me look", "two"],
+            "a model call's reply, and what its commit added",
+        ),
+        (
+            2,
+            &["4", "Summary of the earlier conversation:\nso far"],
+            "a batch's results and the summary it wrote",
+        ),
+        (3, &["five"], "the answer"),
+        (4, &[], "a step not taken wrote nothing"),
+    ];
+    for (step, expected, why) in expected_writes {
+        let written = texts(store.step_messages(&run, step).await.unwrap().written);
+        assert_eq!(written, expected, "step {step}: {why}");
+    }
+    let unknown = RunId::from_suffix(&unique()).unwrap();
+    assert!(
+        matches!(
+            store.step_messages(&unknown, 1).await,
+            Err(Error::NotFound { .. })
+        ),
+        "a run that does not exist is not found"
     );
 }

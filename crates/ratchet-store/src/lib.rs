@@ -376,6 +376,16 @@ pub struct StoredMessage {
     pub created_at: Millis,
 }
 
+/// A step's messages, for inspecting it: see `Store::step_messages`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepMessages {
+    /// What the model was shown at the step, in order.
+    pub context: Vec<StoredMessage>,
+    /// What the step's commit wrote under the step's name: a model call's reply, a batch's
+    /// results, the reports it handed on.
+    pub written: Vec<StoredMessage>,
+}
+
 /// Which messages a search looks through.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SearchScope {
@@ -1006,6 +1016,11 @@ pub trait Store: Observation + Send + Sync + 'static {
     /// in order. Without a compaction, the whole history. A continuation turn's messages are
     /// drafts until it completes: only that turn sees them.
     async fn context(&self, session_id: &SessionId, run: &RunId) -> Result<Vec<StoredMessage>>;
+
+    /// What `run` showed the model at its step `step_index` — the context as `context` read it
+    /// then, before that step's commit — and the messages that step wrote. Empty for a run
+    /// with no messages.
+    async fn step_messages(&self, run_id: &RunId, step_index: u64) -> Result<StepMessages>;
 
     async fn list_runs(&self) -> Result<Vec<RunSummary>>;
 

@@ -14,7 +14,8 @@ use ratchet_store::{
     Answered, Approval, ApprovalStatus, CancelOutcome, Change, ChangeStream, Claim, ClaimedStep,
     Commit, DeadLetterAction, InboxChange, Intent, IntentRecord, Lease, MessageHit, NewRun,
     PauseOutcome, Reconciled, RecordedIntents, Result, ResumeOutcome, RunSummary, SearchScope,
-    Session, SessionQuery, SessionSpec, Store, StoreStats, StoredEvent, StoredMessage, Submitted,
+    Session, SessionQuery, SessionSpec, StepMessages, Store, StoreStats, StoredEvent,
+    StoredMessage, Submitted,
 };
 use ratchet_store::{
     AttemptOutcome, ClaimedDelivery, DeliveryBounds, DeliveryClaim, NewWebhook, Observation,
@@ -410,6 +411,10 @@ impl Store for Heard {
 
     async fn context(&self, session_id: &SessionId, run: &RunId) -> Result<Vec<StoredMessage>> {
         self.inner.context(session_id, run).await
+    }
+
+    async fn step_messages(&self, run_id: &RunId, step_index: u64) -> Result<StepMessages> {
+        self.inner.step_messages(run_id, step_index).await
     }
 
     async fn list_runs(&self) -> Result<Vec<RunSummary>> {
