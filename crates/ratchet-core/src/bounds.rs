@@ -33,6 +33,12 @@ pub fn cut_for_model(text: &str, max_bytes: u64, whole_at: &str) -> Option<Strin
     ))
 }
 
+/// What a model call sends of `context`: every call given a result (`answer_dangling_calls`),
+/// then each result cut to its limit (`model_view`).
+pub fn sent_to_model(context: Vec<Message>, max_bytes: u64) -> Vec<Message> {
+    model_view(crate::message::answer_dangling_calls(context), max_bytes)
+}
+
 /// The messages as the model is sent them: each tool result cut to `max_bytes`, except a
 /// `delegate` call's, whose children's answers are cut one by one (so each child of a call
 /// keeps its place, however many there are).

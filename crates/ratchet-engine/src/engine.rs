@@ -8,12 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::stream::{self, StreamExt};
-use ratchet_core::bounds::model_view;
+use ratchet_core::bounds::sent_to_model;
 use ratchet_core::delegation::{
     AGENT_TASK_TOOL, ChildRun, DELEGATE_TOOL, DelegationMode, EMIT_SIGNAL_TOOL, await_children,
     background_started, start_in_background,
 };
-use ratchet_core::message::answer_dangling_calls;
 use ratchet_core::step::{
     Compaction, after_compaction, after_model, after_tools, ask_approval_step,
     await_reconciliation, finish_step,
@@ -213,10 +212,7 @@ impl Engine {
         } else {
             state.config.tools.clone()
         };
-        let messages = model_view(
-            answer_dangling_calls(context.clone()),
-            state.config.limits.max_tool_result_bytes,
-        );
+        let messages = sent_to_model(context.clone(), state.config.limits.max_tool_result_bytes);
         let system_prompt = state.config.system_prompt.clone();
         let (reply, delta) = self
             .invoke_model(claimed, system_prompt, messages, tools, true, cancel)
@@ -266,8 +262,8 @@ impl Engine {
             .iter()
             .map(|m| m.message.estimated_tokens())
             .sum();
-        let mut messages = model_view(
-            answer_dangling_calls(context[..cut].iter().map(|m| m.message.clone()).collect()),
+        let mut messages = sent_to_model(
+            context[..cut].iter().map(|m| m.message.clone()).collect(),
             state.config.limits.max_tool_result_bytes,
         );
         messages.push(Message::user(SUMMARY_REQUEST));

@@ -1,7 +1,7 @@
 //! Wire types: what the API accepts and returns. They are converted from core and store
 //! types here, so the API stays stable while the core changes.
 
-use ratchet_core::{AgentProfile, AgentState, Millis, RunStatus, StepRecord};
+use ratchet_core::{AgentProfile, AgentState, Message, Millis, RunStatus, StepRecord, ToolSpec};
 use ratchet_store::{Approval, RunSummary, Session, StoredEvent, StoredMessage, TreeNode};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -581,6 +581,86 @@ impl From<StepRecord> for StepView {
             finished_at: step.finished_at,
             duration_ms: step.finished_at - step.started_at,
             summary: step.summary,
+        }
+    }
+}
+
+/// One committed step, opened up: what it sent to the model and what came back.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StepDetailView {
+    #[serde(flatten)]
+    pub step: StepView,
+    /// For a `call_llm` step: the request the model was sent, rebuilt from the run's frozen
+    /// configuration and the session's history as it stood before the step's commit.
+    pub model_call: Option<ModelCallView>,
+    /// What the step's commit wrote to the session's history: a model call's reply, a batch's
+    /// results, a compaction's summary, the reports it handed on. Hidden ones included.
+    pub written: Vec<ModelMessageView>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelCallView {
+    /// The model spec the run calls (`provider:model` or a profile name).
+    pub model: String,
+    pub system_prompt: String,
+    /// The tools offered; none when the step asked for a final answer (`conclude`).
+    pub tools: Vec<OfferedToolView>,
+    /// The messages in the order sent, as the model saw them: the latest compaction summary
+    /// first, long tool results cut to the run's limit, a call left without a result answered.
+    pub messages: Vec<ModelMessageView>,
+    /// The model's reply as the step committed it; its usage and cost are in the step's
+    /// `summary`. Absent when the call failed.
+    pub reply: Option<ModelMessageView>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct OfferedToolView {
+    pub name: String,
+    pub description: String,
+    /// The JSON Schema of its arguments.
+    #[schema(value_type = Object)]
+    pub parameters: Value,
+}
+
+impl From<&ToolSpec> for OfferedToolView {
+    fn from(tool: &ToolSpec) -> OfferedToolView {
+        OfferedToolView {
+            name: tool.name.clone(),
+            description: tool.description.clone(),
+            parameters: tool.parameters.clone(),
+        }
+    }
+}
+
+/// A message as a model reads it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelMessageView {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    pub content: String,
+    /// `user`, `agent`, `continuation`, `steer` or `summary`.
+    pub origin: String,
+    /// `visible`, or `hidden` for what only the model reads.
+    pub visibility: String,
+    #[schema(value_type = Vec<Object>)]
+    pub tool_calls: Vec<Value>,
+    pub tool_call_id: Option<String>,
+    /// A tool result whose call failed.
+    pub is_error: bool,
+}
+
+impl From<Message> for ModelMessageView {
+    fn from(message: Message) -> ModelMessageView {
+        ModelMessageView {
+            role: name_of(&message.role),
+            origin: name_of(&message.origin),
+            visibility: name_of(&message.visibility),
+            tool_calls: (message.tool_calls.iter())
+                .filter_map(|c| serde_json::to_value(c).ok())
+                .collect(),
+            tool_call_id: message.tool_call_id,
+            is_error: message.is_error,
+            content: message.content,
         }
     }
 }

@@ -3,7 +3,8 @@
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use ratchet_core::{AgentState, RunConfigSnapshot, RunId, RunStatus, SessionId};
+use ratchet_core::bounds::sent_to_model;
+use ratchet_core::{AgentState, Role, RunConfigSnapshot, RunId, RunStatus, SessionId};
 use ratchet_engine::Multitask as EngineMultitask;
 use ratchet_store::{ListOrder, Session, SessionCursor, SessionQuery, SessionSpec, SessionState};
 use utoipa_axum::router::OpenApiRouter;
@@ -12,9 +13,9 @@ use utoipa_axum::routes;
 use crate::active::{Active, Current, DEFAULT_AGENT};
 use crate::api::{
     AgentView, CancelView, ContinueRequest, CreateSession, ErrorBody, MessageAccepted, MessageView,
-    Multitask, Page, PageQuery, PauseView, ReconcileOutcome, ReconcileRequest, ReconcileView,
-    ResumedView, RunSummaryView, RunTreeView, RunView, SendMessage, SessionOrder,
-    SessionStatusFilter, SessionView, SessionsQuery, StepView, UpdateSession,
+    ModelCallView, Multitask, Page, PageQuery, PauseView, ReconcileOutcome, ReconcileRequest,
+    ReconcileView, ResumedView, RunSummaryView, RunTreeView, RunView, SendMessage, SessionOrder,
+    SessionStatusFilter, SessionView, SessionsQuery, StepDetailView, StepView, UpdateSession,
 };
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
@@ -30,6 +31,7 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(get_run))
         .routes(routes!(get_run_tree))
         .routes(routes!(list_steps))
+        .routes(routes!(get_step))
         .routes(routes!(cancel_run))
         .routes(routes!(reconcile_run))
         .routes(routes!(retry_run))
@@ -446,6 +448,70 @@ async fn list_steps(
     Ok(axum::Json(Page::new(items, limit, |s: &StepView| {
         s.index.to_string()
     })))
+}
+
+#[utoipa::path(
+    get, path = "/v1/runs/{id}/steps/{index}", tag = "runs",
+    params(
+        ("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$"),
+        ("index" = u64, Path, description = "The step's index (steps are numbered from 1)"),
+    ),
+    responses(
+        (status = 200, body = StepDetailView, description = "The committed step, with the request its model call was sent and the messages it wrote"),
+        (status = 404, body = ErrorBody, description = "no such run, or it has not committed that step"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn get_step(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    ApiPath((id, index)): ApiPath<(String, String)>,
+) -> Result<axum::Json<StepDetailView>, ApiError> {
+    let id = parse_run_id(&id)?;
+    let index = (index.parse::<u64>().ok().filter(|i| *i >= 1)).ok_or_else(|| {
+        ApiError::bad_request(format!(
+            "expected a step index (an integer from 1), found {index:?}"
+        ))
+    })?;
+    let run = tenant_run(&state, &tenant, &id).await?;
+    let store = state.coordinator.store();
+    let step = (store.steps(&id).await?.into_iter())
+        .find(|s| s.index == index)
+        .ok_or_else(|| {
+            ApiError::not_found(format!(
+                "run {id} has not committed a step {index}: it has committed {}",
+                run.step_index
+            ))
+        })?;
+    let messages = store.step_messages(&id, index).await?;
+    let model_call = (step.instruction == "call_llm").then(|| {
+        let config = &run.config;
+        let conclude = step.summary["conclude"].as_bool().unwrap_or(false);
+        let sent = sent_to_model(
+            messages.context.into_iter().map(|m| m.message).collect(),
+            config.limits.max_tool_result_bytes,
+        );
+        ModelCallView {
+            model: config.model.clone(),
+            system_prompt: config.system_prompt.clone(),
+            tools: if conclude {
+                Vec::new()
+            } else {
+                config.tools.iter().map(Into::into).collect()
+            },
+            messages: sent.into_iter().map(Into::into).collect(),
+            reply: (messages.written.iter())
+                .find(|m| m.message.role == Role::Assistant)
+                .map(|m| m.message.clone().into()),
+        }
+    });
+    Ok(axum::Json(StepDetailView {
+        step: step.into(),
+        model_call,
+        written: (messages.written.into_iter())
+            .map(|m| m.message.into())
+            .collect(),
+    }))
 }
 
 #[utoipa::path(

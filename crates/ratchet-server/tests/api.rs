@@ -378,6 +378,64 @@ async fn a_message_runs_to_completion_with_its_messages_runs_and_steps_listed() 
     }
     let paged: Vec<Value> = all_pages(&server, &steps_path, 2).await.concat();
     assert_eq!(&paged, steps);
+
+    // Each step opened up: what its model call was sent, and what it wrote.
+    let step = async |index: u64| {
+        let path = format!("/v1/runs/{run}/steps/{index}");
+        server.get_ok(TOKEN_A, &path).await
+    };
+    let first = step(1).await;
+    assert_eq!(first["index"], 1);
+    assert_eq!(first["instruction"], "call_llm");
+    let sent = &first["model_call"];
+    let roles = |call: &Value| -> Vec<String> {
+        (call["messages"].as_array().unwrap().iter())
+            .map(|m| m["role"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(roles(sent), ["user"], "{first}");
+    assert_eq!(sent["messages"][0]["content"], "hello");
+    let offered: Vec<&str> = (sent["tools"].as_array().unwrap().iter())
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert!(offered.contains(&"add"), "{offered:?}");
+    assert!(sent["tools"][0]["parameters"].is_object(), "{first}");
+    assert_eq!(sent["reply"]["content"], "Let me add.");
+    assert_eq!(sent["reply"]["tool_calls"], items[1]["tool_calls"]);
+    assert_eq!(first["written"].as_array().unwrap().len(), 1, "{first}");
+
+    let batch = step(2).await;
+    assert!(
+        batch["model_call"].is_null(),
+        "a batch calls no model: {batch}"
+    );
+    assert_eq!(batch["written"][0]["role"], "tool");
+    assert_eq!(batch["written"][0]["tool_call_id"], calls[0]["id"]);
+
+    let last = step(3).await;
+    let sent = &last["model_call"];
+    assert_eq!(roles(sent), ["user", "assistant", "tool"], "{last}");
+    assert_eq!(sent["messages"][2]["content"], contents[2]);
+    assert_eq!(sent["reply"]["content"], "The sum is 5.");
+    assert_eq!(
+        sent["system_prompt"], first["model_call"]["system_prompt"],
+        "a run's system prompt is frozen"
+    );
+    let state = server.get_ok(TOKEN_A, &format!("/v1/runs/{run}")).await;
+    assert_eq!(state["step_index"], 3);
+    for (index, status) in [
+        ("4", StatusCode::NOT_FOUND),
+        ("0", StatusCode::BAD_REQUEST),
+        ("one", StatusCode::BAD_REQUEST),
+    ] {
+        let response = call(server.get(TOKEN_A, &format!("/v1/runs/{run}/steps/{index}"))).await;
+        assert_eq!(response.status, status, "step {index}: {}", response.body);
+        assert!(
+            response.body["error"]["message"].as_str().is_some(),
+            "{}",
+            response.body
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -606,6 +664,7 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/sessions/{id}/events", vec!["get"]),
         ("/v1/runs/{id}", vec!["get"]),
         ("/v1/runs/{id}/steps", vec!["get"]),
+        ("/v1/runs/{id}/steps/{index}", vec!["get"]),
         ("/v1/runs/{id}/tree", vec!["get"]),
         ("/v1/runs/{id}/tree/events", vec!["get"]),
         ("/v1/runs/{id}/cancel", vec!["post"]),
@@ -700,6 +759,7 @@ async fn a_tenant_sees_nothing_of_another_tenants_sessions_runs_and_events() {
         format!("/v1/sessions/{a_session}/events?follow=false"),
         format!("/v1/runs/{a_run}"),
         format!("/v1/runs/{a_run}/steps"),
+        format!("/v1/runs/{a_run}/steps/1"),
         format!("/v1/runs/{a_run}/tree"),
         format!("/v1/runs/{a_run}/events"),
     ];
