@@ -1,7 +1,9 @@
 //! Wire types: what the API accepts and returns. They are converted from core and store
 //! types here, so the API stays stable while the core changes.
 
-use ratchet_core::{AgentProfile, AgentState, Message, Millis, RunStatus, StepRecord, ToolSpec};
+use ratchet_core::{
+    AgentProfile, AgentState, Counters, Message, Millis, RunStatus, StepRecord, ToolSpec,
+};
 use ratchet_store::{Approval, RunSummary, Session, StoredEvent, StoredMessage, TreeNode};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -335,6 +337,19 @@ pub struct UsageView {
     pub cost_usd: Option<f64>,
 }
 
+impl UsageView {
+    fn of(counters: &Counters, priced: bool) -> UsageView {
+        UsageView {
+            model_calls: counters.model_calls,
+            tool_calls: counters.tool_calls,
+            input_tokens: counters.input_tokens,
+            output_tokens: counters.output_tokens,
+            reasoning_tokens: counters.reasoning_tokens,
+            cost_usd: priced.then(|| counters.cost_microusd as f64 / 1e6),
+        }
+    }
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct RunView {
     pub id: String,
@@ -416,16 +431,10 @@ impl From<AgentState> for RunView {
                 .filter_map(|b| serde_json::to_value(b).ok())
                 .collect(),
             step_index: state.step_index,
-            usage: UsageView {
-                model_calls: state.counters.model_calls,
-                tool_calls: state.counters.tool_calls,
-                input_tokens: state.counters.input_tokens,
-                output_tokens: state.counters.output_tokens,
-                reasoning_tokens: state.counters.reasoning_tokens,
-                cost_usd: (state.config.model_settings.as_ref())
-                    .and_then(|m| m.prices)
-                    .map(|_| state.counters.cost_microusd as f64 / 1e6),
-            },
+            usage: UsageView::of(
+                &state.counters,
+                (state.config.model_settings.as_ref()).is_some_and(|m| m.prices.is_some()),
+            ),
             pending_human: state
                 .pending_human
                 .and_then(|h| serde_json::to_value(h).ok()),
@@ -512,6 +521,9 @@ pub struct TreeNodeView {
     pub stop_reason: Option<String>,
     /// Its committed steps.
     pub steps: u64,
+    /// What this run itself spent (not its children); `cost_usd` is absent until a priced
+    /// model call has cost something.
+    pub usage: UsageView,
     pub created_at: Millis,
     pub finished_at: Option<Millis>,
 }
@@ -528,6 +540,7 @@ impl From<TreeNode> for TreeNodeView {
             status: node.status.to_string(),
             stop_reason: node.stop_reason.map(|r| r.to_string()),
             steps: node.step_index,
+            usage: UsageView::of(&node.counters, node.counters.cost_microusd > 0),
             created_at: node.created_at,
             finished_at: node.finished_at,
         }

@@ -246,6 +246,7 @@ async fn a_delegation_runs_through_the_api_and_its_tree_lists_the_children() {
             "status",
             "steps",
             "stop_reason",
+            "usage",
         ]
     );
     let root_node = &nodes[0];
@@ -261,6 +262,23 @@ async fn a_delegation_runs_through_the_api_and_its_tree_lists_the_children() {
         (&json!("lead"), &json!(0), &json!("completed"))
     );
     assert_eq!(root_node["steps"], ended["step_index"]);
+    assert_eq!(
+        root_node["usage"], ended["usage"],
+        "a node's usage is its own run's"
+    );
+    for child in &nodes[1..] {
+        let run = server
+            .get_ok(
+                TOKEN_A,
+                &format!("/v1/runs/{}", child["run_id"].as_str().unwrap()),
+            )
+            .await;
+        assert_eq!(child["usage"], run["usage"], "{child}");
+        assert!(
+            child["usage"]["model_calls"].as_u64().unwrap() >= 1,
+            "{child}"
+        );
+    }
     let children = &nodes[1..];
     for child in children {
         assert_eq!(

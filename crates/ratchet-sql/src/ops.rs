@@ -600,6 +600,12 @@ fn children_results(c: &dyn Db, parent: &RunId, step: u64) -> Result<Vec<ChildRe
         .collect()
 }
 
+/// The part of a stored state a run's spend is read from.
+#[derive(serde::Deserialize)]
+struct Spent {
+    counters: ratchet_core::Counters,
+}
+
 pub(crate) fn run_tree(c: &dyn Db, run_id: &RunId) -> Result<Vec<TreeNode>> {
     let root = c
         .query_opt(
@@ -610,7 +616,7 @@ pub(crate) fn run_tree(c: &dyn Db, run_id: &RunId) -> Result<Vec<TreeNode>> {
         .text(0)?;
     let nodes = c
         .query(
-            "SELECT id, session_id, parent_run_id, agent, depth, status, stop_reason, step_index, created_at, finished_at, inbox_group IS NOT NULL
+            "SELECT id, session_id, parent_run_id, agent, depth, status, stop_reason, step_index, created_at, finished_at, inbox_group IS NOT NULL, state_json
              FROM runs WHERE id = ?1 OR root_run_id = ?1 ORDER BY depth, created_at, id",
             &params![&root],
         )?
@@ -632,6 +638,7 @@ pub(crate) fn run_tree(c: &dyn Db, run_id: &RunId) -> Result<Vec<TreeNode>> {
                 created_at: r.int(8)?,
                 finished_at: r.opt_int(9)?,
                 background: r.flag(10)?,
+                counters: from_json::<Spent>(&r.text(11)?, "run state")?.counters,
             })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -676,11 +683,6 @@ pub(crate) fn admission(c: &dyn Db, run_id: &RunId) -> Result<Admission> {
 }
 
 pub(crate) fn tree_spend(c: &dyn Db, run_id: &RunId) -> Result<TreeSpend> {
-    /// The part of a stored state a tree's spend is summed from.
-    #[derive(serde::Deserialize)]
-    struct Spent {
-        counters: ratchet_core::Counters,
-    }
     let root = c
         .query_opt(
             "SELECT COALESCE(root_run_id, id) FROM runs WHERE id = ?1",

@@ -9,9 +9,10 @@ use async_trait::async_trait;
 use ratchet_core::step::Reconciliation;
 use ratchet_core::step::{DecisionError, Resumption};
 use ratchet_core::{
-    AgentState, ApprovalAnswer, ApprovalCall, ApprovalId, Delivery, EventDraft, IllegalEdge,
-    InboxKind, InboxStatus, Message, MessageId, Millis, Role, RunConfigSnapshot, RunId, RunStatus,
-    SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome, TreeSpend,
+    AgentState, ApprovalAnswer, ApprovalCall, ApprovalId, Counters, Delivery, EventDraft,
+    IllegalEdge, InboxKind, InboxStatus, Message, MessageId, Millis, Role, RunConfigSnapshot,
+    RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome,
+    TreeSpend,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -461,6 +462,8 @@ pub struct TreeNode {
     pub step_index: u64,
     pub created_at: Millis,
     pub finished_at: Option<Millis>,
+    /// What it has spent so far: calls, tokens, cost.
+    pub counters: Counters,
 }
 
 /// What a message does when its session already has an active run.
