@@ -963,6 +963,7 @@ fn write_tree(db: &str) {
                 session_id: SessionId::parse(&id.replace("run_", "ses_")).unwrap(),
                 message_id: MessageId::parse(&id.replace("run_", "msg_")).unwrap(),
                 task: format!("task for {id}"),
+                call_id: "call_0".into(),
                 config: worker.config.clone(),
                 lineage: Lineage {
                     parent_run_id: parent.clone(),

@@ -320,6 +320,8 @@ pub struct ChildRun {
     pub message_id: MessageId,
     /// The user message it starts with.
     pub task: String,
+    /// The parent's `delegate` call that started it.
+    pub call_id: String,
     pub config: RunConfigSnapshot,
     pub lineage: Lineage,
 }
@@ -393,6 +395,7 @@ fn child_started(parent: &RunId, child: &ChildRun) -> EventDraft {
             "run_id": parent,
             "child_run_id": child.run_id,
             "child_session_id": child.session_id,
+            "call_id": child.call_id,
             "agent": child.lineage.agent,
             "task": child.task,
             "depth": child.lineage.depth,
@@ -704,6 +707,7 @@ mod tests {
             session_id: SessionId::from_suffix("c").unwrap(),
             message_id: MessageId::from_suffix("c").unwrap(),
             task: "draft".into(),
+            call_id: "call_0".into(),
             config: RunConfigSnapshot::default(),
             lineage,
         }];

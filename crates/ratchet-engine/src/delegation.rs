@@ -28,6 +28,7 @@ use crate::coordinator::fresh_suffix;
 /// A `delegate` call of the batch that passed its checks, at its slot.
 pub(crate) struct Delegation {
     pub slot: u32,
+    pub call_id: String,
     pub request: DelegateRequest,
 }
 
@@ -152,6 +153,7 @@ pub(crate) fn children(
                 session_id: SessionId::from_suffix(&suffix)?,
                 message_id: MessageId::from_suffix(&suffix)?,
                 task: task.message(),
+                call_id: delegation.call_id.clone(),
                 config,
                 lineage: Lineage {
                     parent_run_id: state.run_id.clone(),

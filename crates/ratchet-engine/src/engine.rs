@@ -492,7 +492,11 @@ impl Engine {
             let checked = match call.name.as_str() {
                 DELEGATE_TOOL if injected => match read_delegate(&state, &call.arguments) {
                     Ok(request) => {
-                        delegations.push(Delegation { slot, request });
+                        delegations.push(Delegation {
+                            slot,
+                            call_id: call.id.clone(),
+                            request,
+                        });
                         outcomes.push(None);
                         continue;
                     }

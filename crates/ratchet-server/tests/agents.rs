@@ -344,6 +344,7 @@ async fn a_delegation_runs_through_the_api_and_its_tree_lists_the_children() {
                 "run_id": root,
                 "child_run_id": child["run_id"],
                 "child_session_id": child["session_id"],
+                "call_id": messages[1]["tool_calls"][0]["id"],
                 "agent": "worker",
                 "task": task,
                 "depth": 1,

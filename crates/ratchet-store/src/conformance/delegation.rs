@@ -91,6 +91,7 @@ fn children_of(parent: &ClaimedStep, tasks: usize) -> Vec<ChildRun> {
                 session_id: SessionId::from_suffix(&suffix).unwrap(),
                 message_id: MessageId::from_suffix(&suffix).unwrap(),
                 task: format!("task {index}"),
+                call_id: "call_0".into(),
                 config: profile.config.clone(),
                 lineage: Lineage {
                     parent_run_id: state.run_id.clone(),

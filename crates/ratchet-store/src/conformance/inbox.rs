@@ -77,6 +77,7 @@ pub(super) async fn background_signalling(
                 session_id: SessionId::from_suffix(&suffix).unwrap(),
                 message_id: MessageId::from_suffix(&suffix).unwrap(),
                 task: format!("background {index}"),
+                call_id: "call_0".into(),
                 config: RunConfigSnapshot {
                     signal: contract.clone(),
                     ..config()
