@@ -2,11 +2,12 @@
 //! types here, so the API stays stable while the core changes.
 
 use ratchet_core::{
-    AgentProfile, AgentState, Counters, Message, Millis, RunStatus, StepRecord, ToolSpec,
+    AgentProfile, AgentState, ApprovalPolicy, Counters, Message, Millis, RunStatus, StepRecord,
+    ToolSpec,
 };
 use ratchet_store::{Approval, RunSummary, Session, StoredEvent, StoredMessage, TreeNode};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{Value, json};
 use utoipa::ToSchema;
 
 /// Largest request body accepted, in bytes.
@@ -473,6 +474,14 @@ pub struct AgentView {
     pub tools: Vec<String>,
     /// The agents its runs may delegate to, by id.
     pub delegates: Vec<String>,
+    /// Its tools whose calls wait for a person: `{"tool", "policy"}`, the policy `always` or
+    /// `{"when_arguments": {argument: glob}}`.
+    #[schema(value_type = Vec<Object>)]
+    pub approvals: Vec<Value>,
+    /// The limits its runs are frozen with (`max_steps`, `max_model_calls`, `max_tokens`,
+    /// `max_duration_ms`, …; null for one not set).
+    #[schema(value_type = Object)]
+    pub limits: Value,
 }
 
 impl From<&AgentProfile> for AgentView {
@@ -490,6 +499,11 @@ impl From<&AgentProfile> for AgentView {
                 .iter()
                 .map(|a| a.id.clone())
                 .collect(),
+            approvals: (config.tools.iter())
+                .filter(|t| t.approval != ApprovalPolicy::Never)
+                .map(|t| json!({"tool": t.name, "policy": t.approval}))
+                .collect(),
+            limits: serde_json::to_value(&config.limits).unwrap_or(Value::Null),
         }
     }
 }

@@ -56,7 +56,13 @@ fn answer(text: &str) -> Value {
 
 /// `writer` answers "written"; `boss` may delegate to `writer`. Listed out of id order.
 fn writer_and_boss(template: &RunConfigSnapshot, dir: &Path) -> Vec<AgentProfile> {
-    let writer = agent("writer", template, dir, answer("written"), Vec::new());
+    let mut writer = agent("writer", template, dir, answer("written"), Vec::new());
+    for tool in &mut writer.config.tools {
+        if tool.name == "append_line" {
+            tool.approval = ratchet_core::ApprovalPolicy::Always;
+        }
+    }
+    writer.config.limits.max_steps = 7;
     let boss = agent(
         "boss",
         template,
@@ -100,9 +106,19 @@ async fn the_catalog_is_listed_in_id_order_with_each_agents_model_tools_and_dele
     let boss = &page["items"][0];
     assert_eq!(
         keys(boss),
-        ["delegates", "description", "hash", "id", "model", "tools"],
+        [
+            "approvals",
+            "delegates",
+            "description",
+            "hash",
+            "id",
+            "limits",
+            "model",
+            "tools"
+        ],
         "{boss}"
     );
+    assert_eq!(boss["approvals"], json!([]), "{boss}");
     assert_eq!(boss["description"], "the boss agent");
     assert_eq!(boss["hash"], "hash-of-boss");
     assert!(
@@ -115,6 +131,12 @@ async fn the_catalog_is_listed_in_id_order_with_each_agents_model_tools_and_dele
     assert_eq!(sorted(boss_tools), sorted(template_tools.clone()));
     let writer = &page["items"][1];
     assert_eq!(writer["delegates"], json!([]));
+    assert_eq!(
+        writer["approvals"],
+        json!([{"tool": "append_line", "policy": "always"}])
+    );
+    assert_eq!(writer["limits"]["max_steps"], 7, "{writer}");
+    assert!(writer["limits"]["max_tokens"].is_null(), "{writer}");
     assert_eq!(sorted(tools_of(writer)), sorted(template_tools));
 
     let anonymous = call(server.http.get(server.url("/v1/agents"))).await;
