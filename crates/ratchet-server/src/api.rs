@@ -222,6 +222,9 @@ pub struct SessionView {
     pub title: Option<String>,
     /// How its latest run stands (`completed`, `failed`, …); null before any.
     pub last_run_status: Option<String>,
+    /// For a delegated run's session: the session of the run that delegated it. Such a
+    /// session is read-only: messages go to its root session.
+    pub parent_session_id: Option<String>,
 }
 
 impl From<Session> for SessionView {
@@ -241,6 +244,7 @@ impl From<Session> for SessionView {
             last_activity_at: session.last_activity_at,
             title: session.title,
             last_run_status: session.last_run_status.map(|s| s.as_str().to_owned()),
+            parent_session_id: session.parent_session_id.map(|s| s.to_string()),
         }
     }
 }

@@ -321,6 +321,17 @@ async fn a_delegation_runs_through_the_api_and_its_tree_lists_the_children() {
             "{child}"
         );
         assert_ne!(child["session_id"], session.as_str(), "{child}");
+        let child_session = server
+            .get_ok(
+                TOKEN_A,
+                &format!("/v1/sessions/{}", child["session_id"].as_str().unwrap()),
+            )
+            .await;
+        assert_eq!(
+            child_session["parent_session_id"],
+            session.as_str(),
+            "a child's session names its parent's: {child_session}"
+        );
         assert!(child["steps"].as_u64().unwrap() >= 1, "{child}");
         assert!(child["finished_at"].is_i64(), "{child}");
     }

@@ -95,6 +95,10 @@ async fn sessions_are_titled_renamed_found_and_paged_by_activity() {
         ),
         (&json!("Plan my trip"), &json!("completed"), &json!("idle"))
     );
+    assert!(
+        titled["parent_session_id"].is_null(),
+        "a session a person started has no parent: {titled}"
+    );
 
     let path = format!("/v1/sessions/{budget}");
     let renamed = call(server.patch(TOKEN_A, &path, json!({"title": "  Budget review "}))).await;

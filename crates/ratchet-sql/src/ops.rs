@@ -103,6 +103,7 @@ pub(crate) fn create_session(
         last_activity_at: now,
         title: None,
         last_run_status: None,
+        parent_session_id: None,
     })
 }
 
@@ -113,7 +114,8 @@ const SELECT_SESSION: &str = "SELECT id, tenant, agent, metadata_json, created_a
      (SELECT status FROM runs WHERE runs.id = sessions.active_run_id) AS active_status,
      COALESCE((SELECT created_at FROM events WHERE events.session_id = sessions.id ORDER BY seq DESC LIMIT 1), created_at) AS activity,
      title,
-     (SELECT status FROM runs WHERE runs.session_id = sessions.id ORDER BY id DESC LIMIT 1) AS last_status
+     (SELECT status FROM runs WHERE runs.session_id = sessions.id ORDER BY id DESC LIMIT 1) AS last_status,
+     parent_session_id
      FROM sessions";
 
 fn to_session(mut row: Row) -> Result<Session> {
@@ -134,6 +136,9 @@ fn to_session(mut row: Row) -> Result<Session> {
         last_activity_at: row.opt_int(9)?.unwrap_or(created_at),
         title: row.opt_text(10)?,
         last_run_status: row.opt_text(11)?.as_deref().map(parse_status).transpose()?,
+        parent_session_id: (row.opt_text(12)?.as_deref())
+            .map(parse_session_id)
+            .transpose()?,
     })
 }
 

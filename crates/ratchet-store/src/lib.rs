@@ -156,6 +156,8 @@ pub struct Session {
     pub title: Option<String>,
     /// The status of its latest run (how its last turn ended, when none is active).
     pub last_run_status: Option<RunStatus>,
+    /// For the session of a delegated run: the session of the run that delegated it.
+    pub parent_session_id: Option<SessionId>,
 }
 
 /// Which end of the id order a list starts from (ids are time-ordered), or the latest
