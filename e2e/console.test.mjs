@@ -414,7 +414,7 @@ test("retry a run whose model kept failing, and read its cost", async () => {
   }
 });
 
-test("open a run tree: a delegating run, its children and their steps", async () => {
+test("open a run tree: its waterfall, its children, their steps and what a step sent to the model", async () => {
   const server = await serve();
   const page = await openPage(browser, server.url);
   await newSession(page, "lead");
@@ -431,15 +431,51 @@ test("open a run tree: a delegating run, its children and their steps", async ()
   const truth = await server.get(`/v1/runs/${rootId}/tree`);
   assert.deepEqual(nodes, truth.nodes.map((n) => n.run_id), "every node, parents before children");
   assert.equal(await tree.locator("li li", { hasText: "worker" }).count(), 2);
-  await page.locator("#view table tr", { hasText: "Model calls" }).locator("td", { hasText: "2" }).waitFor();
+  await page.locator("#view table tr", { hasText: "Model calls" }).locator("td").first().filter({ hasText: "2" }).waitFor();
+  // The tree's usage is rolled up: the root's two calls and one for each worker.
+  await page.locator("#view table tr", { hasText: "Model calls" }).locator("td").nth(1).filter({ hasText: "4" }).waitFor();
   await page.locator('tr[data-seq] td:text-is("run.finished")').waitFor();
-  const steps = await page.getByRole("list", { name: "Steps" }).locator("li[data-step]").count();
-  assert.equal(steps, (await server.get(`/v1/runs/${rootId}/steps`)).items.length);
+
+  // One waterfall for the tree: a row for each run, then a row for each of its steps.
+  const waterfall = page.getByRole("list", { name: "Waterfall" });
+  await waterfall.locator("li.wf-run").nth(2).waitFor();
+  const runRows = await waterfall.locator("li.wf-run").evaluateAll((rows) => rows.map((r) => r.dataset.run));
+  assert.deepEqual(runRows.toSorted(), truth.nodes.map((n) => n.run_id).toSorted(), "a row for every run of the tree");
+  assert.equal(runRows[0], rootId, "the root first");
+  for (const node of truth.nodes) {
+    const steps = (await server.get(`/v1/runs/${node.run_id}/steps`)).items;
+    const rows = await waterfall.locator(`li[data-run="${node.run_id}"][data-step]`).count();
+    assert.equal(rows, steps.length, `every step of ${node.run_id}`);
+    const tokens = node.usage.input_tokens + node.usage.output_tokens;
+    await waterfall.locator(`li.wf-run[data-run="${node.run_id}"]`, { hasText: `${tokens.toLocaleString("en-US")} tokens` }).waitFor();
+  }
+  // Each bar sits on the tree's time axis: the children start after the root does.
+  const left = (selector) => waterfall.locator(selector).first().evaluate((bar) => bar.getBoundingClientRect().left);
+  const rootBar = await left(`li.wf-run[data-run="${rootId}"] .wf-span`);
+  const childBar = await left(`li.wf-run[data-run="${truth.nodes[1].run_id}"] .wf-span`);
+  assert.ok(childBar > rootBar, `a child's bar (${childBar}px) starts right of its root's (${rootBar}px)`);
   // A step says what it did: the batch that started the children, the call that asked for it.
-  await page.getByRole("list", { name: "Steps" }).getByText("started 2 child runs, then waited for them").waitFor();
-  await page.getByRole("list", { name: "Steps" }).getByText("asking for 1 tool call").waitFor();
+  await waterfall.getByText("started 2 child runs, then waited for them").waitFor();
+  await waterfall.getByText("asking for 1 tool call").first().waitFor();
   await assertLabelled(page);
   await screenshot(page, "run-tree");
+
+  // A step opened up: what its model call was sent, and the reply.
+  await waterfall.locator(`li[data-run="${rootId}"][data-step="1"] button`).click();
+  const inspector = page.getByRole("region", { name: /^Step 1 of lead/ });
+  await inspector.waitFor();
+  const sent = inspector.getByRole("list", { name: "Messages sent to the model" });
+  assert.deepEqual(await sent.locator("li .text").allTextContents(), ["Count the fruit"]);
+  await inspector.getByText("Tools offered (").click();
+  await inspector.locator('li[data-tool="delegate"]').waitFor();
+  const reply = inspector.getByRole("list", { name: "The model's reply" });
+  // The reply's calls fold below their second level: the task is there, clicks down.
+  for (let closed = reply.locator("details:not([open]) > summary").first(); await closed.count(); ) await closed.click();
+  await reply.locator(".j-str", { hasText: "Count the apples" }).waitFor();
+  await screenshot(page, "step-inspected");
+  // A child's step shows the task it was given.
+  await waterfall.locator(`li[data-run="${truth.nodes[1].run_id}"][data-step="1"] button`).click();
+  await page.getByRole("region", { name: /^Step 1 of worker/ }).getByRole("list", { name: "Messages sent to the model" }).getByText(/^Count the (apples|pears)$/).waitFor();
 
   // A child's page links back to its parent.
   await tree.locator("li li a").first().click();
@@ -470,6 +506,14 @@ test("answer a child's approval from the root conversation", async () => {
   await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
   // The parent read the child's answer as its tool result.
   await page.locator(".item-tool .result", { hasText: "It is 5." }).waitFor();
+
+  // The waterfall names the waits: the checker's for a person, the overseer's for its child.
+  await page.getByRole("complementary", { name: "Session details" }).locator(".controls a").click();
+  const waterfall = page.getByRole("list", { name: "Waterfall" });
+  await waterfall.locator("li.wf-step", { hasText: "waiting for a person's approval" }).waitFor();
+  await waterfall.locator("li.wf-step", { hasText: "waiting for its children" }).waitFor();
+  await waterfall.locator('.wf-wait[data-kind="person"]').first().waitFor();
+  await screenshot(page, "waterfall-waits");
   assert.deepEqual(page.errors, []);
 });
 

@@ -795,7 +795,7 @@ pub fn ask_approval_step(
         &mut state,
         job,
         Instruction::AskApproval,
-        json!({}),
+        json!({"asked_approval": true}),
         started_at,
         now,
     );
@@ -832,7 +832,7 @@ fn close_step(
     started_at: Millis,
     now: Millis,
 ) -> StepResult {
-    let (record, committed) =
+    let (mut record, committed) =
         mark_committed(&mut state, job, instruction, summary, started_at, now);
     events.push(committed);
     let next = match decide(&state, outcome, now) {
@@ -860,6 +860,10 @@ fn close_step(
         }
         Instruction::AskApproval => {
             crate::approval::ask_in_place(&mut state, job.step_index, &mut events);
+            // The step's record says what the run waits for after it.
+            if let Value::Object(summary) = &mut record.summary {
+                summary.insert("asked_approval".into(), Value::Bool(true));
+            }
             None
         }
         Instruction::CallLlm { .. }

@@ -189,6 +189,11 @@ proptest! {
             prop_assert_eq!(terminal, result.state.stop_reason.is_some());
             prop_assert_eq!(terminal, result.state.finished_at.is_some());
             let waiting = result.state.status == RunStatus::WaitingHuman;
+            prop_assert_eq!(
+                result.record.summary.get("asked_approval").and_then(|a| a.as_bool()) == Some(true),
+                matches!(result.state.pending_human, Some(HumanRequest::Approval { .. })),
+                "a step's record says when it left the run waiting for an approval"
+            );
             let paused = result.state.status == RunStatus::Paused;
             prop_assert_eq!(paused, result.state.pause.is_some());
             prop_assert_eq!(terminal || waiting || paused, result.next.is_none(), "a job exactly while not terminal, waiting or paused");

@@ -65,6 +65,68 @@ function json(value) {
   return JSON.stringify(value, null, 2);
 }
 
+// A JSON value to read: objects and arrays fold (the first two levels open), and a string
+// that holds JSON — a tool's result, say — is shown parsed, under a note that it is a string.
+function jsonView(value) {
+  return h("div", { class: "json" }, jsonNode(value, 0));
+}
+
+function jsonInString(text) {
+  const trimmed = text.trim();
+  if (!trimmed.startsWith("{") && !trimmed.startsWith("[")) return null;
+  try {
+    const parsed = JSON.parse(trimmed);
+    return typeof parsed === "object" && parsed !== null ? parsed : null;
+  } catch {
+    return null;
+  }
+}
+
+function jsonNode(value, depth) {
+  if (value === null || value === undefined) return h("span", { class: "j-null", text: "null" });
+  if (typeof value === "string") {
+    const inner = jsonInString(value);
+    if (inner) {
+      return h("details", { class: "j-fold", open: depth < 2 }, h("summary", { class: "j-note", text: "a string holding JSON" }), jsonNode(inner, depth + 1));
+    }
+    return h("span", { class: "j-str", text: value });
+  }
+  if (typeof value !== "object") return h("span", { class: `j-${typeof value}`, text: String(value) });
+  const list = Array.isArray(value);
+  const entries = list ? value.map((v, i) => [i, v]) : Object.entries(value);
+  if (entries.length === 0) return h("span", { class: "j-punct", text: list ? "[]" : "{}" });
+  const count = list ? `[ ${entries.length} item${entries.length === 1 ? "" : "s"} ]` : `{ ${entries.length} key${entries.length === 1 ? "" : "s"} }`;
+  return h(
+    "details",
+    { class: "j-fold", open: depth < 2 },
+    h("summary", { class: "j-punct", text: count }),
+    h("ul", { class: "j-entries" }, ...entries.map(([key, v]) => h("li", {}, h("span", { class: list ? "j-index" : "j-key", text: `${key}: ` }), jsonNode(v, depth + 1)))),
+  );
+}
+
+// A tool's result: JSON when it holds JSON, else its text.
+function resultView(content) {
+  const text = String(content ?? "");
+  return jsonInString(text) ? jsonView(text) : h("pre", { text });
+}
+
+function tokensAndCost(usage) {
+  const tokens = (usage?.input_tokens ?? 0) + (usage?.output_tokens ?? 0);
+  const parts = [`${tokens.toLocaleString()} tokens`];
+  if (usage?.cost_usd) parts.push(`$${usage.cost_usd.toFixed(4)}`);
+  return parts.join(" · ");
+}
+
+// What a run tree spent: the sum over its nodes (each node's usage is its own run's).
+function treeUsage(nodes) {
+  const total = { model_calls: 0, tool_calls: 0, input_tokens: 0, output_tokens: 0, reasoning_tokens: 0, cost_usd: 0 };
+  for (const node of nodes) {
+    for (const key of Object.keys(total)) total[key] += node.usage?.[key] ?? 0;
+  }
+  if (!nodes.some((n) => typeof n.usage?.cost_usd === "number")) total.cost_usd = null;
+  return total;
+}
+
 function sleep(ms) {
   return new Promise((resolve) => setTimeout(resolve, ms));
 }
@@ -530,7 +592,7 @@ function approvalCard(event) {
         "fieldset",
         {},
         h("legend", {}, h("code", { text: call.tool }), " ", h("span", { class: "mono", text: call.call_id })),
-        h("pre", { text: json(call.arguments) }),
+        jsonView(call.arguments),
         h("div", { class: "actions" }, radio("approve", "Approve"), radio("deny", "Deny")),
         h("div", { class: "field" }, h("label", { for: note.id, text: "Note (optional)" }), note),
       ),
@@ -1071,7 +1133,7 @@ function showSession(view, sessionId) {
           "li",
           { class: "item item-tool", "data-call": callId, "data-state": "waiting" },
           h("div", { class: "who" }, "Tool ", h("code", { text: name })),
-          h("details", {}, h("summary", { text: "Arguments" }), h("pre", { text: json(args) })),
+          h("details", {}, h("summary", { text: "Arguments" }), jsonView(args)),
           h("div", { class: "result muted", text: "Waiting to run…" }),
         ),
         runId,
@@ -1119,7 +1181,7 @@ function showSession(view, sessionId) {
         { "aria-label": `Reconcile ${call.call_id}` },
         h("p", {}, h("code", { text: call.tool }), " ", h("span", { class: "mono", text: call.call_id }), ` · key ${call.idempotency_key}`),
         ...(call.drift ? [h("p", { text: call.drift })] : []),
-        h("pre", { text: json(call.arguments) }),
+        jsonView(call.arguments),
         form,
         cardRegion,
       );
@@ -1346,7 +1408,7 @@ function showSession(view, sessionId) {
         const item = toolItem(runId, p.call_id, p.tool, {});
         const result = item.querySelector(".result");
         result.className = "result";
-        result.replaceChildren(h("span", { class: "muted", text: p.is_error ? "Error: " : "Result: " }), h("pre", { text: String(p.content) }));
+        result.replaceChildren(h("span", { class: "muted", text: p.is_error ? "Error: " : "Result: " }), resultView(p.content));
         item.dataset.error = String(Boolean(p.is_error));
         item.dataset.state = "done";
         break;
@@ -1634,7 +1696,7 @@ function showInbox(view, sessionId) {
               {},
               item.payload === null
                 ? h("span", { class: "muted", text: "No report: the work never reported." })
-                : h("details", {}, h("summary", { text: "Report" }), h("pre", { text: json(item.payload) })),
+                : h("details", {}, h("summary", { text: "Report" }), jsonView(item.payload)),
             ),
             h("td", {}, item.status === "dead_letter" ? deadLetterActions(item) : null),
           ),
@@ -1686,7 +1748,10 @@ function showRun(view, runId) {
   const region = errorRegion();
   const facts = h("dl", { class: "facts" });
   const usage = h("tbody");
-  const timeline = h("ol", { class: "timeline", "aria-label": "Steps" });
+  const usageHead = h("tr", {}, h("td", {}), h("th", { scope: "col", text: "This run" }));
+  const waterfall = h("ol", { class: "waterfall", "aria-label": "Waterfall" });
+  const axis = h("div", { class: "wf-axis", "aria-hidden": "true" });
+  const inspector = h("section", { class: "panel inspector", "aria-labelledby": "inspect-title", hidden: true });
   const tree = h("ul", { class: "tree", "aria-label": "Run tree" });
   const events = h("tbody");
   const controls = runControls(() => refresh());
@@ -1725,6 +1790,12 @@ function showRun(view, runId) {
     activity.el,
     region,
     why,
+    panel(
+      "Waterfall",
+      h("p", { class: "muted small", text: "Every run of the tree on one time axis: each step a solid bar, each wait before it hatched and named. Open a step to see what it sent to the model." }),
+      h("div", { class: "wf" }, axis, waterfall),
+    ),
+    inspector,
     h(
       "div",
       { class: "run-grid" },
@@ -1732,10 +1803,10 @@ function showRun(view, runId) {
         "div",
         {},
         panel("Summary", facts),
-        panel("Usage and cost", h("table", {}, h("caption", { text: "What this run spent" }), usage)),
+        panel("Usage and cost", h("table", {}, h("caption", { text: "What this run spent, and with the runs below it" }), h("thead", {}, usageHead), usage)),
         panel("Control", controls.el),
       ),
-      h("div", {}, panel("Run tree", tree), panel("Steps", timeline)),
+      h("div", {}, panel("Run tree", tree)),
     ),
     h("h2", { text: "Events" }),
     h("div", { class: "inline" }, h("div", { class: "field" }, h("label", { for: "event-kind", text: "Kinds" }), kinds), showDeltas, download),
@@ -1758,16 +1829,19 @@ function showRun(view, runId) {
 
   let reads = 0;
   let drawn = null;
+  // While any run of the tree has not ended, its waits grow: the waterfall is drawn again
+  // every two seconds.
+  let shownTree = null;
+  const growing = setInterval(() => {
+    if (shownTree && shownTree[0].some((n) => !TERMINAL.has(n.status))) drawWaterfall(...shownTree);
+  }, 2000);
   async function refresh() {
     const read = ++reads;
     try {
-      const [run, steps, treeView] = await Promise.all([
-        api(`/v1/runs/${runId}`),
-        allPages(`/v1/runs/${runId}/steps`),
-        api(`/v1/runs/${runId}/tree`),
-      ]);
+      const [run, treeView] = await Promise.all([api(`/v1/runs/${runId}`), api(`/v1/runs/${runId}/tree`)]);
+      const steps = await stepsOfTree(treeView.nodes);
       // Only the latest read draws, and only what changed: focus stays where it was.
-      const data = JSON.stringify([run, steps, treeView, lastError]);
+      const data = JSON.stringify([run, [...steps], treeView, lastError]);
       if (read !== reads || data === drawn) return;
       drawn = data;
       why.replaceChildren(...(run.status === "failed" ? [stopBanner(run, lastError, () => refresh())] : []));
@@ -1782,34 +1856,26 @@ function showRun(view, runId) {
         ...(run.final_answer ? fact("Answer", h("div", { class: "text", text: run.final_answer })) : []),
       );
       controls.update(run);
-      const u = run.usage;
+      // This run's own usage, and the whole tree's beside it when it has runs below it.
+      const below = treeView.nodes.filter((n) => n.run_id !== runId);
+      // The tree read from a run holds it and the runs below it, nothing above.
+      const whole = treeUsage(treeView.nodes);
+      const columns = below.length ? [run.usage, whole] : [run.usage];
+      usageHead.replaceChildren(h("td", {}), h("th", { scope: "col", text: "This run" }), ...(below.length ? [h("th", { scope: "col", text: "With the runs below it" })] : []));
+      const cost = (u) => (u.cost_usd === null || u.cost_usd === undefined ? "no prices configured" : `$${u.cost_usd.toFixed(6)}`);
       usage.replaceChildren(
         ...[
-          ["Model calls", u.model_calls],
-          ["Tool calls", u.tool_calls],
-          ["Input tokens", u.input_tokens],
-          ["Output tokens", u.output_tokens],
-          ["Reasoning tokens", u.reasoning_tokens],
-          ["Cost", u.cost_usd === null || u.cost_usd === undefined ? "no prices configured" : `$${u.cost_usd.toFixed(6)}`],
-        ].map(([k, v]) => h("tr", {}, h("th", { scope: "row", text: k }), h("td", { text: String(v) }))),
+          ["Model calls", (u) => u.model_calls],
+          ["Tool calls", (u) => u.tool_calls],
+          ["Input tokens", (u) => u.input_tokens],
+          ["Output tokens", (u) => u.output_tokens],
+          ["Reasoning tokens", (u) => u.reasoning_tokens],
+          ["Cost", cost],
+        ].map(([k, read]) => h("tr", {}, h("th", { scope: "row", text: k }), ...columns.map((u, i) => h("td", { text: String(read(u, i)) })))),
       );
-      const longest = Math.max(1, ...steps.map((s) => s.duration_ms));
-      timeline.replaceChildren(
-        ...steps.map((step) => {
-          const s = step.summary ?? {};
-          const tokens = s.input_tokens !== undefined ? `${s.input_tokens} in · ${s.output_tokens} out` : "";
-          return h(
-            "li",
-            { "data-step": step.index },
-            h("span", { class: "mono", text: `#${step.index}` }),
-            h("span", { text: stepLabel(step) }),
-            h("span", { class: "duration-cell" }, durationBar(step.duration_ms, longest)),
-            h("span", { class: "muted", text: `${step.duration_ms} ms${tokens ? ` · ${tokens}` : ""}` }),
-          );
-        }),
-      );
-      if (steps.length === 0) timeline.append(h("li", { class: "muted", text: "No step committed yet." }));
       drawTree(treeView.nodes);
+      shownTree = [treeView.nodes, steps];
+      drawWaterfall(...shownTree);
       clearError(region);
     } catch (error) {
       if (error.status === 404) return showGone(view, error, leave);
@@ -1830,11 +1896,193 @@ function showRun(view, runId) {
     return name;
   }
 
-  // Sized through the CSSOM: the page's policy forbids style attributes.
-  function durationBar(ms, longest) {
-    const bar = h("div", { class: "duration", role: "presentation" });
-    bar.style.width = `${Math.max(1, (100 * ms) / longest)}%`;
-    return bar;
+  // The steps of each run of the tree. A run that has ended changes no more: its steps are
+  // read once. Trees past 50 runs show their first 50.
+  const endedSteps = new Map();
+  async function stepsOfTree(nodes) {
+    const shown = nodes.slice(0, 50);
+    const read = await Promise.all(
+      shown.map(async (node) => {
+        if (endedSteps.has(node.run_id)) return endedSteps.get(node.run_id);
+        const steps = await allPages(`/v1/runs/${node.run_id}/steps`);
+        if (TERMINAL.has(node.status)) endedSteps.set(node.run_id, steps);
+        return steps;
+      }),
+    );
+    return new Map(shown.map((node, i) => [node.run_id, read[i]]));
+  }
+
+  // What a run waited for before `step`, from the step before it.
+  function waitBefore(previous) {
+    if (!previous) return ["queue", "in the queue"];
+    const s = previous.summary ?? {};
+    if (s.children?.length) return ["children", "waiting for its children"];
+    if (s.asked_approval) return ["person", "waiting for a person's approval"];
+    if (s.reconciliation) return ["person", "waiting for a person to reconcile"];
+    return ["other", "waiting (a retry's backoff, a pause or a free worker)"];
+  }
+  const WAITING_NOW = {
+    queued: ["queue", "in the queue"],
+    waiting_human: ["person", "waiting for a person"],
+    waiting_children: ["children", "waiting for its children"],
+    paused: ["other", "paused"],
+    running: ["other", "a step in flight"],
+    cancelling: ["other", "winding down"],
+  };
+
+  // One time axis for the whole tree, from its first run's creation to its last end (now,
+  // while any runs). Bars are placed through the CSSOM: the page's policy forbids style
+  // attributes.
+  function drawWaterfall(nodes, stepsByRun) {
+    const now = Date.now();
+    const shown = nodes.filter((n) => stepsByRun.has(n.run_id));
+    const start = Math.min(...shown.map((n) => n.created_at));
+    const end = Math.max(start + 1, ...shown.map((n) => n.finished_at ?? now), ...[...stepsByRun.values()].flat().map((s) => s.finished_at));
+    const span = end - start;
+    const place = (el, from, to) => {
+      el.style.left = `${(100 * (from - start)) / span}%`;
+      el.style.width = `${Math.max(0.4, (100 * (to - from)) / span)}%`;
+      return el;
+    };
+    axis.replaceChildren(
+      ...[0, 0.25, 0.5, 0.75, 1].map((f) => {
+        const tick = h("span", { text: seconds(f * span) });
+        tick.style.left = `${f * 100}%`;
+        return tick;
+      }),
+    );
+    const children = new Map();
+    for (const node of shown) {
+      const key = node.parent_run_id ?? "";
+      if (!children.has(key)) children.set(key, []);
+      children.get(key).push(node);
+    }
+    const rows = [];
+    const visit = (node) => {
+      const steps = stepsByRun.get(node.run_id) ?? [];
+      const track = h("div", { class: "wf-track" }, place(h("div", { class: "wf-span" }), node.created_at, node.finished_at ?? now));
+      const last = steps.at(-1);
+      const waiting = !TERMINAL.has(node.status) && WAITING_NOW[node.status];
+      let now_ = "";
+      if (waiting) {
+        const since = last?.finished_at ?? node.created_at;
+        track.append(place(h("div", { class: "wf-wait", "data-kind": waiting[0] }), since, now));
+        now_ = ` · now ${waiting[1]} for ${seconds(now - since)}`;
+      }
+      const took = node.finished_at ? ` · ${seconds(node.finished_at - node.created_at)}` : "";
+      rows.push(
+        h(
+          "li",
+          { class: "wf-row wf-run", "data-run": node.run_id, "data-depth": node.depth },
+          h(
+            "div",
+            { class: "wf-label" },
+            node.run_id === runId ? h("strong", { text: node.agent ?? "default" }) : h("a", { href: `#/runs/${node.run_id}`, text: node.agent ?? "default" }),
+            " ",
+            chip(node.status),
+            h("span", { class: "muted small", text: `${took} · ${tokensAndCost(node.usage)}${now_}` }),
+          ),
+          track,
+        ),
+      );
+      steps.forEach((step, i) => {
+        const previous = steps[i - 1];
+        const from = previous?.finished_at ?? node.created_at;
+        const [kind, words] = waitBefore(previous);
+        const waited = step.started_at - from;
+        const s = step.summary ?? {};
+        const tokens = s.input_tokens !== undefined ? ` · ${s.input_tokens} in, ${s.output_tokens} out` : "";
+        const open = h("button", { type: "button", class: "linkish", text: `#${step.index} ${stepLabel(step)}` });
+        open.addEventListener("click", () => inspect(node.run_id, step.index, node.agent));
+        const stepTrack = h("div", { class: "wf-track" });
+        if (waited > 0) stepTrack.append(place(h("div", { class: "wf-wait", "data-kind": kind }), from, step.started_at));
+        stepTrack.append(place(h("div", { class: "wf-bar", "data-instruction": step.instruction }), step.started_at, step.finished_at));
+        rows.push(
+          h(
+            "li",
+            { class: "wf-row wf-step", "data-run": node.run_id, "data-step": step.index, "data-depth": node.depth },
+            h("div", { class: "wf-label" }, open, h("span", { class: "muted small", text: ` ${step.duration_ms} ms${tokens}${waited >= 50 ? ` · after ${seconds(waited)} ${words}` : ""}` })),
+            stepTrack,
+          ),
+        );
+      });
+      for (const child of children.get(node.run_id) ?? []) visit(child);
+    };
+    const ids = new Set(shown.map((n) => n.run_id));
+    for (const root of shown.filter((n) => !n.parent_run_id || !ids.has(n.parent_run_id))) visit(root);
+    for (const row of rows) row.querySelector(".wf-label").style.paddingLeft = `${Number(row.dataset.depth) * 1.25}rem`;
+    replaceKeepingFocus(waterfall, rows.map((row) => {
+      row.dataset.key = `${row.dataset.run}/${row.dataset.step ?? ""}`;
+      return row;
+    }));
+  }
+
+  // A step opened up: what its model call was sent (system prompt, tools offered, messages)
+  // and what came back, and what the step wrote.
+  async function inspect(stepRunId, index, agent) {
+    try {
+      const step = await api(`/v1/runs/${stepRunId}/steps/${index}`);
+      const heading = h("h2", { id: "inspect-title", tabindex: "-1", text: `Step ${index} of ${agent ?? "default"} ${stepRunId}: ${step.instruction.replaceAll("_", " ")}` });
+      const close = h("button", { type: "button", class: "quiet", text: "Close the step" });
+      close.addEventListener("click", () => {
+        inspector.hidden = true;
+        waterfall.querySelector(`li[data-run="${stepRunId}"][data-step="${index}"] button`)?.focus();
+      });
+      const parts = [
+        h("div", { class: "inline" }, heading, close),
+        h("p", { class: "muted" }, `Started ${when(step.started_at)}, took ${step.duration_ms} ms.`),
+        h("details", {}, h("summary", { text: "Summary" }), jsonView(step.summary)),
+      ];
+      const call = step.model_call;
+      if (call) {
+        parts.push(
+          h("h3", { text: "Sent to the model" }),
+          h("p", {}, "Model ", h("code", { text: call.model })),
+          h("details", { class: "system-prompt" }, h("summary", { text: "System prompt" }), call.system_prompt ? h("pre", { text: call.system_prompt }) : h("p", { class: "muted", text: "None." })),
+          h(
+            "details",
+            { class: "offered" },
+            h("summary", { text: `Tools offered (${call.tools.length})` }),
+            call.tools.length
+              ? h("ul", {}, ...call.tools.map((tool) => h("li", { "data-tool": tool.name }, h("code", { text: tool.name }), ` — ${tool.description}`, h("details", {}, h("summary", { text: "Parameters" }), jsonView(tool.parameters)))))
+              : h("p", { class: "muted", text: "None: the step asked for a final answer." }),
+          ),
+          h("h4", { text: `Messages, as sent (${call.messages.length})` }),
+          h("ol", { class: "log prompt", "aria-label": "Messages sent to the model" }, ...call.messages.map(promptItem)),
+          h("h3", { text: "The reply" }),
+          call.reply ? h("ol", { class: "log prompt", "aria-label": "The model's reply" }, promptItem(call.reply)) : h("p", { class: "muted", text: "None: the call failed." }),
+        );
+      }
+      // A model call's reply was shown above; what else its commit wrote (reports handed on)
+      // is listed here.
+      const written = call?.reply ? step.written.filter((m) => !(m.role === "assistant" && m.content === call.reply.content)) : step.written;
+      if (!call || written.length) {
+        parts.push(
+          h("h3", { text: call ? "Also written by this step" : "Written by this step" }),
+          written.length ? h("ol", { class: "log prompt", "aria-label": "Written by this step" }, ...written.map(promptItem)) : h("p", { class: "muted", text: "Nothing." }),
+        );
+      }
+      inspector.replaceChildren(...parts);
+      inspector.hidden = false;
+      heading.focus();
+    } catch (error) {
+      showError(region, error);
+    }
+  }
+
+  function promptItem(message) {
+    const who = [message.role];
+    if (!["user", "agent"].includes(message.origin)) who.push(message.origin);
+    if (message.visibility === "hidden") who.push("hidden");
+    if (message.is_error) who.push("error");
+    return h(
+      "li",
+      { class: `item item-prompt item-${message.role}`, "data-role": message.role },
+      h("div", { class: "who", text: who.join(" · ") }),
+      message.tool_call_id ? h("div", { class: "muted small" }, "result of ", h("span", { class: "mono", text: message.tool_call_id })) : null,
+      message.role === "tool" ? resultView(message.content) : h("div", { class: "text", text: message.content }),
+      message.tool_calls.length ? jsonView(message.tool_calls) : null,
+    );
   }
 
   function drawTree(nodes) {
@@ -1853,7 +2101,7 @@ function showRun(view, runId) {
         ` ${node.agent ?? "default"} `,
         chip(node.status),
         node.background ? " background" : "",
-        ` · ${node.steps} step${node.steps === 1 ? "" : "s"}`,
+        ` · ${node.steps} step${node.steps === 1 ? "" : "s"} · ${tokensAndCost(node.usage)}`,
         (children.get(node.run_id) ?? []).length ? h("ul", {}, ...children.get(node.run_id).map(branch)) : null,
       );
     const roots = nodes.filter((n) => !n.parent_run_id || !ids.has(n.parent_run_id));
@@ -1873,7 +2121,7 @@ function showRun(view, runId) {
         h("td", { class: "mono", text: event.seq }),
         h("td", { class: "mono", text: event.kind }),
         h("td", { class: "time", text: new Date(event.created_at).toLocaleTimeString() }),
-        h("td", {}, h("details", {}, h("summary", { text: "Payload" }), h("pre", { text: json(event.payload) }))),
+        h("td", {}, h("details", {}, h("summary", { text: "Payload" }), copyButton(json(event.payload), `the payload of event ${event.seq}`), jsonView(event.payload))),
       ),
     );
     if (event.kind !== "assistant.delta") {
@@ -1885,6 +2133,7 @@ function showRun(view, runId) {
   function leave() {
     stream.stop();
     clearTimeout(refreshTimer);
+    clearInterval(growing);
   }
   return leave;
 }
