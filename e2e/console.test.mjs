@@ -420,7 +420,31 @@ test("open a run tree: its waterfall, its children, their steps and what a step 
   await newSession(page, "lead");
   await send(page, "Count the fruit");
   await page.locator(".item-assistant", { hasText: "Both workers reported back." }).waitFor();
-  assert.equal(await page.locator(".item-notice", { hasText: /^Started worker/ }).count(), 2);
+  // Each child sits under the `delegate` call that started it: its task, then its answer.
+  const delegateCall = page.locator(".item-tool", { has: page.locator("code", { hasText: "delegate" }) });
+  const children = delegateCall.getByRole("list", { name: "Runs this call started" }).locator(".item-notice");
+  assert.equal(await children.count(), 2);
+  await children.filter({ hasText: "for: Count the apples" }).locator(".child-answer", { hasText: "Counted: 7." }).waitFor();
+  await children.first().locator(".child-outcome .chip", { hasText: "completed" }).waitFor();
+  // The call's result is a string holding JSON: shown parsed.
+  await delegateCall.locator(".result .j-note", { hasText: "a string holding JSON" }).waitFor();
+  await delegateCall.locator(".result .j-key", { hasText: "results" }).waitFor();
+  // The child's whole transcript is a click away.
+  const apples = children.filter({ hasText: "for: Count the apples" });
+  await apples.getByText("Transcript").click();
+  await apples.locator(".transcript-items .item-user", { hasText: "Count the apples" }).waitFor();
+  await apples.locator(".transcript-items .item-assistant", { hasText: "Counted: 7." }).waitFor();
+  // The session's spend includes what its runs delegated.
+  const spent = (await server.get(`/v1/runs/${(await server.get(`/v1/sessions/${new URL(page.url()).hash.split("/")[2]}/runs`)).items[0].id}/tree`)).nodes.reduce((sum, n) => sum + n.usage.input_tokens + n.usage.output_tokens, 0);
+  await page.locator(".session-spend", { hasText: `spent ${spent} tokens, delegated runs included` }).waitFor();
+  await screenshot(page, "delegation-inline");
+
+  // A child's session is labelled as a task from its parent, and takes no messages.
+  await apples.getByRole("link", { name: "Open the task's session" }).click();
+  await page.locator(".task-of", { hasText: "A task from its parent." }).waitFor();
+  assert.equal(await page.getByLabel("Message", { exact: true }).isVisible(), false, "a task's session has no composer");
+  await page.locator(".task-of a", { hasText: "the parent's session" }).click();
+  await page.locator(".item-assistant", { hasText: "Both workers reported back." }).waitFor();
 
   await page.getByRole("complementary", { name: "Session details" }).locator(".controls a").click();
   await page.waitForURL(/#\/runs\/run_/);
@@ -719,6 +743,34 @@ test("a webhook's dead deliveries are requeued from its delivery log", async () 
   assert.deepEqual(page.errors, []);
 });
 
+test("the Agents page draws the catalog: delegation, tools, approvals and limits", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  await page.getByRole("link", { name: "Agents" }).click();
+  await page.getByRole("heading", { name: "Agents", level: 1 }).waitFor();
+  const graph = page.getByRole("img", { name: /^Delegation graph/ });
+  await graph.waitFor();
+  const edges = await graph.locator("path.edge").evaluateAll((paths) => paths.map((p) => p.dataset.edge).sort());
+  const agents = (await server.get("/v1/agents")).items;
+  const truth = agents.flatMap((a) => a.delegates.map((d) => `${a.id}>${d}`)).sort();
+  assert.deepEqual(edges, truth, "an edge for each agent an agent may delegate to");
+  // An agent with no edge is named beside the graph, not drawn in it.
+  assert.equal(await graph.locator('g[data-agent="chat"]').count(), 0);
+  await page.locator(".alone", { hasText: "chat" }).waitFor();
+  assert.ok(truth.includes("lead>worker") && truth.includes("overseer>checker"), `${truth}`);
+  // A delegate sits below the agent that delegates to it.
+  const top = (id) => graph.locator(`g[data-agent="${id}"] rect`).evaluate((r) => Number(r.getAttribute("y")));
+  assert.ok((await top("worker")) > (await top("lead")), "worker is drawn below lead");
+  const guarded = page.getByRole("region", { name: "guarded" });
+  await guarded.locator('li[data-tool="append_line"]', { hasText: "always asks a person" }).waitFor();
+  assert.equal(await guarded.locator('li[data-tool="add"] .gated').count(), 0, "an ungated tool says nothing of approval");
+  await page.getByRole("region", { name: "looper" }).getByText(/max steps 3\b/).waitFor();
+  await page.getByRole("region", { name: "worker" }).getByText("lead").waitFor();
+  await assertLabelled(page);
+  await screenshot(page, "agents");
+  assert.deepEqual(page.errors, []);
+});
+
 test("on a phone the conversation fits the screen", async () => {
   const server = await serve();
   const page = await openPage(browser, server.url, { width: 390, height: 844 });
@@ -734,6 +786,12 @@ test("on a phone the conversation fits the screen", async () => {
   assert.ok(overflow <= 0, `no sideways scrolling: ${overflow}px too wide`);
   await page.getByLabel("Message", { exact: true }).scrollIntoViewIfNeeded();
   assert.ok(await page.getByLabel("Message", { exact: true }).isVisible());
+  // The run's controls sit above the conversation, within the first screen.
+  await page.evaluate(() => window.scrollTo(0, 0));
+  const cancel = await page.getByRole("button", { name: "Cancel run" }).boundingBox();
+  const conversation = await page.getByRole("log", { name: "Conversation" }).boundingBox();
+  assert.ok(cancel.y < conversation.y, `Cancel (${cancel.y}px) above the conversation (${conversation.y}px)`);
+  assert.ok(cancel.y + cancel.height < 844, `Cancel within the first screen: ${cancel.y}px`);
   await screenshot(page, "phone");
   assert.deepEqual(page.errors, []);
 });
@@ -781,6 +839,15 @@ test("every view passes an automated WCAG 2.1 AA audit, in both colour schemes",
     await page.goto(`${server.url}/#/sessions/${sessionId}/inbox`);
     await page.getByText("Nothing here.").waitFor();
     audited.inbox = await accessibilityViolations(page);
+
+    await page.goto(`${server.url}/#/agents`);
+    await page.getByRole("img", { name: /^Delegation graph/ }).waitFor();
+    audited.agents = await accessibilityViolations(page);
+
+    await page.goto(`${server.url}/#/runs/${runId}`);
+    await page.getByRole("list", { name: "Waterfall" }).locator("li[data-step] button").first().click();
+    await page.getByRole("region", { name: /^Step 1 of/ }).waitFor();
+    audited.step = await accessibilityViolations(page);
 
     for (const [view, violations] of Object.entries(audited)) {
       assert.deepEqual(violations, [], `${colorScheme} ${view}`);

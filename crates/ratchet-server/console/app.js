@@ -1012,21 +1012,25 @@ function showSession(view, sessionId) {
   const archive = h("button", { type: "button", class: "danger", text: "Archive session" });
   const panelTitle = h("h2", { id: "latest-run", text: "Latest run" });
   const readOnly = h("p", { class: "notice read-only", role: "status", hidden: true, text: "This session is archived: it is read-only and takes no more messages." });
+  // A delegated run's session is its parent's business: shown, never written to.
+  const taskOf = h("p", { class: "notice read-only task-of", hidden: true });
+  const runSection = h("section", { "aria-labelledby": "latest-run", class: "run-section" }, panelTitle, controls.el);
 
   view.append(
     title,
     identity,
     renameForm,
     facts,
+    taskOf,
     region,
     h(
       "div",
       { class: "session" },
-      h("div", {}, conversation, activity.el, readOnly, composer),
+      h("div", { class: "session-main" }, conversation, activity.el, readOnly, composer),
       h(
         "aside",
         { class: "side", "aria-label": "Session details" },
-        h("section", { "aria-labelledby": "latest-run" }, panelTitle, controls.el),
+        runSection,
         h(
           "section",
           { "aria-labelledby": "more-title" },
@@ -1044,14 +1048,43 @@ function showSession(view, sessionId) {
   const runs = new Map();
   let latestRunId = null;
   let archived = false;
+  let delegated = false;
 
-  // An archived session takes no more messages: its controls stay disabled whatever ran last.
+  // An archived session takes no more messages, nor does a delegated run's: their controls
+  // stay disabled whatever ran last.
   function closeIfArchived() {
-    send.disabled = archived;
-    content.disabled = archived;
-    multitask.disabled = archived;
-    archive.disabled = archived;
+    send.disabled = archived || delegated;
+    content.disabled = archived || delegated;
+    multitask.disabled = archived || delegated;
+    archive.disabled = archived || delegated;
     readOnly.hidden = !archived;
+    composer.hidden = delegated;
+  }
+
+  // On a phone the run's controls sit above the conversation, not a screen's scroll below it.
+  const phone = matchMedia("(max-width: 50rem)");
+  const side = view.querySelector("aside.side");
+  const main = view.querySelector(".session-main");
+  function placeControls() {
+    if (phone.matches) main.prepend(runSection);
+    else side.prepend(runSection);
+  }
+  phone.addEventListener("change", placeControls);
+  placeControls();
+
+  // What the session's runs spent, with everything they delegated: each run's tree is read
+  // until the whole tree has ended, then kept.
+  const spentByRun = new Map();
+  async function sessionSpend(runIds) {
+    await Promise.all(
+      runIds
+        .filter((id) => !spentByRun.get(id)?.ended)
+        .map(async (id) => {
+          const tree = await api(`/v1/runs/${id}/tree`);
+          spentByRun.set(id, { usage: treeUsage(tree.nodes), ended: tree.nodes.every((n) => TERMINAL.has(n.status)) });
+        }),
+    );
+    return treeUsage(runIds.map((id) => ({ usage: spentByRun.get(id)?.usage })));
   }
 
   function runOf(runId) {
@@ -1233,17 +1266,81 @@ function showSession(view, sessionId) {
   // root run id -> its tree stream, until every run of the tree has finished
   const trees = new Map();
 
+  // A child started by a `delegate` call: its task, and — once it has ended — its answer,
+  // status and spend, with its whole transcript a click away.
   function childNotice(p, parentList) {
     if (below.has(p.child_run_id)) return;
+    const outcome = h("div", { class: "child-outcome", "aria-live": "polite" });
+    const transcript = h("details", { class: "transcript" }, h("summary", { text: "Transcript" }));
+    transcript.addEventListener("toggle", () => {
+      if (transcript.open) readTranscript(transcript, p.child_session_id);
+    });
     const item = h(
       "li",
       { class: "item item-notice", "data-child-run": p.child_run_id },
       `Started ${p.agent} `,
       runLink(p.child_run_id),
       `${p.background ? " in the background" : ""} for: ${p.task}`,
+      outcome,
+      p.child_session_id ? transcript : null,
     );
-    below.set(p.child_run_id, { item, list: null, agent: p.agent });
+    below.set(p.child_run_id, { item, list: null, agent: p.agent, outcome });
     follow(() => parentList.append(item), item);
+  }
+
+  // Where a child's notice goes: under the `delegate` call that started it, else in its
+  // parent's group.
+  function childrenOf(runId, callId) {
+    const call = callId && runOf(runId).tools.get(callId);
+    if (!call) return groupOf(runId).items;
+    let list = call.querySelector(":scope > ul.children");
+    if (!list) {
+      list = h("ul", { class: "below children", "aria-label": "Runs this call started" });
+      call.append(list);
+    }
+    return list;
+  }
+
+  async function childEnded(childRunId) {
+    const child = below.get(childRunId);
+    if (!child) return;
+    try {
+      const run = await api(`/v1/runs/${childRunId}`);
+      const took = run.finished_at ? `, ${seconds(run.finished_at - run.created_at)}` : "";
+      child.outcome.replaceChildren(
+        h("div", { class: "muted small" }, chip(run.status), ` ${tokensAndCost(run.usage)}${took}`),
+        run.final_answer ? h("div", { class: "text child-answer" }, h("span", { class: "muted", text: "Answer: " }), run.final_answer) : null,
+      );
+    } catch (error) {
+      showError(region, error);
+    }
+  }
+
+  async function readTranscript(transcript, childSessionId) {
+    if (transcript.dataset.read) return;
+    transcript.dataset.read = "true";
+    try {
+      const messages = await allPages(`/v1/sessions/${childSessionId}/messages`);
+      transcript.append(
+        h(
+          "ol",
+          { class: "log transcript-items" },
+          ...messages.map((m) =>
+            h(
+              "li",
+              { class: `item item-${m.role}` },
+              h("div", { class: "who" }, m.role === "tool" ? ["Result of ", h("code", { text: m.tool_call_id ?? "" })] : m.role),
+              m.role === "tool" ? resultView(m.content) : h("div", { class: "text", text: m.content }),
+              m.tool_calls.length ? jsonView(m.tool_calls) : null,
+            ),
+          ),
+        ),
+        h("p", {}, h("a", { href: `#/sessions/${childSessionId}`, text: "Open the task's session" })),
+      );
+    } catch (error) {
+      delete transcript.dataset.read;
+      showError(region, error);
+    }
   }
 
   // The list under a child's notice, made when it first holds something.
@@ -1284,6 +1381,9 @@ function showSession(view, sessionId) {
     switch (event.kind) {
       case "subagent.started":
         childNotice(p, list);
+        break;
+      case "subagent.finished":
+        childEnded(p.child_run_id);
         break;
       case "tool.call": {
         const result = h("span", { class: "muted", text: "running…" });
@@ -1447,11 +1547,11 @@ function showSession(view, sessionId) {
         reconciliations.get(runId)?.decided(p.call_id, p.answer);
         break;
       case "subagent.started":
-        childNotice(p, groupOf(runId).items);
+        childNotice(p, childrenOf(runId, p.call_id));
         followTree(runId);
         break;
       case "subagent.finished":
-        notice(runId, `${p.agent} `, runLink(p.child_run_id), ` ended: ${p.status}.`);
+        childEnded(p.child_run_id);
         break;
       case "context.compacted":
         notice(runId, "Older turns were summarised to fit the model's context.");
@@ -1534,6 +1634,7 @@ function showSession(view, sessionId) {
       const active = session.active_run_id;
       const target = active ?? latestRunId ?? runPage.items.at(-1)?.id;
       const run = target ? await api(`/v1/runs/${target}`) : null;
+      const spent = await sessionSpend(runPage.items.map((r) => r.id));
       if (read !== sideReads) return;
       panelTitle.textContent = active ? "Active run" : "Latest run";
       clearError(region);
@@ -1542,8 +1643,22 @@ function showSession(view, sessionId) {
         `Agent ${session.agent ?? "default"} · `,
         chip(session.status),
         ` · created ${when(session.created_at)}`,
+        h("span", { class: "session-spend", text: runPage.items.length ? ` · spent ${tokensAndCost(spent)}, delegated runs included` : "" }),
       );
       archived = Boolean(session.archived_at);
+      delegated = Boolean(session.parent_session_id);
+      if (delegated) {
+        const parentRun = run?.parent_run_id;
+        taskOf.replaceChildren(
+          h("strong", { text: "A task from its parent. " }),
+          "This session holds a run delegated by ",
+          parentRun ? runLink(parentRun) : "another run",
+          " of ",
+          h("a", { href: `#/sessions/${session.parent_session_id}`, text: "the parent's session" }),
+          ". It is read-only: the parent's conversation is where it is talked to.",
+        );
+      }
+      taskOf.hidden = !delegated;
       closeIfArchived();
       replaceKeepingFocus(
         runsList,
@@ -1604,6 +1719,7 @@ function showSession(view, sessionId) {
   refreshSide();
   function leave() {
     clearInterval(ticking);
+    phone.removeEventListener("change", placeControls);
     stream.stop();
     for (const tree of trees.values()) tree.stop();
     clearTimeout(refreshTimer);
@@ -2246,6 +2362,158 @@ const pendingCount = {
 // ---------------------------------------------------------------------------------------------
 // Webhooks and their delivery logs, dead letters included.
 
+// ---------------------------------------------------------------------------------------------
+// The catalog: a graph of who delegates to whom, then each agent's tools, approvals and limits.
+
+const SVG = "http://www.w3.org/2000/svg";
+function svg(tag, attrs = {}, ...children) {
+  const el = document.createElementNS(SVG, tag);
+  for (const [key, value] of Object.entries(attrs)) el.setAttribute(key, value);
+  el.append(...children);
+  return el;
+}
+
+// Agents in layers: those nobody delegates to first, then each agent one layer below the
+// lowest agent that delegates to it (an agent only reached through a cycle starts a layer 0).
+function layers(agents) {
+  const byId = new Map(agents.map((a) => [a.id, a]));
+  const delegated = new Set(agents.flatMap((a) => a.delegates));
+  const level = new Map();
+  const queue = agents.filter((a) => !delegated.has(a.id)).map((a) => [a.id, 0]);
+  for (const agent of agents) if (queue.length === 0 && !level.has(agent.id)) queue.push([agent.id, 0]);
+  while (queue.length) {
+    const [id, depth] = queue.shift();
+    if (level.has(id) && level.get(id) >= depth) continue;
+    if (depth > agents.length) continue;
+    level.set(id, depth);
+    for (const next of byId.get(id)?.delegates ?? []) if (byId.has(next)) queue.push([next, depth + 1]);
+  }
+  for (const agent of agents) if (!level.has(agent.id)) level.set(agent.id, 0);
+  const rows = [];
+  for (const agent of agents) (rows[level.get(agent.id)] ??= []).push(agent);
+  return rows.filter(Boolean);
+}
+
+function delegationGraph(agents) {
+  const rows = layers(agents);
+  // Each layer in the order of the agents that delegate to it, so that edges rarely cross.
+  const order = new Map(rows[0].map((a, i) => [a.id, i]));
+  for (const row of rows.slice(1)) {
+    const mean = (agent) => {
+      const from = agents.filter((a) => a.delegates.includes(agent.id) && order.has(a.id)).map((a) => order.get(a.id));
+      return from.length ? from.reduce((x, y) => x + y, 0) / from.length : Infinity;
+    };
+    row.sort((a, b) => mean(a) - mean(b));
+    row.forEach((agent, i) => order.set(agent.id, i));
+  }
+  const [boxW, boxH, gapX, gapY] = [170, 48, 30, 56];
+  const width = Math.max(...rows.map((r) => r.length)) * (boxW + gapX) + gapX;
+  const height = rows.length * (boxH + gapY);
+  const at = new Map();
+  rows.forEach((row, depth) => {
+    const offset = (width - row.length * (boxW + gapX) + gapX) / 2;
+    row.forEach((agent, i) => at.set(agent.id, { x: offset + i * (boxW + gapX), y: gapY / 2 + depth * (boxH + gapY) }));
+  });
+  const edges = agents.flatMap((a) => a.delegates.filter((d) => at.has(d)).map((d) => [a.id, d]));
+  const described = edges.length ? edges.map(([from, to]) => `${from} delegates to ${to}`).join("; ") : "no agent delegates";
+  const picture = svg(
+    "svg",
+    { viewBox: `0 0 ${width} ${height}`, class: "graph", role: "img", "aria-label": `Delegation graph: ${described}.` },
+    svg("defs", {}, svg("marker", { id: "arrow", viewBox: "0 0 10 10", refX: "10", refY: "5", markerWidth: "7", markerHeight: "7", orient: "auto-start-reverse" }, svg("path", { d: "M 0 0 L 10 5 L 0 10 z", class: "arrow" }))),
+  );
+  for (const [from, to] of edges) {
+    const a = at.get(from);
+    const b = at.get(to);
+    const down = b.y > a.y;
+    const [x1, y1] = [a.x + boxW / 2, down ? a.y + boxH : a.y + boxH / 2];
+    const [x2, y2] = [b.x + boxW / 2, down ? b.y : b.y + boxH / 2];
+    const bend = down ? "" : ` Q ${Math.max(x1, x2) + boxW * 0.75} ${(y1 + y2) / 2}`;
+    picture.append(svg("path", { d: `M ${x1} ${y1}${bend} ${x2} ${y2}`, class: "edge", "marker-end": "url(#arrow)", "data-edge": `${from}>${to}` }));
+  }
+  for (const agent of agents) {
+    const { x, y } = at.get(agent.id);
+    const gated = agent.approvals.length ? ` · ${agent.approvals.length} gated` : "";
+    picture.append(
+      svg(
+        "g",
+        { "data-agent": agent.id },
+        svg("rect", { x, y, width: boxW, height: boxH, rx: 8, class: "node" }),
+        svg("text", { x: x + boxW / 2, y: y + 20, "text-anchor": "middle", class: "node-name" }, agent.id),
+        svg("text", { x: x + boxW / 2, y: y + 38, "text-anchor": "middle", class: "node-facts" }, `${agent.tools.length} tool${agent.tools.length === 1 ? "" : "s"}${gated}`),
+      ),
+    );
+  }
+  return picture;
+}
+
+function policyText(policy) {
+  if (policy === "always") return "always asks a person";
+  const rules = Object.entries(policy?.when_arguments ?? {}).map(([argument, glob]) => `${argument} matches ${glob}`);
+  return `asks a person when ${rules.join(" or ")}`;
+}
+
+function agentCard(agent, delegatedBy) {
+  const gated = new Map(agent.approvals.map((a) => [a.tool, a.policy]));
+  const limits = Object.entries(agent.limits ?? {}).filter(([, v]) => v !== null && v !== undefined);
+  const id = `agent-${agent.id}`;
+  return h(
+    "section",
+    { class: "panel agent", "data-agent": agent.id, "aria-labelledby": id },
+    h("h2", { id, class: "mono", text: agent.id }),
+    h("p", { text: agent.description }),
+    h(
+      "dl",
+      { class: "facts" },
+      h("dt", { text: "Model" }),
+      h("dd", {}, h("code", { text: agent.model })),
+      h("dt", { text: "Definition" }),
+      h("dd", { class: "mono small", text: agent.hash ?? "not from a catalog file" }),
+      h("dt", { text: "Delegates to" }),
+      h("dd", { text: agent.delegates.join(", ") || "nobody" }),
+      h("dt", { text: "Delegated by" }),
+      h("dd", { text: delegatedBy.join(", ") || "nobody: a person starts it" }),
+      h("dt", { text: "Tools" }),
+      h("dd", {}, h("ul", { class: "tools" }, ...agent.tools.map((tool) => h("li", { "data-tool": tool }, h("code", { text: tool }), gated.has(tool) ? h("span", { class: "gated", text: ` — ${policyText(gated.get(tool))}` }) : null)))),
+      h("dt", { text: "Limits" }),
+      h("dd", { text: limits.map(([k, v]) => `${k.replaceAll("_", " ")} ${Number(v).toLocaleString()}`).join(" · ") }),
+    ),
+  );
+}
+
+function showAgents(view) {
+  const region = errorRegion();
+  const graph = h("div", { class: "graph-box" });
+  const cards = h("div", { class: "agents" });
+  view.append(
+    h("h1", { text: "Agents" }),
+    h("p", { class: "muted", text: "The server's catalog: who delegates to whom, the tools each agent is offered, which calls wait for a person, and the limits its runs are frozen with." }),
+    region,
+    h("section", { class: "panel", "aria-labelledby": "graph-title" }, h("h2", { id: "graph-title", text: "Delegation" }), graph),
+    cards,
+  );
+  (async () => {
+    try {
+      const agents = await allPages("/v1/agents");
+      if (agents.length === 0) {
+        graph.replaceChildren(h("p", { class: "muted", text: "No catalog: every session runs the server's own configuration." }));
+        return;
+      }
+      // The graph holds the agents that delegate or are delegated to; the rest are named below it.
+      const linked = new Set(agents.flatMap((a) => (a.delegates.length ? [a.id, ...a.delegates] : [])));
+      const alone = agents.filter((a) => !linked.has(a.id)).map((a) => a.id);
+      graph.replaceChildren(
+        linked.size ? delegationGraph(agents.filter((a) => linked.has(a.id))) : h("p", { class: "muted", text: "No agent delegates to another." }),
+        alone.length ? h("p", { class: "muted alone", text: `On their own (they delegate to nobody, and nobody to them): ${alone.join(", ")}.` }) : null,
+      );
+      cards.replaceChildren(...agents.map((agent) => agentCard(agent, agents.filter((a) => a.delegates.includes(agent.id)).map((a) => a.id))));
+    } catch (error) {
+      showError(region, error);
+    }
+  })();
+  connection.set("idle", "");
+  return null;
+}
+
 function showWebhooks(view) {
   const region = errorRegion();
   const list = h("ul", {});
@@ -2367,6 +2635,7 @@ const ROUTES = [
   [/^#\/sessions\/([A-Za-z0-9_-]+)\/inbox$/, showInbox],
   [/^#\/runs\/([A-Za-z0-9_-]+)$/, showRun],
   [/^#\/approvals$/, showApprovals],
+  [/^#\/agents$/, showAgents],
   [/^#\/webhooks$/, showWebhooks],
   [/^#\/webhooks\/([A-Za-z0-9_-]+)$/, showWebhook],
 ];
