@@ -171,7 +171,7 @@ test("approve a guarded batch: nothing runs until a person says yes", async () =
   const listed = approvals.getByRole("region", { name: /^Approval apr_/ });
   await listed.waitFor();
   assert.match(await listed.textContent(), /Agent guarded/);
-  assert.match(await listed.textContent(), /"path": "notes\.txt"/);
+  await listed.locator(".json li", { has: approvals.locator(".j-key", { hasText: "path" }) }).locator(".j-str", { hasText: "notes.txt" }).waitFor();
   await listed.getByRole("link", { name: "Write it down" }).waitFor();
   await approvals.locator('nav a[href="#/approvals"] .count', { hasText: "1" }).waitFor();
   await approvals.close();

@@ -2062,7 +2062,7 @@ function showRun(view, runId) {
     };
     axis.replaceChildren(
       ...[0, 0.25, 0.5, 0.75, 1].map((f) => {
-        const tick = h("span", { text: seconds(f * span) });
+        const tick = h("span", { text: span < 2000 ? `${Math.round(f * span)} ms` : seconds(f * span) });
         tick.style.left = `${f * 100}%`;
         return tick;
       }),
