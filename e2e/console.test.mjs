@@ -102,6 +102,10 @@ test("create a session, send a message and watch the answer stream in", async ()
   assert.equal(await answer.locator(".text").textContent(), full);
   await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
   assert.equal(await page.locator(".item-assistant").count(), 1, "one answer, drawn once");
+  // Messages carry their time, as a machine-readable datetime: the message's, its run's creation.
+  const [created] = (await server.get(`/v1/sessions/${sessionId}/runs`)).items;
+  assert.equal(await page.locator(".item-user .who time").getAttribute("datetime"), new Date(created.created_at).toISOString());
+  assert.ok(await answer.locator(".who time").isVisible(), "the answer has its time");
   await screenshot(page, "conversation");
 
   // The run's events: the streamed fragments hidden until asked for, filtered by kind, and
@@ -109,6 +113,11 @@ test("create a session, send a message and watch the answer stream in", async ()
   await page.getByRole("complementary", { name: "Session details" }).locator(".controls a").click();
   await page.getByRole("heading", { name: /^Run run_/ }).waitFor();
   await page.locator('tr[data-kind="run.finished"]').waitFor();
+  // "#" counts the run's own events from 1, whatever the session's seq.
+  const numbers = await page.locator("tr[data-kind] td:first-child").allTextContents();
+  assert.deepEqual(numbers, numbers.map((_, i) => String(i + 1)));
+  // The run's time counts from its first step; the queue before it is said apart.
+  await page.locator("dl.facts dd", { hasText: /\(ran \d/ }).waitFor();
   const deltas = page.locator('tr[data-kind="assistant.delta"]');
   assert.ok((await deltas.count()) > 1, "the answer was streamed in fragments");
   assert.equal(await deltas.filter({ visible: true }).count(), 0, "fragments are hidden by default");
@@ -451,6 +460,7 @@ test("open a run tree: its waterfall, its children, their steps and what a step 
   const rootId = new URL(page.url()).hash.split("/")[2];
   const tree = page.getByRole("list", { name: "Run tree" });
   await tree.locator("li li").nth(1).waitFor();
+  assert.equal(await page.locator("#view .controls a").count(), 0, "a run's own controls do not link to its own page");
   const nodes = await tree.locator("li").evaluateAll((items) => items.map((li) => li.dataset.run));
   const truth = await server.get(`/v1/runs/${rootId}/tree`);
   assert.deepEqual(nodes, truth.nodes.map((n) => n.run_id), "every node, parents before children");
@@ -554,6 +564,10 @@ test("find sessions: page past the 230th, search, filter by status and rename", 
   }
   assert.equal(await page.locator("tr[data-session]").count(), 230, "every session, none capped");
   await page.getByText("230 sessions shown.").waitFor();
+  // "/" moves to the search box.
+  await page.locator("main").click({ position: { x: 5, y: 5 } });
+  await page.keyboard.press("/");
+  assert.equal(await page.evaluate(() => document.activeElement.id), "find-text");
 
   const sessionId = await newSession(page, "chat");
   await send(page, "Plan my trip to Rome");

@@ -150,11 +150,18 @@ fn yaml_options() -> serde_saphyr::Options {
 }
 
 fn yaml_message(error: &serde_saphyr::Error) -> String {
-    UserMessageFormatter
+    let message: String = UserMessageFormatter
         .format_message(error)
         .chars()
         .map(|c| if c.is_control() { ' ' } else { c })
-        .collect()
+        .collect();
+    // The usual cause, in a definition written as Markdown: prose with a colon in it.
+    if message.contains("mapping values are not allowed") {
+        return format!(
+            "{message}; a value holding a colon followed by a space must be quoted, as in description: \"Plans a trip: books the rooms\""
+        );
+    }
+    message
 }
 
 /// Whether an id matches `[a-z][a-z0-9_-]{0,63}`.

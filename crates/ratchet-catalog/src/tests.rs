@@ -95,6 +95,19 @@ fn broken_yaml_is_a_problem_at_the_parsers_line_counted_from_the_files_start() {
 }
 
 #[test]
+fn an_unquoted_colon_in_a_value_is_a_problem_that_says_to_quote_it() {
+    let text = "---\nid: a\ndescription: Plans a trip: books the rooms\nmodel: scripted:demo\n---\nYou plan.\n";
+    let dir = catalog(&[("a.md", text)]);
+    let problem = only_problem(dir.path(), "a.md", Some(3), "must be quoted");
+    assert!(
+        problem
+            .to_string()
+            .contains("mapping values are not allowed"),
+        "{problem}"
+    );
+}
+
+#[test]
 fn a_bad_id_is_a_problem_at_the_id_line() {
     for id in ["Writer", "9lives", "a.b", "\"\"", &"a".repeat(65)] {
         let dir = catalog(&[("a.md", &agent(id, ""))]);

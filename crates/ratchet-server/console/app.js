@@ -53,6 +53,12 @@ function ago(millis) {
   return new Date(millis).toLocaleDateString();
 }
 
+// A message's time of day, in the chosen zone; the whole date on hover.
+function stamp(millis) {
+  const zone = settings.timeZone ? { timeZone: settings.timeZone } : {};
+  return h("time", { class: "stamp", datetime: new Date(millis).toISOString(), title: when(millis), text: new Date(millis).toLocaleTimeString(undefined, zone) });
+}
+
 function timeAgo(millis) {
   return h("time", { datetime: new Date(millis).toISOString(), title: when(millis), text: ago(millis) });
 }
@@ -670,7 +676,8 @@ function approvalCard(event) {
 }
 
 // Cancel, retry and continue for one run, enabled by what its status allows.
-function runControls(onChange) {
+// `own`: drawn on the run's own page, where a link to the run would lead nowhere new.
+function runControls(onChange, { own = false } = {}) {
   const region = errorRegion();
   // The run and its status on lines of their own: a new status never moves the buttons.
   const which = h("p", { class: "muted" });
@@ -725,6 +732,7 @@ function runControls(onChange) {
     el.hidden = !run;
     if (!run) return;
     which.replaceChildren("Run ", runLink(run.id));
+    which.hidden = own;
     status.replaceChildren(
       chip(run.status),
       run.stop_reason && run.stop_reason !== run.status ? ` (${run.stop_reason.replaceAll("_", " ")})` : "",
@@ -752,7 +760,7 @@ function showSessions(view) {
   const summary = h("p", { class: "muted", role: "status" });
 
   // What the list shows: every filter is a query of `GET /v1/sessions`.
-  const search = h("input", { type: "search", id: "find-text", placeholder: "Title, message or id" });
+  const search = h("input", { type: "search", id: "find-text", placeholder: "Title, message or id (press /)", "aria-keyshortcuts": "/" });
   const status = h(
     "select",
     { id: "find-status" },
@@ -1141,14 +1149,14 @@ function showSession(view, sessionId) {
     return append(h("li", { class: "item item-notice" }, text, ...extra), runId);
   }
 
-  function assistantItem(runId) {
+  function assistantItem(runId, at) {
     const run = runOf(runId);
     if (!run.assistant) {
       run.assistant = append(
         h(
           "li",
           { class: "item item-assistant", "data-run": runId, "data-streaming": "true" },
-          h("div", { class: "who", text: "Assistant" }),
+          h("div", { class: "who" }, "Assistant", stamp(at)),
           h("div", { class: "text" }),
         ),
         runId,
@@ -1440,7 +1448,7 @@ function showSession(view, sessionId) {
         pendingSteers.get(p.message_id)?.remove();
         pendingSteers.delete(p.message_id);
         if (p.content !== undefined) {
-          append(h("li", { class: "item item-user", "data-message": p.message_id }, h("div", { class: "who", text: "You" }), h("div", { class: "text", text: p.content })), runId);
+          append(h("li", { class: "item item-user", "data-message": p.message_id }, h("div", { class: "who" }, "You", stamp(event.created_at)), h("div", { class: "text", text: p.content })), runId);
         }
         break;
       }
@@ -1449,10 +1457,10 @@ function showSession(view, sessionId) {
         pendingSteers.delete(p.message_id);
         if (waiting) {
           waiting.dataset.pending = "false";
-          waiting.querySelector(".who").textContent = "You (steering)";
+          waiting.querySelector(".who").replaceChildren("You (steering)", stamp(event.created_at));
           groupOf(runId).items.append(waiting);
         } else {
-          append(h("li", { class: "item item-user", "data-message": p.message_id }, h("div", { class: "who", text: "You (steering)" }), h("div", { class: "text", text: p.content })), runId);
+          append(h("li", { class: "item item-user", "data-message": p.message_id }, h("div", { class: "who" }, "You (steering)", stamp(event.created_at)), h("div", { class: "text", text: p.content })), runId);
         }
         break;
       }
@@ -1470,7 +1478,7 @@ function showSession(view, sessionId) {
         notice(runId, `Run resumed (${typeof p.how === "string" ? p.how : Object.keys(p.how ?? { continue: 0 })[0]}).`);
         break;
       case "assistant.delta": {
-        const item = assistantItem(runId);
+        const item = assistantItem(runId, event.created_at);
         item.querySelector(".text").append(p.text);
         break;
       }
@@ -1478,7 +1486,7 @@ function showSession(view, sessionId) {
         const run = runOf(runId);
         const content = p.content ?? "";
         if (content || run.assistant) {
-          const item = assistantItem(runId);
+          const item = assistantItem(runId, event.created_at);
           item.querySelector(".text").textContent = content;
           item.dataset.streaming = "false";
           if (!content) item.remove();
@@ -1870,7 +1878,7 @@ function showRun(view, runId) {
   const inspector = h("section", { class: "panel inspector", "aria-labelledby": "inspect-title", hidden: true });
   const tree = h("ul", { class: "tree", "aria-label": "Run tree" });
   const events = h("tbody");
-  const controls = runControls(() => refresh());
+  const controls = runControls(() => refresh(), { own: true });
   const activity = activityLine();
   const panel = (title, ...content) => {
     const id = `panel-${title.toLowerCase().replaceAll(" ", "-")}`;
@@ -1932,8 +1940,8 @@ function showRun(view, runId) {
       h(
         "table",
         { class: "events" },
-        h("caption", { text: "Every event of this run, as stored (seq counts the session's events)" }),
-        h("thead", {}, h("tr", {}, ...["seq", "Kind", "Time", "Payload"].map((t) => h("th", { scope: "col", text: t })))),
+        h("caption", { text: "Every event of this run, as stored: # counts this run's events, seq the session's" }),
+        h("thead", {}, h("tr", {}, ...["#", "seq", "Kind", "Time", "Payload"].map((t) => h("th", { scope: "col", text: t })))),
         events,
       ),
     ),
@@ -1967,7 +1975,7 @@ function showRun(view, runId) {
         ...fact("Agent", run.agent ? `${run.agent.id} (${run.agent.hash.slice(0, 12)})` : "default"),
         ...(run.parent_run_id ? fact("Parent", runLink(run.parent_run_id)) : []),
         ...fact("Created", when(run.created_at)),
-        ...(run.finished_at ? fact("Finished", `${when(run.finished_at)} (${((run.finished_at - run.created_at) / 1000).toFixed(1)} s)`) : []),
+        ...(run.finished_at ? fact("Finished", `${when(run.finished_at)} (${finishedIn(run, steps.get(runId) ?? [])})`) : []),
         ...(run.pending_human ? fact("Waiting for", run.pending_human.kind, " — answer it in the ", h("a", { href: `#/sessions/${run.session_id}`, text: "conversation" })) : []),
         ...(run.final_answer ? fact("Answer", h("div", { class: "text", text: run.final_answer })) : []),
       );
@@ -1997,6 +2005,14 @@ function showRun(view, runId) {
       if (error.status === 404) return showGone(view, error, leave);
       showError(region, error);
     }
+  }
+
+  // How long a run took: from its first step, and how long it queued before that.
+  function finishedIn(run, steps) {
+    const first = steps[0]?.started_at;
+    if (!first) return `${seconds(run.finished_at - run.created_at)} after it was created`;
+    const queued = first - run.created_at;
+    return `ran ${seconds(run.finished_at - first)}${queued >= 100 ? `, after ${seconds(queued)} in the queue` : ""}`;
   }
 
   // What a step did, from its instruction and summary: the tools of a batch, the children it
@@ -2234,6 +2250,7 @@ function showRun(view, runId) {
       h(
         "tr",
         { "data-seq": event.seq, "data-kind": event.kind, hidden: event.kind === "assistant.delta" && !deltas.checked },
+        h("td", { class: "mono", text: received.length }),
         h("td", { class: "mono", text: event.seq }),
         h("td", { class: "mono", text: event.kind }),
         h("td", { class: "time", text: new Date(event.created_at).toLocaleTimeString() }),
@@ -2681,6 +2698,14 @@ document.getElementById("sign-out").addEventListener("click", () => {
   route();
 });
 window.addEventListener("hashchange", route);
+// "/" finds: it moves to the sessions' search box, unless a field is being typed in.
+document.addEventListener("keydown", (key) => {
+  const typing = key.target.closest?.("input, textarea, select, [contenteditable]");
+  const search = document.getElementById("find-text");
+  if (key.key !== "/" || typing || !search || key.ctrlKey || key.metaKey || key.altKey) return;
+  key.preventDefault();
+  search.focus();
+});
 updateSignOut();
 route();
 pendingCount.start();
