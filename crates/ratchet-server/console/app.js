@@ -731,8 +731,7 @@ function runControls(onChange, { own = false } = {}) {
     run = next;
     el.hidden = !run;
     if (!run) return;
-    which.replaceChildren("Run ", runLink(run.id));
-    which.hidden = own;
+    which.replaceChildren(...(own ? [] : ["Run ", runLink(run.id)]));
     status.replaceChildren(
       chip(run.status),
       run.stop_reason && run.stop_reason !== run.status ? ` (${run.stop_reason.replaceAll("_", " ")})` : "",
