@@ -507,7 +507,7 @@ impl From<&AgentProfile> for AgentView {
                 .filter(|t| t.approval != ApprovalPolicy::Never)
                 .map(|t| json!({"tool": t.name, "policy": t.approval}))
                 .collect(),
-            limits: serde_json::to_value(&config.limits).unwrap_or(Value::Null),
+            limits: serde_json::to_value(config.limits).unwrap_or(Value::Null),
         }
     }
 }
