@@ -1088,10 +1088,11 @@ function showSession(view, sessionId) {
         .filter((id) => !spentByRun.get(id)?.ended)
         .map(async (id) => {
           const tree = await api(`/v1/runs/${id}/tree`);
-          spentByRun.set(id, { usage: treeUsage(tree.nodes), ended: tree.nodes.every((n) => TERMINAL.has(n.status)) });
+          spentByRun.set(id, { usage: treeUsage(tree.nodes), ended: tree.nodes.every((n) => TERMINAL.has(n.status)), delegated: tree.nodes.length > 1 });
         }),
     );
-    return treeUsage(runIds.map((id) => ({ usage: spentByRun.get(id)?.usage })));
+    const total = treeUsage(runIds.map((id) => ({ usage: spentByRun.get(id)?.usage })));
+    return { total, delegated: runIds.some((id) => spentByRun.get(id)?.delegated) };
   }
 
   function runOf(runId) {
@@ -1650,7 +1651,7 @@ function showSession(view, sessionId) {
         `Agent ${session.agent ?? "default"} · `,
         chip(session.status),
         ` · created ${when(session.created_at)}`,
-        h("span", { class: "session-spend", text: runPage.items.length ? ` · spent ${tokensAndCost(spent)}, delegated runs included` : "" }),
+        h("span", { class: "session-spend", text: runPage.items.length ? ` · spent ${tokensAndCost(spent.total)}${spent.delegated ? ", delegated runs included" : ""}` : "" }),
       );
       archived = Boolean(session.archived_at);
       delegated = Boolean(session.parent_session_id);
