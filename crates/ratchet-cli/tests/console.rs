@@ -5,7 +5,7 @@
 //!
 //! It needs Node.js, `npm ci --prefix e2e` and Chromium (`/usr/bin/chromium`, or
 //! `RATCHET_CHROMIUM`). Without them the test says it was skipped; with `CI=true` it fails,
-//! and `.ci/run` installs them.
+//! and `scripts/test` installs them.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

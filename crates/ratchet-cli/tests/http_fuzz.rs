@@ -9,8 +9,8 @@
 //! without it follow the stream, and are read for half a second (a following stream never
 //! ends by itself).
 //!
-//! Schemathesis is a Python program: `.ci/run` installs the version `.ci/requirements.txt`
-//! pins and names it in `RATCHET_SCHEMATHESIS`. Without that variable the test says it is
+//! Schemathesis is a Python program: `scripts/test` installs the version
+//! `.ci/requirements.txt` pins and names it in `RATCHET_SCHEMATHESIS`. Without that variable the test says it is
 //! skipped, and fails in CI (`CI=true`).
 
 mod common;
