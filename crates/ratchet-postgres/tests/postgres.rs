@@ -4,6 +4,7 @@
 //! Concurrency is ordered by channels and by the server's own view of who waits on a lock,
 //! never by sleeping.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -1367,4 +1368,124 @@ async fn a_held_write_that_fails_fails_its_transaction_and_keeps_nothing() {
         .await
         .unwrap();
     assert_eq!(count(&backend, "SELECT count(*) FROM sessions").await, 1);
+}
+
+/// What a column holds, in terms both backends share: SQLite's declared type and PostgreSQL's
+/// `data_type`, each mapped to its kind.
+fn column_kind(declared: &str) -> &'static str {
+    match declared.to_ascii_lowercase().as_str() {
+        "integer" | "bigint" => "integer",
+        "text" => "text",
+        "real" | "double precision" => "real",
+        "blob" | "bytea" => "bytes",
+        other => panic!("a column type the parity test does not know: {other:?}"),
+    }
+}
+
+/// Table and column, to its kind and whether it refuses NULL.
+type Columns = BTreeMap<(String, String), (&'static str, bool)>;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_and_postgresql_migrations_build_the_same_tables_and_columns() {
+    let Some(database) = TestDatabase::create() else {
+        return;
+    };
+    let backend = open(&database);
+    let mut postgres = Columns::new();
+    for mut row in query(
+        &backend,
+        "SELECT table_name::text, column_name::text, data_type::text, is_nullable::text
+         FROM information_schema.columns WHERE table_schema = current_schema()",
+    )
+    .await
+    {
+        let key = (row.text(0).unwrap(), row.text(1).unwrap());
+        let kind = column_kind(&row.text(2).unwrap());
+        postgres.insert(key, (kind, row.text(3).unwrap() == "NO"));
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("parity.db").display());
+    ratchet_sqlite::migrate(&ratchet_sqlite::SqliteOptions::from_url(&url).unwrap()).unwrap();
+    let sqlite_db = rusqlite::Connection::open(dir.path().join("parity.db")).unwrap();
+    let mut sqlite = Columns::new();
+    let tables: Vec<String> = sqlite_db
+        .prepare("SELECT name FROM sqlite_master WHERE type = 'table'")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    for table in tables {
+        let mut columns = sqlite_db
+            .prepare("SELECT name, type, \"notnull\" OR pk > 0 FROM pragma_table_info(?1)")
+            .unwrap();
+        let rows = columns
+            .query_map([&table], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, bool>(2)?,
+                ))
+            })
+            .unwrap();
+        for row in rows {
+            let (column, declared, not_null) = row.unwrap();
+            // A full-text index's shadow tables declare no types.
+            let kind = if declared.is_empty() {
+                "text"
+            } else {
+                column_kind(&declared)
+            };
+            sqlite.insert((table.clone(), column), (kind, not_null));
+        }
+    }
+
+    let keys = |columns: &Columns, other: &Columns| -> Vec<String> {
+        (columns.keys())
+            .filter(|key| !other.contains_key(*key))
+            .map(|(table, column)| format!("{table}.{column}"))
+            .collect()
+    };
+    // What each backend does its own way, and only that.
+    assert_eq!(
+        keys(&sqlite, &postgres),
+        [
+            // Message search: SQLite's FTS5 index and how far it has indexed; PostgreSQL
+            // searches an expression index over the messages themselves.
+            "messages_fts.content",
+            "messages_fts_config.k",
+            "messages_fts_config.v",
+            "messages_fts_data.block",
+            "messages_fts_data.id",
+            "messages_fts_docsize.id",
+            "messages_fts_docsize.sz",
+            "messages_fts_idx.pgno",
+            "messages_fts_idx.segid",
+            "messages_fts_idx.term",
+            "messages_fts_progress.indexed_through",
+        ],
+        "columns only SQLite's migrations make"
+    );
+    assert_eq!(
+        keys(&postgres, &sqlite),
+        [
+            // SQLite's implicit rowid, which the shared statements order by, made explicit.
+            "messages.rowid",
+            // SQLite keeps its schema version in `PRAGMA user_version`.
+            "ratchet_schema.version",
+            "runs.rowid",
+        ],
+        "columns only PostgreSQL's migrations make"
+    );
+    let differ: Vec<String> = (sqlite.iter())
+        .filter_map(|(key, lite)| {
+            let pg = postgres.get(key)?;
+            (pg != lite).then(|| format!("{}.{}: SQLite {lite:?}, PostgreSQL {pg:?}", key.0, key.1))
+        })
+        .collect();
+    assert!(
+        differ.is_empty(),
+        "a column both backends have holds the same kind and refuses NULL alike: {differ:#?}"
+    );
 }
