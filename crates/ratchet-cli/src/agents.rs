@@ -7,30 +7,13 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::Context;
-use ratchet_catalog::{AgentDefinition, Catalog, Known};
+use ratchet_catalog::{AgentDefinition, Catalog};
 use ratchet_core::delegation::{agent_task_tool, child_tools, delegate_tool};
 use ratchet_core::{AgentProfile, AgentRef, DelegationConfig, RunConfigSnapshot, TreeBudget};
 use ratchet_server::Config;
 
-use crate::runtime::Toolbox;
 use crate::serve;
-
-impl Known for Toolbox {
-    fn tool(&self, name: &str) -> Result<(), String> {
-        let names = self.tools.names();
-        if names.contains(&name) {
-            Ok(())
-        } else {
-            Err(format!("the runtime's tools are {}", names.join(", ")))
-        }
-    }
-
-    fn model(&self, spec: &str) -> Result<(), String> {
-        self.resolve_model(spec)
-            .map(|_| ())
-            .map_err(|error| format!("{error:#}"))
-    }
-}
+use ratchet::Toolbox;
 
 pub async fn check(dir: &Path, config: Option<&Path>) -> anyhow::Result<ExitCode> {
     let config = Config::load_or_default(config)?;

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::client::{Api, ClientError, EventView, IDLE_CHECK, LiveView, RunView, Streamed};
-use crate::runtime::open_existing_store;
+use ratchet::open_existing_store;
 
 /// Lines of stdin, read on their own thread: a blocking read never holds up the runtime,
 /// and one still pending when the command ends does not delay the exit.

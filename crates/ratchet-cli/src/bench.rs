@@ -29,7 +29,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::{Semaphore, broadcast::error::RecvError, oneshot};
 
 use crate::bench_webhooks::WebhookLoad;
-use crate::runtime::{
+use ratchet::{
     Runtime, Schema, Toolbox, announces_changes, database_bytes, database_directory,
     open_sealed_store,
 };

@@ -24,7 +24,7 @@ use serde_json::json;
 use crate::approve;
 use crate::bench::{print_report, scratch_database, scripted_model, start_process};
 use crate::client::{self, Api, RunView};
-use crate::runtime::database_bytes;
+use ratchet::database_bytes;
 
 /// Sessions driven at once.
 const AT_ONCE: usize = 16;

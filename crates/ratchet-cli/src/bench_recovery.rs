@@ -33,7 +33,7 @@ use serde_json::json;
 use crate::bench::{
     percentile, print_report, scratch_database, scripted_model, scripted_run_config, start_process,
 };
-use crate::runtime::{Runtime, Schema, open_store};
+use ratchet::{Runtime, Schema, open_store};
 
 /// How long each stage (getting every run into its slow step, then ending every run) may
 /// take before the benchmark gives up.

@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::bench::{percentile, print_report};
 use crate::client::{self, Api, ClientError};
-use crate::runtime::{Runtime, Schema, Toolbox, open_store};
+use ratchet::{Runtime, Schema, Toolbox, open_store};
 
 /// Subscribers connecting at the same time (the rest wait their turn), so a thousand of
 /// them do not overflow the server's accept queue at once.
@@ -450,7 +450,7 @@ impl LocalServer {
             &model,
             Some(scratch.path()),
             ratchet_core::Limits::default(),
-            &crate::runtime::ToolOverrides::default(),
+            &ratchet::ToolOverrides::default(),
             ratchet_core::MemoryScope::Session,
         )?;
         let db = format!("sqlite://{}", scratch.path().join("bench.db").display());

@@ -10,7 +10,7 @@ use ratchet_store::DeadLetterAction;
 use serde_json::{Value, json};
 
 use crate::approve::Target;
-use crate::runtime::open_existing_store;
+use ratchet::open_existing_store;
 
 /// Who acts, for the record: `--by`, or the user at this terminal.
 fn operator(by: Option<String>) -> String {

@@ -15,7 +15,7 @@ use tokio::sync::broadcast::error::RecvError;
 
 use crate::approve;
 use crate::client::{Api, EventView};
-use crate::runtime::{Runtime, Schema, ToolOverrides, Toolbox, open_existing_store, open_store};
+use ratchet::{Runtime, Schema, ToolOverrides, Toolbox, open_existing_store, open_store};
 
 /// How often a driver re-reads the store: events of its run may never reach its bus (another
 /// process may execute a step) and a wake-up may be missed.
@@ -552,7 +552,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::runtime::open_store;
+    use ratchet::open_store;
 
     /// Events of the driven session can be published out of order, or — when another process
     /// executes a step — not on this process's bus at all: the feed takes each exactly once,

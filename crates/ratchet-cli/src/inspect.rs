@@ -9,7 +9,7 @@ use ratchet_core::{HumanRequest, RunId};
 use ratchet_store::TreeNode;
 use serde_json::json;
 
-use crate::runtime::open_existing_store;
+use ratchet::open_existing_store;
 
 pub async fn list(db: &str, json: bool) -> anyhow::Result<ExitCode> {
     let runs = open_existing_store(db)?.list_runs().await?;

@@ -15,7 +15,6 @@ mod dead_letters;
 mod drive;
 mod inspect;
 mod pause;
-mod runtime;
 mod secrets;
 mod serve;
 
@@ -727,7 +726,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             let tree_budget = file.tree_budget()?;
             let max_snippet_bytes = file.limits()?.max_snippet_bytes;
             let pool = file.pool()?;
-            let mut overrides = runtime::ToolOverrides {
+            let mut overrides = ratchet::ToolOverrides {
                 approval: file.approval_policies()?,
                 replay: file.replay_policies(),
                 calls: file.call_limits()?,
@@ -747,9 +746,9 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 mcp: file.mcp,
                 memory_scope: memory_scope.map(Into::into).unwrap_or_default(),
                 schema: if no_migrate {
-                    runtime::Schema::Require
+                    ratchet::Schema::Require
                 } else {
-                    runtime::Schema::Migrate
+                    ratchet::Schema::Migrate
                 },
                 json,
                 message,
@@ -792,7 +791,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Worker { process } => serve::worker(process.into()).await,
         Command::Migrate { db } => {
-            let migrated = runtime::migrate(&db.db)?;
+            let migrated = ratchet::migrate(&db.db)?;
             if migrated.from == migrated.to {
                 println!("schema version {} (up to date)", migrated.to);
             } else {

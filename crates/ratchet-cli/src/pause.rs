@@ -9,7 +9,7 @@ use ratchet_core::{RunId, RunStatus};
 use ratchet_store::{CancelOutcome, PauseOutcome, ResumeOutcome};
 
 use crate::approve::Target;
-use crate::runtime::open_existing_store;
+use ratchet::open_existing_store;
 
 pub async fn pause(target: Target, run_id: &str) -> anyhow::Result<ExitCode> {
     let run_id = RunId::parse(run_id)?;

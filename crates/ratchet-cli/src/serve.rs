@@ -18,10 +18,10 @@ use ratchet_server::{Active, AppState, Config, GuardedListener, HostPolicy, Relo
 use ratchet_store::Keyring;
 use tokio_util::sync::CancellationToken;
 
-use crate::runtime::{
+use crate::secrets::Source;
+use ratchet::{
     Runtime, Schema, ToolOverrides, Toolbox, open_sealed_store, open_store, own_key_file,
 };
-use crate::secrets::Source;
 
 /// How long in-flight steps get to commit after a shutdown signal; what is still running
 /// then is left to lease expiry and taken over by the next process.
@@ -110,9 +110,11 @@ impl Process {
 }
 
 pub(crate) async fn toolbox(config: &Config) -> anyhow::Result<Toolbox> {
-    Toolbox::with_mcp(&config.mcp, config.limits()?.max_snippet_bytes)
-        .await?
-        .with_profiles(config.models.clone())
+    Ok(
+        Toolbox::with_mcp(&config.mcp, config.limits()?.max_snippet_bytes)
+            .await?
+            .with_profiles(config.models.clone())?,
+    )
 }
 
 /// `serve`'s settings: the file, the environment, then the flags (those of `worker` and

@@ -177,6 +177,22 @@ fn crates_depend_only_along_the_layers() {
                 "ratchet-webhooks",
             ],
         ),
+        // The library a program embeds: it assembles every layer below the binary.
+        (
+            "ratchet",
+            &[
+                "ratchet-core",
+                "ratchet-store",
+                "ratchet-sqlite",
+                "ratchet-postgres",
+                "ratchet-llm",
+                "ratchet-tools",
+                "ratchet-catalog",
+                "ratchet-mcp",
+                "ratchet-engine",
+                "ratchet-server",
+            ],
+        ),
         // The chaos program sees what users and operators see: the HTTP API, the event
         // streams and the store's reads; never the engine.
         (

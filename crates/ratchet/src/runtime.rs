@@ -5,7 +5,6 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context, bail};
 use ratchet_core::{
     ApprovalPolicy, Limits, MemoryScope, ReplayPolicy, RunConfigSnapshot, ToolSpec,
 };
@@ -19,6 +18,8 @@ use ratchet_sqlite::SqliteOptions;
 use ratchet_store::{Keyring, Migrated, RunQuota, Store};
 use ratchet_tools::Registry;
 use tokio::task::JoinHandle;
+
+use crate::{Error, Result};
 
 /// The tools and models a process offers; needs no store, so input can be checked first.
 pub struct Toolbox {
@@ -43,7 +44,7 @@ impl Toolbox {
         limits: Limits,
         overrides: &ToolOverrides,
         memory_scope: MemoryScope,
-    ) -> anyhow::Result<RunConfigSnapshot> {
+    ) -> Result<RunConfigSnapshot> {
         let zero = [
             (limits.max_steps == 0).then_some("--max-steps"),
             (limits.max_model_calls == Some(0)).then_some("--max-model-calls"),
@@ -51,25 +52,29 @@ impl Toolbox {
             (limits.max_prompt_tokens == Some(0)).then_some("--max-prompt-tokens"),
         ];
         if let Some(flag) = zero.into_iter().flatten().next() {
-            bail!("{flag} must be at least 1");
+            return Err(Error::Invalid(format!("{flag} must be at least 1")));
         }
         let workspace = match workspace {
             Some(dir) => dir.to_path_buf(),
-            None => std::env::current_dir().context("cannot read the current directory")?,
+            None => std::env::current_dir()
+                .map_err(|e| Error::Invalid(format!("cannot read the current directory: {e}")))?,
         };
-        let workspace = workspace.canonicalize().with_context(|| {
-            format!(
-                "workspace {} is not an existing directory",
+        let workspace = workspace.canonicalize().map_err(|e| {
+            Error::Invalid(format!(
+                "workspace {} is not an existing directory: {e}",
                 workspace.display()
-            )
+            ))
         })?;
         if !workspace.is_dir() {
-            bail!("workspace {} is not a directory", workspace.display());
+            return Err(Error::Invalid(format!(
+                "workspace {} is not a directory",
+                workspace.display()
+            )));
         }
         let model = match model.strip_prefix("scripted:") {
             Some(path) if path != "demo" => {
                 let absolute = std::path::absolute(path)
-                    .with_context(|| format!("bad script path {path:?}"))?;
+                    .map_err(|e| Error::Invalid(format!("bad script path {path:?}: {e}")))?;
                 format!("scripted:{}", absolute.display())
             }
             _ => model.to_owned(),
@@ -83,7 +88,7 @@ impl Toolbox {
         for (name, policy) in &overrides.approval {
             policy
                 .validate()
-                .map_err(|e| anyhow::anyhow!("tool {name:?}: {e}"))?;
+                .map_err(|e| Error::Invalid(format!("tool {name:?}: {e}")))?;
             let spec = find_tool(&mut tools, name, "approval policy", &self.tools)?;
             spec.approval = policy.clone();
         }
@@ -107,7 +112,7 @@ impl Toolbox {
 
     /// Checks a model spec (a scripted model's file as given) as a run would be frozen with
     /// it: a provider's settings resolved, any other model built, its script read and checked.
-    pub(crate) fn resolve_model(&self, model: &str) -> anyhow::Result<Resolved> {
+    pub fn resolve_model(&self, model: &str) -> Result<Resolved> {
         let env = |name: &str| std::env::var(name).ok();
         let resolved = ratchet_llm::profiles::resolve_spec(model, &self.profiles, &env)?;
         if resolved.settings.is_none() {
@@ -139,7 +144,7 @@ impl Toolbox {
     pub async fn with_mcp(
         config: &ratchet_mcp::Config,
         max_snippet_bytes: usize,
-    ) -> anyhow::Result<Toolbox> {
+    ) -> Result<Toolbox> {
         let builtin = Registry::builtin_tools(max_snippet_bytes);
         if config.servers.is_empty() {
             return Ok(Toolbox::of(Registry::new(builtin)?, None));
@@ -152,7 +157,7 @@ impl Toolbox {
     /// The same tools, models and profiles without the MCP connections, which stay with this
     /// one: what a reload checks a new catalog against while the runtime owns the
     /// connections.
-    pub(crate) fn detached(&self) -> Toolbox {
+    pub fn detached(&self) -> Toolbox {
         Toolbox {
             tools: Arc::clone(&self.tools),
             models: Arc::clone(&self.models),
@@ -162,18 +167,36 @@ impl Toolbox {
     }
 
     /// Ends the MCP servers' connections, for a process that only checks its input.
-    pub(crate) async fn close(&self) {
+    pub async fn close(&self) {
         if let Some(mcp) = &self.mcp {
             mcp.close().await;
         }
     }
 
     /// The `[models.NAME]` profiles a model spec may name; each is checked now.
-    pub fn with_profiles(mut self, profiles: BTreeMap<String, Profile>) -> anyhow::Result<Toolbox> {
+    pub fn with_profiles(mut self, profiles: BTreeMap<String, Profile>) -> Result<Toolbox> {
         let env = |name: &str| std::env::var(name).ok();
         ratchet_llm::profiles::check_profiles(&profiles, &env)?;
         self.profiles = profiles;
         Ok(self)
+    }
+}
+
+/// A catalog's definitions are checked against the tools and models this toolbox offers.
+impl ratchet_catalog::Known for Toolbox {
+    fn tool(&self, name: &str) -> std::result::Result<(), String> {
+        let names = self.tools.names();
+        if names.contains(&name) {
+            Ok(())
+        } else {
+            Err(format!("the runtime's tools are {}", names.join(", ")))
+        }
+    }
+
+    fn model(&self, spec: &str) -> std::result::Result<(), String> {
+        self.resolve_model(spec)
+            .map(|_| ())
+            .map_err(|error| error.to_string())
     }
 }
 
@@ -190,12 +213,13 @@ fn find_tool<'a>(
     name: &str,
     what: &str,
     registry: &Registry,
-) -> anyhow::Result<&'a mut ToolSpec> {
+) -> Result<&'a mut ToolSpec> {
     let known = registry.names().join(", ");
-    tools
-        .iter_mut()
-        .find(|t| t.name == name)
-        .ok_or_else(|| anyhow::anyhow!("{what} for unknown tool {name:?}; the tools are: {known}"))
+    tools.iter_mut().find(|t| t.name == name).ok_or_else(|| {
+        Error::Invalid(format!(
+            "{what} for unknown tool {name:?}; the tools are: {known}"
+        ))
+    })
 }
 
 pub struct Runtime {
@@ -224,22 +248,27 @@ enum Database {
 }
 
 impl Database {
-    fn parse(url: &str) -> anyhow::Result<Database> {
+    fn parse(url: &str) -> Result<Database> {
+        let invalid = |e: ratchet_store::Error| Error::Invalid(e.to_string());
         if url.starts_with("sqlite:") {
-            return Ok(Database::Sqlite(SqliteOptions::from_url(url)?));
+            return Ok(Database::Sqlite(
+                SqliteOptions::from_url(url).map_err(invalid)?,
+            ));
         }
         if url.starts_with("postgres:") || url.starts_with("postgresql:") {
-            return Ok(Database::Postgres(Box::new(PgOptions::from_url(url)?)));
+            return Ok(Database::Postgres(Box::new(
+                PgOptions::from_url(url).map_err(invalid)?,
+            )));
         }
-        bail!(
+        Err(Error::Invalid(format!(
             "unsupported database url {url:?}: expected sqlite://PATH or postgres://USER@HOST:PORT/DATABASE"
-        )
+        )))
     }
 }
 
 /// Whether the processes sharing the database the url names hear of each other's changes
 /// (PostgreSQL notifies; SQLite has no notifications, so its processes only poll).
-pub fn announces_changes(url: &str) -> anyhow::Result<bool> {
+pub fn announces_changes(url: &str) -> Result<bool> {
     Ok(match Database::parse(url)? {
         Database::Sqlite(_) => false,
         Database::Postgres(_) => true,
@@ -248,7 +277,7 @@ pub fn announces_changes(url: &str) -> anyhow::Result<bool> {
 
 /// The directory a SQLite database's file is in, whose disk its commits wait on; `None` for a
 /// database on a server.
-pub fn database_directory(url: &str) -> anyhow::Result<Option<PathBuf>> {
+pub fn database_directory(url: &str) -> Result<Option<PathBuf>> {
     Ok(match Database::parse(url)? {
         Database::Sqlite(options) => Some(match options.path.parent() {
             Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
@@ -260,18 +289,21 @@ pub fn database_directory(url: &str) -> anyhow::Result<Option<PathBuf>> {
 
 /// The bytes the database a url names takes now: SQLite's pages (those in the WAL included),
 /// PostgreSQL's `pg_database_size`.
-pub fn database_bytes(url: &str) -> anyhow::Result<u64> {
+pub fn database_bytes(url: &str) -> Result<u64> {
     let bytes = match Database::parse(url)? {
         Database::Sqlite(options) => ratchet_sqlite::database_bytes(&options.path),
         Database::Postgres(options) => ratchet_postgres::database_bytes(&options),
     };
-    bytes.with_context(|| format!("cannot measure the size of database {url}"))
+    bytes.map_err(|cause| Error::Store {
+        what: format!("cannot measure the size of database {url}"),
+        cause,
+    })
 }
 
 /// Where a database without a configured secrets key keeps the key made for it: beside a
 /// SQLite file (`<file>.key`). None for a database on a server, whose processes may not share
 /// a disk.
-pub fn own_key_file(url: &str) -> anyhow::Result<Option<PathBuf>> {
+pub fn own_key_file(url: &str) -> Result<Option<PathBuf>> {
     Ok(match Database::parse(url)? {
         Database::Sqlite(options) => {
             let mut path = options.path.into_os_string();
@@ -284,61 +316,59 @@ pub fn own_key_file(url: &str) -> anyhow::Result<Option<PathBuf>> {
 
 /// Opens the store a database url names. It cannot create webhooks or send to them: those
 /// need `open_sealed_store`.
-pub fn open_store(url: &str, schema: Schema) -> anyhow::Result<Arc<dyn Store>> {
+pub fn open_store(url: &str, schema: Schema) -> Result<Arc<dyn Store>> {
     open(url, schema, None)
 }
 
 /// Opens the store a database url names, sealing and opening webhook secrets with `keyring`.
-pub fn open_sealed_store(
-    url: &str,
-    schema: Schema,
-    keyring: Keyring,
-) -> anyhow::Result<Arc<dyn Store>> {
+pub fn open_sealed_store(url: &str, schema: Schema, keyring: Keyring) -> Result<Arc<dyn Store>> {
     open(url, schema, Some(keyring))
 }
 
-fn open(url: &str, schema: Schema, keyring: Option<Keyring>) -> anyhow::Result<Arc<dyn Store>> {
-    let opened: anyhow::Result<Arc<dyn Store>> = match Database::parse(url)? {
+fn open(url: &str, schema: Schema, keyring: Option<Keyring>) -> Result<Arc<dyn Store>> {
+    let opened: ratchet_store::Result<Arc<dyn Store>> = match Database::parse(url)? {
         Database::Sqlite(options) => {
             let options = SqliteOptions {
                 migrate: schema == Schema::Migrate,
                 ..options
             };
-            ratchet_sqlite::open(options)
-                .map(|store| match keyring {
-                    Some(keyring) => Arc::new(store.with_secrets(keyring)) as Arc<dyn Store>,
-                    None => Arc::new(store),
-                })
-                .map_err(Into::into)
+            ratchet_sqlite::open(options).map(|store| match keyring {
+                Some(keyring) => Arc::new(store.with_secrets(keyring)) as Arc<dyn Store>,
+                None => Arc::new(store),
+            })
         }
         Database::Postgres(options) => {
             let options = PgOptions {
                 migrate: schema == Schema::Migrate,
                 ..*options
             };
-            ratchet_postgres::open(options)
-                .map(|store| match keyring {
-                    Some(keyring) => Arc::new(store.with_secrets(keyring)) as Arc<dyn Store>,
-                    None => Arc::new(store),
-                })
-                .map_err(Into::into)
+            ratchet_postgres::open(options).map(|store| match keyring {
+                Some(keyring) => Arc::new(store.with_secrets(keyring)) as Arc<dyn Store>,
+                None => Arc::new(store),
+            })
         }
     };
-    opened.with_context(|| match schema {
-        Schema::Migrate => format!("cannot open database {url}"),
-        Schema::Require => format!(
-            "cannot open database {url} without migrating it (--no-migrate); apply the \
-             migrations first with `ratchet migrate --db {url}`"
-        ),
+    opened.map_err(|cause| Error::Store {
+        what: match schema {
+            Schema::Migrate => format!("cannot open database {url}"),
+            Schema::Require => format!(
+                "cannot open database {url} without migrating it (--no-migrate); apply the \
+                 migrations first with `ratchet migrate --db {url}`"
+            ),
+        },
+        cause,
     })
 }
 
 /// Opens a database that must already exist: reading commands never create one.
-pub fn open_existing_store(url: &str) -> anyhow::Result<Arc<dyn Store>> {
+pub fn open_existing_store(url: &str) -> Result<Arc<dyn Store>> {
     match Database::parse(url)? {
         Database::Sqlite(options) => {
             if !options.path.is_file() {
-                bail!("database {} does not exist", options.path.display());
+                return Err(Error::Invalid(format!(
+                    "database {} does not exist",
+                    options.path.display()
+                )));
             }
         }
         // A server's database is never created by opening it: a missing one fails to connect.
@@ -348,12 +378,15 @@ pub fn open_existing_store(url: &str) -> anyhow::Result<Arc<dyn Store>> {
 }
 
 /// Applies the migrations the database lacks (creating it if needed), and nothing else.
-pub fn migrate(url: &str) -> anyhow::Result<Migrated> {
+pub fn migrate(url: &str) -> Result<Migrated> {
     let migrated = match Database::parse(url)? {
         Database::Sqlite(options) => ratchet_sqlite::migrate(&options),
         Database::Postgres(options) => ratchet_postgres::migrate(&options),
     };
-    migrated.with_context(|| format!("cannot migrate database {url}"))
+    migrated.map_err(|cause| Error::Store {
+        what: format!("cannot migrate database {url}"),
+        cause,
+    })
 }
 
 impl Runtime {
@@ -392,15 +425,18 @@ impl Runtime {
 
     /// Releases the leases of dead processes on this machine, so their steps are taken over
     /// now rather than when the leases expire (which is how other machines' are).
-    pub async fn recover(&self) -> anyhow::Result<u64> {
+    pub async fn recover(&self) -> Result<u64> {
         self.coordinator
             .recover(owner_is_dead_local_process)
             .await
-            .context("recovering the steps of dead processes")
+            .map_err(|cause| Error::Runtime {
+                what: "recovering the steps of dead processes".to_owned(),
+                cause,
+            })
     }
 
     /// Takes over the steps of dead processes, then starts the workers.
-    pub async fn recover_and_start(&self, config: PoolConfig) -> anyhow::Result<WorkerPool> {
+    pub async fn recover_and_start(&self, config: PoolConfig) -> Result<WorkerPool> {
         self.recover().await?;
         Ok(self.start_workers(config))
     }
