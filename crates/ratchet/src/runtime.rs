@@ -182,6 +182,12 @@ impl Toolbox {
     }
 }
 
+impl Default for Toolbox {
+    fn default() -> Toolbox {
+        Toolbox::new()
+    }
+}
+
 /// A catalog's definitions are checked against the tools and models this toolbox offers.
 impl ratchet_catalog::Known for Toolbox {
     fn tool(&self, name: &str) -> std::result::Result<(), String> {
