@@ -1,9 +1,22 @@
-//! Ratchet as a library: the pieces a program assembles a durable agent runtime from — a
-//! store opened from a database url, the tools and models its runs are offered, and the
-//! runtime that recovers dead processes' steps and runs workers. The `ratchet` binary
-//! (`ratchet-cli`) is one such program.
+//! Ratchet as a library: a durable runtime for LLM agents inside your own program.
+//!
+//! [`Ratchet::builder`] opens a database, registers your Rust tools ([`tool_fn`]) beside the
+//! built-in ones and starts workers; every message sent starts a run that moves one durable
+//! step at a time, so the process may die at any instant and a new one on the same database
+//! goes on with nothing lost and nothing done twice. The lower pieces — a store opened from a
+//! url, the [`Toolbox`], the [`Runtime`] — are what the `ratchet` binary (`ratchet-cli`) is
+//! assembled from.
 
+mod embed;
 mod runtime;
+mod tool;
+
+pub use embed::{Builder, Outcome, Ratchet, Run, Session};
+pub use ratchet_core::{
+    ApprovalPolicy, Limits, ReplayPolicy, RunStatus, StopReason, ToolDelegation, ToolOutcome,
+};
+pub use ratchet_tools::{Tool, ToolContext};
+pub use tool::{FnTool, tool_fn};
 
 pub use runtime::{
     Runtime, Schema, ToolOverrides, Toolbox, announces_changes, database_bytes, database_directory,

@@ -125,7 +125,7 @@ impl Toolbox {
         Toolbox::of(Registry::builtin(), None)
     }
 
-    fn of(registry: Registry, mcp: Option<McpTools>) -> Toolbox {
+    pub(crate) fn of(registry: Registry, mcp: Option<McpTools>) -> Toolbox {
         let tools = Arc::new(registry);
         let models = Arc::new(Models::new(
             tools.names().into_iter().map(str::to_owned).collect(),

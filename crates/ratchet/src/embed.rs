@@ -1,0 +1,278 @@
+//! The runtime inside a program: [`Ratchet`], built with [`Ratchet::builder`].
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ratchet_core::{
+    Limits, MemoryScope, RunConfigSnapshot, RunId, RunStatus, SessionId, StopReason,
+};
+use ratchet_engine::{Multitask, PoolConfig, WorkerPool};
+use ratchet_store::{SessionSpec, Store};
+use ratchet_tools::{DEFAULT_MAX_SNIPPET_BYTES, Registry, Tool};
+use tokio::sync::broadcast::error::RecvError;
+
+use crate::runtime::{Runtime, Schema, ToolOverrides, Toolbox, open_store};
+use crate::{Error, Result};
+
+/// A durable agent runtime running in this process: its store, its tools and its workers.
+/// Every run it starts survives a crash of the process: build it again on the same database
+/// and the run goes on from its last committed step.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> ratchet::Result<()> {
+/// # let dir = tempfile::tempdir().unwrap();
+/// # let url = format!("sqlite://{}", dir.path().join("agents.db").display());
+/// let ratchet = ratchet::Ratchet::builder()
+///     .database(&url)
+///     .model("scripted:demo") // the built-in demo model; or "openai:gpt-4.1-mini", a profile…
+///     .workspace(dir.path())
+///     .build()
+///     .await?;
+/// let run = ratchet.session().await?.send("What is 2 + 3?").await?;
+/// let outcome = run.wait().await?;
+/// assert!(outcome.answer.unwrap().starts_with("2 + 3 = 5"));
+/// ratchet.shutdown().await;
+/// # Ok(())
+/// # }
+/// ```
+pub struct Ratchet {
+    runtime: Runtime,
+    workers: WorkerPool,
+    template: RunConfigSnapshot,
+}
+
+/// How a [`Ratchet`] is made: every setting has a default but the database.
+pub struct Builder {
+    database: Option<String>,
+    model: String,
+    tools: Vec<Arc<dyn Tool>>,
+    workspace: Option<PathBuf>,
+    limits: Limits,
+    system_prompt: Option<String>,
+    workers: usize,
+}
+
+impl Ratchet {
+    pub fn builder() -> Builder {
+        Builder {
+            database: None,
+            model: "scripted:demo".to_owned(),
+            tools: Vec::new(),
+            workspace: None,
+            limits: Limits::default(),
+            system_prompt: None,
+            workers: 4,
+        }
+    }
+
+    /// A new conversation; each message sent in it starts a run.
+    pub async fn session(&self) -> Result<Session<'_>> {
+        let session = (self.runtime.coordinator)
+            .create_session(SessionSpec::default())
+            .await
+            .map_err(|cause| Error::Runtime {
+                what: "creating a session".to_owned(),
+                cause,
+            })?;
+        Ok(Session {
+            ratchet: self,
+            id: session.id,
+        })
+    }
+
+    /// The run `id`, started earlier — by this program before it crashed, say.
+    pub fn run(&self, id: RunId) -> Run<'_> {
+        Run { ratchet: self, id }
+    }
+
+    /// The store every run is kept in, for reading what they did.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        self.runtime.coordinator.store()
+    }
+
+    /// Stops taking steps, lets the steps in flight commit, and closes the tools.
+    pub async fn shutdown(self) {
+        self.workers.shutdown().await;
+        self.runtime.close_tools().await;
+    }
+}
+
+impl Builder {
+    /// Where runs are kept: `sqlite://PATH` (made if missing) or
+    /// `postgres://USER@HOST:PORT/DATABASE`.
+    pub fn database(mut self, url: &str) -> Builder {
+        self.database = Some(url.to_owned());
+        self
+    }
+
+    /// The model runs call: `openai:MODEL`, `anthropic:MODEL`, `scripted:demo` (the default),
+    /// or `scripted:PATH` to a script of replies.
+    pub fn model(mut self, spec: &str) -> Builder {
+        self.model = spec.to_owned();
+        self
+    }
+
+    /// A tool runs may call, besides the built-in ones; see [`crate::tool_fn`].
+    pub fn tool(mut self, tool: impl Tool + 'static) -> Builder {
+        self.tools.push(Arc::new(tool));
+        self
+    }
+
+    /// The directory file tools are confined to; the current directory by default.
+    pub fn workspace(mut self, dir: impl Into<PathBuf>) -> Builder {
+        self.workspace = Some(dir.into());
+        self
+    }
+
+    /// The budgets every run is frozen with.
+    pub fn limits(mut self, limits: Limits) -> Builder {
+        self.limits = limits;
+        self
+    }
+
+    pub fn system_prompt(mut self, prompt: &str) -> Builder {
+        self.system_prompt = Some(prompt.to_owned());
+        self
+    }
+
+    /// How many steps this process runs at once (4 by default).
+    pub fn workers(mut self, workers: usize) -> Builder {
+        self.workers = workers;
+        self
+    }
+
+    /// Checks the settings, opens (and migrates) the database, takes over the steps of this
+    /// machine's dead processes and starts the workers. Must be called inside a tokio runtime.
+    pub async fn build(self) -> Result<Ratchet> {
+        let database = self.database.ok_or_else(|| {
+            Error::Invalid("a database is needed: call .database(\"sqlite://PATH\")".to_owned())
+        })?;
+        if self.workers == 0 {
+            return Err(Error::Invalid(
+                "workers must be at least 1, found 0".to_owned(),
+            ));
+        }
+        let tools = [
+            Registry::builtin_tools(DEFAULT_MAX_SNIPPET_BYTES),
+            self.tools,
+        ]
+        .concat();
+        let toolbox = Toolbox::of(Registry::new(tools)?, None);
+        let mut template = toolbox.run_template(
+            &self.model,
+            self.workspace.as_deref(),
+            self.limits,
+            &ToolOverrides::default(),
+            MemoryScope::Session,
+        )?;
+        if let Some(prompt) = self.system_prompt {
+            template.system_prompt = prompt;
+        }
+        let store = open_store(&database, Schema::Migrate)?;
+        let runtime = Runtime::new(store, toolbox);
+        let workers = runtime
+            .recover_and_start(PoolConfig {
+                workers: self.workers,
+                ..PoolConfig::default()
+            })
+            .await?;
+        Ok(Ratchet {
+            runtime,
+            workers,
+            template,
+        })
+    }
+}
+
+/// A conversation: its messages start runs, one at a time.
+pub struct Session<'a> {
+    ratchet: &'a Ratchet,
+    id: SessionId,
+}
+
+impl<'a> Session<'a> {
+    pub fn id(&self) -> &SessionId {
+        &self.id
+    }
+
+    /// Records the message and its run, durably, before returning: the run starts at once,
+    /// or after the session's active run.
+    pub async fn send(&self, message: &str) -> Result<Run<'a>> {
+        let started = (self.ratchet.runtime.coordinator)
+            .submit(
+                &self.id,
+                message.to_owned(),
+                self.ratchet.template.clone(),
+                Multitask::Enqueue,
+            )
+            .await
+            .map_err(|cause| Error::Runtime {
+                what: format!("sending a message to session {}", self.id),
+                cause,
+            })?;
+        Ok(self.ratchet.run(started.run_id))
+    }
+}
+
+/// A run, followed from this process.
+pub struct Run<'a> {
+    ratchet: &'a Ratchet,
+    id: RunId,
+}
+
+/// Where a run stands after [`Run::wait`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// `completed`, `failed` or `cancelled`; or `waiting_human` when a person must answer.
+    pub status: RunStatus,
+    pub stop_reason: Option<StopReason>,
+    /// The run's answer, once it has completed.
+    pub answer: Option<String>,
+    /// Its committed steps.
+    pub steps: u64,
+}
+
+/// How often a wait looks at the store when no event has told it anything: a step may be
+/// committed by another process sharing the database.
+const WAIT_POLL: Duration = Duration::from_millis(250);
+
+impl Run<'_> {
+    pub fn id(&self) -> &RunId {
+        &self.id
+    }
+
+    /// Waits until the run has ended, or waits for a person (an approval, a reconciliation).
+    pub async fn wait(&self) -> Result<Outcome> {
+        let coordinator = &self.ratchet.runtime.coordinator;
+        let mut events = coordinator.subscribe();
+        loop {
+            let state =
+                (coordinator.store().load_state(&self.id).await).map_err(|cause| Error::Store {
+                    what: format!("reading run {}", self.id),
+                    cause,
+                })?;
+            if state.status.is_terminal() || state.status == RunStatus::WaitingHuman {
+                return Ok(Outcome {
+                    status: state.status,
+                    stop_reason: state.stop_reason,
+                    answer: state
+                        .final_answer
+                        .filter(|_| state.status == RunStatus::Completed),
+                    steps: state.step_index,
+                });
+            }
+            // Any event of this run may be the one that ended it; a lagging receiver reads
+            // the store again.
+            loop {
+                match tokio::time::timeout(WAIT_POLL, events.recv()).await {
+                    Ok(Ok(event)) if event.run_id.as_ref() != Some(&self.id) => continue,
+                    Ok(Err(RecvError::Closed)) => tokio::time::sleep(WAIT_POLL).await,
+                    _ => {}
+                }
+                break;
+            }
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! The library as a program embeds it: a Rust tool registered beside the built-in ones, a
+//! message sent, the run followed to its answer, on a real SQLite database.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use ratchet::{Error, Ratchet, ReplayPolicy, RunStatus, ToolOutcome, tool_fn};
+use serde_json::{Value, json};
+
+/// A scripted model that calls `lookup_order` for order 42, then answers.
+fn script(dir: &Path) -> String {
+    let path = dir.join("script.json");
+    let replies = json!({"replies": [
+        {"tool_calls": [{"name": "lookup_order", "arguments": {"id": 42}}]},
+        {"text": "Order 42 ships tomorrow."},
+    ]});
+    std::fs::write(&path, replies.to_string()).unwrap();
+    format!("scripted:{}", path.display())
+}
+
+fn database(dir: &Path) -> String {
+    format!("sqlite://{}", dir.join("agents.db").display())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rust_tool_is_called_once_with_its_key_and_the_run_answers_from_its_result() {
+    let dir = tempfile::tempdir().unwrap();
+    let calls: Arc<Mutex<Vec<(Value, String)>>> = Arc::default();
+    let seen = Arc::clone(&calls);
+    let lookup = tool_fn(
+        "lookup_order",
+        "Finds an order by its id",
+        ReplayPolicy::Keyed,
+        move |arguments, context| {
+            let seen = Arc::clone(&seen);
+            async move {
+                seen.lock()
+                    .unwrap()
+                    .push((arguments, context.idempotency_key));
+                ToolOutcome::ok(r#"{"id": 42, "ships": "tomorrow"}"#)
+            }
+        },
+    )
+    .parameters(json!({
+        "type": "object",
+        "properties": {"id": {"type": "integer"}},
+        "required": ["id"],
+        "additionalProperties": false,
+    }));
+    let ratchet = Ratchet::builder()
+        .database(&database(dir.path()))
+        .model(&script(dir.path()))
+        .workspace(dir.path())
+        .tool(lookup)
+        .build()
+        .await
+        .unwrap();
+    let session = ratchet.session().await.unwrap();
+    let run = session.send("Where is order 42?").await.unwrap();
+    let outcome = run.wait().await.unwrap();
+    assert_eq!(outcome.status, RunStatus::Completed, "{outcome:?}");
+    assert_eq!(outcome.answer.as_deref(), Some("Order 42 ships tomorrow."));
+    assert_eq!(outcome.steps, 3, "a model call, the tool batch, the answer");
+
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 1, "called once: {calls:?}");
+    assert_eq!(calls[0].0, json!({"id": 42}));
+    assert!(
+        calls[0].1.starts_with(run.id().as_str()),
+        "the idempotency key names the run: {}",
+        calls[0].1
+    );
+    let history = ratchet.store().history(session.id()).await.unwrap();
+    assert!(
+        history
+            .iter()
+            .any(|m| m.content.contains("\"ships\": \"tomorrow\"")),
+        "the model read the tool's result: {history:?}"
+    );
+    ratchet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settings_it_cannot_run_with_are_refused_before_a_database_is_made() {
+    let dir = tempfile::tempdir().unwrap();
+    let refused = |result: Result<Ratchet, Error>| match result {
+        Ok(_) => panic!("expected a refusal, found a running Ratchet"),
+        Err(error) => error.to_string(),
+    };
+    let no_database = refused(Ratchet::builder().build().await);
+    assert!(
+        no_database.contains("a database is needed"),
+        "{no_database}"
+    );
+
+    let url = database(dir.path());
+    let unknown_model = refused(
+        Ratchet::builder()
+            .database(&url)
+            .model("nonsense")
+            .workspace(dir.path())
+            .build()
+            .await,
+    );
+    assert!(unknown_model.contains("nonsense"), "{unknown_model}");
+
+    let twice = tool_fn("add", "Adds again", ReplayPolicy::Safe, |_, _| async {
+        ToolOutcome::ok("0")
+    });
+    let duplicate = refused(
+        Ratchet::builder()
+            .database(&url)
+            .workspace(dir.path())
+            .tool(twice)
+            .build()
+            .await,
+    );
+    assert!(
+        duplicate.contains("\"add\" is registered twice"),
+        "{duplicate}"
+    );
+
+    let bad_schema = tool_fn(
+        "odd",
+        "Has a bad schema",
+        ReplayPolicy::Safe,
+        |_, _| async { ToolOutcome::ok("") },
+    )
+    .parameters(json!({"type": 7}));
+    let schema = refused(
+        Ratchet::builder()
+            .database(&url)
+            .workspace(dir.path())
+            .tool(bad_schema)
+            .build()
+            .await,
+    );
+    assert!(
+        schema.contains("\"odd\" has an invalid parameter schema"),
+        "{schema}"
+    );
+    assert!(
+        !dir.path().join("agents.db").exists(),
+        "nothing refused made a database"
+    );
+}
