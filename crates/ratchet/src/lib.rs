@@ -13,7 +13,8 @@ mod tool;
 
 pub use embed::{Builder, Outcome, Ratchet, Run, Session};
 pub use ratchet_core::{
-    ApprovalPolicy, Limits, ReplayPolicy, RunStatus, StopReason, ToolDelegation, ToolOutcome,
+    ApprovalPolicy, Limits, ReplayPolicy, RunId, RunStatus, SessionId, StopReason, ToolDelegation,
+    ToolOutcome,
 };
 pub use ratchet_tools::{Tool, ToolContext};
 pub use tool::{FnTool, tool_fn};
