@@ -5,7 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ratchet_core::{
-    Limits, MemoryScope, RunConfigSnapshot, RunId, RunStatus, SessionId, StopReason,
+    ApprovalAnswer, ApprovalCall, ApprovalId, CallDecision, HumanRequest, Limits, MemoryScope,
+    RunConfigSnapshot, RunId, RunStatus, SessionId, StopReason,
 };
 use ratchet_engine::{Multitask, PoolConfig, WorkerPool};
 use ratchet_store::{SessionSpec, Store};
@@ -234,6 +235,15 @@ pub struct Outcome {
     pub steps: u64,
 }
 
+/// A batch of tool calls held until a person — or the program — decides, from
+/// [`Run::approval`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Approval {
+    pub id: ApprovalId,
+    /// Every call of the batch; those with `needs_approval` false are only held with it.
+    pub calls: Vec<ApprovalCall>,
+}
+
 /// How often a wait looks at the store when no event has told it anything: a step may be
 /// committed by another process sharing the database.
 const WAIT_POLL: Duration = Duration::from_millis(250);
@@ -241,6 +251,40 @@ const WAIT_POLL: Duration = Duration::from_millis(250);
 impl Run<'_> {
     pub fn id(&self) -> &RunId {
         &self.id
+    }
+
+    /// The batch the run waits on a decision for, if it waits for one.
+    pub async fn approval(&self) -> Result<Option<Approval>> {
+        let state =
+            (self.ratchet.store().load_state(&self.id).await).map_err(|cause| Error::Store {
+                what: format!("reading run {}", self.id),
+                cause,
+            })?;
+        Ok(match state.pending_human {
+            Some(HumanRequest::Approval { approval_id, calls }) => Some(Approval {
+                id: approval_id,
+                calls,
+            }),
+            _ => None,
+        })
+    }
+
+    /// Decides `approval`: a verdict for each call that needs one (a call denied is not run,
+    /// and the model reads why), recorded as decided by `by`. The run goes on at once.
+    pub async fn decide(
+        &self,
+        approval: &Approval,
+        decisions: Vec<CallDecision>,
+        by: &str,
+    ) -> Result<()> {
+        (self.ratchet.runtime.coordinator)
+            .answer_approval(&approval.id, ApprovalAnswer::Decisions(decisions), by)
+            .await
+            .map(|_| ())
+            .map_err(|cause| Error::Runtime {
+                what: format!("deciding approval {}", approval.id),
+                cause,
+            })
     }
 
     /// Waits until the run has ended, or waits for a person (an approval, a reconciliation).

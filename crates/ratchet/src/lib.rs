@@ -11,10 +11,10 @@ mod embed;
 mod runtime;
 mod tool;
 
-pub use embed::{Builder, Outcome, Ratchet, Run, Session};
+pub use embed::{Approval, Builder, Outcome, Ratchet, Run, Session};
 pub use ratchet_core::{
-    ApprovalPolicy, Limits, ReplayPolicy, RunId, RunStatus, SessionId, StopReason, ToolDelegation,
-    ToolOutcome,
+    ApprovalCall, ApprovalId, ApprovalPolicy, CallDecision, Limits, ReplayPolicy, RunId, RunStatus,
+    SessionId, StopReason, ToolDelegation, ToolOutcome, Verdict,
 };
 pub use ratchet_tools::{Tool, ToolContext};
 pub use tool::{FnTool, tool_fn};

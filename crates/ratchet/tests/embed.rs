@@ -4,7 +4,11 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use ratchet::{Error, Ratchet, ReplayPolicy, RunStatus, ToolOutcome, tool_fn};
+use ratchet::{
+    ApprovalPolicy, CallDecision, Error, Ratchet, ReplayPolicy, RunStatus, ToolOutcome, Verdict,
+    tool_fn,
+};
+use ratchet_store::ApprovalStatus;
 use serde_json::{Value, json};
 
 /// A scripted model that calls `lookup_order` for order 42, then answers.
@@ -143,4 +147,94 @@ async fn settings_it_cannot_run_with_are_refused_before_a_database_is_made() {
         !dir.path().join("agents.db").exists(),
         "nothing refused made a database"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_program_decides_an_approval_and_only_the_approved_call_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("script.json");
+    let replies = json!({"replies": [
+        {"tool_calls": [
+            {"name": "refund", "arguments": {"order": 1}},
+            {"name": "refund", "arguments": {"order": 2}},
+        ]},
+        {"text": "Done."},
+    ]});
+    std::fs::write(&script, replies.to_string()).unwrap();
+    let refunded: Arc<Mutex<Vec<Value>>> = Arc::default();
+    let done = Arc::clone(&refunded);
+    let refund = tool_fn(
+        "refund",
+        "Refunds an order",
+        ReplayPolicy::Never,
+        move |arguments, _| {
+            let done = Arc::clone(&done);
+            async move {
+                done.lock().unwrap().push(arguments);
+                ToolOutcome::ok("refunded")
+            }
+        },
+    )
+    .approval(ApprovalPolicy::Always);
+    let ratchet = Ratchet::builder()
+        .database(&database(dir.path()))
+        .model(&format!("scripted:{}", script.display()))
+        .workspace(dir.path())
+        .tool(refund)
+        .build()
+        .await
+        .unwrap();
+    let session = ratchet.session().await.unwrap();
+    let run = session.send("Refund both").await.unwrap();
+    let waiting = run.wait().await.unwrap();
+    assert_eq!(waiting.status, RunStatus::WaitingHuman, "{waiting:?}");
+    assert!(
+        refunded.lock().unwrap().is_empty(),
+        "nothing runs before the decision"
+    );
+    let approval = run
+        .approval()
+        .await
+        .unwrap()
+        .expect("the run waits on an approval");
+    assert_eq!(approval.calls.len(), 2);
+    let decisions = approval
+        .calls
+        .iter()
+        .map(|call| CallDecision {
+            call_id: call.call_id.clone(),
+            decision: if call.arguments["order"] == 1 {
+                Verdict::Approve
+            } else {
+                Verdict::Deny
+            },
+            note: Some("not this one".to_owned()),
+        })
+        .collect();
+    run.decide(&approval, decisions, "the test's policy")
+        .await
+        .unwrap();
+    let outcome = run.wait().await.unwrap();
+    assert_eq!(outcome.status, RunStatus::Completed, "{outcome:?}");
+    assert_eq!(
+        *refunded.lock().unwrap(),
+        [json!({"order": 1})],
+        "only the approved call ran"
+    );
+    assert!(
+        run.approval().await.unwrap().is_none(),
+        "nothing waits any more"
+    );
+    let recorded = ratchet.store().get_approval(&approval.id).await.unwrap();
+    assert_eq!(recorded.status, ApprovalStatus::Decided, "{recorded:?}");
+    assert!(
+        recorded.answer.is_some(),
+        "the answer is kept: {recorded:?}"
+    );
+    let history = ratchet.store().history(session.id()).await.unwrap();
+    assert!(
+        history.iter().any(|m| m.content.contains("not this one")),
+        "the model read the denial's note: {history:?}"
+    );
+    ratchet.shutdown().await;
 }
