@@ -1,5 +1,6 @@
 //! The runtime inside a program: [`Ratchet`], built with [`Ratchet::builder`].
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,9 +10,11 @@ use ratchet_core::{
     RunConfigSnapshot, RunId, RunStatus, SessionId, StopReason,
 };
 use ratchet_engine::{Multitask, PoolConfig, WorkerPool};
+use ratchet_server::{Active, AppState, Tokens, hash_token};
 use ratchet_store::{SessionSpec, Store};
 use ratchet_tools::{DEFAULT_MAX_SNIPPET_BYTES, Registry, Tool};
 use tokio::sync::broadcast::error::RecvError;
+use tokio_util::sync::CancellationToken;
 
 use crate::runtime::{Runtime, Schema, ToolOverrides, Toolbox, open_store};
 use crate::{Error, Result};
@@ -42,6 +45,9 @@ pub struct Ratchet {
     runtime: Runtime,
     workers: WorkerPool,
     template: RunConfigSnapshot,
+    tokens: Tokens,
+    /// Cancelled at shutdown: the HTTP API's event streams end.
+    stopping: CancellationToken,
 }
 
 /// How a [`Ratchet`] is made: every setting has a default but the database.
@@ -53,6 +59,7 @@ pub struct Builder {
     limits: Limits,
     system_prompt: Option<String>,
     workers: usize,
+    tokens: HashMap<String, String>,
 }
 
 impl Ratchet {
@@ -65,7 +72,22 @@ impl Ratchet {
             limits: Limits::default(),
             system_prompt: None,
             workers: 4,
+            tokens: HashMap::new(),
         }
+    }
+
+    /// The HTTP API and the web console over this runtime, to serve with `axum::serve`: the
+    /// same API `ratchet serve` has, its runs frozen with this runtime's model and tools.
+    /// Without [`Builder::token`] every request is the default tenant's and only loopback
+    /// names are answered, so serve it on a loopback address.
+    pub fn app(&self) -> axum::Router {
+        let active = Active::new(self.template.clone(), Vec::new(), self.tokens.clone());
+        let state = AppState::new(
+            Arc::clone(&self.runtime.coordinator),
+            active,
+            self.stopping.clone(),
+        );
+        ratchet_server::app(state)
     }
 
     /// A new conversation; each message sent in it starts a run.
@@ -95,6 +117,7 @@ impl Ratchet {
 
     /// Stops taking steps, lets the steps in flight commit, and closes the tools.
     pub async fn shutdown(self) {
+        self.stopping.cancel();
         self.workers.shutdown().await;
         self.runtime.close_tools().await;
     }
@@ -135,6 +158,13 @@ impl Builder {
 
     pub fn system_prompt(mut self, prompt: &str) -> Builder {
         self.system_prompt = Some(prompt.to_owned());
+        self
+    }
+
+    /// A token the HTTP API ([`Ratchet::app`]) accepts, for `tenant`; with none, the API asks
+    /// for no token.
+    pub fn token(mut self, tenant: &str, token: &str) -> Builder {
+        self.tokens.insert(hash_token(token), tenant.to_owned());
         self
     }
 
@@ -183,6 +213,8 @@ impl Builder {
             runtime,
             workers,
             template,
+            tokens: Tokens::new(self.tokens),
+            stopping: CancellationToken::new(),
         })
     }
 }

@@ -238,3 +238,79 @@ async fn a_program_decides_an_approval_and_only_the_approved_call_runs() {
     );
     ratchet.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_api_over_an_embedded_runtime_runs_its_rust_tools_behind_its_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let lookup = tool_fn(
+        "lookup_order",
+        "Finds an order by its id",
+        ReplayPolicy::Keyed,
+        |_, _| async { ToolOutcome::ok("shipped") },
+    );
+    let ratchet = Ratchet::builder()
+        .database(&database(dir.path()))
+        .model(&script(dir.path()))
+        .workspace(dir.path())
+        .tool(lookup)
+        .token("acme", "secret-token")
+        .build()
+        .await
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(axum::serve(listener, ratchet.app()).into_future());
+    let http = reqwest::Client::new();
+
+    let anonymous = http
+        .post(format!("{base}/v1/sessions"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status(), 401, "the token is required");
+    let session: Value = http
+        .post(format!("{base}/v1/sessions"))
+        .bearer_auth("secret-token")
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let session_id = session["id"].as_str().unwrap();
+    let accepted: Value = http
+        .post(format!("{base}/v1/sessions/{session_id}/messages"))
+        .bearer_auth("secret-token")
+        .json(&json!({"content": "Where is order 42?"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let run_id = ratchet::RunId::parse(accepted["run_id"].as_str().unwrap()).unwrap();
+    let outcome = ratchet.run(run_id.clone()).wait().await.unwrap();
+    assert_eq!(
+        outcome.answer.as_deref(),
+        Some("Order 42 ships tomorrow."),
+        "{outcome:?}"
+    );
+    let run: Value = http
+        .get(format!("{base}/v1/runs/{run_id}"))
+        .bearer_auth("secret-token")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(run["status"], "completed", "{run}");
+    assert_eq!(
+        run["usage"]["tool_calls"], 1,
+        "the Rust tool ran through the API: {run}"
+    );
+    server.abort();
+    ratchet.shutdown().await;
+}
