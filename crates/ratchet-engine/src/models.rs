@@ -45,6 +45,11 @@ impl Models {
         }
     }
 
+    /// Whether `spec` names a model the embedding program registered.
+    pub fn is_registered(&self, spec: &str) -> bool {
+        self.registered(spec).is_some()
+    }
+
     fn registered(&self, spec: &str) -> Option<Arc<dyn Model>> {
         self.registered.lock().ok()?.get(spec).cloned()
     }

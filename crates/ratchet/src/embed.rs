@@ -10,6 +10,7 @@ use ratchet_core::{
     RunConfigSnapshot, RunId, RunStatus, SessionId, StopReason,
 };
 use ratchet_engine::{Multitask, PoolConfig, WorkerPool};
+use ratchet_llm::Model;
 use ratchet_server::{Active, AppState, Tokens, hash_token};
 use ratchet_store::{SessionSpec, Store};
 use ratchet_tools::{DEFAULT_MAX_SNIPPET_BYTES, Registry, Tool};
@@ -55,6 +56,8 @@ pub struct Builder {
     database: Option<String>,
     model: String,
     tools: Vec<Arc<dyn Tool>>,
+    /// A model the program implements itself, by the name runs are frozen with.
+    own_model: Option<(String, Arc<dyn Model>)>,
     workspace: Option<PathBuf>,
     limits: Limits,
     system_prompt: Option<String>,
@@ -68,6 +71,7 @@ impl Ratchet {
             database: None,
             model: "scripted:demo".to_owned(),
             tools: Vec::new(),
+            own_model: None,
             workspace: None,
             limits: Limits::default(),
             system_prompt: None,
@@ -138,6 +142,15 @@ impl Builder {
         self
     }
 
+    /// A model this program implements, which runs call instead of a provider's. `name` is
+    /// what each run is frozen with: a run started under this name needs a process that has
+    /// a model of that name to go on after a crash.
+    pub fn model_impl(mut self, name: &str, model: impl Model + 'static) -> Builder {
+        self.model = name.to_owned();
+        self.own_model = Some((name.to_owned(), Arc::new(model)));
+        self
+    }
+
     /// A tool runs may call, besides the built-in ones; see [`crate::tool_fn`].
     pub fn tool(mut self, tool: impl Tool + 'static) -> Builder {
         self.tools.push(Arc::new(tool));
@@ -191,6 +204,9 @@ impl Builder {
         ]
         .concat();
         let toolbox = Toolbox::of(Registry::new(tools)?, None);
+        if let Some((name, model)) = self.own_model {
+            toolbox.models.register(&name, model);
+        }
         let mut template = toolbox.run_template(
             &self.model,
             self.workspace.as_deref(),

@@ -11,12 +11,16 @@ mod embed;
 mod runtime;
 mod tool;
 
+pub use async_trait::async_trait;
 pub use embed::{Approval, Builder, Outcome, Ratchet, Run, Session};
 pub use ratchet_core::{
     ApprovalCall, ApprovalId, ApprovalPolicy, CallDecision, Limits, ReplayPolicy, RunId, RunStatus,
     SessionId, StopReason, ToolDelegation, ToolOutcome, Verdict,
 };
+pub use ratchet_core::{Message, ModelReply, ToolCall, Usage};
+pub use ratchet_llm::{Error as ModelError, Model, ModelRequest};
 pub use ratchet_tools::{Tool, ToolContext};
+pub use tokio_util::sync::CancellationToken;
 pub use tool::{FnTool, tool_fn};
 
 pub use runtime::{

@@ -113,6 +113,12 @@ impl Toolbox {
     /// Checks a model spec (a scripted model's file as given) as a run would be frozen with
     /// it: a provider's settings resolved, any other model built, its script read and checked.
     pub fn resolve_model(&self, model: &str) -> Result<Resolved> {
+        if self.models.is_registered(model) {
+            return Ok(Resolved {
+                settings: None,
+                max_attempts: None,
+            });
+        }
         let env = |name: &str| std::env::var(name).ok();
         let resolved = ratchet_llm::profiles::resolve_spec(model, &self.profiles, &env)?;
         if resolved.settings.is_none() {

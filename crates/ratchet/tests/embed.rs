@@ -314,3 +314,61 @@ async fn the_http_api_over_an_embedded_runtime_runs_its_rust_tools_behind_its_to
     server.abort();
     ratchet.shutdown().await;
 }
+
+/// A model the program implements: it answers with what it was asked and under which prompt.
+struct Echo;
+
+#[ratchet::async_trait]
+impl ratchet::Model for Echo {
+    async fn complete(
+        &self,
+        request: ratchet::ModelRequest,
+        _deltas: tokio::sync::mpsc::UnboundedSender<String>,
+        _cancel: ratchet::CancellationToken,
+    ) -> Result<ratchet::ModelReply, ratchet::ModelError> {
+        let asked = request
+            .messages
+            .last()
+            .map(|m| m.content.clone())
+            .unwrap_or_default();
+        Ok(ratchet::ModelReply {
+            text: format!("{} / {asked}", request.system_prompt),
+            tool_calls: Vec::new(),
+            usage: ratchet::Usage {
+                input_tokens: 3,
+                output_tokens: 2,
+                reasoning_tokens: 0,
+            },
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_the_program_implements_answers_its_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let ratchet = Ratchet::builder()
+        .database(&database(dir.path()))
+        .model_impl("echo", Echo)
+        .system_prompt("Be brief.")
+        .workspace(dir.path())
+        .build()
+        .await
+        .unwrap();
+    let run = ratchet
+        .session()
+        .await
+        .unwrap()
+        .send("Hello")
+        .await
+        .unwrap();
+    let outcome = run.wait().await.unwrap();
+    assert_eq!(outcome.status, RunStatus::Completed, "{outcome:?}");
+    assert_eq!(outcome.answer.as_deref(), Some("Be brief. / Hello"));
+    let state = ratchet.store().load_state(run.id()).await.unwrap();
+    assert_eq!(
+        state.config.model, "echo",
+        "runs are frozen with the model's name"
+    );
+    assert_eq!(state.counters.output_tokens, 2, "its usage is counted");
+    ratchet.shutdown().await;
+}
