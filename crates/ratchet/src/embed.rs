@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::Stream;
 use ratchet_core::{
     ApprovalAnswer, ApprovalCall, ApprovalId, CallDecision, HumanRequest, Limits, MemoryScope,
     RunConfigSnapshot, RunId, RunStatus, SessionId, StopReason,
@@ -12,8 +13,10 @@ use ratchet_core::{
 use ratchet_engine::{Multitask, PoolConfig, WorkerPool};
 use ratchet_llm::Model;
 use ratchet_server::{Active, AppState, Tokens, hash_token};
+use ratchet_store::StoredEvent;
 use ratchet_store::{SessionSpec, Store};
 use ratchet_tools::{DEFAULT_MAX_SNIPPET_BYTES, Registry, Tool};
+use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::RecvError;
 use tokio_util::sync::CancellationToken;
 
@@ -296,9 +299,75 @@ pub struct Approval {
 /// committed by another process sharing the database.
 const WAIT_POLL: Duration = Duration::from_millis(250);
 
-impl Run<'_> {
+impl<'a> Run<'a> {
     pub fn id(&self) -> &RunId {
         &self.id
+    }
+
+    /// Every event of the run in the order it was committed — what it said, the tools it
+    /// called, their results, each committed step — from its first, then as they come,
+    /// ending after `run.finished`. Another process may be running the run's steps: the store
+    /// is read again whenever the bus has been quiet a while.
+    pub fn events(&self) -> impl Stream<Item = Result<StoredEvent>> + Send + 'a {
+        struct Follow<'a> {
+            ratchet: &'a Ratchet,
+            run: RunId,
+            session: Option<SessionId>,
+            after: i64,
+            page: std::vec::IntoIter<StoredEvent>,
+            bus: broadcast::Receiver<StoredEvent>,
+            ended: bool,
+        }
+        let follow = Follow {
+            ratchet: self.ratchet,
+            run: self.id.clone(),
+            session: None,
+            after: 0,
+            page: Vec::new().into_iter(),
+            bus: self.ratchet.runtime.coordinator.subscribe(),
+            ended: false,
+        };
+        futures::stream::unfold(follow, |mut follow| async move {
+            loop {
+                if let Some(event) = follow.page.next() {
+                    follow.after = event.seq;
+                    if event.run_id.as_ref() != Some(&follow.run) {
+                        continue;
+                    }
+                    follow.ended = event.kind == "run.finished";
+                    return Some((Ok(event), follow));
+                }
+                if follow.ended {
+                    return None;
+                }
+                let store = follow.ratchet.store();
+                let session = match &follow.session {
+                    Some(session) => session.clone(),
+                    None => match store.load_state(&follow.run).await {
+                        Ok(state) => {
+                            follow.session = Some(state.session_id.clone());
+                            state.session_id
+                        }
+                        Err(cause) => {
+                            follow.ended = true;
+                            let what = format!("reading run {}", follow.run);
+                            return Some((Err(Error::Store { what, cause }), follow));
+                        }
+                    },
+                };
+                match store.events_after(&session, follow.after, 200).await {
+                    Ok(page) if !page.is_empty() => follow.page = page.into_iter(),
+                    Ok(_) => {
+                        let _ = tokio::time::timeout(WAIT_POLL, follow.bus.recv()).await;
+                    }
+                    Err(cause) => {
+                        follow.ended = true;
+                        let what = format!("reading the events of run {}", follow.run);
+                        return Some((Err(Error::Store { what, cause }), follow));
+                    }
+                }
+            }
+        })
     }
 
     /// The batch the run waits on a decision for, if it waits for one.

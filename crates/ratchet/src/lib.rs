@@ -19,6 +19,7 @@ pub use ratchet_core::{
 };
 pub use ratchet_core::{Message, ModelReply, ToolCall, Usage};
 pub use ratchet_llm::{Error as ModelError, Model, ModelRequest};
+pub use ratchet_store::StoredEvent;
 pub use ratchet_tools::{Tool, ToolContext};
 pub use tokio_util::sync::CancellationToken;
 pub use tool::{FnTool, tool_fn};

@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use futures::StreamExt;
 use ratchet::{
     ApprovalPolicy, CallDecision, Error, Ratchet, ReplayPolicy, RunStatus, ToolOutcome, Verdict,
     tool_fn,
@@ -65,6 +66,33 @@ async fn a_rust_tool_is_called_once_with_its_key_and_the_run_answers_from_its_re
     assert_eq!(outcome.status, RunStatus::Completed, "{outcome:?}");
     assert_eq!(outcome.answer.as_deref(), Some("Order 42 ships tomorrow."));
     assert_eq!(outcome.steps, 3, "a model call, the tool batch, the answer");
+
+    // Its events, from the first, ending with the run.
+    let kinds: Vec<String> = run
+        .events()
+        .map(|event| event.unwrap().kind)
+        .collect()
+        .await;
+    assert_eq!(
+        kinds.first().map(String::as_str),
+        Some("run.created"),
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some("run.finished"),
+        "{kinds:?}"
+    );
+    let position = |kind: &str| kinds.iter().position(|k| k == kind);
+    assert!(
+        position("tool.call").is_some() && position("tool.call") < position("tool.result"),
+        "the call, then its result: {kinds:?}"
+    );
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "step.committed").count(),
+        3,
+        "each committed step once: {kinds:?}"
+    );
 
     let calls = calls.lock().unwrap().clone();
     assert_eq!(calls.len(), 1, "called once: {calls:?}");
@@ -211,9 +239,20 @@ async fn a_program_decides_an_approval_and_only_the_approved_call_runs() {
             note: Some("not this one".to_owned()),
         })
         .collect();
-    run.decide(&approval, decisions, "the test's policy")
-        .await
-        .unwrap();
+    // Followed while the run waits, the stream goes on through the decision to the run's end.
+    let follower = run
+        .events()
+        .map(|event| event.unwrap().kind)
+        .collect::<Vec<_>>();
+    let decided = async { run.decide(&approval, decisions, "the test's policy").await };
+    let (kinds, decided) = tokio::join!(follower, decided);
+    decided.unwrap();
+    assert!(kinds.contains(&"approval.decided".to_owned()), "{kinds:?}");
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some("run.finished"),
+        "{kinds:?}"
+    );
     let outcome = run.wait().await.unwrap();
     assert_eq!(outcome.status, RunStatus::Completed, "{outcome:?}");
     assert_eq!(
