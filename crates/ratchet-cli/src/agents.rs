@@ -10,7 +10,7 @@ use anyhow::Context;
 use ratchet_catalog::{AgentDefinition, Catalog};
 use ratchet_core::delegation::{agent_task_tool, child_tools, delegate_tool};
 use ratchet_core::{AgentProfile, AgentRef, DelegationConfig, RunConfigSnapshot, TreeBudget};
-use ratchet_server::Config;
+use ratchet::Config;
 
 use crate::serve;
 use ratchet::Toolbox;

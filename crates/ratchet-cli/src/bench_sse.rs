@@ -457,7 +457,7 @@ impl LocalServer {
         let runtime = Runtime::new(open_store(&db, Schema::Migrate)?, toolbox);
         let pool = runtime.start_workers(PoolConfig::default());
         let shutdown = CancellationToken::new();
-        let defaults = ratchet_server::Config::default().limits()?;
+        let defaults = ratchet::Config::default().limits()?;
         let streams = StreamLimits {
             max_streams: defaults.streams.max_streams.max(room + 8),
             max_streams_per_tenant: defaults.streams.max_streams_per_tenant.max(room + 8),

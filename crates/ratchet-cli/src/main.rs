@@ -698,7 +698,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             json,
             message,
         } => {
-            let file = ratchet_server::Config::load_or_default(config.as_deref())?;
+            let file = ratchet::Config::load_or_default(config.as_deref())?;
             if let (Some(dir), None) = (&agents, &agent) {
                 bail!(
                     "--agents {} needs --agent ID: the agent that answers",
@@ -803,7 +803,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Resume { db, config, json } => {
-            let file = ratchet_server::Config::load_or_default(config.as_deref())?;
+            let file = ratchet::Config::load_or_default(config.as_deref())?;
             let max_snippet_bytes = file.limits()?.max_snippet_bytes;
             drive::resume(&db.db, json, &file.mcp, max_snippet_bytes, file.pool()?).await
         }

@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use ratchet_server::SecretsSettings;
+use ratchet::SecretsSettings;
 use ratchet_store::{Key, Keyring};
 
 pub const KEY_VARIABLE: &str = "RATCHET_SECRETS_KEY";

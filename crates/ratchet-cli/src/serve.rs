@@ -14,7 +14,8 @@ use ratchet_catalog::Catalog;
 use ratchet_core::{AgentProfile, Limits, RunConfigSnapshot};
 use ratchet_engine::{PoolConfig, WorkerPool};
 use ratchet_server::reload::{Prepared, Reloader};
-use ratchet_server::{Active, AppState, Config, GuardedListener, HostPolicy, Reloads};
+use ratchet::Config;
+use ratchet_server::{Active, AppState, GuardedListener, HostPolicy, Reloads};
 use ratchet_store::Keyring;
 use tokio_util::sync::CancellationToken;
 

@@ -49,7 +49,8 @@ impl Tokens {
         self.tenants_by_hash.is_empty()
     }
 
-    pub(crate) fn caller(&self, token: &str) -> Option<Caller> {
+    /// Who a request bearing `token` acts for; None for a token not accepted.
+    pub fn caller(&self, token: &str) -> Option<Caller> {
         let hash = hash_token(token);
         let tenant = self.tenants_by_hash.get(&hash)?;
         Some(Caller {
@@ -60,9 +61,11 @@ impl Tokens {
 }
 
 /// Who a request acts for.
-pub(crate) struct Caller {
-    pub(crate) tenant: String,
-    pub(crate) admin: bool,
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub tenant: String,
+    /// May also administer the server (`POST /v1/admin/reload`).
+    pub admin: bool,
 }
 
 /// The tenant a request acts for.

@@ -8,7 +8,6 @@ mod active;
 mod api;
 mod approvals;
 mod auth;
-mod config;
 mod console;
 mod error;
 mod feed;
@@ -33,8 +32,7 @@ use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 
 pub use active::Active;
-pub use auth::{Tokens, hash_token};
-pub use config::{CallLimitsOverride, Config, ConfigError, SecretsSettings, TokenConfig};
+pub use auth::{Caller, Tokens, hash_token};
 pub use error::ApiError;
 pub use hosts::HostPolicy;
 pub use listener::GuardedListener;

@@ -7,11 +7,13 @@
 //! url, the [`Toolbox`], the [`Runtime`] — are what the `ratchet` binary (`ratchet-cli`) is
 //! assembled from.
 
+mod config;
 mod embed;
 mod runtime;
 mod tool;
 
 pub use async_trait::async_trait;
+pub use config::{CallLimitsOverride, Config, ConfigError, SecretsSettings, TokenConfig};
 pub use embed::{Approval, Builder, Outcome, Ratchet, Run, Session};
 pub use ratchet_core::{
     ApprovalCall, ApprovalId, ApprovalPolicy, CallDecision, Limits, ReplayPolicy, RunId, RunStatus,

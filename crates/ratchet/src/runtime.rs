@@ -217,7 +217,7 @@ impl ratchet_catalog::Known for Toolbox {
 pub struct ToolOverrides {
     pub approval: BTreeMap<String, ApprovalPolicy>,
     pub replay: BTreeMap<String, ReplayPolicy>,
-    pub calls: BTreeMap<String, ratchet_server::CallLimitsOverride>,
+    pub calls: BTreeMap<String, crate::CallLimitsOverride>,
 }
 
 fn find_tool<'a>(

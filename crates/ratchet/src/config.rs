@@ -1,4 +1,5 @@
-//! `ratchet.toml`: the server's configuration file, with `RATCHET_*` environment overrides.
+//! `ratchet.toml`: the configuration file of `ratchet serve` and `ratchet worker`, with
+//! `RATCHET_*` environment overrides.
 //! Unknown keys are errors, so a typo never silently falls back to a default.
 
 use std::collections::{BTreeMap, HashMap};
@@ -12,7 +13,7 @@ use serde::Deserialize;
 
 use ratchet_webhooks::{Rule, WebhookPolicy};
 
-use crate::auth::Tokens;
+use ratchet_server::{StreamLimits, Tokens, hash_token};
 
 /// A lease shorter than this would lapse between a busy machine's heartbeats.
 const MIN_LEASE_MS: u64 = 100;
@@ -146,7 +147,7 @@ pub struct ServerSettings {
 /// The limits of `[limits]`, checked and with their defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ServerLimits {
-    pub streams: crate::StreamLimits,
+    pub streams: StreamLimits,
     pub stream_stall: Duration,
     pub max_snippet_bytes: usize,
 }
@@ -664,7 +665,7 @@ impl Config {
             _ => Ok(value.unwrap_or(default)),
         };
         let size = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
-        let defaults = crate::StreamLimits::default();
+        let defaults = StreamLimits::default();
         let max_streams = at_least_one(
             "max_streams",
             settings.max_streams,
@@ -678,7 +679,7 @@ impl Config {
         let stall = at_least_one("stream_stall_ms", settings.stream_stall_ms, 30_000)?;
         let snippet = at_least_one("max_snippet_bytes", settings.max_snippet_bytes, 2048)?;
         Ok(ServerLimits {
-            streams: crate::StreamLimits {
+            streams: StreamLimits {
                 max_streams: size(max_streams),
                 max_streams_per_tenant: size(per_tenant),
             },
@@ -755,7 +756,7 @@ impl Config {
                         )));
                     }
                     let hash = hash.to_ascii_lowercase();
-                    if hash == crate::hash_token("") {
+                    if hash == hash_token("") {
                         return Err(ConfigError::Invalid(format!(
                             "tokens[{i}]: sha256 is the hash of the empty token, which anyone \
                              can send; hash a random token of at least {MIN_TOKEN_CHARS} characters"
@@ -782,7 +783,7 @@ impl Config {
                              `Authorization: Bearer` header can carry"
                         )));
                     }
-                    crate::hash_token(&value)
+                    hash_token(&value)
                 }
                 _ => {
                     return Err(ConfigError::Invalid(format!(
@@ -1082,7 +1083,7 @@ mod tests {
     #[test]
     fn limits_are_read_checked_and_default_the_rest() {
         let defaults = Config::default().limits().unwrap();
-        assert_eq!(defaults.streams, crate::StreamLimits::default());
+        assert_eq!(defaults.streams, StreamLimits::default());
         assert_eq!(defaults.stream_stall, Duration::from_secs(30));
         assert_eq!(defaults.max_snippet_bytes, 2048);
         let config: Config =
@@ -1122,7 +1123,7 @@ mod tests {
     fn guessable_tokens_are_refused_and_administrators_are_marked() {
         let empty_hash = Config::from_toml(&format!(
             "[[tokens]]\ntenant = \"a\"\nsha256 = \"{}\"",
-            crate::hash_token("").to_uppercase()
+            hash_token("").to_uppercase()
         ))
         .unwrap();
         let error = empty_hash.tokens(|_| None).unwrap_err().to_string();
