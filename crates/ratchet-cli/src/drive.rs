@@ -50,7 +50,7 @@ pub struct RunArgs {
 pub struct Pick {
     pub dir: PathBuf,
     pub agent: String,
-    pub tree: crate::agents::TreeLimits,
+    pub tree: ratchet::agents::TreeLimits,
 }
 
 /// What `run` and `resume` print for each run.
@@ -109,8 +109,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     )?;
     config.delegation.tree_budget = args.tree_budget;
     if let Some(pick) = &args.catalog {
-        let catalog = crate::agents::load(&pick.dir, &toolbox)?;
-        let profiles = crate::agents::profiles(&catalog, &toolbox, &config, pick.tree)?;
+        let catalog = ratchet::agents::load(&pick.dir, &toolbox)?;
+        let profiles = ratchet::agents::profiles(&catalog, &toolbox, &config, pick.tree)?;
         let Some(profile) = profiles.into_iter().find(|p| p.id == pick.agent) else {
             let known: Vec<&str> = catalog.agents().map(|a| a.id.as_str()).collect();
             bail!(

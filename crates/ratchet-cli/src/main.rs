@@ -710,7 +710,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
                 (Some(dir), Some(agent)) => Some(drive::Pick {
                     dir,
                     agent,
-                    tree: agents::TreeLimits::of(&file)?,
+                    tree: ratchet::agents::TreeLimits::of(&file)?,
                 }),
                 (None, Some(agent)) => bail!(
                     "--agent {agent} needs a catalog: give --agents DIR (or `agents` in the config file)"

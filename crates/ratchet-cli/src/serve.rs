@@ -10,11 +10,11 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use ratchet::Config;
 use ratchet_catalog::Catalog;
 use ratchet_core::{AgentProfile, Limits, RunConfigSnapshot};
 use ratchet_engine::{PoolConfig, WorkerPool};
 use ratchet_server::reload::{Prepared, Reloader};
-use ratchet::Config;
 use ratchet_server::{Active, AppState, GuardedListener, HostPolicy, Reloads};
 use ratchet_store::Keyring;
 use tokio_util::sync::CancellationToken;
@@ -178,9 +178,9 @@ fn prepare_active(
     };
     let agents: Vec<AgentProfile> = match &catalog {
         Some(catalog) => {
-            let limits = crate::agents::TreeLimits::of(config)
+            let limits = ratchet::agents::TreeLimits::of(config)
                 .map_err(|error| vec![format!("{error:#}")])?;
-            crate::agents::profiles(catalog, toolbox, &template, limits)
+            ratchet::agents::profiles(catalog, toolbox, &template, limits)
                 .map_err(|error| vec![format!("{error:#}")])?
         }
         None => Vec::new(),

@@ -7,6 +7,7 @@
 //! url, the [`Toolbox`], the [`Runtime`] — are what the `ratchet` binary (`ratchet-cli`) is
 //! assembled from.
 
+pub mod agents;
 mod config;
 mod embed;
 mod runtime;
@@ -51,6 +52,14 @@ pub enum Error {
         what: String,
         cause: ratchet_engine::Error,
     },
+    /// An agent catalog with problems; each names its file and line.
+    #[error("the agent catalog {} was rejected ({} problems):\n{}", .dir.display(), .problems.len(), .problems.join("\n"))]
+    Catalog {
+        dir: std::path::PathBuf,
+        problems: Vec<String>,
+    },
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     #[error(transparent)]
     Model(#[from] ratchet_llm::Error),
     #[error(transparent)]
