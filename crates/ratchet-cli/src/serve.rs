@@ -11,18 +11,14 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use ratchet::Config;
-use ratchet_catalog::Catalog;
-use ratchet_core::{AgentProfile, Limits, RunConfigSnapshot};
 use ratchet_engine::{PoolConfig, WorkerPool};
 use ratchet_server::reload::{Prepared, Reloader};
-use ratchet_server::{Active, AppState, GuardedListener, HostPolicy, Reloads};
+use ratchet_server::{AppState, GuardedListener, HostPolicy, Reloads};
 use ratchet_store::Keyring;
 use tokio_util::sync::CancellationToken;
 
 use crate::secrets::Source;
-use ratchet::{
-    Runtime, Schema, ToolOverrides, Toolbox, open_sealed_store, open_store, own_key_file,
-};
+use ratchet::{Runtime, Schema, Toolbox, open_sealed_store, open_store, own_key_file};
 
 /// How long in-flight steps get to commit after a shutdown signal; what is still running
 /// then is left to lease expiry and taken over by the next process.
@@ -137,110 +133,6 @@ fn serve_settings(args: &ServeArgs) -> anyhow::Result<Config> {
     Ok(config)
 }
 
-/// The run template, the catalog's agents and the tokens `config` asks for, checked against
-/// the running tools and models, or every problem found: at start, and at each reload.
-/// Tokens may not be dropped while the server listens beyond loopback.
-fn prepare_active(
-    config: &Config,
-    toolbox: &Toolbox,
-    address: SocketAddr,
-) -> Result<Active, Vec<String>> {
-    let mut problems = Vec::new();
-    let tokens = match config.tokens(|key| std::env::var(key).ok()) {
-        Ok(tokens) if tokens.is_empty() && !address.ip().is_loopback() => {
-            problems.push(format!(
-                "refusing to listen on {address} without authentication: configure [[tokens]] in \
-                 the config file, or listen on a loopback address such as 127.0.0.1"
-            ));
-            None
-        }
-        Ok(tokens) => Some(tokens),
-        Err(error) => {
-            problems.push(error.to_string());
-            None
-        }
-    };
-    let template = run_template(config, toolbox)
-        .map_err(|error| problems.push(format!("{error:#}")))
-        .ok();
-    let catalog = match &config.agents {
-        Some(dir) => match Catalog::load(std::path::Path::new(dir), toolbox) {
-            Ok(catalog) => Some(Some(catalog)),
-            Err(found) => {
-                problems.extend(found.iter().map(ToString::to_string));
-                None
-            }
-        },
-        None => Some(None),
-    };
-    let (Some(tokens), Some(template), Some(catalog)) = (tokens, template, catalog) else {
-        return Err(problems);
-    };
-    let agents: Vec<AgentProfile> = match &catalog {
-        Some(catalog) => {
-            let limits = ratchet::agents::TreeLimits::of(config)
-                .map_err(|error| vec![format!("{error:#}")])?;
-            ratchet::agents::profiles(catalog, toolbox, &template, limits)
-                .map_err(|error| vec![format!("{error:#}")])?
-        }
-        None => Vec::new(),
-    };
-    Ok(Active::new(template, agents, tokens))
-}
-
-/// The configuration a run is frozen with when its session names no agent.
-fn run_template(config: &Config, toolbox: &Toolbox) -> anyhow::Result<RunConfigSnapshot> {
-    let mut template = toolbox.run_template(
-        config.model.as_deref().unwrap_or("scripted:demo"),
-        config.workspace.as_deref().map(std::path::Path::new),
-        Limits {
-            max_steps: config.max_steps.unwrap_or(50),
-            max_model_calls: config.max_model_calls,
-            max_tool_calls: config.max_tool_calls,
-            max_tokens: config.max_tokens,
-            max_prompt_tokens: config.max_prompt_tokens,
-            max_duration_ms: config.max_duration_ms,
-            ..Limits::default()
-        },
-        &ToolOverrides {
-            approval: config.approval_policies()?,
-            replay: config.replay_policies(),
-            calls: config.call_limits()?,
-        },
-        config.memory_scope.unwrap_or_default(),
-    )?;
-    template.delegation.inbox = config.inbox_policy()?;
-    template.delegation.tree_budget = config.tree_budget()?;
-    (template.limits.max_tool_result_bytes, template.steer) = config.input_bounds()?;
-    Ok(template)
-}
-
-/// The settings a running process cannot change, by configuration key, that differ between
-/// `started` and `now`: the listener, the database, the worker pool, the gates (the
-/// coordinator's quota and the engine's permits), the webhook dispatcher, the toolbox
-/// (MCP servers, model profiles), the stream limits and the names the server answers to.
-fn restart_required(started: &Config, now: &Config) -> Vec<String> {
-    let fixed = [
-        ("listen", started.listen == now.listen),
-        ("db", started.db == now.db),
-        ("workers", started.workers == now.workers),
-        ("lease_ms", started.lease_ms == now.lease_ms),
-        ("heartbeat_ms", started.heartbeat_ms == now.heartbeat_ms),
-        ("poll_ms", started.poll_ms == now.poll_ms),
-        ("gates", started.gates == now.gates),
-        ("mcp", started.mcp == now.mcp),
-        ("webhooks", started.webhooks == now.webhooks),
-        ("secrets", started.secrets == now.secrets),
-        ("models", started.models == now.models),
-        ("limits", started.limits == now.limits),
-        ("server", started.server == now.server),
-    ];
-    (fixed.into_iter())
-        .filter(|(_, same)| !same)
-        .map(|(key, _)| key.to_owned())
-        .collect()
-}
-
 /// How a running `serve` reads its configuration and catalog again: the same file,
 /// environment and flags it started with, checked against the tools and models it started
 /// with.
@@ -256,10 +148,10 @@ struct ServeReloader {
 impl Reloader for ServeReloader {
     fn prepare(&self) -> Result<Prepared, Vec<String>> {
         let config = serve_settings(&self.args).map_err(|error| vec![format!("{error:#}")])?;
-        let active = prepare_active(&config, &self.toolbox, self.address)?;
+        let active = ratchet::serving::prepare_active(&config, &self.toolbox, self.address)?;
         Ok(Prepared {
             active,
-            restart_required: restart_required(&self.started, &config),
+            restart_required: ratchet::serving::restart_required(&self.started, &config),
         })
     }
 }
@@ -300,7 +192,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     )?;
     let key_id = secrets.keyring.current().id().to_owned();
     let toolbox = toolbox(&config).await?;
-    let active = match prepare_active(&config, &toolbox, address) {
+    let active = match ratchet::serving::prepare_active(&config, &toolbox, address) {
         Ok(active) => active,
         Err(problems) => {
             toolbox.close().await;

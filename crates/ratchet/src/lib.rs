@@ -11,6 +11,7 @@ pub mod agents;
 mod config;
 mod embed;
 mod runtime;
+pub mod serving;
 mod tool;
 
 pub use async_trait::async_trait;
