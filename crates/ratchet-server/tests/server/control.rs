@@ -1,8 +1,6 @@
 //! Human in the loop and run control over HTTP: approvals, continue and retry, steering,
 //! context compaction, and many clients racing approvals, denials, cancels and messages.
 
-mod common;
-
 use std::sync::Arc;
 
 use ratchet_core::ApprovalPolicy;
@@ -10,7 +8,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use common::*;
+use crate::common::*;
 
 // ---------------------------------------------------------------------------------------
 // Approvals

@@ -1,10 +1,6 @@
 //! What the HTTP tests share: a server on 127.0.0.1 with a fresh SQLite file, a real worker
 //! pool, a scripted model (or one a test registers) and reloads that yield what a test
 //! queued, plain JSON requests with their checks, and a minimal Server-Sent Events reader.
-#![allow(
-    dead_code,
-    reason = "each test binary uses its own part of the harness"
-)]
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};

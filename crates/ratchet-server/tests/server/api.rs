@@ -2,8 +2,6 @@
 //! worker pool and a scripted model, driven with reqwest. Covers every endpoint, tenants and
 //! tokens, bad input, and the event streams' promise: resumable without a gap or a duplicate.
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -12,7 +10,7 @@ use reqwest::header::CONTENT_TYPE;
 use serde_json::{Value, json};
 use tokio::time::{Instant, timeout};
 
-use common::*;
+use crate::common::*;
 
 // ---------------------------------------------------------------------------------------
 // Endpoints

@@ -2,11 +2,9 @@
 //! exhaust it, names it answers to, tokens with one spelling, bodies refused before they are
 //! read, and who may administer it. Each test reproduces a probe that once got through.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use ratchet_server::{HostPolicy, StreamLimits};
 use reqwest::StatusCode;
 use reqwest::header::{AUTHORIZATION, HOST, ORIGIN};

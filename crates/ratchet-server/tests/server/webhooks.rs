@@ -4,8 +4,6 @@
 //! creation and again as an attempt connects, the log does not map ports, and a rotated secret
 //! signs what follows it.
 
-mod common;
-
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -22,7 +20,7 @@ use ratchet_webhooks::{
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use common::*;
+use crate::common::*;
 
 /// What a receiver accepted (answered 2xx), in the order it accepted it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -5,8 +5,6 @@
 //! (`POST /v1/admin/reload`): a whole new catalog, template and tokens or none of them, and
 //! runs that keep what they were frozen with.
 
-mod common;
-
 use std::path::Path;
 use std::sync::Arc;
 
@@ -20,7 +18,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use common::*;
+use crate::common::*;
 
 /// A catalog agent whose runs start from `template` with a script of their own (written to
 /// `dir/ID.json`), offered the `delegate` tool when it has `delegates`.
@@ -909,7 +907,7 @@ async fn background_work_reports_back_in_a_continuation_turn_and_an_archived_ses
 async fn a_continuation_whose_model_keeps_failing_is_retried_then_dead_lettered() {
     let server = Server::start_with(quick_script(), |template, models| {
         // Delegates when it may, answers otherwise, and fails whenever it is asked to report.
-        let picky = common::FnModel(|request: ratchet_llm::ModelRequest| {
+        let picky = crate::common::FnModel(|request: ratchet_llm::ModelRequest| {
             let reporting = request
                 .messages
                 .last()

@@ -6,8 +6,6 @@
 //! approval and one whose run failed, so that ids exist; then its workers are stopped, so
 //! nothing moves between a request and the look at the state after it.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,7 +25,7 @@ use tokio::runtime::Runtime;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
 
-use common::{DEADLINE, FnModel};
+use crate::common::{DEADLINE, FnModel};
 
 /// Cases per property, each posted to every endpoint: many shapes, quick to run.
 const CASES: u32 = 64;
