@@ -13,7 +13,7 @@ export const BIN = process.env.RATCHET_BIN;
 const CHROMIUM = process.env.RATCHET_CHROMIUM ?? "/usr/bin/chromium";
 const SCREENSHOTS = process.env.RATCHET_CONSOLE_SCREENSHOTS;
 
-if (!BIN) throw new Error("RATCHET_BIN must name the ratchet binary (crates/ratchet-cli/tests/console.rs sets it)");
+if (!BIN) throw new Error("RATCHET_BIN must name the ratchet binary (crates/ratchet-cli/tests/binary/console.rs sets it)");
 
 // Each agent answers from a script: reply i answers the run's i-th model call.
 const AGENTS = {

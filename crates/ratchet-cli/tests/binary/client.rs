@@ -6,14 +6,12 @@
 //! Each test starts its own server on a free port with a scripted model and kills it (by its
 //! PID) when the test ends, even when it fails.
 
-mod common;
-
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{free_port, output_within_deadline, report, stderr_of, stdout_of};
+use crate::common::{free_port, output_within_deadline, report, stderr_of, stdout_of};
 use serde_json::{Value, json};
 
 /// How long a server gets to accept connections.

@@ -2,15 +2,13 @@
 //! protocol: `--model openai:MODEL` with `OPENAI_BASE_URL`, a profile from `--config`, streamed
 //! tool calls split across chunks, usage, and a refused call ending the run with `llm_error`.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::{Arc, Mutex};
 
-use common::{output_within_deadline, report, stderr_of, stdout_of};
+use crate::common::{output_within_deadline, report, stderr_of, stdout_of};
 use serde_json::{Value, json};
 
 /// One canned HTTP answer: status line and body (SSE or JSON).

@@ -13,13 +13,11 @@
 //! `.ci/requirements.txt` pins and names it in `RATCHET_SCHEMATHESIS`. Without that variable the test says it is
 //! skipped, and fails in CI (`CI=true`).
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{DEADLINE, free_port};
+use crate::common::{DEADLINE, free_port};
 use futures::StreamExt;
 use ratchet_llm::sse::{SseEvent, SseParser};
 use serde_json::{Value, json};

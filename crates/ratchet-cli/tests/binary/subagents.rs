@@ -5,15 +5,13 @@
 //! background work, and `ratchet resume` finishes that turn, consuming its event exactly once;
 //! and a client follows a delegating run's tree stream across a SIGKILL of the server.
 
-mod common;
-
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{SECRETS_KEY, free_port, output_within_deadline, postgres, sqlite, stderr_of};
+use crate::common::{SECRETS_KEY, free_port, output_within_deadline, postgres, sqlite, stderr_of};
 use ratchet_core::{InboxStatus, Origin, Role, RunId, RunStatus, SessionId, Visibility};
 use ratchet_store::Store;
 use serde_json::json;

@@ -2,12 +2,10 @@
 //! catalog with problems prints every one of them with its file and line, then a summary,
 //! and exits 1.
 
-mod common;
-
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::{output_within_deadline, stderr_of, stdout_of};
+use crate::common::{output_within_deadline, stderr_of, stdout_of};
 
 fn ratchet(dir: &Path, args: &[&str]) -> Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_ratchet"));

@@ -6,8 +6,6 @@
 //! backend adds a function that makes a fresh database (see `sqlite`), an arm to `open`, and
 //! one `scenarios!` line.
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Read;
 use std::os::unix::process::ExitStatusExt;
@@ -16,7 +14,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{SECRETS_KEY, free_port, postgres, sqlite};
+use crate::common::{SECRETS_KEY, free_port, postgres, sqlite};
 use futures::StreamExt;
 use ratchet_core::{RunId, RunStatus, SessionId};
 use ratchet_store::{Store, StoredEvent};

@@ -7,13 +7,11 @@
 //! model instead of failing the CLI (workspace escapes), `runs list`, and bad input of every
 //! kind, which must fail cleanly and leave the database untouched.
 
-mod common;
-
 use std::path::Path;
 use std::process::{Command, Output};
 use std::time::Instant;
 
-use common::{output_within_deadline, report, stderr_of, stdout_of};
+use crate::common::{output_within_deadline, report, stderr_of, stdout_of};
 
 use serde_json::{Value, json};
 
@@ -289,7 +287,7 @@ fn the_step_budget_ends_a_run_that_keeps_calling_tools() {
     assert!(continued.status.success(), "{}", stderr_of(&continued));
     assert!(stdout_of(&continued).contains("running again"));
     let resumed = ratchet(dir.path(), &["resume", "--db", &db, "--json"]);
-    let again = common::report(&resumed);
+    let again = crate::common::report(&resumed);
     // Two more steps leave no room for a tool round-trip: one concluding call, which still
     // asks for tools, ends the run again.
     assert_eq!(
@@ -1415,7 +1413,10 @@ fn a_run_cancelled_from_another_process_ends_cancelled() {
         if let Some(run) = runs.iter().find(|r| r["status"] == "running") {
             break run["run_id"].as_str().unwrap().to_owned();
         }
-        assert!(started.elapsed() < common::DEADLINE, "no run started");
+        assert!(
+            started.elapsed() < crate::common::DEADLINE,
+            "no run started"
+        );
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
     let cancelled = ratchet(dir.path(), &["runs", "cancel", &run_id, "--db", &db]);
@@ -1507,7 +1508,10 @@ fn a_run_paused_from_another_process_is_resumed_from_the_command_line() {
         if let Some(run) = runs.iter().find(|r| r["status"] == "running") {
             break run["run_id"].as_str().unwrap().to_owned();
         }
-        assert!(started.elapsed() < common::DEADLINE, "no run started");
+        assert!(
+            started.elapsed() < crate::common::DEADLINE,
+            "no run started"
+        );
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
     let paused = ratchet(dir.path(), &["runs", "pause", &run_id, "--db", &db]);

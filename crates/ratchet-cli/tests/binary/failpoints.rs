@@ -10,15 +10,13 @@
 
 #![cfg(feature = "failpoints")]
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::Arc;
 
-use common::{Database, output_within_deadline, postgres, sqlite};
+use crate::common::{Database, output_within_deadline, postgres, sqlite};
 use ratchet_core::{AgentState, Message, Role, RunStatus, StepRecord, StopReason};
 use ratchet_store::{IntentRecord, Store, StoredEvent};
 use serde_json::{Value, json};
@@ -369,7 +367,7 @@ fn inject(database: Option<Database>, failpoint: &str) {
                 sandbox.resume().is_empty(),
                 "{failpoint}: nothing is left for resume"
             );
-            common::report(&run)
+            crate::common::report(&run)
         }
     };
     ends_correct(failpoint, &report, &sandbox.snapshot());

@@ -3,12 +3,10 @@
 //! and sizes are positive, derived figures are computed from the measured ones). How fast
 //! anything is is never checked here.
 
-mod common;
-
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::{output_within_deadline, stderr_of, stdout_of};
+use crate::common::{output_within_deadline, stderr_of, stdout_of};
 use ratchet_postgres::testkit::TestDatabase;
 use serde_json::Value;
 

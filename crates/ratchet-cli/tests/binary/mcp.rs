@@ -3,12 +3,10 @@
 //! approval by default (asked at the prompt) unless `[tools."SERVER.TOOL"]` says otherwise, and
 //! the server's answers reach the model.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use common::{output_within_deadline, report, stderr_of};
+use crate::common::{output_within_deadline, report, stderr_of};
 use serde_json::json;
 
 /// The stdio MCP server the MCP crate's own tests use.

@@ -4,13 +4,11 @@
 //! problems; a webhook attempt cut short by a SIGKILL is made again by the next process; and
 //! webhook secrets are kept sealed under a key that can be rotated.
 
-mod common;
-
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{DEADLINE, free_port};
+use crate::common::{DEADLINE, free_port};
 use futures::StreamExt;
 use serde_json::{Value, json};
 
@@ -751,9 +749,9 @@ async fn webhook_secrets_stay_sealed_across_a_rotation_of_the_key() {
         command
     };
     let refused =
-        common::output_within_deadline(&mut serve(&[("RATCHET_SECRETS_KEY", &new_key)]), "");
+        crate::common::output_within_deadline(&mut serve(&[("RATCHET_SECRETS_KEY", &new_key)]), "");
     assert!(!refused.status.success());
-    let said = common::stderr_of(&refused);
+    let said = crate::common::stderr_of(&refused);
     assert!(
         said.contains("cannot seal the webhook secrets under the current key")
             && said.contains("which is not one of this process's keys")
@@ -789,7 +787,7 @@ async fn webhook_secrets_stay_sealed_across_a_rotation_of_the_key() {
 /// a configured key for it, and says how to give one, before it connects.
 #[test]
 fn serve_on_postgresql_without_a_key_refuses_to_start() {
-    let output = common::output_within_deadline(
+    let output = crate::common::output_within_deadline(
         Command::new(BIN)
             .args(["serve", "--listen", "127.0.0.1:0"])
             .args(["--db", "postgres://nobody@127.0.0.1:1/none"])
@@ -797,7 +795,7 @@ fn serve_on_postgresql_without_a_key_refuses_to_start() {
         "",
     );
     assert!(!output.status.success());
-    let said = common::stderr_of(&output);
+    let said = crate::common::stderr_of(&output);
     assert!(
         said.contains("needs a key") && said.contains("RATCHET_SECRETS_KEY"),
         "{said}"
