@@ -2,12 +2,10 @@
 //! the way OpenAI, vLLM, Ollama and proxies send them: the request's wire format, streamed
 //! text, reasoning and usage, tool calls in every known shape, and each kind of failure.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use common::*;
+use crate::common::*;
 use ratchet_core::{Message, ModelSettings, ToolOutcome, Usage};
 use ratchet_llm::{Error, Model, from_settings};
 use serde_json::{Value, json};

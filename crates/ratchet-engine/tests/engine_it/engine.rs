@@ -2,8 +2,6 @@
 //! an in-flight step, model retries, takeover of a step whose worker vanished, and the relay
 //! of other processes' changes.
 
-mod heard;
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -383,7 +381,7 @@ async fn the_follower_relays_other_processes_events_and_wakes_idle_workers() {
     let db = format!("sqlite://{}", dir.path().join("r.db").display());
     let script = write_script(dir.path(), json!({"replies": [{"text": "heard you"}]}));
     let sqlite: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
-    let (heard, announce) = heard::Heard::new(sqlite);
+    let (heard, announce) = crate::heard::Heard::new(sqlite);
     let here = Coordinator::new(Arc::new(heard));
     let follower = here
         .follow_others()
@@ -452,7 +450,8 @@ async fn the_follower_relays_other_processes_events_and_wakes_idle_workers() {
         .expect("the relay ended with its Coordinator")
         .unwrap();
 
-    let (heard, announce) = heard::Heard::new(Arc::new(ratchet_sqlite::open_url(&db).unwrap()));
+    let (heard, announce) =
+        crate::heard::Heard::new(Arc::new(ratchet_sqlite::open_url(&db).unwrap()));
     let coordinator = Coordinator::new(Arc::new(heard));
     let follower = coordinator.follow_others().unwrap();
     drop(announce);

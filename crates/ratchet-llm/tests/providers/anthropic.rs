@@ -2,12 +2,10 @@
 //! wire format, the stream's events (pings, thinking, unknown types and errors included),
 //! usage, tool calls, and each kind of failure.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use ratchet_core::{Message, ModelSettings, ToolOutcome, Usage};
 use ratchet_llm::{DEFAULT_MAX_TOKENS, Error, Model, from_settings};
 use serde_json::{Value, json};

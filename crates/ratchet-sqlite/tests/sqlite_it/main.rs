@@ -1,0 +1,5 @@
+//! The SQLite backend's tests, one binary: the store conformance suite, and what only SQLite
+//! has.
+
+mod conformance;
+mod sqlite;
