@@ -1,5 +1,5 @@
 //! The storage port of the state plane: the one contract every backend (SQLite, PostgreSQL)
-//! implements, and — behind the `testkit` feature — the conformance suite they all must pass.
+//! implements; `ratchet-store-conformance` is the suite they all must pass.
 //!
 //! Every method that writes is one transaction. The store never decides what a run does
 //! next: decisions come from `ratchet-core`, and the store only checks the fences (step
@@ -17,8 +17,6 @@ use ratchet_core::{
 use serde::Serialize;
 use serde_json::Value;
 
-#[cfg(feature = "testkit")]
-pub mod conformance;
 pub mod secrets;
 mod webhooks;
 

@@ -143,6 +143,8 @@ fn crates_depend_only_along_the_layers() {
     let rules: &[(&str, &[&str])] = &[
         ("ratchet-core", &[]),
         ("ratchet-store", &["ratchet-core"]),
+        // The suite every backend's tests run: the store's contract, nothing of a backend.
+        ("ratchet-store-conformance", &["ratchet-core", "ratchet-store"]),
         ("ratchet-llm", &["ratchet-core"]),
         ("ratchet-tools", &["ratchet-core"]),
         ("ratchet-catalog", &["ratchet-core"]),

@@ -15,14 +15,14 @@ async fn fresh_store() -> Option<(Arc<PgStore>, TestDatabase)> {
     Some((Arc::new(store), database))
 }
 
-ratchet_store::store_conformance_tests!(fresh_store());
+ratchet_store_conformance::store_conformance_tests!(fresh_store());
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secrets_are_sealed_with_the_stores_key_and_sealed_again_under_a_new_one() {
     let Some(database) = TestDatabase::create() else {
         return;
     };
-    ratchet_store::conformance::secrets_are_sealed_with_the_stores_key_and_sealed_again_under_a_new_one(
+    ratchet_store_conformance::secrets_are_sealed_with_the_stores_key_and_sealed_again_under_a_new_one(
         |keyring| {
             let store = ratchet_postgres::open_url(database.url())
                 .unwrap()

@@ -18,13 +18,13 @@ async fn fresh_store() -> Option<(Arc<SqliteStore>, TempDir)> {
     Some((Arc::new(store), dir))
 }
 
-ratchet_store::store_conformance_tests!(fresh_store());
+ratchet_store_conformance::store_conformance_tests!(fresh_store());
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secrets_are_sealed_with_the_stores_key_and_sealed_again_under_a_new_one() {
     let dir = tempfile::tempdir().expect("create a temp dir");
     let url = format!("sqlite://{}", dir.path().join("ratchet.db").display());
-    ratchet_store::conformance::secrets_are_sealed_with_the_stores_key_and_sealed_again_under_a_new_one(
+    ratchet_store_conformance::secrets_are_sealed_with_the_stores_key_and_sealed_again_under_a_new_one(
         |keyring| {
             let store = ratchet_sqlite::open_url(&url).unwrap().with_secrets(keyring);
             Arc::new(store) as Arc<dyn Store>

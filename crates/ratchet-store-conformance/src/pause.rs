@@ -11,7 +11,9 @@ use super::{
     LEASE_MS, OWNER_A, OWNER_B, T0, assert_nothing_claimable, claim, commit, config, kinds, lease,
     load, new_session, submit, submit_as, tool_reply,
 };
-use crate::{CancelOutcome, Error, PauseOutcome, ResumeOutcome, Store, StoredEvent, WhenBusy};
+use ratchet_store::{
+    CancelOutcome, Error, PauseOutcome, ResumeOutcome, Store, StoredEvent, WhenBusy,
+};
 
 async fn pause(store: &dyn Store, run: &RunId, now: i64) -> PauseOutcome {
     store
@@ -35,7 +37,7 @@ fn statuses(events: &[StoredEvent]) -> Vec<&str> {
         .collect()
 }
 
-async fn assert_conflict(outcome: crate::Result<impl std::fmt::Debug>, says: &str) {
+async fn assert_conflict(outcome: ratchet_store::Result<impl std::fmt::Debug>, says: &str) {
     match outcome {
         Err(Error::Conflict(message)) => assert!(message.contains(says), "{message}"),
         other => panic!("expected a conflict saying {says:?}, got {other:?}"),
@@ -264,7 +266,7 @@ pub async fn a_pause_racing_a_step_pauses_the_run_exactly_once(store: Arc<dyn St
             store.request_pause(&run, T0 + 2),
             store.commit_step(&model.claim, asked, continue_with, T0 + 2),
         );
-        let crate::Commit::Committed { continued, .. } = committed.unwrap() else {
+        let ratchet_store::Commit::Committed { continued, .. } = committed.unwrap() else {
             panic!("round {round}: the commit was refused");
         };
         // The commit saw the request, or the request found the next job unclaimed, or the
@@ -338,7 +340,7 @@ async fn assert_paused_once(
     );
 }
 
-fn asks_for_a_tool(model: &crate::ClaimedStep) -> ratchet_core::StepResult {
+fn asks_for_a_tool(model: &ratchet_store::ClaimedStep) -> ratchet_core::StepResult {
     after_model(
         model.state.clone(),
         &model.job,
@@ -350,7 +352,7 @@ fn asks_for_a_tool(model: &crate::ClaimedStep) -> ratchet_core::StepResult {
 }
 
 /// A result for a claimed step that keeps the run going: a tool call asked for, or run.
-fn goes_on(step: &crate::ClaimedStep) -> ratchet_core::StepResult {
+fn goes_on(step: &ratchet_store::ClaimedStep) -> ratchet_core::StepResult {
     match ratchet_core::decide(&step.state, step.job.phase, T0) {
         ratchet_core::Instruction::CallToolsBatch => after_tools(
             step.state.clone(),

@@ -14,7 +14,7 @@ use super::{
     LEASE_MS, OWNER_A, Snapshot, T0, assert_attributed, commit, commit_stale, commit_within,
     config, kinds, lease, load, new_session, snapshot, submit, text_reply, unique,
 };
-use crate::{CancelOutcome, ClaimedStep, Commit, Error, NewRun, RunQuota, Store, WhenBusy};
+use ratchet_store::{CancelOutcome, ClaimedStep, Commit, Error, NewRun, RunQuota, Store, WhenBusy};
 
 /// A configuration that may delegate to `worker` (whose runs start with `config()`), in a
 /// tree of at most `max_tree_runs` runs.
@@ -223,8 +223,8 @@ pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_onc
     );
     let listed = store
         .list_sessions(
-            crate::DEFAULT_TENANT,
-            &crate::SessionQuery::default(),
+            ratchet_store::DEFAULT_TENANT,
+            &ratchet_store::SessionQuery::default(),
             1_000,
         )
         .await

@@ -11,7 +11,7 @@ use ratchet_core::{DeliveryStatus, EventDraft, EventKind, Millis, SessionId, Web
 use serde_json::json;
 
 use super::{T0, config, submit, unique};
-use crate::{
+use ratchet_store::{
     AttemptOutcome, ClaimedDelivery, Error, Key, Keyring, NewWebhook, Observation, SessionSpec,
     Store, Webhook, WebhookDelivery,
 };
@@ -92,10 +92,10 @@ async fn deltas_queued(
 
 async fn finish(
     hooks: &dyn Observation,
-    claim: &crate::DeliveryClaim,
+    claim: &ratchet_store::DeliveryClaim,
     outcome: AttemptOutcome,
     now: Millis,
-) -> crate::Result<bool> {
+) -> ratchet_store::Result<bool> {
     let recorded = hooks
         .finish_deliveries(vec![(claim.clone(), outcome)], now)
         .await?;
@@ -459,7 +459,7 @@ pub async fn open_deliveries_are_kept_within_their_age_and_count(
     let (hook, session, seqs) = deltas_queued(store, hooks, 5, 4).await;
     let in_flight = claim_deliveries(hooks, DISPATCHER_A, T0 + 1).await;
     assert_eq!(claimed_seqs(&in_flight), [(session.clone(), seqs[0])]);
-    let bounds = |max_age_ms, max_open_per_session| crate::DeliveryBounds {
+    let bounds = |max_age_ms, max_open_per_session| ratchet_store::DeliveryBounds {
         max_age_ms,
         max_open_per_session,
     };

@@ -19,7 +19,7 @@ use super::{
     LEASE_MS, OWNER_A, T0, commit, config, kinds, lease, load, new_session, submit, tool_reply,
     unique,
 };
-use crate::{
+use ratchet_store::{
     CancelOutcome, ClaimedStep, Closing, Commit, DeadLetterAction, Error, InboxEvent, NewRun,
     NewSignal, SignalOutcome, Store, WhenBusy,
 };
@@ -906,7 +906,10 @@ pub async fn closing_a_session_cancels_its_background_work_and_empties_its_inbox
         .unwrap();
     end_child(store, &children[0], Ok("result"), T0 + 20).await;
     let cancel = store.request_cancel(&parent, T0 + 25).await.unwrap();
-    assert!(matches!(cancel, crate::CancelOutcome::Cancelling { .. }));
+    assert!(matches!(
+        cancel,
+        ratchet_store::CancelOutcome::Cancelling { .. }
+    ));
     assert_eq!(
         load(store, &children[1]).await.status,
         RunStatus::Running,
@@ -949,13 +952,13 @@ pub async fn closing_a_session_cancels_its_background_work_and_empties_its_inbox
     );
     let refused = store
         .submit_message(
-            crate::NewRun {
+            ratchet_store::NewRun {
                 session_id: session.clone(),
                 run_id: RunId::from_suffix(&unique()).unwrap(),
                 message_id: MessageId::from_suffix(&unique()).unwrap(),
                 content: "hello?".into(),
                 config: config(),
-                when_busy: crate::WhenBusy::Enqueue,
+                when_busy: ratchet_store::WhenBusy::Enqueue,
                 quota: Default::default(),
             },
             T0 + 50,
@@ -983,8 +986,8 @@ pub async fn closing_a_session_cancels_its_background_work_and_empties_its_inbox
     );
     let listed = store
         .list_sessions(
-            crate::DEFAULT_TENANT,
-            &crate::SessionQuery::default(),
+            ratchet_store::DEFAULT_TENANT,
+            &ratchet_store::SessionQuery::default(),
             10_000,
         )
         .await
@@ -1121,7 +1124,10 @@ pub async fn signals_follow_their_contract_and_a_cancelled_runs_unread_ones_are_
     );
 
     let cancel = store.request_cancel(&child_run, T0 + 420).await.unwrap();
-    assert!(matches!(cancel, crate::CancelOutcome::Cancelling { .. }));
+    assert!(matches!(
+        cancel,
+        ratchet_store::CancelOutcome::Cancelling { .. }
+    ));
     let refused = store
         .emit_signal(&child.claim, signal(&child, "c6", "late"), T0 + 430)
         .await;

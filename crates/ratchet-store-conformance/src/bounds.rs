@@ -14,7 +14,7 @@ use serde_json::json;
 use super::delegation::claim_run;
 use super::inbox::{background_signalling, claim_own, inbox, inbox_config};
 use super::{T0, commit, config, new_session, submit, tool_reply, unique};
-use crate::{Error, NewRun, NewSignal, SignalOutcome, Store, Submitted, WhenBusy};
+use ratchet_store::{Error, NewRun, NewSignal, SignalOutcome, Store, Submitted, WhenBusy};
 
 fn steer_limits(user: LaneLimit, agent: LaneLimit) -> SteerLimits {
     SteerLimits { user, agent }
@@ -25,7 +25,7 @@ async fn steer(
     session: &SessionId,
     content: &str,
     now: i64,
-) -> crate::Result<Submitted> {
+) -> ratchet_store::Result<Submitted> {
     store
         .submit_message(
             NewRun {
@@ -80,7 +80,7 @@ pub async fn a_users_steers_past_the_lanes_count_or_bytes_are_refused_and_nothin
     };
     let (active, _) = submit(store, &session, "start", frozen, T0).await;
     steer(store, &session, "0123456789", T0 + 1).await.unwrap();
-    let refused = |outcome: crate::Result<Submitted>, says: &str| match outcome {
+    let refused = |outcome: ratchet_store::Result<Submitted>, says: &str| match outcome {
         Err(Error::SteerQueueFull(message)) => {
             assert!(message.contains(says), "{message:?} should say {says:?}")
         }

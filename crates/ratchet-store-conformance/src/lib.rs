@@ -36,7 +36,7 @@ pub use inbox::*;
 pub use pause::*;
 pub use webhooks::*;
 
-use crate::{
+use ratchet_store::{
     Approval, ApprovalStatus, CancelOutcome, Claim, ClaimedStep, Commit, DEFAULT_TENANT, Error,
     Intent, IntentKind, IntentRecord, Lease, ListOrder, MessageHit, NewRun, RunQuota, RunSummary,
     SearchScope, Session, SessionSpec, Stale, Store, StoredEvent, Submitted, WhenBusy,
@@ -143,7 +143,7 @@ macro_rules! store_conformance_tests {
                 let Some((store, _guard)) = $make.await else {
                     return;
                 };
-                $crate::conformance::$name(&*store).await;
+                $crate::$name(&*store).await;
             }
         )+
     };
@@ -154,7 +154,7 @@ macro_rules! store_conformance_tests {
                 let Some((store, _guard)) = $make.await else {
                     return;
                 };
-                $crate::conformance::$name(&*store, &*store).await;
+                $crate::$name(&*store, &*store).await;
             }
         )+
     };
@@ -165,7 +165,7 @@ macro_rules! store_conformance_tests {
                 let Some((store, _guard)) = $make.await else {
                     return;
                 };
-                $crate::conformance::$name(store.clone(), store).await;
+                $crate::$name(store.clone(), store).await;
             }
         )+
     };
@@ -176,7 +176,7 @@ macro_rules! store_conformance_tests {
                 let Some((store, _guard)) = $make.await else {
                     return;
                 };
-                $crate::conformance::$name(store).await;
+                $crate::$name(store).await;
             }
         )+
     };
@@ -976,11 +976,11 @@ pub async fn sessions_are_listed_per_tenant_in_pages(store: &dyn Store) {
     ));
 }
 
-fn by_id(order: ListOrder, after: Option<&SessionId>) -> crate::SessionQuery {
-    crate::SessionQuery {
+fn by_id(order: ListOrder, after: Option<&SessionId>) -> ratchet_store::SessionQuery {
+    ratchet_store::SessionQuery {
         order,
-        after: after.cloned().map(crate::SessionCursor::Id),
-        ..crate::SessionQuery::default()
+        after: after.cloned().map(ratchet_store::SessionCursor::Id),
+        ..ratchet_store::SessionQuery::default()
     }
 }
 
@@ -1029,7 +1029,7 @@ pub async fn sessions_are_titled_found_and_ordered_by_activity(store: &dyn Store
     submit(store, &fare, "and a hotel", config(), T0 + 12).await;
     gated_run(store, &gated, T0 + 20).await;
     store
-        .close_session(&closed, crate::Closing::Archive, T0 + 30)
+        .close_session(&closed, ratchet_store::Closing::Archive, T0 + 30)
         .await
         .unwrap();
     let (failing, _) = submit(store, &broken, "flaky", config(), T0 + 40).await;
@@ -1068,15 +1068,15 @@ pub async fn sessions_are_titled_found_and_ordered_by_activity(store: &dyn Store
         Err(Error::NotFound { .. })
     ));
 
-    let find = |query: crate::SessionQuery| async move {
+    let find = |query: ratchet_store::SessionQuery| async move {
         let listed = store.list_sessions("find", &query, 100).await.unwrap();
         listed.into_iter().map(|s| s.id).collect::<Vec<_>>()
     };
-    let state = |state| crate::SessionQuery {
+    let state = |state| ratchet_store::SessionQuery {
         state: Some(state),
         ..Default::default()
     };
-    use crate::SessionState::*;
+    use ratchet_store::SessionState::*;
     assert_eq!(
         find(state(WaitingHuman)).await,
         std::slice::from_ref(&gated)
@@ -1086,7 +1086,7 @@ pub async fn sessions_are_titled_found_and_ordered_by_activity(store: &dyn Store
     assert_eq!(find(state(Failed)).await, std::slice::from_ref(&broken));
     assert_eq!(find(state(Idle)).await, std::slice::from_ref(&quiet));
     assert_eq!(find(state(Archived)).await, std::slice::from_ref(&closed));
-    let agent = |agent: Option<&str>| crate::SessionQuery {
+    let agent = |agent: Option<&str>| ratchet_store::SessionQuery {
         agent: Some(agent.map(str::to_owned)),
         ..Default::default()
     };
@@ -1098,13 +1098,13 @@ pub async fn sessions_are_titled_found_and_ordered_by_activity(store: &dyn Store
         find(agent(None)).await,
         [broken.clone(), closed.clone(), fare.clone(), gated.clone()]
     );
-    let made = crate::SessionQuery {
+    let made = ratchet_store::SessionQuery {
         created_from: Some(T0 + 1),
         created_before: Some(T0 + 3),
         ..Default::default()
     };
     assert_eq!(find(made).await, [fare.clone(), quiet.clone()]);
-    let text = |text: &str| crate::SessionQuery {
+    let text = |text: &str| ratchet_store::SessionQuery {
         text: Some(text.to_owned()),
         ..Default::default()
     };
@@ -1135,14 +1135,14 @@ pub async fn sessions_are_titled_found_and_ordered_by_activity(store: &dyn Store
     let mut order = Vec::new();
     let mut after = None;
     loop {
-        let query = crate::SessionQuery {
+        let query = ratchet_store::SessionQuery {
             order: ListOrder::LatestActivityFirst,
             after: after.clone(),
             ..Default::default()
         };
         let page = store.list_sessions("find", &query, 2).await.unwrap();
         let Some(last) = page.last() else { break };
-        after = Some(crate::SessionCursor::Activity(
+        after = Some(ratchet_store::SessionCursor::Activity(
             last.last_activity_at,
             last.id.clone(),
         ));
@@ -1153,9 +1153,9 @@ pub async fn sessions_are_titled_found_and_ordered_by_activity(store: &dyn Store
         [broken, closed, gated, fare, trip, quiet],
         "by their latest events; one without any by its creation"
     );
-    let mismatched = crate::SessionQuery {
+    let mismatched = ratchet_store::SessionQuery {
         order: ListOrder::LatestActivityFirst,
-        after: Some(crate::SessionCursor::Id(missing)),
+        after: Some(ratchet_store::SessionCursor::Id(missing)),
         ..Default::default()
     };
     assert!(matches!(
@@ -3294,7 +3294,7 @@ pub async fn the_model_sees_the_latest_summary_in_place_of_what_it_replaces(stor
     asked.messages.push(Message::user("three"));
     commit(store, &step.claim, asked, None, T0 + 2).await;
     let full = store.context(&session, &run).await.unwrap();
-    let texts = |messages: &[crate::StoredMessage]| -> Vec<String> {
+    let texts = |messages: &[ratchet_store::StoredMessage]| -> Vec<String> {
         messages.iter().map(|m| m.message.content.clone()).collect()
     };
     assert_eq!(texts(&full), ["one", "let me look", "two", "three"]);
@@ -3370,7 +3370,7 @@ pub async fn the_model_sees_the_latest_summary_in_place_of_what_it_replaces(stor
 }
 
 pub async fn a_steps_context_is_what_the_model_was_shown_at_that_step(store: &dyn Store) {
-    let texts = |messages: Vec<crate::StoredMessage>| -> Vec<String> {
+    let texts = |messages: Vec<ratchet_store::StoredMessage>| -> Vec<String> {
         messages.into_iter().map(|m| m.message.content).collect()
     };
     let shown = async |run: &RunId, step: u64| -> Vec<String> {
