@@ -294,26 +294,33 @@ mod tests {
                     .map_err(backend)
             }
         };
-        // The first write holds the writer so that the next three queue up into one batch.
-        let gate = writer.write(|_: &Tx<'_>| {
-            std::thread::sleep(Duration::from_millis(100));
+        // The first write holds the writer until the next three have queued up, in order, into
+        // one batch: each is polled once (which sends it to the writer) while the first runs.
+        let (entered, running) = tokio::sync::oneshot::channel();
+        let (release, held) = std::sync::mpsc::channel::<()>();
+        let mut gate = std::pin::pin!(writer.write(move |_: &Tx<'_>| {
+            entered.send(()).expect("the test waits for the gate");
+            held.recv().expect("the test releases the gate");
             Ok(())
+        }));
+        let mut small = std::pin::pin!(writer.write(insert(10)));
+        let mut huge = std::pin::pin!(writer.write(insert(1_000_000)));
+        let mut after = std::pin::pin!(writer.write(insert(10)));
+        let queued = std::future::poll_fn(|cx| {
+            assert!(gate.as_mut().poll(cx).is_pending(), "the gate waits for its release");
+            std::task::Poll::Ready(())
         });
-        let (gate, small, huge, after) = tokio::join!(
-            gate,
-            async {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                writer.write(insert(10)).await
-            },
-            async {
-                tokio::time::sleep(Duration::from_millis(30)).await;
-                writer.write(insert(1_000_000)).await
-            },
-            async {
-                tokio::time::sleep(Duration::from_millis(40)).await;
-                writer.write(insert(10)).await
-            },
-        );
+        queued.await;
+        running.await.unwrap();
+        std::future::poll_fn(|cx| {
+            for write in [small.as_mut(), huge.as_mut(), after.as_mut()] {
+                assert!(write.poll(cx).is_pending(), "queued behind the gate");
+            }
+            std::task::Poll::Ready(())
+        })
+        .await;
+        release.send(()).unwrap();
+        let (gate, small, huge, after) = tokio::join!(gate, small, huge, after);
         gate.unwrap();
         assert!(huge.is_err(), "the write that filled the disk failed");
         assert!(
