@@ -307,7 +307,10 @@ mod tests {
         let mut huge = std::pin::pin!(writer.write(insert(1_000_000)));
         let mut after = std::pin::pin!(writer.write(insert(10)));
         let queued = std::future::poll_fn(|cx| {
-            assert!(gate.as_mut().poll(cx).is_pending(), "the gate waits for its release");
+            assert!(
+                gate.as_mut().poll(cx).is_pending(),
+                "the gate waits for its release"
+            );
             std::task::Poll::Ready(())
         });
         queued.await;

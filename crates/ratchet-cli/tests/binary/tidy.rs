@@ -144,7 +144,10 @@ fn crates_depend_only_along_the_layers() {
         ("ratchet-core", &[]),
         ("ratchet-store", &["ratchet-core"]),
         // The suite every backend's tests run: the store's contract, nothing of a backend.
-        ("ratchet-store-conformance", &["ratchet-core", "ratchet-store"]),
+        (
+            "ratchet-store-conformance",
+            &["ratchet-core", "ratchet-store"],
+        ),
         ("ratchet-llm", &["ratchet-core"]),
         ("ratchet-tools", &["ratchet-core"]),
         ("ratchet-catalog", &["ratchet-core"]),
