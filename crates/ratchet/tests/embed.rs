@@ -139,14 +139,14 @@ async fn settings_it_cannot_run_with_are_refused_before_a_database_is_made() {
     let twice = tool_fn("add", "Adds again", ReplayPolicy::Safe, |_, _| async {
         ToolOutcome::ok("0")
     });
-    let duplicate = refused(
+    let with_tool = |tool: ratchet::FnTool| {
         Ratchet::builder()
             .database(&url)
             .workspace(dir.path())
-            .tool(twice)
+            .tool(tool)
             .build()
-            .await,
-    );
+    };
+    let duplicate = refused(with_tool(twice).await);
     assert!(
         duplicate.contains("\"add\" is registered twice"),
         "{duplicate}"
@@ -159,14 +159,7 @@ async fn settings_it_cannot_run_with_are_refused_before_a_database_is_made() {
         |_, _| async { ToolOutcome::ok("") },
     )
     .parameters(json!({"type": 7}));
-    let schema = refused(
-        Ratchet::builder()
-            .database(&url)
-            .workspace(dir.path())
-            .tool(bad_schema)
-            .build()
-            .await,
-    );
+    let schema = refused(with_tool(bad_schema).await);
     assert!(
         schema.contains("\"odd\" has an invalid parameter schema"),
         "{schema}"
