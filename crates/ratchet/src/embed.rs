@@ -308,6 +308,26 @@ impl<'a> Run<'a> {
     /// called, their results, each committed step — from its first, then as they come,
     /// ending after `run.finished`. Another process may be running the run's steps: the store
     /// is read again whenever the bus has been quiet a while.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> ratchet::Result<()> {
+    /// use futures::StreamExt;
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}", dir.path().join("agents.db").display());
+    /// let ratchet = ratchet::Ratchet::builder().database(&url).workspace(dir.path()).build().await?;
+    /// let run = ratchet.session().await?.send("What is 2 + 3?").await?;
+    /// let mut events = Box::pin(run.events());
+    /// while let Some(event) = events.next().await {
+    ///     let event = event?;
+    ///     println!("{} {}", event.seq, event.kind); // run.created … step.committed … run.finished
+    /// }
+    /// # drop(events);
+    /// # drop(run);
+    /// # ratchet.shutdown().await;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn events(&self) -> impl Stream<Item = Result<StoredEvent>> + Send + 'a {
         struct Follow<'a> {
             ratchet: &'a Ratchet,

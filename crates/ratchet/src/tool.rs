@@ -34,6 +34,30 @@ pub struct FnTool {
 /// The handler answers with a [`ToolOutcome`]: `ToolOutcome::ok`, `ToolOutcome::error` (the
 /// model reads it), or one whose `unknown` is set when it cannot tell whether its effect
 /// happened.
+///
+/// ```
+/// use ratchet::{ReplayPolicy, ToolOutcome, tool_fn};
+/// use serde_json::json;
+///
+/// let weather = tool_fn(
+///     "weather",
+///     "Tells the weather in a city today.",
+///     ReplayPolicy::Safe, // reading it twice does no harm
+///     |arguments, _context| async move {
+///         match arguments["city"].as_str() {
+///             Some("Oslo") => ToolOutcome::ok(json!({"sky": "snow", "celsius": -3}).to_string()),
+///             Some(city) => ToolOutcome::error(format!("no forecast for {city}")),
+///             None => ToolOutcome::error("expected a city"),
+///         }
+///     },
+/// )
+/// .parameters(json!({
+///     "type": "object",
+///     "properties": {"city": {"type": "string"}},
+///     "required": ["city"],
+/// }));
+/// # let _ = weather;
+/// ```
 pub fn tool_fn<F, Fut>(
     name: impl Into<String>,
     description: impl Into<String>,
