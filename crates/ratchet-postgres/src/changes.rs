@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use futures::channel::mpsc;
 use postgres::fallible_iterator::FallibleIterator;
 use ratchet_core::SessionId;
-use ratchet_sql::Announcement;
 use ratchet_store::{Change, ChangeStream};
+use ratchet_store_sql::Announcement;
 
 use crate::Connector;
 

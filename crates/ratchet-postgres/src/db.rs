@@ -1,5 +1,5 @@
 //! One pooled connection, and the transaction on it as the shared bodies see it
-//! (`ratchet_sql::Db`): `?N` parameters become `$N`, each statement is prepared once per
+//! (`ratchet_store_sql::Db`): `?N` parameters become `$N`, each statement is prepared once per
 //! connection, and values cross as the few kinds the bodies know (integer, real, text, null).
 //!
 //! Round trips are what a transaction costs across a network, so statements are pipelined:
@@ -21,8 +21,8 @@ use bytes::BytesMut;
 use futures::future::{MaybeDone, maybe_done};
 use postgres::Statement;
 use postgres::types::{IsNull, ToSql, Type, to_sql_checked};
-use ratchet_sql::{Announcement, Configs, Db, Param, Row, Value};
 use ratchet_store::Error;
+use ratchet_store_sql::{Announcement, Configs, Db, Param, Row, Value};
 use tokio_postgres::Client;
 
 use crate::{Result, backend_error, changes, describe};

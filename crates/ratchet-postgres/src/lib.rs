@@ -1,4 +1,4 @@
-//! PostgreSQL adapter of the store: the transaction bodies of `ratchet-sql` run on a small
+//! PostgreSQL adapter of the store: the transaction bodies of `ratchet-store-sql` run on a small
 //! pool of synchronous connections, one transaction each, on tokio's blocking threads.
 //!
 //! Several processes may share one database. Writes to a session are serial because each
@@ -29,8 +29,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use postgres::error::SqlState;
-use ratchet_sql::{Backend, Configs, Db, SqlStore};
 use ratchet_store::{ChangeStream, Error, MessageHit, Migrated, SearchScope};
+use ratchet_store_sql::{Backend, Configs, Db, SqlStore};
 use tokio::sync::Semaphore;
 
 use db::{Access, Conn};

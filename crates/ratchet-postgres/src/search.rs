@@ -8,8 +8,8 @@
 //! Unlike SQLite's bm25 it does not weigh how rare a word is.
 
 use ratchet_core::{Role, RunId, SessionId};
-use ratchet_sql::{Db, Param};
 use ratchet_store::{Error, MessageHit, SearchScope};
+use ratchet_store_sql::{Db, Param};
 
 use crate::Result;
 
@@ -141,7 +141,7 @@ mod tests {
     #[cfg(feature = "testkit")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_search_can_read_the_index() {
-        use ratchet_sql::Backend;
+        use ratchet_store_sql::Backend;
 
         let Some(database) = crate::testkit::TestDatabase::create() else {
             return;

@@ -11,8 +11,8 @@ mod writer;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ratchet_sql::{Announcement, Backend, Configs, Db, Param, Row, SqlStore, Value};
 use ratchet_store::{Error, MessageHit, SearchScope};
+use ratchet_store_sql::{Announcement, Backend, Configs, Db, Param, Row, SqlStore, Value};
 use rusqlite::config::DbConfig;
 use rusqlite::types::{ToSqlOutput, ValueRef};
 use rusqlite::{Connection, OpenFlags};
@@ -432,7 +432,7 @@ mod tests {
             configs: &configs,
         };
         for (id, k) in [("a1", 1_i64), ("a2", 2), ("a1", 1), ("a2", 5)] {
-            let rows = tx.query(sql, &ratchet_sql::params![id, k]).unwrap();
+            let rows = tx.query(sql, &ratchet_store_sql::params![id, k]).unwrap();
             assert_eq!(rows.len(), 1);
         }
         let compiled_again = conn

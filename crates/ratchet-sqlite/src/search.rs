@@ -8,7 +8,7 @@ use ratchet_store::{Error, MessageHit, SearchScope};
 use rusqlite::params;
 
 use crate::{Result, Tx, backend};
-use ratchet_sql::sql_enum;
+use ratchet_store_sql::sql_enum;
 
 /// Words of a query past this many are ignored: a longer query is a paste, not a search.
 const MAX_TERMS: usize = 32;

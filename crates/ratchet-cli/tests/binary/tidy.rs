@@ -104,7 +104,7 @@ fn the_webhook_dispatcher_only_observes() {
         assert!(
             ![
                 "ratchet-engine",
-                "ratchet-sql",
+                "ratchet-store-sql",
                 "ratchet-sqlite",
                 "ratchet-postgres"
             ]
@@ -152,14 +152,14 @@ fn crates_depend_only_along_the_layers() {
         ("ratchet-tools", &["ratchet-core"]),
         ("ratchet-catalog", &["ratchet-core"]),
         ("ratchet-mcp", &["ratchet-core", "ratchet-tools"]),
-        ("ratchet-sql", &["ratchet-core", "ratchet-store"]),
+        ("ratchet-store-sql", &["ratchet-core", "ratchet-store"]),
         (
             "ratchet-sqlite",
-            &["ratchet-core", "ratchet-store", "ratchet-sql"],
+            &["ratchet-core", "ratchet-store", "ratchet-store-sql"],
         ),
         (
             "ratchet-postgres",
-            &["ratchet-core", "ratchet-store", "ratchet-sql"],
+            &["ratchet-core", "ratchet-store", "ratchet-store-sql"],
         ),
         (
             "ratchet-engine",

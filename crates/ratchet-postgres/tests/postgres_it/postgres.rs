@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use ratchet_postgres::testkit::TestDatabase;
 use ratchet_postgres::{PgBackend, PgOptions};
-use ratchet_sql::{Announcement, Backend, Param, Row, Value, params};
 use ratchet_store::{Change, ChangeStream, Error, MessageHit, SearchScope};
+use ratchet_store_sql::{Announcement, Backend, Param, Row, Value, params};
 use tokio::sync::oneshot;
 
 /// The longest any test waits for what it expects.
@@ -574,7 +574,7 @@ async fn concurrent_claims_take_different_rows() {
          VALUES ('run_a', 0, 'model', 0, 0, 1), ('run_b', 0, 'model', 0, 0, 2)",
     )
     .await;
-    let claim = |db: &dyn ratchet_sql::Db| -> Result<String, Error> {
+    let claim = |db: &dyn ratchet_store_sql::Db| -> Result<String, Error> {
         let sql = format!(
             "SELECT run_id FROM step_jobs WHERE ready_at <= ?1 ORDER BY ready_at LIMIT 1{}",
             db.skip_locked()
@@ -680,7 +680,7 @@ async fn announcements_reach_other_processes_once_committed_and_never_their_send
         );
     }
     let events = |session_id: &'static str, first_seq: i64, last_seq: i64| {
-        move |db: &dyn ratchet_sql::Db| {
+        move |db: &dyn ratchet_store_sql::Db| {
             db.announce(Announcement::Events {
                 session_id,
                 first_seq,
