@@ -1072,7 +1072,7 @@ pub(crate) fn absorb_signals(
             origin: ratchet_core::Origin::Steer,
             ..ratchet_core::Message::user(steered_signal(&payload))
         };
-        let message_id = format!("msg_{}-{step_index}-s{id}", &state.run_id.as_str()[4..]);
+        let message_id = crate::ops::step_message_id(&state.run_id, step_index, format!("s{id}"));
         insert_message(c, &message_id, state, &message, now)?;
         added.push(message);
     }

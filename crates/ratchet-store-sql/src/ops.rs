@@ -1507,12 +1507,7 @@ pub(crate) fn commit_step(
         )?;
     }
     for (i, (message, tool_calls)) in result.messages.iter().zip(&encoded.tool_calls).enumerate() {
-        let id = format!(
-            "msg_{}-{}-{}",
-            &state.run_id.as_str()[4..],
-            claim.step_index,
-            i
-        );
+        let id = step_message_id(&state.run_id, claim.step_index, i);
         insert_encoded_message(c, &id, state, message, tool_calls.as_deref(), now)?;
     }
     let record = &result.record;
@@ -2120,6 +2115,20 @@ fn context_through(
     Ok(messages)
 }
 
+/// The id of a message a step's commit writes, `msg_{run}-{step}-{slot}`: named after its step,
+/// so that `step_messages` can tell which step wrote it.
+pub(crate) fn step_message_id(
+    run_id: &RunId,
+    step_index: u64,
+    slot: impl std::fmt::Display,
+) -> String {
+    format!("{}{step_index}-{slot}", step_message_prefix(run_id))
+}
+
+fn step_message_prefix(run_id: &RunId) -> String {
+    format!("msg_{}-", &run_id.as_str()[4..])
+}
+
 /// What the model was shown at step `step_index` of `run`, and what that step wrote under its
 /// own name. While a run is active only its own commits add to its session's history, and a
 /// step's messages are named after it (`msg_{run}-{step}-…`), so the step's context ends just
@@ -2133,7 +2142,7 @@ pub(crate) fn step_messages(c: &dyn Db, run_id: &RunId, step_index: u64) -> Resu
         .ok_or_else(|| run_not_found(run_id))?
         .text(0)?;
     let session_id = parse_session_id(&session_id)?;
-    let prefix = format!("msg_{}-", &run_id.as_str()[4..]);
+    let prefix = step_message_prefix(run_id);
     let written_by = |id: &str| {
         (id.strip_prefix(&prefix))
             .and_then(|rest| rest.split('-').next())

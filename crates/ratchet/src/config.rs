@@ -15,6 +15,19 @@ use ratchet_webhooks::{Rule, WebhookPolicy};
 
 use ratchet_server::{StreamLimits, Tokens, hash_token};
 
+/// What is wrong with a token a person chose, said after "the token …"; None for a good one.
+pub(crate) fn token_problem(token: &str) -> Option<String> {
+    let chars = token.chars().count();
+    if chars < MIN_TOKEN_CHARS {
+        return Some(format!(
+            "has {chars} characters; expected at least {MIN_TOKEN_CHARS}"
+        ));
+    }
+    token.chars().any(char::is_whitespace).then(|| {
+        "contains whitespace, which no `Authorization: Bearer` header can carry".to_owned()
+    })
+}
+
 /// A lease shorter than this would lapse between a busy machine's heartbeats.
 const MIN_LEASE_MS: u64 = 100;
 /// The shortest token `env =` may hold: a shorter one can be guessed.
@@ -770,17 +783,9 @@ impl Config {
                             "tokens[{i}]: environment variable {var} is not set"
                         ))
                     })?;
-                    let chars = value.chars().count();
-                    if chars < MIN_TOKEN_CHARS {
+                    if let Some(problem) = token_problem(&value) {
                         return Err(ConfigError::Invalid(format!(
-                            "tokens[{i}]: the token in {var} has {chars} characters; expected \
-                             at least {MIN_TOKEN_CHARS}"
-                        )));
-                    }
-                    if value.chars().any(char::is_whitespace) {
-                        return Err(ConfigError::Invalid(format!(
-                            "tokens[{i}]: the token in {var} contains whitespace, which no \
-                             `Authorization: Bearer` header can carry"
+                            "tokens[{i}]: the token in {var} {problem}"
                         )));
                     }
                     hash_token(&value)

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use futures::Stream;
 use ratchet_core::{
-    ApprovalAnswer, ApprovalCall, ApprovalId, CallDecision, HumanRequest, Limits, MemoryScope,
-    RunConfigSnapshot, RunId, RunStatus, SessionId, StopReason,
+    AgentState, ApprovalAnswer, ApprovalCall, ApprovalId, CallDecision, HumanRequest, Limits,
+    MemoryScope, RunConfigSnapshot, RunId, RunStatus, SessionId, StopReason,
 };
 use ratchet_engine::{Multitask, PoolConfig, WorkerPool};
 use ratchet_llm::Model;
@@ -20,6 +20,7 @@ use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::RecvError;
 use tokio_util::sync::CancellationToken;
 
+use crate::config::token_problem;
 use crate::runtime::{Runtime, Schema, ToolOverrides, Toolbox, open_store};
 use crate::{Error, Result};
 
@@ -65,7 +66,8 @@ pub struct Builder {
     limits: Limits,
     system_prompt: Option<String>,
     workers: usize,
-    tokens: HashMap<String, String>,
+    /// Tenant by token, checked when the runtime is built.
+    tokens: Vec<(String, String)>,
 }
 
 impl Ratchet {
@@ -79,7 +81,7 @@ impl Ratchet {
             limits: Limits::default(),
             system_prompt: None,
             workers: 4,
-            tokens: HashMap::new(),
+            tokens: Vec::new(),
         }
     }
 
@@ -179,8 +181,9 @@ impl Builder {
 
     /// A token the HTTP API ([`Ratchet::app`]) accepts, for `tenant`; with none, the API asks
     /// for no token.
+    /// A token must be at least 16 characters with no whitespace, as in `ratchet.toml`.
     pub fn token(mut self, tenant: &str, token: &str) -> Builder {
-        self.tokens.insert(hash_token(token), tenant.to_owned());
+        self.tokens.push((tenant.to_owned(), token.to_owned()));
         self
     }
 
@@ -196,6 +199,18 @@ impl Builder {
         let database = self.database.ok_or_else(|| {
             Error::Invalid("a database is needed: call .database(\"sqlite://PATH\")".to_owned())
         })?;
+        let mut tokens = HashMap::new();
+        for (tenant, token) in &self.tokens {
+            if tenant.trim().is_empty() {
+                return Err(Error::Invalid("a token's tenant is empty".to_owned()));
+            }
+            if let Some(problem) = token_problem(token) {
+                return Err(Error::Invalid(format!(
+                    "the token of tenant {tenant:?} {problem}"
+                )));
+            }
+            tokens.insert(hash_token(token), tenant.clone());
+        }
         if self.workers == 0 {
             return Err(Error::Invalid(
                 "workers must be at least 1, found 0".to_owned(),
@@ -232,10 +247,17 @@ impl Builder {
             runtime,
             workers,
             template,
-            tokens: Tokens::new(self.tokens),
+            tokens: Tokens::new(tokens),
             stopping: CancellationToken::new(),
         })
     }
+}
+
+async fn read_state(ratchet: &Ratchet, run: &RunId) -> Result<AgentState> {
+    (ratchet.store().load_state(run).await).map_err(|cause| Error::Store {
+        what: format!("reading run {run}"),
+        cause,
+    })
 }
 
 /// A conversation: its messages start runs, one at a time.
@@ -304,6 +326,10 @@ impl<'a> Run<'a> {
         &self.id
     }
 
+    async fn state(&self) -> Result<AgentState> {
+        read_state(self.ratchet, &self.id).await
+    }
+
     /// Every event of the run in the order it was committed — what it said, the tools it
     /// called, their results, each committed step — from its first, then as they come,
     /// ending after `run.finished`. Another process may be running the run's steps: the store
@@ -363,15 +389,14 @@ impl<'a> Run<'a> {
                 let store = follow.ratchet.store();
                 let session = match &follow.session {
                     Some(session) => session.clone(),
-                    None => match store.load_state(&follow.run).await {
+                    None => match read_state(follow.ratchet, &follow.run).await {
                         Ok(state) => {
                             follow.session = Some(state.session_id.clone());
                             state.session_id
                         }
-                        Err(cause) => {
+                        Err(error) => {
                             follow.ended = true;
-                            let what = format!("reading run {}", follow.run);
-                            return Some((Err(Error::Store { what, cause }), follow));
+                            return Some((Err(error), follow));
                         }
                     },
                 };
@@ -392,12 +417,7 @@ impl<'a> Run<'a> {
 
     /// The batch the run waits on a decision for, if it waits for one.
     pub async fn approval(&self) -> Result<Option<Approval>> {
-        let state =
-            (self.ratchet.store().load_state(&self.id).await).map_err(|cause| Error::Store {
-                what: format!("reading run {}", self.id),
-                cause,
-            })?;
-        Ok(match state.pending_human {
+        Ok(match self.state().await?.pending_human {
             Some(HumanRequest::Approval { approval_id, calls }) => Some(Approval {
                 id: approval_id,
                 calls,
@@ -426,14 +446,9 @@ impl<'a> Run<'a> {
 
     /// Waits until the run has ended, or waits for a person (an approval, a reconciliation).
     pub async fn wait(&self) -> Result<Outcome> {
-        let coordinator = &self.ratchet.runtime.coordinator;
-        let mut events = coordinator.subscribe();
+        let mut events = self.ratchet.runtime.coordinator.subscribe();
         loop {
-            let state =
-                (coordinator.store().load_state(&self.id).await).map_err(|cause| Error::Store {
-                    what: format!("reading run {}", self.id),
-                    cause,
-                })?;
+            let state = self.state().await?;
             if state.status.is_terminal() || state.status == RunStatus::WaitingHuman {
                 return Ok(Outcome {
                     status: state.status,
@@ -445,11 +460,13 @@ impl<'a> Run<'a> {
                 });
             }
             // Any event of this run may be the one that ended it; a lagging receiver reads
-            // the store again.
+            // the store again, and so does a wait that other runs' events kept busy until the
+            // poll came due.
+            let due = tokio::time::Instant::now() + WAIT_POLL;
             loop {
-                match tokio::time::timeout(WAIT_POLL, events.recv()).await {
+                match tokio::time::timeout_at(due, events.recv()).await {
                     Ok(Ok(event)) if event.run_id.as_ref() != Some(&self.id) => continue,
-                    Ok(Err(RecvError::Closed)) => tokio::time::sleep(WAIT_POLL).await,
+                    Ok(Err(RecvError::Closed)) => tokio::time::sleep_until(due).await,
                     _ => {}
                 }
                 break;

@@ -160,6 +160,18 @@ async fn settings_it_cannot_run_with_are_refused_before_a_database_is_made() {
     )
     .parameters(json!({"type": 7}));
     let schema = refused(with_tool(bad_schema).await);
+    let short_token = refused(
+        Ratchet::builder()
+            .database(&url)
+            .workspace(dir.path())
+            .token("acme", "guessable")
+            .build()
+            .await,
+    );
+    assert!(
+        short_token.contains("the token of tenant \"acme\" has 9 characters; expected at least 16"),
+        "{short_token}"
+    );
     assert!(
         schema.contains("\"odd\" has an invalid parameter schema"),
         "{schema}"
@@ -285,7 +297,7 @@ async fn the_http_api_over_an_embedded_runtime_runs_its_rust_tools_behind_its_to
         .model(&script(dir.path()))
         .workspace(dir.path())
         .tool(lookup)
-        .token("acme", "secret-token")
+        .token("acme", "secret-token-of-acme")
         .build()
         .await
         .unwrap();
@@ -303,7 +315,7 @@ async fn the_http_api_over_an_embedded_runtime_runs_its_rust_tools_behind_its_to
     assert_eq!(anonymous.status(), 401, "the token is required");
     let session: Value = http
         .post(format!("{base}/v1/sessions"))
-        .bearer_auth("secret-token")
+        .bearer_auth("secret-token-of-acme")
         .json(&json!({}))
         .send()
         .await
@@ -314,7 +326,7 @@ async fn the_http_api_over_an_embedded_runtime_runs_its_rust_tools_behind_its_to
     let session_id = session["id"].as_str().unwrap();
     let accepted: Value = http
         .post(format!("{base}/v1/sessions/{session_id}/messages"))
-        .bearer_auth("secret-token")
+        .bearer_auth("secret-token-of-acme")
         .json(&json!({"content": "Where is order 42?"}))
         .send()
         .await
@@ -331,7 +343,7 @@ async fn the_http_api_over_an_embedded_runtime_runs_its_rust_tools_behind_its_to
     );
     let run: Value = http
         .get(format!("{base}/v1/runs/{run_id}"))
-        .bearer_auth("secret-token")
+        .bearer_auth("secret-token-of-acme")
         .send()
         .await
         .unwrap()
