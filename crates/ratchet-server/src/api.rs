@@ -311,19 +311,15 @@ fn name_of(value: &impl Serialize) -> String {
 
 impl From<StoredMessage> for MessageView {
     fn from(stored: StoredMessage) -> MessageView {
-        let message = stored.message;
+        let message = ModelMessageView::from(stored.message);
         MessageView {
             id: stored.id,
             run_id: stored.run_id.to_string(),
-            role: name_of(&message.role),
+            role: message.role,
             content: message.content,
-            origin: name_of(&message.origin),
-            visibility: name_of(&message.visibility),
-            tool_calls: message
-                .tool_calls
-                .iter()
-                .filter_map(|c| serde_json::to_value(c).ok())
-                .collect(),
+            origin: message.origin,
+            visibility: message.visibility,
+            tool_calls: message.tool_calls,
             tool_call_id: message.tool_call_id,
             created_at: stored.created_at,
         }
