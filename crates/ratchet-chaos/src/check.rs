@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use ratchet_core::{InboxStatus, RunStatus, SessionId, Visibility};
-use ratchet_store::{InboxEvent, Store, StoredEvent};
+use ratchet_store::{InboxEvent, Reads, StoredEvent};
 use serde_json::Value;
 
 use crate::client::{RunLog, SessionLog};
@@ -60,7 +60,7 @@ pub struct Evidence<'a> {
 }
 
 pub async fn check(
-    store: &dyn Store,
+    store: &dyn Reads,
     evidence: &Evidence<'_>,
 ) -> anyhow::Result<(Tally, Vec<String>)> {
     let Evidence {
@@ -328,7 +328,7 @@ fn check_mcp_executions(executions: &[Execution], tally: &mut Tally, violations:
     }
 }
 
-async fn all_events(store: &dyn Store, session: &SessionId) -> anyhow::Result<Vec<StoredEvent>> {
+async fn all_events(store: &dyn Reads, session: &SessionId) -> anyhow::Result<Vec<StoredEvent>> {
     let mut events: Vec<StoredEvent> = Vec::new();
     loop {
         let after = events.last().map_or(0, |e| e.seq);
@@ -436,7 +436,7 @@ fn check_one_active_run(session: &str, events: &[StoredEvent], violations: &mut 
 /// 6 and 10 from the stored history: every batch's results follow it in call order; the
 /// messages a client can read contain no hidden one.
 async fn check_history(
-    store: &dyn Store,
+    store: &dyn Reads,
     session_id: &SessionId,
     tally: &mut Tally,
     violations: &mut Vec<String>,
@@ -478,7 +478,7 @@ async fn check_history(
 
 /// 3, below the clients' runs: every run their delegations started has ended.
 async fn check_children(
-    store: &dyn Store,
+    store: &dyn Reads,
     log: &SessionLog,
     tally: &mut Tally,
     violations: &mut Vec<String>,
@@ -505,7 +505,7 @@ async fn check_children(
 /// that consumed it is a continuation that completed; a dead-lettered one's are nowhere (a
 /// failed continuation's messages never reach the history).
 async fn check_inbox(
-    store: &dyn Store,
+    store: &dyn Reads,
     session_id: &SessionId,
     tally: &mut Tally,
     violations: &mut Vec<String>,

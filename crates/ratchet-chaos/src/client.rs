@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, anyhow, bail};
 use ratchet_core::RunId;
 use ratchet_llm::sse::SseParser;
-use ratchet_store::Store;
+use ratchet_store::Reads;
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -71,7 +71,7 @@ pub struct Clients {
     pub api: String,
     pub http: reqwest::Client,
     pub stream_http: reqwest::Client,
-    pub store: Arc<dyn Store>,
+    pub store: Arc<dyn Reads>,
     pub model: ModelState,
     /// Where the runs' tools write (to reconcile appends).
     pub workspace: PathBuf,
@@ -90,7 +90,7 @@ enum Failure {
 impl Clients {
     pub fn new(
         api: String,
-        store: Arc<dyn Store>,
+        store: Arc<dyn Reads>,
         model: ModelState,
         workspace: PathBuf,
         mcp_log: PathBuf,

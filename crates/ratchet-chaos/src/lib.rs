@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use futures::StreamExt;
-use ratchet_store::Store;
+use ratchet_store::Reads;
 use tokio_util::sync::CancellationToken;
 
 use crate::check::Tally;
@@ -260,10 +260,10 @@ fn sessions_of_plans(runs: usize, rng: &mut fastrand::Rng) -> Vec<SessionPlan> {
 }
 
 /// The store as the processes share it; the chaos process only reads (never migrates).
-async fn open_store(database: &Database, url: &str) -> anyhow::Result<Arc<dyn Store>> {
+async fn open_store(database: &Database, url: &str) -> anyhow::Result<Arc<dyn Reads>> {
     let url = url.to_owned();
     let database = database.clone();
-    tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<dyn Store>> {
+    tokio::task::spawn_blocking(move || -> anyhow::Result<Arc<dyn Reads>> {
         Ok(match database {
             Database::Sqlite => {
                 let options = ratchet_sqlite::SqliteOptions {

@@ -115,7 +115,8 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     let observer = crate::bench_webhooks::attach(
         args.webhook,
         args.webhook_events.clone(),
-        Arc::clone(coordinator.store()),
+        runtime.webhooks.as_ref(),
+        Arc::clone(&runtime.deliveries),
     )
     .await?;
     let pool = (args.worker_processes == 0).then(|| {

@@ -27,7 +27,7 @@ use anyhow::{Context, bail};
 use futures::{StreamExt, TryStreamExt};
 use ratchet_core::{Limits, Millis, RunConfigSnapshot, RunId, RunStatus};
 use ratchet_engine::{Coordinator, Multitask, PoolConfig};
-use ratchet_store::{SessionSpec, Store};
+use ratchet_store::{Reads, SessionSpec};
 use serde_json::json;
 
 use crate::bench::{
@@ -192,7 +192,7 @@ async fn submit(
 /// Waits until every run has started its slow tool call (its `tool.call` event is stored).
 /// A run that got past the call first means the call is too short for all to be caught in it.
 async fn wait_until_in_flight(
-    store: &dyn Store,
+    store: &dyn Reads,
     runs: &[RunId],
     submitted: Instant,
     step_ms: u64,
@@ -232,7 +232,7 @@ async fn wait_until_in_flight(
     Ok(())
 }
 
-async fn wait_until_ended(store: &dyn Store, runs: &[RunId]) -> anyhow::Result<()> {
+async fn wait_until_ended(store: &dyn Reads, runs: &[RunId]) -> anyhow::Result<()> {
     let wanted: HashSet<&RunId> = runs.iter().collect();
     let deadline = Instant::now() + DEADLINE;
     loop {
@@ -265,7 +265,7 @@ struct Times {
 }
 
 async fn recovery_times(
-    store: &dyn Store,
+    store: &dyn Reads,
     run: &RunId,
     killed_at: Millis,
 ) -> anyhow::Result<Times> {

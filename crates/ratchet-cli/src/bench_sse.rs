@@ -464,6 +464,7 @@ impl LocalServer {
         };
         let state = AppState::new(
             Arc::clone(&runtime.coordinator),
+            Arc::clone(&runtime.webhooks),
             Active::new(template, Vec::new(), Tokens::default()),
             shutdown.clone(),
         )

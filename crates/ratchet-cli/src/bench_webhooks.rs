@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
 use ratchet_core::{SessionId, WebhookId};
-use ratchet_store::{DEFAULT_TENANT, NewWebhook, Store};
+use ratchet_store::{DEFAULT_TENANT, Deliveries, NewWebhook, Reads, WebhookAdmin};
 use ratchet_webhooks::{DispatcherConfig, WebhookPolicy};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -57,7 +57,8 @@ fn now_ms() -> i64 {
 pub async fn attach(
     load: WebhookLoad,
     events: Option<Vec<String>>,
-    store: Arc<dyn Store>,
+    webhooks: &dyn WebhookAdmin,
+    deliveries: Arc<dyn Deliveries>,
 ) -> anyhow::Result<Option<Observer>> {
     if load == WebhookLoad::None {
         return Ok(None);
@@ -112,7 +113,7 @@ pub async fn attach(
             .await
     });
     let id = WebhookId::from_suffix(&uuid::Uuid::now_v7().to_string())?;
-    store
+    webhooks
         .create_webhook(
             NewWebhook {
                 id,
@@ -130,7 +131,7 @@ pub async fn attach(
         policy: WebhookPolicy::default().loopback_allowed(true),
         ..DispatcherConfig::default()
     };
-    ratchet_webhooks::spawn(store, dispatch, stop.clone())?;
+    ratchet_webhooks::spawn(deliveries, dispatch, stop.clone())?;
     Ok(Some(Observer {
         load,
         events,
@@ -142,7 +143,7 @@ pub async fn attach(
 impl Observer {
     /// Once the runs have ended: waits for every event of `sessions` to be delivered (an
     /// answering receiver) and reports the deliveries.
-    pub async fn finish(self, store: &dyn Store, sessions: &[SessionId]) -> anyhow::Result<Value> {
+    pub async fn finish(self, store: &dyn Reads, sessions: &[SessionId]) -> anyhow::Result<Value> {
         let report = match self.load {
             WebhookLoad::Answering => {
                 let mut events = 0u64;

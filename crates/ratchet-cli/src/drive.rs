@@ -9,7 +9,7 @@ use std::time::Duration;
 use anyhow::bail;
 use ratchet_core::{AgentState, RunId, RunStatus, SessionId};
 use ratchet_engine::{Multitask, PoolConfig};
-use ratchet_store::{SessionSpec, Store, StoredEvent};
+use ratchet_store::{Reads, SessionSpec, StoredEvent};
 use serde::Serialize;
 use tokio::sync::broadcast::error::RecvError;
 
@@ -219,7 +219,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// Returns once the run has ended, looking every `RECHECK`.
-async fn until_ended(store: &dyn Store, run_id: &RunId) -> anyhow::Result<()> {
+async fn until_ended(store: &dyn Reads, run_id: &RunId) -> anyhow::Result<()> {
     loop {
         tokio::time::sleep(RECHECK).await;
         if store.load_state(run_id).await?.status.is_terminal() {
@@ -232,7 +232,7 @@ async fn until_ended(store: &dyn Store, run_id: &RunId) -> anyhow::Result<()> {
 /// started, and the continuation turn that reports it, go on without it. Says so, and how to
 /// finish them.
 async fn tell_of_background_work(
-    store: &dyn Store,
+    store: &dyn Reads,
     state: &AgentState,
     db: &str,
 ) -> anyhow::Result<()> {
@@ -269,7 +269,7 @@ async fn tell_of_background_work(
 /// The run waiting for a person: `state`'s own run, or — while it waits for its children —
 /// the first run below it that does.
 async fn waiting_for_human(
-    store: &dyn Store,
+    store: &dyn Reads,
     state: &AgentState,
 ) -> anyhow::Result<Option<AgentState>> {
     match state.status {
@@ -300,7 +300,7 @@ impl SessionFeed {
     /// The events to take after `received` from the bus (`None`: nothing came for a while).
     async fn next(
         &mut self,
-        store: &dyn Store,
+        store: &dyn Reads,
         received: Option<Result<StoredEvent, RecvError>>,
     ) -> anyhow::Result<Vec<StoredEvent>> {
         match received {
@@ -315,7 +315,7 @@ impl SessionFeed {
         }
     }
 
-    async fn catch_up(&mut self, store: &dyn Store) -> anyhow::Result<Vec<StoredEvent>> {
+    async fn catch_up(&mut self, store: &dyn Reads) -> anyhow::Result<Vec<StoredEvent>> {
         const PAGE: u32 = 500;
         let mut events = Vec::new();
         loop {

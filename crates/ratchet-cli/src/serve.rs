@@ -220,7 +220,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
         );
     }
     // Secrets written in clear by an older version, or sealed with a previous key.
-    let sealed = (runtime.coordinator.store().seal_webhook_secrets().await).with_context(|| {
+    let sealed = (runtime.webhooks.seal_webhook_secrets().await).with_context(|| {
         format!(
             "cannot seal the webhook secrets under the current key ({key_id}); if the key was \
              changed, give the one they were sealed with in [secrets] previous_key_files or \
@@ -233,11 +233,16 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     }
     let shutdown = CancellationToken::new();
     let agent_count = active.agents().len();
-    let state = AppState::new(runtime.coordinator.clone(), active, shutdown.clone())
-        .with_stream_limits(limits.streams)
-        .with_host_policy(hosts)
-        .with_reloader(reloader)
-        .with_webhook_policy(webhook_policy);
+    let state = AppState::new(
+        runtime.coordinator.clone(),
+        runtime.webhooks.clone(),
+        active,
+        shutdown.clone(),
+    )
+    .with_stream_limits(limits.streams)
+    .with_host_policy(hosts)
+    .with_reloader(reloader)
+    .with_webhook_policy(webhook_policy);
     // Before the socket accepts anyone who could send one: from here on a SIGHUP reloads
     // instead of ending the process.
     if let Some(reloads) = state.reloads() {
@@ -250,12 +255,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // The dispatcher is handed the observation plane's part of the store only.
     let dispatcher = match webhooks {
         Some(dispatch) => Some(
-            ratchet_webhooks::spawn(
-                runtime.coordinator.store().clone(),
-                dispatch,
-                shutdown.clone(),
-            )
-            .context("cannot start the webhook dispatcher")?,
+            ratchet_webhooks::spawn(runtime.deliveries.clone(), dispatch, shutdown.clone())
+                .context("cannot start the webhook dispatcher")?,
         ),
         None => None,
     };

@@ -15,8 +15,8 @@ use futures::StreamExt;
 
 use ratchet_core::{MessageId, RunConfigSnapshot, RunId, RunStatus, SessionId, StepResult};
 use ratchet_store::{
-    CancelOutcome, Change, ChangeStream, Claim, ClaimedStep, Commit, Lease, NewRun, RunQuota,
-    Session, SessionSpec, Store, StoredEvent, WhenBusy,
+    CancelOutcome, Change, ChangeStream, Changes, Claim, ClaimedStep, Commit, Lease, NewRun, Reads,
+    Roles, RunQuota, Session, SessionSpec, StoredEvent, WhenBusy, Writes,
 };
 use tokio::sync::{Notify, broadcast};
 use tokio::task::JoinHandle;
@@ -56,7 +56,10 @@ pub struct StartedRun {
 }
 
 pub struct Coordinator {
-    store: Arc<dyn Store>,
+    /// The store's transactions: no other part of a process is handed this role.
+    writes: Arc<dyn Writes>,
+    reads: Arc<dyn Reads>,
+    changes: Arc<dyn Changes>,
     events: broadcast::Sender<StoredEvent>,
     wake: Notify,
     in_flight: Mutex<HashMap<RunId, CancellationToken>>,
@@ -82,14 +85,22 @@ pub(crate) fn fresh_suffix() -> String {
 }
 
 impl Coordinator {
-    pub fn new(store: Arc<dyn Store>) -> Arc<Coordinator> {
+    pub fn new(store: impl Into<Roles>) -> Arc<Coordinator> {
         Coordinator::with_quota(store, RunQuota::default())
     }
 
     /// A Coordinator that admits new runs only within `quota`.
-    pub fn with_quota(store: Arc<dyn Store>, quota: RunQuota) -> Arc<Coordinator> {
+    pub fn with_quota(store: impl Into<Roles>, quota: RunQuota) -> Arc<Coordinator> {
+        let Roles {
+            reads,
+            writes,
+            changes,
+            ..
+        } = store.into();
         Arc::new(Coordinator {
-            store,
+            writes,
+            reads,
+            changes,
             events: broadcast::channel(EVENT_BUFFER).0,
             wake: Notify::new(),
             in_flight: Mutex::new(HashMap::new()),
@@ -112,7 +123,7 @@ impl Coordinator {
     /// holds the Coordinator weakly: it ends when the Coordinator is dropped or the change
     /// stream ends. Call once per Coordinator, inside a tokio runtime.
     pub fn follow_others(self: &Arc<Self>) -> Option<JoinHandle<()>> {
-        let changes = self.store.changes()?;
+        let changes = self.changes.changes()?;
         let this = Arc::downgrade(self);
         let dropped = self.dropped.clone();
         Some(tokio::spawn(async move {
@@ -123,8 +134,9 @@ impl Coordinator {
         }))
     }
 
-    pub fn store(&self) -> &Arc<dyn Store> {
-        &self.store
+    /// The store, to read: every write goes through the Coordinator's own methods.
+    pub fn store(&self) -> &Arc<dyn Reads> {
+        &self.reads
     }
 
     /// The observation bus. Subscribe before acting to see every event of the action.
@@ -162,7 +174,13 @@ impl Coordinator {
     pub async fn create_session(&self, spec: SessionSpec) -> Result<Session> {
         let id = SessionId::from_suffix(&fresh_suffix())
             .map_err(|e| crate::Error::Invalid(e.to_string()))?;
-        Ok(self.store.create_session(&id, spec, now_ms()).await?)
+        Ok(self.writes.create_session(&id, spec, now_ms()).await?)
+    }
+
+    /// Renames a session (`title`, already checked by the caller). No event: a title is
+    /// not part of any run.
+    pub async fn rename_session(&self, id: &SessionId, title: &str) -> Result<Session> {
+        Ok(self.writes.rename_session(id, title).await?)
     }
 
     /// Records a user message and its run; the run starts now, or — following `multitask` —
@@ -191,7 +209,7 @@ impl Coordinator {
             },
             quota: self.quota,
         };
-        let submitted = self.store.submit_message(new, now_ms()).await?;
+        let submitted = self.writes.submit_message(new, now_ms()).await?;
         self.publish(submitted.events);
         if let Some(interrupted) = &submitted.interrupted {
             let token = self
@@ -220,11 +238,11 @@ impl Coordinator {
         lease: Lease,
         run: Option<&RunId>,
     ) -> Result<Option<ClaimedStep>> {
-        Ok(self.store.claim_next(lease, run, now_ms()).await?)
+        Ok(self.writes.claim_next(lease, run, now_ms()).await?)
     }
 
     pub async fn heartbeat(&self, claim: &Claim, lease: &Lease) -> Result<bool> {
-        Ok(self.store.heartbeat(claim, lease.expires_at).await?)
+        Ok(self.writes.heartbeat(claim, lease.expires_at).await?)
     }
 
     /// Commits a step and publishes its events; the `Commit` returned keeps everything else
@@ -238,7 +256,7 @@ impl Coordinator {
         #[cfg(feature = "failpoints")]
         fail::fail_point!("step.before_commit", |_| std::process::abort());
         let commit = self
-            .store
+            .writes
             .commit_step_within(claim, result, continue_with, self.quota, now_ms())
             .await;
         self.activity.step_over(&claim.run_id);
@@ -264,7 +282,7 @@ impl Coordinator {
         event: ratchet_core::EventDraft,
     ) -> Result<bool> {
         let events = self
-            .store
+            .writes
             .retry_later(claim, available_at, event, now_ms())
             .await;
         self.activity.step_over(&claim.run_id);
@@ -281,7 +299,7 @@ impl Coordinator {
         events: Vec<ratchet_core::EventDraft>,
     ) -> Result<()> {
         let stored = self
-            .store
+            .writes
             .append_events(session_id, run_id, events, now_ms())
             .await?;
         self.publish(stored);
@@ -297,7 +315,7 @@ impl Coordinator {
         events: Vec<ratchet_core::EventDraft>,
     ) -> Result<Vec<u32>> {
         let recorded = self
-            .store
+            .writes
             .record_intents(claim, intents, events, now_ms())
             .await?;
         self.publish(recorded.events);
@@ -311,7 +329,7 @@ impl Coordinator {
         outcome: ratchet_core::ToolOutcome,
     ) -> Result<()> {
         Ok(self
-            .store
+            .writes
             .record_outcome(claim, slot, outcome, now_ms())
             .await?)
     }
@@ -322,7 +340,7 @@ impl Coordinator {
         // The token goes in first: a worker that claims the run while the store is being
         // told adopts it, so the cancel cannot fall between its claim and its registration.
         let (token, registered_here) = self.cancel_token(run_id);
-        let outcome = match self.store.request_cancel(run_id, now_ms()).await {
+        let outcome = match self.writes.request_cancel(run_id, now_ms()).await {
             Ok(outcome) => outcome,
             Err(error) => {
                 if registered_here {
@@ -372,7 +390,7 @@ impl Coordinator {
     /// Pauses a run at its next step boundary (see `Store::request_pause`). A step in flight
     /// is not interrupted: its commit pauses the run.
     pub async fn request_pause(&self, run_id: &RunId) -> Result<ratchet_store::PauseOutcome> {
-        let outcome = self.store.request_pause(run_id, now_ms()).await?;
+        let outcome = self.writes.request_pause(run_id, now_ms()).await?;
         if let ratchet_store::PauseOutcome::Paused { events } = &outcome {
             self.publish(events.clone());
         }
@@ -381,7 +399,7 @@ impl Coordinator {
 
     /// Takes a paused run up again; its next step is picked up by any worker.
     pub async fn resume_paused(&self, run_id: &RunId) -> Result<ratchet_store::ResumeOutcome> {
-        let outcome = self.store.resume_paused(run_id, now_ms()).await?;
+        let outcome = self.writes.resume_paused(run_id, now_ms()).await?;
         if let ratchet_store::ResumeOutcome::Resumed { events } = &outcome {
             self.publish(events.clone());
             self.wake.notify_one();
@@ -398,7 +416,7 @@ impl Coordinator {
         result: Option<String>,
     ) -> Result<ratchet_store::Reconciled> {
         let reconciled = self
-            .store
+            .writes
             .reconcile(run_id, call_id, answer, result, now_ms())
             .await?;
         self.publish(reconciled.events.clone());
@@ -414,7 +432,7 @@ impl Coordinator {
         run_id: &RunId,
         how: ratchet_core::step::Resumption,
     ) -> Result<Vec<ratchet_store::StoredEvent>> {
-        let events = self.store.resume_failed(run_id, how, now_ms()).await?;
+        let events = self.writes.resume_failed(run_id, how, now_ms()).await?;
         self.publish(events.clone());
         self.wake.notify_one();
         Ok(events)
@@ -428,7 +446,10 @@ impl Coordinator {
         answer: ratchet_core::ApprovalAnswer,
         by: &str,
     ) -> Result<ratchet_store::Answered> {
-        let answered = self.store.answer_approval(id, answer, by, now_ms()).await?;
+        let answered = self
+            .writes
+            .answer_approval(id, answer, by, now_ms())
+            .await?;
         self.publish(answered.events.clone());
         if answered.resumed || answered.enqueued {
             self.wake.notify_one();
@@ -442,7 +463,7 @@ impl Coordinator {
         claim: &Claim,
         signal: ratchet_store::NewSignal,
     ) -> Result<ratchet_store::SignalOutcome> {
-        let emitted = self.store.emit_signal(claim, signal, now_ms()).await?;
+        let emitted = self.writes.emit_signal(claim, signal, now_ms()).await?;
         self.publish(emitted.events);
         if emitted.enqueued {
             self.wake.notify_one();
@@ -454,7 +475,7 @@ impl Coordinator {
     /// events whose time has come (a released event's retry, one that fell due while nothing
     /// committed). Returns how many started.
     pub async fn serve_inboxes(&self) -> Result<usize> {
-        let served = self.store.serve_inboxes(now_ms()).await?;
+        let served = self.writes.serve_inboxes(now_ms()).await?;
         self.publish(served.events);
         if !served.started.is_empty() {
             self.wake.notify_one();
@@ -465,7 +486,7 @@ impl Coordinator {
     /// Ends the runs that wait past their deadline (`timed_out`), cancelling their children
     /// (in this process too). Returns how many ended.
     pub async fn time_out_overdue(&self) -> Result<usize> {
-        let timed_out = self.store.time_out_overdue(now_ms()).await?;
+        let timed_out = self.writes.time_out_overdue(now_ms()).await?;
         self.cancel_descendants(&timed_out.events);
         self.publish(timed_out.events);
         if timed_out.enqueued {
@@ -481,7 +502,7 @@ impl Coordinator {
         id: &SessionId,
         how: ratchet_store::Closing,
     ) -> Result<ratchet_store::Closed> {
-        let closed = self.store.close_session(id, how, now_ms()).await?;
+        let closed = self.writes.close_session(id, how, now_ms()).await?;
         self.cancel_descendants(&closed.events);
         self.publish(closed.events.clone());
         if closed.enqueued {
@@ -499,7 +520,7 @@ impl Coordinator {
         action: ratchet_store::DeadLetterAction,
         by: &str,
     ) -> Result<ratchet_store::InboxEvent> {
-        let changed = (self.store)
+        let changed = (self.writes)
             .act_on_dead_letter(session, event_id, action, by, now_ms())
             .await?;
         self.publish(changed.events);
@@ -513,9 +534,9 @@ impl Coordinator {
     /// are taken over now instead of after lease expiry. Returns how many jobs were freed.
     pub async fn recover(&self, is_dead: impl Fn(&str) -> bool) -> Result<u64> {
         let mut released = 0;
-        for owner in self.store.lease_owners().await? {
+        for owner in self.reads.lease_owners().await? {
             if is_dead(&owner) {
-                released += self.store.release_leases(&owner).await?;
+                released += self.writes.release_leases(&owner).await?;
             }
         }
         self.wake.notify_waiters();
@@ -539,7 +560,7 @@ impl Coordinator {
         let mut after = first_seq - 1;
         while after < last_seq {
             let limit = (last_seq - after).min(RELAY_PAGE) as u32;
-            let page = match self.store.events_after(session_id, after, limit).await {
+            let page = match self.reads.events_after(session_id, after, limit).await {
                 Ok(page) => page,
                 Err(error) => {
                     tracing::warn!(%error, session = %session_id, "cannot read another process's events");

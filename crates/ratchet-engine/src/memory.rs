@@ -5,11 +5,11 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use ratchet_core::{MemoryScope, SessionId};
-use ratchet_store::{SearchScope, Store};
+use ratchet_store::{Reads, SearchScope};
 use ratchet_tools::{MemoryHit, MemorySearch};
 
 pub(crate) struct StoreMemory {
-    store: Arc<dyn Store>,
+    store: Arc<dyn Reads>,
     scope: MemoryScope,
 }
 
@@ -22,7 +22,7 @@ impl std::fmt::Debug for StoreMemory {
 }
 
 impl StoreMemory {
-    pub(crate) fn new(store: Arc<dyn Store>, scope: MemoryScope) -> StoreMemory {
+    pub(crate) fn new(store: Arc<dyn Reads>, scope: MemoryScope) -> StoreMemory {
         StoreMemory { store, scope }
     }
 }

@@ -476,8 +476,18 @@ mod tests {
         (dir, store, coordinator, session)
     }
 
-    fn feed(coordinator: Arc<Coordinator>, lanes: Vec<Lane>, tree: bool, follow: bool) -> Feed {
-        let state = AppState::new(coordinator, Default::default(), CancellationToken::new());
+    fn feed(
+        (store, coordinator): (&Arc<dyn ratchet_store::Store>, Arc<Coordinator>),
+        lanes: Vec<Lane>,
+        tree: bool,
+        follow: bool,
+    ) -> Feed {
+        let state = AppState::new(
+            coordinator,
+            Arc::clone(store) as Arc<dyn ratchet_store::WebhookAdmin>,
+            Default::default(),
+            CancellationToken::new(),
+        );
         let observed = state.coordinator.observe();
         let permit = state.streams.open("t").unwrap();
         Feed::new(state, permit, observed, lanes, tree, follow, PAGE)
@@ -543,7 +553,12 @@ mod tests {
             .append_events(&session, &run, drafts(3), 1)
             .await
             .unwrap();
-        let mut feed = feed(coordinator, vec![session_lane(&session)], false, false);
+        let mut feed = feed(
+            (&store, coordinator),
+            vec![session_lane(&session)],
+            false,
+            false,
+        );
 
         feed.offer(stored[2].clone());
         let mut ids = Vec::new();
@@ -575,7 +590,7 @@ mod tests {
             .await
             .unwrap();
         let lane = Lane::new(session, None, None, 0);
-        let mut feed = feed(coordinator, vec![lane], false, false);
+        let mut feed = feed((&store, coordinator), vec![lane], false, false);
 
         let mut sent = 0;
         while feed.next_event().await.is_some() {
@@ -599,7 +614,12 @@ mod tests {
     #[tokio::test]
     async fn a_following_stream_finds_unannounced_events_in_the_store() {
         let (_dir, store, coordinator, session) = one_session().await;
-        let mut feed = feed(coordinator, vec![session_lane(&session)], false, true);
+        let mut feed = feed(
+            (&store, coordinator),
+            vec![session_lane(&session)],
+            false,
+            true,
+        );
 
         let run = RunId::from_suffix("r").unwrap();
         for round in 0..2 {
@@ -660,7 +680,8 @@ mod tests {
             }),
             0,
         );
-        let sent: Vec<_> = (sent_to_the_end(feed(coordinator, vec![root], true, false)).await)
+        let sent: Vec<_> = (sent_to_the_end(feed((&store, coordinator), vec![root], true, false))
+            .await)
             .into_iter()
             .map(|(id, data)| {
                 (

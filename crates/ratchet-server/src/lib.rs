@@ -25,6 +25,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use ratchet_engine::Coordinator;
+use ratchet_store::WebhookAdmin;
 use ratchet_webhooks::WebhookPolicy;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -43,6 +44,9 @@ pub use streams::StreamLimits;
 #[derive(Clone)]
 pub struct AppState {
     pub coordinator: Arc<Coordinator>,
+    /// The webhook administration role of the store; everything else is read through the
+    /// Coordinator (`Coordinator::store`) or asked of it.
+    webhooks: Arc<dyn WebhookAdmin>,
     /// The run template, catalog and tokens in force; a reload replaces them whole.
     active: Arc<watch::Sender<Arc<Active>>>,
     /// Absent when the server was assembled without a way to read its configuration again.
@@ -62,11 +66,13 @@ pub struct AppState {
 impl AppState {
     pub fn new(
         coordinator: Arc<Coordinator>,
+        webhooks: Arc<dyn WebhookAdmin>,
         active: Active,
         shutdown: CancellationToken,
     ) -> AppState {
         AppState {
             coordinator,
+            webhooks,
             active: Arc::new(watch::Sender::new(Arc::new(active))),
             reloads: None,
             shutdown,

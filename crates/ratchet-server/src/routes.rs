@@ -268,7 +268,7 @@ async fn update_session(
         )));
     }
     tenant_session(&state, &tenant, &id).await?;
-    let session = state.coordinator.store().rename_session(&id, title).await?;
+    let session = state.coordinator.rename_session(&id, title).await?;
     Ok(axum::Json(session.into()))
 }
 

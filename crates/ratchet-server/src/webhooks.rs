@@ -217,7 +217,7 @@ async fn tenant_webhook(
     tenant: &Tenant,
     id: &WebhookId,
 ) -> Result<Webhook, ApiError> {
-    match state.coordinator.store().get_webhook(id).await {
+    match state.webhooks.get_webhook(id).await {
         Ok(webhook) if webhook.tenant == tenant.0 => Ok(webhook),
         Ok(_) | Err(ratchet_store::Error::NotFound { .. }) => {
             Err(ApiError::not_found(format!("no webhook {id}")))
@@ -256,11 +256,7 @@ async fn create_webhook(
         max_attempts,
     };
     let secret = new.secret.clone();
-    let webhook = state
-        .coordinator
-        .store()
-        .create_webhook(new, now_ms())
-        .await?;
+    let webhook = state.webhooks.create_webhook(new, now_ms()).await?;
     let view = WebhookView {
         secret: Some(secret),
         ..webhook.into()
@@ -279,7 +275,7 @@ async fn list_webhooks(
     State(state): State<AppState>,
     tenant: Tenant,
 ) -> Result<axum::Json<Page<WebhookView>>, ApiError> {
-    let webhooks = state.coordinator.store().webhooks(&tenant.0).await?;
+    let webhooks = state.webhooks.webhooks(&tenant.0).await?;
     Ok(axum::Json(Page {
         items: webhooks.into_iter().map(WebhookView::from).collect(),
         next_cursor: None,
@@ -316,7 +312,7 @@ async fn delete_webhook(
 ) -> Result<StatusCode, ApiError> {
     let id = parse_webhook_id(&id)?;
     tenant_webhook(&state, &tenant, &id).await?;
-    state.coordinator.store().delete_webhook(&id).await?;
+    state.webhooks.delete_webhook(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -340,8 +336,7 @@ async fn rotate_secret(
     let secret = checked_secret(body.and_then(|ApiJson(body)| body.secret))?;
     tenant_webhook(&state, &tenant, &id).await?;
     state
-        .coordinator
-        .store()
+        .webhooks
         .rotate_webhook_secret(&id, secret.clone())
         .await?;
     Ok(axum::Json(RotatedSecret {
@@ -368,11 +363,7 @@ async fn list_deliveries(
     let (after, limit, status) =
         query.checked("delivery", &DeliveryStatus::ALL, DeliveryStatus::as_str)?;
     tenant_webhook(&state, &tenant, &id).await?;
-    let deliveries = state
-        .coordinator
-        .store()
-        .deliveries(&id, status, after, limit)
-        .await?;
+    let deliveries = state.webhooks.deliveries(&id, status, after, limit).await?;
     let items = deliveries.into_iter().map(DeliveryView::from).collect();
     Ok(axum::Json(Page::new(items, limit, |d: &DeliveryView| {
         d.id.to_string()
@@ -411,8 +402,7 @@ async fn requeue_delivery(
     })?;
     tenant_webhook(&state, &tenant, &id).await?;
     let requeued = state
-        .coordinator
-        .store()
+        .webhooks
         .requeue_delivery(&id, delivery, now_ms())
         .await?;
     Ok(axum::Json(requeued.into()))
@@ -434,8 +424,7 @@ async fn requeue_dead_deliveries(
     let id = parse_webhook_id(&id)?;
     tenant_webhook(&state, &tenant, &id).await?;
     let requeued = state
-        .coordinator
-        .store()
+        .webhooks
         .requeue_dead_deliveries(&id, now_ms())
         .await?;
     Ok(axum::Json(RequeuedView { requeued }))

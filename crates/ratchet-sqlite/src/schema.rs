@@ -443,7 +443,7 @@ mod tests {
     #[tokio::test]
     async fn runs_keep_their_frozen_config_when_configs_move_to_their_own_table() {
         use ratchet_core::{AgentState, MessageId, RunConfigSnapshot, RunId, SessionId};
-        use ratchet_store::{NewRun, SessionSpec, Store, WhenBusy};
+        use ratchet_store::{NewRun, Reads, SessionSpec, WhenBusy, Writes};
 
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("r.db");

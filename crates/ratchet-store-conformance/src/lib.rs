@@ -44,7 +44,7 @@ use ratchet_store::{
 
 /// Expands to one `#[tokio::test]` per conformance test. `$make` is an expression of a
 /// future resolving to `Some((store, guard))`: `store` an `Arc` of the backend (fresh and
-/// empty; it implements both `Store` and `Observation`), `guard` anything that must outlive the test (a temp dir, a dropped-on-exit
+/// empty; it implements every role of `Store`), `guard` anything that must outlive the test (a temp dir, a dropped-on-exit
 /// database; `()` when nothing). It resolves to `None` when the backend is not available
 /// here (no database server configured), and each test then returns at once; whoever made
 /// that choice says so. The expression is evaluated once per test. The calling crate needs

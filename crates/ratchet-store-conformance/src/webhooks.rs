@@ -12,8 +12,8 @@ use serde_json::json;
 
 use super::{T0, config, submit, unique};
 use ratchet_store::{
-    AttemptOutcome, ClaimedDelivery, Error, Key, Keyring, NewWebhook, Observation, SessionSpec,
-    Store, Webhook, WebhookDelivery,
+    AttemptOutcome, ClaimedDelivery, Error, Key, Keyring, NewWebhook, SessionSpec, Store, Webhook,
+    WebhookDelivery,
 };
 
 const DISPATCHER_A: &str = "dispatcher-a";
@@ -35,7 +35,7 @@ async fn tenant_session(store: &dyn Store, tenant: &str) -> SessionId {
 }
 
 async fn webhook(
-    hooks: &dyn Observation,
+    hooks: &dyn Store,
     tenant: &str,
     events: Option<&[&str]>,
     max_attempts: u32,
@@ -78,7 +78,7 @@ async fn write_events(store: &dyn Store, session: &SessionId, n: usize, now: Mil
 /// with `n` of them written and queued: the webhook, the session and the events' seqs.
 async fn deltas_queued(
     store: &dyn Store,
-    hooks: &dyn Observation,
+    hooks: &dyn Store,
     max_attempts: u32,
     n: usize,
 ) -> (Webhook, SessionId, Vec<i64>) {
@@ -91,7 +91,7 @@ async fn deltas_queued(
 }
 
 async fn finish(
-    hooks: &dyn Observation,
+    hooks: &dyn Store,
     claim: &ratchet_store::DeliveryClaim,
     outcome: AttemptOutcome,
     now: Millis,
@@ -102,7 +102,7 @@ async fn finish(
     Ok(recorded[0])
 }
 
-async fn queue_all(hooks: &dyn Observation, now: Millis) {
+async fn queue_all(hooks: &dyn Store, now: Millis) {
     for _ in 0..100 {
         if hooks.queue_deliveries(3, now).await.unwrap() == 0 {
             return;
@@ -111,7 +111,7 @@ async fn queue_all(hooks: &dyn Observation, now: Millis) {
     panic!("queue_deliveries never caught up");
 }
 
-async fn log(hooks: &dyn Observation, webhook: &WebhookId) -> Vec<WebhookDelivery> {
+async fn log(hooks: &dyn Store, webhook: &WebhookId) -> Vec<WebhookDelivery> {
     hooks
         .deliveries(webhook, None, 0, 1_000)
         .await
@@ -128,11 +128,7 @@ async fn all_events(store: &dyn Store, session: &SessionId) -> Vec<(i64, String)
         .collect()
 }
 
-async fn claim_deliveries(
-    hooks: &dyn Observation,
-    owner: &str,
-    now: Millis,
-) -> Vec<ClaimedDelivery> {
+async fn claim_deliveries(hooks: &dyn Store, owner: &str, now: Millis) -> Vec<ClaimedDelivery> {
     hooks
         .claim_deliveries(owner, now + ATTEMPT_MS, 100, now)
         .await
@@ -161,7 +157,7 @@ fn claimed_seqs(claimed: &[ClaimedDelivery]) -> Vec<(SessionId, i64)> {
 /// and however small its batches.
 pub async fn a_webhook_is_queued_each_wanted_event_once_from_its_creation_on(
     store: &dyn Store,
-    hooks: &dyn Observation,
+    hooks: &dyn Store,
 ) {
     let tenant = unique();
     let before = tenant_session(store, &tenant).await;
@@ -228,7 +224,7 @@ pub async fn a_webhook_is_queued_each_wanted_event_once_from_its_creation_on(
 /// event waits while an earlier one is in flight or waiting out its backoff.
 pub async fn a_sessions_deliveries_are_attempted_strictly_in_seq_order(
     store: &dyn Store,
-    hooks: &dyn Observation,
+    hooks: &dyn Store,
 ) {
     let tenant = unique();
     let hook = webhook(hooks, &tenant, Some(&["assistant.delta"]), 5).await;
@@ -315,7 +311,7 @@ pub async fn a_sessions_deliveries_are_attempted_strictly_in_seq_order(
 /// goes on; the delivery log can be read by status.
 pub async fn a_delivery_is_dead_lettered_after_its_last_attempt_and_the_rest_go_on(
     store: &dyn Store,
-    hooks: &dyn Observation,
+    hooks: &dyn Store,
 ) {
     let (hook, session, seqs) = deltas_queued(store, hooks, 2, 2).await;
 
@@ -364,7 +360,7 @@ pub async fn a_delivery_is_dead_lettered_after_its_last_attempt_and_the_rest_go_
 /// An operator requeues a dead delivery: pending again, due now, its attempts counted afresh,
 /// and the next claim sends it. A repeat changes nothing; a delivery that is not a dead letter
 /// is refused; the bulk requeue takes every dead letter of the webhook, and none twice.
-pub async fn an_operator_requeues_dead_deliveries_once(store: &dyn Store, hooks: &dyn Observation) {
+pub async fn an_operator_requeues_dead_deliveries_once(store: &dyn Store, hooks: &dyn Store) {
     let (hook, session, seqs) = deltas_queued(store, hooks, 2, 2).await;
     let refused = hooks.requeue_delivery(&hook.id, 1_000_000, T0).await;
     assert!(
@@ -454,7 +450,7 @@ pub async fn an_operator_requeues_dead_deliveries_once(store: &dyn Store, hooks:
 /// the oldest pending ones go; a delivery in flight is left to its attempt.
 pub async fn open_deliveries_are_kept_within_their_age_and_count(
     store: &dyn Store,
-    hooks: &dyn Observation,
+    hooks: &dyn Store,
 ) {
     let (hook, session, seqs) = deltas_queued(store, hooks, 5, 4).await;
     let in_flight = claim_deliveries(hooks, DISPATCHER_A, T0 + 1).await;
@@ -517,7 +513,7 @@ pub async fn open_deliveries_are_kept_within_their_age_and_count(
 /// last attempt is dead-lettered instead of being made once more.
 pub async fn an_expired_attempt_is_taken_over_and_the_old_claim_is_refused(
     store: &dyn Store,
-    hooks: &dyn Observation,
+    hooks: &dyn Store,
 ) {
     let (hook, session, seqs) = deltas_queued(store, hooks, 2, 2).await;
 
@@ -582,7 +578,7 @@ pub async fn an_expired_attempt_is_taken_over_and_the_old_claim_is_refused(
 /// more is attempted for it; unknown ids are `NotFound`.
 pub async fn webhooks_are_listed_per_tenant_and_deleted_with_their_deliveries(
     store: &dyn Store,
-    hooks: &dyn Observation,
+    hooks: &dyn Store,
 ) {
     let tenant = unique();
     let first = webhook(hooks, &tenant, None, 3).await;
@@ -644,7 +640,7 @@ pub async fn webhooks_are_listed_per_tenant_and_deleted_with_their_deliveries(
 /// attempt once: no delivery is handed to two of them.
 pub async fn concurrent_dispatchers_claim_each_attempt_once(
     store: Arc<dyn Store>,
-    hooks: Arc<dyn Observation>,
+    hooks: Arc<dyn Store>,
 ) {
     let tenant = unique();
     webhook(&*hooks, &tenant, Some(&["assistant.delta"]), 3).await;
@@ -696,7 +692,7 @@ pub async fn concurrent_dispatchers_claim_each_attempt_once(
 /// another webhook's secret stays as it was.
 pub async fn a_rotated_secret_signs_the_attempts_claimed_after_it(
     store: &dyn Store,
-    hooks: &dyn Observation,
+    hooks: &dyn Store,
 ) {
     let (hook, _, _) = deltas_queued(store, hooks, 5, 1).await;
     let (other, _, _) = deltas_queued(store, hooks, 5, 1).await;

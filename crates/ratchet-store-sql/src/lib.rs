@@ -23,12 +23,12 @@ use ratchet_core::{
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, ChangeStream,
-    Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction, DeliveryBounds,
-    DeliveryClaim, EmittedSignal, Error, InboxChange, InboxEvent, Intent, IntentRecord, Keyring,
-    Lease, MessageHit, NewRun, NewSignal, NewWebhook, Observation, PauseOutcome, PendingInput,
-    Reconciled, RecordedIntents, ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session,
-    SessionQuery, SessionSpec, StepMessages, Store, StoreStats, StoredEvent, StoredMessage,
-    Submitted, TimedOut, TreeNode, Webhook, WebhookDelivery,
+    Changes, Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction,
+    Deliveries, DeliveryBounds, DeliveryClaim, EmittedSignal, Error, InboxChange, InboxEvent,
+    Intent, IntentRecord, Keyring, Lease, MessageHit, NewRun, NewSignal, NewWebhook, PauseOutcome,
+    PendingInput, Reads, Reconciled, RecordedIntents, ResumeOutcome, RunQuota, RunSummary,
+    SearchScope, Served, Session, SessionQuery, SessionSpec, StepMessages, StoreStats, StoredEvent,
+    StoredMessage, Submitted, TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -105,19 +105,7 @@ impl<B: Backend> SqlStore<B> {
 }
 
 #[async_trait]
-impl<B: Backend> Store for SqlStore<B> {
-    async fn create_session(
-        &self,
-        id: &SessionId,
-        spec: SessionSpec,
-        now: Millis,
-    ) -> Result<Session> {
-        let id = id.clone();
-        self.backend
-            .write(move |c| ops::create_session(c, &id, spec, now))
-            .await
-    }
-
+impl<B: Backend> Reads for SqlStore<B> {
     async fn get_session(&self, id: &SessionId) -> Result<Session> {
         let id = id.clone();
         self.backend.read(move |c| ops::get_session(c, &id)).await
@@ -132,13 +120,6 @@ impl<B: Backend> Store for SqlStore<B> {
         let (tenant, query) = (tenant.to_owned(), query.clone());
         self.backend
             .read(move |c| ops::list_sessions(c, &tenant, &query, limit))
-            .await
-    }
-
-    async fn rename_session(&self, id: &SessionId, title: &str) -> Result<Session> {
-        let (id, title) = (id.clone(), title.to_owned());
-        self.backend
-            .write(move |c| ops::rename_session(c, &id, &title))
             .await
     }
 
@@ -186,6 +167,164 @@ impl<B: Backend> Store for SqlStore<B> {
         let run_id = run_id.clone();
         self.backend
             .read(move |c| ops::run_events_after(c, &run_id, after_seq, limit))
+            .await
+    }
+
+    async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
+        let run_id = run_id.clone();
+        self.backend
+            .read(move |c| ops::intents(c, &run_id, step_index))
+            .await
+    }
+
+    async fn approvals(
+        &self,
+        tenant: &str,
+        status: Option<ApprovalStatus>,
+        after: Option<&ApprovalId>,
+        limit: u32,
+    ) -> Result<Vec<Approval>> {
+        let (tenant, after) = (tenant.to_owned(), after.cloned());
+        self.backend
+            .read(move |c| ops::approvals(c, &tenant, status, after.as_ref(), limit))
+            .await
+    }
+
+    async fn get_approval(&self, id: &ApprovalId) -> Result<Approval> {
+        let id = id.clone();
+        self.backend.read(move |c| ops::get_approval(c, &id)).await
+    }
+
+    async fn load_state(&self, run_id: &RunId) -> Result<AgentState> {
+        let run_id = run_id.clone();
+        self.backend
+            .read(move |c| ops::load_state(c, &run_id))
+            .await
+    }
+
+    async fn run_tree(&self, run_id: &RunId) -> Result<Vec<TreeNode>> {
+        let run_id = run_id.clone();
+        self.backend.read(move |c| ops::run_tree(c, &run_id)).await
+    }
+
+    async fn admission(&self, run_id: &RunId) -> Result<Admission> {
+        let run_id = run_id.clone();
+        self.backend.read(move |c| ops::admission(c, &run_id)).await
+    }
+
+    async fn tree_spend(&self, run_id: &RunId) -> Result<TreeSpend> {
+        let run_id = run_id.clone();
+        self.backend
+            .read(move |c| ops::tree_spend(c, &run_id))
+            .await
+    }
+
+    async fn inbox(
+        &self,
+        session_id: &SessionId,
+        status: Option<InboxStatus>,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<InboxEvent>> {
+        let session_id = session_id.clone();
+        self.backend
+            .read(move |c| inbox::list(c, &session_id, status, after, limit))
+            .await
+    }
+
+    async fn pending_input(&self, session_id: &SessionId, now: Millis) -> Result<PendingInput> {
+        let session_id = session_id.clone();
+        self.backend
+            .read(move |c| inbox::pending_input(c, &session_id, now))
+            .await
+    }
+
+    async fn context(&self, session_id: &SessionId, run: &RunId) -> Result<Vec<StoredMessage>> {
+        let (session_id, run) = (session_id.clone(), run.clone());
+        self.backend
+            .read(move |c| ops::context(c, &session_id, &run))
+            .await
+    }
+
+    async fn step_messages(&self, run_id: &RunId, step_index: u64) -> Result<StepMessages> {
+        let run_id = run_id.clone();
+        self.backend
+            .read(move |c| ops::step_messages(c, &run_id, step_index))
+            .await
+    }
+
+    async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
+        let session_id = session_id.clone();
+        self.backend
+            .read(move |c| ops::history(c, &session_id))
+            .await
+    }
+
+    async fn list_runs(&self) -> Result<Vec<RunSummary>> {
+        self.backend.read(ops::list_runs).await
+    }
+
+    async fn steps(&self, run_id: &RunId) -> Result<Vec<StepRecord>> {
+        let run_id = run_id.clone();
+        self.backend.read(move |c| ops::steps(c, &run_id)).await
+    }
+
+    async fn events_after(
+        &self,
+        session_id: &SessionId,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredEvent>> {
+        let session_id = session_id.clone();
+        self.backend
+            .read(move |c| ops::events_after(c, &session_id, after_seq, limit))
+            .await
+    }
+
+    async fn events_within(
+        &self,
+        session_id: &SessionId,
+        after_seq: i64,
+        limit: u32,
+        max_bytes: u64,
+    ) -> Result<Vec<StoredEvent>> {
+        let session_id = session_id.clone();
+        self.backend
+            .read(move |c| ops::events_within(c, &session_id, after_seq, limit, max_bytes))
+            .await
+    }
+
+    async fn lease_owners(&self) -> Result<Vec<String>> {
+        self.backend.read(ops::lease_owners).await
+    }
+
+    async fn stats(&self, now: Millis) -> Result<StoreStats> {
+        self.backend.read(move |c| ops::stats(c, now)).await
+    }
+
+    async fn runs_with_jobs(&self) -> Result<Vec<RunId>> {
+        self.backend.read(ops::runs_with_jobs).await
+    }
+}
+
+#[async_trait]
+impl<B: Backend> Writes for SqlStore<B> {
+    async fn create_session(
+        &self,
+        id: &SessionId,
+        spec: SessionSpec,
+        now: Millis,
+    ) -> Result<Session> {
+        let id = id.clone();
+        self.backend
+            .write(move |c| ops::create_session(c, &id, spec, now))
+            .await
+    }
+
+    async fn rename_session(&self, id: &SessionId, title: &str) -> Result<Session> {
+        let (id, title) = (id.clone(), title.to_owned());
+        self.backend
+            .write(move |c| ops::rename_session(c, &id, &title))
             .await
     }
 
@@ -281,13 +420,6 @@ impl<B: Backend> Store for SqlStore<B> {
             .await
     }
 
-    async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
-        let run_id = run_id.clone();
-        self.backend
-            .read(move |c| ops::intents(c, &run_id, step_index))
-            .await
-    }
-
     async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
         let run_id = run_id.clone();
         self.backend
@@ -335,24 +467,6 @@ impl<B: Backend> Store for SqlStore<B> {
             .await
     }
 
-    async fn approvals(
-        &self,
-        tenant: &str,
-        status: Option<ApprovalStatus>,
-        after: Option<&ApprovalId>,
-        limit: u32,
-    ) -> Result<Vec<Approval>> {
-        let (tenant, after) = (tenant.to_owned(), after.cloned());
-        self.backend
-            .read(move |c| ops::approvals(c, &tenant, status, after.as_ref(), limit))
-            .await
-    }
-
-    async fn get_approval(&self, id: &ApprovalId) -> Result<Approval> {
-        let id = id.clone();
-        self.backend.read(move |c| ops::get_approval(c, &id)).await
-    }
-
     async fn answer_approval(
         &self,
         id: &ApprovalId,
@@ -363,43 +477,6 @@ impl<B: Backend> Store for SqlStore<B> {
         let (id, by) = (id.clone(), by.to_owned());
         self.backend
             .write(move |c| ops::answer_approval(c, &id, answer, &by, now))
-            .await
-    }
-
-    async fn load_state(&self, run_id: &RunId) -> Result<AgentState> {
-        let run_id = run_id.clone();
-        self.backend
-            .read(move |c| ops::load_state(c, &run_id))
-            .await
-    }
-
-    async fn run_tree(&self, run_id: &RunId) -> Result<Vec<TreeNode>> {
-        let run_id = run_id.clone();
-        self.backend.read(move |c| ops::run_tree(c, &run_id)).await
-    }
-
-    async fn admission(&self, run_id: &RunId) -> Result<Admission> {
-        let run_id = run_id.clone();
-        self.backend.read(move |c| ops::admission(c, &run_id)).await
-    }
-
-    async fn tree_spend(&self, run_id: &RunId) -> Result<TreeSpend> {
-        let run_id = run_id.clone();
-        self.backend
-            .read(move |c| ops::tree_spend(c, &run_id))
-            .await
-    }
-
-    async fn inbox(
-        &self,
-        session_id: &SessionId,
-        status: Option<InboxStatus>,
-        after: i64,
-        limit: u32,
-    ) -> Result<Vec<InboxEvent>> {
-        let session_id = session_id.clone();
-        self.backend
-            .read(move |c| inbox::list(c, &session_id, status, after, limit))
             .await
     }
 
@@ -426,13 +503,6 @@ impl<B: Backend> Store for SqlStore<B> {
         let claim = claim.clone();
         self.backend
             .write(move |c| inbox::emit_signal(c, &claim, signal, now))
-            .await
-    }
-
-    async fn pending_input(&self, session_id: &SessionId, now: Millis) -> Result<PendingInput> {
-        let session_id = session_id.clone();
-        self.backend
-            .read(move |c| inbox::pending_input(c, &session_id, now))
             .await
     }
 
@@ -485,87 +555,22 @@ impl<B: Backend> Store for SqlStore<B> {
             .await
     }
 
-    async fn context(&self, session_id: &SessionId, run: &RunId) -> Result<Vec<StoredMessage>> {
-        let (session_id, run) = (session_id.clone(), run.clone());
-        self.backend
-            .read(move |c| ops::context(c, &session_id, &run))
-            .await
-    }
-
-    async fn step_messages(&self, run_id: &RunId, step_index: u64) -> Result<StepMessages> {
-        let run_id = run_id.clone();
-        self.backend
-            .read(move |c| ops::step_messages(c, &run_id, step_index))
-            .await
-    }
-
-    async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
-        let session_id = session_id.clone();
-        self.backend
-            .read(move |c| ops::history(c, &session_id))
-            .await
-    }
-
-    async fn list_runs(&self) -> Result<Vec<RunSummary>> {
-        self.backend.read(ops::list_runs).await
-    }
-
-    async fn steps(&self, run_id: &RunId) -> Result<Vec<StepRecord>> {
-        let run_id = run_id.clone();
-        self.backend.read(move |c| ops::steps(c, &run_id)).await
-    }
-
-    async fn events_after(
-        &self,
-        session_id: &SessionId,
-        after_seq: i64,
-        limit: u32,
-    ) -> Result<Vec<StoredEvent>> {
-        let session_id = session_id.clone();
-        self.backend
-            .read(move |c| ops::events_after(c, &session_id, after_seq, limit))
-            .await
-    }
-
-    async fn events_within(
-        &self,
-        session_id: &SessionId,
-        after_seq: i64,
-        limit: u32,
-        max_bytes: u64,
-    ) -> Result<Vec<StoredEvent>> {
-        let session_id = session_id.clone();
-        self.backend
-            .read(move |c| ops::events_within(c, &session_id, after_seq, limit, max_bytes))
-            .await
-    }
-
-    async fn lease_owners(&self) -> Result<Vec<String>> {
-        self.backend.read(ops::lease_owners).await
-    }
-
     async fn release_leases(&self, owner: &str) -> Result<u64> {
         let owner = owner.to_owned();
         self.backend
             .write(move |c| ops::release_leases(c, &owner))
             .await
     }
+}
 
-    async fn stats(&self, now: Millis) -> Result<StoreStats> {
-        self.backend.read(move |c| ops::stats(c, now)).await
-    }
-
-    async fn runs_with_jobs(&self) -> Result<Vec<RunId>> {
-        self.backend.read(ops::runs_with_jobs).await
-    }
-
+impl<B: Backend> Changes for SqlStore<B> {
     fn changes(&self) -> Option<ChangeStream> {
         self.backend.changes()
     }
 }
 
 #[async_trait]
-impl<B: Backend> Observation for SqlStore<B> {
+impl<B: Backend> WebhookAdmin for SqlStore<B> {
     async fn create_webhook(&self, webhook: NewWebhook, now: Millis) -> Result<Webhook> {
         let keyring = self.keyring()?;
         self.backend
@@ -640,7 +645,10 @@ impl<B: Backend> Observation for SqlStore<B> {
             .write(move |c| webhooks::requeue_dead_deliveries(c, &webhook_id, now))
             .await
     }
+}
 
+#[async_trait]
+impl<B: Backend> Deliveries for SqlStore<B> {
     async fn bound_deliveries(&self, bounds: DeliveryBounds, now: Millis) -> Result<u64> {
         self.backend
             .write(move |c| webhooks::bound_deliveries(c, bounds, now))

@@ -5,6 +5,8 @@
 //! next: decisions come from `ratchet-core`, and the store only checks the fences (step
 //! index, status edge, lease epoch) and writes atomically.
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use ratchet_core::step::Reconciliation;
 use ratchet_core::step::{DecisionError, Resumption};
@@ -22,8 +24,8 @@ mod webhooks;
 
 pub use secrets::{Key, Keyring};
 pub use webhooks::{
-    AttemptOutcome, ClaimedDelivery, DeliveryBounds, DeliveryClaim, NewWebhook, Observation,
-    Webhook, WebhookDelivery,
+    AttemptOutcome, ClaimedDelivery, Deliveries, DeliveryBounds, DeliveryClaim, NewWebhook,
+    Webhook, WebhookAdmin, WebhookDelivery,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -710,17 +712,10 @@ pub enum ResumeOutcome {
     PauseWithdrawn,
 }
 
-/// The state plane's storage. Every backend also keeps the observation plane's records
-/// (`Observation`); what observes — the webhook dispatcher — is handed that part alone.
+/// What a handler, the console, a client view or a worker reads: committed state, never a
+/// write. Everyone who observes a run is handed this role alone.
 #[async_trait]
-pub trait Store: Observation + Send + Sync + 'static {
-    async fn create_session(
-        &self,
-        id: &SessionId,
-        spec: SessionSpec,
-        now: Millis,
-    ) -> Result<Session>;
-
+pub trait Reads: Send + Sync + 'static {
     async fn get_session(&self, id: &SessionId) -> Result<Session>;
 
     /// A tenant's sessions that `query` selects, in its order, past its cursor. The sessions
@@ -731,9 +726,6 @@ pub trait Store: Observation + Send + Sync + 'static {
         query: &SessionQuery,
         limit: u32,
     ) -> Result<Vec<Session>>;
-
-    /// Renames a session (`title`, already checked by the caller) and answers it.
-    async fn rename_session(&self, id: &SessionId, title: &str) -> Result<Session>;
 
     /// A session's visible messages (hidden ones never leave the store this way), in order,
     /// after `after_position`.
@@ -779,6 +771,107 @@ pub trait Store: Observation + Send + Sync + 'static {
         after_seq: i64,
         limit: u32,
     ) -> Result<Vec<StoredEvent>>;
+
+    async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>>;
+
+    /// A tenant's approvals in the order they were asked for, after `after` when given,
+    /// with the given status only when given.
+    async fn approvals(
+        &self,
+        tenant: &str,
+        status: Option<ApprovalStatus>,
+        after: Option<&ApprovalId>,
+        limit: u32,
+    ) -> Result<Vec<Approval>>;
+
+    async fn get_approval(&self, id: &ApprovalId) -> Result<Approval>;
+
+    async fn load_state(&self, run_id: &RunId) -> Result<AgentState>;
+
+    /// The run and every run below it (the children its delegations started, theirs, …),
+    /// parents before their children, each level in creation order.
+    async fn run_tree(&self, run_id: &RunId) -> Result<Vec<TreeNode>>;
+
+    /// What admitting more runs below `run_id` is checked against.
+    async fn admission(&self, run_id: &RunId) -> Result<Admission>;
+
+    /// What every run of `run_id`'s tree — its root run and all the runs below it, ended ones
+    /// included — has spent so far, their counters summed.
+    async fn tree_spend(&self, run_id: &RunId) -> Result<TreeSpend>;
+
+    /// A root session's inbox events in order, after `after` (an event id), with the given
+    /// status only when given.
+    async fn inbox(
+        &self,
+        session_id: &SessionId,
+        status: Option<InboxStatus>,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<InboxEvent>>;
+
+    /// What waits for `session_id` besides its active run, as of `now`.
+    async fn pending_input(&self, session_id: &SessionId, now: Millis) -> Result<PendingInput>;
+
+    /// The session's messages in order, hidden ones included; not the drafts of a continuation
+    /// turn that has not completed.
+    async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>>;
+
+    /// What the model is shown of a session in `run`'s turn: the latest compaction summary in
+    /// place of the messages before the first one it keeps, then every message from there on,
+    /// in order. Without a compaction, the whole history. A continuation turn's messages are
+    /// drafts until it completes: only that turn sees them.
+    async fn context(&self, session_id: &SessionId, run: &RunId) -> Result<Vec<StoredMessage>>;
+
+    /// What `run` showed the model at its step `step_index` — the context as `context` read it
+    /// then, before that step's commit — and the messages that step wrote. Empty for a run
+    /// with no messages.
+    async fn step_messages(&self, run_id: &RunId, step_index: u64) -> Result<StepMessages>;
+
+    async fn list_runs(&self) -> Result<Vec<RunSummary>>;
+
+    async fn steps(&self, run_id: &RunId) -> Result<Vec<StepRecord>>;
+
+    async fn events_after(
+        &self,
+        session_id: &SessionId,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredEvent>>;
+
+    /// Like `events_after`, but stops before the page's payloads, as stored, would pass
+    /// `max_bytes`; the first event comes whatever its size. Readers that must hold little in
+    /// memory (event streams) page with it.
+    async fn events_within(
+        &self,
+        session_id: &SessionId,
+        after_seq: i64,
+        limit: u32,
+        max_bytes: u64,
+    ) -> Result<Vec<StoredEvent>>;
+
+    /// Owners of leases currently held, live or not.
+    async fn lease_owners(&self) -> Result<Vec<String>>;
+
+    /// Runs that still have work the workers can do: a job exists for them.
+    async fn runs_with_jobs(&self) -> Result<Vec<RunId>>;
+
+    async fn stats(&self, now: Millis) -> Result<StoreStats>;
+}
+
+/// The state plane's transactions. Only the Coordinator holds this role: every other part
+/// of a process reads (`Reads`) and asks the Coordinator to act, so that each write is
+/// followed by the events and wake-ups it owes (see `ratchet_engine::Coordinator`).
+#[async_trait]
+pub trait Writes: Send + Sync + 'static {
+    async fn create_session(
+        &self,
+        id: &SessionId,
+        spec: SessionSpec,
+        now: Millis,
+    ) -> Result<Session>;
+
+    /// Renames a session (`title`, already checked by the caller) and answers it.
+    async fn rename_session(&self, id: &SessionId, title: &str) -> Result<Session>;
 
     /// Inserts the user message and its run in one transaction. The run starts at once
     /// (its first job enqueued) when the session has no non-terminal run; otherwise it waits
@@ -876,8 +969,6 @@ pub trait Store: Observation + Send + Sync + 'static {
         now: Millis,
     ) -> Result<()>;
 
-    async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>>;
-
     /// Cancels a run (see `CancelOutcome`) and, in the same transaction, every non-terminal run
     /// its delegations started, down the tree.
     async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome>;
@@ -913,18 +1004,6 @@ pub trait Store: Observation + Send + Sync + 'static {
         now: Millis,
     ) -> Result<Vec<StoredEvent>>;
 
-    /// A tenant's approvals in the order they were asked for, after `after` when given,
-    /// with the given status only when given.
-    async fn approvals(
-        &self,
-        tenant: &str,
-        status: Option<ApprovalStatus>,
-        after: Option<&ApprovalId>,
-        limit: u32,
-    ) -> Result<Vec<Approval>>;
-
-    async fn get_approval(&self, id: &ApprovalId) -> Result<Approval>;
-
     /// Records a human's answer to a pending approval (see
     /// `ratchet_core::approval::answer_approval`) in one transaction with the run's new state
     /// and its next job. The same answer again is accepted and changes nothing; a different
@@ -937,29 +1016,6 @@ pub trait Store: Observation + Send + Sync + 'static {
         by: &str,
         now: Millis,
     ) -> Result<Answered>;
-
-    async fn load_state(&self, run_id: &RunId) -> Result<AgentState>;
-
-    /// The run and every run below it (the children its delegations started, theirs, …),
-    /// parents before their children, each level in creation order.
-    async fn run_tree(&self, run_id: &RunId) -> Result<Vec<TreeNode>>;
-
-    /// What admitting more runs below `run_id` is checked against.
-    async fn admission(&self, run_id: &RunId) -> Result<Admission>;
-
-    /// What every run of `run_id`'s tree — its root run and all the runs below it, ended ones
-    /// included — has spent so far, their counters summed.
-    async fn tree_spend(&self, run_id: &RunId) -> Result<TreeSpend>;
-
-    /// A root session's inbox events in order, after `after` (an event id), with the given
-    /// status only when given.
-    async fn inbox(
-        &self,
-        session_id: &SessionId,
-        status: Option<InboxStatus>,
-        after: i64,
-        limit: u32,
-    ) -> Result<Vec<InboxEvent>>;
 
     /// An operator acts on a dead letter of a root session's inbox, `by` noted in its reason
     /// (see `DeadLetterAction`). A repeat of the action (the event was discarded, or requeued
@@ -988,9 +1044,6 @@ pub trait Store: Observation + Send + Sync + 'static {
         now: Millis,
     ) -> Result<EmittedSignal>;
 
-    /// What waits for `session_id` besides its active run, as of `now`.
-    async fn pending_input(&self, session_id: &SessionId, now: Millis) -> Result<PendingInput>;
-
     /// Dead-letters the pending reports past their max age (`expired`; a few hundred a pass),
     /// then starts a continuation turn in every open root session that has no active run and
     /// has inbox events due by `now` (an event released for a later attempt becomes due without
@@ -1010,58 +1063,59 @@ pub trait Store: Observation + Send + Sync + 'static {
     /// erased. Closing a closed session again is `Error::Conflict`.
     async fn close_session(&self, id: &SessionId, how: Closing, now: Millis) -> Result<Closed>;
 
-    /// The session's messages in order, hidden ones included; not the drafts of a continuation
-    /// turn that has not completed.
-    async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>>;
-
-    /// What the model is shown of a session in `run`'s turn: the latest compaction summary in
-    /// place of the messages before the first one it keeps, then every message from there on,
-    /// in order. Without a compaction, the whole history. A continuation turn's messages are
-    /// drafts until it completes: only that turn sees them.
-    async fn context(&self, session_id: &SessionId, run: &RunId) -> Result<Vec<StoredMessage>>;
-
-    /// What `run` showed the model at its step `step_index` — the context as `context` read it
-    /// then, before that step's commit — and the messages that step wrote. Empty for a run
-    /// with no messages.
-    async fn step_messages(&self, run_id: &RunId, step_index: u64) -> Result<StepMessages>;
-
-    async fn list_runs(&self) -> Result<Vec<RunSummary>>;
-
-    async fn steps(&self, run_id: &RunId) -> Result<Vec<StepRecord>>;
-
-    async fn events_after(
-        &self,
-        session_id: &SessionId,
-        after_seq: i64,
-        limit: u32,
-    ) -> Result<Vec<StoredEvent>>;
-
-    /// Like `events_after`, but stops before the page's payloads, as stored, would pass
-    /// `max_bytes`; the first event comes whatever its size. Readers that must hold little in
-    /// memory (event streams) page with it.
-    async fn events_within(
-        &self,
-        session_id: &SessionId,
-        after_seq: i64,
-        limit: u32,
-        max_bytes: u64,
-    ) -> Result<Vec<StoredEvent>>;
-
-    /// Owners of leases currently held, live or not.
-    async fn lease_owners(&self) -> Result<Vec<String>>;
-
     /// Releases every lease of an owner known to be dead, so its jobs are claimable now.
     async fn release_leases(&self, owner: &str) -> Result<u64>;
+}
 
-    /// Runs that still have work the workers can do: a job exists for them.
-    async fn runs_with_jobs(&self) -> Result<Vec<RunId>>;
-
-    async fn stats(&self, now: Millis) -> Result<StoreStats>;
-
+/// How a process hears what other processes sharing the database commit.
+pub trait Changes: Send + Sync + 'static {
     /// Follows what other processes sharing this database commit. `None` when no other
     /// process can write it (each call is a new, independent follower). Hearing of a change
     /// is a hint for latency only: a follower still polls, since a change can be missed.
     fn changes(&self) -> Option<ChangeStream> {
         None
+    }
+}
+
+/// A whole backend: every role of the state and observation planes over one database.
+/// Backends implement the roles; this name is for what opens, tests or assembles a store.
+pub trait Store: Reads + Writes + Changes + WebhookAdmin + Deliveries {}
+
+impl<S: Reads + Writes + Changes + WebhookAdmin + Deliveries + ?Sized> Store for S {}
+
+/// One store, by role. Whoever assembles a process hands each part the roles it needs and no
+/// more: `writes` to the Coordinator alone, `reads` to whatever observes, `deliveries` to the
+/// webhook dispatcher, `webhooks` to the administration API. A test double replaces one role
+/// and keeps the backend's others (`Roles { changes, ..Roles::of(store) }`).
+#[derive(Clone)]
+pub struct Roles {
+    pub reads: Arc<dyn Reads>,
+    pub writes: Arc<dyn Writes>,
+    pub changes: Arc<dyn Changes>,
+    pub webhooks: Arc<dyn WebhookAdmin>,
+    pub deliveries: Arc<dyn Deliveries>,
+}
+
+impl Roles {
+    pub fn of(store: Arc<dyn Store>) -> Roles {
+        Roles {
+            reads: store.clone(),
+            writes: store.clone(),
+            changes: store.clone(),
+            webhooks: store.clone(),
+            deliveries: store,
+        }
+    }
+}
+
+impl<S: Store> From<Arc<S>> for Roles {
+    fn from(store: Arc<S>) -> Roles {
+        Roles::of(store)
+    }
+}
+
+impl From<Arc<dyn Store>> for Roles {
+    fn from(store: Arc<dyn Store>) -> Roles {
+        Roles::of(store)
     }
 }

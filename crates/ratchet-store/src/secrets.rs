@@ -4,7 +4,7 @@
 //! the keyring's current key, with a random nonce, and the webhook's id as associated data, so
 //! a sealed secret opens only in its own row. The key id (the first 4 bytes of the key's
 //! SHA-256) says which key sealed it: previous keys only open, and a store seals again under
-//! the current key what they sealed (`Observation::seal_webhook_secrets`), after which they can
+//! the current key what they sealed (`WebhookAdmin::seal_webhook_secrets`), after which they can
 //! be dropped. `clear:<secret>` is a secret written before secrets were sealed (the migration
 //! marked it); it opens as is until it is sealed.
 //!

@@ -1,8 +1,9 @@
 //! The observation plane's port: webhooks, their deliveries, and the events they carry.
 //!
-//! A separate trait from `Store`, and deliberately narrow: whatever holds only an
-//! `Observation` (the webhook dispatcher) can read events and keep its own delivery records,
-//! and has no method that could enqueue a job or change a session or a run.
+//! Two roles, each deliberately narrow: `WebhookAdmin` for the API an operator uses, and
+//! `Deliveries` for the webhook dispatcher, which with `Reads` can read events and keep its
+//! own delivery records, and has no method that could enqueue a job or change a session or a
+//! run.
 //!
 //! Signing secrets are stored sealed (`secrets`): a store opened with a `Keyring` seals them
 //! as webhooks are created or given a new secret, and opens them only to hand an attempt
@@ -112,8 +113,9 @@ pub enum AttemptOutcome {
     },
 }
 
+/// The administration of webhooks: what an operator creates, reads, rotates and requeues.
 #[async_trait]
-pub trait Observation: Send + Sync + 'static {
+pub trait WebhookAdmin: Send + Sync + 'static {
     /// Creates a webhook. It receives the events written from now on: the tenant's existing
     /// sessions are followed from their latest event, new ones from their first.
     async fn create_webhook(&self, webhook: NewWebhook, now: Millis) -> Result<Webhook>;
@@ -159,7 +161,11 @@ pub trait Observation: Send + Sync + 'static {
 
     /// `requeue_delivery` for every dead letter of a webhook; returns how many it requeued.
     async fn requeue_dead_deliveries(&self, webhook_id: &WebhookId, now: Millis) -> Result<u64>;
+}
 
+/// The delivery log's work: what the webhook dispatcher bounds, queues, claims and finishes.
+#[async_trait]
+pub trait Deliveries: Send + Sync + 'static {
     /// Keeps the open deliveries within `bounds`, so that a receiver down for long does not
     /// grow the log without end: a pending delivery queued more than `max_age_ms` ago is
     /// dead-lettered (`expired`), and so are the oldest pending deliveries of a webhook and

@@ -2,7 +2,7 @@
 //! webhooks want as a signed POST, in `seq` order per session, retrying failed attempts with
 //! backoff until a delivery is dead-lettered.
 //!
-//! It holds an `Observation` handle only, not the state plane's: it can read events and keep its
+//! It holds the `Deliveries` role only, not the state plane's: it can read events and keep its
 //! own delivery records, and nothing it does can enqueue a job or change a run. It runs as
 //! one task beside the workers, each attempt a task of its own under a timeout, so a slow or
 //! failing receiver delays its own deliveries and nothing else.
@@ -21,7 +21,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use hmac::{Hmac, KeyInit, Mac};
 use ratchet_core::Millis;
 use ratchet_core::webhook::{AfterFailure, Backoff, after_failure};
-use ratchet_store::{AttemptOutcome, ClaimedDelivery, DeliveryBounds, DeliveryClaim, Observation};
+use ratchet_store::{AttemptOutcome, ClaimedDelivery, Deliveries, DeliveryBounds, DeliveryClaim};
 use serde_json::json;
 use sha2::Sha256;
 use tokio::task::JoinSet;
@@ -87,7 +87,7 @@ impl Default for DispatcherConfig {
 /// once; receivers drop repeats by the delivery id).
 /// `Err` when no HTTP client can be built (no TLS backend).
 pub fn spawn(
-    hooks: Arc<dyn Observation>,
+    hooks: Arc<dyn Deliveries>,
     config: DispatcherConfig,
     shutdown: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, reqwest::Error> {
@@ -96,7 +96,7 @@ pub fn spawn(
 }
 
 struct Dispatcher {
-    hooks: Arc<dyn Observation>,
+    hooks: Arc<dyn Deliveries>,
     config: DispatcherConfig,
     http: reqwest::Client,
 }
@@ -118,7 +118,7 @@ enum Answer {
 
 impl Dispatcher {
     fn new(
-        hooks: Arc<dyn Observation>,
+        hooks: Arc<dyn Deliveries>,
         config: DispatcherConfig,
     ) -> Result<Dispatcher, reqwest::Error> {
         let http = reqwest::Client::builder()

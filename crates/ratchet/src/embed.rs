@@ -14,7 +14,7 @@ use ratchet_engine::{Multitask, PoolConfig, WorkerPool};
 use ratchet_llm::Model;
 use ratchet_server::{Active, AppState, Tokens, hash_token};
 use ratchet_store::StoredEvent;
-use ratchet_store::{SessionSpec, Store};
+use ratchet_store::{Reads, SessionSpec};
 use ratchet_tools::{DEFAULT_MAX_SNIPPET_BYTES, Registry, Tool};
 use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::RecvError;
@@ -93,6 +93,7 @@ impl Ratchet {
         let active = Active::new(self.template.clone(), Vec::new(), self.tokens.clone());
         let state = AppState::new(
             Arc::clone(&self.runtime.coordinator),
+            Arc::clone(&self.runtime.webhooks),
             active,
             self.stopping.clone(),
         );
@@ -120,7 +121,7 @@ impl Ratchet {
     }
 
     /// The store every run is kept in, for reading what they did.
-    pub fn store(&self) -> &Arc<dyn Store> {
+    pub fn store(&self) -> &Arc<dyn Reads> {
         self.runtime.coordinator.store()
     }
 

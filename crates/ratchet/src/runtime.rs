@@ -15,7 +15,7 @@ use ratchet_llm::profiles::{Profile, Resolved};
 use ratchet_mcp::McpTools;
 use ratchet_postgres::PgOptions;
 use ratchet_sqlite::SqliteOptions;
-use ratchet_store::{Keyring, Migrated, RunQuota, Store};
+use ratchet_store::{Deliveries, Keyring, Migrated, Roles, RunQuota, Store, WebhookAdmin};
 use ratchet_tools::Registry;
 use tokio::task::JoinHandle;
 
@@ -235,7 +235,12 @@ fn find_tool<'a>(
 }
 
 pub struct Runtime {
+    /// The only writer; it hands out the store's `Reads`.
     pub coordinator: Arc<Coordinator>,
+    /// The store's webhook administration, for the HTTP API.
+    pub webhooks: Arc<dyn WebhookAdmin>,
+    /// The store's delivery log, for the webhook dispatcher.
+    pub deliveries: Arc<dyn Deliveries>,
     engine: Arc<Engine>,
     mcp: Option<McpTools>,
     /// Relays what other processes commit (when the store can hear it).
@@ -403,18 +408,20 @@ pub fn migrate(url: &str) -> Result<Migrated> {
 
 impl Runtime {
     /// Must be called inside a tokio runtime: it starts following other processes.
-    pub fn new(store: Arc<dyn Store>, toolbox: Toolbox) -> Runtime {
+    pub fn new(store: impl Into<Roles>, toolbox: Toolbox) -> Runtime {
         Runtime::gated(store, toolbox, RunQuota::default(), PermitLimits::default())
     }
 
     /// A runtime that admits runs within `quota` and makes calls within `permits`.
     pub fn gated(
-        store: Arc<dyn Store>,
+        store: impl Into<Roles>,
         toolbox: Toolbox,
         quota: RunQuota,
         permits: PermitLimits,
     ) -> Runtime {
-        let coordinator = Coordinator::with_quota(store, quota);
+        let roles = store.into();
+        let (webhooks, deliveries) = (Arc::clone(&roles.webhooks), Arc::clone(&roles.deliveries));
+        let coordinator = Coordinator::with_quota(roles, quota);
         let follower = coordinator.follow_others();
         let engine = Arc::new(
             Engine::new(Arc::clone(&coordinator), toolbox.models, toolbox.tools)
@@ -422,6 +429,8 @@ impl Runtime {
         );
         Runtime {
             coordinator,
+            webhooks,
+            deliveries,
             engine,
             mcp: toolbox.mcp,
             follower,

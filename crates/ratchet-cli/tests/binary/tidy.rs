@@ -96,8 +96,8 @@ fn the_core_does_no_io_no_async_and_reads_no_clock() {
     }
 }
 
-/// Plugins attach to the observation plane only: the dispatcher is written against
-/// `Observation`, which has no method that could enqueue a job or change a run.
+/// Plugins attach to the observation plane only: the dispatcher is written against the
+/// store's `Deliveries` role, which has no method that could enqueue a job or change a run.
 #[test]
 fn the_webhook_dispatcher_only_observes() {
     for dep in dependencies("ratchet-webhooks") {
@@ -112,15 +112,89 @@ fn the_webhook_dispatcher_only_observes() {
             "ratchet-webhooks must not depend on {dep}"
         );
     }
-    let store_trait = whole_word("Store");
     for file in rust_files(&workspace().join("crates/ratchet-webhooks/src")) {
         let text = std::fs::read_to_string(&file).unwrap();
+        let named = store_names(&text);
         assert!(
-            !store_trait(&text),
-            "{} names `Store`; the dispatcher holds an `Observation` handle only",
+            named.iter().all(|name| !ROLES_THAT_WRITE.contains(name)),
+            "{} names {named:?} of ratchet_store; the dispatcher holds the `Deliveries` role only",
             file.display()
         );
     }
+}
+
+/// What of `ratchet_store` hands out its transactions: the `Writes` role, the whole `Store`
+/// (every role at once) and the `Roles` that carry them.
+const ROLES_THAT_WRITE: [&str; 3] = ["Writes", "Store", "Roles"];
+
+/// Only the Coordinator writes. Outside the store crates (the port, its backends and their
+/// suite), the roles that write are named by the Coordinator, which holds `Writes`, and by
+/// the assembly of a process (`ratchet`'s runtime), which opens a store and hands each part
+/// its role — nowhere else. Everything else is given `Reads`, `WebhookAdmin` or
+/// `Deliveries`, and asks the Coordinator to act. Tests drive stores directly and are
+/// exempt.
+#[test]
+fn only_the_coordinator_writes() {
+    let store_crates = [
+        "ratchet-store",
+        "ratchet-store-sql",
+        "ratchet-sqlite",
+        "ratchet-postgres",
+        "ratchet-store-conformance",
+        "ratchet-store-memory",
+    ];
+    let allowed = [
+        "crates/ratchet-engine/src/coordinator.rs",
+        "crates/ratchet/src/runtime.rs",
+    ];
+    for krate in crates() {
+        if store_crates.contains(&krate.as_str()) {
+            continue;
+        }
+        for file in rust_files(&workspace().join("crates").join(&krate).join("src")) {
+            let relative = file.strip_prefix(workspace()).unwrap();
+            if allowed.iter().any(|path| relative == Path::new(path)) {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).unwrap();
+            let code = text.split("#[cfg(test)]").next().unwrap();
+            let named: Vec<&str> = store_names(code)
+                .into_iter()
+                .filter(|name| ROLES_THAT_WRITE.contains(name))
+                .collect();
+            assert!(
+                named.is_empty(),
+                "{} names {named:?} of ratchet_store: only the Coordinator writes (see \
+                 docs/ARCHITECTURE.md); read through `Coordinator::store()` and act through \
+                 the Coordinator's methods",
+                relative.display()
+            );
+        }
+    }
+}
+
+/// The names `text` takes from `ratchet_store`: the last segment of each
+/// `ratchet_store::Name` path and every name of a `ratchet_store::{…}` list.
+fn store_names(text: &str) -> Vec<&str> {
+    let mut names = Vec::new();
+    for (at, prefix) in text.match_indices("ratchet_store::") {
+        let rest = &text[at + prefix.len()..];
+        let segment = if let Some(list) = rest.strip_prefix('{') {
+            &list[..list.find('}').unwrap_or(list.len())]
+        } else {
+            let end = rest
+                .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
+                .unwrap_or(rest.len());
+            &rest[..end]
+        };
+        names.extend(
+            segment
+                .split(|c: char| c == ',' || c.is_whitespace())
+                .filter_map(|path| path.rsplit("::").next())
+                .filter(|name| !name.is_empty()),
+        );
+    }
+    names
 }
 
 /// Whether `text` has `word` as a whole identifier (not inside `StoredEvent`, say).

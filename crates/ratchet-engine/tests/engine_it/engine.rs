@@ -381,8 +381,8 @@ async fn the_follower_relays_other_processes_events_and_wakes_idle_workers() {
     let db = format!("sqlite://{}", dir.path().join("r.db").display());
     let script = write_script(dir.path(), json!({"replies": [{"text": "heard you"}]}));
     let sqlite: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
-    let (heard, announce) = crate::heard::Heard::new(sqlite);
-    let here = Coordinator::new(Arc::new(heard));
+    let (heard, announce) = crate::heard::Heard::over(sqlite);
+    let here = Coordinator::new(heard);
     let follower = here
         .follow_others()
         .expect("the store hears other processes");
@@ -451,8 +451,8 @@ async fn the_follower_relays_other_processes_events_and_wakes_idle_workers() {
         .unwrap();
 
     let (heard, announce) =
-        crate::heard::Heard::new(Arc::new(ratchet_sqlite::open_url(&db).unwrap()));
-    let coordinator = Coordinator::new(Arc::new(heard));
+        crate::heard::Heard::over(Arc::new(ratchet_sqlite::open_url(&db).unwrap()));
+    let coordinator = Coordinator::new(heard);
     let follower = coordinator.follow_others().unwrap();
     drop(announce);
     tokio::time::timeout(Duration::from_secs(10), follower)

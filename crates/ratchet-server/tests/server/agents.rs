@@ -13,7 +13,7 @@ use ratchet_core::{AgentProfile, AgentRef, RunConfigSnapshot};
 use ratchet_engine::Coordinator;
 use ratchet_server::reload::Prepared;
 use ratchet_server::{Active, AppState, Tokens};
-use ratchet_store::{RunQuota, Store};
+use ratchet_store::{RunQuota, Store, WebhookAdmin};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
@@ -610,6 +610,7 @@ async fn a_tree_stream_sends_every_event_of_every_run_once_and_resumes_after_any
 /// request is the default tenant's) and without workers. Stops when `stop` is cancelled.
 async fn serve_idle(
     coordinator: &Arc<Coordinator>,
+    store: &Arc<dyn Store>,
     agents: Vec<AgentProfile>,
     stop: &CancellationToken,
 ) -> String {
@@ -619,6 +620,7 @@ async fn serve_idle(
     };
     let state = AppState::new(
         Arc::clone(coordinator),
+        Arc::clone(store) as Arc<dyn WebhookAdmin>,
         Active::new(template, agents, Tokens::default()),
         stop.clone(),
     );
@@ -665,10 +667,11 @@ async fn user_messages(http: &reqwest::Client, base: &str, session: &str) -> Vec
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_to_a_session_whose_agent_left_the_catalog_is_a_conflict() {
     let dir = tempfile::tempdir().unwrap();
-    let coordinator = Coordinator::new(sqlite(&dir));
+    let store = sqlite(&dir);
+    let coordinator = Coordinator::new(Arc::clone(&store));
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     let before = CancellationToken::new();
-    let base = serve_idle(&coordinator, vec![plain_agent("retired")], &before).await;
+    let base = serve_idle(&coordinator, &store, vec![plain_agent("retired")], &before).await;
     let created = call(
         http.post(format!("{base}/v1/sessions"))
             .json(&json!({"agent": "retired"})),
@@ -680,7 +683,7 @@ async fn a_message_to_a_session_whose_agent_left_the_catalog_is_a_conflict() {
 
     // The server comes back over the same database with another catalog.
     let after = CancellationToken::new();
-    let base = serve_idle(&coordinator, vec![plain_agent("worker")], &after).await;
+    let base = serve_idle(&coordinator, &store, vec![plain_agent("worker")], &after).await;
     let path = format!("{base}/v1/sessions/{session}/messages");
     let refused = call(http.post(&path).json(&json!({"content": "still there?"}))).await;
     assert_error("retired agent", &refused, StatusCode::CONFLICT, "conflict");
@@ -704,10 +707,11 @@ async fn a_message_beyond_the_run_quota_is_too_many_requests() {
         per_session: Some(1),
         global: None,
     };
-    let coordinator = Coordinator::with_quota(sqlite(&dir), quota);
+    let store = sqlite(&dir);
+    let coordinator = Coordinator::with_quota(Arc::clone(&store), quota);
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     let stop = CancellationToken::new();
-    let base = serve_idle(&coordinator, Vec::new(), &stop).await;
+    let base = serve_idle(&coordinator, &store, Vec::new(), &stop).await;
     let created = call(http.post(format!("{base}/v1/sessions")).json(&json!({}))).await;
     let session = created.body["id"].as_str().unwrap().to_owned();
     let path = format!("{base}/v1/sessions/{session}/messages");
@@ -1380,7 +1384,8 @@ async fn a_reload_rotates_the_tokens() {
 async fn concurrent_reloads_are_prepared_and_activated_one_at_a_time() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let dir = tempfile::tempdir().unwrap();
-    let coordinator = Coordinator::new(sqlite(&dir));
+    let store = sqlite(&dir);
+    let coordinator = Coordinator::new(Arc::clone(&store));
     let preparing = Arc::new(AtomicUsize::new(0));
     let most_at_once = Arc::new(AtomicUsize::new(0));
     let prepared = Arc::new(AtomicUsize::new(0));
@@ -1403,8 +1408,13 @@ async fn concurrent_reloads_are_prepared_and_activated_one_at_a_time() {
             })
         }
     };
-    let state = AppState::new(coordinator, Active::default(), CancellationToken::new())
-        .with_reloader(reloader);
+    let state = AppState::new(
+        coordinator,
+        store,
+        Active::default(),
+        CancellationToken::new(),
+    )
+    .with_reloader(reloader);
     let reloads = state.reloads().unwrap();
     let answers = futures::future::join_all((0..4).map(|_| reloads.reload())).await;
     let mut models: Vec<String> = answers

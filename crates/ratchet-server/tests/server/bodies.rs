@@ -87,7 +87,7 @@ async fn seed() -> Seeded {
         tools.names().into_iter().map(str::to_owned).collect(),
     ));
     models.register("fuzz", Arc::new(model()));
-    let coordinator = Coordinator::new(store);
+    let coordinator = Coordinator::new(Arc::clone(&store));
     let engine = Arc::new(Engine::new(Arc::clone(&coordinator), models, tools));
     let mut template = RunConfigSnapshot {
         model: "fuzz".into(),
@@ -103,6 +103,7 @@ async fn seed() -> Seeded {
     add.approval = ApprovalPolicy::Always;
     let state = AppState::new(
         Arc::clone(&coordinator),
+        store,
         Active::new(template, Vec::new(), Default::default()),
         CancellationToken::new(),
     );

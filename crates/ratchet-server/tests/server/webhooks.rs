@@ -614,8 +614,7 @@ async fn webhooks_to_the_inside_are_refused_at_creation_naming_the_rule() {
 async fn stored_webhook(server: &Server, url: &str, max_attempts: u32) -> String {
     let id = WebhookId::from_suffix(&uuid_like()).unwrap();
     let webhook = server
-        .coordinator
-        .store()
+        .webhooks
         .create_webhook(
             NewWebhook {
                 id,

@@ -2,9 +2,8 @@
 //! happens when rows on disk are damaged, and what the files hold of a webhook's secret.
 
 use ratchet_core::{MessageId, RunConfigSnapshot, RunId, SessionId, WebhookId};
-use ratchet_store::{
-    Key, Keyring, Lease, NewRun, NewWebhook, Observation, SessionSpec, Store, WhenBusy,
-};
+use ratchet_store::{Deliveries, Reads, WebhookAdmin, Writes};
+use ratchet_store::{Key, Keyring, Lease, NewRun, NewWebhook, SessionSpec, WhenBusy};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_whose_run_cannot_be_loaded_is_set_aside_and_the_rest_go_on() {

@@ -16,7 +16,7 @@ use ratchet_server::reload::Prepared;
 use ratchet_server::{
     Active, AppState, GuardedListener, HostPolicy, StreamLimits, Tokens, hash_token,
 };
-use ratchet_store::{Key, Keyring, Store};
+use ratchet_store::{Key, Keyring, Store, WebhookAdmin};
 use ratchet_tools::Registry;
 use ratchet_webhooks::{DispatcherConfig, WebhookPolicy};
 use reqwest::header::CONTENT_TYPE;
@@ -85,6 +85,8 @@ pub struct Server {
     pub http: reqwest::Client,
     pub shutdown: CancellationToken,
     pub coordinator: Arc<Coordinator>,
+    /// The store's webhook administration, past the API's checks.
+    pub webhooks: Arc<dyn WebhookAdmin>,
     /// The run template the server started with.
     pub template: RunConfigSnapshot,
     /// The server's directory: its database, its scripts.
@@ -220,6 +222,7 @@ impl Server {
         let queued = Arc::clone(&reloads);
         let state = AppState::new(
             Arc::clone(&coordinator),
+            Arc::clone(&store) as Arc<dyn WebhookAdmin>,
             Active::new(run_template, agents, tokens),
             shutdown.clone(),
         )
@@ -261,6 +264,7 @@ impl Server {
             http: reqwest::Client::builder().no_proxy().build().unwrap(),
             shutdown,
             coordinator,
+            webhooks: store,
             template,
             dir: dir.path().to_path_buf(),
             reloads,
