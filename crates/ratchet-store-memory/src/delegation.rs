@@ -136,25 +136,21 @@ impl Tables {
     }
 
     /// The runs a parent's step started in the foreground, in the order they were created.
-    pub(crate) fn foreground_children<'a>(
-        &'a self,
-        parent: &'a RunId,
-        step: u64,
-    ) -> impl Iterator<Item = (&'a RunId, &'a RunRow)> {
+    pub(crate) fn foreground_children(&self, parent: &RunId, step: u64) -> Vec<(&RunId, &RunRow)> {
         let mut children: Vec<(&RunId, &RunRow)> = (self.runs.iter())
-            .filter(move |(_, run)| {
+            .filter(|(_, run)| {
                 run.lineage.as_ref().is_some_and(|l| {
                     l.parent_run_id == *parent && l.parent_step == step && l.background.is_none()
                 })
             })
             .collect();
         children.sort_by_key(|(_, run)| run.created_order);
-        children.into_iter()
+        children
     }
 
     /// How every child of a parent's step ended, read from their states.
     pub(crate) fn children_results(&self, parent: &RunId, step: u64) -> Result<Vec<ChildResult>> {
-        self.foreground_children(parent, step)
+        (self.foreground_children(parent, step).into_iter())
             .map(|(id, _)| {
                 ChildResult::of(&self.load_state(id)?)
                     .ok_or_else(|| Error::Corrupt(format!("child run {id} has no lineage")))

@@ -522,3 +522,57 @@ impl Observation for MemoryStore {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use ratchet_core::{MessageId, RunConfigSnapshot};
+    use ratchet_store::WhenBusy;
+
+    use super::*;
+
+    fn message(session: &SessionId, run: &str, message: &str) -> NewRun {
+        NewRun {
+            session_id: session.clone(),
+            run_id: RunId::from_suffix(run).unwrap(),
+            message_id: MessageId::from_suffix(message).unwrap(),
+            content: "hello".into(),
+            config: RunConfigSnapshot::default(),
+            when_busy: WhenBusy::Enqueue,
+            quota: RunQuota::default(),
+        }
+    }
+
+    /// A message id is a message's primary key in SQL: a second message under it fails the
+    /// submit at its last insert, after the run, the session's title and the run's state were
+    /// written — and none of them stays.
+    #[tokio::test]
+    async fn a_write_refused_part_way_keeps_nothing_it_did() {
+        let store = MemoryStore::new();
+        let (first, second) = (
+            SessionId::from_suffix("first").unwrap(),
+            SessionId::from_suffix("second").unwrap(),
+        );
+        for session in [&first, &second] {
+            store
+                .create_session(session, SessionSpec::default(), 1)
+                .await
+                .unwrap();
+        }
+        store
+            .submit_message(message(&first, "a", "same"), 2)
+            .await
+            .unwrap();
+        let refused = store.submit_message(message(&second, "b", "same"), 3).await;
+        assert!(matches!(refused, Err(Error::Backend(_))), "{refused:?}");
+
+        let runs = store.list_runs().await.unwrap();
+        assert_eq!(runs.len(), 1, "{runs:?}");
+        let session = store.get_session(&second).await.unwrap();
+        assert_eq!((session.title, session.active_run_id), (None, None));
+        assert!(store.events_after(&second, 0, 10).await.unwrap().is_empty());
+        assert_eq!(
+            store.runs_with_jobs().await.unwrap(),
+            [runs[0].run_id.clone()]
+        );
+    }
+}

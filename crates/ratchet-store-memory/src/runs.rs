@@ -253,8 +253,10 @@ impl Tables {
             && parent.status == RunStatus::WaitingChildren
             && parent.step_index == lineage.parent_step;
         if waiting_on_this
-            && !(self.foreground_children(parent_id, lineage.parent_step))
-                .any(|(_, child)| !child.status().is_terminal())
+            && (self
+                .foreground_children(parent_id, lineage.parent_step)
+                .iter())
+            .all(|(_, child)| child.status().is_terminal())
         {
             let results = self.children_results(parent_id, lineage.parent_step)?;
             let (joined, job) = join_children(&mut parent, results)?;

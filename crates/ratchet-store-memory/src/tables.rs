@@ -1,6 +1,7 @@
-//! The model's data: one plain collection per SQL table, holding the same facts the SQL
-//! backends keep in their rows, and the integrity rules their schemas enforce (primary keys,
-//! unique columns, foreign keys), checked where a row is inserted.
+//! The model's data: one plain collection per SQL table, holding what the SQL backends keep
+//! in their rows that any operation reads back. The integrity rules their schemas enforce
+//! (primary keys, unique columns, the foreign key of a run's session) are checked where a row
+//! is inserted.
 //!
 //! Positions and ids that SQL numbers itself (a message's `rowid`, an inbox event's id) are
 //! an index into a `Vec` that is only ever appended to, so they count up exactly as SQL's do.
@@ -36,8 +37,9 @@ pub(crate) struct Tables {
     /// How far each webhook has queued each session's events.
     pub(crate) cursors: BTreeMap<(WebhookId, SessionId), i64>,
     pub(crate) deliveries: BTreeMap<i64, DeliveryRow>,
-    /// The id the next delivery gets; ids of deleted deliveries are not given out again.
-    pub(crate) next_delivery_id: i64,
+    /// The id of the latest delivery queued: ids count up, and a deleted delivery's id is
+    /// never given out again.
+    pub(crate) last_delivery_id: i64,
 }
 
 #[derive(Debug, Clone)]

@@ -269,9 +269,9 @@ impl Tables {
                 if queued || wanted.as_ref().is_some_and(|kinds| !kinds.contains(&kind)) {
                     continue;
                 }
-                self.next_delivery_id += 1;
+                self.last_delivery_id += 1;
                 self.deliveries.insert(
-                    self.next_delivery_id,
+                    self.last_delivery_id,
                     DeliveryRow {
                         webhook_id: webhook_id.clone(),
                         session_id: session_id.clone(),
