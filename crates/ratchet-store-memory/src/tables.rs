@@ -290,13 +290,13 @@ impl Tables {
     }
 
     pub(crate) fn inbox_event(&self, id: i64) -> Option<&InboxRow> {
-        usize::try_from(id - 1).ok().and_then(|i| self.inbox.get(i))
+        let index = usize::try_from(id.checked_sub(1)?).ok()?;
+        self.inbox.get(index)
     }
 
     pub(crate) fn inbox_event_mut(&mut self, id: i64) -> Option<&mut InboxRow> {
-        usize::try_from(id - 1)
-            .ok()
-            .and_then(|i| self.inbox.get_mut(i))
+        let index = usize::try_from(id.checked_sub(1)?).ok()?;
+        self.inbox.get_mut(index)
     }
 
     /// The inbox's events with their ids, oldest first.
