@@ -8,7 +8,8 @@ use crate::tables::{JobRow, Tables};
 
 impl Tables {
     /// Claims the job that has waited longest among those due by `now` — of `run` and the
-    /// runs of its delegations only, when given.
+    /// runs of its delegations only, when given. A job exists only beside its run, which
+    /// always loads here (there is nothing to decode), so no job is ever set aside.
     pub(crate) fn claim_next(
         &mut self,
         lease: &Lease,
@@ -55,7 +56,7 @@ impl Tables {
     }
 
     /// The job `claim` holds, while it still holds it.
-    pub(crate) fn claimed_job_mut(&mut self, claim: &Claim) -> Option<&mut JobRow> {
+    fn claimed_job_mut(&mut self, claim: &Claim) -> Option<&mut JobRow> {
         (self.jobs.get_mut(&(claim.run_id.clone(), claim.step_index)))
             .filter(|job| job.epoch == claim.epoch)
     }

@@ -3,10 +3,11 @@
 //! fast. It is the storage port's meaning in its simplest form — what a SQL backend must
 //! agree with, and what a test that needs a store but no database can run against.
 //!
-//! **Atomic.** All data sits behind one mutex, taken by each operation for its whole length
-//! and never held across an `.await`. A write works on a copy of the data and puts it in
-//! place only when it succeeds: an operation that fails, at any point, changes nothing — the
-//! transaction of the SQL backends, without a database.
+//! **Atomic.** All data sits behind one mutex, held for the whole of each read or write and
+//! never across an `.await`. A write works on a copy of the data and puts it in place only
+//! when it succeeds: a write that fails, at any point, changes nothing — the transaction of
+//! the SQL backends, without a database. An operation the SQL backends run as several
+//! transactions (the overdue sweep, serving the inboxes) is as many writes here.
 //!
 //! **Strict.** It refuses exactly what the SQLite and PostgreSQL backends refuse, with the
 //! same `ratchet_store::Error` variants: missing entities (`NotFound`), duplicates and stale
@@ -15,11 +16,11 @@
 //! cannot pass here and fail on a real backend. Decisions — status edges, step transitions,
 //! budgets, the inbox's turns — are `ratchet-core`'s, called as the SQL backends call them.
 //!
-//! Where the backends themselves differ, it follows SQLite: the ids and positions SQL numbers
-//! (message positions, inbox events, deliveries) count up the same way, and an event page's
-//! byte budget counts a payload as SQLite stores it. Search is a word matcher ranked by bm25
-//! (see `search`), without the backends' stemming. No other process can write its data, so
-//! `changes` has nothing to follow.
+//! What SQL numbers itself counts up the same way here (message positions and inbox event
+//! ids from 1, event seqs from 1 in each session), and an event page's byte budget counts a
+//! payload as the SQL backends store it. Search is a word matcher ranked by bm25, as SQLite's
+//! FTS5 ranks, without the backends' stemming (see `search`). No other process can write its
+//! data, so `changes` has nothing to follow.
 
 mod approvals;
 mod delegation;
