@@ -1,0 +1,248 @@
+//! Delegation: a parent's step starts child runs, each the active run of a new session below
+//! the parent's, all of them or none within the tree's size and the run quotas; trees are
+//! read whole, counted and costed.
+
+use ratchet_core::delegation::{ChildResult, ChildRun};
+use ratchet_core::{AgentState, Millis, RunId, SessionId, TreeSpend};
+use ratchet_store::{Admission, Error, Result, RunQuota, StoredEvent, TreeNode};
+
+use crate::tables::{RunRow, SessionRow, Tables, duplicate};
+
+impl Tables {
+    /// Unfinished runs in the whole store.
+    fn active_global(&self) -> u64 {
+        count(self.runs.values().filter(|run| !run.status().is_terminal()))
+    }
+
+    /// Unfinished runs of a root session, the runs of its delegations included.
+    fn active_in_session(&self, root_session: &SessionId) -> u64 {
+        count(self.runs.values().filter(|run| {
+            !run.status().is_terminal()
+                && (self.sessions.get(&run.session_id)).is_some_and(|s| {
+                    run.session_id == *root_session
+                        || s.root_session_id.as_ref() == Some(root_session)
+                })
+        }))
+    }
+
+    /// Runs of the tree whose root run is `root`, ended ones included.
+    fn tree_runs(&self, root: &RunId) -> u64 {
+        count(self.tree_of(root).map(|(_, run)| run))
+    }
+
+    /// The root run and every run below it.
+    fn tree_of<'a>(&'a self, root: &'a RunId) -> impl Iterator<Item = (&'a RunId, &'a RunRow)> {
+        (self.runs.iter()).filter(move |(id, run)| *id == root || run.root_run_id() == Some(root))
+    }
+
+    /// The root run of the tree `run_id` is in.
+    fn root_of<'a>(&'a self, run_id: &'a RunId) -> Result<&'a RunId> {
+        Ok(self.run(run_id)?.root_run_id().unwrap_or(run_id))
+    }
+
+    /// Refuses to admit `adding` more runs to `root_session` beyond the quota.
+    pub(crate) fn check_quota(
+        &self,
+        root_session: &SessionId,
+        quota: RunQuota,
+        adding: u64,
+    ) -> Result<()> {
+        if let Some(max) = quota.per_session {
+            let active = self.active_in_session(root_session);
+            if active + adding > max {
+                return Err(Error::QuotaExceeded(format!(
+                    "session {root_session} has {active} unfinished runs and may have at most {max}; {adding} more do not fit — wait for some to end"
+                )));
+            }
+        }
+        if let Some(max) = quota.global {
+            let active = self.active_global();
+            if active + adding > max {
+                return Err(Error::QuotaExceeded(format!(
+                    "{active} runs are unfinished and at most {max} may be; {adding} more do not fit — wait for some to end"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts the children a parent's step created — all of them, or none when the tree's
+    /// size or the run quota has no room for them all (the error then undoes the whole write).
+    pub(crate) fn start_children(
+        &mut self,
+        parent: &AgentState,
+        children: &[ChildRun],
+        quota: RunQuota,
+        now: Millis,
+    ) -> Result<Vec<StoredEvent>> {
+        let (root, root_session) = match &parent.lineage {
+            Some(l) => (&l.root_run_id, &l.root_session_id),
+            None => (&parent.run_id, &parent.session_id),
+        };
+        let limit = parent.config.delegation.max_tree_runs;
+        let existing = self.tree_runs(root);
+        if existing + children.len() as u64 > limit {
+            return Err(Error::QuotaExceeded(format!(
+                "the run tree of {root} has {existing} runs and may have at most {limit}"
+            )));
+        }
+        self.check_quota(root_session, quota, children.len() as u64)?;
+        let tenant = self.session(&parent.session_id)?.tenant.clone();
+        let mut events = self.reserve(parent, children, now)?;
+        for child in children {
+            let lineage = &child.lineage;
+            if self.sessions.contains_key(&child.session_id) {
+                return Err(duplicate("session", &child.session_id));
+            }
+            self.sessions.insert(
+                child.session_id.clone(),
+                SessionRow {
+                    tenant: tenant.clone(),
+                    agent: Some(lineage.agent.clone()),
+                    metadata: None,
+                    created_at: now,
+                    active_run_id: None,
+                    archived_at: None,
+                    deleted_at: None,
+                    title: None,
+                    parent_session_id: Some(parent.session_id.clone()),
+                    root_session_id: Some(lineage.root_session_id.clone()),
+                    user_turns_in_a_row: 0,
+                    events: Vec::new(),
+                },
+            );
+            let (mut state, created) = self.insert_queued_run(
+                &child.session_id,
+                &child.run_id,
+                child.message_id.as_str(),
+                &child.task,
+                child.config.clone(),
+                now,
+            )?;
+            let run = self.run_mut(&child.run_id)?;
+            run.agent = Some(lineage.agent.clone());
+            run.lineage = Some(lineage.clone());
+            state.lineage = Some(lineage.clone());
+            let mut drafts = vec![created];
+            drafts.extend(self.start_queued_run(state, now)?);
+            events.extend(self.insert_events(
+                &child.session_id,
+                Some(&child.run_id),
+                drafts,
+                now,
+            )?);
+        }
+        Ok(events)
+    }
+
+    /// The runs a parent's step started in the foreground, in the order they were created.
+    pub(crate) fn foreground_children(&self, parent: &RunId, step: u64) -> Vec<(&RunId, &RunRow)> {
+        let mut children: Vec<(&RunId, &RunRow)> = (self.runs.iter())
+            .filter(|(_, run)| {
+                run.lineage.as_ref().is_some_and(|l| {
+                    l.parent_run_id == *parent && l.parent_step == step && l.background.is_none()
+                })
+            })
+            .collect();
+        children.sort_by_key(|(_, run)| run.created_order);
+        children
+    }
+
+    /// How every child of a parent's step ended, read from their states.
+    pub(crate) fn children_results(&self, parent: &RunId, step: u64) -> Result<Vec<ChildResult>> {
+        (self.foreground_children(parent, step).into_iter())
+            .map(|(id, _)| {
+                ChildResult::of(&self.load_state(id)?)
+                    .ok_or_else(|| Error::Corrupt(format!("child run {id} has no lineage")))
+            })
+            .collect()
+    }
+
+    /// The unfinished runs a parent's foreground delegations started, oldest first (a
+    /// background run belongs to the root session, not to its parent).
+    pub(crate) fn unfinished_foreground_children(&self, parent: &RunId) -> Vec<RunId> {
+        let mut children: Vec<(Millis, &RunId)> = (self.runs.iter())
+            .filter(|(_, run)| {
+                run.parent_run_id() == Some(parent)
+                    && run.inbox_group().is_none()
+                    && !run.status().is_terminal()
+            })
+            .map(|(id, run)| (run.state.created_at, id))
+            .collect();
+        children.sort();
+        children.into_iter().map(|(_, id)| id.clone()).collect()
+    }
+
+    /// The run and every run below it, parents before their children, each level in creation
+    /// order.
+    pub(crate) fn run_tree(&self, run_id: &RunId) -> Result<Vec<TreeNode>> {
+        let root = self.root_of(run_id)?;
+        let mut nodes: Vec<TreeNode> = self
+            .tree_of(root)
+            .map(|(id, run)| TreeNode {
+                run_id: id.clone(),
+                session_id: run.session_id.clone(),
+                parent_run_id: run.parent_run_id().cloned(),
+                agent: run.agent.clone(),
+                depth: run.depth(),
+                background: run.inbox_group().is_some(),
+                status: run.status(),
+                stop_reason: run.state.stop_reason,
+                step_index: run.state.step_index,
+                created_at: run.state.created_at,
+                finished_at: run.state.finished_at,
+                counters: run.state.counters.clone(),
+            })
+            .collect();
+        nodes.sort_by(|a, b| {
+            (a.depth, a.created_at, &a.run_id).cmp(&(b.depth, b.created_at, &b.run_id))
+        });
+        // Only the asked-for run and what lies below it: parents come before their children.
+        let mut below = vec![run_id.clone()];
+        nodes.retain(|node| {
+            let inside = node.run_id == *run_id
+                || node
+                    .parent_run_id
+                    .as_ref()
+                    .is_some_and(|p| below.contains(p));
+            if inside && node.run_id != *run_id {
+                below.push(node.run_id.clone());
+            }
+            inside
+        });
+        Ok(nodes)
+    }
+
+    pub(crate) fn admission(&self, run_id: &RunId) -> Result<Admission> {
+        let run = self.run(run_id)?;
+        let root_run = self.root_of(run_id)?;
+        let session = self.session(&run.session_id)?;
+        let root_session = session.root_session_id.as_ref().unwrap_or(&run.session_id);
+        Ok(Admission {
+            active_global: self.active_global(),
+            active_in_session: self.active_in_session(root_session),
+            tree_runs: self.tree_runs(root_run),
+            inbox_held: self.held(root_session),
+        })
+    }
+
+    /// What every run of the tree has spent, their counters summed.
+    pub(crate) fn tree_spend(&self, run_id: &RunId) -> Result<TreeSpend> {
+        let root = self.root_of(run_id)?;
+        Ok(self
+            .tree_of(root)
+            .fold(TreeSpend::default(), |spend, (_, run)| {
+                let counters = &run.state.counters;
+                TreeSpend {
+                    tokens: (spend.tokens).saturating_add(
+                        counters.input_tokens.saturating_add(counters.output_tokens),
+                    ),
+                    cost_microusd: spend.cost_microusd.saturating_add(counters.cost_microusd),
+                }
+            }))
+    }
+}
+
+fn count<T>(items: impl Iterator<Item = T>) -> u64 {
+    u64::try_from(items.count()).unwrap_or(u64::MAX)
+}
