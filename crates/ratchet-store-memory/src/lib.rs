@@ -1,5 +1,5 @@
-//! The strict reference model of the Ratchet store: every `Store` and `Observation`
-//! operation over plain Rust collections, written to be read and believed rather than to be
+//! The strict reference model of the Ratchet store: every operation of every role of
+//! `Store` over plain Rust collections, written to be read and believed rather than to be
 //! fast. It is the storage port's meaning in its simplest form — what a SQL backend must
 //! agree with, and what a test that needs a store but no database can run against.
 //!
@@ -45,13 +45,13 @@ use ratchet_core::{
     Millis, RunId, SessionId, StepRecord, StepResult, ToolOutcome, TreeSpend, WebhookId,
 };
 use ratchet_store::{
-    Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, Claim,
-    ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction, DeliveryBounds,
-    DeliveryClaim, EmittedSignal, Error, InboxChange, InboxEvent, Intent, IntentRecord, Keyring,
-    Lease, MessageHit, NewRun, NewSignal, NewWebhook, Observation, PauseOutcome, PendingInput,
-    Reconciled, RecordedIntents, Result, ResumeOutcome, RunQuota, RunSummary, SearchScope, Served,
-    Session, SessionQuery, SessionSpec, StepMessages, Store, StoreStats, StoredEvent,
-    StoredMessage, Submitted, TimedOut, TreeNode, Webhook, WebhookDelivery,
+    Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, Changes, Claim,
+    ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction, Deliveries,
+    DeliveryBounds, DeliveryClaim, EmittedSignal, Error, InboxChange, InboxEvent, Intent,
+    IntentRecord, Keyring, Lease, MessageHit, NewRun, NewSignal, NewWebhook, PauseOutcome,
+    PendingInput, Reads, Reconciled, RecordedIntents, Result, ResumeOutcome, RunQuota, RunSummary,
+    SearchScope, Served, Session, SessionQuery, SessionSpec, StepMessages, StoreStats, StoredEvent,
+    StoredMessage, Submitted, TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
 };
 
 use crate::tables::Tables;
@@ -111,16 +111,7 @@ impl MemoryStore {
 }
 
 #[async_trait]
-impl Store for MemoryStore {
-    async fn create_session(
-        &self,
-        id: &SessionId,
-        spec: SessionSpec,
-        now: Millis,
-    ) -> Result<Session> {
-        self.write(|t| t.create_session(id, spec, now))
-    }
-
+impl Reads for MemoryStore {
     async fn get_session(&self, id: &SessionId) -> Result<Session> {
         self.read(|t| t.get_session(id))
     }
@@ -132,10 +123,6 @@ impl Store for MemoryStore {
         limit: u32,
     ) -> Result<Vec<Session>> {
         self.read(|t| t.list_sessions(tenant, query, limit))
-    }
-
-    async fn rename_session(&self, id: &SessionId, title: &str) -> Result<Session> {
-        self.write(|t| t.rename_session(id, title))
     }
 
     async fn visible_messages(
@@ -172,6 +159,121 @@ impl Store for MemoryStore {
         limit: u32,
     ) -> Result<Vec<StoredEvent>> {
         Ok(self.read(|t| t.run_events_after(run_id, after_seq, limit)))
+    }
+
+    async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
+        Ok(self.read(|t| t.intents(run_id, step_index)))
+    }
+
+    async fn approvals(
+        &self,
+        tenant: &str,
+        status: Option<ApprovalStatus>,
+        after: Option<&ApprovalId>,
+        limit: u32,
+    ) -> Result<Vec<Approval>> {
+        Ok(self.read(|t| t.approvals(tenant, status, after, limit)))
+    }
+
+    async fn get_approval(&self, id: &ApprovalId) -> Result<Approval> {
+        self.read(|t| t.get_approval(id))
+    }
+
+    async fn load_state(&self, run_id: &RunId) -> Result<AgentState> {
+        self.read(|t| t.load_state(run_id))
+    }
+
+    async fn run_tree(&self, run_id: &RunId) -> Result<Vec<TreeNode>> {
+        self.read(|t| t.run_tree(run_id))
+    }
+
+    async fn admission(&self, run_id: &RunId) -> Result<Admission> {
+        self.read(|t| t.admission(run_id))
+    }
+
+    async fn tree_spend(&self, run_id: &RunId) -> Result<TreeSpend> {
+        self.read(|t| t.tree_spend(run_id))
+    }
+
+    async fn inbox(
+        &self,
+        session_id: &SessionId,
+        status: Option<InboxStatus>,
+        after: i64,
+        limit: u32,
+    ) -> Result<Vec<InboxEvent>> {
+        Ok(self.read(|t| t.inbox(session_id, status, after, limit)))
+    }
+
+    async fn pending_input(&self, session_id: &SessionId, now: Millis) -> Result<PendingInput> {
+        Ok(self.read(|t| t.pending_input(session_id, now)))
+    }
+
+    async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
+        Ok(self.read(|t| t.history(session_id)))
+    }
+
+    async fn context(&self, session_id: &SessionId, run: &RunId) -> Result<Vec<StoredMessage>> {
+        Ok(self.read(|t| t.context(session_id, run)))
+    }
+
+    async fn step_messages(&self, run_id: &RunId, step_index: u64) -> Result<StepMessages> {
+        self.read(|t| t.step_messages(run_id, step_index))
+    }
+
+    async fn list_runs(&self) -> Result<Vec<RunSummary>> {
+        Ok(self.read(Tables::list_runs))
+    }
+
+    async fn steps(&self, run_id: &RunId) -> Result<Vec<StepRecord>> {
+        Ok(self.read(|t| t.steps(run_id)))
+    }
+
+    async fn events_after(
+        &self,
+        session_id: &SessionId,
+        after_seq: i64,
+        limit: u32,
+    ) -> Result<Vec<StoredEvent>> {
+        Ok(self.read(|t| t.events_after(session_id, after_seq, limit)))
+    }
+
+    async fn events_within(
+        &self,
+        session_id: &SessionId,
+        after_seq: i64,
+        limit: u32,
+        max_bytes: u64,
+    ) -> Result<Vec<StoredEvent>> {
+        Ok(self.read(|t| t.events_within(session_id, after_seq, limit, max_bytes)))
+    }
+
+    async fn lease_owners(&self) -> Result<Vec<String>> {
+        Ok(self.read(Tables::lease_owners))
+    }
+
+    async fn runs_with_jobs(&self) -> Result<Vec<RunId>> {
+        Ok(self.read(Tables::runs_with_jobs))
+    }
+
+    async fn stats(&self, now: Millis) -> Result<StoreStats> {
+        Ok(self.read(|t| t.stats(now)))
+    }
+}
+
+#[async_trait]
+impl Writes for MemoryStore {
+    async fn create_session(
+        &self,
+        id: &SessionId,
+        spec: SessionSpec,
+        now: Millis,
+    ) -> Result<Session> {
+        self.write(|t| t.create_session(id, spec, now))
+    }
+
+    async fn rename_session(&self, id: &SessionId, title: &str) -> Result<Session> {
+        self.write(|t| t.rename_session(id, title))
     }
 
     async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted> {
@@ -242,10 +344,6 @@ impl Store for MemoryStore {
         self.write(|t| t.record_outcome(claim, slot, outcome))
     }
 
-    async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
-        Ok(self.read(|t| t.intents(run_id, step_index)))
-    }
-
     async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
         self.write(|t| t.request_cancel(run_id, now))
     }
@@ -278,20 +376,6 @@ impl Store for MemoryStore {
         self.write(|t| t.resume_failed(run_id, how, now))
     }
 
-    async fn approvals(
-        &self,
-        tenant: &str,
-        status: Option<ApprovalStatus>,
-        after: Option<&ApprovalId>,
-        limit: u32,
-    ) -> Result<Vec<Approval>> {
-        Ok(self.read(|t| t.approvals(tenant, status, after, limit)))
-    }
-
-    async fn get_approval(&self, id: &ApprovalId) -> Result<Approval> {
-        self.read(|t| t.get_approval(id))
-    }
-
     async fn answer_approval(
         &self,
         id: &ApprovalId,
@@ -300,32 +384,6 @@ impl Store for MemoryStore {
         now: Millis,
     ) -> Result<Answered> {
         self.write(|t| t.answer_approval(id, answer, by, now))
-    }
-
-    async fn load_state(&self, run_id: &RunId) -> Result<AgentState> {
-        self.read(|t| t.load_state(run_id))
-    }
-
-    async fn run_tree(&self, run_id: &RunId) -> Result<Vec<TreeNode>> {
-        self.read(|t| t.run_tree(run_id))
-    }
-
-    async fn admission(&self, run_id: &RunId) -> Result<Admission> {
-        self.read(|t| t.admission(run_id))
-    }
-
-    async fn tree_spend(&self, run_id: &RunId) -> Result<TreeSpend> {
-        self.read(|t| t.tree_spend(run_id))
-    }
-
-    async fn inbox(
-        &self,
-        session_id: &SessionId,
-        status: Option<InboxStatus>,
-        after: i64,
-        limit: u32,
-    ) -> Result<Vec<InboxEvent>> {
-        Ok(self.read(|t| t.inbox(session_id, status, after, limit)))
     }
 
     async fn act_on_dead_letter(
@@ -346,10 +404,6 @@ impl Store for MemoryStore {
         now: Millis,
     ) -> Result<EmittedSignal> {
         self.write(|t| t.emit_signal(claim, signal, now))
-    }
-
-    async fn pending_input(&self, session_id: &SessionId, now: Millis) -> Result<PendingInput> {
-        Ok(self.read(|t| t.pending_input(session_id, now)))
     }
 
     /// Expires what is overdue, then starts each free session's continuation in a write of
@@ -384,64 +438,16 @@ impl Store for MemoryStore {
         self.write(|t| t.close_session(id, how, now))
     }
 
-    async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
-        Ok(self.read(|t| t.history(session_id)))
-    }
-
-    async fn context(&self, session_id: &SessionId, run: &RunId) -> Result<Vec<StoredMessage>> {
-        Ok(self.read(|t| t.context(session_id, run)))
-    }
-
-    async fn step_messages(&self, run_id: &RunId, step_index: u64) -> Result<StepMessages> {
-        self.read(|t| t.step_messages(run_id, step_index))
-    }
-
-    async fn list_runs(&self) -> Result<Vec<RunSummary>> {
-        Ok(self.read(Tables::list_runs))
-    }
-
-    async fn steps(&self, run_id: &RunId) -> Result<Vec<StepRecord>> {
-        Ok(self.read(|t| t.steps(run_id)))
-    }
-
-    async fn events_after(
-        &self,
-        session_id: &SessionId,
-        after_seq: i64,
-        limit: u32,
-    ) -> Result<Vec<StoredEvent>> {
-        Ok(self.read(|t| t.events_after(session_id, after_seq, limit)))
-    }
-
-    async fn events_within(
-        &self,
-        session_id: &SessionId,
-        after_seq: i64,
-        limit: u32,
-        max_bytes: u64,
-    ) -> Result<Vec<StoredEvent>> {
-        Ok(self.read(|t| t.events_within(session_id, after_seq, limit, max_bytes)))
-    }
-
-    async fn lease_owners(&self) -> Result<Vec<String>> {
-        Ok(self.read(Tables::lease_owners))
-    }
-
     async fn release_leases(&self, owner: &str) -> Result<u64> {
         self.write(|t| Ok(t.release_leases(owner)))
     }
-
-    async fn runs_with_jobs(&self) -> Result<Vec<RunId>> {
-        Ok(self.read(Tables::runs_with_jobs))
-    }
-
-    async fn stats(&self, now: Millis) -> Result<StoreStats> {
-        Ok(self.read(|t| t.stats(now)))
-    }
 }
 
+/// No other process can write its data: there is nothing to follow.
+impl Changes for MemoryStore {}
+
 #[async_trait]
-impl Observation for MemoryStore {
+impl WebhookAdmin for MemoryStore {
     async fn create_webhook(&self, webhook: NewWebhook, now: Millis) -> Result<Webhook> {
         let keyring = self.keyring()?;
         self.write(|t| t.create_webhook(&keyring, webhook, now))
@@ -491,7 +497,10 @@ impl Observation for MemoryStore {
     async fn requeue_dead_deliveries(&self, webhook_id: &WebhookId, now: Millis) -> Result<u64> {
         self.write(|t| t.requeue_dead_deliveries(webhook_id, now))
     }
+}
 
+#[async_trait]
+impl Deliveries for MemoryStore {
     async fn bound_deliveries(&self, bounds: DeliveryBounds, now: Millis) -> Result<u64> {
         self.write(|t| t.bound_deliveries(bounds, now))
     }

@@ -227,6 +227,8 @@ fn crates_depend_only_along_the_layers() {
         ("ratchet-catalog", &["ratchet-core"]),
         ("ratchet-mcp", &["ratchet-core", "ratchet-tools"]),
         ("ratchet-store-sql", &["ratchet-core", "ratchet-store"]),
+        // The reference model: the contract over plain collections, nothing of SQL.
+        ("ratchet-store-memory", &["ratchet-core", "ratchet-store"]),
         (
             "ratchet-sqlite",
             &["ratchet-core", "ratchet-store", "ratchet-store-sql"],
