@@ -14,8 +14,8 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::client::{Api, ClientError, EventView, IDLE_CHECK, LiveView, RunView, Streamed};
 use ratchet::open_existing_store;
+use ratchet_client::{Api, ClientError, EventView, IDLE_CHECK, LiveView, RunView, Streamed};
 
 /// Lines of stdin, read on their own thread: a blocking read never holds up the runtime,
 /// and one still pending when the command ends does not delay the exit.
@@ -30,14 +30,6 @@ pub fn stdin_lines() -> mpsc::Receiver<std::io::Result<String>> {
         }
     });
     receiver
-}
-
-/// The approval a run waits for, from its `pending_human`.
-pub fn pending(request: Option<&HumanRequest>) -> Option<(&ApprovalId, &[ApprovalCall])> {
-    match request {
-        Some(HumanRequest::Approval { approval_id, calls }) => Some((approval_id, calls)),
-        _ => None,
-    }
 }
 
 /// Shows the gated batch and asks what to do until the answer is one it understands. None
@@ -130,7 +122,8 @@ pub async fn follow_answering(
         let run = api.get_run(run_id).await?;
         match run.status {
             RunStatus::WaitingHuman => {
-                let Some((id, calls)) = pending(run.pending_human.as_ref()) else {
+                let Some((id, calls)) = run.pending_human.as_ref().and_then(HumanRequest::approval)
+                else {
                     return Ok(run);
                 };
                 if !answer(api, id, calls, lines, &mut asked).await? {
@@ -178,10 +171,7 @@ async fn answer(
     let Some(answer) = ask(id, calls, lines).await? else {
         return Ok(false);
     };
-    match api
-        .answer_approval(id.as_str(), &request_body(&answer))
-        .await
-    {
+    match api.answer_approval(id, &answer).await {
         Ok(_) => Ok(true),
         Err(ClientError::Api {
             status, message, ..
@@ -190,14 +180,6 @@ async fn answer(
             Ok(true)
         }
         Err(error) => Err(error.into()),
-    }
-}
-
-/// The body of `POST /v1/approvals/{id}` for an answer.
-pub fn request_body(answer: &ApprovalAnswer) -> Value {
-    match answer {
-        ApprovalAnswer::Abort => json!({"abort": true}),
-        ApprovalAnswer::Decisions(decisions) => json!({"decisions": decisions}),
     }
 }
 
@@ -321,9 +303,7 @@ pub async fn decide(target: Target, args: Decide) -> anyhow::Result<ExitCode> {
     let answer = args.answer()?;
     let status = match target {
         Target::Server(api) => {
-            let answered = api
-                .answer_approval(id.as_str(), &request_body(&answer))
-                .await?;
+            let answered = api.answer_approval(&id, &answer).await?;
             answered["status"].as_str().unwrap_or_default().to_owned()
         }
         Target::Db(db) => {

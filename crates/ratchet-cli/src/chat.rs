@@ -14,8 +14,8 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use ratchet_core::RunStatus;
 use tokio::sync::mpsc;
 
-use crate::client::{Api, EventView, LiveView};
 use crate::drive::{CHILD_SHOWN, show_progress, show_tree_progress};
+use ratchet_client::{Api, EventView, LiveView};
 
 pub struct ChatArgs {
     pub server: String,

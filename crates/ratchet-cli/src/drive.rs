@@ -7,15 +7,15 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::bail;
-use ratchet_core::{AgentState, RunId, RunStatus, SessionId};
+use ratchet_core::{AgentState, HumanRequest, RunId, RunStatus, SessionId};
 use ratchet_engine::{Multitask, PoolConfig};
 use ratchet_store::{Reads, SessionSpec, StoredEvent};
 use serde::Serialize;
 use tokio::sync::broadcast::error::RecvError;
 
 use crate::approve;
-use crate::client::{Api, EventView};
 use ratchet::{Runtime, Schema, ToolOverrides, Toolbox, open_existing_store, open_store};
+use ratchet_client::{Api, EventView};
 
 /// How often a driver re-reads the store: events of its run may never reach its bus (another
 /// process may execute a step) and a wake-up may be missed.
@@ -180,7 +180,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
         // The run, or a run its delegations started, may wait for a person.
         if let Some(waiting) = waiting_for_human(coordinator.store().as_ref(), &state).await? {
-            let Some((id, calls)) = approve::pending(waiting.pending_human.as_ref()) else {
+            let Some((id, calls)) =
+                (waiting.pending_human.as_ref()).and_then(HumanRequest::approval)
+            else {
                 break state;
             };
             let lines = answers.get_or_insert_with(approve::stdin_lines);

@@ -3,14 +3,7 @@
 
 mod agents;
 mod approve;
-mod bench;
-mod bench_commits;
-mod bench_memory;
-mod bench_recovery;
-mod bench_sse;
-mod bench_webhooks;
 mod chat;
-mod client;
 mod dead_letters;
 mod drive;
 mod inspect;
@@ -21,7 +14,7 @@ mod serve;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
@@ -285,10 +278,12 @@ enum Command {
         #[command(subcommand)]
         command: AgentsCommand,
     },
-    /// Measure the runtime.
+    /// Measure the runtime: runs the `ratchet-bench` program beside this one with the same
+    /// arguments (`ratchet bench --help` lists the benchmarks).
+    #[command(disable_help_flag = true)]
     Bench {
-        #[command(subcommand)]
-        command: BenchCommand,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<std::ffi::OsString>,
     },
 }
 
@@ -394,7 +389,7 @@ impl ServerOrDb {
     fn target(self) -> anyhow::Result<approve::Target> {
         Ok(match self.server {
             Some(server) => {
-                approve::Target::Server(client::Api::new(&server, self.token.token, 2)?)
+                approve::Target::Server(ratchet_client::Api::new(&server, self.token.token, 2)?)
             }
             None => approve::Target::Db(self.db.db),
         })
@@ -485,110 +480,6 @@ enum AgentsCommand {
         /// definitions may name.
         #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
-    },
-}
-
-#[derive(Debug, Subcommand)]
-enum BenchCommand {
-    /// The disk's own limit: fsynced single-row SQLite commits per second (WAL, FULL).
-    Commits {
-        #[arg(long, default_value_t = 3000)]
-        count: u32,
-        #[arg(long)]
-        json: bool,
-    },
-    /// Durable steps per second: N runs, C at a time, each K tool round-trips and an answer;
-    /// with the disk's own commit rate beside them (SQLite) and the database bytes per step.
-    Steps {
-        /// Database URL; a fresh temporary SQLite file when absent.
-        #[arg(long)]
-        db: Option<String>,
-        #[arg(long, default_value_t = 200)]
-        runs: usize,
-        #[arg(long, default_value_t = 100)]
-        concurrency: usize,
-        #[arg(long, default_value_t = 5)]
-        turns: usize,
-        /// Run the steps in this many `ratchet worker` processes on the same database instead
-        /// of in this one (which then only submits and watches); needs a database that tells
-        /// other processes of its changes (postgres://).
-        #[arg(long, default_value_t = 0)]
-        worker_processes: usize,
-        /// Fsynced single-row commits measured in the database's directory before the runs,
-        /// for the disk's own rate (SQLite only).
-        #[arg(long, default_value_t = 1000)]
-        commits: u32,
-        /// A webhook receiving every event, from a receiver in this process that answers at
-        /// once or never.
-        #[arg(long, value_enum, default_value = "none")]
-        webhook: bench_webhooks::WebhookLoad,
-        /// The event kinds the webhook is sent, comma-separated (every kind when absent).
-        #[arg(long, value_delimiter = ',')]
-        webhook_events: Option<Vec<String>>,
-        #[arg(long)]
-        json: bool,
-    },
-    /// Recovery after SIGKILL: N runs in flight in a `ratchet worker` that is killed, then
-    /// carried on by a fresh worker; time from the kill until each went on and completed.
-    Recovery {
-        /// Database URL; a fresh temporary SQLite file when absent.
-        #[arg(long)]
-        db: Option<String>,
-        /// Runs in flight when the worker is killed.
-        #[arg(long)]
-        runs: usize,
-        /// How long the step in flight takes (a tool call that sleeps); it is done again
-        /// after the kill, and must outlast getting every run into it.
-        #[arg(long, value_name = "MS", default_value_t = 2000)]
-        step_ms: u64,
-        /// The workers' lease (default 15000, as `ratchet worker`'s).
-        #[arg(long, value_name = "MS")]
-        lease_ms: Option<u64>,
-        /// Start the fresh worker before the kill, as another machine's would be: it takes
-        /// the steps over when their leases expire. Without it, the fresh worker starts after
-        /// the kill on this machine and frees the dead process's leases at once.
-        #[arg(long)]
-        takeover: bool,
-        #[arg(long)]
-        json: bool,
-    },
-    /// Resident memory of a server per idle session and per run waiting for an approval.
-    Memory {
-        /// Database URL; a fresh temporary SQLite file when absent.
-        #[arg(long)]
-        db: Option<String>,
-        /// Sessions created (each with one completed run, then one waiting run).
-        #[arg(long)]
-        sessions: usize,
-        #[arg(long)]
-        json: bool,
-    },
-    /// Event delivery over SSE: N subscribers on one session's stream while R runs go by; or
-    /// the memory M clients cost that ask for a large backlog and never read it.
-    Sse {
-        /// The server's URL; an in-process server on a temporary database when absent.
-        #[arg(long, value_name = "URL")]
-        server: Option<String>,
-        #[command(flatten)]
-        token: TokenArg,
-        /// Clients following the session's event stream at once.
-        #[arg(long, required_unless_present = "stalled_subscribers")]
-        subscribers: Option<usize>,
-        /// Runs driven in the session, one after another.
-        #[arg(long, default_value_t = 5)]
-        runs: usize,
-        /// Clients that ask for the session's event stream and never read it.
-        #[arg(long, conflicts_with = "subscribers", requires = "backlog_bytes")]
-        stalled_subscribers: Option<usize>,
-        /// The session's backlog the stalled clients ask for, built with 900 KiB messages.
-        #[arg(long, requires = "stalled_subscribers")]
-        backlog_bytes: Option<u64>,
-        /// The process of `--server`, whose memory a stalled bench reads.
-        #[arg(long, requires = "server")]
-        server_pid: Option<u32>,
-        /// Print the figures as one JSON object.
-        #[arg(long)]
-        json: bool,
     },
 }
 
@@ -919,86 +810,28 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Agents {
             command: AgentsCommand::Check { dir, config },
         } => agents::check(&dir, config.as_deref()).await,
-        Command::Bench {
-            command: BenchCommand::Commits { count, json },
-        } => bench_commits::commits(count, json),
-        Command::Bench {
-            command:
-                BenchCommand::Steps {
-                    db,
-                    runs,
-                    concurrency,
-                    turns,
-                    worker_processes,
-                    commits,
-                    webhook,
-                    webhook_events,
-                    json,
-                },
-        } => {
-            bench::steps(bench::StepsArgs {
-                db,
-                runs,
-                concurrency,
-                turns,
-                worker_processes,
-                commits,
-                webhook,
-                webhook_events,
-                json,
-            })
-            .await
-        }
-        Command::Bench {
-            command:
-                BenchCommand::Recovery {
-                    db,
-                    runs,
-                    step_ms,
-                    lease_ms,
-                    takeover,
-                    json,
-                },
-        } => {
-            bench_recovery::recovery(bench_recovery::RecoveryArgs {
-                db,
-                runs,
-                step_ms,
-                lease_ms,
-                takeover,
-                json,
-            })
-            .await
-        }
-        Command::Bench {
-            command: BenchCommand::Memory { db, sessions, json },
-        } => bench_memory::memory(bench_memory::MemoryArgs { db, sessions, json }).await,
-        Command::Bench {
-            command:
-                BenchCommand::Sse {
-                    server,
-                    token,
-                    subscribers,
-                    runs,
-                    stalled_subscribers,
-                    backlog_bytes,
-                    server_pid,
-                    json,
-                },
-        } => {
-            bench_sse::sse(bench_sse::SseArgs {
-                server,
-                token: token.token,
-                subscribers,
-                runs,
-                stalled: stalled_subscribers.map(|subscribers| bench_sse::StalledArgs {
-                    subscribers,
-                    backlog_bytes: backlog_bytes.unwrap_or_default(),
-                    server_pid,
-                }),
-                json,
-            })
-            .await
-        }
+        Command::Bench { args } => bench(args),
     }
+}
+
+/// `ratchet bench ARGS…`: the benchmarks are a program of their own, `ratchet-bench`, so that
+/// none of them is compiled into this one; it is looked for beside this program.
+fn bench(args: Vec<std::ffi::OsString>) -> anyhow::Result<ExitCode> {
+    let own = std::env::current_exe().context("cannot find this program's own path")?;
+    let program = own.with_file_name(format!("ratchet-bench{}", std::env::consts::EXE_SUFFIX));
+    if !program.is_file() {
+        bail!(
+            "`ratchet bench` runs {}, which is not there; build it with `cargo build --release \
+             -p ratchet-bench` (or run `cargo run --release -p ratchet-bench -- …`)",
+            program.display()
+        );
+    }
+    let status = std::process::Command::new(&program)
+        .args(args)
+        .status()
+        .with_context(|| format!("cannot run {}", program.display()))?;
+    Ok(match status.code() {
+        Some(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        None => ExitCode::FAILURE,
+    })
 }

@@ -279,6 +279,16 @@ pub enum HumanRequest {
     },
 }
 
+impl HumanRequest {
+    /// The approval asked for, with the calls it gates; None for a reconciliation.
+    pub fn approval(&self) -> Option<(&ApprovalId, &[ApprovalCall])> {
+        match self {
+            HumanRequest::Approval { approval_id, calls } => Some((approval_id, calls)),
+            HumanRequest::Reconciliation { .. } => None,
+        }
+    }
+}
+
 /// A started call whose outcome nobody knows.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UnknownCall {

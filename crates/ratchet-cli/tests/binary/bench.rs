@@ -1,7 +1,7 @@
-//! The `ratchet bench` subcommands, run for real at tiny sizes: each must finish, print one
-//! well-formed report, and report figures that agree with what it did (counts match, rates
-//! and sizes are positive, derived figures are computed from the measured ones). How fast
-//! anything is is never checked here.
+//! The `ratchet bench` subcommands (the `ratchet-bench` program, run through `ratchet`), run
+//! for real at tiny sizes: each must finish, print one well-formed report, and report figures
+//! that agree with what it did (counts match, rates and sizes are positive, derived figures
+//! are computed from the measured ones). How fast anything is is never checked here.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -336,4 +336,23 @@ fn benches_refuse_sizes_that_measure_nothing() {
             stderr_of(&output)
         );
     }
+}
+
+/// `ratchet bench` runs the `ratchet-bench` program beside it; without one it says how to
+/// build it, and exits 1.
+#[test]
+fn bench_without_the_bench_program_beside_it_says_how_to_build_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let alone = dir.path().join("ratchet");
+    std::fs::copy(env!("CARGO_BIN_EXE_ratchet"), &alone).unwrap();
+    let mut command = Command::new(&alone);
+    command.args(["bench", "commits", "--count", "5"]);
+    let output = output_within_deadline(&mut command, "");
+    assert_eq!(output.status.code(), Some(1), "{}", stderr_of(&output));
+    let said = stderr_of(&output);
+    assert!(
+        said.contains("cargo build --release -p ratchet-bench")
+            && said.contains(&dir.path().join("ratchet-bench").display().to_string()),
+        "{said}"
+    );
 }

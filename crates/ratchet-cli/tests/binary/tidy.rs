@@ -274,6 +274,22 @@ fn crates_depend_only_along_the_layers() {
                 "ratchet-server",
             ],
         ),
+        // The HTTP API's Rust client: the API's shapes, nothing of the server.
+        ("ratchet-client", &["ratchet-core", "ratchet-llm"]),
+        // The benchmarks: a program of their own over the library, never linked into `ratchet`.
+        (
+            "ratchet-bench",
+            &[
+                "ratchet",
+                "ratchet-core",
+                "ratchet-store",
+                "ratchet-sqlite",
+                "ratchet-engine",
+                "ratchet-server",
+                "ratchet-webhooks",
+                "ratchet-client",
+            ],
+        ),
         // The chaos program sees what users and operators see: the HTTP API, the event
         // streams and the store's reads; never the engine.
         (
@@ -304,6 +320,24 @@ fn crates_depend_only_along_the_layers() {
                 "{krate} must not depend on {dep}"
             );
         }
+    }
+}
+
+/// The benchmarks are a program of their own: nothing of them is compiled into `ratchet`.
+#[test]
+fn the_benchmarks_are_not_linked_into_ratchet() {
+    assert!(
+        !dependencies("ratchet-cli").contains(&"ratchet-bench".to_owned()),
+        "ratchet-cli depends on ratchet-bench; `ratchet bench` runs the ratchet-bench program"
+    );
+    let sources = rust_files(&workspace().join("crates/ratchet-cli/src"));
+    for file in sources {
+        let name = file.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(
+            !name.starts_with("bench"),
+            "{} is a benchmark in ratchet-cli; benchmarks live in ratchet-bench",
+            file.display()
+        );
     }
 }
 

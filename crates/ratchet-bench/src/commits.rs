@@ -9,7 +9,7 @@ use std::process::ExitCode;
 use anyhow::{Context, bail};
 use serde_json::json;
 
-use crate::bench::print_report;
+use crate::report::print_report;
 
 pub fn commits(count: u32, json: bool) -> anyhow::Result<ExitCode> {
     if count == 0 {

@@ -30,9 +30,9 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::bench::{percentile, print_report};
-use crate::client::{self, Api, ClientError};
+use crate::report::{percentile, print_report};
 use ratchet::{Runtime, Schema, Toolbox, open_store};
+use ratchet_client::{self as client, Api, ClientError};
 
 /// Subscribers connecting at the same time (the rest wait their turn), so a thousand of
 /// them do not overflow the server's accept queue at once.
@@ -42,21 +42,56 @@ const CONNECTING_AT_ONCE: usize = 64;
 const CONNECT_DEADLINE: Duration = Duration::from_secs(60);
 const DELIVERY_DEADLINE: Duration = Duration::from_secs(60);
 
+#[derive(Debug, clap::Args)]
 pub struct SseArgs {
+    /// The server's URL; an in-process server on a temporary database when absent.
+    #[arg(long, value_name = "URL")]
     pub server: Option<String>,
+    /// Bearer token for the server.
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        env = "RATCHET_TOKEN",
+        hide_env_values = true
+    )]
     pub token: Option<String>,
+    /// Clients following the session's event stream at once.
+    #[arg(long, required_unless_present = "stalled_subscribers")]
     pub subscribers: Option<usize>,
+    /// Runs driven in the session, one after another.
+    #[arg(long, default_value_t = 5)]
     pub runs: usize,
-    pub stalled: Option<StalledArgs>,
+    /// Clients that ask for the session's event stream and never read it.
+    #[arg(long, conflicts_with = "subscribers", requires = "backlog_bytes")]
+    pub stalled_subscribers: Option<usize>,
+    /// The session's backlog the stalled clients ask for, built with 900 KiB messages.
+    #[arg(long, requires = "stalled_subscribers")]
+    pub backlog_bytes: Option<u64>,
+    /// The process of `--server`, whose memory a stalled bench reads.
+    #[arg(long, requires = "server")]
+    pub server_pid: Option<u32>,
+    /// Print the figures as one JSON object.
+    #[arg(long)]
     pub json: bool,
 }
 
+impl SseArgs {
+    /// What stalled clients to measure, when the bench measures them.
+    fn stalled(&self) -> Option<StalledArgs> {
+        Some(StalledArgs {
+            subscribers: self.stalled_subscribers?,
+            backlog_bytes: self.backlog_bytes.unwrap_or_default(),
+            server_pid: self.server_pid,
+        })
+    }
+}
+
 /// `--stalled-subscribers`, `--backlog-bytes`, `--server-pid`.
-pub struct StalledArgs {
-    pub subscribers: usize,
-    pub backlog_bytes: u64,
+struct StalledArgs {
+    subscribers: usize,
+    backlog_bytes: u64,
     /// The server's process, when it is not this one.
-    pub server_pid: Option<u32>,
+    server_pid: Option<u32>,
 }
 
 /// The size of each message that builds a stalled bench's backlog: large, as an attacker's
@@ -75,7 +110,7 @@ struct Delivery {
 }
 
 pub async fn sse(args: SseArgs) -> anyhow::Result<ExitCode> {
-    match (&args.stalled, args.subscribers) {
+    match (args.stalled(), args.subscribers) {
         (Some(stalled), None) => {
             if stalled.subscribers == 0 || stalled.backlog_bytes == 0 {
                 bail!("--stalled-subscribers and --backlog-bytes must be at least 1");
@@ -92,8 +127,7 @@ pub async fn sse(args: SseArgs) -> anyhow::Result<ExitCode> {
         (Some(_), Some(_)) => bail!("give --subscribers or --stalled-subscribers, not both"),
         (None, None) => bail!("give --subscribers (following clients) or --stalled-subscribers"),
     }
-    let room =
-        (args.stalled.as_ref()).map_or(args.subscribers.unwrap_or_default(), |s| s.subscribers);
+    let room = (args.stalled()).map_or(args.subscribers.unwrap_or_default(), |s| s.subscribers);
     let local = match &args.server {
         Some(_) => None,
         None => Some(LocalServer::start(room).await?),
@@ -103,15 +137,15 @@ pub async fn sse(args: SseArgs) -> anyhow::Result<ExitCode> {
         (None, Some(local)) => local.url.clone(),
         (None, None) => unreachable!("a local server is started when none is given"),
     };
-    let outcome = match &args.stalled {
-        Some(stalled) => measure_stalled(&args, stalled, &server).await,
+    let outcome = match args.stalled() {
+        Some(stalled) => measure_stalled(&args, &stalled, &server).await,
         None => measure(&args, &server).await,
     };
     if let Some(local) = local {
         local.stop().await;
     }
     let report = outcome?;
-    if args.stalled.is_some() {
+    if args.stalled().is_some() {
         return print_report(&report, args.json, || {
             format!(
                 "{} stalled subscribers on a {:.1} MB backlog: resident memory {:.0} MB before, {:.0} MB at the peak (+{:.0} MB), {:.0} MB after they left",
@@ -365,7 +399,7 @@ impl Backlog {
 
 /// The resident memory of process `pid` in MB (`VmRSS`).
 fn resident_mb(pid: u32) -> anyhow::Result<f64> {
-    Ok(crate::bench::process_memory_bytes(pid, "VmRSS")? as f64 / 1e6)
+    Ok(crate::report::process_memory_bytes(pid, "VmRSS")? as f64 / 1e6)
 }
 
 /// One subscriber: connects (signalling `ready` once the server is subscribed), then
@@ -438,7 +472,7 @@ impl LocalServer {
     /// own even past its default limits.
     async fn start(room: usize) -> anyhow::Result<LocalServer> {
         let scratch = tempfile::tempdir().context("cannot create a scratch directory")?;
-        let model = crate::bench::scripted_model(
+        let model = crate::report::scripted_model(
             scratch.path(),
             json!([
                 {"text": "Let me add those.", "tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}]},

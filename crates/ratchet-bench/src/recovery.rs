@@ -30,7 +30,7 @@ use ratchet_engine::{Coordinator, Multitask, PoolConfig};
 use ratchet_store::{Reads, SessionSpec};
 use serde_json::json;
 
-use crate::bench::{
+use crate::report::{
     percentile, print_report, scratch_database, scripted_model, scripted_run_config, start_process,
 };
 use ratchet::{Runtime, Schema, open_store};
@@ -44,12 +44,27 @@ const POLL: Duration = Duration::from_millis(20);
 const SUBMITTING_AT_ONCE: usize = 64;
 const WORKER_READY: &str = "ratchet worker on database";
 
+#[derive(Debug, clap::Args)]
 pub struct RecoveryArgs {
+    /// Database URL; a fresh temporary SQLite file when absent.
+    #[arg(long)]
     pub db: Option<String>,
+    /// Runs in flight when the worker is killed.
+    #[arg(long)]
     pub runs: usize,
+    /// How long the step in flight takes (a tool call that sleeps); it is done again
+    /// after the kill, and must outlast getting every run into it.
+    #[arg(long, value_name = "MS", default_value_t = 2000)]
     pub step_ms: u64,
+    /// The workers' lease (default 15000, as `ratchet worker`'s).
+    #[arg(long, value_name = "MS")]
     pub lease_ms: Option<u64>,
+    /// Start the fresh worker before the kill, as another machine's would be: it takes
+    /// the steps over when their leases expire. Without it, the fresh worker starts after
+    /// the kill on this machine and frees the dead process's leases at once.
+    #[arg(long)]
     pub takeover: bool,
+    #[arg(long)]
     pub json: bool,
 }
 

@@ -8,31 +8,29 @@
 //! rate of fsynced single-row commits, measured in the database's directory just before the
 //! runs (steps/s ÷ commits/s shows what group commit gains); on every store, the bytes the
 //! database grew by per committed step.
-//!
-//! The helpers every `bench` subcommand shares live here too: one way to print a report, one
-//! way to take percentiles, and starting a `ratchet` child process.
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::process::ExitCode;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use ratchet_core::{Limits, MemoryScope, RunConfigSnapshot, RunStatus, SessionId};
+use ratchet_core::{Limits, RunStatus, SessionId};
 use ratchet_engine::{Multitask, PoolConfig};
 use ratchet_store::SessionSpec;
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::{Semaphore, broadcast::error::RecvError, oneshot};
 
-use crate::bench_webhooks::WebhookLoad;
 use ratchet::{
-    Runtime, Schema, Toolbox, announces_changes, database_bytes, database_directory,
-    open_sealed_store,
+    Runtime, Schema, announces_changes, database_bytes, database_directory, open_sealed_store,
 };
+
+use crate::report::{
+    percentile, print_report, process_memory_bytes, scratch_database, scripted_model,
+    scripted_run_config, start_process,
+};
+use crate::webhooks::WebhookLoad;
 
 /// How long one run may take before the benchmark gives up on it. Generous: at a thousand
 /// runs at a time on a slow store, each run waits behind all the others.
@@ -41,18 +39,34 @@ const RUN_DEADLINE: Duration = Duration::from_secs(600);
 /// run's end (see `steps`).
 const STORE_CHECK: Duration = Duration::from_millis(500);
 
+#[derive(Debug, clap::Args)]
 pub struct StepsArgs {
+    /// Database URL; a fresh temporary SQLite file when absent.
+    #[arg(long)]
     pub db: Option<String>,
+    #[arg(long, default_value_t = 200)]
     pub runs: usize,
+    #[arg(long, default_value_t = 100)]
     pub concurrency: usize,
+    #[arg(long, default_value_t = 5)]
     pub turns: usize,
+    /// Run the steps in this many `ratchet worker` processes on the same database instead
+    /// of in this one (which then only submits and watches); needs a database that tells
+    /// other processes of its changes (postgres://).
+    #[arg(long, default_value_t = 0)]
     pub worker_processes: usize,
-    /// Single-row commits measured beside the runs (SQLite only).
+    /// Fsynced single-row commits measured in the database's directory before the runs,
+    /// for the disk's own rate (SQLite only).
+    #[arg(long, default_value_t = 1000)]
     pub commits: u32,
-    /// A webhook receiving the runs' events, and how its receiver behaves.
+    /// A webhook receiving every event, from a receiver in this process that answers at
+    /// once or never.
+    #[arg(long, value_enum, default_value = "none")]
     pub webhook: WebhookLoad,
-    /// The event kinds the webhook is sent; every kind when None.
+    /// The event kinds the webhook is sent, comma-separated (every kind when absent).
+    #[arg(long, value_delimiter = ',')]
     pub webhook_events: Option<Vec<String>>,
+    #[arg(long)]
     pub json: bool,
 }
 
@@ -112,7 +126,7 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     let runtime = Runtime::new(open_sealed_store(&db, Schema::Migrate, keyring)?, toolbox);
     let bytes_before = database_bytes(&db)?;
     let coordinator = Arc::clone(&runtime.coordinator);
-    let observer = crate::bench_webhooks::attach(
+    let observer = crate::webhooks::attach(
         args.webhook,
         args.webhook_events.clone(),
         runtime.webhooks.as_ref(),
@@ -365,21 +379,6 @@ pub async fn steps(args: StepsArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// A memory figure of process `pid` in bytes — `VmRSS` (resident now) or `VmHWM` (the peak
-/// of resident memory) — from Linux's `/proc/PID/status`.
-pub fn process_memory_bytes(pid: u32, field: &str) -> anyhow::Result<u64> {
-    let path = format!("/proc/{pid}/status");
-    let status = std::fs::read_to_string(&path)
-        .with_context(|| format!("cannot read {path} (the benchmarks need Linux's /proc)"))?;
-    let kib = status
-        .lines()
-        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
-        .and_then(|value| value.trim().strip_suffix("kB"))
-        .and_then(|value| value.trim().parse::<u64>().ok())
-        .with_context(|| format!("{path} has no `{field}: N kB` line"))?;
-    Ok(kib * 1024)
-}
-
 /// The CPU time (user and system, every thread) this process has used, from Linux's
 /// `/proc/self/stat`, in its clock ticks of 10 ms.
 fn cpu_time() -> anyhow::Result<Duration> {
@@ -399,110 +398,4 @@ fn cpu_time() -> anyhow::Result<Duration> {
             .with_context(|| format!("/proc/self/stat field {field:?} is not a tick count"))
     };
     Ok(Duration::from_millis((ticks(11)? + ticks(12)?) * 10))
-}
-
-/// The value at quantile `p` (0 to 1) of ascending `sorted` values; 0 when there are none.
-/// A scratch directory for a benchmark, and the database it runs on: `db`, or a new SQLite
-/// file in that directory.
-pub fn scratch_database(db: Option<&str>) -> anyhow::Result<(tempfile::TempDir, String)> {
-    let scratch = tempfile::tempdir().context("cannot create a scratch directory")?;
-    let db = db.map_or_else(
-        || format!("sqlite://{}", scratch.path().join("bench.db").display()),
-        str::to_owned,
-    );
-    Ok((scratch, db))
-}
-
-/// A bare run configuration over the built-in tools for a scripted model, and the toolbox it
-/// runs with: no system prompt and no workspace, so a benchmark measures the runtime alone.
-pub fn scripted_run_config(
-    model: String,
-    limits: Limits,
-) -> anyhow::Result<(Toolbox, RunConfigSnapshot)> {
-    let toolbox = Toolbox::new();
-    toolbox.models.resolve(&model)?;
-    let config = RunConfigSnapshot {
-        model,
-        model_settings: None,
-        workspace: None,
-        system_prompt: String::new(),
-        tools: toolbox.tools.specs(),
-        limits,
-        memory_scope: MemoryScope::Session,
-        ..RunConfigSnapshot::default()
-    };
-    Ok((toolbox, config))
-}
-
-/// Writes the scripted model's `replies` into `dir`; returns the model's spec.
-pub fn scripted_model(dir: &std::path::Path, replies: Value) -> anyhow::Result<String> {
-    let script = dir.join("script.json");
-    std::fs::write(&script, json!({"replies": replies}).to_string())?;
-    Ok(format!("scripted:{}", script.display()))
-}
-
-pub fn percentile(sorted: &[f64], p: f64) -> f64 {
-    let index = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted.get(index).copied().unwrap_or_default()
-}
-
-/// How every benchmark reports: its figures as one JSON object with `--json`, else one line
-/// for people.
-pub fn print_report(
-    report: &Value,
-    json: bool,
-    line: impl FnOnce() -> String,
-) -> anyhow::Result<ExitCode> {
-    let mut out = std::io::stdout().lock();
-    if json {
-        writeln!(out, "{report}")?;
-    } else {
-        writeln!(out, "{}", line())?;
-    }
-    Ok(ExitCode::SUCCESS)
-}
-
-/// Starts `ratchet ARGS…` and waits until it prints a line starting with `ready` on stderr,
-/// which is returned: a benchmark's clock must not include a process starting. Earlier lines
-/// are shown prefixed with `name`; later output is read and dropped. The child is killed if
-/// dropped.
-pub async fn start_process(
-    name: &str,
-    args: &[&str],
-    ready: &str,
-) -> anyhow::Result<(tokio::process::Child, String)> {
-    let mut child = tokio::process::Command::new(std::env::current_exe()?)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("cannot start a {name} process"))?;
-    let stderr = child
-        .stderr
-        .take()
-        .with_context(|| format!("a {name}'s stderr"))?;
-    let mut lines = BufReader::new(stderr).lines();
-    let started = tokio::time::timeout(Duration::from_secs(30), async {
-        while let Some(line) = lines.next_line().await? {
-            if line.starts_with(ready) {
-                return anyhow::Ok(Some(line));
-            }
-            eprintln!("{name}: {line}");
-        }
-        anyhow::Ok(None)
-    })
-    .await;
-    let line = match started {
-        Ok(Ok(Some(line))) => line,
-        Ok(Ok(None)) => bail!(
-            "a {name} process exited before it started: {}",
-            child.wait().await?
-        ),
-        Ok(Err(error)) => return Err(error.context(format!("cannot read a {name}'s output"))),
-        Err(_) => bail!("a {name} process did not start within 30 s"),
-    };
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok((child, line))
 }

@@ -1,12 +1,11 @@
-//! A small client of Ratchet's HTTP API, for `run --server`, `chat` and `bench sse`: JSON
-//! calls, event streams that reconnect with `Last-Event-ID`, and a Server-Sent Events parser
-//! that follows the WHATWG rules.
+//! A small Rust client of Ratchet's HTTP API, for the CLI (`run --server`, `chat`,
+//! `approvals`) and the benchmarks: JSON calls, event streams that reconnect with
+//! `Last-Event-ID`, and a Server-Sent Events parser that follows the WHATWG rules.
 
 use std::collections::VecDeque;
-use std::fmt;
 use std::time::Duration;
 
-use ratchet_core::{RunStatus, StopReason};
+use ratchet_core::{ApprovalAnswer, ApprovalId, RunStatus, StopReason};
 use reqwest::StatusCode;
 use reqwest::header::{ACCEPT, CONTENT_TYPE};
 use serde::Deserialize;
@@ -28,50 +27,41 @@ const MAX_RECONNECT_DELAY: Duration = Duration::from_secs(5);
 /// a stream is given up.
 const MAX_RECONNECTS: u32 = 12;
 /// How long `follow_run` waits on a silent stream before asking for the run's state.
-pub(crate) const IDLE_CHECK: Duration = Duration::from_secs(30);
+pub const IDLE_CHECK: Duration = Duration::from_secs(30);
 
 /// Why a call to the server failed.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// A server address that is not an `http://` or `https://` URL.
+    #[error("{0}")]
+    Invalid(String),
     /// No HTTP answer: refused, unresolvable, timed out, or the connection broke.
+    #[error(
+        "cannot reach the Ratchet server at {server}: {reason} (is `ratchet serve` running there?)"
+    )]
     Unreachable { server: String, reason: String },
     /// The API answered with an error status and (usually) its `{"error": …}` body.
+    #[error("{}", refusal(*status, code, message))]
     Api {
         status: StatusCode,
         code: String,
         message: String,
     },
     /// An answer that is not what the API sends.
+    #[error("unexpected answer from the server: {0}")]
     Protocol(String),
 }
 
-impl fmt::Display for ClientError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ClientError::Unreachable { server, reason } => write!(
-                f,
-                "cannot reach the Ratchet server at {server}: {reason} (is `ratchet serve` running there?)"
-            ),
-            ClientError::Api {
-                status,
-                code,
-                message,
-            } => {
-                write!(f, "the server answered {status}: {message}")?;
-                if !code.is_empty() {
-                    write!(f, " ({code})")?;
-                }
-                if *status == StatusCode::UNAUTHORIZED {
-                    write!(f, "; give a valid token with --token or RATCHET_TOKEN")?;
-                }
-                Ok(())
-            }
-            ClientError::Protocol(what) => write!(f, "unexpected answer from the server: {what}"),
-        }
+fn refusal(status: StatusCode, code: &str, message: &str) -> String {
+    let mut said = format!("the server answered {status}: {message}");
+    if !code.is_empty() {
+        said.push_str(&format!(" ({code})"));
     }
+    if status == StatusCode::UNAUTHORIZED {
+        said.push_str("; give a valid token with --token or RATCHET_TOKEN");
+    }
+    said
 }
-
-impl std::error::Error for ClientError {}
 
 /// A session as the API returns it (the fields this client reads).
 #[derive(Debug, Clone, Deserialize)]
@@ -137,7 +127,11 @@ pub struct Api {
 impl Api {
     /// `server` is `http(s)://HOST:PORT` (a bare `HOST:PORT` means `http://`). `connections`
     /// sizes the pool for that many concurrent streams.
-    pub fn new(server: &str, token: Option<String>, connections: usize) -> anyhow::Result<Api> {
+    pub fn new(
+        server: &str,
+        token: Option<String>,
+        connections: usize,
+    ) -> Result<Api, ClientError> {
         let server = server.trim().trim_end_matches('/');
         let base = if server.contains("://") {
             server.to_owned()
@@ -145,9 +139,11 @@ impl Api {
             format!("http://{server}")
         };
         let url = reqwest::Url::parse(&base)
-            .map_err(|e| anyhow::anyhow!("--server {server:?} is not a URL: {e}"))?;
+            .map_err(|e| ClientError::Invalid(format!("--server {server:?} is not a URL: {e}")))?;
         if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
-            anyhow::bail!("--server {server:?} must be an http:// or https:// URL");
+            return Err(ClientError::Invalid(format!(
+                "--server {server:?} must be an http:// or https:// URL"
+            )));
         }
         let token = token.map(|t| t.trim().to_owned()).filter(|t| !t.is_empty());
         let http = reqwest::Client::builder()
@@ -157,7 +153,7 @@ impl Api {
             .tcp_nodelay(true)
             .user_agent(concat!("ratchet/", env!("CARGO_PKG_VERSION")))
             .build()
-            .map_err(|e| anyhow::anyhow!("cannot build the HTTP client: {e}"))?;
+            .map_err(|e| ClientError::Invalid(format!("cannot build the HTTP client: {e}")))?;
         Ok(Api { http, base, token })
     }
 
@@ -165,7 +161,8 @@ impl Api {
         &self.base
     }
 
-    pub(crate) fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+    /// A request to `path` carrying the token, for what this client has no method for.
+    pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
         let request = self.http.request(method, format!("{}{path}", self.base));
         match &self.token {
             Some(token) => request.bearer_auth(token),
@@ -249,9 +246,18 @@ impl Api {
         }
     }
 
-    pub async fn answer_approval(&self, id: &str, body: &Value) -> Result<Value, ClientError> {
+    /// `POST /v1/approvals/{id}` with `answer`.
+    pub async fn answer_approval(
+        &self,
+        id: &ApprovalId,
+        answer: &ApprovalAnswer,
+    ) -> Result<Value, ClientError> {
+        let body = match answer {
+            ApprovalAnswer::Abort => json!({"abort": true}),
+            ApprovalAnswer::Decisions(decisions) => json!({"decisions": decisions}),
+        };
         let path = format!("/v1/approvals/{id}");
-        self.call(self.request(reqwest::Method::POST, &path).json(body))
+        self.call(self.request(reqwest::Method::POST, &path).json(&body))
             .await
     }
 

@@ -13,7 +13,7 @@ use ratchet_webhooks::{DispatcherConfig, WebhookPolicy};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use crate::bench::percentile;
+use crate::report::percentile;
 
 /// How long the deliveries may take to catch up once the runs have ended.
 const CATCH_UP: Duration = Duration::from_secs(300);

@@ -18,21 +18,26 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use futures::{StreamExt, TryStreamExt};
-use ratchet_core::{ApprovalAnswer, CallDecision, RunStatus, Verdict};
+use ratchet_core::{ApprovalAnswer, CallDecision, HumanRequest, RunStatus, Verdict};
 use serde_json::json;
 
-use crate::approve;
-use crate::bench::{print_report, scratch_database, scripted_model, start_process};
-use crate::client::{self, Api, RunView};
+use crate::report::{print_report, scratch_database, scripted_model, start_process};
 use ratchet::database_bytes;
+use ratchet_client::{self as client, Api, RunView};
 
 /// Sessions driven at once.
 const AT_ONCE: usize = 16;
 const SERVER_READY: &str = "ratchet listening on http://";
 
+#[derive(Debug, clap::Args)]
 pub struct MemoryArgs {
+    /// Database URL; a fresh temporary SQLite file when absent.
+    #[arg(long)]
     pub db: Option<String>,
+    /// Sessions created (each with one completed run, then one waiting run).
+    #[arg(long)]
     pub sessions: usize,
+    #[arg(long)]
     pub json: bool,
 }
 
@@ -45,7 +50,7 @@ struct Stage {
 impl Stage {
     fn now(pid: u32, db: &str) -> anyhow::Result<Stage> {
         Ok(Stage {
-            resident: crate::bench::process_memory_bytes(pid, "VmRSS")?,
+            resident: crate::report::process_memory_bytes(pid, "VmRSS")?,
             database: database_bytes(db)?,
         })
     }
@@ -177,7 +182,8 @@ async fn measure(api: &Api, pid: u32, db: &str, sessions: usize) -> anyhow::Resu
 /// Sends a message, approves the call it waits on, and follows the run to its completion.
 async fn complete_a_run(api: &Api, session: &str) -> anyhow::Result<()> {
     let (run, seen) = run_until_approval(api, session).await?;
-    let (id, calls) = approve::pending(run.pending_human.as_ref())
+    let (id, calls) = (run.pending_human.as_ref())
+        .and_then(HumanRequest::approval)
         .with_context(|| format!("run {} waits, but not for an approval", run.id))?;
     let answer = ApprovalAnswer::Decisions(
         calls
@@ -189,8 +195,7 @@ async fn complete_a_run(api: &Api, session: &str) -> anyhow::Result<()> {
             })
             .collect(),
     );
-    api.answer_approval(id.as_str(), &approve::request_body(&answer))
-        .await?;
+    api.answer_approval(id, &answer).await?;
     let run = client::follow_run(api, &run.id, seen, |_| {}).await?;
     if run.status != RunStatus::Completed {
         bail!(
