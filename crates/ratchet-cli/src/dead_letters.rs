@@ -65,7 +65,7 @@ pub async fn webhook(
 ) -> anyhow::Result<ExitCode> {
     let webhook = WebhookId::parse(webhook)?;
     let mut out = std::io::stdout();
-    let now = ratchet_engine::now_ms();
+    let now = ratchet_engine::Clock::System.now();
     match (target, delivery) {
         (Target::Server(api), Some(delivery)) => {
             let path = format!("/v1/webhooks/{webhook}/deliveries/{delivery}/requeue");

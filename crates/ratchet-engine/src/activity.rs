@@ -17,8 +17,6 @@ use ratchet_store::{ClaimedStep, StoredEvent};
 use serde_json::Value;
 use tokio::sync::broadcast;
 
-use crate::now_ms;
-
 /// Announcements kept for a subscriber that has not read them; one that falls further behind
 /// loses the oldest, which are stale by then anyway.
 const BUFFER: usize = 1024;
@@ -75,13 +73,19 @@ impl ActivityBus {
         (receiver, in_flight)
     }
 
-    pub(crate) fn announce(&self, claimed: &ClaimedStep, activity: &Activity, published: u64) {
+    pub(crate) fn announce(
+        &self,
+        claimed: &ClaimedStep,
+        activity: &Activity,
+        published: u64,
+        at: Millis,
+    ) {
         let state = &claimed.state;
         let announced = LiveActivity {
             session_id: state.session_id.clone(),
             run_id: state.run_id.clone(),
             payload: activity.payload(state, claimed.job.step_index),
-            at: now_ms(),
+            at,
             published_before: published,
         };
         // No subscriber is the common case, not an error: nobody is watching, and the

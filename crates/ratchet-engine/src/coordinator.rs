@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use futures::StreamExt;
 
-use ratchet_core::{MessageId, RunConfigSnapshot, RunId, RunStatus, SessionId, StepResult};
+use ratchet_core::{MessageId, Millis, RunConfigSnapshot, RunId, RunStatus, SessionId, StepResult};
 use ratchet_store::{
     CancelOutcome, Change, ChangeStream, Changes, Claim, ClaimedStep, Commit, Lease, NewRun, Reads,
     Roles, RunQuota, Session, SessionSpec, StoredEvent, WhenBusy, Writes,
@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::activity::{ActivityBus, LiveActivity, Observed};
-use crate::{Result, now_ms};
+use crate::{Clock, Result};
 
 /// Live events; a subscriber that falls this far behind is told it lagged and replays.
 const EVENT_BUFFER: usize = 8192;
@@ -69,6 +69,8 @@ pub struct Coordinator {
     quota: RunQuota,
     /// What the steps in flight here are doing; never stored (see `activity.rs`).
     activity: ActivityBus,
+    /// What time it is for everything this process stamps and measures.
+    clock: Clock,
     /// Stored events sent on the observation bus so far; held while one is sent, so a
     /// subscriber knows exactly which ones it will receive.
     published: Mutex<u64>,
@@ -91,6 +93,12 @@ impl Coordinator {
 
     /// A Coordinator that admits new runs only within `quota`.
     pub fn with_quota(store: impl Into<Roles>, quota: RunQuota) -> Arc<Coordinator> {
+        Coordinator::with_clock(store, quota, Clock::System)
+    }
+
+    /// A Coordinator that admits new runs only within `quota` and reads the time from
+    /// `clock`, as do the engine and the workers it serves.
+    pub fn with_clock(store: impl Into<Roles>, quota: RunQuota, clock: Clock) -> Arc<Coordinator> {
         let Roles {
             reads,
             writes,
@@ -107,12 +115,18 @@ impl Coordinator {
             dropped: CancellationToken::new(),
             quota,
             activity: ActivityBus::new(),
+            clock,
             published: Mutex::new(0),
         })
     }
 
     pub fn quota(&self) -> RunQuota {
         self.quota
+    }
+
+    /// Now, in milliseconds since the epoch, by this process's clock.
+    pub fn now(&self) -> Millis {
+        self.clock.now()
     }
 
     /// Relays what other processes sharing the database commit, when the store can tell
@@ -162,7 +176,8 @@ impl Coordinator {
     /// Tells whoever watches the claimed step's session what the step is about to do.
     pub fn announce(&self, claimed: &ClaimedStep, activity: &ratchet_core::Activity) {
         let published = self.published.lock().unwrap_or_else(|e| e.into_inner());
-        self.activity.announce(claimed, activity, *published);
+        self.activity
+            .announce(claimed, activity, *published, self.clock.now());
     }
 
     /// Whether `activity` is still what its run's step in flight here last announced (a
@@ -174,7 +189,7 @@ impl Coordinator {
     pub async fn create_session(&self, spec: SessionSpec) -> Result<Session> {
         let id = SessionId::from_suffix(&fresh_suffix())
             .map_err(|e| crate::Error::Invalid(e.to_string()))?;
-        Ok(self.writes.create_session(&id, spec, now_ms()).await?)
+        Ok(self.writes.create_session(&id, spec, self.now()).await?)
     }
 
     /// Renames a session (`title`, already checked by the caller). No event: a title is
@@ -209,7 +224,7 @@ impl Coordinator {
             },
             quota: self.quota,
         };
-        let submitted = self.writes.submit_message(new, now_ms()).await?;
+        let submitted = self.writes.submit_message(new, self.now()).await?;
         self.publish(submitted.events);
         if let Some(interrupted) = &submitted.interrupted {
             let token = self
@@ -238,7 +253,7 @@ impl Coordinator {
         lease: Lease,
         run: Option<&RunId>,
     ) -> Result<Option<ClaimedStep>> {
-        Ok(self.writes.claim_next(lease, run, now_ms()).await?)
+        Ok(self.writes.claim_next(lease, run, self.now()).await?)
     }
 
     pub async fn heartbeat(&self, claim: &Claim, lease: &Lease) -> Result<bool> {
@@ -257,7 +272,7 @@ impl Coordinator {
         fail::fail_point!("step.before_commit", |_| std::process::abort());
         let commit = self
             .writes
-            .commit_step_within(claim, result, continue_with, self.quota, now_ms())
+            .commit_step_within(claim, result, continue_with, self.quota, self.now())
             .await;
         self.activity.step_over(&claim.run_id);
         let mut commit = commit?;
@@ -283,7 +298,7 @@ impl Coordinator {
     ) -> Result<bool> {
         let events = self
             .writes
-            .retry_later(claim, available_at, event, now_ms())
+            .retry_later(claim, available_at, event, self.now())
             .await;
         self.activity.step_over(&claim.run_id);
         let events = events?;
@@ -300,7 +315,7 @@ impl Coordinator {
     ) -> Result<()> {
         let stored = self
             .writes
-            .append_events(session_id, run_id, events, now_ms())
+            .append_events(session_id, run_id, events, self.now())
             .await?;
         self.publish(stored);
         Ok(())
@@ -316,7 +331,7 @@ impl Coordinator {
     ) -> Result<Vec<u32>> {
         let recorded = self
             .writes
-            .record_intents(claim, intents, events, now_ms())
+            .record_intents(claim, intents, events, self.now())
             .await?;
         self.publish(recorded.events);
         Ok(recorded.attempts)
@@ -330,7 +345,7 @@ impl Coordinator {
     ) -> Result<()> {
         Ok(self
             .writes
-            .record_outcome(claim, slot, outcome, now_ms())
+            .record_outcome(claim, slot, outcome, self.now())
             .await?)
     }
 
@@ -340,7 +355,7 @@ impl Coordinator {
         // The token goes in first: a worker that claims the run while the store is being
         // told adopts it, so the cancel cannot fall between its claim and its registration.
         let (token, registered_here) = self.cancel_token(run_id);
-        let outcome = match self.writes.request_cancel(run_id, now_ms()).await {
+        let outcome = match self.writes.request_cancel(run_id, self.now()).await {
             Ok(outcome) => outcome,
             Err(error) => {
                 if registered_here {
@@ -390,7 +405,7 @@ impl Coordinator {
     /// Pauses a run at its next step boundary (see `Store::request_pause`). A step in flight
     /// is not interrupted: its commit pauses the run.
     pub async fn request_pause(&self, run_id: &RunId) -> Result<ratchet_store::PauseOutcome> {
-        let outcome = self.writes.request_pause(run_id, now_ms()).await?;
+        let outcome = self.writes.request_pause(run_id, self.now()).await?;
         if let ratchet_store::PauseOutcome::Paused { events } = &outcome {
             self.publish(events.clone());
         }
@@ -399,7 +414,7 @@ impl Coordinator {
 
     /// Takes a paused run up again; its next step is picked up by any worker.
     pub async fn resume_paused(&self, run_id: &RunId) -> Result<ratchet_store::ResumeOutcome> {
-        let outcome = self.writes.resume_paused(run_id, now_ms()).await?;
+        let outcome = self.writes.resume_paused(run_id, self.now()).await?;
         if let ratchet_store::ResumeOutcome::Resumed { events } = &outcome {
             self.publish(events.clone());
             self.wake.notify_one();
@@ -417,7 +432,7 @@ impl Coordinator {
     ) -> Result<ratchet_store::Reconciled> {
         let reconciled = self
             .writes
-            .reconcile(run_id, call_id, answer, result, now_ms())
+            .reconcile(run_id, call_id, answer, result, self.now())
             .await?;
         self.publish(reconciled.events.clone());
         if reconciled.resumed {
@@ -432,7 +447,7 @@ impl Coordinator {
         run_id: &RunId,
         how: ratchet_core::step::Resumption,
     ) -> Result<Vec<ratchet_store::StoredEvent>> {
-        let events = self.writes.resume_failed(run_id, how, now_ms()).await?;
+        let events = self.writes.resume_failed(run_id, how, self.now()).await?;
         self.publish(events.clone());
         self.wake.notify_one();
         Ok(events)
@@ -448,7 +463,7 @@ impl Coordinator {
     ) -> Result<ratchet_store::Answered> {
         let answered = self
             .writes
-            .answer_approval(id, answer, by, now_ms())
+            .answer_approval(id, answer, by, self.now())
             .await?;
         self.publish(answered.events.clone());
         if answered.resumed || answered.enqueued {
@@ -463,7 +478,7 @@ impl Coordinator {
         claim: &Claim,
         signal: ratchet_store::NewSignal,
     ) -> Result<ratchet_store::SignalOutcome> {
-        let emitted = self.writes.emit_signal(claim, signal, now_ms()).await?;
+        let emitted = self.writes.emit_signal(claim, signal, self.now()).await?;
         self.publish(emitted.events);
         if emitted.enqueued {
             self.wake.notify_one();
@@ -475,7 +490,7 @@ impl Coordinator {
     /// events whose time has come (a released event's retry, one that fell due while nothing
     /// committed). Returns how many started.
     pub async fn serve_inboxes(&self) -> Result<usize> {
-        let served = self.writes.serve_inboxes(now_ms()).await?;
+        let served = self.writes.serve_inboxes(self.now()).await?;
         self.publish(served.events);
         if !served.started.is_empty() {
             self.wake.notify_one();
@@ -486,7 +501,7 @@ impl Coordinator {
     /// Ends the runs that wait past their deadline (`timed_out`), cancelling their children
     /// (in this process too). Returns how many ended.
     pub async fn time_out_overdue(&self) -> Result<usize> {
-        let timed_out = self.writes.time_out_overdue(now_ms()).await?;
+        let timed_out = self.writes.time_out_overdue(self.now()).await?;
         self.cancel_descendants(&timed_out.events);
         self.publish(timed_out.events);
         if timed_out.enqueued {
@@ -502,7 +517,7 @@ impl Coordinator {
         id: &SessionId,
         how: ratchet_store::Closing,
     ) -> Result<ratchet_store::Closed> {
-        let closed = self.writes.close_session(id, how, now_ms()).await?;
+        let closed = self.writes.close_session(id, how, self.now()).await?;
         self.cancel_descendants(&closed.events);
         self.publish(closed.events.clone());
         if closed.enqueued {
@@ -521,7 +536,7 @@ impl Coordinator {
         by: &str,
     ) -> Result<ratchet_store::InboxEvent> {
         let changed = (self.writes)
-            .act_on_dead_letter(session, event_id, action, by, now_ms())
+            .act_on_dead_letter(session, event_id, action, by, self.now())
             .await?;
         self.publish(changed.events);
         if changed.enqueued {

@@ -33,7 +33,7 @@ use crate::delegation::{AgentTask, Delegation, EmitSignal, admit, read_delegate}
 use crate::gates::{PermitLimits, StepPermits};
 use crate::input::SessionInput;
 use crate::memory::StoreMemory;
-use crate::{Coordinator, Models, now_ms};
+use crate::{Coordinator, Models};
 
 /// What the model is asked to do with the older part of a context that outgrew its budget.
 const SUMMARY_SYSTEM_PROMPT: &str = "You compress conversations. Write a faithful, compact \
@@ -145,7 +145,7 @@ impl Engine {
         cancel: &CancellationToken,
         grace: Duration,
     ) -> Result<Executed, StepFailure> {
-        let started = now_ms();
+        let started = self.coordinator.now();
         let decided = decide(&claimed.state, claimed.job.phase, started);
         let instruction =
             crate::delegation::within_tree_budget(&self.coordinator, &claimed.state, decided)
@@ -156,15 +156,18 @@ impl Engine {
                 &claimed.job,
                 reason,
                 started,
-                now_ms(),
+                self.coordinator.now(),
             ),
             Instruction::CallLlm { conclude } => {
                 return self.call_model(claimed, conclude, started, cancel).await;
             }
             Instruction::CallToolsBatch => self.run_batch(claimed, started, cancel, grace).await?,
-            Instruction::AskApproval => {
-                ask_approval_step(claimed.state.clone(), &claimed.job, started, now_ms())
-            }
+            Instruction::AskApproval => ask_approval_step(
+                claimed.state.clone(),
+                &claimed.job,
+                started,
+                self.coordinator.now(),
+            ),
             // A compaction puts a summary in place of older messages: the next step reads
             // the context as the store has it.
             Instruction::CompressContext => {
@@ -223,7 +226,7 @@ impl Engine {
             reply,
             conclude,
             started,
-            now_ms(),
+            self.coordinator.now(),
         );
         if let Some(delta) = delta {
             result.events.insert(0, delta);
@@ -252,7 +255,13 @@ impl Engine {
         let budget = state.limits().max_prompt_tokens.unwrap_or(u64::MAX) / 2;
         let cut = compaction_cut(&context, budget);
         if cut == 0 {
-            let result = after_compaction(state.clone(), &claimed.job, None, started, now_ms());
+            let result = after_compaction(
+                state.clone(),
+                &claimed.job,
+                None,
+                started,
+                self.coordinator.now(),
+            );
             return Ok(result);
         }
         let keeps_from = context
@@ -288,7 +297,7 @@ impl Engine {
             &claimed.job,
             Some(compaction),
             started,
-            now_ms(),
+            self.coordinator.now(),
         ))
     }
 
@@ -530,7 +539,14 @@ impl Engine {
         }
         // Nothing of the batch runs while any outcome is in doubt: the human answers first.
         if !unknown.is_empty() {
-            return Ok(ask_reconciliation(state, job, outcomes, unknown, started));
+            return Ok(ask_reconciliation(
+                state,
+                job,
+                outcomes,
+                unknown,
+                started,
+                self.coordinator.now(),
+            ));
         }
         if !delegations.is_empty()
             && let Err(refusal) = admit(&self.coordinator, &state, &delegations).await?
@@ -606,7 +622,14 @@ impl Engine {
         // A call in doubt stops the batch where a crash would have: the human answers first,
         // and nothing else of the batch (no child run) starts.
         if !unknown.is_empty() {
-            let result = ask_reconciliation(state, job, outcomes, unknown, started);
+            let result = ask_reconciliation(
+                state,
+                job,
+                outcomes,
+                unknown,
+                started,
+                self.coordinator.now(),
+            );
             return Ok(with_call_events(result, call_events));
         }
         let children = crate::delegation::children(&state, job, &delegations)
@@ -626,7 +649,14 @@ impl Engine {
             .iter()
             .any(|d| d.request.mode == DelegationMode::Foreground);
         if waits {
-            let result = await_children(state, job, outcomes, children, started, now_ms());
+            let result = await_children(
+                state,
+                job,
+                outcomes,
+                children,
+                started,
+                self.coordinator.now(),
+            );
             return Ok(with_call_events(result, call_events));
         }
         let outcomes = outcomes
@@ -635,7 +665,14 @@ impl Engine {
             .collect();
         // Background runs start even when this step ends the run: the call's outcome named them,
         // and they report to the session, not to this run.
-        let mut result = after_tools(state, job, outcomes, invalid, started, now_ms());
+        let mut result = after_tools(
+            state,
+            job,
+            outcomes,
+            invalid,
+            started,
+            self.coordinator.now(),
+        );
         start_in_background(&mut result, children);
         Ok(with_call_events(result, call_events))
     }
@@ -727,7 +764,7 @@ async fn run_call(
         attempt += 1;
         // Read before the token: an attempt that starts is stamped no later than any cancel
         // that this process accepted after it.
-        let started_at = now_ms();
+        let started_at = coordinator.now();
         if context.cancel.is_cancelled() {
             return Err(StepFailure::Cancelled);
         }
@@ -870,10 +907,11 @@ fn ask_reconciliation(
     outcomes: Vec<Option<ToolOutcome>>,
     mut unknown: Vec<UnknownCall>,
     started: ratchet_core::Millis,
+    now: ratchet_core::Millis,
 ) -> StepResult {
     unknown.sort_by_key(|c| c.call_index);
     let request = HumanRequest::Reconciliation { calls: unknown };
-    await_reconciliation(state, job, outcomes, request, started, now_ms())
+    await_reconciliation(state, job, outcomes, request, started, now)
 }
 
 /// A started call whose outcome is unknown, as a human is asked about it.

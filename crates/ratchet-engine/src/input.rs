@@ -12,7 +12,7 @@ use ratchet_tools::InputWatch;
 use serde_json::Value;
 use tokio::sync::broadcast::error::RecvError;
 
-use crate::{Coordinator, now_ms};
+use crate::Coordinator;
 
 /// How often the store is asked again when nothing was heard.
 const RECHECK: Duration = Duration::from_millis(250);
@@ -48,7 +48,7 @@ impl InputWatch for SessionInput {
             match self
                 .coordinator
                 .store()
-                .pending_input(&self.session, now_ms())
+                .pending_input(&self.session, self.coordinator.now())
                 .await
             {
                 Ok(waiting) if waiting.any() => {

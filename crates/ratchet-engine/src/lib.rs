@@ -77,9 +77,38 @@ impl Default for PoolConfig {
     }
 }
 
-/// The wall clock in milliseconds since the epoch, as the runtime stamps what it writes.
-pub fn now_ms() -> Millis {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as Millis)
+/// What time it is for the runtime: what it stamps on what it writes, and what leases,
+/// deadlines and backoffs are measured against. The Coordinator holds one, and the engine
+/// and the workers read it there, so a test can run the whole runtime on tokio's clock.
+#[derive(Debug, Clone, Copy)]
+pub enum Clock {
+    /// The wall clock, in milliseconds since the Unix epoch.
+    System,
+    /// Tokio's clock, counted from `epoch` at `start`: with tokio's time paused, time passes
+    /// only as a test advances it (or, with nothing else to do, as tokio skips to the next
+    /// timer), so what waits for a lease to expire or a deadline to pass takes no real time.
+    Tokio {
+        epoch: Millis,
+        start: tokio::time::Instant,
+    },
+}
+
+impl Clock {
+    /// Tokio's clock, reading `epoch` now. Call inside a tokio runtime.
+    pub fn tokio_from(epoch: Millis) -> Clock {
+        Clock::Tokio {
+            epoch,
+            start: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Milliseconds since the epoch.
+    pub fn now(&self) -> Millis {
+        match self {
+            Clock::System => SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as Millis),
+            Clock::Tokio { epoch, start } => epoch + start.elapsed().as_millis() as Millis,
+        }
+    }
 }

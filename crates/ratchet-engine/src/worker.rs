@@ -17,7 +17,7 @@ use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
 use crate::engine::{Executed, context_after};
-use crate::{Coordinator, Engine, PoolConfig, StepFailure, now_ms};
+use crate::{Coordinator, Engine, PoolConfig, StepFailure};
 
 /// Names this process as a lease owner: `host:pid:instance`. Recovery on this host can tell
 /// from it whether the owner process is still alive.
@@ -124,7 +124,7 @@ impl Worker {
     fn lease(&self) -> Lease {
         Lease {
             owner: self.owner.clone(),
-            expires_at: now_ms() + self.config.lease.as_millis() as i64,
+            expires_at: self.coordinator.now() + self.config.lease.as_millis() as i64,
         }
     }
 
@@ -199,8 +199,8 @@ impl Worker {
                 claimed.state.clone(),
                 &claimed.job,
                 reason,
-                now_ms(),
-                now_ms(),
+                self.coordinator.now(),
+                self.coordinator.now(),
             )
         };
         let outcome = match (outcome, cut_off) {
@@ -355,7 +355,13 @@ impl Worker {
                 });
             }
         }
-        let result = finish_step(in_doubt_state, &claimed.job, reason, now_ms(), now_ms());
+        let result = finish_step(
+            in_doubt_state,
+            &claimed.job,
+            reason,
+            self.coordinator.now(),
+            self.coordinator.now(),
+        );
         self.commit(claimed, result, None)
             .await
             .map(|(next, _)| next)
@@ -381,10 +387,9 @@ impl Worker {
             tokio::time::Instant::now() + self.config.heartbeat,
             self.config.heartbeat,
         );
-        let until_deadline = claimed
-            .state
-            .deadline()
-            .map(|deadline| Duration::from_millis(u64::try_from(deadline - now_ms()).unwrap_or(0)));
+        let until_deadline = claimed.state.deadline().map(|deadline| {
+            Duration::from_millis(u64::try_from(deadline - self.coordinator.now()).unwrap_or(0))
+        });
         let deadline = tokio::time::sleep(until_deadline.unwrap_or(Duration::MAX));
         tokio::pin!(deadline);
         let shutdown_grace = tokio::time::sleep(Duration::MAX);
@@ -437,8 +442,8 @@ impl Worker {
                 claimed.state.clone(),
                 &claimed.job,
                 StopReason::LlmError,
-                now_ms(),
-                now_ms(),
+                self.coordinator.now(),
+                self.coordinator.now(),
             );
             result.events.insert(0, event);
             return self
@@ -447,7 +452,7 @@ impl Worker {
                 .map(|(next, _)| next);
         }
         let asked = retry_after.map_or(0, |wait| wait.as_millis() as i64);
-        let at = now_ms() + self.jittered_backoff(attempt).max(asked);
+        let at = self.coordinator.now() + self.jittered_backoff(attempt).max(asked);
         if let Err(error) = self
             .coordinator
             .retry_later(&claimed.claim, at, event)
@@ -472,7 +477,7 @@ impl Worker {
                 "error": error,
             }),
         );
-        let at = now_ms() + self.backoff(claimed.job.attempt);
+        let at = self.coordinator.now() + self.backoff(claimed.job.attempt);
         if let Err(error) = self
             .coordinator
             .retry_later(&claimed.claim, at, event)
@@ -486,7 +491,7 @@ impl Worker {
     /// together do not hit the provider together again.
     fn jittered_backoff(&self, attempt: u32) -> i64 {
         use std::hash::{BuildHasher, RandomState};
-        let random = RandomState::new().hash_one(now_ms()) % 1_000;
+        let random = RandomState::new().hash_one(self.coordinator.now()) % 1_000;
         self.backoff(attempt) * (500 + random as i64 / 2) / 1_000
     }
 

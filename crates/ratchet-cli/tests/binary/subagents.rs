@@ -111,15 +111,18 @@ async fn killed_while_children_run(url: &str) {
         .unwrap();
     let store = open(url);
     let started = Instant::now();
-    // Kill it while every child sleeps in its tool call.
+    // Kill it while every child sleeps in its tool call: each child has committed its model
+    // step, and the job of its tool step is held under a worker's lease.
     let root = loop {
         let runs = store.list_runs().await.unwrap();
         let sleeping = runs
             .iter()
             .filter(|r| r.status == RunStatus::Running && r.step_index == 1)
             .count();
+        let now = ratchet_engine::Clock::System.now();
+        let held = store.stats(now).await.unwrap().held_jobs as usize;
         let root = runs.iter().find(|r| r.status == RunStatus::WaitingChildren);
-        if let (Some(root), TASKS) = (root, sleeping) {
+        if let (Some(root), TASKS, TASKS) = (root, sleeping, held) {
             break root.run_id.clone();
         }
         if let Some(status) = run.try_wait().unwrap() {
@@ -131,7 +134,6 @@ async fn killed_while_children_run(url: &str) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
     run.kill().unwrap();
     assert_eq!(run.wait().unwrap().signal(), Some(9));
     let tree = store.run_tree(&root).await.unwrap();

@@ -87,8 +87,7 @@ fn node_within(
     quota: RunQuota,
 ) -> Node {
     let dir = tempfile::tempdir().unwrap();
-    let db = format!("sqlite://{}", dir.path().join("r.db").display());
-    let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
+    let store: Arc<dyn Store> = Arc::new(ratchet_store_memory::MemoryStore::new());
     let tools = Arc::new(Registry::builtin());
     let models = Arc::new(Models::new(
         tools.names().into_iter().map(str::to_owned).collect(),

@@ -77,10 +77,9 @@ const GRACE: Duration = Duration::from_millis(300);
 
 fn node(replies: Value) -> Node {
     let dir = tempfile::tempdir().unwrap();
-    let db = format!("sqlite://{}", dir.path().join("r.db").display());
     let script = dir.path().join("script.json");
     std::fs::write(&script, json!({ "replies": replies }).to_string()).unwrap();
-    let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
+    let store: Arc<dyn Store> = Arc::new(ratchet_store_memory::MemoryStore::new());
     let keys = Arc::new(Mutex::new(Vec::new()));
     let mut tools = Registry::builtin_tools(1024);
     for (name, replay, behaviour) in [

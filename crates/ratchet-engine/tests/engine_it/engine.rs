@@ -1,15 +1,17 @@
-//! The engine end to end on real SQLite files: worker pools in competition, cancellation of
-//! an in-flight step, model retries, takeover of a step whose worker vanished, and the relay
-//! of other processes' changes.
+//! The engine end to end on the in-memory reference store (each `MemoryStore` clone is another
+//! "process" on the same data): worker pools in competition, cancellation of an in-flight
+//! step, model retries, takeover of a step whose worker vanished, the relay of other
+//! processes' changes, and a lease that expires on tokio's paused clock.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use ratchet_core::{Limits, MemoryScope, RunConfigSnapshot, RunId, RunStatus, StopReason};
 use ratchet_engine::{
-    Coordinator, Engine, LiveActivity, Models, Multitask, PoolConfig, WorkerPool,
+    Clock, Coordinator, Engine, LiveActivity, Models, Multitask, PoolConfig, WorkerPool,
 };
 use ratchet_store::{Lease, SessionSpec, Store};
+use ratchet_store_memory::MemoryStore;
 use ratchet_tools::Registry;
 use serde_json::json;
 
@@ -18,9 +20,9 @@ struct Node {
     pool: WorkerPool,
 }
 
-/// One "process": its own store connection (and writer), coordinator and worker pool.
-fn node(db: &str, config: PoolConfig) -> Node {
-    let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(db).unwrap());
+/// One "process": its own handle on the store, coordinator and worker pool.
+fn node(store: &MemoryStore, config: PoolConfig) -> Node {
+    let store: Arc<dyn Store> = Arc::new(store.clone());
     let tools = Arc::new(Registry::builtin());
     let models = Arc::new(Models::new(
         tools.names().into_iter().map(str::to_owned).collect(),
@@ -113,7 +115,7 @@ async fn wait_until_terminal(coordinator: &Coordinator, run: &RunId) -> ratchet_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_pools_on_one_database_commit_every_step_exactly_once() {
     let dir = tempfile::tempdir().unwrap();
-    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let db = MemoryStore::new();
     let turns = 4;
     let mut replies: Vec<_> = (0..turns)
         .map(|i| json!({"tool_calls": [{"name": "add", "arguments": {"a": i, "b": 1}}]}))
@@ -183,7 +185,7 @@ async fn two_pools_on_one_database_commit_every_step_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelling_a_run_stops_its_in_flight_step() {
     let dir = tempfile::tempdir().unwrap();
-    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let db = MemoryStore::new();
     let script = write_script(
         dir.path(),
         json!({"replies": [{"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 600000}}]}, {"text": "never"}]}),
@@ -236,7 +238,7 @@ async fn cancelling_a_run_stops_its_in_flight_step() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_model_call_is_retried_then_fails_the_run_when_attempts_run_out() {
     let dir = tempfile::tempdir().unwrap();
-    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let db = MemoryStore::new();
     let script = write_script(
         dir.path(),
         json!({"replies": [{"text": "ok", "error": "http_500"}]}),
@@ -274,9 +276,9 @@ async fn a_failing_model_call_is_retried_then_fails_the_run_when_attempts_run_ou
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_whose_worker_vanished_is_taken_over_after_its_lease_expires() {
     let dir = tempfile::tempdir().unwrap();
-    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let db = MemoryStore::new();
     let script = write_script(dir.path(), json!({"replies": [{"text": "recovered"}]}));
-    let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
+    let store: Arc<dyn Store> = Arc::new(db.clone());
     let coordinator = Coordinator::new(Arc::clone(&store));
     let run = start_run(&coordinator, "hi".into(), config(&script)).await;
     // A worker claims the first step with a short lease and is never heard from again.
@@ -330,6 +332,53 @@ async fn a_step_whose_worker_vanished_is_taken_over_after_its_lease_expires() {
     node.pool.shutdown().await;
 }
 
+/// The same takeover on tokio's paused clock, with the pool's real 15-second lease: the
+/// runtime reads the time only from its `Clock`, so the lease expires when tokio's time passes
+/// it — with nothing else to do, tokio skips ahead to the workers' next poll — and the test
+/// waits for nothing real. What the run records is stamped by that clock too.
+#[tokio::test(start_paused = true)]
+async fn a_vanished_workers_lease_expires_on_the_runtimes_clock() {
+    const EPOCH: i64 = 1_000_000;
+    let dir = tempfile::tempdir().unwrap();
+    let script = write_script(dir.path(), json!({"replies": [{"text": "recovered"}]}));
+    let clock = Clock::tokio_from(EPOCH);
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let coordinator = Coordinator::with_clock(
+        Arc::clone(&store),
+        ratchet_store::RunQuota::default(),
+        clock,
+    );
+    let run = start_run(&coordinator, "hi".into(), config(&script)).await;
+    let pool_config = PoolConfig::default();
+    let lease_ms = pool_config.lease.as_millis() as i64;
+    let lease = Lease {
+        owner: "gone:1:x".into(),
+        expires_at: clock.now() + lease_ms,
+    };
+    store
+        .claim_next(lease, None, clock.now())
+        .await
+        .unwrap()
+        .expect("the first step, claimed by a worker that then vanishes");
+    let tools = Arc::new(Registry::builtin());
+    let models = Arc::new(Models::new(
+        tools.names().into_iter().map(str::to_owned).collect(),
+    ));
+    let engine = Arc::new(Engine::new(Arc::clone(&coordinator), models, tools));
+    let pool = WorkerPool::start(Arc::clone(&coordinator), engine, pool_config);
+
+    let state = wait_until_terminal(&coordinator, &run).await;
+    assert_eq!(state.status, RunStatus::Completed);
+    let finished = state.finished_at.expect("a finished run has its timestamp");
+    assert!(
+        (EPOCH + lease_ms..EPOCH + 2 * lease_ms).contains(&finished),
+        "the run finished at {finished} by the runtime's clock: after the lease that ended at \
+         {} expired, and soon after",
+        EPOCH + lease_ms
+    );
+    pool.shutdown().await;
+}
+
 fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -340,7 +389,7 @@ fn now_ms() -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_during_a_slow_model_stream_ends_the_run_within_a_second() {
     let dir = tempfile::tempdir().unwrap();
-    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let db = MemoryStore::new();
     let words = vec!["word"; 100].join(" ");
     let script = write_script(
         dir.path(),
@@ -378,9 +427,9 @@ async fn a_cancel_during_a_slow_model_stream_ends_the_run_within_a_second() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_follower_relays_other_processes_events_and_wakes_idle_workers() {
     let dir = tempfile::tempdir().unwrap();
-    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let db = MemoryStore::new();
     let script = write_script(dir.path(), json!({"replies": [{"text": "heard you"}]}));
-    let sqlite: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
+    let sqlite: Arc<dyn Store> = Arc::new(db.clone());
     let (heard, announce) = crate::heard::Heard::over(sqlite);
     let here = Coordinator::new(heard);
     let follower = here
@@ -401,7 +450,7 @@ async fn the_follower_relays_other_processes_events_and_wakes_idle_workers() {
     let pool = WorkerPool::start(Arc::clone(&here), engine, sleepy);
 
     // Another process (no workers) starts a run; nothing of it reaches this bus by itself.
-    let elsewhere = Coordinator::new(Arc::new(ratchet_sqlite::open_url(&db).unwrap()));
+    let elsewhere = Coordinator::new(Arc::new(db.clone()));
     let mut their_bus = elsewhere.subscribe();
     let run = start_run(&elsewhere, "hello".into(), config(&script)).await;
     let mut theirs = Vec::new();
@@ -450,8 +499,7 @@ async fn the_follower_relays_other_processes_events_and_wakes_idle_workers() {
         .expect("the relay ended with its Coordinator")
         .unwrap();
 
-    let (heard, announce) =
-        crate::heard::Heard::over(Arc::new(ratchet_sqlite::open_url(&db).unwrap()));
+    let (heard, announce) = crate::heard::Heard::over(Arc::new(db.clone()));
     let coordinator = Coordinator::new(heard);
     let follower = coordinator.follow_others().unwrap();
     drop(announce);
@@ -466,7 +514,7 @@ async fn the_follower_relays_other_processes_events_and_wakes_idle_workers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sleeping_run_wakes_when_a_message_is_queued_behind_it() {
     let dir = tempfile::tempdir().unwrap();
-    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let db = MemoryStore::new();
     let node = node(&db, fast_pool());
     let script = write_script(
         dir.path(),
