@@ -7,6 +7,7 @@
 
 pub mod activity;
 pub mod approval;
+pub mod batch;
 pub mod bounds;
 pub mod brain;
 pub mod completion;

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::stream::{self, StreamExt};
+use ratchet_core::batch::{SlotPlan, call_key, plan_batch, step_key, unknown_call};
 use ratchet_core::bounds::sent_to_model;
 use ratchet_core::delegation::{
     AGENT_TASK_TOOL, ChildRun, DELEGATE_TOOL, DelegationMode, EMIT_SIGNAL_TOOL, await_children,
@@ -23,7 +24,7 @@ use ratchet_core::{
     ToolDelegation, ToolOutcome, UnknownCall, after_unknown, decide,
 };
 use ratchet_llm::ModelRequest;
-use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, IntentRecord, StoredMessage};
+use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, StoredMessage};
 use ratchet_tools::{InputWatch, MemorySearch, Registry, Tool, ToolContext};
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -419,7 +420,7 @@ impl Engine {
             slot: 0,
             kind: IntentKind::Model,
             name: state.config.model.clone(),
-            idempotency_key: idempotency_key(job, 0),
+            idempotency_key: step_key(job, 0),
         };
         let attempts = self
             .coordinator
@@ -443,61 +444,44 @@ impl Engine {
             &ratchet_core::Activity::executing_tools(&claimed.state),
         );
         let (state, job) = (claimed.state.clone(), &claimed.job);
-        let calls: Vec<(ToolCall, Option<ToolOutcome>, bool)> = state
-            .checkpoint
-            .as_ref()
-            .map(|c| {
-                c.calls
-                    .iter()
-                    .map(|p| (p.call.clone(), p.outcome.clone(), p.rerun_approved))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let calls: Vec<ToolCall> = (state.checkpoint.iter())
+            .flat_map(|c| c.calls.iter().map(|p| p.call.clone()))
+            .collect();
         // Only a step claimed before may have left intents behind.
-        let earlier: HashMap<u32, IntentRecord> = if job.attempt > 1 {
+        let earlier: HashMap<u32, Option<ToolOutcome>> = if job.attempt > 1 {
             self.coordinator
                 .store()
                 .intents(&state.run_id, job.step_index)
                 .await?
                 .into_iter()
-                .map(|r| (r.slot, r))
+                .map(|r| (r.slot, r.outcome))
                 .collect()
         } else {
             HashMap::new()
         };
+        let plan = plan_batch(&state, job, &earlier, |name| {
+            self.drift(&state.config, name)
+        });
         let mut outcomes: Vec<Option<ToolOutcome>> = Vec::with_capacity(calls.len());
         let mut to_run = Vec::new();
         let mut invalid = 0;
         let mut unknown = Vec::new();
         let mut delegations = Vec::new();
-        for (slot, (call, known, rerun_approved)) in (0u32..).zip(&calls) {
-            let started_before = earlier.get(&slot);
-            if let Some(known) = known
-                .clone()
-                .or_else(|| started_before.and_then(|r| r.outcome.clone()))
-            {
-                outcomes.push(Some(known));
-                continue;
-            }
-            let replay = state.config.tool(&call.name).map(|spec| spec.replay);
-            if started_before.is_some() && replay == Some(ReplayPolicy::Never) {
-                unknown.push(unknown_call(&state, job, slot, call));
-                outcomes.push(None);
-                continue;
+        for ((slot, call), planned) in (0u32..).zip(&calls).zip(plan) {
+            match planned {
+                SlotPlan::Known(known) => {
+                    outcomes.push(Some(known));
+                    continue;
+                }
+                SlotPlan::InDoubt(in_doubt) => {
+                    unknown.push(in_doubt);
+                    outcomes.push(None);
+                    continue;
+                }
+                SlotPlan::Run => {}
             }
             let injected = (state.config.tool(&call.name))
                 .is_some_and(|spec| spec.delegation == ToolDelegation::RuntimeInjected);
-            if let Some(drift) = (!injected && !rerun_approved)
-                .then(|| self.drift(&state.config, &call.name))
-                .flatten()
-            {
-                unknown.push(UnknownCall {
-                    drift: Some(drift),
-                    ..unknown_call(&state, job, slot, call)
-                });
-                outcomes.push(None);
-                continue;
-            }
             let checked = match call.name.as_str() {
                 DELEGATE_TOOL if injected => match read_delegate(&state, &call.arguments) {
                     Ok(request) => {
@@ -614,8 +598,7 @@ impl Engine {
             match end {
                 CallEnd::Known(outcome) => outcomes[slot as usize] = Some(outcome),
                 CallEnd::InDoubt => {
-                    let call = &calls[slot as usize].0;
-                    unknown.push(unknown_call(&state, job, slot, call));
+                    unknown.push(unknown_call(&state, job, slot, &calls[slot as usize]));
                 }
             }
         }
@@ -914,40 +897,12 @@ fn ask_reconciliation(
     await_reconciliation(state, job, outcomes, request, started, now)
 }
 
-/// A started call whose outcome is unknown, as a human is asked about it.
-fn unknown_call(state: &AgentState, job: &StepJob, slot: u32, call: &ToolCall) -> UnknownCall {
-    UnknownCall {
-        drift: None,
-        call_index: slot as usize,
-        call_id: call.id.clone(),
-        tool: call.name.clone(),
-        arguments: call.arguments.clone(),
-        idempotency_key: call_key(state, job, slot),
-    }
-}
-
 /// The session a run's permits are counted against: its tree's root session.
 fn root_session(state: &AgentState) -> &SessionId {
     state
         .lineage
         .as_ref()
         .map_or(&state.session_id, |l| &l.root_session_id)
-}
-
-/// Deterministic per model call, so a provider sees the same key after a crash:
-/// `{run}#{step}#{slot}`.
-fn idempotency_key(job: &StepJob, slot: u32) -> String {
-    format!("{}#{}#{}", job.run_id, job.step_index, slot)
-}
-
-/// Deterministic per tool call, so a tool sees the same key after a crash, a takeover or a
-/// wait for a human that moved its batch to a later step: `{run}#{step}#{slot}`, the step
-/// being the batch's first.
-pub(crate) fn call_key(state: &AgentState, job: &StepJob, slot: u32) -> String {
-    match &state.checkpoint {
-        Some(checkpoint) => checkpoint.idempotency_key(&job.run_id, job.step_index, slot),
-        None => idempotency_key(job, slot),
-    }
 }
 
 /// Where a context is cut for a compaction: the earliest index from which the messages fit

@@ -350,7 +350,11 @@ impl Worker {
                     call_id: progress.call.id.clone(),
                     tool: progress.call.name.clone(),
                     arguments: progress.call.arguments.clone(),
-                    idempotency_key: crate::engine::call_key(state, &claimed.job, intent.slot),
+                    idempotency_key: ratchet_core::batch::call_key(
+                        state,
+                        &claimed.job,
+                        intent.slot,
+                    ),
                     drift: None,
                 });
             }
