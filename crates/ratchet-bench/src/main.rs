@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "ratchet bench", version, about = "Measure the Ratchet runtime")]
+#[command(name = "ratchet-bench", version, about = "Measure the Ratchet runtime")]
 struct Cli {
     #[command(subcommand)]
     command: Command,

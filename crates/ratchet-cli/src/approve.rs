@@ -262,11 +262,21 @@ pub async fn list(target: Target, status: Option<String>, json: bool) -> anyhow:
 }
 
 /// What `ratchet approvals decide` was told to do.
+#[derive(Debug, clap::Args)]
 pub struct Decide {
+    #[arg(value_name = "APPROVAL_ID")]
     pub id: String,
+    /// A call to run; repeatable.
+    #[arg(long = "approve", value_name = "CALL")]
     pub approve: Vec<String>,
+    /// A call not to run (the model is told it was denied); repeatable.
+    #[arg(long = "deny", value_name = "CALL")]
     pub deny: Vec<String>,
+    /// Why, shown to the model with each denied call.
+    #[arg(long)]
     pub note: Option<String>,
+    /// End the run as cancelled instead.
+    #[arg(long)]
     pub abort: bool,
 }
 

@@ -17,9 +17,21 @@ use tokio::sync::mpsc;
 use crate::drive::{CHILD_SHOWN, show_progress, show_tree_progress};
 use ratchet_client::{Api, EventView, LiveView};
 
+#[derive(Debug, clap::Args)]
 pub struct ChatArgs {
+    /// The server's URL.
+    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:7700")]
     pub server: String,
+    /// The agent of the server's catalog that answers (default: the server's model).
+    #[arg(long, value_name = "ID")]
     pub agent: Option<String>,
+    /// Bearer token for the server.
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        env = "RATCHET_TOKEN",
+        hide_env_values = true
+    )]
     pub token: Option<String>,
 }
 

@@ -43,49 +43,6 @@ struct TokenArg {
     token: Option<String>,
 }
 
-/// What `serve` and `worker` share. Each setting also comes from the config file (the same
-/// name with `_` for `-`) or a `RATCHET_*` variable; a flag wins.
-#[derive(Debug, clap::Args)]
-struct ProcessArgs {
-    /// Configuration file (TOML); `RATCHET_*` variables and flags override it.
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// Database URL (default sqlite://ratchet.db).
-    #[arg(long)]
-    db: Option<String>,
-    /// Steps this process runs at once (default 16).
-    #[arg(long, value_name = "N")]
-    workers: Option<u64>,
-    /// How long a claimed step stays this process's without a heartbeat, in ms (default
-    /// 15000); after it, another process takes the step over.
-    #[arg(long, value_name = "MS")]
-    lease_ms: Option<u64>,
-    /// How often a running step renews its lease, in ms (default a third of the lease).
-    #[arg(long, value_name = "MS")]
-    heartbeat_ms: Option<u64>,
-    /// How often an idle worker looks for work nobody announced, in ms (default 250).
-    #[arg(long, value_name = "MS")]
-    poll_ms: Option<u64>,
-    /// Refuse a database whose schema is behind instead of migrating it (`ratchet migrate`
-    /// applies the migrations).
-    #[arg(long)]
-    no_migrate: bool,
-}
-
-impl From<ProcessArgs> for serve::ProcessArgs {
-    fn from(args: ProcessArgs) -> Self {
-        serve::ProcessArgs {
-            config: args.config,
-            db: args.db,
-            workers: args.workers,
-            lease_ms: args.lease_ms,
-            heartbeat_ms: args.heartbeat_ms,
-            poll_ms: args.poll_ms,
-            no_migrate: args.no_migrate,
-        }
-    }
-}
-
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum MemoryScopeArg {
     Session,
@@ -156,103 +113,20 @@ impl BudgetArgs {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Start a session with MESSAGE and drive its run until it ends or waits for a human.
-    Run {
-        #[command(flatten)]
-        db: DbArg,
-        /// Model spec: scripted:FILE or scripted:demo [default: scripted:demo].
-        #[arg(long)]
-        model: Option<String>,
-        /// Directory that file tools may write in (default: the current directory).
-        #[arg(long)]
-        workspace: Option<PathBuf>,
-        #[command(flatten)]
-        budget: BudgetArgs,
-        /// A tool whose calls wait for a person's approval before their batch runs (asked at
-        /// a prompt on stdin); repeatable.
-        #[arg(long, value_name = "TOOL")]
-        require_approval: Vec<String>,
-        /// A ratchet.toml whose `[models.NAME]` profiles `--model NAME` may name and whose
-        /// `[tools.NAME] approval` policies apply (`--require-approval` adds to them).
-        #[arg(long, value_name = "FILE")]
-        config: Option<PathBuf>,
-        /// What `memory_search` looks through: this run's session, or every session in the
-        /// database (the tenant's) [default: session].
-        #[arg(long, value_name = "SCOPE")]
-        memory_scope: Option<MemoryScopeArg>,
-        /// Run on a Ratchet server (http://HOST:PORT) instead of in this process; the
-        /// server's configuration decides the model, workspace and step budget.
-        #[arg(long, value_name = "URL")]
-        server: Option<String>,
-        /// A directory of agent definitions (default: the config file's `agents`); `--agent`
-        /// picks the one that answers.
-        #[arg(long, value_name = "DIR")]
-        agents: Option<PathBuf>,
-        /// The catalog agent that answers: its model, prompt, tools, limits and delegates
-        /// (with `--server`, an agent of the server's catalog).
-        #[arg(long, value_name = "ID")]
-        agent: Option<String>,
-        #[command(flatten)]
-        token: TokenArg,
-        /// Refuse a database whose schema is behind instead of migrating it.
-        #[arg(long)]
-        no_migrate: bool,
-        /// Print one JSON object on stdout instead of the answer.
-        #[arg(long)]
-        json: bool,
-        message: String,
-    },
+    Run(RunArgs),
     /// Talk to an agent on a Ratchet server: each line of stdin is a message in one session.
-    Chat {
-        /// The server's URL.
-        #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:7700")]
-        server: String,
-        /// The agent of the server's catalog that answers (default: the server's model).
-        #[arg(long, value_name = "ID")]
-        agent: Option<String>,
-        #[command(flatten)]
-        token: TokenArg,
-    },
+    Chat(chat::ChatArgs),
     /// Serve the HTTP API and run the workers (SIGTERM or Ctrl-C stops it gracefully, SIGHUP
     /// reloads the configuration and catalog); `--workers 0` serves the API only.
-    Serve {
-        #[command(flatten)]
-        process: ProcessArgs,
-        /// Address to listen on (default 127.0.0.1:7700).
-        #[arg(long)]
-        listen: Option<String>,
-        /// Model spec new runs are frozen with (default scripted:demo).
-        #[arg(long)]
-        model: Option<String>,
-        /// Directory file tools may write in (default: the current directory).
-        #[arg(long)]
-        workspace: Option<PathBuf>,
-        /// Directory of agent definitions sessions may pick (`{"agent": ID}`); checked whole
-        /// at start and at each reload (default: the config file's `agents`).
-        #[arg(long, value_name = "DIR")]
-        agents: Option<PathBuf>,
-    },
+    Serve(serve::ServeArgs),
     /// Run the workers alone, beside other processes on the same database: any run's steps,
     /// and those of processes whose lease expired (SIGTERM or Ctrl-C stops it gracefully).
-    Worker {
-        #[command(flatten)]
-        process: ProcessArgs,
-    },
+    Worker(serve::ProcessArgs),
     /// Apply the database's missing schema migrations (creating it if needed) and print its
     /// schema version.
-    Migrate {
-        #[command(flatten)]
-        db: DbArg,
-    },
+    Migrate(DbArg),
     /// Recover every active run in the database and drive them until none is running.
-    Resume {
-        #[command(flatten)]
-        db: DbArg,
-        /// A ratchet.toml whose `[mcp.servers]` the runs' tools come from.
-        #[arg(long, value_name = "FILE")]
-        config: Option<PathBuf>,
-        #[arg(long)]
-        json: bool,
-    },
+    Resume(ResumeArgs),
     /// Inspect runs.
     Runs {
         #[command(subcommand)]
@@ -287,89 +161,157 @@ enum Command {
     },
 }
 
+#[derive(Debug, clap::Args)]
+struct ResumeArgs {
+    #[command(flatten)]
+    db: DbArg,
+    /// A ratchet.toml whose `[mcp.servers]` the runs' tools come from.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    #[command(flatten)]
+    db: DbArg,
+    /// Model spec: scripted:FILE or scripted:demo [default: scripted:demo].
+    #[arg(long)]
+    model: Option<String>,
+    /// Directory that file tools may write in (default: the current directory).
+    #[arg(long)]
+    workspace: Option<PathBuf>,
+    #[command(flatten)]
+    budget: BudgetArgs,
+    /// A tool whose calls wait for a person's approval before their batch runs (asked at
+    /// a prompt on stdin); repeatable.
+    #[arg(long, value_name = "TOOL")]
+    require_approval: Vec<String>,
+    /// A ratchet.toml whose `[models.NAME]` profiles `--model NAME` may name and whose
+    /// `[tools.NAME] approval` policies apply (`--require-approval` adds to them).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// What `memory_search` looks through: this run's session, or every session in the
+    /// database (the tenant's) [default: session].
+    #[arg(long, value_name = "SCOPE")]
+    memory_scope: Option<MemoryScopeArg>,
+    /// Run on a Ratchet server (http://HOST:PORT) instead of in this process; the
+    /// server's configuration decides the model, workspace and step budget.
+    #[arg(long, value_name = "URL")]
+    server: Option<String>,
+    /// A directory of agent definitions (default: the config file's `agents`); `--agent`
+    /// picks the one that answers.
+    #[arg(long, value_name = "DIR")]
+    agents: Option<PathBuf>,
+    /// The catalog agent that answers: its model, prompt, tools, limits and delegates
+    /// (with `--server`, an agent of the server's catalog).
+    #[arg(long, value_name = "ID")]
+    agent: Option<String>,
+    #[command(flatten)]
+    token: TokenArg,
+    /// Refuse a database whose schema is behind instead of migrating it.
+    #[arg(long)]
+    no_migrate: bool,
+    /// Print one JSON object on stdout instead of the answer.
+    #[arg(long)]
+    json: bool,
+    message: String,
+}
+
 #[derive(Debug, Subcommand)]
 enum RunsCommand {
     /// Stop a running run at its next step boundary; it keeps its session (messages queue
     /// behind it) until resumed or cancelled.
-    Pause {
-        run_id: String,
-        #[command(flatten)]
-        target: ServerOrDb,
-    },
+    Pause(RunTarget),
     /// Take a paused run up again from the step it stopped before (or withdraw a pause it has
     /// not reached yet).
-    Resume {
-        run_id: String,
-        #[command(flatten)]
-        target: ServerOrDb,
-    },
+    Resume(RunTarget),
     /// Cancel a run: at once when no step is in flight, else when the step it is taking
     /// ends (its tools are told to stop); its queued messages then run.
-    Cancel {
-        run_id: String,
-        #[command(flatten)]
-        target: ServerOrDb,
-    },
+    Cancel(RunTarget),
     /// Repeat the model call a failed run (stop reason llm_error) kept failing, with fresh
     /// attempts; `ratchet resume` (or a server) carries the run on.
-    Retry {
-        run_id: String,
-        #[command(flatten)]
-        db: DbArg,
-    },
+    Retry(RetryArgs),
     /// Go on with a failed run from its last committed step, adding budget to it (needed
     /// when it stopped with budget_exhausted); `ratchet resume` carries the run on.
-    Continue {
-        run_id: String,
-        /// Steps to add to the run's step budget.
-        #[arg(long, default_value_t = 0)]
-        extra_steps: u64,
-        /// Model calls to add (to a run that has such a limit).
-        #[arg(long, default_value_t = 0)]
-        extra_model_calls: u64,
-        /// Tool calls to add (to a run that has such a limit).
-        #[arg(long, default_value_t = 0)]
-        extra_tool_calls: u64,
-        /// Tokens to add (to a run that has such a limit).
-        #[arg(long, default_value_t = 0)]
-        extra_tokens: u64,
-        /// Milliseconds to add (to a run that has a deadline).
-        #[arg(long, default_value_t = 0)]
-        extra_duration_ms: u64,
-        #[command(flatten)]
-        db: DbArg,
-    },
+    Continue(ContinueArgs),
     /// List every run.
-    List {
-        #[command(flatten)]
-        db: DbArg,
-        #[arg(long)]
-        json: bool,
-    },
+    List(ListArgs),
     /// Show one run: status, steps, any pending human request and the runs below it.
-    Show {
-        run_id: String,
-        #[command(flatten)]
-        db: DbArg,
-        #[arg(long)]
-        json: bool,
-    },
+    Show(ShowArgs),
     /// Say what happened to a call whose outcome is unknown after a crash; once every call
     /// in doubt is answered, `ratchet resume` (or a server) carries the run on.
-    Reconcile {
-        run_id: String,
-        /// The call's id, as `ratchet runs show` names it.
-        #[arg(long = "call")]
-        call_id: String,
-        /// succeeded, failed, retry (run it again) or skip.
-        #[arg(long)]
-        outcome: inspect::Outcome,
-        /// What the call produced (for succeeded or failed); the model sees it.
-        #[arg(long)]
-        result: Option<String>,
-        #[command(flatten)]
-        db: DbArg,
-    },
+    Reconcile(ReconcileArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct RetryArgs {
+    run_id: String,
+    #[command(flatten)]
+    db: DbArg,
+}
+
+#[derive(Debug, clap::Args)]
+struct ReconcileArgs {
+    run_id: String,
+    /// The call's id, as `ratchet runs show` names it.
+    #[arg(long = "call")]
+    call_id: String,
+    /// succeeded, failed, retry (run it again) or skip.
+    #[arg(long)]
+    outcome: inspect::Outcome,
+    /// What the call produced (for succeeded or failed); the model sees it.
+    #[arg(long)]
+    result: Option<String>,
+    #[command(flatten)]
+    db: DbArg,
+}
+
+#[derive(Debug, clap::Args)]
+struct ShowArgs {
+    run_id: String,
+    #[command(flatten)]
+    db: DbArg,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+struct ListArgs {
+    #[command(flatten)]
+    db: DbArg,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, clap::Args)]
+struct ContinueArgs {
+    run_id: String,
+    /// Steps to add to the run's step budget.
+    #[arg(long, default_value_t = 0)]
+    extra_steps: u64,
+    /// Model calls to add (to a run that has such a limit).
+    #[arg(long, default_value_t = 0)]
+    extra_model_calls: u64,
+    /// Tool calls to add (to a run that has such a limit).
+    #[arg(long, default_value_t = 0)]
+    extra_tool_calls: u64,
+    /// Tokens to add (to a run that has such a limit).
+    #[arg(long, default_value_t = 0)]
+    extra_tokens: u64,
+    /// Milliseconds to add (to a run that has a deadline).
+    #[arg(long, default_value_t = 0)]
+    extra_duration_ms: u64,
+    #[command(flatten)]
+    db: DbArg,
+}
+
+#[derive(Debug, clap::Args)]
+struct RunTarget {
+    run_id: String,
+    #[command(flatten)]
+    target: ServerOrDb,
 }
 
 /// Where `ratchet approvals` and `ratchet runs pause|resume` work: a server when `--server`
@@ -399,88 +341,84 @@ impl ServerOrDb {
 #[derive(Debug, Subcommand)]
 enum ApprovalsCommand {
     /// List approvals, each with the calls of its batch.
-    List {
-        /// Only approvals with this status: pending, decided, aborted or cancelled.
-        #[arg(long)]
-        status: Option<String>,
-        #[arg(long)]
-        json: bool,
-        #[command(flatten)]
-        target: ServerOrDb,
-    },
+    List(ApprovalsListArgs),
     /// Answer an approval: decide every call that needs approval, or abort the run. Against
     /// a database, `ratchet resume` then carries the run on.
-    Decide {
-        approval_id: String,
-        /// A call to run; repeatable.
-        #[arg(long = "approve", value_name = "CALL")]
-        approve: Vec<String>,
-        /// A call not to run (the model is told it was denied); repeatable.
-        #[arg(long = "deny", value_name = "CALL")]
-        deny: Vec<String>,
-        /// Why, shown to the model with each denied call.
-        #[arg(long)]
-        note: Option<String>,
-        /// End the run as cancelled instead.
-        #[arg(long)]
-        abort: bool,
-        #[command(flatten)]
-        target: ServerOrDb,
-    },
+    Decide(DecideArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct DecideArgs {
+    #[command(flatten)]
+    answer: approve::Decide,
+    #[command(flatten)]
+    target: ServerOrDb,
+}
+
+#[derive(Debug, clap::Args)]
+struct ApprovalsListArgs {
+    /// Only approvals with this status: pending, decided, aborted or cancelled.
+    #[arg(long)]
+    status: Option<String>,
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    target: ServerOrDb,
 }
 
 #[derive(Debug, Subcommand)]
 enum InboxCommand {
     /// Put a dead letter back to pending: due now, its attempts counted afresh; a continuation
     /// turn tells it when the session is free.
-    Requeue {
-        session_id: String,
-        event_id: i64,
-        /// Who requeues it, for the record [default: $USER].
-        #[arg(long, value_name = "NAME")]
-        by: Option<String>,
-        #[command(flatten)]
-        target: ServerOrDb,
-    },
+    Requeue(DeadLetterArgs),
     /// Drop a dead letter for good, recording who did and when.
-    Discard {
-        session_id: String,
-        event_id: i64,
-        /// Who discards it, for the record [default: $USER].
-        #[arg(long, value_name = "NAME")]
-        by: Option<String>,
-        #[command(flatten)]
-        target: ServerOrDb,
-    },
+    Discard(DeadLetterArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct DeadLetterArgs {
+    session_id: String,
+    event_id: i64,
+    /// Who acts on it, for the record [default: $USER].
+    #[arg(long, value_name = "NAME")]
+    by: Option<String>,
+    #[command(flatten)]
+    target: ServerOrDb,
 }
 
 #[derive(Debug, Subcommand)]
 enum WebhooksCommand {
     /// Put a dead delivery back to pending (or, with --all-dead, every one of the webhook):
     /// due now, its attempts counted afresh.
-    Requeue {
-        webhook_id: String,
-        delivery_id: Option<i64>,
-        /// Every dead delivery of the webhook.
-        #[arg(long)]
-        all_dead: bool,
-        #[command(flatten)]
-        target: ServerOrDb,
-    },
+    Requeue(WebhookRequeueArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct WebhookRequeueArgs {
+    webhook_id: String,
+    delivery_id: Option<i64>,
+    /// Every dead delivery of the webhook.
+    #[arg(long)]
+    all_dead: bool,
+    #[command(flatten)]
+    target: ServerOrDb,
 }
 
 #[derive(Debug, Subcommand)]
 enum AgentsCommand {
     /// Load a directory of agent definitions (`*.md`) against this process's tools and
     /// models; print each agent, or every problem and exit 1 (the catalog is rejected whole).
-    Check {
-        /// The catalog: a directory of agent definitions.
-        dir: PathBuf,
-        /// A ratchet.toml whose `[models.NAME]` profiles and `[mcp.servers]` tools the
-        /// definitions may name.
-        #[arg(long, value_name = "FILE")]
-        config: Option<PathBuf>,
-    },
+    Check(CheckArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct CheckArgs {
+    /// The catalog: a directory of agent definitions.
+    dir: PathBuf,
+    /// A ratchet.toml whose `[models.NAME]` profiles and `[mcp.servers]` tools the
+    /// definitions may name.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
 }
 
 fn main() -> ExitCode {
@@ -527,290 +465,208 @@ fn main() -> ExitCode {
 
 async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     match command {
-        Command::Run {
-            db,
-            model,
-            workspace,
-            budget,
-            require_approval,
-            config,
-            memory_scope,
-            server: Some(server),
-            agents,
-            agent,
-            token,
-            no_migrate,
-            json,
-            message,
-        } => {
-            let local_only = [
-                agents.is_some().then_some("--agents"),
-                model.is_some().then_some("--model"),
-                workspace.is_some().then_some("--workspace"),
-                (!require_approval.is_empty()).then_some("--require-approval"),
-                config.is_some().then_some("--config"),
-                memory_scope.is_some().then_some("--memory-scope"),
-                no_migrate.then_some("--no-migrate"),
-            ];
-            let mut given: Vec<&str> = local_only.into_iter().flatten().collect();
-            given.extend(budget.given());
-            if !given.is_empty() {
-                bail!(
-                    "{} cannot be used with --server: the server's configuration decides the \
-                     agents, the model, the workspace, the step budget, the approvals and the \
-                     memory scope",
-                    given.join(", ")
-                );
-            }
-            // The database is the server's too; --db (or RATCHET_DB) is not used.
-            let _ = db;
-            drive::run_remote(drive::RemoteRunArgs {
-                server,
-                agent,
-                token: token.token,
-                json,
-                message,
-            })
-            .await
-        }
-        Command::Run {
-            db,
-            model,
-            workspace,
-            budget,
-            require_approval,
-            config,
-            memory_scope,
-            server: None,
-            agents,
-            agent,
-            token: _,
-            no_migrate,
-            json,
-            message,
-        } => {
-            let file = ratchet::Config::load_or_default(config.as_deref())?;
-            if let (Some(dir), None) = (&agents, &agent) {
-                bail!(
-                    "--agents {} needs --agent ID: the agent that answers",
-                    dir.display()
-                );
-            }
-            let agents = agents.or_else(|| file.agents.as_ref().map(PathBuf::from));
-            let catalog = match (agents, agent) {
-                (Some(dir), Some(agent)) => Some(drive::Pick {
-                    dir,
-                    agent,
-                    tree: ratchet::agents::TreeLimits::of(&file)?,
-                }),
-                (None, Some(agent)) => bail!(
-                    "--agent {agent} needs a catalog: give --agents DIR (or `agents` in the config file)"
-                ),
-                (_, None) => None,
-            };
-            if catalog.is_some() && model.is_some() {
-                bail!(
-                    "--model cannot be used with --agent: the agent's definition names its model"
-                );
-            }
-            let (quota, permits) = (file.quota()?, file.permits()?);
-            let tree_budget = file.tree_budget()?;
-            let max_snippet_bytes = file.limits()?.max_snippet_bytes;
-            let pool = file.pool()?;
-            let mut overrides = ratchet::ToolOverrides {
-                approval: file.approval_policies()?,
-                replay: file.replay_policies(),
-                calls: file.call_limits()?,
-            };
-            overrides.approval.extend(
-                require_approval
-                    .into_iter()
-                    .map(|tool| (tool, ratchet_core::ApprovalPolicy::Always)),
-            );
-            drive::run(drive::RunArgs {
-                db: db.db,
-                model: model.unwrap_or_else(|| "scripted:demo".to_owned()),
-                workspace,
-                limits: budget.limits(),
-                overrides,
-                profiles: file.models,
-                mcp: file.mcp,
-                memory_scope: memory_scope.map(Into::into).unwrap_or_default(),
-                schema: if no_migrate {
-                    ratchet::Schema::Require
-                } else {
-                    ratchet::Schema::Migrate
-                },
-                json,
-                message,
-                catalog,
-                quota,
-                tree_budget,
-                permits,
-                max_snippet_bytes,
-                pool,
-            })
-            .await
-        }
-        Command::Chat {
-            server,
-            agent,
-            token,
-        } => {
-            chat::chat(chat::ChatArgs {
-                server,
-                agent,
-                token: token.token,
-            })
-            .await
-        }
-        Command::Serve {
-            process,
-            listen,
-            model,
-            workspace,
-            agents,
-        } => {
-            serve::serve(serve::ServeArgs {
-                process: process.into(),
-                listen,
-                model,
-                workspace,
-                agents,
-            })
-            .await
-        }
-        Command::Worker { process } => serve::worker(process.into()).await,
-        Command::Migrate { db } => {
-            let migrated = ratchet::migrate(&db.db)?;
-            if migrated.from == migrated.to {
-                println!("schema version {} (up to date)", migrated.to);
-            } else {
-                println!(
-                    "schema version {} (migrated from {})",
-                    migrated.to, migrated.from
-                );
-            }
-            Ok(ExitCode::SUCCESS)
-        }
-        Command::Resume { db, config, json } => {
-            let file = ratchet::Config::load_or_default(config.as_deref())?;
-            let max_snippet_bytes = file.limits()?.max_snippet_bytes;
-            drive::resume(&db.db, json, &file.mcp, max_snippet_bytes, file.pool()?).await
-        }
-        Command::Runs {
-            command: RunsCommand::List { db, json },
-        } => inspect::list(&db.db, json).await,
-        Command::Runs {
-            command: RunsCommand::Show { run_id, db, json },
-        } => inspect::show(&db.db, &run_id, json).await,
-        Command::Runs {
-            command:
-                RunsCommand::Reconcile {
-                    run_id,
-                    call_id,
-                    outcome,
-                    result,
-                    db,
-                },
-        } => inspect::reconcile(&db.db, &run_id, &call_id, outcome, result).await,
-        Command::Runs {
-            command: RunsCommand::Pause { run_id, target },
-        } => pause::pause(target.target()?, &run_id).await,
-        Command::Runs {
-            command: RunsCommand::Resume { run_id, target },
-        } => pause::resume(target.target()?, &run_id).await,
-        Command::Runs {
-            command: RunsCommand::Cancel { run_id, target },
-        } => pause::cancel(target.target()?, &run_id).await,
-        Command::Runs {
-            command: RunsCommand::Retry { run_id, db },
-        } => inspect::resume_failed(&db.db, &run_id, ratchet_core::step::Resumption::Retry).await,
-        Command::Runs {
-            command:
-                RunsCommand::Continue {
-                    run_id,
-                    extra_steps,
-                    extra_model_calls,
-                    extra_tool_calls,
-                    extra_tokens,
-                    extra_duration_ms,
-                    db,
-                },
-        } => {
-            let extension = ratchet_core::BudgetExtension {
-                steps: extra_steps,
-                model_calls: extra_model_calls,
-                tool_calls: extra_tool_calls,
-                tokens: extra_tokens,
-                duration_ms: extra_duration_ms,
-            };
-            let how = ratchet_core::step::Resumption::Continue { extension };
-            inspect::resume_failed(&db.db, &run_id, how).await
-        }
-        Command::Inbox { command } => {
-            let action = match command {
-                InboxCommand::Requeue { .. } => ratchet_store::DeadLetterAction::Requeue,
-                InboxCommand::Discard { .. } => ratchet_store::DeadLetterAction::Discard,
-            };
-            let (InboxCommand::Requeue {
-                session_id,
-                event_id,
-                by,
-                target,
-            }
-            | InboxCommand::Discard {
-                session_id,
-                event_id,
-                by,
-                target,
-            }) = command;
-            dead_letters::inbox(target.target()?, action, &session_id, event_id, by).await
-        }
+        Command::Run(args) => match args.server.clone() {
+            Some(server) => args.run_remote(server).await,
+            None => args.run_here().await,
+        },
+        Command::Chat(args) => chat::chat(args).await,
+        Command::Serve(args) => serve::serve(args).await,
+        Command::Worker(process) => serve::worker(process).await,
+        Command::Migrate(db) => migrate(&db.db),
+        Command::Resume(args) => args.resume().await,
+        Command::Runs { command } => command.execute().await,
+        Command::Inbox { command } => command.execute().await,
         Command::Webhooks {
-            command:
-                WebhooksCommand::Requeue {
-                    webhook_id,
-                    delivery_id,
-                    all_dead,
-                    target,
-                },
+            command: WebhooksCommand::Requeue(args),
         } => {
-            let delivery = dead_letters::chosen_delivery(delivery_id, all_dead)?;
-            dead_letters::webhook(target.target()?, &webhook_id, delivery).await
+            let delivery = dead_letters::chosen_delivery(args.delivery_id, args.all_dead)?;
+            dead_letters::webhook(args.target.target()?, &args.webhook_id, delivery).await
         }
         Command::Approvals {
-            command:
-                ApprovalsCommand::List {
-                    status,
-                    json,
-                    target,
-                },
-        } => approve::list(target.target()?, status, json).await,
+            command: ApprovalsCommand::List(args),
+        } => approve::list(args.target.target()?, args.status, args.json).await,
         Command::Approvals {
-            command:
-                ApprovalsCommand::Decide {
-                    approval_id,
-                    approve,
-                    deny,
-                    note,
-                    abort,
-                    target,
-                },
-        } => {
-            let decide = approve::Decide {
-                id: approval_id,
-                approve,
-                deny,
-                note,
-                abort,
-            };
-            approve::decide(target.target()?, decide).await
-        }
+            command: ApprovalsCommand::Decide(args),
+        } => approve::decide(args.target.target()?, args.answer).await,
         Command::Agents {
-            command: AgentsCommand::Check { dir, config },
-        } => agents::check(&dir, config.as_deref()).await,
+            command: AgentsCommand::Check(args),
+        } => agents::check(&args.dir, args.config.as_deref()).await,
         Command::Bench { args } => bench(args),
+    }
+}
+
+fn migrate(db: &str) -> anyhow::Result<ExitCode> {
+    let migrated = ratchet::migrate(db)?;
+    if migrated.from == migrated.to {
+        println!("schema version {} (up to date)", migrated.to);
+    } else {
+        println!(
+            "schema version {} (migrated from {})",
+            migrated.to, migrated.from
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+impl RunArgs {
+    /// `run --server`: the server's configuration decides everything but the message.
+    async fn run_remote(self, server: String) -> anyhow::Result<ExitCode> {
+        let local_only = [
+            self.agents.is_some().then_some("--agents"),
+            self.model.is_some().then_some("--model"),
+            self.workspace.is_some().then_some("--workspace"),
+            (!self.require_approval.is_empty()).then_some("--require-approval"),
+            self.config.is_some().then_some("--config"),
+            self.memory_scope.is_some().then_some("--memory-scope"),
+            self.no_migrate.then_some("--no-migrate"),
+        ];
+        let mut given: Vec<&str> = local_only.into_iter().flatten().collect();
+        given.extend(self.budget.given());
+        if !given.is_empty() {
+            bail!(
+                "{} cannot be used with --server: the server's configuration decides the \
+                 agents, the model, the workspace, the step budget, the approvals and the \
+                 memory scope",
+                given.join(", ")
+            );
+        }
+        // The database is the server's too; --db (or RATCHET_DB) is not used.
+        drive::run_remote(drive::RemoteRunArgs {
+            server,
+            agent: self.agent,
+            token: self.token.token,
+            json: self.json,
+            message: self.message,
+        })
+        .await
+    }
+
+    /// `run` in this process.
+    async fn run_here(self) -> anyhow::Result<ExitCode> {
+        let file = ratchet::Config::load_or_default(self.config.as_deref())?;
+        if let (Some(dir), None) = (&self.agents, &self.agent) {
+            bail!(
+                "--agents {} needs --agent ID: the agent that answers",
+                dir.display()
+            );
+        }
+        let agents = (self.agents).or_else(|| file.agents.as_ref().map(PathBuf::from));
+        let catalog = match (agents, self.agent) {
+            (Some(dir), Some(agent)) => Some(drive::Pick {
+                dir,
+                agent,
+                tree: ratchet::agents::TreeLimits::of(&file)?,
+            }),
+            (None, Some(agent)) => bail!(
+                "--agent {agent} needs a catalog: give --agents DIR (or `agents` in the config file)"
+            ),
+            (_, None) => None,
+        };
+        if catalog.is_some() && self.model.is_some() {
+            bail!("--model cannot be used with --agent: the agent's definition names its model");
+        }
+        let (quota, permits) = (file.quota()?, file.permits()?);
+        let tree_budget = file.tree_budget()?;
+        let max_snippet_bytes = file.limits()?.max_snippet_bytes;
+        let pool = file.pool()?;
+        let mut overrides = ratchet::ToolOverrides {
+            approval: file.approval_policies()?,
+            replay: file.replay_policies(),
+            calls: file.call_limits()?,
+        };
+        overrides.approval.extend(
+            (self.require_approval)
+                .into_iter()
+                .map(|tool| (tool, ratchet_core::ApprovalPolicy::Always)),
+        );
+        drive::run(drive::RunArgs {
+            db: self.db.db,
+            model: (self.model).unwrap_or_else(|| "scripted:demo".to_owned()),
+            workspace: self.workspace,
+            limits: self.budget.limits(),
+            overrides,
+            profiles: file.models,
+            mcp: file.mcp,
+            memory_scope: self.memory_scope.map(Into::into).unwrap_or_default(),
+            schema: if self.no_migrate {
+                ratchet::Schema::Require
+            } else {
+                ratchet::Schema::Migrate
+            },
+            json: self.json,
+            message: self.message,
+            catalog,
+            quota,
+            tree_budget,
+            permits,
+            max_snippet_bytes,
+            pool,
+        })
+        .await
+    }
+}
+
+impl ResumeArgs {
+    async fn resume(self) -> anyhow::Result<ExitCode> {
+        let file = ratchet::Config::load_or_default(self.config.as_deref())?;
+        let max_snippet_bytes = file.limits()?.max_snippet_bytes;
+        drive::resume(
+            &self.db.db,
+            self.json,
+            &file.mcp,
+            max_snippet_bytes,
+            file.pool()?,
+        )
+        .await
+    }
+}
+
+impl RunsCommand {
+    async fn execute(self) -> anyhow::Result<ExitCode> {
+        use ratchet_core::step::Resumption;
+        match self {
+            RunsCommand::List(args) => inspect::list(&args.db.db, args.json).await,
+            RunsCommand::Show(args) => inspect::show(&args.db.db, &args.run_id, args.json).await,
+            RunsCommand::Reconcile(args) => {
+                let (db, run, call) = (&args.db.db, &args.run_id, &args.call_id);
+                inspect::reconcile(db, run, call, args.outcome, args.result).await
+            }
+            RunsCommand::Pause(run) => pause::pause(run.target.target()?, &run.run_id).await,
+            RunsCommand::Resume(run) => pause::resume(run.target.target()?, &run.run_id).await,
+            RunsCommand::Cancel(run) => pause::cancel(run.target.target()?, &run.run_id).await,
+            RunsCommand::Retry(args) => {
+                inspect::resume_failed(&args.db.db, &args.run_id, Resumption::Retry).await
+            }
+            RunsCommand::Continue(args) => {
+                let extension = ratchet_core::BudgetExtension {
+                    steps: args.extra_steps,
+                    model_calls: args.extra_model_calls,
+                    tool_calls: args.extra_tool_calls,
+                    tokens: args.extra_tokens,
+                    duration_ms: args.extra_duration_ms,
+                };
+                let how = Resumption::Continue { extension };
+                inspect::resume_failed(&args.db.db, &args.run_id, how).await
+            }
+        }
+    }
+}
+
+impl InboxCommand {
+    async fn execute(self) -> anyhow::Result<ExitCode> {
+        let (action, letter) = match self {
+            InboxCommand::Requeue(letter) => (ratchet_store::DeadLetterAction::Requeue, letter),
+            InboxCommand::Discard(letter) => (ratchet_store::DeadLetterAction::Discard, letter),
+        };
+        let target = letter.target.target()?;
+        dead_letters::inbox(
+            target,
+            action,
+            &letter.session_id,
+            letter.event_id,
+            letter.by,
+        )
+        .await
     }
 }
 

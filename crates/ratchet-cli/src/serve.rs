@@ -25,23 +25,51 @@ use ratchet::{Runtime, Schema, Toolbox, open_sealed_store, open_store, own_key_f
 const GRACE: Duration = Duration::from_secs(10);
 
 /// What `serve` and `worker` share: where the settings come from and how the workers run.
-#[derive(Clone)]
+/// What `serve` and `worker` share. Each setting also comes from the config file (the same
+/// name with `_` for `-`) or a `RATCHET_*` variable; a flag wins.
+#[derive(Debug, Clone, clap::Args)]
 pub struct ProcessArgs {
+    /// Configuration file (TOML); `RATCHET_*` variables and flags override it.
+    #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Database URL (default sqlite://ratchet.db).
+    #[arg(long)]
     pub db: Option<String>,
+    /// Steps this process runs at once (default 16).
+    #[arg(long, value_name = "N")]
     pub workers: Option<u64>,
+    /// How long a claimed step stays this process's without a heartbeat, in ms (default
+    /// 15000); after it, another process takes the step over.
+    #[arg(long, value_name = "MS")]
     pub lease_ms: Option<u64>,
+    /// How often a running step renews its lease, in ms (default a third of the lease).
+    #[arg(long, value_name = "MS")]
     pub heartbeat_ms: Option<u64>,
+    /// How often an idle worker looks for work nobody announced, in ms (default 250).
+    #[arg(long, value_name = "MS")]
     pub poll_ms: Option<u64>,
+    /// Refuse a database whose schema is behind instead of migrating it (`ratchet migrate`
+    /// applies the migrations).
+    #[arg(long)]
     pub no_migrate: bool,
 }
 
-#[derive(Clone)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
+    #[command(flatten)]
     pub process: ProcessArgs,
+    /// Address to listen on (default 127.0.0.1:7700).
+    #[arg(long)]
     pub listen: Option<String>,
+    /// Model spec new runs are frozen with (default scripted:demo).
+    #[arg(long)]
     pub model: Option<String>,
+    /// Directory file tools may write in (default: the current directory).
+    #[arg(long)]
     pub workspace: Option<PathBuf>,
+    /// Directory of agent definitions sessions may pick (`{"agent": ID}`); checked whole
+    /// at start and at each reload (default: the config file's `agents`).
+    #[arg(long, value_name = "DIR")]
     pub agents: Option<PathBuf>,
 }
 
