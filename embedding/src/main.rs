@@ -1,9 +1,11 @@
-//! A run survives `kill -9`. This program starts itself again as a child process, whose agent
-//! calls a tool that hangs the first time; it kills the child with SIGKILL in the middle of
-//! that call, then opens the same database and waits: the run goes on from its last committed
-//! step, and the tool's call runs again with the same idempotency key.
+//! A user's program, outside the Ratchet workspace, that depends on `ratchet` by path and
+//! registers a Rust tool of its own. Its run survives `kill -9`: the program starts itself
+//! again as a child process, whose agent calls a tool that hangs the first time; it kills the
+//! child with SIGKILL in the middle of that call, then opens the same database and waits: the
+//! run goes on from its last committed step, and the tool's call runs again with the same
+//! idempotency key.
 //!
-//!     cargo run -p ratchet --example crash_and_resume
+//!     cargo run --manifest-path embedding/Cargo.toml
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
