@@ -1,8 +1,6 @@
 //! MCP tools through the real engine: a scripted model calls them, the engine records an
 //! intent and an outcome around each call, and the results reach the session's history.
 
-mod rmcp_server;
-
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +15,7 @@ use ratchet_store::{SessionSpec, Store};
 use ratchet_tools::Registry;
 use serde_json::{Value, json};
 
-use rmcp_server::RmcpHttpServer;
+use crate::rmcp_server::{self, RmcpHttpServer};
 
 struct Node {
     coordinator: Arc<Coordinator>,
@@ -320,7 +318,7 @@ fn rmcp_stdio_server() {
 fn rmcp_stdio_server_config(pid_file: &Path) -> ServerConfig {
     ServerConfig {
         command: Some(std::env::current_exe().unwrap().display().to_string()),
-        args: ["rmcp_stdio_server", "--exact", "--nocapture"]
+        args: ["engine::rmcp_stdio_server", "--exact", "--nocapture"]
             .map(str::to_owned)
             .to_vec(),
         env: [(

@@ -1,8 +1,6 @@
 //! MCP servers' tools against real servers: a Python stdio server started as a process (and
 //! killed by its own `crash` tool), and a streamable-HTTP server in this process.
 
-mod http_server;
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -14,7 +12,7 @@ use ratchet_tools::{Registry, Tool, ToolContext};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-use http_server::HttpServer;
+use crate::http_server::HttpServer;
 
 fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/stdio_server.py")
