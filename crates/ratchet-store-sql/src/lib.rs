@@ -3,13 +3,32 @@
 //! An adapter (SQLite, PostgreSQL) supplies a `Backend`: how a body gets a transaction (or a
 //! read connection), how its dialect differs (`Db`), its full-text search, and how it hears
 //! of other processes' changes. `SqlStore` turns any backend into a `Store`; the decisions
-//! stay in `ratchet-core`, the bodies in `ops` only read, check fences and write.
+//! stay in `ratchet-core`, the bodies only read, check fences and write.
+//!
+//! Each body runs inside one write transaction (or on a read connection) and is the whole of
+//! one store operation. They live by aggregate: `sessions` (sessions and messages), `queue`
+//! (submitting, quotas, steers, the next run), `runs`, `steps` (jobs, leases, the commit,
+//! intents), `delegation`, `approvals`, `inbox` and `webhooks`, over `events` (appending and
+//! reading a session's events) and `rows` (decoding columns).
+//!
+//! A write that changes anything of a session locks the session first (`Db::lock_session`):
+//! with several processes on one database, that makes the writes of one session serial, so
+//! every check a body makes (the active run, the committed step, the cancel flag) still holds
+//! when the write lands. Claims never take that lock (they take only their job's row), so that
+//! a commit, which holds the session and then waits for its job's row, cannot deadlock with one.
 
+mod approvals;
 mod bounds;
 mod db;
+mod delegation;
+mod events;
 mod inbox;
-mod ops;
 mod payload;
+mod queue;
+mod rows;
+mod runs;
+mod sessions;
+mod steps;
 mod webhooks;
 
 use std::future::Future;
@@ -32,7 +51,7 @@ use ratchet_store::{
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
-pub use ops::sql_enum;
+pub use rows::sql_enum;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -108,7 +127,9 @@ impl<B: Backend> SqlStore<B> {
 impl<B: Backend> Reads for SqlStore<B> {
     async fn get_session(&self, id: &SessionId) -> Result<Session> {
         let id = id.clone();
-        self.backend.read(move |c| ops::get_session(c, &id)).await
+        self.backend
+            .read(move |c| sessions::get_session(c, &id))
+            .await
     }
 
     async fn list_sessions(
@@ -119,7 +140,7 @@ impl<B: Backend> Reads for SqlStore<B> {
     ) -> Result<Vec<Session>> {
         let (tenant, query) = (tenant.to_owned(), query.clone());
         self.backend
-            .read(move |c| ops::list_sessions(c, &tenant, &query, limit))
+            .read(move |c| sessions::list_sessions(c, &tenant, &query, limit))
             .await
     }
 
@@ -131,7 +152,7 @@ impl<B: Backend> Reads for SqlStore<B> {
     ) -> Result<Vec<StoredMessage>> {
         let session_id = session_id.clone();
         self.backend
-            .read(move |c| ops::visible_messages(c, &session_id, after_position, limit))
+            .read(move |c| sessions::visible_messages(c, &session_id, after_position, limit))
             .await
     }
 
@@ -154,7 +175,7 @@ impl<B: Backend> Reads for SqlStore<B> {
     ) -> Result<Vec<RunSummary>> {
         let (session_id, after) = (session_id.clone(), after.cloned());
         self.backend
-            .read(move |c| ops::session_runs(c, &session_id, after.as_ref(), limit))
+            .read(move |c| runs::session_runs(c, &session_id, after.as_ref(), limit))
             .await
     }
 
@@ -166,14 +187,14 @@ impl<B: Backend> Reads for SqlStore<B> {
     ) -> Result<Vec<StoredEvent>> {
         let run_id = run_id.clone();
         self.backend
-            .read(move |c| ops::run_events_after(c, &run_id, after_seq, limit))
+            .read(move |c| events::run_events_after(c, &run_id, after_seq, limit))
             .await
     }
 
     async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
         let run_id = run_id.clone();
         self.backend
-            .read(move |c| ops::intents(c, &run_id, step_index))
+            .read(move |c| steps::intents(c, &run_id, step_index))
             .await
     }
 
@@ -186,36 +207,42 @@ impl<B: Backend> Reads for SqlStore<B> {
     ) -> Result<Vec<Approval>> {
         let (tenant, after) = (tenant.to_owned(), after.cloned());
         self.backend
-            .read(move |c| ops::approvals(c, &tenant, status, after.as_ref(), limit))
+            .read(move |c| approvals::approvals(c, &tenant, status, after.as_ref(), limit))
             .await
     }
 
     async fn get_approval(&self, id: &ApprovalId) -> Result<Approval> {
         let id = id.clone();
-        self.backend.read(move |c| ops::get_approval(c, &id)).await
+        self.backend
+            .read(move |c| approvals::get_approval(c, &id))
+            .await
     }
 
     async fn load_state(&self, run_id: &RunId) -> Result<AgentState> {
         let run_id = run_id.clone();
         self.backend
-            .read(move |c| ops::load_state(c, &run_id))
+            .read(move |c| runs::load_state(c, &run_id))
             .await
     }
 
     async fn run_tree(&self, run_id: &RunId) -> Result<Vec<TreeNode>> {
         let run_id = run_id.clone();
-        self.backend.read(move |c| ops::run_tree(c, &run_id)).await
+        self.backend
+            .read(move |c| delegation::run_tree(c, &run_id))
+            .await
     }
 
     async fn admission(&self, run_id: &RunId) -> Result<Admission> {
         let run_id = run_id.clone();
-        self.backend.read(move |c| ops::admission(c, &run_id)).await
+        self.backend
+            .read(move |c| delegation::admission(c, &run_id))
+            .await
     }
 
     async fn tree_spend(&self, run_id: &RunId) -> Result<TreeSpend> {
         let run_id = run_id.clone();
         self.backend
-            .read(move |c| ops::tree_spend(c, &run_id))
+            .read(move |c| delegation::tree_spend(c, &run_id))
             .await
     }
 
@@ -242,31 +269,31 @@ impl<B: Backend> Reads for SqlStore<B> {
     async fn context(&self, session_id: &SessionId, run: &RunId) -> Result<Vec<StoredMessage>> {
         let (session_id, run) = (session_id.clone(), run.clone());
         self.backend
-            .read(move |c| ops::context(c, &session_id, &run))
+            .read(move |c| sessions::context(c, &session_id, &run))
             .await
     }
 
     async fn step_messages(&self, run_id: &RunId, step_index: u64) -> Result<StepMessages> {
         let run_id = run_id.clone();
         self.backend
-            .read(move |c| ops::step_messages(c, &run_id, step_index))
+            .read(move |c| sessions::step_messages(c, &run_id, step_index))
             .await
     }
 
     async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
         let session_id = session_id.clone();
         self.backend
-            .read(move |c| ops::history(c, &session_id))
+            .read(move |c| sessions::history(c, &session_id))
             .await
     }
 
     async fn list_runs(&self) -> Result<Vec<RunSummary>> {
-        self.backend.read(ops::list_runs).await
+        self.backend.read(runs::list_runs).await
     }
 
     async fn steps(&self, run_id: &RunId) -> Result<Vec<StepRecord>> {
         let run_id = run_id.clone();
-        self.backend.read(move |c| ops::steps(c, &run_id)).await
+        self.backend.read(move |c| steps::steps(c, &run_id)).await
     }
 
     async fn events_after(
@@ -277,7 +304,7 @@ impl<B: Backend> Reads for SqlStore<B> {
     ) -> Result<Vec<StoredEvent>> {
         let session_id = session_id.clone();
         self.backend
-            .read(move |c| ops::events_after(c, &session_id, after_seq, limit))
+            .read(move |c| events::events_after(c, &session_id, after_seq, limit))
             .await
     }
 
@@ -290,20 +317,20 @@ impl<B: Backend> Reads for SqlStore<B> {
     ) -> Result<Vec<StoredEvent>> {
         let session_id = session_id.clone();
         self.backend
-            .read(move |c| ops::events_within(c, &session_id, after_seq, limit, max_bytes))
+            .read(move |c| events::events_within(c, &session_id, after_seq, limit, max_bytes))
             .await
     }
 
     async fn lease_owners(&self) -> Result<Vec<String>> {
-        self.backend.read(ops::lease_owners).await
+        self.backend.read(steps::lease_owners).await
     }
 
     async fn stats(&self, now: Millis) -> Result<StoreStats> {
-        self.backend.read(move |c| ops::stats(c, now)).await
+        self.backend.read(move |c| runs::stats(c, now)).await
     }
 
     async fn runs_with_jobs(&self) -> Result<Vec<RunId>> {
-        self.backend.read(ops::runs_with_jobs).await
+        self.backend.read(steps::runs_with_jobs).await
     }
 }
 
@@ -317,20 +344,20 @@ impl<B: Backend> Writes for SqlStore<B> {
     ) -> Result<Session> {
         let id = id.clone();
         self.backend
-            .write(move |c| ops::create_session(c, &id, spec, now))
+            .write(move |c| sessions::create_session(c, &id, spec, now))
             .await
     }
 
     async fn rename_session(&self, id: &SessionId, title: &str) -> Result<Session> {
         let (id, title) = (id.clone(), title.to_owned());
         self.backend
-            .write(move |c| ops::rename_session(c, &id, &title))
+            .write(move |c| sessions::rename_session(c, &id, &title))
             .await
     }
 
     async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted> {
         self.backend
-            .write(move |c| ops::submit_message(c, new, now))
+            .write(move |c| queue::submit_message(c, new, now))
             .await
     }
 
@@ -342,14 +369,14 @@ impl<B: Backend> Writes for SqlStore<B> {
     ) -> Result<Option<ClaimedStep>> {
         let run = run.cloned();
         self.backend
-            .write(move |c| ops::claim_next(c, &lease, run.as_ref(), now))
+            .write(move |c| steps::claim_next(c, &lease, run.as_ref(), now))
             .await
     }
 
     async fn heartbeat(&self, claim: &Claim, expires_at: Millis) -> Result<bool> {
         let claim = claim.clone();
         self.backend
-            .write(move |c| ops::heartbeat(c, &claim, expires_at))
+            .write(move |c| steps::heartbeat(c, &claim, expires_at))
             .await
     }
 
@@ -362,9 +389,11 @@ impl<B: Backend> Writes for SqlStore<B> {
         now: Millis,
     ) -> Result<Commit> {
         let claim = claim.clone();
-        let encoded = ops::EncodedStep::of(&result)?;
+        let encoded = steps::EncodedStep::of(&result)?;
         self.backend
-            .write(move |c| ops::commit_step(c, &claim, result, encoded, continue_with, quota, now))
+            .write(move |c| {
+                steps::commit_step(c, &claim, result, encoded, continue_with, quota, now)
+            })
             .await
     }
 
@@ -377,7 +406,7 @@ impl<B: Backend> Writes for SqlStore<B> {
     ) -> Result<Option<Vec<StoredEvent>>> {
         let claim = claim.clone();
         self.backend
-            .write(move |c| ops::retry_later(c, &claim, available_at, event, now))
+            .write(move |c| steps::retry_later(c, &claim, available_at, event, now))
             .await
     }
 
@@ -390,7 +419,7 @@ impl<B: Backend> Writes for SqlStore<B> {
     ) -> Result<Vec<StoredEvent>> {
         let (session_id, run_id) = (session_id.clone(), run_id.clone());
         self.backend
-            .write(move |c| ops::insert_events(c, &session_id, Some(&run_id), &events, now))
+            .write(move |c| events::insert_events(c, &session_id, Some(&run_id), &events, now))
             .await
     }
 
@@ -403,7 +432,7 @@ impl<B: Backend> Writes for SqlStore<B> {
     ) -> Result<RecordedIntents> {
         let claim = claim.clone();
         self.backend
-            .write(move |c| ops::record_intents(c, &claim, &intents, &events, now))
+            .write(move |c| steps::record_intents(c, &claim, &intents, &events, now))
             .await
     }
 
@@ -416,28 +445,28 @@ impl<B: Backend> Writes for SqlStore<B> {
     ) -> Result<()> {
         let claim = claim.clone();
         self.backend
-            .write(move |c| ops::record_outcome(c, &claim, slot, &outcome, now))
+            .write(move |c| steps::record_outcome(c, &claim, slot, &outcome, now))
             .await
     }
 
     async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
         let run_id = run_id.clone();
         self.backend
-            .write(move |c| ops::request_cancel(c, &run_id, now))
+            .write(move |c| runs::request_cancel(c, &run_id, now))
             .await
     }
 
     async fn request_pause(&self, run_id: &RunId, now: Millis) -> Result<PauseOutcome> {
         let run_id = run_id.clone();
         self.backend
-            .write(move |c| ops::request_pause(c, &run_id, now))
+            .write(move |c| runs::request_pause(c, &run_id, now))
             .await
     }
 
     async fn resume_paused(&self, run_id: &RunId, now: Millis) -> Result<ResumeOutcome> {
         let run_id = run_id.clone();
         self.backend
-            .write(move |c| ops::resume_paused(c, &run_id, now))
+            .write(move |c| runs::resume_paused(c, &run_id, now))
             .await
     }
 
@@ -451,7 +480,7 @@ impl<B: Backend> Writes for SqlStore<B> {
     ) -> Result<Reconciled> {
         let (run_id, call_id) = (run_id.clone(), call_id.to_owned());
         self.backend
-            .write(move |c| ops::reconcile(c, &run_id, &call_id, answer, result, now))
+            .write(move |c| runs::reconcile(c, &run_id, &call_id, answer, result, now))
             .await
     }
 
@@ -463,7 +492,7 @@ impl<B: Backend> Writes for SqlStore<B> {
     ) -> Result<Vec<StoredEvent>> {
         let run_id = run_id.clone();
         self.backend
-            .write(move |c| ops::resume_failed(c, &run_id, how, now))
+            .write(move |c| runs::resume_failed(c, &run_id, how, now))
             .await
     }
 
@@ -476,7 +505,7 @@ impl<B: Backend> Writes for SqlStore<B> {
     ) -> Result<Answered> {
         let (id, by) = (id.clone(), by.to_owned());
         self.backend
-            .write(move |c| ops::answer_approval(c, &id, answer, &by, now))
+            .write(move |c| approvals::answer_approval(c, &id, answer, &by, now))
             .await
     }
 
@@ -533,13 +562,13 @@ impl<B: Backend> Writes for SqlStore<B> {
     async fn time_out_overdue(&self, now: Millis) -> Result<TimedOut> {
         let overdue = self
             .backend
-            .read(move |c| ops::overdue_runs(c, now))
+            .read(move |c| runs::overdue_runs(c, now))
             .await?;
         let mut timed_out = TimedOut::default();
         for run in overdue {
             let ended = self
                 .backend
-                .write(move |c| ops::time_out_run(c, &run, now))
+                .write(move |c| runs::time_out_run(c, &run, now))
                 .await?;
             timed_out.events.extend(ended.events);
             timed_out.ended.extend(ended.ended);
@@ -558,7 +587,7 @@ impl<B: Backend> Writes for SqlStore<B> {
     async fn release_leases(&self, owner: &str) -> Result<u64> {
         let owner = owner.to_owned();
         self.backend
-            .write(move |c| ops::release_leases(c, &owner))
+            .write(move |c| steps::release_leases(c, &owner))
             .await
     }
 }
