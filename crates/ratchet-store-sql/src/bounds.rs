@@ -7,7 +7,7 @@ use ratchet_core::{RunId, SessionId};
 use ratchet_store::Error;
 
 use crate::db::Db;
-use crate::ops::frozen_config;
+use crate::runs::frozen_config;
 use crate::{Result, params};
 
 /// A user's steering message of `content` may join the queue of `active`, the session's

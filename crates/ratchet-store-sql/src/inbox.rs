@@ -22,11 +22,12 @@ use ratchet_store::{
 use serde_json::json;
 
 use crate::db::{Db, Row};
-use crate::ops::{
-    ACTIVE_STATUSES, cancel_one, count, fenced, from_json, frozen_config, insert_events,
-    insert_message, insert_queued_run, load_state, parse_run_id, parse_session_id, sql_enum,
-    start_queued_run, take_steers, to_json,
-};
+use crate::events::insert_events;
+use crate::queue::{ACTIVE_STATUSES, insert_queued_run, start_queued_run, take_steers};
+use crate::rows::{count, from_json, parse_run_id, parse_session_id, sql_enum, to_json};
+use crate::runs::{cancel_one, frozen_config, load_state};
+use crate::sessions::insert_message;
+use crate::steps::fenced;
 use crate::{Result, params};
 
 const HELD: &str = "('reserved', 'pending', 'leased')";
@@ -1072,7 +1073,8 @@ pub(crate) fn absorb_signals(
             origin: ratchet_core::Origin::Steer,
             ..ratchet_core::Message::user(steered_signal(&payload))
         };
-        let message_id = crate::ops::step_message_id(&state.run_id, step_index, format!("s{id}"));
+        let message_id =
+            crate::sessions::step_message_id(&state.run_id, step_index, format!("s{id}"));
         insert_message(c, &message_id, state, &message, now)?;
         added.push(message);
     }

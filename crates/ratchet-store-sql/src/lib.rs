@@ -3,13 +3,32 @@
 //! An adapter (SQLite, PostgreSQL) supplies a `Backend`: how a body gets a transaction (or a
 //! read connection), how its dialect differs (`Db`), its full-text search, and how it hears
 //! of other processes' changes. `SqlStore` turns any backend into a `Store`; the decisions
-//! stay in `ratchet-core`, the bodies in `ops` only read, check fences and write.
+//! stay in `ratchet-core`, the bodies only read, check fences and write.
+//!
+//! Each body runs inside one write transaction (or on a read connection) and is the whole of
+//! one store operation. They live by aggregate: `sessions` (sessions and messages), `queue`
+//! (submitting, quotas, steers, the next run), `runs`, `steps` (jobs, leases, the commit,
+//! intents), `delegation`, `approvals`, `inbox` and `webhooks`, over `events` (appending and
+//! reading a session's events) and `rows` (decoding columns).
+//!
+//! A write that changes anything of a session locks the session first (`Db::lock_session`):
+//! with several processes on one database, that makes the writes of one session serial, so
+//! every check a body makes (the active run, the committed step, the cancel flag) still holds
+//! when the write lands. Claims never take that lock (they take only their job's row), so that
+//! a commit, which holds the session and then waits for its job's row, cannot deadlock with one.
 
+mod approvals;
 mod bounds;
 mod db;
+mod delegation;
+mod events;
 mod inbox;
-mod ops;
 mod payload;
+mod queue;
+mod rows;
+mod runs;
+mod sessions;
+mod steps;
 mod webhooks;
 
 use std::future::Future;
@@ -32,7 +51,7 @@ use ratchet_store::{
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
-pub use ops::sql_enum;
+pub use rows::sql_enum;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -104,37 +123,107 @@ impl<B: Backend> SqlStore<B> {
     }
 }
 
-#[async_trait]
-impl<B: Backend> Reads for SqlStore<B> {
-    async fn get_session(&self, id: &SessionId) -> Result<Session> {
-        let id = id.clone();
-        self.backend.read(move |c| ops::get_session(c, &id)).await
+/// Implements a store role for `SqlStore`: each listed operation becomes a method that runs one
+/// transaction body, in a read (`read`) or a write transaction (`write`). The entry
+///
+/// ```text
+/// read name(arg: Type, …) -> Result<T> = module::body(expr, …);
+/// ```
+///
+/// is `async fn name(&self, arg: Type, …) -> Result<T>` calling `module::body(c, expr, …)`, `c`
+/// being the body's `&dyn Db`. A body runs apart from the call (it must be `'static`), so an
+/// argument the method borrows is listed `arg: &Type => clone` (or `=> to_owned`, `=> cloned`):
+/// the method takes that owned copy first, and the expressions use the copy. The methods that
+/// do more than forward come after the list, written out.
+macro_rules! forward {
+    (
+        impl $role:ident {
+            $(
+                $how:ident $name:ident($($arg:ident: $ty:ty $(=> $own:ident)?),*) -> $ret:ty
+                    = $module:ident::$body:ident($($pass:expr),*);
+            )*
+        }
+        $($by_hand:tt)*
+    ) => {
+        #[async_trait]
+        impl<B: Backend> $role for SqlStore<B> {
+            $(
+                async fn $name(&self, $($arg: $ty),*) -> $ret {
+                    $($(let $arg = $arg.$own();)?)*
+                    self.backend.$how(move |c| $module::$body(c, $($pass),*)).await
+                }
+            )*
+            $($by_hand)*
+        }
+    };
+}
+
+forward! {
+    impl Reads {
+        read get_session(id: &SessionId => clone) -> Result<Session>
+            = sessions::get_session(&id);
+        read list_sessions(tenant: &str => to_owned, query: &SessionQuery => clone, limit: u32)
+            -> Result<Vec<Session>> = sessions::list_sessions(&tenant, &query, limit);
+        read visible_messages(session_id: &SessionId => clone, after_position: i64, limit: u32)
+            -> Result<Vec<StoredMessage>>
+            = sessions::visible_messages(&session_id, after_position, limit);
+        read session_runs(
+            session_id: &SessionId => clone,
+            after: Option<&RunId> => cloned,
+            limit: u32
+        ) -> Result<Vec<RunSummary>> = runs::session_runs(&session_id, after.as_ref(), limit);
+        read run_events_after(run_id: &RunId => clone, after_seq: i64, limit: u32)
+            -> Result<Vec<StoredEvent>> = events::run_events_after(&run_id, after_seq, limit);
+        read intents(run_id: &RunId => clone, step_index: u64) -> Result<Vec<IntentRecord>>
+            = steps::intents(&run_id, step_index);
+        read approvals(
+            tenant: &str => to_owned,
+            status: Option<ApprovalStatus>,
+            after: Option<&ApprovalId> => cloned,
+            limit: u32
+        ) -> Result<Vec<Approval>> = approvals::approvals(&tenant, status, after.as_ref(), limit);
+        read get_approval(id: &ApprovalId => clone) -> Result<Approval>
+            = approvals::get_approval(&id);
+        read load_state(run_id: &RunId => clone) -> Result<AgentState>
+            = runs::load_state(&run_id);
+        read run_tree(run_id: &RunId => clone) -> Result<Vec<TreeNode>>
+            = delegation::run_tree(&run_id);
+        read admission(run_id: &RunId => clone) -> Result<Admission>
+            = delegation::admission(&run_id);
+        read tree_spend(run_id: &RunId => clone) -> Result<TreeSpend>
+            = delegation::tree_spend(&run_id);
+        read inbox(
+            session_id: &SessionId => clone,
+            status: Option<InboxStatus>,
+            after: i64,
+            limit: u32
+        ) -> Result<Vec<InboxEvent>> = inbox::list(&session_id, status, after, limit);
+        read pending_input(session_id: &SessionId => clone, now: Millis) -> Result<PendingInput>
+            = inbox::pending_input(&session_id, now);
+        read context(session_id: &SessionId => clone, run: &RunId => clone)
+            -> Result<Vec<StoredMessage>> = sessions::context(&session_id, &run);
+        read step_messages(run_id: &RunId => clone, step_index: u64) -> Result<StepMessages>
+            = sessions::step_messages(&run_id, step_index);
+        read history(session_id: &SessionId => clone) -> Result<Vec<Message>>
+            = sessions::history(&session_id);
+        read list_runs() -> Result<Vec<RunSummary>> = runs::list_runs();
+        read steps(run_id: &RunId => clone) -> Result<Vec<StepRecord>>
+            = steps::steps(&run_id);
+        read events_after(session_id: &SessionId => clone, after_seq: i64, limit: u32)
+            -> Result<Vec<StoredEvent>> = events::events_after(&session_id, after_seq, limit);
+        read events_within(
+            session_id: &SessionId => clone,
+            after_seq: i64,
+            limit: u32,
+            max_bytes: u64
+        ) -> Result<Vec<StoredEvent>>
+            = events::events_within(&session_id, after_seq, limit, max_bytes);
+        read lease_owners() -> Result<Vec<String>> = steps::lease_owners();
+        read stats(now: Millis) -> Result<StoreStats> = runs::stats(now);
+        read runs_with_jobs() -> Result<Vec<RunId>> = steps::runs_with_jobs();
     }
 
-    async fn list_sessions(
-        &self,
-        tenant: &str,
-        query: &SessionQuery,
-        limit: u32,
-    ) -> Result<Vec<Session>> {
-        let (tenant, query) = (tenant.to_owned(), query.clone());
-        self.backend
-            .read(move |c| ops::list_sessions(c, &tenant, &query, limit))
-            .await
-    }
-
-    async fn visible_messages(
-        &self,
-        session_id: &SessionId,
-        after_position: i64,
-        limit: u32,
-    ) -> Result<Vec<StoredMessage>> {
-        let session_id = session_id.clone();
-        self.backend
-            .read(move |c| ops::visible_messages(c, &session_id, after_position, limit))
-            .await
-    }
-
+    // Search is the backend's own.
     async fn search_messages(
         &self,
         scope: SearchScope,
@@ -145,214 +234,80 @@ impl<B: Backend> Reads for SqlStore<B> {
             .search_messages(scope, query.to_owned(), limit)
             .await
     }
-
-    async fn session_runs(
-        &self,
-        session_id: &SessionId,
-        after: Option<&RunId>,
-        limit: u32,
-    ) -> Result<Vec<RunSummary>> {
-        let (session_id, after) = (session_id.clone(), after.cloned());
-        self.backend
-            .read(move |c| ops::session_runs(c, &session_id, after.as_ref(), limit))
-            .await
-    }
-
-    async fn run_events_after(
-        &self,
-        run_id: &RunId,
-        after_seq: i64,
-        limit: u32,
-    ) -> Result<Vec<StoredEvent>> {
-        let run_id = run_id.clone();
-        self.backend
-            .read(move |c| ops::run_events_after(c, &run_id, after_seq, limit))
-            .await
-    }
-
-    async fn intents(&self, run_id: &RunId, step_index: u64) -> Result<Vec<IntentRecord>> {
-        let run_id = run_id.clone();
-        self.backend
-            .read(move |c| ops::intents(c, &run_id, step_index))
-            .await
-    }
-
-    async fn approvals(
-        &self,
-        tenant: &str,
-        status: Option<ApprovalStatus>,
-        after: Option<&ApprovalId>,
-        limit: u32,
-    ) -> Result<Vec<Approval>> {
-        let (tenant, after) = (tenant.to_owned(), after.cloned());
-        self.backend
-            .read(move |c| ops::approvals(c, &tenant, status, after.as_ref(), limit))
-            .await
-    }
-
-    async fn get_approval(&self, id: &ApprovalId) -> Result<Approval> {
-        let id = id.clone();
-        self.backend.read(move |c| ops::get_approval(c, &id)).await
-    }
-
-    async fn load_state(&self, run_id: &RunId) -> Result<AgentState> {
-        let run_id = run_id.clone();
-        self.backend
-            .read(move |c| ops::load_state(c, &run_id))
-            .await
-    }
-
-    async fn run_tree(&self, run_id: &RunId) -> Result<Vec<TreeNode>> {
-        let run_id = run_id.clone();
-        self.backend.read(move |c| ops::run_tree(c, &run_id)).await
-    }
-
-    async fn admission(&self, run_id: &RunId) -> Result<Admission> {
-        let run_id = run_id.clone();
-        self.backend.read(move |c| ops::admission(c, &run_id)).await
-    }
-
-    async fn tree_spend(&self, run_id: &RunId) -> Result<TreeSpend> {
-        let run_id = run_id.clone();
-        self.backend
-            .read(move |c| ops::tree_spend(c, &run_id))
-            .await
-    }
-
-    async fn inbox(
-        &self,
-        session_id: &SessionId,
-        status: Option<InboxStatus>,
-        after: i64,
-        limit: u32,
-    ) -> Result<Vec<InboxEvent>> {
-        let session_id = session_id.clone();
-        self.backend
-            .read(move |c| inbox::list(c, &session_id, status, after, limit))
-            .await
-    }
-
-    async fn pending_input(&self, session_id: &SessionId, now: Millis) -> Result<PendingInput> {
-        let session_id = session_id.clone();
-        self.backend
-            .read(move |c| inbox::pending_input(c, &session_id, now))
-            .await
-    }
-
-    async fn context(&self, session_id: &SessionId, run: &RunId) -> Result<Vec<StoredMessage>> {
-        let (session_id, run) = (session_id.clone(), run.clone());
-        self.backend
-            .read(move |c| ops::context(c, &session_id, &run))
-            .await
-    }
-
-    async fn step_messages(&self, run_id: &RunId, step_index: u64) -> Result<StepMessages> {
-        let run_id = run_id.clone();
-        self.backend
-            .read(move |c| ops::step_messages(c, &run_id, step_index))
-            .await
-    }
-
-    async fn history(&self, session_id: &SessionId) -> Result<Vec<Message>> {
-        let session_id = session_id.clone();
-        self.backend
-            .read(move |c| ops::history(c, &session_id))
-            .await
-    }
-
-    async fn list_runs(&self) -> Result<Vec<RunSummary>> {
-        self.backend.read(ops::list_runs).await
-    }
-
-    async fn steps(&self, run_id: &RunId) -> Result<Vec<StepRecord>> {
-        let run_id = run_id.clone();
-        self.backend.read(move |c| ops::steps(c, &run_id)).await
-    }
-
-    async fn events_after(
-        &self,
-        session_id: &SessionId,
-        after_seq: i64,
-        limit: u32,
-    ) -> Result<Vec<StoredEvent>> {
-        let session_id = session_id.clone();
-        self.backend
-            .read(move |c| ops::events_after(c, &session_id, after_seq, limit))
-            .await
-    }
-
-    async fn events_within(
-        &self,
-        session_id: &SessionId,
-        after_seq: i64,
-        limit: u32,
-        max_bytes: u64,
-    ) -> Result<Vec<StoredEvent>> {
-        let session_id = session_id.clone();
-        self.backend
-            .read(move |c| ops::events_within(c, &session_id, after_seq, limit, max_bytes))
-            .await
-    }
-
-    async fn lease_owners(&self) -> Result<Vec<String>> {
-        self.backend.read(ops::lease_owners).await
-    }
-
-    async fn stats(&self, now: Millis) -> Result<StoreStats> {
-        self.backend.read(move |c| ops::stats(c, now)).await
-    }
-
-    async fn runs_with_jobs(&self) -> Result<Vec<RunId>> {
-        self.backend.read(ops::runs_with_jobs).await
-    }
 }
 
-#[async_trait]
-impl<B: Backend> Writes for SqlStore<B> {
-    async fn create_session(
-        &self,
-        id: &SessionId,
-        spec: SessionSpec,
-        now: Millis,
-    ) -> Result<Session> {
-        let id = id.clone();
-        self.backend
-            .write(move |c| ops::create_session(c, &id, spec, now))
-            .await
+forward! {
+    impl Writes {
+        write create_session(id: &SessionId => clone, spec: SessionSpec, now: Millis)
+            -> Result<Session> = sessions::create_session(&id, spec, now);
+        write rename_session(id: &SessionId => clone, title: &str => to_owned) -> Result<Session>
+            = sessions::rename_session(&id, &title);
+        write submit_message(new: NewRun, now: Millis) -> Result<Submitted>
+            = queue::submit_message(new, now);
+        write claim_next(lease: Lease, run: Option<&RunId> => cloned, now: Millis)
+            -> Result<Option<ClaimedStep>> = steps::claim_next(&lease, run.as_ref(), now);
+        write heartbeat(claim: &Claim => clone, expires_at: Millis) -> Result<bool>
+            = steps::heartbeat(&claim, expires_at);
+        write retry_later(
+            claim: &Claim => clone,
+            available_at: Millis,
+            event: EventDraft,
+            now: Millis
+        ) -> Result<Option<Vec<StoredEvent>>>
+            = steps::retry_later(&claim, available_at, event, now);
+        write append_events(
+            session_id: &SessionId => clone,
+            run_id: &RunId => clone,
+            events: Vec<EventDraft>,
+            now: Millis
+        ) -> Result<Vec<StoredEvent>>
+            = events::insert_events(&session_id, Some(&run_id), &events, now);
+        write record_intents(
+            claim: &Claim => clone,
+            intents: Vec<Intent>,
+            events: Vec<EventDraft>,
+            now: Millis
+        ) -> Result<RecordedIntents> = steps::record_intents(&claim, &intents, &events, now);
+        write record_outcome(claim: &Claim => clone, slot: u32, outcome: ToolOutcome, now: Millis)
+            -> Result<()> = steps::record_outcome(&claim, slot, &outcome, now);
+        write request_cancel(run_id: &RunId => clone, now: Millis) -> Result<CancelOutcome>
+            = runs::request_cancel(&run_id, now);
+        write request_pause(run_id: &RunId => clone, now: Millis) -> Result<PauseOutcome>
+            = runs::request_pause(&run_id, now);
+        write resume_paused(run_id: &RunId => clone, now: Millis) -> Result<ResumeOutcome>
+            = runs::resume_paused(&run_id, now);
+        write reconcile(
+            run_id: &RunId => clone,
+            call_id: &str => to_owned,
+            answer: Reconciliation,
+            result: Option<String>,
+            now: Millis
+        ) -> Result<Reconciled> = runs::reconcile(&run_id, &call_id, answer, result, now);
+        write resume_failed(run_id: &RunId => clone, how: Resumption, now: Millis)
+            -> Result<Vec<StoredEvent>> = runs::resume_failed(&run_id, how, now);
+        write answer_approval(
+            id: &ApprovalId => clone,
+            answer: ApprovalAnswer,
+            by: &str => to_owned,
+            now: Millis
+        ) -> Result<Answered> = approvals::answer_approval(&id, answer, &by, now);
+        write act_on_dead_letter(
+            session_id: &SessionId => clone,
+            event_id: i64,
+            action: DeadLetterAction,
+            by: &str => to_owned,
+            now: Millis
+        ) -> Result<InboxChange>
+            = inbox::act_on_dead_letter(&session_id, event_id, action, &by, now);
+        write emit_signal(claim: &Claim => clone, signal: NewSignal, now: Millis)
+            -> Result<EmittedSignal> = inbox::emit_signal(&claim, signal, now);
+        write close_session(id: &SessionId => clone, how: Closing, now: Millis) -> Result<Closed>
+            = inbox::close_session(&id, how, now);
+        write release_leases(owner: &str => to_owned) -> Result<u64>
+            = steps::release_leases(&owner);
     }
 
-    async fn rename_session(&self, id: &SessionId, title: &str) -> Result<Session> {
-        let (id, title) = (id.clone(), title.to_owned());
-        self.backend
-            .write(move |c| ops::rename_session(c, &id, &title))
-            .await
-    }
-
-    async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted> {
-        self.backend
-            .write(move |c| ops::submit_message(c, new, now))
-            .await
-    }
-
-    async fn claim_next(
-        &self,
-        lease: Lease,
-        run: Option<&RunId>,
-        now: Millis,
-    ) -> Result<Option<ClaimedStep>> {
-        let run = run.cloned();
-        self.backend
-            .write(move |c| ops::claim_next(c, &lease, run.as_ref(), now))
-            .await
-    }
-
-    async fn heartbeat(&self, claim: &Claim, expires_at: Millis) -> Result<bool> {
-        let claim = claim.clone();
-        self.backend
-            .write(move |c| ops::heartbeat(c, &claim, expires_at))
-            .await
-    }
-
+    // What a step's commit writes as JSON is encoded before its transaction (`EncodedStep`).
     async fn commit_step_within(
         &self,
         claim: &Claim,
@@ -362,150 +317,15 @@ impl<B: Backend> Writes for SqlStore<B> {
         now: Millis,
     ) -> Result<Commit> {
         let claim = claim.clone();
-        let encoded = ops::EncodedStep::of(&result)?;
+        let encoded = steps::EncodedStep::of(&result)?;
         self.backend
-            .write(move |c| ops::commit_step(c, &claim, result, encoded, continue_with, quota, now))
+            .write(move |c| {
+                steps::commit_step(c, &claim, result, encoded, continue_with, quota, now)
+            })
             .await
     }
 
-    async fn retry_later(
-        &self,
-        claim: &Claim,
-        available_at: Millis,
-        event: EventDraft,
-        now: Millis,
-    ) -> Result<Option<Vec<StoredEvent>>> {
-        let claim = claim.clone();
-        self.backend
-            .write(move |c| ops::retry_later(c, &claim, available_at, event, now))
-            .await
-    }
-
-    async fn append_events(
-        &self,
-        session_id: &SessionId,
-        run_id: &RunId,
-        events: Vec<EventDraft>,
-        now: Millis,
-    ) -> Result<Vec<StoredEvent>> {
-        let (session_id, run_id) = (session_id.clone(), run_id.clone());
-        self.backend
-            .write(move |c| ops::insert_events(c, &session_id, Some(&run_id), &events, now))
-            .await
-    }
-
-    async fn record_intents(
-        &self,
-        claim: &Claim,
-        intents: Vec<Intent>,
-        events: Vec<EventDraft>,
-        now: Millis,
-    ) -> Result<RecordedIntents> {
-        let claim = claim.clone();
-        self.backend
-            .write(move |c| ops::record_intents(c, &claim, &intents, &events, now))
-            .await
-    }
-
-    async fn record_outcome(
-        &self,
-        claim: &Claim,
-        slot: u32,
-        outcome: ToolOutcome,
-        now: Millis,
-    ) -> Result<()> {
-        let claim = claim.clone();
-        self.backend
-            .write(move |c| ops::record_outcome(c, &claim, slot, &outcome, now))
-            .await
-    }
-
-    async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
-        let run_id = run_id.clone();
-        self.backend
-            .write(move |c| ops::request_cancel(c, &run_id, now))
-            .await
-    }
-
-    async fn request_pause(&self, run_id: &RunId, now: Millis) -> Result<PauseOutcome> {
-        let run_id = run_id.clone();
-        self.backend
-            .write(move |c| ops::request_pause(c, &run_id, now))
-            .await
-    }
-
-    async fn resume_paused(&self, run_id: &RunId, now: Millis) -> Result<ResumeOutcome> {
-        let run_id = run_id.clone();
-        self.backend
-            .write(move |c| ops::resume_paused(c, &run_id, now))
-            .await
-    }
-
-    async fn reconcile(
-        &self,
-        run_id: &RunId,
-        call_id: &str,
-        answer: Reconciliation,
-        result: Option<String>,
-        now: Millis,
-    ) -> Result<Reconciled> {
-        let (run_id, call_id) = (run_id.clone(), call_id.to_owned());
-        self.backend
-            .write(move |c| ops::reconcile(c, &run_id, &call_id, answer, result, now))
-            .await
-    }
-
-    async fn resume_failed(
-        &self,
-        run_id: &RunId,
-        how: Resumption,
-        now: Millis,
-    ) -> Result<Vec<StoredEvent>> {
-        let run_id = run_id.clone();
-        self.backend
-            .write(move |c| ops::resume_failed(c, &run_id, how, now))
-            .await
-    }
-
-    async fn answer_approval(
-        &self,
-        id: &ApprovalId,
-        answer: ApprovalAnswer,
-        by: &str,
-        now: Millis,
-    ) -> Result<Answered> {
-        let (id, by) = (id.clone(), by.to_owned());
-        self.backend
-            .write(move |c| ops::answer_approval(c, &id, answer, &by, now))
-            .await
-    }
-
-    async fn act_on_dead_letter(
-        &self,
-        session_id: &SessionId,
-        event_id: i64,
-        action: DeadLetterAction,
-        by: &str,
-        now: Millis,
-    ) -> Result<InboxChange> {
-        let (session_id, by) = (session_id.clone(), by.to_owned());
-        self.backend
-            .write(move |c| inbox::act_on_dead_letter(c, &session_id, event_id, action, &by, now))
-            .await
-    }
-
-    async fn emit_signal(
-        &self,
-        claim: &Claim,
-        signal: NewSignal,
-        now: Millis,
-    ) -> Result<EmittedSignal> {
-        let claim = claim.clone();
-        self.backend
-            .write(move |c| inbox::emit_signal(c, &claim, signal, now))
-            .await
-    }
-
+    // Expiry first, then one write per session that has something to serve.
     async fn serve_inboxes(&self, now: Millis) -> Result<Served> {
         let mut served = Served::default();
         if self
@@ -530,36 +350,23 @@ impl<B: Backend> Writes for SqlStore<B> {
         Ok(served)
     }
 
+    // One write per overdue run.
     async fn time_out_overdue(&self, now: Millis) -> Result<TimedOut> {
         let overdue = self
             .backend
-            .read(move |c| ops::overdue_runs(c, now))
+            .read(move |c| runs::overdue_runs(c, now))
             .await?;
         let mut timed_out = TimedOut::default();
         for run in overdue {
             let ended = self
                 .backend
-                .write(move |c| ops::time_out_run(c, &run, now))
+                .write(move |c| runs::time_out_run(c, &run, now))
                 .await?;
             timed_out.events.extend(ended.events);
             timed_out.ended.extend(ended.ended);
             timed_out.enqueued |= ended.enqueued;
         }
         Ok(timed_out)
-    }
-
-    async fn close_session(&self, id: &SessionId, how: Closing, now: Millis) -> Result<Closed> {
-        let id = id.clone();
-        self.backend
-            .write(move |c| inbox::close_session(c, &id, how, now))
-            .await
-    }
-
-    async fn release_leases(&self, owner: &str) -> Result<u64> {
-        let owner = owner.to_owned();
-        self.backend
-            .write(move |c| ops::release_leases(c, &owner))
-            .await
     }
 }
 
@@ -569,33 +376,33 @@ impl<B: Backend> Changes for SqlStore<B> {
     }
 }
 
-#[async_trait]
-impl<B: Backend> WebhookAdmin for SqlStore<B> {
+forward! {
+    impl WebhookAdmin {
+        read get_webhook(id: &WebhookId => clone) -> Result<Webhook>
+            = webhooks::get_webhook(&id);
+        read webhooks(tenant: &str => to_owned) -> Result<Vec<Webhook>>
+            = webhooks::webhooks(&tenant);
+        write delete_webhook(id: &WebhookId => clone) -> Result<()>
+            = webhooks::delete_webhook(&id);
+        read deliveries(
+            webhook_id: &WebhookId => clone,
+            status: Option<DeliveryStatus>,
+            after: i64,
+            limit: u32
+        ) -> Result<Vec<WebhookDelivery>>
+            = webhooks::deliveries(&webhook_id, status, after, limit);
+        write requeue_delivery(webhook_id: &WebhookId => clone, delivery_id: i64, now: Millis)
+            -> Result<WebhookDelivery>
+            = webhooks::requeue_delivery(&webhook_id, delivery_id, now);
+        write requeue_dead_deliveries(webhook_id: &WebhookId => clone, now: Millis)
+            -> Result<u64> = webhooks::requeue_dead_deliveries(&webhook_id, now);
+    }
+
+    // These seal or open a secret, with the keyring.
     async fn create_webhook(&self, webhook: NewWebhook, now: Millis) -> Result<Webhook> {
         let keyring = self.keyring()?;
         self.backend
             .write(move |c| webhooks::create_webhook(c, &keyring, webhook, now))
-            .await
-    }
-
-    async fn get_webhook(&self, id: &WebhookId) -> Result<Webhook> {
-        let id = id.clone();
-        self.backend
-            .read(move |c| webhooks::get_webhook(c, &id))
-            .await
-    }
-
-    async fn webhooks(&self, tenant: &str) -> Result<Vec<Webhook>> {
-        let tenant = tenant.to_owned();
-        self.backend
-            .read(move |c| webhooks::webhooks(c, &tenant))
-            .await
-    }
-
-    async fn delete_webhook(&self, id: &WebhookId) -> Result<()> {
-        let id = id.clone();
-        self.backend
-            .write(move |c| webhooks::delete_webhook(c, &id))
             .await
     }
 
@@ -613,48 +420,15 @@ impl<B: Backend> WebhookAdmin for SqlStore<B> {
             .write(move |c| webhooks::seal_webhook_secrets(c, &keyring))
             .await
     }
-
-    async fn deliveries(
-        &self,
-        webhook_id: &WebhookId,
-        status: Option<DeliveryStatus>,
-        after: i64,
-        limit: u32,
-    ) -> Result<Vec<WebhookDelivery>> {
-        let webhook_id = webhook_id.clone();
-        self.backend
-            .read(move |c| webhooks::deliveries(c, &webhook_id, status, after, limit))
-            .await
-    }
-
-    async fn requeue_delivery(
-        &self,
-        webhook_id: &WebhookId,
-        delivery_id: i64,
-        now: Millis,
-    ) -> Result<WebhookDelivery> {
-        let webhook_id = webhook_id.clone();
-        self.backend
-            .write(move |c| webhooks::requeue_delivery(c, &webhook_id, delivery_id, now))
-            .await
-    }
-
-    async fn requeue_dead_deliveries(&self, webhook_id: &WebhookId, now: Millis) -> Result<u64> {
-        let webhook_id = webhook_id.clone();
-        self.backend
-            .write(move |c| webhooks::requeue_dead_deliveries(c, &webhook_id, now))
-            .await
-    }
 }
 
-#[async_trait]
-impl<B: Backend> Deliveries for SqlStore<B> {
-    async fn bound_deliveries(&self, bounds: DeliveryBounds, now: Millis) -> Result<u64> {
-        self.backend
-            .write(move |c| webhooks::bound_deliveries(c, bounds, now))
-            .await
+forward! {
+    impl Deliveries {
+        write bound_deliveries(bounds: DeliveryBounds, now: Millis) -> Result<u64>
+            = webhooks::bound_deliveries(bounds, now);
     }
 
+    // A write only when a read found something to queue.
     async fn queue_deliveries(&self, limit: u32, now: Millis) -> Result<u32> {
         if !self.backend.read(webhooks::anything_to_queue).await? {
             return Ok(0);
@@ -664,6 +438,7 @@ impl<B: Backend> Deliveries for SqlStore<B> {
             .await
     }
 
+    // Opens each claimed delivery's secret, with the keyring.
     async fn claim_deliveries(
         &self,
         owner: &str,
@@ -680,6 +455,7 @@ impl<B: Backend> Deliveries for SqlStore<B> {
             .await
     }
 
+    // Every delivery of the batch in one transaction.
     async fn finish_deliveries(
         &self,
         finished: Vec<(DeliveryClaim, AttemptOutcome)>,

@@ -11,7 +11,7 @@ use serde::{Serialize, Serializer};
 use serde_json::{Map, Value};
 
 use crate::Result;
-use crate::ops::{from_json, to_json};
+use crate::rows::{from_json, to_json};
 
 const RUN_ID: &str = "run_id";
 

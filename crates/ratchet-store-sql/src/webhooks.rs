@@ -12,7 +12,8 @@ use ratchet_store::{
 };
 
 use crate::db::{Db, Row};
-use crate::ops::{EVENT_COLUMNS, corrupt, from_json, parse_session_id, to_event, to_json};
+use crate::events::{EVENT_COLUMNS, to_event};
+use crate::rows::{corrupt, from_json, parse_session_id, to_json};
 use crate::{Result, params};
 
 const OPEN: &str = "('pending', 'delivering')";
