@@ -1,10 +1,12 @@
 //! The in-memory model and the SQL backends tell the same story. Random sequences of what the
-//! Coordinator does — user messages (queued, interrupting, steering), claims by two workers,
-//! commits of the step results the engine would build, stale and repeated commits, heartbeats,
-//! retries, expired and released leases, cancels, pauses and resumes, approvals and their
-//! answers, delegations and their joins — are applied to the model and to a backend side by
-//! side. After every operation both must have answered alike, and everything `Reads` shows of
-//! them must be equal; a disagreement is shrunk by proptest to a shortest sequence showing it.
+//! Coordinator does — user messages (queued, refused, interrupting, steering), claims by two
+//! workers, commits of the step results the engine would build (answers, tool batches, calls
+//! written ahead, approvals, foreground and background delegations), stale and repeated
+//! commits, heartbeats, retries, expired and released leases, crashes in the middle of a
+//! step, cancels, pauses and resumes, human answers, continued failed runs, closed sessions,
+//! overdue runs and inbox turns — are applied to the model and to a backend side by side.
+//! After every operation both must have answered alike and everything `Reads` shows of them
+//! must be equal; a disagreement is shrunk by proptest to a shortest sequence showing it.
 //!
 //! One test per backend (PostgreSQL only where `RATCHET_TEST_POSTGRES_URL` names a server),
 //! and one proving that the comparison does fail when the two stores differ.
@@ -15,20 +17,25 @@ use std::fmt::Debug;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, TestError, TestRunner};
-use ratchet_core::delegation::{ChildRun, DELEGATE_TOOL, await_children, delegate_tool};
+use ratchet_core::delegation::{
+    BackgroundGroup, ChildRun, DELEGATE_TOOL, await_children, background_started, delegate_tool,
+    start_in_background,
+};
 use ratchet_core::step::{
-    after_compaction, after_model, after_tools, ask_approval_step, finish_step,
+    Reconciliation, Resumption, after_compaction, after_model, after_tools, ask_approval_step,
+    await_reconciliation, finish_step,
 };
 use ratchet_core::{
-    AgentProfile, ApprovalAnswer, ApprovalPolicy, CallDecision, DelegationConfig, EventDraft,
-    EventKind, Instruction, Limits, Lineage, MessageId, Millis, ModelReply, ReplayPolicy,
-    RunConfigSnapshot, RunId, SessionId, StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec,
-    Usage, Verdict, decide,
+    AgentProfile, ApprovalAnswer, ApprovalPolicy, BudgetExtension, CallDecision, CompletionPolicy,
+    DelegationConfig, EventDraft, EventKind, HumanRequest, InboxPolicy, Instruction, Limits,
+    Lineage, MessageId, Millis, ModelReply, ReplayPolicy, RunConfigSnapshot, RunId, SessionId,
+    StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, UnknownCall, Usage, Verdict, decide,
 };
 use ratchet_postgres::testkit::TestDatabase;
 use ratchet_store::{
-    ClaimedStep, Commit, DEFAULT_TENANT, Error, Lease, NewRun, RunQuota, SessionQuery, SessionSpec,
-    Store, WhenBusy, Writes,
+    ClaimedStep, Closing, Commit, DEFAULT_TENANT, DeadLetterAction, Error, Intent, IntentKind,
+    Lease, ListOrder, NewRun, RunQuota, SessionQuery, SessionSpec, SessionState, Store, WhenBusy,
+    Writes,
 };
 use ratchet_store_memory::MemoryStore;
 use serde_json::{Value, json};
@@ -41,7 +48,7 @@ const RETRY_MS: Millis = 2_000;
 const WORKERS: [&str; 2] = ["worker-a", "worker-b"];
 /// The root sessions every case starts with; messages go to one of them.
 const SESSIONS: usize = 3;
-const MAX_OPS: usize = 40;
+const MAX_OPS: usize = 60;
 
 /// One thing the Coordinator does, with the choices it leaves to the test.
 #[derive(Debug, Clone)]
@@ -52,9 +59,11 @@ enum Op {
         /// Admitted within a small per-session quota, rather than none.
         within_quota: bool,
     },
-    /// A claim by `worker`, or by the other one when `worker` is busy.
+    /// A claim by `worker`, or by the other one when `worker` is busy; of one run's tree
+    /// only, when `run` is given.
     Claim {
         worker: usize,
+        run: Option<Index>,
     },
     /// The worker carries out its claimed step (claiming one first when it holds none) and
     /// commits the result.
@@ -64,6 +73,8 @@ enum Op {
         tools_fail: bool,
         /// Asks to keep the run's next step under the worker's lease.
         keep_going: bool,
+        /// The worker's process dies right after writing its first intent ahead.
+        crash: bool,
     },
     /// A claim given up earlier (committed, lost, retried, released) commits again.
     CommitAgain {
@@ -71,6 +82,10 @@ enum Op {
     },
     /// The busy worker, `worker` first, extends its lease.
     Heartbeat {
+        worker: usize,
+    },
+    /// The busy worker, `worker` first, streams part of its answer.
+    Stream {
         worker: usize,
     },
     /// The busy worker, `worker` first, gives its step back to be retried a little later.
@@ -92,9 +107,30 @@ enum Op {
     Resume {
         run: Index,
     },
+    ResumeFailed {
+        run: Index,
+        retry: bool,
+    },
     Answer {
         approval: Index,
         answer: HumanAnswer,
+    },
+    /// A human says what happened to a call left in doubt.
+    Reconcile {
+        run: Index,
+        answer: Reconciliation,
+    },
+    ServeInboxes,
+    TimeOutOverdue,
+    /// An operator requeues or discards an event of a session's inbox.
+    ActOnInbox {
+        session: usize,
+        event: Index,
+        discard: bool,
+    },
+    Close {
+        session: usize,
+        delete: bool,
     },
 }
 
@@ -105,8 +141,11 @@ enum ModelTurn {
     Lookup,
     /// A batch in which one call needs a human's approval.
     Guarded,
+    /// A call whose effect must not happen twice: it is written ahead.
+    Charge,
     Delegate {
         tasks: usize,
+        background: Option<CompletionPolicy>,
     },
     /// The call keeps failing: the run ends with `llm_error`.
     Fail,
@@ -127,11 +166,18 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(WhenBusy::Interrupt),
         2 => Just(WhenBusy::Steer),
     ];
+    let background = prop_oneof![
+        2 => Just(None),
+        1 => Just(Some(CompletionPolicy::All)),
+        1 => Just(Some(CompletionPolicy::Each)),
+    ];
     let model = prop_oneof![
-        3 => Just(ModelTurn::Text),
+        4 => Just(ModelTurn::Text),
         3 => Just(ModelTurn::Lookup),
         3 => Just(ModelTurn::Guarded),
-        3 => (1..=2usize).prop_map(|tasks| ModelTurn::Delegate { tasks }),
+        3 => Just(ModelTurn::Charge),
+        3 => (1..=2usize, background)
+            .prop_map(|(tasks, background)| ModelTurn::Delegate { tasks, background }),
         1 => Just(ModelTurn::Fail),
     ];
     let answer = prop_oneof![
@@ -139,23 +185,53 @@ fn op() -> impl Strategy<Value = Op> {
         Just(HumanAnswer::Deny),
         Just(HumanAnswer::Abort),
     ];
+    let reconciliation = prop_oneof![
+        Just(Reconciliation::Succeeded),
+        Just(Reconciliation::Failed),
+        Just(Reconciliation::Retry),
+        Just(Reconciliation::Skip),
+    ];
     prop_oneof![
-        4 => (0..SESSIONS, when_busy, prop::bool::weighted(0.1)).prop_map(
+        8 => (0..SESSIONS, when_busy, prop::bool::weighted(0.1)).prop_map(
             |(session, when_busy, within_quota)| Op::Submit { session, when_busy, within_quota }
         ),
-        3 => worker.clone().prop_map(|worker| Op::Claim { worker }),
-        10 => (worker.clone(), model, prop::bool::weighted(0.2), any::<bool>()).prop_map(
-            |(worker, model, tools_fail, keep_going)| Op::Commit { worker, model, tools_fail, keep_going }
-        ),
-        1 => any::<Index>().prop_map(|claim| Op::CommitAgain { claim }),
+        5 => (worker.clone(), prop::option::weighted(0.3, any::<Index>()))
+            .prop_map(|(worker, run)| Op::Claim { worker, run }),
+        20 => (
+            worker.clone(),
+            model,
+            prop::bool::weighted(0.2),
+            any::<bool>(),
+            prop::bool::weighted(0.3),
+        )
+            .prop_map(|(worker, model, tools_fail, keep_going, crash)| Op::Commit {
+                worker,
+                model,
+                tools_fail,
+                keep_going,
+                crash,
+            }),
+        2 => any::<Index>().prop_map(|claim| Op::CommitAgain { claim }),
         1 => worker.clone().prop_map(|worker| Op::Heartbeat { worker }),
-        1 => worker.clone().prop_map(|worker| Op::RetryLater { worker }),
-        1 => Just(Op::ExpireLeases),
+        1 => worker.clone().prop_map(|worker| Op::Stream { worker }),
+        2 => worker.clone().prop_map(|worker| Op::RetryLater { worker }),
+        4 => Just(Op::ExpireLeases),
         1 => worker.prop_map(|worker| Op::ReleaseLeases { worker }),
-        1 => any::<Index>().prop_map(|run| Op::Cancel { run }),
-        1 => any::<Index>().prop_map(|run| Op::Pause { run }),
-        1 => any::<Index>().prop_map(|run| Op::Resume { run }),
-        3 => (any::<Index>(), answer).prop_map(|(approval, answer)| Op::Answer { approval, answer }),
+        2 => any::<Index>().prop_map(|run| Op::Cancel { run }),
+        2 => any::<Index>().prop_map(|run| Op::Pause { run }),
+        2 => any::<Index>().prop_map(|run| Op::Resume { run }),
+        2 => (any::<Index>(), any::<bool>())
+            .prop_map(|(run, retry)| Op::ResumeFailed { run, retry }),
+        5 => (any::<Index>(), answer)
+            .prop_map(|(approval, answer)| Op::Answer { approval, answer }),
+        3 => (any::<Index>(), reconciliation)
+            .prop_map(|(run, answer)| Op::Reconcile { run, answer }),
+        3 => Just(Op::ServeInboxes),
+        1 => Just(Op::TimeOutOverdue),
+        2 => (0..SESSIONS, any::<Index>(), any::<bool>())
+            .prop_map(|(session, event, discard)| Op::ActOnInbox { session, event, discard }),
+        1 => (0..SESSIONS, prop::bool::weighted(0.3))
+            .prop_map(|(session, delete)| Op::Close { session, delete }),
     ]
 }
 
@@ -163,12 +239,12 @@ fn ops() -> impl Strategy<Value = Vec<Op>> {
     prop::collection::vec(op(), 1..=MAX_OPS)
 }
 
-fn tool(name: &str, approval: ApprovalPolicy) -> ToolSpec {
+fn tool(name: &str, approval: ApprovalPolicy, replay: ReplayPolicy) -> ToolSpec {
     ToolSpec {
         name: name.into(),
         description: String::new(),
         parameters: json!({"type": "object"}),
-        replay: ReplayPolicy::Safe,
+        replay,
         completes_run: false,
         approval,
         delegation: Default::default(),
@@ -176,24 +252,27 @@ fn tool(name: &str, approval: ApprovalPolicy) -> ToolSpec {
     }
 }
 
-/// A delegated run's configuration: tools, one of them gated, and a few steps only, so that
-/// longer runs meet their budget.
+/// A delegated run's configuration: tools (one gated, one written ahead), few steps and a
+/// short deadline, so that longer runs meet their budget and waiting ones time out.
 fn worker_config() -> RunConfigSnapshot {
     RunConfigSnapshot {
         model: "scripted:model-test".into(),
         tools: vec![
-            tool("lookup", ApprovalPolicy::Never),
-            tool("guarded", ApprovalPolicy::Always),
+            tool("lookup", ApprovalPolicy::Never, ReplayPolicy::Safe),
+            tool("guarded", ApprovalPolicy::Always, ReplayPolicy::Safe),
+            tool("charge", ApprovalPolicy::Never, ReplayPolicy::Never),
         ],
         limits: Limits {
             max_steps: 8,
+            max_duration_ms: Some(3 * LEASE_MS as u64),
             ..Limits::default()
         },
         ..RunConfigSnapshot::default()
     }
 }
 
-/// A user's run: a worker's tools, and delegation to workers in a small tree.
+/// A user's run: a worker's tools, and delegation to workers in a small tree with a small
+/// inbox whose reports are retried and expire quickly.
 fn user_config() -> RunConfigSnapshot {
     let worker = AgentProfile {
         id: "worker".into(),
@@ -208,6 +287,15 @@ fn user_config() -> RunConfigSnapshot {
         agents: vec![worker],
         max_depth: 2,
         max_tree_runs: 6,
+        inbox: InboxPolicy {
+            capacity: 3,
+            max_attempts: 2,
+            retry_backoff_ms: 1_000,
+            user_turns_before_inbox: 1,
+            max_wait_ms: 10_000,
+            max_age_ms: 2 * LEASE_MS as u64,
+            ..InboxPolicy::default()
+        },
         ..DelegationConfig::default()
     };
     config
@@ -232,17 +320,28 @@ fn model_reply(turn: ModelTurn) -> ModelReply {
                 call("call-2", "guarded", json!({"act": "now"})),
             ],
         ),
-        ModelTurn::Delegate { tasks } => {
+        ModelTurn::Charge => (
+            "paying",
+            vec![
+                call("call-1", "charge", json!({"cents": 100})),
+                call("call-2", "lookup", json!({"q": "receipt"})),
+            ],
+        ),
+        ModelTurn::Delegate { tasks, background } => {
             let tasks: Vec<Value> = (0..tasks)
                 .map(|i| json!({"agent": "worker", "task": format!("task {i}")}))
                 .collect();
+            let arguments = match background {
+                None => json!({"mode": "foreground", "tasks": tasks}),
+                Some(policy) => json!({
+                    "mode": "background",
+                    "completion_policy": policy.as_str(),
+                    "tasks": tasks,
+                }),
+            };
             (
                 "handing out",
-                vec![call(
-                    "call-1",
-                    DELEGATE_TOOL,
-                    json!({"mode": "foreground", "tasks": tasks}),
-                )],
+                vec![call("call-1", DELEGATE_TOOL, arguments)],
             )
         }
     };
@@ -305,14 +404,40 @@ fn difference(expected: &str, found: &str) -> String {
     )
 }
 
-/// Everything a reader can see of a store, section by section.
-async fn snapshot(store: &dyn Store, roots: &[SessionId], now: Millis) -> Vec<(String, String)> {
-    let mut sections = Vec::new();
-    // Neither backend promises an order for these lists.
-    let mut runs = store.list_runs().await;
-    if let Ok(runs) = &mut runs {
-        runs.sort_by(|a, b| a.run_id.cmp(&b.run_id));
+fn agree<T: Debug>(
+    call: &str,
+    expected: &ratchet_store::Result<T>,
+    found: &ratchet_store::Result<T>,
+) -> Result<(), Mismatch> {
+    let (expected, found) = (outcome(expected), outcome(found));
+    if expected == found {
+        Ok(())
+    } else {
+        Err(format!(
+            "{call} answered differently {}",
+            difference(&expected, &found)
+        ))
     }
+}
+
+/// A store's runs in id order (neither backend promises an order for `list_runs`).
+async fn runs_by_id(store: &dyn Store) -> ratchet_store::Result<Vec<ratchet_store::RunSummary>> {
+    let mut runs = store.list_runs().await?;
+    runs.sort_by(|a, b| a.run_id.cmp(&b.run_id));
+    Ok(runs)
+}
+
+/// Everything a reader can see of a store, section by section; with `deep`, also what each
+/// step showed the model and wrote, and the intents of every step.
+async fn snapshot(
+    store: &dyn Store,
+    roots: &[SessionId],
+    now: Millis,
+    deep: bool,
+) -> Vec<(String, String)> {
+    let mut sections = Vec::new();
+    let runs = runs_by_id(store).await;
+    // Neither backend promises an order for these lists.
     let mut runs_with_jobs = store.runs_with_jobs().await;
     if let Ok(runs) = &mut runs_with_jobs {
         runs.sort();
@@ -323,9 +448,7 @@ async fn snapshot(store: &dyn Store, roots: &[SessionId], now: Millis) -> Vec<(S
     }
     let mut stats = store.stats(now).await;
     if let Ok(stats) = &mut stats {
-        stats
-            .runs_by_status
-            .sort_by_key(|(status, _)| status.as_str());
+        (stats.runs_by_status).sort_by_key(|(status, _)| status.as_str());
     }
     let mut sessions: Vec<SessionId> = roots.to_vec();
     for run in runs.iter().flatten() {
@@ -341,6 +464,21 @@ async fn snapshot(store: &dyn Store, roots: &[SessionId], now: Millis) -> Vec<(S
         .list_sessions(DEFAULT_TENANT, &SessionQuery::default(), 1_000)
         .await;
     sections.push(("list_sessions".into(), outcome(&listed)));
+    for state in [
+        SessionState::WaitingHuman,
+        SessionState::Active,
+        SessionState::Failed,
+        SessionState::Idle,
+        SessionState::Archived,
+    ] {
+        let query = SessionQuery {
+            order: ListOrder::LatestActivityFirst,
+            state: Some(state),
+            ..SessionQuery::default()
+        };
+        let listed = store.list_sessions(DEFAULT_TENANT, &query, 1_000).await;
+        sections.push((format!("list_sessions {state:?}"), outcome(&listed)));
+    }
     let approvals = store.approvals(DEFAULT_TENANT, None, None, 1_000).await;
     sections.push(("approvals".into(), outcome(&approvals)));
     for session in &sessions {
@@ -351,6 +489,10 @@ async fn snapshot(store: &dyn Store, roots: &[SessionId], now: Millis) -> Vec<(S
         section(
             "events_after",
             outcome(&store.events_after(session, 0, 10_000).await),
+        );
+        section(
+            "events_within 1 KiB",
+            outcome(&store.events_within(session, 0, 10_000, 1_024).await),
         );
         section(
             "visible_messages",
@@ -365,6 +507,10 @@ async fn snapshot(store: &dyn Store, roots: &[SessionId], now: Millis) -> Vec<(S
             "pending_input",
             outcome(&store.pending_input(session, now).await),
         );
+        section(
+            "inbox",
+            outcome(&store.inbox(session, None, 0, 1_000).await),
+        );
     }
     for run in runs.iter().flatten() {
         let id = &run.run_id;
@@ -374,66 +520,85 @@ async fn snapshot(store: &dyn Store, roots: &[SessionId], now: Millis) -> Vec<(S
         section("load_state", outcome(&store.load_state(id).await));
         section("steps", outcome(&store.steps(id).await));
         section(
+            "run_events_after",
+            outcome(&store.run_events_after(id, 0, 10_000).await),
+        );
+        section(
             "context",
             outcome(&store.context(&run.session_id, id).await),
         );
         section("run_tree", outcome(&store.run_tree(id).await));
+        // The step in flight, if any, is the one after the committed one.
+        section(
+            "intents in flight",
+            outcome(&store.intents(id, run.step_index + 1).await),
+        );
+        if deep {
+            section("tree_spend", outcome(&store.tree_spend(id).await));
+            section("admission", outcome(&store.admission(id).await));
+            for step in 1..=run.step_index {
+                section(
+                    &format!("step_messages #{step}"),
+                    outcome(&store.step_messages(id, step).await),
+                );
+                section(
+                    &format!("intents #{step}"),
+                    outcome(&store.intents(id, step).await),
+                );
+            }
+        }
     }
     sections
 }
 
-/// Ids the test chooses, the same for both stores: a prefix and a counter.
+/// Ids the test chooses, the same for both stores, from a counter.
+#[derive(Default)]
 struct Names {
-    prefix: String,
     next: u64,
 }
 
 impl Names {
     fn fresh(&mut self) -> String {
         self.next += 1;
-        format!("{}-{}", self.prefix, self.next)
+        format!("case-{}", self.next)
     }
 }
 
-/// What a case has done so far, for the report of the whole test.
+/// What a case has done, for the report of the whole test.
 #[derive(Debug, Default, Clone, Copy)]
 struct Tally {
     commits: usize,
     stale_commits: usize,
     children: usize,
     approvals_answered: usize,
+    reconciled: usize,
+    continuations: usize,
 }
 
+type Mismatch = String;
+
 /// One case: the model and a backend, and what the test knows of them. Everything handed to
-/// a store is derived from this, never from one store's answer unless both answered alike.
+/// a store is derived from this, or from the model's answers once the backend's agreed.
 struct Harness<'a> {
     model: &'a dyn Store,
     backend: &'a dyn Store,
     names: Names,
     now: Millis,
     sessions: Vec<SessionId>,
-    /// Every run id the test named (a steer's may never become a run).
-    runs: Vec<RunId>,
     held: [Option<ClaimedStep>; 2],
     /// Claims their workers no longer use, for committing again.
     earlier: Vec<ClaimedStep>,
     tally: Tally,
 }
 
-type Mismatch = String;
-
 impl<'a> Harness<'a> {
-    fn new(model: &'a dyn Store, backend: &'a dyn Store, prefix: &str) -> Harness<'a> {
+    fn new(model: &'a dyn Store, backend: &'a dyn Store) -> Harness<'a> {
         Harness {
             model,
             backend,
-            names: Names {
-                prefix: prefix.to_owned(),
-                next: 0,
-            },
+            names: Names::default(),
             now: T0,
             sessions: Vec::new(),
-            runs: Vec::new(),
             held: [None, None],
             earlier: Vec::new(),
             tally: Tally::default(),
@@ -461,9 +626,9 @@ impl<'a> Harness<'a> {
         self.both(call, make).await.map(drop)
     }
 
-    async fn compare_snapshots(&self) -> Result<(), Mismatch> {
-        let expected = snapshot(self.model, &self.sessions, self.now).await;
-        let found = snapshot(self.backend, &self.sessions, self.now).await;
+    async fn compare_snapshots(&self, deep: bool) -> Result<(), Mismatch> {
+        let expected = snapshot(self.model, &self.sessions, self.now, deep).await;
+        let found = snapshot(self.backend, &self.sessions, self.now, deep).await;
         for at in 0..expected.len().max(found.len()) {
             match (expected.get(at), found.get(at)) {
                 (Some((name, e)), Some((other, f))) if name == other => {
@@ -494,7 +659,7 @@ impl<'a> Harness<'a> {
             .await?;
             self.sessions.push(id);
         }
-        self.compare_snapshots().await
+        self.compare_snapshots(false).await
     }
 
     async fn apply(&mut self, op: &Op) -> Result<(), Mismatch> {
@@ -524,107 +689,42 @@ impl<'a> Harness<'a> {
                     s.submit_message(new.clone(), now).await
                 })
                 .await?;
-                self.runs.push(new.run_id);
             }
-            Op::Claim { worker } => {
-                if let Some(worker) = self.idle_worker(worker) {
-                    self.claim(worker).await?;
-                }
+            Op::Claim { worker, run } => {
+                let Some(worker) = self.idle_worker(worker) else {
+                    return Ok(());
+                };
+                let scope = match run {
+                    Some(run) => match self.pick_run(run).await? {
+                        Some(run) => Some(run),
+                        None => return Ok(()),
+                    },
+                    None => None,
+                };
+                self.claim(worker, scope).await?;
             }
             Op::Commit {
                 worker,
                 model,
                 tools_fail,
                 keep_going,
+                crash,
             } => {
-                if self.held[worker].is_none() {
-                    self.claim(worker).await?;
-                }
-                let Some(claimed) = self.held[worker].take() else {
-                    return Ok(());
-                };
-                let result = self.step_result(&claimed, model, tools_fail).await?;
-                let children: Vec<RunId> =
-                    result.children.iter().map(|c| c.run_id.clone()).collect();
-                let continue_with = keep_going.then(|| lease(worker, now + LEASE_MS));
-                let commit = self
-                    .both("commit_step", async |s| {
-                        s.commit_step(&claimed.claim, result.clone(), continue_with.clone(), now)
-                            .await
-                    })
-                    .await?;
-                match commit {
-                    Ok(Commit::Committed { continued, .. }) => {
-                        self.tally.commits += 1;
-                        self.tally.children += children.len();
-                        self.runs.extend(children);
-                        self.held[worker] = continued;
-                    }
-                    Ok(Commit::Stale(_)) => self.tally.stale_commits += 1,
-                    Err(_) => {}
-                }
-                self.earlier.push(claimed);
+                (self.commit(worker, model, tools_fail, keep_going, crash)).await?;
             }
-            Op::CommitAgain { claim } => {
-                if self.earlier.is_empty() {
-                    return Ok(());
-                }
-                let claimed = claim.get(&self.earlier).clone();
-                let result = self.step_result(&claimed, ModelTurn::Text, false).await?;
-                let children: Vec<RunId> =
-                    result.children.iter().map(|c| c.run_id.clone()).collect();
-                let commit = self
-                    .both("commit_step (again)", async |s| {
-                        s.commit_step(&claimed.claim, result.clone(), None, now)
-                            .await
-                    })
-                    .await?;
-                match commit {
-                    Ok(Commit::Committed { .. }) => {
-                        self.tally.commits += 1;
-                        self.tally.children += children.len();
-                        self.runs.extend(children);
-                    }
-                    Ok(Commit::Stale(_)) => self.tally.stale_commits += 1,
-                    Err(_) => {}
-                }
-            }
+            Op::CommitAgain { claim } => self.commit_again(claim).await?,
             Op::Heartbeat { worker } => {
                 let Some(worker) = self.busy_worker(worker) else {
                     return Ok(());
                 };
-                let claim = self.held[worker]
-                    .as_ref()
-                    .expect("a busy worker")
-                    .claim
-                    .clone();
+                let claim = &self.held[worker].as_ref().expect("a busy worker").claim;
                 self.same("heartbeat", async |s| {
-                    s.heartbeat(&claim, now + LEASE_MS).await
+                    s.heartbeat(claim, now + LEASE_MS).await
                 })
                 .await?;
             }
-            Op::RetryLater { worker } => {
-                let Some(worker) = self.busy_worker(worker) else {
-                    return Ok(());
-                };
-                let claimed = self.held[worker].take().expect("a busy worker");
-                let event = EventDraft::new(
-                    EventKind::Activity,
-                    json!({
-                        "run_id": claimed.job.run_id,
-                        "activity": "step_released",
-                        "step_index": claimed.job.step_index,
-                        "attempt": claimed.job.attempt,
-                        "error": "the model is overloaded",
-                    }),
-                );
-                self.same("retry_later", async |s| {
-                    s.retry_later(&claimed.claim, now + RETRY_MS, event.clone(), now)
-                        .await
-                })
-                .await?;
-                self.earlier.push(claimed);
-            }
+            Op::Stream { worker } => self.stream(worker).await?,
+            Op::RetryLater { worker } => self.retry_later(worker).await?,
             Op::ExpireLeases => {
                 self.now += LEASE_MS;
             }
@@ -636,7 +736,7 @@ impl<'a> Harness<'a> {
                 self.earlier.extend(self.held[worker].take());
             }
             Op::Cancel { run } => {
-                let Some(run) = self.pick_run(run) else {
+                let Some(run) = self.pick_run(run).await? else {
                     return Ok(());
                 };
                 self.same("request_cancel", async |s| {
@@ -645,72 +745,224 @@ impl<'a> Harness<'a> {
                 .await?;
             }
             Op::Pause { run } => {
-                let Some(run) = self.pick_run(run) else {
+                let Some(run) = self.pick_run(run).await? else {
                     return Ok(());
                 };
                 self.same("request_pause", async |s| s.request_pause(&run, now).await)
                     .await?;
             }
             Op::Resume { run } => {
-                let Some(run) = self.pick_run(run) else {
+                let Some(run) = self.pick_run(run).await? else {
                     return Ok(());
                 };
                 self.same("resume_paused", async |s| s.resume_paused(&run, now).await)
                     .await?;
             }
-            Op::Answer { approval, answer } => {
-                let Ok(approvals) = self
-                    .both("approvals", async |s| {
-                        s.approvals(DEFAULT_TENANT, None, None, 1_000).await
-                    })
-                    .await?
-                else {
+            Op::ResumeFailed { run, retry } => {
+                let Some(run) = self.pick_run(run).await? else {
                     return Ok(());
                 };
-                if approvals.is_empty() {
-                    return Ok(());
-                }
-                let approval = approval.get(&approvals);
-                let decide_call = |needs_approval: bool| match answer {
-                    HumanAnswer::Deny if needs_approval => Verdict::Deny,
-                    _ => Verdict::Approve,
+                let how = if retry {
+                    Resumption::Retry
+                } else {
+                    Resumption::Continue {
+                        extension: BudgetExtension {
+                            steps: 4,
+                            duration_ms: LEASE_MS as u64,
+                            ..BudgetExtension::default()
+                        },
+                    }
                 };
-                let answer = match answer {
-                    HumanAnswer::Abort => ApprovalAnswer::Abort,
-                    HumanAnswer::Approve | HumanAnswer::Deny => ApprovalAnswer::Decisions(
-                        (approval.calls.iter())
-                            .map(|call| CallDecision {
-                                call_id: call.call_id.clone(),
-                                decision: decide_call(call.needs_approval),
-                                note: None,
-                            })
-                            .collect(),
-                    ),
-                };
-                let answered = self
-                    .both("answer_approval", async |s| {
-                        s.answer_approval(&approval.id, answer.clone(), "a human", now)
-                            .await
-                    })
+                self.same("resume_failed", async |s| {
+                    s.resume_failed(&run, how, now).await
+                })
+                .await?;
+            }
+            Op::Answer { approval, answer } => self.answer_approval(approval, answer).await?,
+            Op::Reconcile { run, answer } => self.reconcile(run, answer).await?,
+            Op::ServeInboxes => {
+                self.same("serve_inboxes", async |s| s.serve_inboxes(now).await)
                     .await?;
-                if answered.is_ok() {
-                    self.tally.approvals_answered += 1;
-                }
+            }
+            Op::TimeOutOverdue => {
+                self.same("time_out_overdue", async |s| s.time_out_overdue(now).await)
+                    .await?;
+            }
+            Op::ActOnInbox {
+                session,
+                event,
+                discard,
+            } => self.act_on_inbox(session, event, discard).await?,
+            Op::Close { session, delete } => {
+                let session = self.sessions[session].clone();
+                let how = if delete {
+                    Closing::Delete
+                } else {
+                    Closing::Archive
+                };
+                self.same("close_session", async |s| {
+                    s.close_session(&session, how, now).await
+                })
+                .await?;
             }
         }
         Ok(())
     }
 
-    /// The idle `worker` claims the next job, if there is one.
-    async fn claim(&mut self, worker: usize) -> Result<(), Mismatch> {
+    /// The worker carries out its claimed step, claiming one first when it holds none, and
+    /// commits what it did (nothing, when it gave the step up on the way).
+    async fn commit(
+        &mut self,
+        worker: usize,
+        model: ModelTurn,
+        tools_fail: bool,
+        keep_going: bool,
+        crash: bool,
+    ) -> Result<(), Mismatch> {
+        let now = self.now;
+        if self.held[worker].is_none() {
+            self.claim(worker, None).await?;
+        }
+        let Some(claimed) = self.held[worker].take() else {
+            return Ok(());
+        };
+        let carried_out = self.carry_out(&claimed, model, tools_fail, crash).await?;
+        if let Some(result) = carried_out {
+            let children = result.children.len();
+            let continue_with = keep_going.then(|| lease(worker, now + LEASE_MS));
+            let commit = self
+                .both("commit_step", async |s| {
+                    (s.commit_step(&claimed.claim, result.clone(), continue_with.clone(), now))
+                        .await
+                })
+                .await?;
+            match commit {
+                Ok(Commit::Committed { continued, .. }) => {
+                    self.tally.commits += 1;
+                    self.tally.children += children;
+                    self.tally.continuations += usize::from(claimed.state.config.continuation);
+                    self.held[worker] = continued;
+                }
+                Ok(Commit::Stale(_)) => self.tally.stale_commits += 1,
+                Err(_) => {}
+            }
+        }
+        self.earlier.push(claimed);
+        Ok(())
+    }
+
+    /// A claim given up earlier commits a step again: refused as stale, unless nobody has
+    /// claimed its job since.
+    async fn commit_again(&mut self, claim: Index) -> Result<(), Mismatch> {
+        let now = self.now;
+        if self.earlier.is_empty() {
+            return Ok(());
+        }
+        let claimed = claim.get(&self.earlier).clone();
+        let carried_out = (self.carry_out(&claimed, ModelTurn::Text, false, false)).await?;
+        let Some(result) = carried_out else {
+            return Ok(());
+        };
+        let commit = self
+            .both("commit_step (again)", async |s| {
+                s.commit_step(&claimed.claim, result.clone(), None, now)
+                    .await
+            })
+            .await?;
+        match commit {
+            Ok(Commit::Committed { .. }) => self.tally.commits += 1,
+            Ok(Commit::Stale(_)) => self.tally.stale_commits += 1,
+            Err(_) => {}
+        }
+        Ok(())
+    }
+
+    /// The busy worker streams part of the model's answer, as deltas outside the commit.
+    async fn stream(&self, worker: usize) -> Result<(), Mismatch> {
+        let Some(worker) = self.busy_worker(worker) else {
+            return Ok(());
+        };
+        let state = &self.held[worker].as_ref().expect("a busy worker").state;
+        let delta = EventDraft::new(
+            EventKind::AssistantDelta,
+            json!({"run_id": state.run_id, "text": "the answer"}),
+        );
+        self.same("append_events", async |s| {
+            (s.append_events(
+                &state.session_id,
+                &state.run_id,
+                vec![delta.clone()],
+                self.now,
+            ))
+            .await
+        })
+        .await
+    }
+
+    /// The busy worker gives its step back after a failed attempt, to be retried shortly.
+    async fn retry_later(&mut self, worker: usize) -> Result<(), Mismatch> {
+        let now = self.now;
+        let Some(worker) = self.busy_worker(worker) else {
+            return Ok(());
+        };
+        let claimed = self.held[worker].take().expect("a busy worker");
+        let event = EventDraft::new(
+            EventKind::Activity,
+            json!({
+                "run_id": claimed.job.run_id,
+                "activity": "step_released",
+                "step_index": claimed.job.step_index,
+                "attempt": claimed.job.attempt,
+                "error": "the model is overloaded",
+            }),
+        );
+        self.same("retry_later", async |s| {
+            (s.retry_later(&claimed.claim, now + RETRY_MS, event.clone(), now)).await
+        })
+        .await?;
+        self.earlier.push(claimed);
+        Ok(())
+    }
+
+    /// An operator requeues or discards one of a session's inbox events (only a dead
+    /// letter may be, alike on both sides).
+    async fn act_on_inbox(
+        &self,
+        session: usize,
+        event: Index,
+        discard: bool,
+    ) -> Result<(), Mismatch> {
+        let session = &self.sessions[session];
+        let events = (self.model.inbox(session, None, 0, 1_000))
+            .await
+            .map_err(|e| format!("the model cannot list the inbox of {session}: {e}"))?;
+        if events.is_empty() {
+            return Ok(());
+        }
+        let event_id = event.get(&events).id;
+        let action = if discard {
+            DeadLetterAction::Discard
+        } else {
+            DeadLetterAction::Requeue
+        };
+        self.same("act_on_dead_letter", async |s| {
+            (s.act_on_dead_letter(session, event_id, action, "an operator", self.now)).await
+        })
+        .await
+    }
+
+    /// The idle `worker` claims the next job (of `scope`'s tree only, when given), if any.
+    async fn claim(&mut self, worker: usize, scope: Option<RunId>) -> Result<(), Mismatch> {
         let now = self.now;
         let lease = lease(worker, now + LEASE_MS);
-        let expected = self.model.claim_next(lease.clone(), None, now).await;
+        let expected = (self.model)
+            .claim_next(lease.clone(), scope.as_ref(), now)
+            .await;
         // Among jobs due at the same instant the order is not part of the contract (SQL
         // orders by `ready_at` alone): the backend is asked for the model's pick.
         let picked = match &expected {
             Ok(Some(claimed)) => Some(claimed.job.run_id.clone()),
-            _ => None,
+            _ => scope,
         };
         let found = self.backend.claim_next(lease, picked.as_ref(), now).await;
         agree("claim_next", &expected, &found)?;
@@ -721,7 +973,7 @@ impl<'a> Harness<'a> {
     }
 
     /// `worker` if it holds no claim (a worker runs one step at a time), else the other one
-    /// if it holds none: so that a sequence rarely asks for what cannot be done.
+    /// if it holds none.
     fn idle_worker(&self, worker: usize) -> Option<usize> {
         [worker, 1 - worker]
             .into_iter()
@@ -735,20 +987,104 @@ impl<'a> Harness<'a> {
             .find(|&w| self.held[w].is_some())
     }
 
-    fn pick_run(&self, index: Index) -> Option<RunId> {
-        (!self.runs.is_empty()).then(|| index.get(&self.runs).clone())
+    /// One of the model's runs (the backend lists the same ones: the last snapshot said so).
+    async fn pick_run(&self, index: Index) -> Result<Option<RunId>, Mismatch> {
+        let runs = runs_by_id(self.model)
+            .await
+            .map_err(|e| format!("the model cannot list its runs: {e}"))?;
+        Ok((!runs.is_empty()).then(|| index.get(&runs).run_id.clone()))
+    }
+
+    async fn answer_approval(
+        &mut self,
+        approval: Index,
+        answer: HumanAnswer,
+    ) -> Result<(), Mismatch> {
+        let now = self.now;
+        let approvals = (self.model.approvals(DEFAULT_TENANT, None, None, 1_000))
+            .await
+            .map_err(|e| format!("the model cannot list its approvals: {e}"))?;
+        if approvals.is_empty() {
+            return Ok(());
+        }
+        let approval = approval.get(&approvals);
+        let verdict = |needs_approval: bool| match answer {
+            HumanAnswer::Deny if needs_approval => Verdict::Deny,
+            _ => Verdict::Approve,
+        };
+        let answer = match answer {
+            HumanAnswer::Abort => ApprovalAnswer::Abort,
+            HumanAnswer::Approve | HumanAnswer::Deny => ApprovalAnswer::Decisions(
+                (approval.calls.iter())
+                    .map(|call| CallDecision {
+                        call_id: call.call_id.clone(),
+                        decision: verdict(call.needs_approval),
+                        note: None,
+                    })
+                    .collect(),
+            ),
+        };
+        let answered = self
+            .both("answer_approval", async |s| {
+                s.answer_approval(&approval.id, answer.clone(), "a human", now)
+                    .await
+            })
+            .await?;
+        self.tally.approvals_answered += usize::from(answered.is_ok());
+        Ok(())
+    }
+
+    /// Answers the first call a run waits on a human for, or the first one it left in doubt
+    /// when it ended: of such a run when there is one (any other run is refused, alike on
+    /// both sides).
+    async fn reconcile(&mut self, run: Index, answer: Reconciliation) -> Result<(), Mismatch> {
+        let now = self.now;
+        let runs = runs_by_id(self.model)
+            .await
+            .map_err(|e| format!("the model cannot list its runs: {e}"))?;
+        let mut asked = Vec::new();
+        let mut others = Vec::new();
+        for summary in runs {
+            let state = (self.model.load_state(&summary.run_id))
+                .await
+                .map_err(|e| format!("the model cannot load {}: {e}", summary.run_id))?;
+            let call = match &state.pending_human {
+                Some(HumanRequest::Reconciliation { calls }) => calls.first(),
+                _ => state.in_doubt.first(),
+            };
+            match call {
+                Some(call) => asked.push((summary.run_id, call.call_id.clone())),
+                None => others.push((summary.run_id, "call-1".to_owned())),
+            }
+        }
+        let candidates = if asked.is_empty() { others } else { asked };
+        if candidates.is_empty() {
+            return Ok(());
+        }
+        let (run, call_id) = run.get(&candidates);
+        let reconciled = self
+            .both("reconcile", async |s| {
+                s.reconcile(run, call_id, answer, Some("done".into()), now)
+                    .await
+            })
+            .await?;
+        self.tally.reconciled += usize::from(reconciled.is_ok());
+        Ok(())
     }
 
     /// What the engine would commit for `claimed`: the Brain's instruction for its step,
     /// carried out with the model answering `model` and tools succeeding unless `tools_fail`.
-    async fn step_result(
+    /// None when the worker gave the step up on the way (a write ahead was refused, or its
+    /// process died).
+    async fn carry_out(
         &mut self,
         claimed: &ClaimedStep,
         model: ModelTurn,
         tools_fail: bool,
-    ) -> Result<StepResult, Mismatch> {
+        crash: bool,
+    ) -> Result<Option<StepResult>, Mismatch> {
         let (state, job, now) = (claimed.state.clone(), &claimed.job, self.now);
-        Ok(match decide(&state, job.phase, now) {
+        Ok(Some(match decide(&state, job.phase, now) {
             Instruction::Finish(reason) => finish_step(state, job, reason, now, now),
             Instruction::AskApproval => ask_approval_step(state, job, now, now),
             Instruction::CompressContext => after_compaction(state, job, None, now, now),
@@ -758,30 +1094,56 @@ impl<'a> Harness<'a> {
             Instruction::CallLlm { conclude } => {
                 after_model(state, job, model_reply(model), conclude, now, now)
             }
-            Instruction::CallToolsBatch => self.run_batch(claimed, tools_fail).await?,
-        })
+            Instruction::CallToolsBatch => {
+                return self.run_batch(claimed, tools_fail, crash).await;
+            }
+        }))
     }
 
-    /// The batch of the claimed step, as the engine runs it: outcomes known before are kept,
-    /// a call of a tool the run was not offered is invalid, a delegation within the tree's
-    /// size starts its children and the run waits for them.
+    /// The batch of the claimed step, as the engine runs it: outcomes known before (in the
+    /// checkpoint, or recorded by an earlier attempt) are kept; a call written ahead by an
+    /// earlier attempt without an outcome is in doubt, and a human is asked before anything
+    /// runs; a call of a tool the run was not offered is invalid; a `never` call is written
+    /// ahead; a delegation that fits the tree and the inbox starts its children.
     async fn run_batch(
         &mut self,
         claimed: &ClaimedStep,
         tools_fail: bool,
-    ) -> Result<StepResult, Mismatch> {
+        crash: bool,
+    ) -> Result<Option<StepResult>, Mismatch> {
         let (state, job, now) = (&claimed.state, &claimed.job, self.now);
         let calls = (state.checkpoint.as_ref())
             .map(|c| c.calls.clone())
             .unwrap_or_default();
+        let earlier = if job.attempt > 1 {
+            let (run, step) = (job.run_id.clone(), job.step_index);
+            (self.both("intents", async |s| s.intents(&run, step).await))
+                .await?
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let ran = |ok: &str| {
+            if tools_fail {
+                ToolOutcome::error("the tool failed")
+            } else {
+                ToolOutcome::ok(ok)
+            }
+        };
         let mut outcomes = Vec::new();
         let mut invalid = 0;
+        let mut in_doubt = Vec::new();
+        let mut written_ahead = Vec::new();
         let mut delegated = None;
         for (slot, progress) in (0u32..).zip(&calls) {
             let call = &progress.call;
-            let outcome = if let Some(known) = &progress.outcome {
-                Some(known.clone())
-            } else if state.config.tool(&call.name).is_none() {
+            let started_before = earlier.iter().find(|intent| intent.slot == slot);
+            let known = (progress.outcome.clone())
+                .or_else(|| started_before.and_then(|intent| intent.outcome.clone()));
+            let spec = state.config.tool(&call.name);
+            let outcome = if known.is_some() {
+                known
+            } else if spec.is_none() {
                 invalid += 1;
                 Some(ToolOutcome::error(format!(
                     "there is no tool {:?}",
@@ -790,47 +1152,164 @@ impl<'a> Harness<'a> {
             } else if call.name == DELEGATE_TOOL {
                 delegated = Some((slot, call.clone()));
                 None
-            } else if tools_fail {
-                Some(ToolOutcome::error("the lookup failed"))
+            } else if spec.is_some_and(|spec| spec.replay == ReplayPolicy::Never) {
+                if started_before.is_some() {
+                    in_doubt.push(UnknownCall {
+                        call_index: slot as usize,
+                        call_id: call.id.clone(),
+                        tool: call.name.clone(),
+                        arguments: call.arguments.clone(),
+                        idempotency_key: call_key(claimed, slot),
+                        drift: None,
+                    });
+                } else {
+                    written_ahead.push((slot, call.clone()));
+                }
+                None
             } else {
-                Some(ToolOutcome::ok("found it"))
+                Some(ran("found it"))
             };
             outcomes.push(outcome);
         }
-        if let Some((slot, call)) = delegated {
-            let tasks = call.arguments["tasks"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default();
-            let run_id = state.run_id.clone();
-            let admission = self
-                .both("admission", async |s| s.admission(&run_id).await)
-                .await?;
-            let limit = state.config.delegation.max_tree_runs;
-            // The engine checks the tree's size before committing, and tells the model.
-            if admission.is_ok_and(|a| a.tree_runs + tasks.len() as u64 <= limit) {
-                let children = self.children(claimed, slot, &call.id, &tasks);
-                return Ok(await_children(
-                    state.clone(),
-                    job,
-                    outcomes,
-                    children,
-                    now,
-                    now,
-                ));
-            }
-            outcomes[slot as usize] = Some(ToolOutcome::error("the tree is full"));
+        if !in_doubt.is_empty() {
+            let request = HumanRequest::Reconciliation { calls: in_doubt };
+            return Ok(Some(await_reconciliation(
+                state.clone(),
+                job,
+                outcomes,
+                request,
+                now,
+                now,
+            )));
         }
+        let admitted = match &delegated {
+            Some((slot, call)) => match self.admit(claimed, call).await? {
+                Ok(()) => true,
+                Err(refusal) => {
+                    outcomes[*slot as usize] = Some(ToolOutcome::error(refusal));
+                    false
+                }
+            },
+            None => false,
+        };
+        for (slot, call) in written_ahead {
+            let intent = Intent {
+                slot,
+                kind: IntentKind::Tool,
+                name: call.name.clone(),
+                idempotency_key: call_key(claimed, slot),
+            };
+            let announce = EventDraft::new(
+                EventKind::ToolCall,
+                json!({
+                    "run_id": job.run_id,
+                    "step_index": job.step_index,
+                    "call_id": call.id,
+                    "tool": call.name,
+                    "arguments": call.arguments,
+                    "attempt": 1,
+                    "started_at": now,
+                }),
+            );
+            let claim = &claimed.claim;
+            let recorded = self
+                .both("record_intents", async |s| {
+                    (s.record_intents(claim, vec![intent.clone()], vec![announce.clone()], now))
+                        .await
+                })
+                .await?;
+            if recorded.is_err() || crash {
+                return Ok(None);
+            }
+            let outcome = ran("charged");
+            let recorded = self
+                .both("record_outcome", async |s| {
+                    s.record_outcome(claim, slot, outcome.clone(), now).await
+                })
+                .await?;
+            if recorded.is_err() {
+                return Ok(None);
+            }
+            outcomes[slot as usize] = Some(outcome);
+        }
+        let Some((slot, call)) = delegated.filter(|_| admitted) else {
+            let outcomes = outcomes.into_iter().flatten().collect();
+            return Ok(Some(after_tools(
+                state.clone(),
+                job,
+                outcomes,
+                invalid,
+                now,
+                now,
+            )));
+        };
+        let background = (call.arguments["mode"] == "background").then(|| {
+            match call.arguments["completion_policy"].as_str() {
+                Some("each") => CompletionPolicy::Each,
+                _ => CompletionPolicy::All,
+            }
+        });
+        let children = self.children(claimed, slot, &call, background);
+        let Some(policy) = background else {
+            return Ok(Some(await_children(
+                state.clone(),
+                job,
+                outcomes,
+                children,
+                now,
+                now,
+            )));
+        };
+        outcomes[slot as usize] = Some(background_started(
+            &children.iter().collect::<Vec<_>>(),
+            policy,
+        ));
         let outcomes = outcomes.into_iter().flatten().collect();
-        Ok(after_tools(state.clone(), job, outcomes, invalid, now, now))
+        let mut result = after_tools(state.clone(), job, outcomes, invalid, now, now);
+        start_in_background(&mut result, children);
+        Ok(Some(result))
+    }
+
+    /// Whether the delegation `call` fits the tree's size and, in the background, the root
+    /// session's inbox, as the engine checks before it commits (and tells the model why not).
+    async fn admit(
+        &self,
+        claimed: &ClaimedStep,
+        call: &ToolCall,
+    ) -> Result<Result<(), String>, Mismatch> {
+        let run = claimed.job.run_id.clone();
+        let admission = match self
+            .both("admission", async |s| s.admission(&run).await)
+            .await?
+        {
+            Ok(admission) => admission,
+            Err(error) => return Ok(Err(error.to_string())),
+        };
+        let delegation = &claimed.state.config.delegation;
+        let tasks = call.arguments["tasks"].as_array().map_or(0, Vec::len) as u64;
+        let places = match (
+            call.arguments["mode"].as_str(),
+            call.arguments["completion_policy"].as_str(),
+        ) {
+            (Some("background"), Some("each")) => tasks,
+            (Some("background"), _) => 1,
+            _ => 0,
+        };
+        if admission.inbox_held + places > u64::from(delegation.inbox.capacity) {
+            return Ok(Err("the inbox is full".into()));
+        }
+        if admission.tree_runs + tasks > delegation.max_tree_runs {
+            return Ok(Err("the tree is full".into()));
+        }
+        Ok(Ok(()))
     }
 
     fn children(
         &mut self,
         parent: &ClaimedStep,
         slot: u32,
-        call_id: &str,
-        tasks: &[Value],
+        call: &ToolCall,
+        background: Option<CompletionPolicy>,
     ) -> Vec<ChildRun> {
         let state = &parent.state;
         let delegation = &state.config.delegation;
@@ -839,6 +1318,10 @@ impl<'a> Harness<'a> {
             None => (state.run_id.clone(), state.session_id.clone(), 0),
         };
         let profile = delegation.agent("worker").expect("the worker profile");
+        let tasks = call.arguments["tasks"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
         (0u32..)
             .zip(tasks)
             .map(|(task_index, task)| {
@@ -851,7 +1334,7 @@ impl<'a> Harness<'a> {
                     session_id: SessionId::from_suffix(&suffix).unwrap(),
                     message_id: MessageId::from_suffix(&suffix).unwrap(),
                     task: task["task"].as_str().unwrap_or_default().to_owned(),
-                    call_id: call_id.to_owned(),
+                    call_id: call.id.clone(),
                     config,
                     lineage: Lineage {
                         parent_run_id: state.run_id.clone(),
@@ -862,7 +1345,9 @@ impl<'a> Harness<'a> {
                         root_session_id: root_session_id.clone(),
                         depth: depth + 1,
                         agent: "worker".into(),
-                        background: None,
+                        background: background.map(|policy| {
+                            BackgroundGroup::new(&state.run_id, parent.job.step_index, slot, policy)
+                        }),
                     },
                 }
             })
@@ -870,37 +1355,28 @@ impl<'a> Harness<'a> {
     }
 }
 
-fn agree<T: Debug>(
-    call: &str,
-    expected: &ratchet_store::Result<T>,
-    found: &ratchet_store::Result<T>,
-) -> Result<(), Mismatch> {
-    let (expected, found) = (outcome(expected), outcome(found));
-    if expected == found {
-        Ok(())
-    } else {
-        Err(format!(
-            "{call} answered differently {}",
-            difference(&expected, &found)
-        ))
+/// The idempotency key of the claimed step's call at `slot`, as the engine makes it: named
+/// after the batch's first step, so it survives a wait that moves the batch on.
+fn call_key(claimed: &ClaimedStep, slot: u32) -> String {
+    let job = &claimed.job;
+    match &claimed.state.checkpoint {
+        Some(checkpoint) => checkpoint.idempotency_key(&job.run_id, job.step_index, slot),
+        None => format!("{}#{}#{slot}", job.run_id, job.step_index),
     }
 }
 
 /// Applies `ops` to both stores, comparing every answer and, after each operation, what
-/// both show; the first disagreement is the error.
-async fn run_case(
-    model: &dyn Store,
-    backend: &dyn Store,
-    prefix: &str,
-    ops: &[Op],
-) -> Result<Tally, Mismatch> {
-    let mut harness = Harness::new(model, backend, prefix);
+/// both show (and, at the end, everything they show); the first disagreement is the error.
+async fn run_case(model: &dyn Store, backend: &dyn Store, ops: &[Op]) -> Result<Tally, Mismatch> {
+    let mut harness = Harness::new(model, backend);
     harness.start().await?;
     for (i, op) in ops.iter().enumerate() {
         let described = |mismatch: Mismatch| format!("after op #{i} {op:?}: {mismatch}");
         harness.apply(op).await.map_err(described)?;
-        harness.compare_snapshots().await.map_err(described)?;
+        harness.compare_snapshots(false).await.map_err(described)?;
     }
+    (harness.compare_snapshots(true).await)
+        .map_err(|mismatch| format!("at the end: {mismatch}"))?;
     Ok(harness.tally)
 }
 
@@ -933,13 +1409,15 @@ fn check_against<S: Store, G>(cases: u32, open: impl Fn() -> (S, G)) {
         let backend = open();
         let model = MemoryStore::new();
         let tally = runtime
-            .block_on(run_case(&model, &backend.0, "m", &ops))
+            .block_on(run_case(&model, &backend.0, &ops))
             .map_err(TestCaseError::fail)?;
         let (mut sum, committing) = totals.get();
         sum.commits += tally.commits;
         sum.stale_commits += tally.stale_commits;
         sum.children += tally.children;
         sum.approvals_answered += tally.approvals_answered;
+        sum.reconciled += tally.reconciled;
+        sum.continuations += tally.continuations;
         totals.set((sum, committing + usize::from(tally.commits > 0)));
         Ok(())
     });
@@ -991,10 +1469,10 @@ fn the_model_agrees_with_postgres() {
 /// and proptest shrinks such a failure to a single operation.
 #[test]
 fn the_harness_sees_a_difference() {
-    let runtime = runtime();
     check_against(16, || (MemoryStore::new(), ()));
 
-    let one_run_more = runner(4).run(&ops(), |ops| {
+    let runtime = runtime();
+    let one_run_more = runner(16).run(&ops(), |ops| {
         let (left, right) = (MemoryStore::new(), MemoryStore::new());
         runtime.block_on(async {
             let other = SessionId::from_suffix("other").unwrap();
@@ -1002,22 +1480,17 @@ fn the_harness_sees_a_difference() {
                 .create_session(&other, SessionSpec::default(), T0)
                 .await
                 .unwrap();
-            right
-                .submit_message(
-                    NewRun {
-                        session_id: other,
-                        run_id: RunId::from_suffix("other").unwrap(),
-                        message_id: MessageId::from_suffix("other").unwrap(),
-                        content: "only here".into(),
-                        config: user_config(),
-                        when_busy: WhenBusy::Enqueue,
-                        quota: RunQuota::default(),
-                    },
-                    T0,
-                )
-                .await
-                .unwrap();
-            run_case(&left, &right, "m", &ops)
+            let only_here = NewRun {
+                session_id: other,
+                run_id: RunId::from_suffix("other").unwrap(),
+                message_id: MessageId::from_suffix("other").unwrap(),
+                content: "only here".into(),
+                config: user_config(),
+                when_busy: WhenBusy::Enqueue,
+                quota: RunQuota::default(),
+            };
+            right.submit_message(only_here, T0).await.unwrap();
+            run_case(&left, &right, &ops)
                 .await
                 .map_err(TestCaseError::fail)
         })?;
@@ -1033,12 +1506,12 @@ fn the_harness_sees_a_difference() {
 
     let (left, right) = (MemoryStore::new(), MemoryStore::new());
     let mismatch = runtime.block_on(async {
-        let taken = SessionId::from_suffix("m-1").unwrap();
+        let taken = SessionId::from_suffix("case-1").unwrap();
         right
             .create_session(&taken, SessionSpec::default(), T0)
             .await
             .unwrap();
-        run_case(&left, &right, "m", &[]).await
+        run_case(&left, &right, &[]).await
     });
     match mismatch {
         Err(reason) => assert!(
