@@ -18,24 +18,26 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, TestError, TestRunner};
 use ratchet_core::delegation::{
-    BackgroundGroup, ChildRun, DELEGATE_TOOL, await_children, background_started, delegate_tool,
-    start_in_background,
+    BackgroundGroup, ChildRun, DELEGATE_TOOL, EMIT_SIGNAL_TOOL, await_children, background_started,
+    delegate_tool, start_in_background,
 };
+use ratchet_core::inbox::{Severity, SignalContract, emit_signal_tool, parse_signal};
 use ratchet_core::step::{
-    Reconciliation, Resumption, after_compaction, after_model, after_tools, ask_approval_step,
-    await_reconciliation, finish_step,
+    Compaction, Reconciliation, Resumption, after_compaction, after_model, after_tools,
+    ask_approval_step, await_reconciliation, finish_step,
 };
 use ratchet_core::{
     AgentProfile, ApprovalAnswer, ApprovalPolicy, BudgetExtension, CallDecision, CompletionPolicy,
-    DelegationConfig, EventDraft, EventKind, HumanRequest, InboxPolicy, Instruction, Limits,
-    Lineage, MessageId, Millis, ModelReply, ReplayPolicy, RunConfigSnapshot, RunId, SessionId,
-    StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, UnknownCall, Usage, Verdict, decide,
+    DelegationConfig, Delivery, EventDraft, EventKind, HumanRequest, InboxPolicy, Instruction,
+    Limits, Lineage, MessageId, Millis, ModelReply, ReplayPolicy, Role, RunConfigSnapshot, RunId,
+    SessionId, StepResult, StopReason, ToolCall, ToolOutcome, ToolSpec, UnknownCall, Usage,
+    Verdict, decide,
 };
 use ratchet_postgres::testkit::TestDatabase;
 use ratchet_store::{
     ClaimedStep, Closing, Commit, DEFAULT_TENANT, DeadLetterAction, Error, Intent, IntentKind,
-    Lease, ListOrder, NewRun, RunQuota, SessionQuery, SessionSpec, SessionState, Store, WhenBusy,
-    Writes,
+    Lease, ListOrder, NewRun, NewSignal, RunQuota, SessionQuery, SessionSpec, SessionState,
+    SignalOutcome, Store, StoredMessage, WhenBusy, Writes,
 };
 use ratchet_store_memory::MemoryStore;
 use serde_json::{Value, json};
@@ -49,6 +51,8 @@ const WORKERS: [&str; 2] = ["worker-a", "worker-b"];
 /// The root sessions every case starts with; messages go to one of them.
 const SESSIONS: usize = 3;
 const MAX_OPS: usize = 60;
+/// Small enough that a run compacts its context after a few turns.
+const MAX_PROMPT_TOKENS: u64 = 40;
 
 /// One thing the Coordinator does, with the choices it leaves to the test.
 #[derive(Debug, Clone)]
@@ -143,6 +147,8 @@ enum ModelTurn {
     Guarded,
     /// A call whose effect must not happen twice: it is written ahead.
     Charge,
+    /// A signal to the root session (offered to background runs only).
+    Signal,
     Delegate {
         tasks: usize,
         background: Option<CompletionPolicy>,
@@ -176,6 +182,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => Just(ModelTurn::Lookup),
         3 => Just(ModelTurn::Guarded),
         3 => Just(ModelTurn::Charge),
+        2 => Just(ModelTurn::Signal),
         3 => (1..=2usize, background)
             .prop_map(|(tasks, background)| ModelTurn::Delegate { tasks, background }),
         1 => Just(ModelTurn::Fail),
@@ -252,9 +259,10 @@ fn tool(name: &str, approval: ApprovalPolicy, replay: ReplayPolicy) -> ToolSpec 
     }
 }
 
-/// A delegated run's configuration: tools (one gated, one written ahead), few steps and a
-/// short deadline, so that longer runs meet their budget and waiting ones time out.
-fn worker_config() -> RunConfigSnapshot {
+/// The tools and limits of every run: one tool gated, one written ahead; few steps, a short
+/// deadline and a small prompt, so that longer runs meet their budget, waiting ones time out
+/// and contexts are compacted.
+fn base_config() -> RunConfigSnapshot {
     RunConfigSnapshot {
         model: "scripted:model-test".into(),
         tools: vec![
@@ -265,26 +273,46 @@ fn worker_config() -> RunConfigSnapshot {
         limits: Limits {
             max_steps: 8,
             max_duration_ms: Some(3 * LEASE_MS as u64),
+            max_prompt_tokens: Some(MAX_PROMPT_TOKENS),
             ..Limits::default()
         },
         ..RunConfigSnapshot::default()
     }
 }
 
-/// A user's run: a worker's tools, and delegation to workers in a small tree with a small
-/// inbox whose reports are retried and expire quickly.
+/// An agent a user's run may delegate to; in the background, it may signal the root session
+/// (queued for a continuation turn, or steered into the active run).
+fn agent(id: &str, delivery: Delivery) -> AgentProfile {
+    AgentProfile {
+        id: id.into(),
+        description: format!("{id}s do the work"),
+        config: RunConfigSnapshot {
+            signal: Some(SignalContract {
+                max_count: 3,
+                min_interval_ms: 0,
+                max_bytes: 1_000,
+                severities: vec![Severity::Info],
+                dedupe_window_ms: 5_000,
+                delivery,
+                max_burst: 2,
+                max_depth: 4,
+            }),
+            ..base_config()
+        },
+    }
+}
+
+/// A user's run: delegation to agents in a small tree, with a small inbox whose reports are
+/// retried and expire quickly.
 fn user_config() -> RunConfigSnapshot {
-    let worker = AgentProfile {
-        id: "worker".into(),
-        description: "does the work".into(),
-        config: worker_config(),
-    };
-    let mut config = worker_config();
-    config
-        .tools
-        .push(delegate_tool(std::slice::from_ref(&worker)));
+    let agents = vec![
+        agent("worker", Delivery::Queue),
+        agent("scout", Delivery::Steer),
+    ];
+    let mut config = base_config();
+    config.tools.push(delegate_tool(&agents));
     config.delegation = DelegationConfig {
-        agents: vec![worker],
+        agents,
         max_depth: 2,
         max_tree_runs: 6,
         inbox: InboxPolicy {
@@ -327,9 +355,20 @@ fn model_reply(turn: ModelTurn) -> ModelReply {
                 call("call-2", "lookup", json!({"q": "receipt"})),
             ],
         ),
+        ModelTurn::Signal => (
+            "telling the user",
+            vec![call(
+                "call-1",
+                EMIT_SIGNAL_TOOL,
+                json!({"severity": "info", "summary": "halfway there"}),
+            )],
+        ),
         ModelTurn::Delegate { tasks, background } => {
             let tasks: Vec<Value> = (0..tasks)
-                .map(|i| json!({"agent": "worker", "task": format!("task {i}")}))
+                .map(|i| {
+                    let agent = ["worker", "scout"][i % 2];
+                    json!({"agent": agent, "task": format!("task {i}")})
+                })
                 .collect();
             let arguments = match background {
                 None => json!({"mode": "foreground", "tasks": tasks}),
@@ -348,11 +387,17 @@ fn model_reply(turn: ModelTurn) -> ModelReply {
     ModelReply {
         text: text.into(),
         tool_calls,
-        usage: Usage {
-            input_tokens: 12,
-            output_tokens: 5,
-            reasoning_tokens: 0,
-        },
+        usage: unmeasured_prompt(),
+    }
+}
+
+/// A model that does not report the size of its prompt: the run estimates it from its
+/// messages, so that longer runs come to compact their context.
+fn unmeasured_prompt() -> Usage {
+    Usage {
+        input_tokens: 0,
+        output_tokens: 5,
+        reasoning_tokens: 0,
     }
 }
 
@@ -573,6 +618,21 @@ struct Tally {
     approvals_answered: usize,
     reconciled: usize,
     continuations: usize,
+    compactions: usize,
+    signals: usize,
+}
+
+impl Tally {
+    fn add(&mut self, other: Tally) {
+        self.commits += other.commits;
+        self.stale_commits += other.stale_commits;
+        self.children += other.children;
+        self.approvals_answered += other.approvals_answered;
+        self.reconciled += other.reconciled;
+        self.continuations += other.continuations;
+        self.compactions += other.compactions;
+        self.signals += other.signals;
+    }
 }
 
 type Mismatch = String;
@@ -841,6 +901,8 @@ impl<'a> Harness<'a> {
                     self.tally.commits += 1;
                     self.tally.children += children;
                     self.tally.continuations += usize::from(claimed.state.config.continuation);
+                    self.tally.compactions +=
+                        usize::from(result.record.instruction == "compress_context");
                     self.held[worker] = continued;
                 }
                 Ok(Commit::Stale(_)) => self.tally.stale_commits += 1,
@@ -1087,7 +1149,7 @@ impl<'a> Harness<'a> {
         Ok(Some(match decide(&state, job.phase, now) {
             Instruction::Finish(reason) => finish_step(state, job, reason, now, now),
             Instruction::AskApproval => ask_approval_step(state, job, now, now),
-            Instruction::CompressContext => after_compaction(state, job, None, now, now),
+            Instruction::CompressContext => return self.compact(claimed).await,
             Instruction::CallLlm { .. } if model == ModelTurn::Fail => {
                 finish_step(state, job, StopReason::LlmError, now, now)
             }
@@ -1100,11 +1162,50 @@ impl<'a> Harness<'a> {
         }))
     }
 
+    /// The context is summarised as the engine does it: the model's summary takes the place
+    /// of the oldest messages, keeping the latest ones that fit half the prompt budget (and no
+    /// tool result without its call). None when the context cannot be read.
+    async fn compact(&self, claimed: &ClaimedStep) -> Result<Option<StepResult>, Mismatch> {
+        let (state, job, now) = (&claimed.state, &claimed.job, self.now);
+        let read = self
+            .both("context", async |s| {
+                s.context(&state.session_id, &state.run_id).await
+            })
+            .await?;
+        let Ok(context) = read else {
+            return Ok(None);
+        };
+        let budget = state.limits().max_prompt_tokens.unwrap_or(u64::MAX) / 2;
+        let cut = compaction_cut(&context, budget);
+        let compaction = (cut > 0).then(|| Compaction {
+            reply: ModelReply {
+                text: format!("a summary of {cut} messages"),
+                tool_calls: Vec::new(),
+                usage: unmeasured_prompt(),
+            },
+            keeps_from: context
+                .get(cut)
+                .map_or_else(|| context[cut - 1].position + 1, |m| m.position),
+            summarized: cut,
+            kept_tokens: (context[cut..].iter())
+                .map(|m| m.message.estimated_tokens())
+                .sum(),
+        });
+        Ok(Some(after_compaction(
+            state.clone(),
+            job,
+            compaction,
+            now,
+            now,
+        )))
+    }
+
     /// The batch of the claimed step, as the engine runs it: outcomes known before (in the
     /// checkpoint, or recorded by an earlier attempt) are kept; a call written ahead by an
     /// earlier attempt without an outcome is in doubt, and a human is asked before anything
-    /// runs; a call of a tool the run was not offered is invalid; a `never` call is written
-    /// ahead; a delegation that fits the tree and the inbox starts its children.
+    /// runs; a call of a tool the run was not offered is invalid; a delegation that fits the
+    /// tree and the inbox starts its children; the other calls run in order, a `never` one
+    /// written ahead.
     async fn run_batch(
         &mut self,
         claimed: &ClaimedStep,
@@ -1123,82 +1224,59 @@ impl<'a> Harness<'a> {
         } else {
             Vec::new()
         };
-        let ran = |ok: &str| {
-            if tools_fail {
-                ToolOutcome::error("the tool failed")
-            } else {
-                ToolOutcome::ok(ok)
-            }
-        };
         let mut outcomes = Vec::new();
         let mut invalid = 0;
         let mut in_doubt = Vec::new();
-        let mut written_ahead = Vec::new();
+        let mut to_run = Vec::new();
         let mut delegated = None;
         for (slot, progress) in (0u32..).zip(&calls) {
             let call = &progress.call;
             let started_before = earlier.iter().find(|intent| intent.slot == slot);
             let known = (progress.outcome.clone())
                 .or_else(|| started_before.and_then(|intent| intent.outcome.clone()));
-            let spec = state.config.tool(&call.name);
-            let outcome = if known.is_some() {
-                known
-            } else if spec.is_none() {
+            let never = (state.config.tool(&call.name))
+                .is_some_and(|spec| spec.replay == ReplayPolicy::Never);
+            if known.is_none() && started_before.is_some() && never {
+                in_doubt.push(UnknownCall {
+                    call_index: slot as usize,
+                    call_id: call.id.clone(),
+                    tool: call.name.clone(),
+                    arguments: call.arguments.clone(),
+                    idempotency_key: call_key(claimed, slot),
+                    drift: None,
+                });
+            } else if known.is_none() && state.config.tool(&call.name).is_none() {
                 invalid += 1;
-                Some(ToolOutcome::error(format!(
+                outcomes.push(Some(ToolOutcome::error(format!(
                     "there is no tool {:?}",
                     call.name
-                )))
-            } else if call.name == DELEGATE_TOOL {
+                ))));
+                continue;
+            } else if known.is_none() && call.name == DELEGATE_TOOL {
                 delegated = Some((slot, call.clone()));
-                None
-            } else if spec.is_some_and(|spec| spec.replay == ReplayPolicy::Never) {
-                if started_before.is_some() {
-                    in_doubt.push(UnknownCall {
-                        call_index: slot as usize,
-                        call_id: call.id.clone(),
-                        tool: call.name.clone(),
-                        arguments: call.arguments.clone(),
-                        idempotency_key: call_key(claimed, slot),
-                        drift: None,
-                    });
-                } else {
-                    written_ahead.push((slot, call.clone()));
-                }
-                None
-            } else {
-                Some(ran("found it"))
-            };
-            outcomes.push(outcome);
+            } else if known.is_none() {
+                to_run.push((slot, call.clone()));
+            }
+            outcomes.push(known);
         }
         if !in_doubt.is_empty() {
             let request = HumanRequest::Reconciliation { calls: in_doubt };
-            return Ok(Some(await_reconciliation(
-                state.clone(),
-                job,
-                outcomes,
-                request,
-                now,
-                now,
-            )));
+            let result = await_reconciliation(state.clone(), job, outcomes, request, now, now);
+            return Ok(Some(result));
         }
-        let admitted = match &delegated {
-            Some((slot, call)) => match self.admit(claimed, call).await? {
-                Ok(()) => true,
+        let delegated = match delegated {
+            Some((slot, call)) => match self.admit(claimed, &call).await? {
+                Ok(()) => Some((slot, call)),
                 Err(refusal) => {
-                    outcomes[*slot as usize] = Some(ToolOutcome::error(refusal));
-                    false
+                    outcomes[slot as usize] = Some(ToolOutcome::error(refusal));
+                    None
                 }
             },
-            None => false,
+            None => None,
         };
-        for (slot, call) in written_ahead {
-            let intent = Intent {
-                slot,
-                kind: IntentKind::Tool,
-                name: call.name.clone(),
-                idempotency_key: call_key(claimed, slot),
-            };
+        // What a call that runs says as it starts; a call written ahead says it with its intent.
+        let mut call_events = Vec::new();
+        for (slot, call) in to_run {
             let announce = EventDraft::new(
                 EventKind::ToolCall,
                 json!({
@@ -1211,63 +1289,137 @@ impl<'a> Harness<'a> {
                     "started_at": now,
                 }),
             );
-            let claim = &claimed.claim;
-            let recorded = self
-                .both("record_intents", async |s| {
-                    (s.record_intents(claim, vec![intent.clone()], vec![announce.clone()], now))
-                        .await
-                })
-                .await?;
-            if recorded.is_err() || crash {
-                return Ok(None);
-            }
-            let outcome = ran("charged");
-            let recorded = self
-                .both("record_outcome", async |s| {
-                    s.record_outcome(claim, slot, outcome.clone(), now).await
-                })
-                .await?;
-            if recorded.is_err() {
-                return Ok(None);
-            }
+            let outcome = match state.config.tool(&call.name).map(|spec| spec.replay) {
+                Some(ReplayPolicy::Never) => {
+                    let Some(outcome) = self
+                        .write_ahead(claimed, slot, &call, announce, tools_fail, crash)
+                        .await?
+                    else {
+                        return Ok(None);
+                    };
+                    outcome
+                }
+                _ if call.name == EMIT_SIGNAL_TOOL => {
+                    call_events.push(announce);
+                    self.emit_signal(claimed, slot, &call).await?
+                }
+                _ => {
+                    call_events.push(announce);
+                    ran(tools_fail, "found it")
+                }
+            };
             outcomes[slot as usize] = Some(outcome);
         }
-        let Some((slot, call)) = delegated.filter(|_| admitted) else {
-            let outcomes = outcomes.into_iter().flatten().collect();
-            return Ok(Some(after_tools(
-                state.clone(),
-                job,
-                outcomes,
-                invalid,
-                now,
-                now,
-            )));
-        };
-        let background = (call.arguments["mode"] == "background").then(|| {
-            match call.arguments["completion_policy"].as_str() {
-                Some("each") => CompletionPolicy::Each,
-                _ => CompletionPolicy::All,
+        let mut result = match delegated {
+            None => {
+                let outcomes = outcomes.into_iter().flatten().collect();
+                after_tools(state.clone(), job, outcomes, invalid, now, now)
             }
-        });
-        let children = self.children(claimed, slot, &call, background);
-        let Some(policy) = background else {
-            return Ok(Some(await_children(
-                state.clone(),
-                job,
-                outcomes,
-                children,
-                now,
-                now,
-            )));
+            Some((slot, call)) => {
+                let background = (call.arguments["mode"] == "background").then(|| {
+                    match call.arguments["completion_policy"].as_str() {
+                        Some("each") => CompletionPolicy::Each,
+                        _ => CompletionPolicy::All,
+                    }
+                });
+                let children = self.children(claimed, slot, &call, background);
+                match background {
+                    None => await_children(state.clone(), job, outcomes, children, now, now),
+                    Some(policy) => {
+                        let started: Vec<&ChildRun> = children.iter().collect();
+                        outcomes[slot as usize] = Some(background_started(&started, policy));
+                        let outcomes = outcomes.into_iter().flatten().collect();
+                        let mut result =
+                            after_tools(state.clone(), job, outcomes, invalid, now, now);
+                        start_in_background(&mut result, children);
+                        result
+                    }
+                }
+            }
         };
-        outcomes[slot as usize] = Some(background_started(
-            &children.iter().collect::<Vec<_>>(),
-            policy,
-        ));
-        let outcomes = outcomes.into_iter().flatten().collect();
-        let mut result = after_tools(state.clone(), job, outcomes, invalid, now, now);
-        start_in_background(&mut result, children);
+        // The calls' events come before the step's own, as the engine commits them.
+        result.events.splice(0..0, call_events);
         Ok(Some(result))
+    }
+
+    /// A `never` call of the claimed step: its intent is written ahead, then its outcome.
+    /// None when the worker gave the step up: a write was refused, or it crashed between the
+    /// two.
+    async fn write_ahead(
+        &self,
+        claimed: &ClaimedStep,
+        slot: u32,
+        call: &ToolCall,
+        announce: EventDraft,
+        tools_fail: bool,
+        crash: bool,
+    ) -> Result<Option<ToolOutcome>, Mismatch> {
+        let (claim, now) = (&claimed.claim, self.now);
+        let intent = Intent {
+            slot,
+            kind: IntentKind::Tool,
+            name: call.name.clone(),
+            idempotency_key: call_key(claimed, slot),
+        };
+        let recorded = self
+            .both("record_intents", async |s| {
+                (s.record_intents(claim, vec![intent.clone()], vec![announce.clone()], now)).await
+            })
+            .await?;
+        if recorded.is_err() || crash {
+            return Ok(None);
+        }
+        let outcome = ran(tools_fail, "charged");
+        let recorded = self
+            .both("record_outcome", async |s| {
+                s.record_outcome(claim, slot, outcome.clone(), now).await
+            })
+            .await?;
+        Ok(recorded.is_ok().then_some(outcome))
+    }
+
+    /// An `emit_signal` call of the claimed step, as the engine's tool makes it.
+    async fn emit_signal(
+        &mut self,
+        claimed: &ClaimedStep,
+        slot: u32,
+        call: &ToolCall,
+    ) -> Result<ToolOutcome, Mismatch> {
+        let state = &claimed.state;
+        let Some(contract) = &state.config.signal else {
+            return Ok(ToolOutcome::error("this run has no signal contract"));
+        };
+        let request = match parse_signal(&call.arguments, contract) {
+            Ok(request) => request,
+            Err(refusal) => return Ok(ToolOutcome::error(refusal)),
+        };
+        let signal = NewSignal {
+            call_key: call_key(claimed, slot),
+            dedupe_key: request.dedupe_key().to_owned(),
+            payload: json!({
+                "from_run_id": claimed.claim.run_id,
+                "agent": state.lineage.as_ref().map(|l| &l.agent),
+                "severity": request.severity,
+                "summary": request.summary,
+                "details": request.details,
+            }),
+        };
+        let emitted = self
+            .both("emit_signal", async |s| {
+                (s.emit_signal(&claimed.claim, signal.clone(), self.now)).await
+            })
+            .await?;
+        self.tally.signals += usize::from(emitted.is_ok());
+        Ok(match emitted.map(|emitted| emitted.outcome) {
+            Ok(SignalOutcome::Sent(event)) => {
+                ToolOutcome::ok(json!({"sent": true, "event": event}).to_string())
+            }
+            Ok(SignalOutcome::Duplicate(event)) => {
+                ToolOutcome::ok(json!({"sent": false, "event": event}).to_string())
+            }
+            Ok(SignalOutcome::Refused(why)) => ToolOutcome::error(why),
+            Err(error) => ToolOutcome::error(format!("emit_signal failed: {error}")),
+        })
     }
 
     /// Whether the delegation `call` fits the tree's size and, in the background, the root
@@ -1317,7 +1469,6 @@ impl<'a> Harness<'a> {
             Some(l) => (l.root_run_id.clone(), l.root_session_id.clone(), l.depth),
             None => (state.run_id.clone(), state.session_id.clone(), 0),
         };
-        let profile = delegation.agent("worker").expect("the worker profile");
         let tasks = call.arguments["tasks"]
             .as_array()
             .cloned()
@@ -1326,9 +1477,16 @@ impl<'a> Harness<'a> {
             .zip(tasks)
             .map(|(task_index, task)| {
                 let suffix = self.names.fresh();
+                let agent = task["agent"].as_str().unwrap_or_default();
+                let profile = delegation.agent(agent).expect("a profile of the run");
                 let mut config = profile.config.clone();
                 config.delegation.max_depth = delegation.max_depth;
                 config.delegation.max_tree_runs = delegation.max_tree_runs;
+                // Only a background run may signal before it ends.
+                match (&config.signal, background) {
+                    (Some(contract), Some(_)) => config.tools.push(emit_signal_tool(contract)),
+                    _ => config.signal = None,
+                }
                 ChildRun {
                     run_id: RunId::from_suffix(&suffix).unwrap(),
                     session_id: SessionId::from_suffix(&suffix).unwrap(),
@@ -1344,7 +1502,7 @@ impl<'a> Harness<'a> {
                         root_run_id: root_run_id.clone(),
                         root_session_id: root_session_id.clone(),
                         depth: depth + 1,
-                        agent: "worker".into(),
+                        agent: agent.to_owned(),
                         background: background.map(|policy| {
                             BackgroundGroup::new(&state.run_id, parent.job.step_index, slot, policy)
                         }),
@@ -1352,6 +1510,33 @@ impl<'a> Harness<'a> {
                 }
             })
             .collect()
+    }
+}
+
+/// Where the engine cuts a context to compact it: the earliest message from which the rest
+/// fits `budget` estimated tokens, moved past tool results (each stays with its call).
+fn compaction_cut(context: &[StoredMessage], budget: u64) -> usize {
+    let mut kept = 0u64;
+    let mut cut = context.len();
+    for (i, stored) in context.iter().enumerate().rev() {
+        kept += stored.message.estimated_tokens();
+        if kept > budget {
+            break;
+        }
+        cut = i;
+    }
+    while (context.get(cut)).is_some_and(|m| m.message.role == Role::Tool) {
+        cut += 1;
+    }
+    cut
+}
+
+/// What a tool that runs answers.
+fn ran(tools_fail: bool, ok: &str) -> ToolOutcome {
+    if tools_fail {
+        ToolOutcome::error("the tool failed")
+    } else {
+        ToolOutcome::ok(ok)
     }
 }
 
@@ -1412,12 +1597,7 @@ fn check_against<S: Store, G>(cases: u32, open: impl Fn() -> (S, G)) {
             .block_on(run_case(&model, &backend.0, &ops))
             .map_err(TestCaseError::fail)?;
         let (mut sum, committing) = totals.get();
-        sum.commits += tally.commits;
-        sum.stale_commits += tally.stale_commits;
-        sum.children += tally.children;
-        sum.approvals_answered += tally.approvals_answered;
-        sum.reconciled += tally.reconciled;
-        sum.continuations += tally.continuations;
+        sum.add(tally);
         totals.set((sum, committing + usize::from(tally.commits > 0)));
         Ok(())
     });
