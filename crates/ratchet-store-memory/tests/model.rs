@@ -1579,13 +1579,18 @@ fn runner(cases: u32) -> TestRunner {
         // Enough to bring a failing sequence of `MAX_OPS` down to the few operations that
         // matter (proptest's default, four per case, often stops short of that).
         max_shrink_iters: 20 * cases,
+        // A runner outside the `proptest!` macro has no source file to save failures beside:
+        // a failure is reported with its shrunk sequence instead.
         failure_persistence: None,
         ..Config::default()
     })
 }
 
-/// Runs `cases` cases of the model against the backends `open` makes (one per case, with
-/// the guard that keeps it alive), and fails with the shortest sequence that disagrees.
+/// Runs `cases` cases of the model against the backends `open` makes, and fails with the
+/// shortest sequence that disagrees. Each case gets a fresh backend (and the guard that keeps
+/// it alive): what a database numbers itself (message positions, inbox event ids, the
+/// continuation runs named after them) then counts from 1 as the model counts it, so no
+/// answer needs normalising.
 fn check_against<S: Store, G>(cases: u32, open: impl Fn() -> (S, G)) {
     let runtime = runtime();
     let totals = Cell::new((Tally::default(), 0usize));
