@@ -130,7 +130,7 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
-/// The lines of a run tree as `Store::run_tree` lists it (its first node at the top, parents
+/// The lines of a run tree as `Reads::run_tree` lists it (its first node at the top, parents
 /// before their children): each run below its parent, joined by box-drawing branches.
 fn draw_tree(nodes: &[TreeNode]) -> Vec<String> {
     let Some(top) = nodes.first() else {

@@ -130,7 +130,7 @@ impl Coordinator {
     }
 
     /// Relays what other processes sharing the database commit, when the store can tell
-    /// (`Store::changes`; `None` otherwise, and then workers and event streams find others'
+    /// (`Changes::changes`; `None` otherwise, and then workers and event streams find others'
     /// work by polling alone). An owned task publishes their events on the observation bus as
     /// if they were local — read back from the store, in the order they were announced — and
     /// wakes the workers when they enqueue jobs or when changes may have been missed. The task
@@ -402,7 +402,7 @@ impl Coordinator {
         }
     }
 
-    /// Pauses a run at its next step boundary (see `Store::request_pause`). A step in flight
+    /// Pauses a run at its next step boundary (see `Writes::request_pause`). A step in flight
     /// is not interrupted: its commit pauses the run.
     pub async fn request_pause(&self, run_id: &RunId) -> Result<ratchet_store::PauseOutcome> {
         let outcome = self.writes.request_pause(run_id, self.now()).await?;
@@ -472,7 +472,7 @@ impl Coordinator {
         Ok(answered)
     }
 
-    /// Sends a background run's signal to its root session's inbox (see `Store::emit_signal`).
+    /// Sends a background run's signal to its root session's inbox (see `Writes::emit_signal`).
     pub async fn emit_signal(
         &self,
         claim: &Claim,

@@ -676,7 +676,7 @@ impl Tables {
             .collect()
     }
 
-    /// See `Store::act_on_dead_letter`.
+    /// See `Writes::act_on_dead_letter`.
     pub(crate) fn act_on_dead_letter(
         &mut self,
         session: &SessionId,

@@ -822,7 +822,7 @@ fn already_done(event: &InboxEvent, action: DeadLetterAction) -> bool {
     }
 }
 
-/// See `Store::act_on_dead_letter`.
+/// See `Writes::act_on_dead_letter`.
 pub(crate) fn act_on_dead_letter(
     c: &dyn Db,
     session: &SessionId,

@@ -70,7 +70,7 @@ pub trait Backend: Send + Sync + 'static {
         R: Send + 'static,
         F: FnOnce(&dyn Db) -> Result<R> + Send + 'static;
 
-    /// See `Store::search_messages`.
+    /// See `Reads::search_messages`.
     fn search_messages(
         &self,
         scope: SearchScope,
@@ -78,7 +78,7 @@ pub trait Backend: Send + Sync + 'static {
         limit: u32,
     ) -> impl Future<Output = Result<Vec<MessageHit>>> + Send;
 
-    /// See `Store::changes`.
+    /// See `Changes::changes`.
     fn changes(&self) -> Option<ChangeStream> {
         None
     }

@@ -97,7 +97,7 @@ pub struct ClaimedStep {
     pub job: StepJob,
     pub claim: Claim,
     pub state: AgentState,
-    /// The model's context — the messages `Store::context` returns — when the worker's own
+    /// The model's context — the messages `Reads::context` returns — when the worker's own
     /// commits kept it through a streak; `None` when the step must read it from the store.
     pub context: Option<Vec<Message>>,
 }
@@ -207,7 +207,7 @@ pub struct SessionQuery {
     pub text: Option<String>,
 }
 
-/// How a session is closed (see `Store::close_session`).
+/// How a session is closed (see `Writes::close_session`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Closing {
     Archive,
@@ -270,7 +270,7 @@ pub struct InboxChange {
     pub enqueued: bool,
 }
 
-/// An event of a root session's inbox, as `Store::inbox` lists it.
+/// An event of a root session's inbox, as `Reads::inbox` lists it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct InboxEvent {
     pub id: i64,
@@ -321,7 +321,7 @@ impl PendingInput {
     }
 }
 
-/// A signal a background run's `emit_signal` call sends (see `Store::emit_signal`).
+/// A signal a background run's `emit_signal` call sends (see `Writes::emit_signal`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewSignal {
     /// The call's idempotency key: one signal per call, however often its step is redone.
@@ -350,7 +350,7 @@ pub struct EmittedSignal {
     pub enqueued: bool,
 }
 
-/// What `Store::time_out_overdue` ended.
+/// What `Writes::time_out_overdue` ended.
 #[derive(Debug, Clone, Default)]
 pub struct TimedOut {
     pub events: Vec<StoredEvent>,
@@ -360,7 +360,7 @@ pub struct TimedOut {
     pub enqueued: bool,
 }
 
-/// What `Store::serve_inboxes` started.
+/// What `Writes::serve_inboxes` started.
 #[derive(Debug, Clone, Default)]
 pub struct Served {
     pub events: Vec<StoredEvent>,
@@ -379,7 +379,7 @@ pub struct StoredMessage {
     pub created_at: Millis,
 }
 
-/// A step's messages, for inspecting it: see `Store::step_messages`.
+/// A step's messages, for inspecting it: see `Reads::step_messages`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepMessages {
     /// What the model was shown at the step, in order.
@@ -398,7 +398,7 @@ pub enum SearchScope {
     Tenant(String),
 }
 
-/// A message found by `Store::search_messages`.
+/// A message found by `Reads::search_messages`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MessageHit {
     pub session_id: SessionId,
@@ -448,7 +448,7 @@ pub struct Admission {
     pub inbox_held: u64,
 }
 
-/// One run of a tree, as `Store::run_tree` lists it.
+/// One run of a tree, as `Reads::run_tree` lists it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TreeNode {
     pub run_id: RunId,
