@@ -161,6 +161,18 @@ pub struct Queued {
     pub bytes: u64,
 }
 
+impl Queued {
+    /// What a lane holds whose waiting messages are of `sizes` bytes.
+    pub fn of_sizes(sizes: impl IntoIterator<Item = usize>) -> Queued {
+        sizes
+            .into_iter()
+            .fold(Queued::default(), |queued, size| Queued {
+                messages: queued.messages + 1,
+                bytes: (queued.bytes).saturating_add(u64::try_from(size).unwrap_or(u64::MAX)),
+            })
+    }
+}
+
 /// Whether one more steering message of `bytes` fits in its lane; the refusal says which cap
 /// it would pass.
 pub fn admit_steer(

@@ -326,6 +326,26 @@ pub struct ChildRun {
     pub lineage: Lineage,
 }
 
+/// The root run and root session of the tree `state`'s run is in: its lineage's, or its own
+/// for a root run.
+pub fn tree_root(state: &AgentState) -> (&RunId, &SessionId) {
+    match &state.lineage {
+        Some(l) => (&l.root_run_id, &l.root_session_id),
+        None => (&state.run_id, &state.session_id),
+    }
+}
+
+/// Whether a run tree of `existing` runs (ended ones included) may grow by `adding` within
+/// `limit`; the refusal names the tree by its `root` run.
+pub fn tree_has_room(root: &RunId, existing: u64, adding: u64, limit: u64) -> Result<(), String> {
+    if existing.saturating_add(adding) > limit {
+        return Err(format!(
+            "the run tree of {root} has {existing} runs and may have at most {limit}"
+        ));
+    }
+    Ok(())
+}
+
 /// The batch has a `delegate` call: its children start in this step's commit, and the run
 /// waits for them. `outcomes` holds the batch's other calls' results (None for each
 /// delegating call); they are kept in the checkpoint until the join hands every result to the
@@ -712,6 +732,21 @@ mod tests {
             lineage,
         }];
         (state, job, children)
+    }
+
+    #[test]
+    fn a_tree_grows_within_its_limit_and_is_named_by_its_root() {
+        let root = RunId::from_suffix("r").unwrap();
+        assert_eq!(tree_has_room(&root, 3, 2, 5), Ok(()));
+        assert_eq!(
+            tree_has_room(&root, 3, 3, 5),
+            Err("the run tree of run_r has 3 runs and may have at most 5".into())
+        );
+        let (state, _, children) = parent_and_child(None);
+        assert_eq!(tree_root(&state), (&state.run_id, &state.session_id));
+        let mut child = state.clone();
+        child.lineage = Some(children[0].lineage.clone());
+        assert_eq!(tree_root(&child), (&state.run_id, &state.session_id));
     }
 
     #[test]

@@ -642,6 +642,25 @@ pub enum Resumption {
     Continue { extension: BudgetExtension },
 }
 
+/// Whether an operator may resume the failed run `state` itself (`resume_failed`): not a
+/// delegated run, whose result its parent already has, nor a continuation turn, whose events
+/// go to a new one. The refusal says what to do instead.
+pub fn may_resume_failed(state: &AgentState) -> Result<(), String> {
+    let run_id = &state.run_id;
+    if let Some(lineage) = &state.lineage {
+        return Err(format!(
+            "run {run_id} was delegated by {} and its result was already handed back; continue the parent instead",
+            lineage.parent_run_id
+        ));
+    }
+    if state.config.continuation {
+        return Err(format!(
+            "run {run_id} is a continuation turn: its inbox events are offered to a new one (see the session's inbox)"
+        ));
+    }
+    Ok(())
+}
+
 /// Moves a failed run back to `running`; the returned job calls the model again. Refused
 /// when the run did not fail, when `Retry` is asked of a run that did not fail calling the
 /// model, or when the run's budget would still be spent (nothing would happen but failing
@@ -938,4 +957,45 @@ fn mark_committed(
         summary,
     };
     (record, event)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Lineage, RunConfigSnapshot, RunId, SessionId};
+
+    #[test]
+    fn only_a_root_run_that_is_not_a_continuation_is_resumed_after_failing() {
+        let run = RunId::from_suffix("r").unwrap();
+        let session = SessionId::from_suffix("s").unwrap();
+        let mut state = AgentState::new(session.clone(), run.clone(), Default::default(), 0);
+        assert_eq!(may_resume_failed(&state), Ok(()));
+        let parent = RunId::from_suffix("p").unwrap();
+        state.lineage = Some(Lineage {
+            parent_run_id: parent.clone(),
+            parent_step: 1,
+            parent_slot: 0,
+            task_index: 0,
+            root_run_id: parent,
+            root_session_id: session,
+            depth: 1,
+            agent: "writer".into(),
+            background: None,
+        });
+        assert!(
+            may_resume_failed(&state)
+                .unwrap_err()
+                .contains("delegated by run_p")
+        );
+        state.lineage = None;
+        state.config = std::sync::Arc::new(RunConfigSnapshot {
+            continuation: true,
+            ..Default::default()
+        });
+        assert!(
+            may_resume_failed(&state)
+                .unwrap_err()
+                .contains("continuation turn")
+        );
+    }
 }

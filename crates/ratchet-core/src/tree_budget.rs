@@ -28,6 +28,18 @@ pub struct TreeSpend {
     pub cost_microusd: u64,
 }
 
+impl TreeSpend {
+    /// The spend with one more run's `counters` added: its input and output tokens, and its
+    /// cost.
+    pub fn with_run(self, counters: &crate::Counters) -> TreeSpend {
+        TreeSpend {
+            tokens: (self.tokens)
+                .saturating_add(counters.input_tokens.saturating_add(counters.output_tokens)),
+            cost_microusd: self.cost_microusd.saturating_add(counters.cost_microusd),
+        }
+    }
+}
+
 impl TreeBudget {
     /// Whether there is anything to check, and so a reason to read the tree's spend.
     pub fn is_limited(&self) -> bool {

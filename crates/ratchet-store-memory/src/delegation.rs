@@ -2,9 +2,9 @@
 //! the parent's, all of them or none within the tree's size and the run quotas; trees are
 //! read whole, counted and costed.
 
-use ratchet_core::delegation::{ChildResult, ChildRun};
+use ratchet_core::delegation::{ChildResult, ChildRun, tree_has_room, tree_root};
 use ratchet_core::{AgentState, Millis, RunId, SessionId, TreeSpend};
-use ratchet_store::{Admission, Error, Result, RunQuota, StoredEvent, TreeNode};
+use ratchet_store::{Admission, Error, Result, RunQuota, StoredEvent, TreeNode, subtree};
 
 use crate::tables::{RunRow, SessionRow, Tables, duplicate};
 
@@ -47,23 +47,12 @@ impl Tables {
         quota: RunQuota,
         adding: u64,
     ) -> Result<()> {
-        if let Some(max) = quota.per_session {
-            let active = self.active_in_session(root_session);
-            if active + adding > max {
-                return Err(Error::QuotaExceeded(format!(
-                    "session {root_session} has {active} unfinished runs and may have at most {max}; {adding} more do not fit — wait for some to end"
-                )));
-            }
-        }
-        if let Some(max) = quota.global {
-            let active = self.active_global();
-            if active + adding > max {
-                return Err(Error::QuotaExceeded(format!(
-                    "{active} runs are unfinished and at most {max} may be; {adding} more do not fit — wait for some to end"
-                )));
-            }
-        }
-        Ok(())
+        quota.check(
+            root_session,
+            adding,
+            || Ok(self.active_in_session(root_session)),
+            || Ok(self.active_global()),
+        )
     }
 
     /// Starts the children a parent's step created — all of them, or none when the tree's
@@ -75,17 +64,10 @@ impl Tables {
         quota: RunQuota,
         now: Millis,
     ) -> Result<Vec<StoredEvent>> {
-        let (root, root_session) = match &parent.lineage {
-            Some(l) => (&l.root_run_id, &l.root_session_id),
-            None => (&parent.run_id, &parent.session_id),
-        };
+        let (root, root_session) = tree_root(parent);
         let limit = parent.config.delegation.max_tree_runs;
-        let existing = self.tree_runs(root);
-        if existing + children.len() as u64 > limit {
-            return Err(Error::QuotaExceeded(format!(
-                "the run tree of {root} has {existing} runs and may have at most {limit}"
-            )));
-        }
+        tree_has_room(root, self.tree_runs(root), children.len() as u64, limit)
+            .map_err(Error::QuotaExceeded)?;
         self.check_quota(root_session, quota, children.len() as u64)?;
         let tenant = self.session(&parent.session_id)?.tenant.clone();
         let mut events = self.reserve(parent, children, now)?;
@@ -177,7 +159,7 @@ impl Tables {
     /// order.
     pub(crate) fn run_tree(&self, run_id: &RunId) -> Result<Vec<TreeNode>> {
         let root = self.root_of(run_id)?;
-        let mut nodes: Vec<TreeNode> = self
+        let nodes: Vec<TreeNode> = self
             .tree_of(root)
             .map(|(id, run)| TreeNode {
                 run_id: id.clone(),
@@ -194,23 +176,7 @@ impl Tables {
                 counters: run.state.counters.clone(),
             })
             .collect();
-        nodes.sort_by(|a, b| {
-            (a.depth, a.created_at, &a.run_id).cmp(&(b.depth, b.created_at, &b.run_id))
-        });
-        // Only the asked-for run and what lies below it: parents come before their children.
-        let mut below = vec![run_id.clone()];
-        nodes.retain(|node| {
-            let inside = node.run_id == *run_id
-                || node
-                    .parent_run_id
-                    .as_ref()
-                    .is_some_and(|p| below.contains(p));
-            if inside && node.run_id != *run_id {
-                below.push(node.run_id.clone());
-            }
-            inside
-        });
-        Ok(nodes)
+        Ok(subtree(nodes, run_id))
     }
 
     pub(crate) fn admission(&self, run_id: &RunId) -> Result<Admission> {
@@ -229,17 +195,11 @@ impl Tables {
     /// What every run of the tree has spent, their counters summed.
     pub(crate) fn tree_spend(&self, run_id: &RunId) -> Result<TreeSpend> {
         let root = self.root_of(run_id)?;
-        Ok(self
-            .tree_of(root)
-            .fold(TreeSpend::default(), |spend, (_, run)| {
-                let counters = &run.state.counters;
-                TreeSpend {
-                    tokens: (spend.tokens).saturating_add(
-                        counters.input_tokens.saturating_add(counters.output_tokens),
-                    ),
-                    cost_microusd: spend.cost_microusd.saturating_add(counters.cost_microusd),
-                }
-            }))
+        Ok(
+            (self.tree_of(root)).fold(TreeSpend::default(), |spend, (_, run)| {
+                spend.with_run(&run.state.counters)
+            }),
+        )
     }
 }
 

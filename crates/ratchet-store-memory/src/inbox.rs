@@ -6,12 +6,14 @@
 
 use ratchet_core::delegation::{ChildResult, ChildRun, completion_report};
 use ratchet_core::inbox::{
-    DueEvent, EarlierSignal, NextTurn, SignalAdmission, Waiting, admit_signal, continuation_config,
-    continuation_trigger, next_turn, steered_signal,
+    DueEvent, EXPIRED, EarlierSignal, InboxRoom, NextTurn, RUN_CANCELLED, SESSION_CLOSED,
+    SignalAdmission, Waiting, admit_signal, continuation_config, continuation_ids,
+    continuation_release_reason, continuation_trigger, dead_lettered, next_turn, places_to_reserve,
+    signal_not_sent, signal_to_closed, steered_signal,
 };
 use ratchet_core::{
     AgentState, CompletionPolicy, Delivery, EventDraft, EventKind, InboxKind, InboxPolicy,
-    InboxStatus, Message, MessageId, Millis, Origin, RunId, RunStatus, SessionId, Visibility,
+    InboxStatus, Message, Millis, Origin, RunId, RunStatus, SessionId, Visibility,
 };
 use ratchet_store::{
     CancelOutcome, Claim, Closed, Closing, DeadLetterAction, EmittedSignal, Error, InboxChange,
@@ -19,7 +21,6 @@ use ratchet_store::{
 };
 use serde_json::{Value, json};
 
-use crate::messages::step_message_id;
 use crate::tables::{InboxRow, Tables, session_not_found};
 
 /// Most events one continuation turn is handed.
@@ -94,37 +95,15 @@ impl Tables {
         children: &[ChildRun],
         now: Millis,
     ) -> Result<Vec<StoredEvent>> {
-        let mut places: Vec<(InboxKind, Option<&RunId>, &str)> = Vec::new();
-        for child in children {
-            let Some(group) = &child.lineage.background else {
-                continue;
-            };
-            match group.policy {
-                CompletionPolicy::Each => {
-                    places.push((InboxKind::Completion, Some(&child.run_id), &group.group));
-                }
-                CompletionPolicy::All => {
-                    if !places.iter().any(|(_, _, g)| *g == group.group) {
-                        places.push((InboxKind::GroupCompletion, None, &group.group));
-                    }
-                }
-            }
-        }
-        let Some(first) = children.iter().find(|c| c.lineage.background.is_some()) else {
+        let Some((root, places)) = places_to_reserve(children) else {
             return Ok(Vec::new());
         };
-        let root = &first.lineage.root_session_id;
         let policy = parent.config.delegation.inbox;
-        let holding = self.held(root);
-        if holding + places.len() as u64 > u64::from(policy.capacity) {
-            return Err(Error::QuotaExceeded(format!(
-                "the inbox of session {root} holds {holding} events and reservations and may hold {}; {} more do not fit",
-                policy.capacity,
-                places.len()
-            )));
-        }
+        (InboxRoom::new(root, self.held(root), &policy).reserve(places.len()))
+            .map_err(Error::QuotaExceeded)?;
         let mut drafts = Vec::new();
-        for (kind, source, group) in places {
+        for place in places {
+            let (kind, source, group) = (place.kind, place.source, place.group);
             let id = self.push_event(InboxRow {
                 session_id: root.clone(),
                 kind,
@@ -182,7 +161,7 @@ impl Tables {
                 &unread,
                 InboxStatus::Pending,
                 InboxStatus::Superseded,
-                Some("its run was cancelled"),
+                Some(RUN_CANCELLED),
                 now,
             )?;
             if !superseded.is_empty() {
@@ -240,15 +219,14 @@ impl Tables {
                 event.expires_at = Some(expires_at);
             }
             if closed {
-                let reason = "the session was closed";
                 let dead = self.move_events(
                     &[id],
                     InboxStatus::Reserved,
                     InboxStatus::DeadLetter,
-                    Some(reason),
+                    Some(SESSION_CLOSED),
                     now,
                 )?;
-                drafts.push(dead_lettered(&dead, reason));
+                drafts.push(dead_lettered(&dead, SESSION_CLOSED));
             } else {
                 self.move_events(
                     &[id],
@@ -257,13 +235,9 @@ impl Tables {
                     None,
                     now,
                 )?;
-                let kind = match group.policy {
-                    CompletionPolicy::Each => InboxKind::Completion,
-                    CompletionPolicy::All => InboxKind::GroupCompletion,
-                };
                 drafts.push(EventDraft::new(
                     EventKind::InboxPending,
-                    json!({"event": id, "kind": kind, "source_run_id": child.run_id}),
+                    json!({"event": id, "kind": group.policy.report_kind(), "source_run_id": child.run_id}),
                 ));
             }
         }
@@ -362,11 +336,8 @@ impl Tables {
                 Error::Corrupt(format!("session {session} has inbox events but no run"))
             })?;
         let config = continuation_config(&latest.1.config);
-        // Time-ordered like every run id, and unique: an event is leased by one run at a time.
-        let suffix = format!("{now:012x}-k{}-{}", first.id, attempts + 1);
-        let run_id = RunId::from_suffix(&suffix).map_err(|e| Error::Corrupt(e.to_string()))?;
-        let message_id =
-            MessageId::from_suffix(&suffix).map_err(|e| Error::Corrupt(e.to_string()))?;
+        let (run_id, message_id) = continuation_ids(now, first.id, i64::from(*attempts))
+            .map_err(|e| Error::Corrupt(e.to_string()))?;
         let events: Vec<DueEvent> = due.into_iter().map(|(e, _)| e).collect();
         let trigger = continuation_trigger(&events, config.limits.max_tool_result_bytes);
         let (state, created) =
@@ -426,7 +397,7 @@ impl Tables {
                 ));
             }
             RunStatus::Cancelled => {
-                let reason = format!("the continuation run {run} was cancelled");
+                let reason = continuation_release_reason(run, state.status, state.stop_reason);
                 let given_back = self.move_events(
                     &ids,
                     InboxStatus::Leased,
@@ -451,10 +422,7 @@ impl Tables {
                 }
             }
             _ => {
-                let reason = format!(
-                    "the continuation run {run} failed ({})",
-                    state.stop_reason.map_or("unknown", |r| r.as_str())
-                );
+                let reason = continuation_release_reason(run, state.status, state.stop_reason);
                 let (mut released, mut dead) = (Vec::new(), Vec::new());
                 for (id, attempts, delegated_by) in held {
                     match self.policy_of(&delegated_by)?.retry_at(attempts, now) {
@@ -525,7 +493,7 @@ impl Tables {
                 _ => by_session.push((session, vec![id])),
             }
         }
-        let reason = "expired: not told within its inbox policy's max_age_ms";
+        let reason = EXPIRED;
         let mut events = Vec::new();
         for (session, ids) in by_session {
             let dead = self.move_events(
@@ -686,43 +654,23 @@ impl Tables {
         now: Millis,
     ) -> Result<InboxChange> {
         let event = self.session_event(session, id)?;
-        let verb = match action {
-            DeadLetterAction::Requeue => "requeued",
-            DeadLetterAction::Discard => "discarded",
-        };
-        if event.status != InboxStatus::DeadLetter {
-            if already_done(&event, action) {
-                return Ok(InboxChange {
-                    event,
-                    events: Vec::new(),
-                    enqueued: false,
-                });
-            }
-            return Err(Error::Conflict(format!(
-                "inbox event {id} is {}: only a dead letter can be {verb}",
-                event.status.as_str()
-            )));
+        if !action.applies_to(&event)? {
+            return Ok(InboxChange {
+                event,
+                events: Vec::new(),
+                enqueued: false,
+            });
         }
-        let reason = format!(
-            "{verb} by {by}, after: {}",
-            event.reason.as_deref().unwrap_or("no reason recorded")
-        );
+        let reason = action.reason(by, &event);
         let (dead, to) = (InboxStatus::DeadLetter, action.target());
         let kind = match action {
             DeadLetterAction::Requeue => {
                 if self.is_closed(session) {
-                    return Err(Error::Conflict(format!(
-                        "session {session} is closed: it starts no continuation, so its dead letters stay"
-                    )));
+                    return Err(DeadLetterAction::closed(session));
                 }
                 let policy = self.policy_of(&event.parent_run_id)?;
-                let holding = self.held(session);
-                if holding >= u64::from(policy.capacity) {
-                    return Err(Error::QuotaExceeded(format!(
-                        "the inbox of session {session} holds {holding} events and reservations and may hold {}: no room to requeue event {id}",
-                        policy.capacity
-                    )));
-                }
+                (InboxRoom::new(session, self.held(session), &policy).requeue(id))
+                    .map_err(Error::QuotaExceeded)?;
                 self.move_events(&[id], dead, to, Some(&reason), now)?;
                 if let Some(event) = self.inbox_event_mut(id) {
                     event.attempts = 0;
@@ -808,25 +756,17 @@ impl Tables {
         }
         let root = &lineage.root_session_id;
         if self.is_closed(root) {
-            return Ok(refused(format!(
-                "session {root} was closed; nobody will read this signal"
-            )));
+            return Ok(refused(signal_to_closed(root)));
         }
         let policy = self.policy_of(&lineage.parent_run_id)?;
-        let holding = self.held(root);
-        if holding >= u64::from(policy.capacity) {
-            return Ok(refused(format!(
-                "the inbox of session {root} is full ({holding} of {}); the signal was not sent — put it in your final answer",
-                policy.capacity
-            )));
+        if let Err(why) = InboxRoom::new(root, self.held(root), &policy).signal() {
+            return Ok(refused(why));
         }
         if contract.delivery == Delivery::Steer {
             let limits = self.run(&lineage.parent_run_id)?.config.steer;
             let bytes = signal.payload.to_string().len();
             if let Err(why) = self.admit_agent_steer(root, &limits, bytes) {
-                return Ok(refused(format!(
-                    "{why}; the signal was not sent — put it in your final answer"
-                )));
+                return Ok(refused(signal_not_sent(&why)));
             }
         }
         let id = self.push_event(InboxRow {
@@ -899,7 +839,8 @@ impl Tables {
                 origin: Origin::Steer,
                 ..Message::user(steered_signal(payload))
             };
-            let message_id = step_message_id(&state.run_id, step_index, format!("s{id}"));
+            let message_id =
+                ratchet_store::step_message_id(&state.run_id, step_index, format!("s{id}"));
             self.insert_message(&message_id, state, message.clone(), now)?;
             added.push(message);
         }
@@ -945,13 +886,6 @@ fn reported(id: i64, event: &InboxRow) -> Result<&Value> {
         .ok_or_else(|| Error::Corrupt(format!("inbox event {id} is due with nothing to report")))
 }
 
-fn dead_lettered(ids: &[i64], reason: &str) -> EventDraft {
-    EventDraft::new(
-        EventKind::InboxDeadLettered,
-        json!({"events": ids, "reason": reason}),
-    )
-}
-
 fn refused(why: String) -> EmittedSignal {
     EmittedSignal {
         outcome: SignalOutcome::Refused(why),
@@ -965,21 +899,6 @@ fn duplicate_signal(id: i64) -> EmittedSignal {
         outcome: SignalOutcome::Duplicate(id),
         events: Vec::new(),
         enqueued: false,
-    }
-}
-
-/// Whether an operator's `action` on `event` (no dead letter now) repeats one that was done:
-/// it was discarded, or requeued and on its way since.
-fn already_done(event: &InboxEvent, action: DeadLetterAction) -> bool {
-    match action {
-        DeadLetterAction::Discard => event.status == InboxStatus::Discarded,
-        DeadLetterAction::Requeue => {
-            event.requeued_at.is_some()
-                && matches!(
-                    event.status,
-                    InboxStatus::Pending | InboxStatus::Leased | InboxStatus::Consumed
-                )
-        }
     }
 }
 

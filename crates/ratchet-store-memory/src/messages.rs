@@ -3,7 +3,7 @@
 //! (clients, the model at a step) is derived here.
 
 use ratchet_core::{AgentState, Message, Millis, RunId, SessionId, Visibility};
-use ratchet_store::{Result, StepMessages, StoredMessage};
+use ratchet_store::{Result, StepMessages, StoredMessage, split_step_messages};
 
 use crate::tables::{MessageRow, Tables, duplicate};
 
@@ -108,30 +108,17 @@ impl Tables {
     /// later one — with none, at the run's last message.
     pub(crate) fn step_messages(&self, run_id: &RunId, step_index: u64) -> Result<StepMessages> {
         let session_id = &self.run(run_id)?.session_id;
-        let prefix = step_message_prefix(run_id);
-        let written_by = |id: &str| {
-            (id.strip_prefix(&prefix))
-                .and_then(|rest| rest.split('-').next())
-                .and_then(|step| step.parse::<u64>().ok())
-        };
         let runs_messages: Vec<StoredMessage> = (self.session_messages(session_id))
             .filter(|(_, m)| m.run_id == *run_id)
             .map(stored)
             .collect();
-        let first_from = (runs_messages.iter())
-            .position(|m| written_by(&m.id).is_some_and(|step| step >= step_index));
-        let through = match first_from {
-            Some(first) => runs_messages[first].position - 1,
-            None => match runs_messages.last() {
-                Some(last) => last.position,
-                None => return Ok(StepMessages::default()),
-            },
+        let Some((through, written)) = split_step_messages(runs_messages, run_id, step_index)
+        else {
+            return Ok(StepMessages::default());
         };
         Ok(StepMessages {
             context: self.context_through(session_id, run_id, through),
-            written: (runs_messages.into_iter())
-                .filter(|m| written_by(&m.id) == Some(step_index))
-                .collect(),
+            written,
         })
     }
 }
@@ -144,22 +131,4 @@ fn stored((position, row): (i64, &MessageRow)) -> StoredMessage {
         message: row.message.clone(),
         created_at: row.created_at,
     }
-}
-
-/// The id of a message a step's commit writes, `msg_{run}-{step}-{slot}`: named after its
-/// step, so that `step_messages` can tell which step wrote it.
-pub(crate) fn step_message_id(
-    run_id: &RunId,
-    step_index: u64,
-    slot: impl std::fmt::Display,
-) -> String {
-    format!("{}{step_index}-{slot}", step_message_prefix(run_id))
-}
-
-fn step_message_prefix(run_id: &RunId) -> String {
-    let bare = run_id
-        .as_str()
-        .strip_prefix("run_")
-        .unwrap_or(run_id.as_str());
-    format!("msg_{bare}-")
 }

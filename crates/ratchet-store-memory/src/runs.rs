@@ -6,11 +6,11 @@
 use std::sync::Arc;
 
 use ratchet_core::delegation::{ChildResult, child_finished, join_children};
-use ratchet_core::inbox::NextTurn;
+use ratchet_core::inbox::{NextTurn, input_message, wakes_held_events};
 use ratchet_core::step::{Reconciliation, Resumption, cancel_idle, start_run};
 use ratchet_core::{
-    AgentState, EventDraft, EventKind, Instruction, Message, Millis, Origin, RunConfigSnapshot,
-    RunId, RunStatus, SessionId, StepJob, StepRecord, Visibility,
+    AgentState, EventDraft, EventKind, Instruction, Millis, RunConfigSnapshot, RunId, RunStatus,
+    SessionId, StepJob, StepRecord,
 };
 use ratchet_store::{
     CancelOutcome, Error, NewRun, PauseOutcome, Reconciled, Result, ResumeOutcome, RunSummary,
@@ -160,20 +160,9 @@ impl Tables {
         now: Millis,
     ) -> Result<Vec<EventDraft>> {
         let input = self.run(&state.run_id)?.input.clone();
-        // A continuation's first message is the runtime's trigger: the model reads it, clients
-        // never.
-        let continuation = state.config.continuation;
-        let message = if continuation {
-            Message {
-                visibility: Visibility::Hidden,
-                origin: Origin::Continuation,
-                ..Message::user(input.content)
-            }
-        } else {
-            Message::user(input.content)
-        };
+        let message = input_message(&state, input.content);
         self.insert_message(&input.message_id, &state, message, now)?;
-        if !continuation && state.lineage.is_none() {
+        if wakes_held_events(&state) {
             self.wake_held(&state.session_id, now);
         }
         let (job, event) = start_run(&mut state, now);
@@ -181,7 +170,7 @@ impl Tables {
         self.insert_job(&job, now)?;
         let session = self.session_mut(&state.session_id)?;
         session.active_run_id = Some(state.run_id.clone());
-        session.user_turns_in_a_row = if continuation {
+        session.user_turns_in_a_row = if state.config.continuation {
             0
         } else {
             session.user_turns_in_a_row.saturating_add(1)
@@ -324,19 +313,7 @@ impl Tables {
     pub(crate) fn request_cancel(&mut self, run_id: &RunId, now: Millis) -> Result<CancelOutcome> {
         let mut outcome = self.cancel_one(run_id, now)?;
         for child in self.unfinished_foreground_children(run_id) {
-            let (more, child_enqueued) = match self.request_cancel(&child, now)? {
-                CancelOutcome::Cancelled { events, enqueued } => (events, enqueued),
-                CancelOutcome::Cancelling { events } => (events, false),
-                CancelOutcome::AlreadyTerminal(_) => (Vec::new(), false),
-            };
-            match &mut outcome {
-                CancelOutcome::Cancelled { events, enqueued } => {
-                    events.extend(more);
-                    *enqueued |= child_enqueued;
-                }
-                CancelOutcome::Cancelling { events } => events.extend(more),
-                CancelOutcome::AlreadyTerminal(_) => {}
-            }
+            outcome.absorb(self.request_cancel(&child, now)?);
         }
         Ok(outcome)
     }
@@ -476,17 +453,7 @@ impl Tables {
         now: Millis,
     ) -> Result<Vec<StoredEvent>> {
         let mut state = self.load_state(run_id)?;
-        if let Some(lineage) = &state.lineage {
-            return Err(Error::Conflict(format!(
-                "run {run_id} was delegated by {} and its result was already handed back; continue the parent instead",
-                lineage.parent_run_id
-            )));
-        }
-        if state.config.continuation {
-            return Err(Error::Conflict(format!(
-                "run {run_id} is a continuation turn: its inbox events are offered to a new one (see the session's inbox)"
-            )));
-        }
+        ratchet_core::step::may_resume_failed(&state).map_err(Error::Conflict)?;
         let (drafts, job) = ratchet_core::step::resume_failed(&mut state, how, now)?;
         // The run takes its session back only if nobody else holds it: one active run each.
         let session = self.session_mut(&state.session_id)?;

@@ -20,9 +20,9 @@ impl Tables {
             .steers
             .iter()
             .filter(|s| s.session_id == new.session_id);
-        let queued = queued(waiting.map(|s| s.content.len()));
+        let queued = Queued::of_sizes(waiting.map(|s| s.content.len()));
         let limits = self.run(active)?.config.steer;
-        admit(SteerLane::User, &limits, queued, new.content.len())
+        admit_steer(SteerLane::User, &limits, queued, bytes(&new.content))
             .map_err(|why| Error::SteerQueueFull(format!("session {}: {why}", new.session_id)))?;
         if self
             .steers
@@ -57,7 +57,13 @@ impl Tables {
                 && e.delivery == Delivery::Steer
         });
         let sizes = waiting.map(|e| e.payload.as_ref().map_or(0, |p| p.to_string().len()));
-        admit(SteerLane::Agent, limits, queued(sizes), payload_bytes)
+        let payload_bytes = u64::try_from(payload_bytes).unwrap_or(u64::MAX);
+        admit_steer(
+            SteerLane::Agent,
+            limits,
+            Queued::of_sizes(sizes),
+            payload_bytes,
+        )
     }
 
     /// Takes the session's waiting steers out of their queue, oldest first.
@@ -93,24 +99,6 @@ impl Tables {
     }
 }
 
-/// What a lane holds: the sizes of its waiting messages.
-fn queued(sizes: impl Iterator<Item = usize>) -> Queued {
-    sizes.fold(Queued::default(), |queued, size| Queued {
-        messages: queued.messages + 1,
-        bytes: (queued.bytes).saturating_add(u64::try_from(size).unwrap_or(u64::MAX)),
-    })
-}
-
-fn admit(
-    lane: SteerLane,
-    limits: &SteerLimits,
-    queued: Queued,
-    bytes: usize,
-) -> Result<(), String> {
-    admit_steer(
-        lane,
-        limits,
-        queued,
-        u64::try_from(bytes).unwrap_or(u64::MAX),
-    )
+fn bytes(text: &str) -> u64 {
+    u64::try_from(text.len()).unwrap_or(u64::MAX)
 }

@@ -12,8 +12,8 @@ use ratchet_store::{
     RecordedIntents, Result, RunQuota, Stale,
 };
 
-use crate::messages::step_message_id;
 use crate::tables::{ApprovalRow, IntentRow, JobRow, Tables, duplicate};
+use ratchet_store::step_message_id;
 
 impl Tables {
     pub(crate) fn commit_step(

@@ -24,7 +24,8 @@ pub(crate) fn admit_user_steer(
         session,
     )?;
     let limits = frozen_config(c, active)?.steer;
-    admit(SteerLane::User, &limits, queued, content.len())
+    let bytes = u64::try_from(content.len()).unwrap_or(u64::MAX);
+    admit_steer(SteerLane::User, &limits, queued, bytes)
         .map_err(|why| Error::SteerQueueFull(format!("session {session}: {why}")))
 }
 
@@ -41,31 +42,14 @@ pub(crate) fn admit_agent_steer(
         "SELECT payload_json FROM inbox WHERE session_id = ?1 AND status = 'pending' AND delivery = 'steer'",
         root,
     )?;
-    Ok(admit(SteerLane::Agent, limits, queued, payload_bytes))
-}
-
-fn admit(
-    lane: SteerLane,
-    limits: &SteerLimits,
-    queued: Queued,
-    bytes: usize,
-) -> Result<(), String> {
-    admit_steer(
-        lane,
-        limits,
-        queued,
-        u64::try_from(bytes).unwrap_or(u64::MAX),
-    )
+    let payload_bytes = u64::try_from(payload_bytes).unwrap_or(u64::MAX);
+    Ok(admit_steer(SteerLane::Agent, limits, queued, payload_bytes))
 }
 
 /// What one lane of `session` holds: each row's first column is a waiting message's text.
 fn queued(c: &dyn Db, sql: &str, session: &SessionId) -> Result<Queued> {
-    let mut queued = Queued::default();
-    for mut row in c.query(sql, &params![session.as_str()])? {
-        queued.messages += 1;
-        queued.bytes = queued
-            .bytes
-            .saturating_add(u64::try_from(row.text(0)?.len()).unwrap_or(u64::MAX));
-    }
-    Ok(queued)
+    let sizes = (c.query(sql, &params![session.as_str()])?.into_iter())
+        .map(|mut row| Ok(row.text(0)?.len()))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Queued::of_sizes(sizes))
 }

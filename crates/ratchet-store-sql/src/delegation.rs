@@ -2,9 +2,9 @@
 //! none, within the tree's size and the run quota); the children's results for the join; the
 //! run tree; what admission reads; and a tree's spend.
 
-use ratchet_core::delegation::{ChildResult, ChildRun};
+use ratchet_core::delegation::{ChildResult, ChildRun, tree_has_room, tree_root};
 use ratchet_core::{AgentState, Millis, RunId, StopReason, TreeSpend};
-use ratchet_store::{Admission, Error, StoredEvent, TreeNode};
+use ratchet_store::{Admission, Error, StoredEvent, TreeNode, subtree};
 
 use crate::db::Db;
 use crate::events::insert_events;
@@ -36,17 +36,10 @@ pub(crate) fn start_children(
     quota: ratchet_store::RunQuota,
     now: Millis,
 ) -> Result<Vec<StoredEvent>> {
-    let (root, root_session) = match &parent.lineage {
-        Some(l) => (&l.root_run_id, &l.root_session_id),
-        None => (&parent.run_id, &parent.session_id),
-    };
+    let (root, root_session) = tree_root(parent);
     let limit = parent.config.delegation.max_tree_runs;
-    let existing = tree_runs(c, root)?;
-    if existing + children.len() as u64 > limit {
-        return Err(Error::QuotaExceeded(format!(
-            "the run tree of {root} has {existing} runs and may have at most {limit}"
-        )));
-    }
+    tree_has_room(root, tree_runs(c, root)?, children.len() as u64, limit)
+        .map_err(Error::QuotaExceeded)?;
     check_quota(c, root_session, quota, children.len() as u64)?;
     let tenant = c
         .query_opt(
@@ -172,22 +165,7 @@ pub(crate) fn run_tree(c: &dyn Db, run_id: &RunId) -> Result<Vec<TreeNode>> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    // Only the asked-for run and what lies below it: parents come before their children.
-    let mut below = vec![run_id.clone()];
-    Ok(nodes
-        .into_iter()
-        .filter(|node| {
-            let inside = node.run_id == *run_id
-                || node
-                    .parent_run_id
-                    .as_ref()
-                    .is_some_and(|p| below.contains(p));
-            if inside && node.run_id != *run_id {
-                below.push(node.run_id.clone());
-            }
-            inside
-        })
-        .collect())
+    Ok(subtree(nodes, run_id))
 }
 
 pub(crate) fn admission(c: &dyn Db, run_id: &RunId) -> Result<Admission> {
@@ -225,11 +203,7 @@ pub(crate) fn tree_spend(c: &dyn Db, run_id: &RunId) -> Result<TreeSpend> {
         "SELECT state_json FROM runs WHERE id = ?1 OR root_run_id = ?1",
         &params![&root],
     )? {
-        let counters = from_json::<Spent>(&row.text(0)?, "run state")?.counters;
-        spend.tokens = spend
-            .tokens
-            .saturating_add(counters.input_tokens.saturating_add(counters.output_tokens));
-        spend.cost_microusd = spend.cost_microusd.saturating_add(counters.cost_microusd);
+        spend = spend.with_run(&from_json::<Spent>(&row.text(0)?, "run state")?.counters);
     }
     Ok(spend)
 }

@@ -8,12 +8,14 @@
 
 use ratchet_core::delegation::{ChildResult, ChildRun, completion_report};
 use ratchet_core::inbox::{
-    DueEvent, EarlierSignal, NextTurn, SignalAdmission, Waiting, admit_signal, continuation_config,
-    continuation_trigger, next_turn, steered_signal,
+    DueEvent, EXPIRED, EarlierSignal, InboxRoom, NextTurn, RUN_CANCELLED, SESSION_CLOSED,
+    SignalAdmission, Waiting, admit_signal, continuation_config, continuation_ids,
+    continuation_release_reason, continuation_trigger, dead_lettered, next_turn, places_to_reserve,
+    signal_not_sent, signal_to_closed, steered_signal,
 };
 use ratchet_core::{
     AgentState, CompletionPolicy, Delivery, EventDraft, EventKind, InboxKind, InboxPolicy,
-    InboxStatus, MessageId, Millis, RunId, RunStatus, SessionId,
+    InboxStatus, Millis, RunId, RunStatus, SessionId,
 };
 use ratchet_store::{
     Claim, Closed, Closing, DeadLetterAction, EmittedSignal, Error, InboxChange, InboxEvent,
@@ -83,37 +85,15 @@ pub(crate) fn reserve(
     children: &[ChildRun],
     now: Millis,
 ) -> Result<Vec<StoredEvent>> {
-    let mut places: Vec<(InboxKind, Option<&RunId>, &str)> = Vec::new();
-    for child in children {
-        let Some(group) = &child.lineage.background else {
-            continue;
-        };
-        match group.policy {
-            CompletionPolicy::Each => {
-                places.push((InboxKind::Completion, Some(&child.run_id), &group.group));
-            }
-            CompletionPolicy::All => {
-                if !places.iter().any(|(_, _, g)| *g == group.group) {
-                    places.push((InboxKind::GroupCompletion, None, &group.group));
-                }
-            }
-        }
-    }
-    let Some(first) = children.iter().find(|c| c.lineage.background.is_some()) else {
+    let Some((root, places)) = places_to_reserve(children) else {
         return Ok(Vec::new());
     };
-    let root = &first.lineage.root_session_id;
     let policy = parent.config.delegation.inbox;
-    let holding = held(c, root)?;
-    if holding + places.len() as u64 > u64::from(policy.capacity) {
-        return Err(Error::QuotaExceeded(format!(
-            "the inbox of session {root} holds {holding} events and reservations and may hold {}; {} more do not fit",
-            policy.capacity,
-            places.len()
-        )));
-    }
+    (InboxRoom::new(root, held(c, root)?, &policy).reserve(places.len()))
+        .map_err(Error::QuotaExceeded)?;
     let mut drafts = Vec::new();
-    for (kind, source, group) in places {
+    for place in places {
+        let (kind, source, group) = (place.kind, place.source, place.group);
         let id = c
             .query_opt(
                 "INSERT INTO inbox (session_id, kind, status, delivery, parent_run_id, source_run_id, group_id, max_attempts, created_at, updated_at)
@@ -176,7 +156,7 @@ pub(crate) fn background_ended(
             &unread,
             InboxStatus::Pending,
             InboxStatus::Superseded,
-            Some("its run was cancelled"),
+            Some(RUN_CANCELLED),
             now,
         )?;
         if !superseded.is_empty() {
@@ -244,10 +224,10 @@ pub(crate) fn background_ended(
                 &[id],
                 InboxStatus::Reserved,
                 InboxStatus::DeadLetter,
-                Some("the session was closed"),
+                Some(SESSION_CLOSED),
                 now,
             )?;
-            drafts.push(dead_lettered(&dead, "the session was closed"));
+            drafts.push(dead_lettered(&dead, SESSION_CLOSED));
         } else {
             move_events(
                 c,
@@ -259,7 +239,7 @@ pub(crate) fn background_ended(
             )?;
             drafts.push(EventDraft::new(
                 EventKind::InboxPending,
-                json!({"event": id, "kind": if group.policy == CompletionPolicy::Each { InboxKind::Completion } else { InboxKind::GroupCompletion }, "source_run_id": child.run_id}),
+                json!({"event": id, "kind": group.policy.report_kind(), "source_run_id": child.run_id}),
             ));
         }
     }
@@ -268,13 +248,6 @@ pub(crate) fn background_ended(
         events.extend(serve_if_free(c, root, enqueued, now)?);
     }
     Ok(events)
-}
-
-fn dead_lettered(ids: &[i64], reason: &str) -> EventDraft {
-    EventDraft::new(
-        EventKind::InboxDeadLettered,
-        json!({"events": ids, "reason": reason}),
-    )
 }
 
 /// Starts a continuation turn in a root session that has no active run and has due events.
@@ -399,10 +372,8 @@ pub(crate) fn start_continuation(
         .ok_or_else(|| Error::Corrupt(format!("session {session} has inbox events but no run")))?
         .text(0)?;
     let config = continuation_config(&*frozen_config(c, &parse_run_id(&latest)?)?);
-    // Time-ordered like every run id, and unique: an event is leased by one run at a time.
-    let suffix = format!("{now:012x}-k{}-{}", first.id, attempts + 1);
-    let run_id = RunId::from_suffix(&suffix).map_err(|e| Error::Corrupt(e.to_string()))?;
-    let message_id = MessageId::from_suffix(&suffix).map_err(|e| Error::Corrupt(e.to_string()))?;
+    let (run_id, message_id) =
+        continuation_ids(now, first.id, *attempts).map_err(|e| Error::Corrupt(e.to_string()))?;
     let events: Vec<DueEvent> = due.iter().map(|(e, _)| e.clone()).collect();
     let (state, created) = insert_queued_run(
         c,
@@ -480,7 +451,7 @@ pub(crate) fn continuation_ended(
             ));
         }
         RunStatus::Cancelled => {
-            let reason = format!("the continuation run {run} was cancelled");
+            let reason = continuation_release_reason(run, state.status, state.stop_reason);
             let held = move_events(
                 c,
                 &ids,
@@ -507,10 +478,7 @@ pub(crate) fn continuation_ended(
             }
         }
         _ => {
-            let reason = format!(
-                "the continuation run {run} failed ({})",
-                state.stop_reason.map_or("unknown", |r| r.as_str())
-            );
+            let reason = continuation_release_reason(run, state.status, state.stop_reason);
             let (mut released, mut dead) = (Vec::new(), Vec::new());
             for (id, attempts, delegated_by) in held {
                 let policy = policy_of(c, &delegated_by)?;
@@ -595,7 +563,7 @@ pub(crate) fn expire(c: &dyn Db, now: Millis) -> Result<Vec<StoredEvent>> {
             _ => by_session.push((session, vec![id])),
         }
     }
-    let reason = "expired: not told within its inbox policy's max_age_ms";
+    let reason = EXPIRED;
     let mut events = Vec::new();
     for (session, ids) in by_session {
         c.lock_session(session.as_str())?;
@@ -807,6 +775,7 @@ fn inbox_event(c: &dyn Db, session: &SessionId, id: i64) -> Result<InboxEvent> {
     })
 }
 
+<<<<<<< HEAD
 /// Whether an operator's `action` on `event` (no dead letter now) is a repeat of one that was
 /// done: it was discarded, or requeued and on its way since.
 fn already_done(event: &InboxEvent, action: DeadLetterAction) -> bool {
@@ -823,6 +792,9 @@ fn already_done(event: &InboxEvent, action: DeadLetterAction) -> bool {
 }
 
 /// See `Writes::act_on_dead_letter`.
+=======
+/// See `Store::act_on_dead_letter`.
+>>>>>>> dedup
 pub(crate) fn act_on_dead_letter(
     c: &dyn Db,
     session: &SessionId,
@@ -833,43 +805,23 @@ pub(crate) fn act_on_dead_letter(
 ) -> Result<InboxChange> {
     c.lock_session(session.as_str())?;
     let event = inbox_event(c, session, id)?;
-    let verb = match action {
-        DeadLetterAction::Requeue => "requeued",
-        DeadLetterAction::Discard => "discarded",
-    };
-    if event.status != InboxStatus::DeadLetter {
-        if already_done(&event, action) {
-            return Ok(InboxChange {
-                event,
-                events: Vec::new(),
-                enqueued: false,
-            });
-        }
-        return Err(Error::Conflict(format!(
-            "inbox event {id} is {}: only a dead letter can be {verb}",
-            event.status.as_str()
-        )));
+    if !action.applies_to(&event)? {
+        return Ok(InboxChange {
+            event,
+            events: Vec::new(),
+            enqueued: false,
+        });
     }
-    let reason = format!(
-        "{verb} by {by}, after: {}",
-        event.reason.as_deref().unwrap_or("no reason recorded")
-    );
+    let reason = action.reason(by, &event);
     let (dead, to) = (InboxStatus::DeadLetter, action.target());
     let kind = match action {
         DeadLetterAction::Requeue => {
             if is_closed(c, session)? {
-                return Err(Error::Conflict(format!(
-                    "session {session} is closed: it starts no continuation, so its dead letters stay"
-                )));
+                return Err(DeadLetterAction::closed(session));
             }
             let policy = policy_of(c, event.parent_run_id.as_str())?;
-            let holding = held(c, session)?;
-            if holding >= u64::from(policy.capacity) {
-                return Err(Error::QuotaExceeded(format!(
-                    "the inbox of session {session} holds {holding} events and reservations and may hold {}: no room to requeue event {id}",
-                    policy.capacity
-                )));
-            }
+            (InboxRoom::new(session, held(c, session)?, &policy).requeue(id))
+                .map_err(Error::QuotaExceeded)?;
             move_events(c, &[id], dead, to, Some(&reason), now)?;
             c.write(
                 "UPDATE inbox SET attempts = 0, available_at = ?2, requeued_at = ?2, expires_at = ?3,
@@ -982,25 +934,17 @@ pub(crate) fn emit_signal(
     }
     let root = &lineage.root_session_id;
     if is_closed(c, root)? {
-        return Ok(refused(format!(
-            "session {root} was closed; nobody will read this signal"
-        )));
+        return Ok(refused(signal_to_closed(root)));
     }
     let policy = policy_of(c, lineage.parent_run_id.as_str())?;
-    let holding = held(c, root)?;
-    if holding >= u64::from(policy.capacity) {
-        return Ok(refused(format!(
-            "the inbox of session {root} is full ({holding} of {}); the signal was not sent — put it in your final answer",
-            policy.capacity
-        )));
+    if let Err(why) = InboxRoom::new(root, held(c, root)?, &policy).signal() {
+        return Ok(refused(why));
     }
     let payload = to_json(&signal.payload)?;
     if contract.delivery == Delivery::Steer {
         let limits = frozen_config(c, &lineage.parent_run_id)?.steer;
         if let Err(why) = crate::bounds::admit_agent_steer(c, root, &limits, payload.len())? {
-            return Ok(refused(format!(
-                "{why}; the signal was not sent — put it in your final answer"
-            )));
+            return Ok(refused(signal_not_sent(&why)));
         }
     }
     let id = c
@@ -1074,7 +1018,7 @@ pub(crate) fn absorb_signals(
             ..ratchet_core::Message::user(steered_signal(&payload))
         };
         let message_id =
-            crate::sessions::step_message_id(&state.run_id, step_index, format!("s{id}"));
+            ratchet_store::step_message_id(&state.run_id, step_index, format!("s{id}"));
         insert_message(c, &message_id, state, &message, now)?;
         added.push(message);
     }

@@ -3,11 +3,11 @@
 //! waiting for the active run's next model call, and the next run started when the active one
 //! ends.
 
-use ratchet_core::inbox::NextTurn;
+use ratchet_core::inbox::{NextTurn, input_message, wakes_held_events};
 use ratchet_core::step::start_run;
 use ratchet_core::{
     AgentState, EventDraft, EventKind, Message, Millis, Origin, RunConfigSnapshot, RunId,
-    RunStatus, SessionId, Visibility,
+    RunStatus, SessionId,
 };
 use ratchet_store::{CancelOutcome, Error, NewRun, StoredEvent, Submitted, WhenBusy};
 use serde_json::json;
@@ -157,28 +157,19 @@ pub(crate) fn check_quota(
     quota: ratchet_store::RunQuota,
     adding: u64,
 ) -> Result<()> {
-    if let Some(max) = quota.per_session {
-        let active = active_in_session(c, root_session)?;
-        if active + adding > max {
-            return Err(Error::QuotaExceeded(format!(
-                "session {root_session} has {active} unfinished runs and may have at most {max}; {adding} more do not fit — wait for some to end"
-            )));
-        }
-    }
-    if let Some(max) = quota.global {
-        c.lock_run_quota()?;
-        let active = count(
-            c,
-            &format!("SELECT count(*) FROM runs WHERE status IN {ACTIVE_STATUSES}"),
-            &[],
-        )?;
-        if active + adding > max {
-            return Err(Error::QuotaExceeded(format!(
-                "{active} runs are unfinished and at most {max} may be; {adding} more do not fit — wait for some to end"
-            )));
-        }
-    }
-    Ok(())
+    quota.check(
+        root_session,
+        adding,
+        || active_in_session(c, root_session),
+        || {
+            c.lock_run_quota()?;
+            count(
+                c,
+                &format!("SELECT count(*) FROM runs WHERE status IN {ACTIVE_STATUSES}"),
+                &[],
+            )
+        },
+    )
 }
 
 /// Inserts a run waiting in its session's queue, with the message that will start it.
@@ -307,19 +298,9 @@ pub(crate) fn start_queued_run(
         content: String,
     }
     let input: Input = from_json(&input, "run input")?;
-    // A continuation's first message is the runtime's trigger: the model reads it, clients never.
-    let continuation = state.config.continuation;
-    let message = if continuation {
-        Message {
-            visibility: Visibility::Hidden,
-            origin: Origin::Continuation,
-            ..Message::user(input.content)
-        }
-    } else {
-        Message::user(input.content)
-    };
+    let message = input_message(&state, input.content);
     insert_message(c, &input.message_id, &state, &message, now)?;
-    if !continuation && state.lineage.is_none() {
+    if wakes_held_events(&state) {
         crate::inbox::wake_held(c, &state.session_id, now)?;
     }
     let (job, event) = start_run(&mut state, now);
@@ -332,7 +313,7 @@ pub(crate) fn start_queued_run(
         &params![
             state.session_id.as_str(),
             state.run_id.as_str(),
-            continuation
+            state.config.continuation
         ],
     )?;
     Ok(vec![event])

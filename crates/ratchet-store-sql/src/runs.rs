@@ -210,19 +210,7 @@ pub(crate) fn request_cancel(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<
     let mut outcome = cancel_one(c, run_id, now)?;
     let children = unfinished_foreground_children(c, run_id)?;
     for child in children {
-        let (more, child_enqueued) = match request_cancel(c, &child, now)? {
-            CancelOutcome::Cancelled { events, enqueued } => (events, enqueued),
-            CancelOutcome::Cancelling { events } => (events, false),
-            CancelOutcome::AlreadyTerminal(_) => (Vec::new(), false),
-        };
-        match &mut outcome {
-            CancelOutcome::Cancelled { events, enqueued } => {
-                events.extend(more);
-                *enqueued |= child_enqueued;
-            }
-            CancelOutcome::Cancelling { events } => events.extend(more),
-            CancelOutcome::AlreadyTerminal(_) => {}
-        }
+        outcome.absorb(request_cancel(c, &child, now)?);
     }
     Ok(outcome)
 }
@@ -503,17 +491,7 @@ pub(crate) fn resume_failed(
 ) -> Result<Vec<StoredEvent>> {
     lock_session_of_run(c, run_id)?;
     let mut state = load_state(c, run_id)?;
-    if let Some(lineage) = &state.lineage {
-        return Err(Error::Conflict(format!(
-            "run {run_id} was delegated by {} and its result was already handed back; continue the parent instead",
-            lineage.parent_run_id
-        )));
-    }
-    if state.config.continuation {
-        return Err(Error::Conflict(format!(
-            "run {run_id} is a continuation turn: its inbox events are offered to a new one (see the session's inbox)"
-        )));
-    }
+    ratchet_core::step::may_resume_failed(&state).map_err(Error::Conflict)?;
     let (drafts, job) = ratchet_core::step::resume_failed(&mut state, how, now)?;
     // The run takes its session back only if nobody else holds it: one active run each.
     let taken = c.execute(

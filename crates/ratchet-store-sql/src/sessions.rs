@@ -6,7 +6,7 @@
 use ratchet_core::{AgentState, Message, Millis, RunId, SessionId};
 use ratchet_store::{
     Error, ListOrder, Session, SessionCursor, SessionQuery, SessionSpec, SessionState,
-    StepMessages, StoredMessage,
+    StepMessages, StoredMessage, split_step_messages,
 };
 
 use crate::db::{Db, Row, Value};
@@ -347,20 +347,6 @@ fn context_through(
     Ok(messages)
 }
 
-/// The id of a message a step's commit writes, `msg_{run}-{step}-{slot}`: named after its step,
-/// so that `step_messages` can tell which step wrote it.
-pub(crate) fn step_message_id(
-    run_id: &RunId,
-    step_index: u64,
-    slot: impl std::fmt::Display,
-) -> String {
-    format!("{}{step_index}-{slot}", step_message_prefix(run_id))
-}
-
-fn step_message_prefix(run_id: &RunId) -> String {
-    format!("msg_{}-", &run_id.as_str()[4..])
-}
-
 /// What the model was shown at step `step_index` of `run`, and what that step wrote under its
 /// own name. While a run is active only its own commits add to its session's history, and a
 /// step's messages are named after it (`msg_{run}-{step}-…`), so the step's context ends just
@@ -374,12 +360,6 @@ pub(crate) fn step_messages(c: &dyn Db, run_id: &RunId, step_index: u64) -> Resu
         .ok_or_else(|| run_not_found(run_id))?
         .text(0)?;
     let session_id = parse_session_id(&session_id)?;
-    let prefix = step_message_prefix(run_id);
-    let written_by = |id: &str| {
-        (id.strip_prefix(&prefix))
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|step| step.parse::<u64>().ok())
-    };
     let runs_messages = c
         .query(
             &format!(
@@ -391,20 +371,12 @@ pub(crate) fn step_messages(c: &dyn Db, run_id: &RunId, step_index: u64) -> Resu
         .into_iter()
         .map(to_stored_message)
         .collect::<Result<Vec<_>>>()?;
-    let first_from = (runs_messages.iter())
-        .position(|m| written_by(&m.id).is_some_and(|step| step >= step_index));
-    let through = match first_from {
-        Some(first) => runs_messages[first].position - 1,
-        None => match runs_messages.last() {
-            Some(last) => last.position,
-            None => return Ok(StepMessages::default()),
-        },
+    let Some((through, written)) = split_step_messages(runs_messages, run_id, step_index) else {
+        return Ok(StepMessages::default());
     };
     Ok(StepMessages {
         context: context_through(c, &session_id, run_id, through)?,
-        written: (runs_messages.into_iter())
-            .filter(|m| written_by(&m.id) == Some(step_index))
-            .collect(),
+        written,
     })
 }
 

@@ -23,8 +23,9 @@ use crate::runs::{
     RunRow, frozen_config, load_state, lock_session_of_run, pause_if_unclaimed, run_ended, run_row,
     set_pause_requested, write_encoded_state,
 };
-use crate::sessions::{encode_tool_calls, insert_encoded_message, step_message_id};
+use crate::sessions::{encode_tool_calls, insert_encoded_message};
 use crate::{Result, params};
+use ratchet_store::step_message_id;
 
 /// How a new job row starts: leased to the committer that continues with it (its first
 /// claim, epoch 1), or free for any worker from `now`.

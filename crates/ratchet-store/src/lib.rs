@@ -257,6 +257,58 @@ impl DeadLetterAction {
             DeadLetterAction::Discard => InboxStatus::Discarded,
         }
     }
+
+    /// What was done to an event: `requeued` or `discarded`.
+    pub fn verb(self) -> &'static str {
+        match self {
+            DeadLetterAction::Requeue => "requeued",
+            DeadLetterAction::Discard => "discarded",
+        }
+    }
+
+    /// Whether the action applies to `event` as it stands: true for a dead letter; false for
+    /// an event the action was done to already (discarded, or requeued and on its way
+    /// since), which it leaves as it is; `Error::Conflict` for any other.
+    pub fn applies_to(self, event: &InboxEvent) -> Result<bool> {
+        if event.status == InboxStatus::DeadLetter {
+            return Ok(true);
+        }
+        let done = match self {
+            DeadLetterAction::Discard => event.status == InboxStatus::Discarded,
+            DeadLetterAction::Requeue => {
+                event.requeued_at.is_some()
+                    && matches!(
+                        event.status,
+                        InboxStatus::Pending | InboxStatus::Leased | InboxStatus::Consumed
+                    )
+            }
+        };
+        if done {
+            return Ok(false);
+        }
+        Err(Error::Conflict(format!(
+            "inbox event {} is {}: only a dead letter can be {}",
+            event.id,
+            event.status.as_str(),
+            self.verb()
+        )))
+    }
+
+    /// The reason the dead letter `event` notes when `by` acts on it, after the one it had.
+    pub fn reason(self, by: &str, event: &InboxEvent) -> String {
+        format!(
+            "{} by {by}, after: {}",
+            self.verb(),
+            event.reason.as_deref().unwrap_or("no reason recorded")
+        )
+    }
+
+    /// The refusal of a requeue in the closed `session`.
+    pub fn closed(session: &SessionId) -> Error {
+        Error::Conflict(format!(
+            "session {session} is closed: it starts no continuation, so its dead letters stay"
+        ))
+    }
 }
 
 /// What an operator's requeue or discard of an inbox event did.
@@ -379,6 +431,44 @@ pub struct StoredMessage {
     pub created_at: Millis,
 }
 
+/// The id of a message step `step_index` of `run_id` writes, `slot` telling its messages
+/// apart: named after the step, so that `step_messages` can tell which step wrote it.
+pub fn step_message_id(run_id: &RunId, step_index: u64, slot: impl std::fmt::Display) -> String {
+    format!("{}{step_index}-{slot}", step_message_prefix(run_id))
+}
+
+fn step_message_prefix(run_id: &RunId) -> String {
+    let bare = (run_id.as_str().strip_prefix(RunId::PREFIX)).unwrap_or(run_id.as_str());
+    format!("msg_{bare}-")
+}
+
+/// Splits a run's messages (in history order) for `Reads::step_messages` of step
+/// `step_index`: the position the step's context ends at — just before the first message of
+/// this step or a later one, or with none, at the run's last message — and the messages the
+/// step wrote. None when the run has no messages.
+pub fn split_step_messages(
+    runs_messages: Vec<StoredMessage>,
+    run_id: &RunId,
+    step_index: u64,
+) -> Option<(i64, Vec<StoredMessage>)> {
+    let prefix = step_message_prefix(run_id);
+    let written_by = |id: &str| {
+        (id.strip_prefix(&prefix))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|step| step.parse::<u64>().ok())
+    };
+    let first_from = (runs_messages.iter())
+        .position(|m| written_by(&m.id).is_some_and(|step| step >= step_index));
+    let through = match first_from {
+        Some(first) => runs_messages[first].position - 1,
+        None => runs_messages.last()?.position,
+    };
+    let written = (runs_messages.into_iter())
+        .filter(|m| written_by(&m.id) == Some(step_index))
+        .collect();
+    Some((through, written))
+}
+
 /// A step's messages, for inspecting it: see `Reads::step_messages`.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepMessages {
@@ -435,6 +525,38 @@ pub struct RunQuota {
     pub per_session: Option<u64>,
 }
 
+impl RunQuota {
+    /// Refuses to admit `adding` more runs to `root_session` beyond the quota, with
+    /// `Error::QuotaExceeded`. Each count is read only when its limit is set: `in_session`
+    /// counts the session's unfinished runs (its delegations' included), `global` the
+    /// store's.
+    pub fn check(
+        self,
+        root_session: &SessionId,
+        adding: u64,
+        in_session: impl FnOnce() -> Result<u64>,
+        global: impl FnOnce() -> Result<u64>,
+    ) -> Result<()> {
+        if let Some(max) = self.per_session {
+            let active = in_session()?;
+            if active.saturating_add(adding) > max {
+                return Err(Error::QuotaExceeded(format!(
+                    "session {root_session} has {active} unfinished runs and may have at most {max}; {adding} more do not fit — wait for some to end"
+                )));
+            }
+        }
+        if let Some(max) = self.global {
+            let active = global()?;
+            if active.saturating_add(adding) > max {
+                return Err(Error::QuotaExceeded(format!(
+                    "{active} runs are unfinished and at most {max} may be; {adding} more do not fit — wait for some to end"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Counts a delegation is admitted against.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Admission {
@@ -466,6 +588,24 @@ pub struct TreeNode {
     pub finished_at: Option<Millis>,
     /// What it has spent so far: calls, tokens, cost.
     pub counters: Counters,
+}
+
+/// The nodes of a tree that are `run_id` or lie below it, as `Reads::run_tree` lists them:
+/// parents before their children, each level in creation order.
+pub fn subtree(mut nodes: Vec<TreeNode>, run_id: &RunId) -> Vec<TreeNode> {
+    nodes.sort_by(|a, b| {
+        (a.depth, a.created_at, &a.run_id).cmp(&(b.depth, b.created_at, &b.run_id))
+    });
+    let mut below = vec![run_id.clone()];
+    nodes.retain(|node| {
+        let inside = node.run_id == *run_id
+            || (node.parent_run_id.as_ref()).is_some_and(|p| below.contains(p));
+        if inside && node.run_id != *run_id {
+            below.push(node.run_id.clone());
+        }
+        inside
+    });
+    nodes
 }
 
 /// What a message does when its session already has an active run.
@@ -694,6 +834,25 @@ pub enum CancelOutcome {
         events: Vec<StoredEvent>,
     },
     AlreadyTerminal(RunStatus),
+}
+
+impl CancelOutcome {
+    /// Adds what cancelling one of the run's children did to what cancelling the run did.
+    pub fn absorb(&mut self, child: CancelOutcome) {
+        let (more, child_enqueued) = match child {
+            CancelOutcome::Cancelled { events, enqueued } => (events, enqueued),
+            CancelOutcome::Cancelling { events } => (events, false),
+            CancelOutcome::AlreadyTerminal(_) => (Vec::new(), false),
+        };
+        match self {
+            CancelOutcome::Cancelled { events, enqueued } => {
+                events.extend(more);
+                *enqueued |= child_enqueued;
+            }
+            CancelOutcome::Cancelling { events } => events.extend(more),
+            CancelOutcome::AlreadyTerminal(_) => {}
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
