@@ -775,26 +775,7 @@ fn inbox_event(c: &dyn Db, session: &SessionId, id: i64) -> Result<InboxEvent> {
     })
 }
 
-<<<<<<< HEAD
-/// Whether an operator's `action` on `event` (no dead letter now) is a repeat of one that was
-/// done: it was discarded, or requeued and on its way since.
-fn already_done(event: &InboxEvent, action: DeadLetterAction) -> bool {
-    match action {
-        DeadLetterAction::Discard => event.status == InboxStatus::Discarded,
-        DeadLetterAction::Requeue => {
-            event.requeued_at.is_some()
-                && matches!(
-                    event.status,
-                    InboxStatus::Pending | InboxStatus::Leased | InboxStatus::Consumed
-                )
-        }
-    }
-}
-
 /// See `Writes::act_on_dead_letter`.
-=======
-/// See `Store::act_on_dead_letter`.
->>>>>>> dedup
 pub(crate) fn act_on_dead_letter(
     c: &dyn Db,
     session: &SessionId,
