@@ -67,21 +67,8 @@ impl Tables {
     ) -> Result<Answered> {
         let approval = self.get_approval(id)?;
         let answer = answer.normalized();
-        if let Some(given) = approval.answer {
-            if given == answer {
-                return Ok(Answered {
-                    events: Vec::new(),
-                    resumed: false,
-                    enqueued: false,
-                    repeated: true,
-                });
-            }
-            let given = serde_json::to_string(&given).map_err(|e| {
-                Error::Corrupt(format!("approval {id}'s answer cannot be written: {e}"))
-            })?;
-            return Err(Error::Conflict(format!(
-                "approval {id} was already answered with {given}"
-            )));
+        if let Some(repeat) = approval.answered_again(&answer)? {
+            return Ok(repeat);
         }
         let mut state = self.load_state(&approval.run_id)?;
         let (drafts, job) =

@@ -81,13 +81,7 @@ impl MemoryStore {
 
     /// The keyring, for the operations that seal or open a webhook secret.
     fn keyring(&self) -> Result<Arc<Keyring>> {
-        self.secrets.clone().ok_or_else(|| {
-            Error::Secrets(
-                "this store was opened without a key, and webhook secrets are only stored \
-                 sealed; open it with one (`MemoryStore::with_secrets`)"
-                    .to_owned(),
-            )
-        })
+        (self.secrets.clone()).ok_or_else(|| Error::no_keyring("MemoryStore::with_secrets"))
     }
 
     fn lock(&self) -> MutexGuard<'_, Tables> {

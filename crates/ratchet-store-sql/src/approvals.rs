@@ -103,19 +103,8 @@ pub(crate) fn answer_approval(
     c.lock_session(&session)?;
     let approval = get_approval(c, id)?;
     let answer = answer.normalized();
-    if let Some(given) = approval.answer {
-        if given == answer {
-            return Ok(Answered {
-                events: Vec::new(),
-                resumed: false,
-                enqueued: false,
-                repeated: true,
-            });
-        }
-        return Err(Error::Conflict(format!(
-            "approval {id} was already answered with {}",
-            to_json(&given)?
-        )));
+    if let Some(repeat) = approval.answered_again(&answer)? {
+        return Ok(repeat);
     }
     let mut state = load_state(c, &approval.run_id)?;
     let (drafts, job) = ratchet_core::approval::answer_approval(&mut state, id, &answer, by, now)?;

@@ -109,13 +109,7 @@ impl<B: Backend> SqlStore<B> {
 
     /// The keyring, for the operations that seal or open a webhook secret.
     fn keyring(&self) -> Result<Arc<Keyring>> {
-        self.secrets.clone().ok_or_else(|| {
-            Error::Secrets(
-                "this store was opened without a key, and webhook secrets are only stored \
-                 sealed; open it with one (`SqlStore::with_secrets`)"
-                    .to_owned(),
-            )
-        })
+        (self.secrets.clone()).ok_or_else(|| Error::no_keyring("SqlStore::with_secrets"))
     }
 
     pub fn backend(&self) -> &B {

@@ -786,6 +786,46 @@ pub struct Answered {
     pub repeated: bool,
 }
 
+impl Approval {
+    /// `answer` (normalised) against the answer this approval already has: None when it has
+    /// none yet, and the answer is to be applied; a repeat that changes nothing when it is the
+    /// same; `Error::Conflict` when it is another.
+    pub fn answered_again(&self, answer: &ApprovalAnswer) -> Result<Option<Answered>> {
+        let Some(given) = &self.answer else {
+            return Ok(None);
+        };
+        if given == answer {
+            return Ok(Some(Answered {
+                events: Vec::new(),
+                resumed: false,
+                enqueued: false,
+                repeated: true,
+            }));
+        }
+        let given = serde_json::to_string(given).map_err(|e| {
+            Error::Corrupt(format!(
+                "approval {}'s answer cannot be written: {e}",
+                self.id
+            ))
+        })?;
+        Err(Error::Conflict(format!(
+            "approval {} was already answered with {given}",
+            self.id
+        )))
+    }
+}
+
+impl Error {
+    /// The refusal of an operation that seals or opens a webhook secret in a store opened
+    /// without a key; `opener` names how to open it with one.
+    pub fn no_keyring(opener: &str) -> Error {
+        Error::Secrets(format!(
+            "this store was opened without a key, and webhook secrets are only stored sealed; \
+             open it with one (`{opener}`)"
+        ))
+    }
+}
+
 /// A change another process sharing the database has committed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
