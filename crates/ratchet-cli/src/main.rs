@@ -10,6 +10,7 @@ mod inspect;
 mod pause;
 mod secrets;
 mod serve;
+mod telemetry;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -454,13 +455,29 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(dispatch(cli.command)) {
+    let exporting = {
+        let _inside = runtime.enter();
+        telemetry::install()
+    };
+    let exporting = match exporting {
+        Ok(exporting) => exporting,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = match runtime.block_on(dispatch(cli.command)) {
         Ok(code) => code,
         Err(error) => {
             eprintln!("error: {error:#}");
             ExitCode::FAILURE
         }
-    }
+    };
+    // The last spans leave while the runtime (on which a gRPC exporter's connection lives)
+    // still runs.
+    let _inside = runtime.enter();
+    drop(exporting);
+    code
 }
 
 async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {

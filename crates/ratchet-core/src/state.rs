@@ -407,6 +407,10 @@ pub struct AgentState {
     /// Where a child run stands in its tree; None for a run a user started.
     #[serde(default)]
     pub lineage: Option<Lineage>,
+    /// The trace a caller or a delegating call put the run in; None for a run that starts a
+    /// trace of its own (see `trace`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<crate::trace::TraceContext>,
     /// Set while the run is `paused`: the job it takes up again when resumed.
     #[serde(default)]
     pub pause: Option<Pause>,
@@ -534,6 +538,7 @@ impl AgentState {
             just_compacted: false,
             final_answer: None,
             lineage: None,
+            trace: None,
             pause: None,
             paused_ms: 0,
             completion: crate::CompletionProgress::default(),

@@ -13,7 +13,9 @@ use std::sync::{Arc, Mutex, Weak};
 
 use futures::StreamExt;
 
-use ratchet_core::{MessageId, Millis, RunConfigSnapshot, RunId, RunStatus, SessionId, StepResult};
+use ratchet_core::{
+    MessageId, Millis, RunConfigSnapshot, RunId, RunStatus, SessionId, StepResult, TraceContext,
+};
 use ratchet_store::{
     CancelOutcome, Change, ChangeStream, Changes, Claim, ClaimedStep, Commit, Lease, NewRun, Reads,
     Roles, RunQuota, Session, SessionSpec, StoredEvent, WhenBusy, Writes,
@@ -207,6 +209,19 @@ impl Coordinator {
         config: RunConfigSnapshot,
         multitask: Multitask,
     ) -> Result<StartedRun> {
+        self.submit_in_trace(session_id, content, config, multitask, None)
+            .await
+    }
+
+    /// `submit`, with the run's spans in the caller's `trace` (from its `traceparent`).
+    pub async fn submit_in_trace(
+        &self,
+        session_id: &SessionId,
+        content: String,
+        config: RunConfigSnapshot,
+        multitask: Multitask,
+        trace: Option<TraceContext>,
+    ) -> Result<StartedRun> {
         let invalid = |e: ratchet_core::IdError| crate::Error::Invalid(e.to_string());
         let run_id = RunId::from_suffix(&fresh_suffix()).map_err(invalid)?;
         let message_id = MessageId::from_suffix(&fresh_suffix()).map_err(invalid)?;
@@ -223,6 +238,7 @@ impl Coordinator {
                 Multitask::Steer => WhenBusy::Steer,
             },
             quota: self.quota,
+            trace,
         };
         let submitted = self.writes.submit_message(new, self.now()).await?;
         self.publish(submitted.events);

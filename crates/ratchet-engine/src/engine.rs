@@ -8,6 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::stream::{self, StreamExt};
+use opentelemetry::Context;
+use opentelemetry::trace::FutureExt as _;
 use ratchet_core::batch::{SlotPlan, call_key, plan_batch, step_key, unknown_call};
 use ratchet_core::bounds::sent_to_model;
 use ratchet_core::delegation::{
@@ -25,6 +27,7 @@ use ratchet_core::{
 };
 use ratchet_llm::ModelRequest;
 use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, StoredMessage};
+use ratchet_telemetry::{Capture, ToolCallSpan};
 use ratchet_tools::{InputWatch, MemorySearch, Registry, Tool, ToolContext};
 use serde_json::json;
 use tokio::sync::mpsc;
@@ -117,6 +120,7 @@ pub struct Engine {
     models: Arc<Models>,
     tools: Arc<Registry>,
     permits: StepPermits,
+    capture: Capture,
 }
 
 /// How long a cut-off call may take to stop on its own before its task is aborted.
@@ -129,7 +133,14 @@ impl Engine {
             models,
             tools,
             permits: StepPermits::default(),
+            capture: Capture::default(),
         }
+    }
+
+    /// Puts prompts and answers into model calls' spans (`RATCHET_OTEL_CAPTURE_CONTENT`).
+    pub fn with_capture(mut self, capture: Capture) -> Engine {
+        self.capture = capture;
+        self
     }
 
     /// Limits the model calls and tool calls this engine makes at once.
@@ -326,6 +337,11 @@ impl Engine {
         // intent), so the retries it uses up survive a crash; claims lost to crashes do not
         // use them up.
         let attempt = self.failed_model_attempts(claimed).await? + 1;
+        let chat = ratchet_telemetry::start_chat(&Context::current(), state);
+        let prompt = self
+            .capture
+            .content
+            .then(|| json!({"system": system_prompt, "messages": messages}).to_string());
         let request = ModelRequest {
             run_id: state.run_id.clone(),
             call_index: state.counters.model_calls,
@@ -333,6 +349,7 @@ impl Engine {
             system_prompt,
             messages,
             tools,
+            traceparent: ratchet_telemetry::traceparent(&chat),
         };
         let _permit = tokio::select! {
             permit = self.permits.model_call(root_session(state)) => permit,
@@ -368,6 +385,17 @@ impl Engine {
                 pending.push_str(&chunk);
             }
         }
+        let failure = reply.as_ref().err().map(ToString::to_string);
+        let outcome = match (&reply, &failure) {
+            (Ok(reply), _) => Ok(&reply.usage),
+            (Err(_), failure) => Err(failure.as_deref().unwrap_or_default()),
+        };
+        ratchet_telemetry::end_chat(&chat, outcome, self.capture, || {
+            let answer = (reply.as_ref())
+                .map(|r| json!(r).to_string())
+                .unwrap_or_default();
+            (prompt.unwrap_or_default(), answer)
+        });
         let reply = match reply {
             Ok(reply) => reply,
             Err(_) if cancel.is_cancelled() => return Err(StepFailure::Cancelled),
@@ -539,6 +567,19 @@ impl Engine {
                 outcomes[refused.slot as usize] = Some(ToolOutcome::error(refusal.clone()));
             }
         }
+        // A delegating call's span is where the spans of the runs it starts hang (its id is
+        // derived, see `ratchet_core::trace`); it lasts while the batch runs.
+        let delegation_spans: Vec<Context> = (delegations.iter())
+            .map(|delegation| {
+                let call = ToolCallSpan {
+                    tool: DELEGATE_TOOL,
+                    call_id: &delegation.call_id,
+                    slot: delegation.slot,
+                    replay: ReplayPolicy::Safe,
+                };
+                ratchet_telemetry::start_tool(&Context::current(), &state, job, call)
+            })
+            .collect();
         let workspace = state.config.workspace.as_ref().map(PathBuf::from);
         let parallel = state.config.limits.max_parallel.max(1) as usize;
         let memory: Arc<dyn MemorySearch> = Arc::new(StoreMemory::new(
@@ -566,6 +607,17 @@ impl Engine {
                         )) as Arc<dyn InputWatch>
                     }),
                 };
+                let span = ratchet_telemetry::start_tool(
+                    &Context::current(),
+                    &state,
+                    job,
+                    ToolCallSpan {
+                        tool: &call.name,
+                        call_id: &call.id,
+                        slot,
+                        replay,
+                    },
+                );
                 let planned = PlannedCall {
                     slot,
                     tool,
@@ -574,7 +626,7 @@ impl Engine {
                     limits,
                     context,
                 };
-                run_call(
+                let run = run_call(
                     Arc::clone(&self.coordinator),
                     &self.permits,
                     root_session(&state),
@@ -582,6 +634,23 @@ impl Engine {
                     planned,
                     grace,
                 )
+                .with_context(span.clone());
+                async move {
+                    let finished = run.await;
+                    let error = match &finished {
+                        Ok(CallRun {
+                            end: CallEnd::Known(outcome),
+                            ..
+                        }) => outcome.is_error.then_some(outcome.content.as_str()),
+                        Ok(CallRun {
+                            end: CallEnd::InDoubt,
+                            ..
+                        }) => Some("the call's outcome is unknown"),
+                        Err(_) => Some("the call could not be recorded"),
+                    };
+                    ratchet_telemetry::end_tool(&span, error);
+                    finished
+                }
             })
             .collect::<Vec<_>>();
         let mut finished: Vec<CallRun> = stream::iter(runs)
@@ -614,6 +683,9 @@ impl Engine {
                 self.coordinator.now(),
             );
             return Ok(with_call_events(result, call_events));
+        }
+        for span in &delegation_spans {
+            ratchet_telemetry::end_tool(span, None);
         }
         let children = crate::delegation::children(&state, job, &delegations)
             .map_err(|e| StepFailure::Fatal(e.to_string()))?;

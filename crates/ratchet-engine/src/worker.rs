@@ -8,6 +8,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use opentelemetry::trace::FutureExt as _;
 use ratchet_core::step::finish_step;
 use ratchet_core::{EventDraft, EventKind, Message, ReplayPolicy, StopReason, UnknownCall};
 use ratchet_store::{ClaimedStep, Commit, IntentKind, Lease};
@@ -186,8 +187,24 @@ impl Worker {
         self.coordinator.streak_ended(&run_id);
     }
 
-    /// Runs one step to its commit; returns the run's next step when this worker holds it.
+    /// Runs one step to its commit, within the step's span; returns the run's next step when
+    /// this worker holds it.
     async fn run_step(
+        &self,
+        claimed: ClaimedStep,
+        cancel: &CancellationToken,
+        may_continue: bool,
+    ) -> Option<ClaimedStep> {
+        let span = ratchet_telemetry::start_step(&claimed.state, &claimed.job);
+        let next = self
+            .run_step_in_span(claimed, cancel, may_continue)
+            .with_context(span.clone())
+            .await;
+        ratchet_telemetry::end_step(&span, None);
+        next
+    }
+
+    async fn run_step_in_span(
         &self,
         claimed: ClaimedStep,
         cancel: &CancellationToken,
@@ -288,6 +305,11 @@ impl Worker {
             ),
         ];
         let cost = after.cost_microusd.saturating_sub(before.cost_microusd);
+        let ends = result
+            .state
+            .status
+            .is_terminal()
+            .then(|| result.state.clone());
         match self
             .coordinator
             .commit(&claimed.claim, result, continue_with)
@@ -305,6 +327,9 @@ impl Worker {
                 }
                 if cost > 0 {
                     metrics::counter!("ratchet_model_cost_microdollars_total").increment(cost);
+                }
+                if let Some(ended) = ends {
+                    ratchet_telemetry::run_ended(&ended, self.coordinator.now());
                 }
                 continued.map(|next| (next, added))
             }

@@ -125,6 +125,9 @@ impl Model for Anthropic {
         if let Some(key) = &self.api_key {
             call = call.header("x-api-key", key);
         }
+        if let Some(traceparent) = &request.traceparent {
+            call = call.header("traceparent", traceparent);
+        }
         let response = http::send(call, &cancel).await?;
         if self.stream && !http::is_json(&response) {
             read_stream(Events::new(response), &names, &deltas, &cancel).await
@@ -526,6 +529,7 @@ mod tests {
             system_prompt: "Be brief.".into(),
             messages,
             tools: Vec::new(),
+            traceparent: None,
         }
     }
 

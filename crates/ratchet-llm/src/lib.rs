@@ -67,6 +67,8 @@ pub struct ModelRequest {
     pub messages: Vec<Message>,
     /// Empty when the run is concluding: the model must answer without tools.
     pub tools: Vec<ToolSpec>,
+    /// The W3C `traceparent` of the call's span, sent along when traces are exported.
+    pub traceparent: Option<String>,
 }
 
 #[async_trait]

@@ -98,6 +98,9 @@ impl Model for OpenAi {
         if let Some(key) = &self.api_key {
             call = call.bearer_auth(key);
         }
+        if let Some(traceparent) = &request.traceparent {
+            call = call.header("traceparent", traceparent);
+        }
         let response = http::send(call, &cancel).await?;
         if self.stream && !http::is_json(&response) {
             read_stream(Events::new(response), &names, &deltas, &cancel).await

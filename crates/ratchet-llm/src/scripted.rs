@@ -170,6 +170,7 @@ mod tests {
             system_prompt: String::new(),
             messages: Vec::new(),
             tools: Vec::new(),
+            traceparent: None,
         }
     }
 

@@ -2,9 +2,11 @@
 //! steps and cancellation.
 
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use ratchet_core::bounds::sent_to_model;
-use ratchet_core::{AgentState, Role, RunConfigSnapshot, RunId, RunStatus, SessionId};
+use ratchet_core::{
+    AgentState, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, TraceContext,
+};
 use ratchet_engine::Multitask as EngineMultitask;
 use ratchet_store::{ListOrder, Session, SessionCursor, SessionQuery, SessionSpec, SessionState};
 use utoipa_axum::router::OpenApiRouter;
@@ -296,7 +298,10 @@ async fn get_session(
 
 #[utoipa::path(
     post, path = "/v1/sessions/{id}/messages", tag = "messages",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$")),
+    params(
+        ("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"),
+        ("traceparent" = Option<String>, Header, description = "W3C Trace Context: the run's spans join this trace, under this span. An invalid value is ignored."),
+    ),
     request_body = SendMessage,
     responses(
         (status = 202, body = MessageAccepted),
@@ -310,6 +315,7 @@ async fn send_message(
     tenant: Tenant,
     Current(active): Current,
     ApiPath(id): ApiPath<String>,
+    headers: HeaderMap,
     ApiJson(body): ApiJson<SendMessage>,
 ) -> Result<(StatusCode, axum::Json<MessageAccepted>), ApiError> {
     let id = parse_session_id(&id)?;
@@ -326,9 +332,12 @@ async fn send_message(
         Multitask::Interrupt => EngineMultitask::Interrupt,
         Multitask::Steer => EngineMultitask::Steer,
     };
+    let trace = (headers.get("traceparent"))
+        .and_then(|value| value.to_str().ok())
+        .and_then(TraceContext::from_traceparent);
     let started = state
         .coordinator
-        .submit(&id, body.content, config, multitask)
+        .submit_in_trace(&id, body.content, config, multitask, trace)
         .await?;
     let accepted = MessageAccepted {
         message_id: started.message_id.to_string(),

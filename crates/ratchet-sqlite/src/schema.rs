@@ -508,6 +508,7 @@ mod tests {
                 config: shared.clone(),
                 when_busy: WhenBusy::Enqueue,
                 quota: Default::default(),
+                trace: None,
             };
             store.submit_message(new, 2).await.unwrap();
             new_runs.push(run_id);

@@ -36,6 +36,7 @@ async fn steer(
                 config: config(),
                 when_busy: WhenBusy::Steer,
                 quota: Default::default(),
+                trace: None,
             },
             now,
         )

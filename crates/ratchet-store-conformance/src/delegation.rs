@@ -253,6 +253,7 @@ pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_onc
                     config: config(),
                     when_busy: WhenBusy::Enqueue,
                     quota: RunQuota::default(),
+                    trace: None,
                 },
                 T0 + 20,
             )
@@ -764,6 +765,7 @@ pub async fn run_quotas_refuse_new_runs_beyond_them(store: &dyn Store) {
                         config: config(),
                         when_busy: WhenBusy::Enqueue,
                         quota,
+                        trace: None,
                     },
                     at,
                 )

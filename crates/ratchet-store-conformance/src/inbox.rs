@@ -557,6 +557,7 @@ pub async fn a_stopped_continuation_gives_its_reports_back_for_after_the_next_us
         config: config(),
         when_busy: WhenBusy::Interrupt,
         quota: Default::default(),
+        trace: None,
     };
     let user = interrupting.run_id.clone();
     let submitted = store.submit_message(interrupting, T0 + 70).await.unwrap();
@@ -960,6 +961,7 @@ pub async fn closing_a_session_cancels_its_background_work_and_empties_its_inbox
                 config: config(),
                 when_busy: ratchet_store::WhenBusy::Enqueue,
                 quota: Default::default(),
+                trace: None,
             },
             T0 + 50,
         )

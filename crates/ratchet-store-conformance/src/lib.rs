@@ -264,6 +264,7 @@ async fn submit(
         config,
         when_busy: WhenBusy::Enqueue,
         quota: Default::default(),
+        trace: None,
     };
     let submitted = store
         .submit_message(new, now)
@@ -507,6 +508,7 @@ pub async fn submit_starts_a_run_or_queues_it_behind_the_active_one(store: &dyn 
         config: config(),
         when_busy: WhenBusy::Reject,
         quota: Default::default(),
+        trace: None,
     };
     match store.submit_message(refused, T0 + 1).await {
         Err(Error::Conflict(message)) => assert!(message.contains("active run"), "{message}"),
@@ -1379,6 +1381,7 @@ pub async fn an_interrupting_message_cancels_the_active_run_and_follows_it(store
         config: config(),
         when_busy: WhenBusy::Interrupt,
         quota: Default::default(),
+        trace: None,
     };
     // A running run with a step in flight.
     let session = new_session(store).await;
@@ -2323,6 +2326,7 @@ pub async fn missing_and_duplicate_entities_are_errors(store: &dyn Store) {
         config: config(),
         when_busy: WhenBusy::Enqueue,
         quota: Default::default(),
+        trace: None,
     };
     match store.submit_message(new, T0).await {
         Err(Error::NotFound { .. }) => {}
@@ -2870,6 +2874,7 @@ async fn submit_as(
         config: config(),
         when_busy,
         quota: Default::default(),
+        trace: None,
     };
     let submitted = store
         .submit_message(new, now)

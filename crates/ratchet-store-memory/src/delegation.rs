@@ -3,7 +3,7 @@
 //! read whole, counted and costed.
 
 use ratchet_core::delegation::{ChildResult, ChildRun, tree_has_room, tree_root};
-use ratchet_core::{AgentState, Millis, RunId, SessionId, TreeSpend};
+use ratchet_core::{AgentState, Millis, RunId, SessionId, TraceContext, TreeSpend};
 use ratchet_store::{Admission, Error, Result, RunQuota, StoredEvent, TreeNode, subtree};
 
 use crate::tables::{RunRow, SessionRow, Tables, duplicate};
@@ -99,6 +99,11 @@ impl Tables {
                 child.message_id.as_str(),
                 &child.task,
                 child.config.clone(),
+                Some(TraceContext::of_child(
+                    parent,
+                    lineage.parent_step,
+                    lineage.parent_slot,
+                )),
                 now,
             )?;
             let run = self.run_mut(&child.run_id)?;

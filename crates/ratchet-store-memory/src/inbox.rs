@@ -340,8 +340,15 @@ impl Tables {
             .map_err(|e| Error::Corrupt(e.to_string()))?;
         let events: Vec<DueEvent> = due.into_iter().map(|(e, _)| e).collect();
         let trigger = continuation_trigger(&events, config.limits.max_tool_result_bytes);
-        let (state, created) =
-            self.insert_queued_run(session, &run_id, message_id.as_str(), &trigger, config, now)?;
+        let (state, created) = self.insert_queued_run(
+            session,
+            &run_id,
+            message_id.as_str(),
+            &trigger,
+            config,
+            None,
+            now,
+        )?;
         let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
         let leased =
             self.move_events(&ids, InboxStatus::Pending, InboxStatus::Leased, None, now)?;
@@ -573,6 +580,7 @@ impl Tables {
                 &steer.message_id,
                 &steer.content,
                 steer.config,
+                None,
                 steer.created_at,
             )?;
         }

@@ -543,6 +543,7 @@ mod tests {
             config: RunConfigSnapshot::default(),
             when_busy: WhenBusy::Enqueue,
             quota: RunQuota::default(),
+            trace: None,
         }
     }
 

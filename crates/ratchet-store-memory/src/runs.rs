@@ -10,7 +10,7 @@ use ratchet_core::inbox::{NextTurn, input_message, wakes_held_events};
 use ratchet_core::step::{Reconciliation, Resumption, cancel_idle, start_run};
 use ratchet_core::{
     AgentState, EventDraft, EventKind, Instruction, Millis, RunConfigSnapshot, RunId, RunStatus,
-    SessionId, StepJob, StepRecord,
+    SessionId, StepJob, StepRecord, TraceContext,
 };
 use ratchet_store::{
     CancelOutcome, Error, NewRun, PauseOutcome, Reconciled, Result, ResumeOutcome, RunSummary,
@@ -68,6 +68,7 @@ impl Tables {
             new.message_id.as_str(),
             &new.content,
             new.config,
+            new.trace,
             now,
         )?;
         // A session is called by its first message until someone renames it.
@@ -115,6 +116,7 @@ impl Tables {
         message_id: &str,
         content: &str,
         config: RunConfigSnapshot,
+        trace: Option<TraceContext>,
         created_at: Millis,
     ) -> Result<(AgentState, EventDraft)> {
         if self.runs.contains_key(run_id) {
@@ -125,7 +127,8 @@ impl Tables {
                 "FOREIGN KEY constraint failed: run {run_id} names session {session_id}, which does not exist"
             )));
         }
-        let state = AgentState::new(session_id.clone(), run_id.clone(), config, created_at);
+        let mut state = AgentState::new(session_id.clone(), run_id.clone(), config, created_at);
+        state.trace = trace;
         let run = RunRow {
             created_order: u64::try_from(self.runs.len()).unwrap_or(u64::MAX),
             session_id: session_id.clone(),
@@ -277,6 +280,7 @@ impl Tables {
                 &steer.message_id,
                 &steer.content,
                 steer.config,
+                None,
                 steer.created_at,
             )?;
             fell_through.push((steer.run_id, created));

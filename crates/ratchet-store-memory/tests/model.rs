@@ -744,6 +744,7 @@ impl<'a> Harness<'a> {
                         per_session: within_quota.then_some(3),
                         global: None,
                     },
+                    trace: None,
                 };
                 self.same("submit_message", async |s| {
                     s.submit_message(new.clone(), now).await
@@ -1673,6 +1674,7 @@ fn the_harness_sees_a_difference() {
                 config: user_config(),
                 when_busy: WhenBusy::Enqueue,
                 quota: RunQuota::default(),
+                trace: None,
             };
             right.submit_message(only_here, T0).await.unwrap();
             run_case(&left, &right, &ops)

@@ -3,7 +3,7 @@
 //! run tree; what admission reads; and a tree's spend.
 
 use ratchet_core::delegation::{ChildResult, ChildRun, tree_has_room, tree_root};
-use ratchet_core::{AgentState, Millis, RunId, StopReason, TreeSpend};
+use ratchet_core::{AgentState, Millis, RunId, StopReason, TraceContext, TreeSpend};
 use ratchet_store::{Admission, Error, StoredEvent, TreeNode, subtree};
 
 use crate::db::Db;
@@ -73,6 +73,11 @@ pub(crate) fn start_children(
             child.message_id.as_str(),
             &child.task,
             child.config.clone(),
+            Some(TraceContext::of_child(
+                parent,
+                lineage.parent_step,
+                lineage.parent_slot,
+            )),
             now,
         )?;
         c.execute(

@@ -382,6 +382,7 @@ pub(crate) fn start_continuation(
         message_id.as_str(),
         &continuation_trigger(&events, config.limits.max_tool_result_bytes),
         config,
+        None,
         now,
     )?;
     let ids: Vec<i64> = events.iter().map(|e| e.id).collect();
@@ -674,6 +675,7 @@ pub(crate) fn close_session(
             &steer.message_id,
             &steer.content,
             config,
+            None,
             steer.created_at,
         )?;
     }

@@ -7,7 +7,7 @@ use ratchet_core::inbox::{NextTurn, input_message, wakes_held_events};
 use ratchet_core::step::start_run;
 use ratchet_core::{
     AgentState, EventDraft, EventKind, Message, Millis, Origin, RunConfigSnapshot, RunId,
-    RunStatus, SessionId,
+    RunStatus, SessionId, TraceContext,
 };
 use ratchet_store::{CancelOutcome, Error, NewRun, StoredEvent, Submitted, WhenBusy};
 use serde_json::json;
@@ -88,6 +88,7 @@ pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Sub
         new.message_id.as_str(),
         &new.content,
         new.config,
+        new.trace,
         now,
     )?;
     // A session is called by its first message until someone renames it.
@@ -180,10 +181,12 @@ pub(crate) fn insert_queued_run(
     message_id: &str,
     content: &str,
     config: RunConfigSnapshot,
+    trace: Option<TraceContext>,
     created_at: Millis,
 ) -> Result<(AgentState, EventDraft)> {
     let input = json!({"message_id": message_id, "content": content});
-    let state = AgentState::new(session_id.clone(), run_id.clone(), config, created_at);
+    let mut state = AgentState::new(session_id.clone(), run_id.clone(), config, created_at);
+    state.trace = trace;
     let (config_json, state_json, input_json) = (
         to_json(state.config.as_ref())?,
         to_json(&state)?,
@@ -344,6 +347,7 @@ pub(crate) fn release_session(
             &steer.message_id,
             &steer.content,
             config,
+            None,
             steer.created_at,
         )?;
         fell_through.push((run_id, created));

@@ -14,7 +14,7 @@ use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalCall, ApprovalId, Counters, Delivery, EventDraft,
     IllegalEdge, InboxKind, InboxStatus, Message, MessageId, Millis, Role, RunConfigSnapshot,
     RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome,
-    TreeSpend,
+    TraceContext, TreeSpend,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -515,6 +515,8 @@ pub struct NewRun {
     pub when_busy: WhenBusy,
     /// Refused with `Error::QuotaExceeded` when admitting the run would exceed it.
     pub quota: RunQuota,
+    /// The trace the caller's request was part of; the run's spans join it.
+    pub trace: Option<TraceContext>,
 }
 
 /// Limits on non-terminal runs (queued, running, waiting, cancelling). A session's count

@@ -425,7 +425,8 @@ impl Runtime {
         let follower = coordinator.follow_others();
         let engine = Arc::new(
             Engine::new(Arc::clone(&coordinator), toolbox.models, toolbox.tools)
-                .with_permits(permits),
+                .with_permits(permits)
+                .with_capture(ratchet_telemetry::Capture::from_env()),
         );
         Runtime {
             coordinator,

@@ -1001,6 +1001,7 @@ fn write_tree(db: &str) {
             config: root_config,
             when_busy: WhenBusy::Enqueue,
             quota: Default::default(),
+            trace: None,
         };
         store.submit_message(root, now).await.unwrap();
         delegate(store, &run(TREE[0]), &TREE[1..3]).await;

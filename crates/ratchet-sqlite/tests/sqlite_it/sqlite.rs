@@ -26,6 +26,7 @@ async fn a_job_whose_run_cannot_be_loaded_is_set_aside_and_the_rest_go_on() {
             config: RunConfigSnapshot::default(),
             when_busy: WhenBusy::Enqueue,
             quota: Default::default(),
+            trace: None,
         };
         store.submit_message(new, at).await.unwrap();
         runs.push(run_id);
@@ -260,6 +261,7 @@ async fn a_secret_written_in_clear_before_sealing_is_sealed_by_the_first_store_w
                 config: RunConfigSnapshot::default(),
                 when_busy: WhenBusy::Enqueue,
                 quota: Default::default(),
+                trace: None,
             },
             3,
         )

@@ -293,6 +293,7 @@ pub fn request(messages: Vec<Message>, tools: Vec<ToolSpec>) -> ModelRequest {
         system_prompt: String::new(),
         messages,
         tools,
+        traceparent: None,
     }
 }
 
