@@ -28,8 +28,9 @@ GENERATOR_VERSION = "0.97.0"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = PACKAGE_DIR / "src" / "ratchet_client" / "models.py"
 HEADER = (
-    "Pydantic models of Ratchet's HTTP API, generated from its OpenAPI document by\n"
-    "scripts/generate_models.py: edit the server's schemas and run it again, never this file."
+    "# Pydantic models of Ratchet's HTTP API, generated from its OpenAPI document by\n"
+    "# scripts/generate_models.py: change the server's schemas and run it again; never edit\n"
+    "# this file by hand."
 )
 GENERATOR_OPTIONS = [
     "--input-file-type", "openapi",
@@ -41,6 +42,7 @@ GENERATOR_OPTIONS = [
     "--use-schema-description",
     "--use-field-description",
     "--field-constraints",
+    "--collapse-root-models",
     "--use-double-quotes",
     "--formatters", "builtin",
     "--disable-timestamp",
@@ -56,6 +58,34 @@ def load(source: str) -> Dict[str, Any]:
     return json.loads(Path(source).read_text(encoding="utf-8"))
 
 
+def reference_named_objects(document: Dict[str, Any]) -> Dict[str, Any]:
+    """The document with every object schema that repeats a named one in full (a page's
+    items are written out inline) replaced by a reference to it, so that the models name it
+    `SessionView`, not `Item6`."""
+    named = document.get("components", {}).get("schemas", {})
+    names = {
+        json.dumps(schema, sort_keys=True): name
+        for name, schema in named.items()
+        if schema.get("type") == "object" and "properties" in schema
+    }
+
+    def referenced(node: Any) -> Any:
+        if isinstance(node, dict):
+            name = names.get(json.dumps(node, sort_keys=True))
+            if name is not None:
+                return {"$ref": f"#/components/schemas/{name}"}
+            return {key: referenced(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [referenced(value) for value in node]
+        return node
+
+    schemas = {
+        name: {key: referenced(value) for key, value in schema.items()}
+        for name, schema in named.items()
+    }
+    return {**document, "components": {**document["components"], "schemas": schemas}}
+
+
 def generate(document: Dict[str, Any]) -> str:
     """The source of `models.py` for `document`."""
     installed = importlib.metadata.version("datamodel-code-generator")
@@ -67,6 +97,7 @@ def generate(document: Dict[str, Any]) -> str:
     with tempfile.TemporaryDirectory() as scratch:
         # A fixed name: the generator writes it into the header.
         document_path = Path(scratch) / "openapi.json"
+        document = reference_named_objects(document)
         document_path.write_text(json.dumps(document, indent=2), encoding="utf-8")
         output_path = Path(scratch) / "models.py"
         subprocess.run(

@@ -77,7 +77,10 @@ def write_catalog(directory: Path) -> Path:
     catalog.mkdir()
     for agent, frontmatter in AGENTS.items():
         (catalog / f"{agent}.json").write_text(json.dumps(SCRIPTS[agent]))
-        definition = f"---\nid: {agent}\nmodel: scripted:{agent}.json\n{frontmatter}---\nYou add numbers.\n"
+        definition = (
+            f"---\nid: {agent}\ndescription: Adds numbers\nmodel: scripted:{agent}.json\n"
+            f"{frontmatter}---\nYou add numbers.\n"
+        )
         (catalog / f"{agent}.md").write_text(definition)
     return catalog
 

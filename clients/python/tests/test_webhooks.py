@@ -61,18 +61,18 @@ def eventually(what: str, check: Callable[[], object]) -> object:
 
 def test_a_webhooks_life(client: Client, receiver: Receiver) -> None:
     created = client.create_webhook(
-        receiver.url, events=["run.finished"], secret="first secret, 16+", max_attempts=1
+        receiver.url, events=["run.finished"], secret="first-secret-0123456789", max_attempts=1
     )
-    assert created.secret == "first secret, 16+" and created.events == ["run.finished"]
+    assert created.secret == "first-secret-0123456789" and created.events == ["run.finished"]
     assert created.url == receiver.url and created.max_attempts == 1
     listed = client.list_webhooks().items
     assert created.id in [w.id for w in listed] and all(w.secret is None for w in listed)
     assert client.get_webhook(created.id).secret is None
 
-    rotated = client.rotate_webhook_secret(created.id, "second secret, 16+")
-    assert (rotated.id, rotated.secret) == (created.id, "second secret, 16+")
+    rotated = client.rotate_webhook_secret(created.id, "second-secret-0123456789")
+    assert (rotated.id, rotated.secret) == (created.id, "second-secret-0123456789")
     assert client.rotate_webhook_secret(created.id).secret.startswith("whsec_")
-    secret = client.rotate_webhook_secret(created.id, "third secret, 16+").secret
+    secret = client.rotate_webhook_secret(created.id, "third-secret-0123456789").secret
 
     session = client.create_session(agent="adder")
     run_id = client.send_message(session.id, "add").run_id
