@@ -53,6 +53,15 @@ AGENTS = {
     # the budget, so the run fails and can be continued.
     "tight": "tools: [add]\nlimits:\n  max_steps: 1\n",
 }
+#: Agents of a model profile instead of a script.
+PROFILE_AGENTS = {"broken": "unreachable"}
+#: A model nothing answers, tried once: its runs fail with `llm_error`, and can be retried.
+UNREACHABLE_MODEL = """[models.unreachable]
+provider = "openai"
+model = "nothing"
+base_url = "http://127.0.0.1:9/v1"
+max_retries = 0
+"""
 
 
 def ratchet_bin() -> Path:
@@ -81,6 +90,9 @@ def write_catalog(directory: Path) -> Path:
             f"---\nid: {agent}\ndescription: Adds numbers\nmodel: scripted:{agent}.json\n"
             f"{frontmatter}---\nYou add numbers.\n"
         )
+        (catalog / f"{agent}.md").write_text(definition)
+    for agent, model in PROFILE_AGENTS.items():
+        definition = f"---\nid: {agent}\ndescription: Fails\nmodel: {model}\n---\nYou fail.\n"
         (catalog / f"{agent}.md").write_text(definition)
     return catalog
 
@@ -145,7 +157,7 @@ class Server:
 
 
 def serve(binary: Path, directory: Path, config: str, model: Optional[dict] = None) -> Server:
-    (directory / "ratchet.toml").write_text(config)
+    (directory / "ratchet.toml").write_text(UNREACHABLE_MODEL + config)
     args = [
         "--db", f"sqlite://{directory / 'ratchet.db'}",
         "--workspace", str(directory),

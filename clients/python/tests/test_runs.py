@@ -100,3 +100,19 @@ def test_a_run_that_spent_its_budget_is_continued_with_more(client: Client) -> N
     assert (run.status, run.final_answer) == ("completed", "The sum is 5.")
     kinds = [event.kind for event in client.run_events(run_id, follow=False)]
     assert kinds.count("run.resumed") == 1 and kinds.count("run.finished") == 2
+
+
+def test_a_run_that_failed_calling_the_model_is_retried(client: Client) -> None:
+    session = client.create_session(agent="broken")
+    run_id = client.send_message(session.id, "hello").run_id
+    failed = client.wait_run(run_id, timeout=DEADLINE)
+    assert (failed.status, failed.stop_reason) == ("failed", "llm_error")
+
+    assert client.retry(run_id).status == "running"
+    # The model is still unreachable: the fresh attempt fails the same way, one step later.
+    again = client.wait_run(run_id, timeout=DEADLINE)
+    assert (again.status, again.stop_reason) == ("failed", "llm_error")
+    assert again.step_index == failed.step_index + 1
+    kinds = [event.kind for event in client.run_events(run_id, follow=False)]
+    assert kinds.count("model.error") == 2 and kinds.count("run.resumed") == 1
+    assert kinds[-1] == "run.finished"
