@@ -9,6 +9,10 @@ The output depends only on the document: the document is always handed to the ge
 under the same file name, without a timestamp, and the generator's version is the one
 `.ci/requirements.txt` pins (it refuses to run with another). `--check` writes nothing and
 exits 1 when the file differs from what the document generates.
+
+The document is read as it is but for one thing: an object schema written out in full where
+it repeats a named one (each page's `items`) becomes a reference to that one, so that a page
+of sessions holds `SessionView`s rather than a model named after its position.
 """
 
 from __future__ import annotations

@@ -36,11 +36,11 @@ SCRIPTS: Dict[str, dict] = {
     # Several steps streamed word by word: a run long enough to pause, cancel or kill midway.
     "slow": {
         "replies": [
-            {"text": "one two three four five", "tool_calls": [ADD], "chunk_delay_ms": 40},
-            {"text": "six seven eight nine ten", "tool_calls": [ADD], "chunk_delay_ms": 40},
-            {"text": "eleven twelve thirteen fourteen", "tool_calls": [ADD], "chunk_delay_ms": 40},
-            {"text": "fifteen sixteen seventeen eighteen", "tool_calls": [ADD], "chunk_delay_ms": 40},
-            {"text": "all done now, the sum is five", "chunk_delay_ms": 40},
+            {"text": "one two three four five", "tool_calls": [ADD], "chunk_delay_ms": 80},
+            {"text": "six seven eight nine ten", "tool_calls": [ADD], "chunk_delay_ms": 80},
+            {"text": "eleven twelve thirteen fourteen", "tool_calls": [ADD], "chunk_delay_ms": 80},
+            {"text": "fifteen sixteen seventeen eighteen", "tool_calls": [ADD], "chunk_delay_ms": 80},
+            {"text": "all done now, the sum is five", "chunk_delay_ms": 80},
         ]
     },
     "tight": {"replies": [{"text": "Let me add.", "tool_calls": [ADD]}, {"text": "The sum is 5."}]},
