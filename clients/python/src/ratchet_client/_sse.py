@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Union
+from typing import Callable, Dict, List, Optional, Union
 
 from .errors import ApiError, StreamDisconnected
 from .models import EventView, LiveActivityView
@@ -95,7 +95,7 @@ class Resumption:
         self._delay = FIRST_RECONNECT_DELAY
         self._disconnected_since: Optional[float] = None
 
-    def headers(self) -> dict:
+    def headers(self) -> Dict[str, str]:
         return {} if self.last_seq is None else {"Last-Event-ID": str(self.last_seq)}
 
     def connected(self) -> None:
