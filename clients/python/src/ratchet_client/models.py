@@ -1,0 +1,932 @@
+# Pydantic models of Ratchet's HTTP API, generated from its OpenAPI document by
+# scripts/generate_models.py: change the server's schemas and run it again; never edit
+# this file by hand.
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ActiveAgentView(BaseModel):
+    hash: Optional[str] = None
+    """
+    The SHA-256 of its definition file as it was read; absent for an agent that was not
+    read from a catalog file.
+    """
+    id: str
+
+
+class AgentView(BaseModel):
+    """
+    An agent of the server's catalog, as a session can name it.
+    """
+
+    approvals: list[dict[str, Any]]
+    """
+    Its tools whose calls wait for a person: `{"tool", "policy"}`, the policy `always` or
+    `{"when_arguments": {argument: glob}}`.
+    """
+    delegates: list[str]
+    """
+    The agents its runs may delegate to, by id.
+    """
+    description: str
+    hash: Optional[str] = None
+    """
+    The hash of the definition its runs are frozen from; absent for an agent that was not
+    read from a catalog file.
+    """
+    id: str
+    limits: dict[str, Any]
+    """
+    The limits its runs are frozen with (`max_steps`, `max_model_calls`, `max_tokens`,
+    `max_duration_ms`, …; null for one not set).
+    """
+    model: str
+    """
+    The model spec its runs call.
+    """
+    tools: list[str]
+    """
+    The tools its runs are offered, by name.
+    """
+
+
+class ApprovalCallView(BaseModel):
+    arguments: dict[str, Any]
+    call_id: str
+    decision: Optional[str] = None
+    """
+    `approve` or `deny` once decided (a call left out of a decision is approved).
+    """
+    name: str
+    """
+    The tool's name.
+    """
+    needs_approval: bool
+    """
+    False for a call held only because another call of its batch needs approval.
+    """
+    note: Optional[str] = None
+
+
+class BudgetView(BaseModel):
+    """
+    One budget of a run and what it used.
+    """
+
+    kind: str
+    """
+    `steps`, `model_calls`, `tool_calls`, `tokens` (input and output), `prompt_tokens`
+    or `duration_ms` (time running, pauses left out).
+    """
+    limit: int = Field(..., ge=0)
+    spent: bool
+    """
+    `used` has reached `limit`.
+    """
+    used: int = Field(..., ge=0)
+
+
+class CancelView(BaseModel):
+    run_id: str
+    status: str
+    """
+    `cancelled` when the run ended at once, `cancelling` while its step winds down, or the
+    terminal status it already had.
+    """
+
+
+class ContinueRequest(BaseModel):
+    """
+    Budget to add when continuing a failed run; each field is added to the run's limit of
+    the same name (a run without such a limit stays without one).
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    extra_duration_ms: Optional[int] = Field(None, ge=0)
+    extra_model_calls: Optional[int] = Field(None, ge=0)
+    extra_steps: Optional[int] = Field(None, ge=0)
+    extra_tokens: Optional[int] = Field(None, ge=0)
+    extra_tool_calls: Optional[int] = Field(None, ge=0)
+
+
+class CreateSession(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    agent: Optional[str] = None
+    """
+    The agent that answers in this session: the id of an agent of the catalog
+    (`GET /v1/agents`), or `default` (the same as leaving it out) for the server's own run
+    configuration. Its runs are frozen with that agent's configuration.
+    """
+    metadata: Optional[dict[str, Any]] = None
+    """
+    Free-form JSON object kept with the session.
+    """
+
+
+class CreateWebhook(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    events: Optional[list[str]] = None
+    """
+    The event kinds to send (for example `run.finished`); every kind when absent.
+    """
+    max_attempts: Optional[int] = Field(None, ge=0)
+    """
+    Attempts of one delivery before it is dead-lettered, 1–50 (default 10).
+    """
+    secret: Optional[str] = None
+    """
+    The key deliveries are signed with, 16–256 characters; one is made when absent.
+    """
+    url: str
+    """
+    Where each event is POSTed: an absolute `http://` or `https://` URL without
+    credentials, to a public address unless the server's `[webhooks] allow` permits
+    another. It is stored as it will be requested (`http://2130706433` is
+    `http://127.0.0.1/`).
+    """
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    """
+    Stable machine-readable code: `bad_request`, `invalid_request`, `unauthorized`,
+    `not_found`, `conflict`, `payload_too_large`, `unsupported_media_type`,
+    `quota_exceeded`, `unavailable`, `internal`.
+    """
+    message: str
+    problems: Optional[list[str]] = None
+    """
+    Every problem found, when one request can have several (a rejected reload); absent
+    otherwise.
+    """
+
+
+class MessageAccepted(BaseModel):
+    message_id: str
+    run_id: str
+    """
+    The message's run; for a steering message, the active run it will join.
+    """
+    run_status: str
+    """
+    `running` when the run started at once, `queued` behind the session's active run (for
+    a steering message, the active run's status).
+    """
+    steered: bool
+    """
+    True when the message waits to join the active run (`multitask: "steer"`).
+    """
+
+
+class ModelMessageView(BaseModel):
+    """
+    A message as a model reads it.
+    """
+
+    content: str
+    is_error: bool
+    """
+    A tool result whose call failed.
+    """
+    origin: str
+    """
+    `user`, `agent`, `continuation`, `steer` or `summary`.
+    """
+    role: str
+    """
+    `system`, `user`, `assistant` or `tool`.
+    """
+    tool_call_id: Optional[str] = None
+    tool_calls: list[dict[str, Any]]
+    visibility: str
+    """
+    `visible`, or `hidden` for what only the model reads.
+    """
+
+
+class OfferedToolView(BaseModel):
+    description: str
+    name: str
+    parameters: dict[str, Any]
+    """
+    The JSON Schema of its arguments.
+    """
+
+
+class OperatorBody(BaseModel):
+    """
+    Who acts on a dead letter, for the record.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    by: Optional[str] = None
+    """
+    Who requeues or discards it (at most 200 characters); the caller's tenant when absent.
+    """
+
+
+class PageAgentView(BaseModel):
+    """
+    Every listing: a page of items and the cursor of the next page (absent on the last).
+    """
+
+    items: list[AgentView]
+    next_cursor: Optional[str] = None
+
+
+class PauseView(BaseModel):
+    run_id: str
+    status: str
+    """
+    `paused` when the run stopped at once (or was paused already), `pausing` while the
+    step in flight finishes: its commit pauses the run.
+    """
+
+
+class ReconcileRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    call_id: str
+    outcome: Literal["succeeded", "failed", "retry", "skip"]
+    """
+    A human's answer for a call whose outcome is unknown after a crash.
+    """
+    result: Optional[str] = None
+    """
+    What the call produced, for `succeeded` or `failed`.
+    """
+
+
+class ReconcileView(BaseModel):
+    run_id: str
+    status: str
+    """
+    `running` once every call in doubt is answered; `waiting_human` before. A call left in
+    doubt by an ended run is recorded and the run keeps its terminal status.
+    """
+
+
+class RequeuedView(BaseModel):
+    """
+    How many dead letters a bulk requeue put back.
+    """
+
+    requeued: int = Field(..., ge=0)
+
+
+class ResumedView(BaseModel):
+    run_id: str
+    status: str
+    """
+    `running`: the run's next step is enqueued (or, for a pause not reached yet, the run
+    simply goes on).
+    """
+
+
+class RotateSecret(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    secret: Optional[str] = None
+    """
+    The new key, 16–256 printable ASCII characters without spaces; one is made when absent.
+    """
+
+
+class RotatedSecret(BaseModel):
+    id: str
+    secret: str
+    """
+    The new signing key, shown this once.
+    """
+
+
+class RunAgentView(BaseModel):
+    hash: str
+    id: str
+
+
+class SendMessage(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    content: str = Field(..., pattern="\\S")
+    """
+    The message; it must have some text besides white space.
+    """
+    multitask: Optional[Literal["enqueue", "reject", "interrupt", "steer"]] = None
+
+
+class ServerSentEvent(BaseModel):
+    """
+    One event as an event stream sends it: `id: <seq>`, `event: <kind>`, `data: <EventView>`.
+    """
+
+    data: str = Field(
+        ...,
+        json_schema_extra={
+            "contentMediaType": "application/json",
+            "contentSchema": {"$ref": "#/components/schemas/EventView"},
+        },
+    )
+    """
+    The whole event: an `EventView` as JSON.
+    """
+    event: str
+    """
+    The event's kind.
+    """
+    id: str
+    """
+    The event's `seq`: a client that reconnects sends the last one as `Last-Event-ID`.
+    """
+
+
+class ServerSentTreeEvent(BaseModel):
+    """
+    One event as a tree stream sends it: `id: <cursor>`, `event: <kind>`,
+    `data: <TreeEventView>`.
+    """
+
+    data: str = Field(
+        ...,
+        json_schema_extra={
+            "contentMediaType": "application/json",
+            "contentSchema": {"$ref": "#/components/schemas/TreeEventView"},
+        },
+    )
+    """
+    The whole event: a `TreeEventView` as JSON.
+    """
+    event: str
+    """
+    The event's kind.
+    """
+    id: str
+    """
+    The stream's cursor after this event, `SESSION:SEQ` pairs joined by commas: a client
+    that reconnects sends the last one as `Last-Event-ID`.
+    """
+
+
+class UpdateSession(BaseModel):
+    """
+    `PATCH /v1/sessions/{id}`.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    title: str
+    """
+    The session's new title: 1–200 characters, not only spaces, no control characters.
+    """
+
+
+class UsageView(BaseModel):
+    cost_usd: Optional[float] = None
+    """
+    In US dollars, from the prices of the run's model profile; absent without prices.
+    """
+    input_tokens: int = Field(..., ge=0)
+    model_calls: int = Field(..., ge=0)
+    output_tokens: int = Field(..., ge=0)
+    """
+    Generated tokens, reasoning included.
+    """
+    reasoning_tokens: int = Field(..., ge=0)
+    tool_calls: int = Field(..., ge=0)
+
+
+class ApprovalView(BaseModel):
+    """
+    A gated tool batch: no call of it runs until a human answers.
+    """
+
+    calls: list[ApprovalCallView]
+    """
+    Every call of the batch, in the model's order.
+    """
+    created_at: int
+    decided_at: Optional[int] = None
+    id: str
+    run_id: str
+    session_id: str
+    status: str
+    """
+    `pending`, `decided`, `aborted`, or `cancelled` (its run ended unanswered).
+    """
+
+
+class CallDecisionBody(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    call_id: str
+    decision: Literal["approve", "deny"]
+    note: Optional[str] = None
+    """
+    Shown to the model with a denied call's result.
+    """
+
+
+class DeliveryView(BaseModel):
+    """
+    One event's delivery to the webhook.
+    """
+
+    attempts: int = Field(..., ge=0)
+    available_at: Optional[int] = None
+    created_at: int
+    delivered_at: Optional[int] = None
+    event_kind: str
+    id: int
+    """
+    Also the `Ratchet-Delivery` header of every attempt.
+    """
+    last_error: Optional[str] = None
+    """
+    Why the last attempt failed.
+    """
+    last_status: Optional[int] = Field(None, ge=0)
+    """
+    The HTTP status of the last answered attempt.
+    """
+    max_attempts: int = Field(..., ge=0)
+    requeued_at: Optional[int] = None
+    seq: int
+    session_id: str
+    status: str
+    """
+    `pending` (waiting for its attempt, behind the session's earlier events),
+    `delivering`, `delivered` or `dead_letter`.
+    """
+    updated_at: int
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class EventView(BaseModel):
+    """
+    The `data` of every server-sent event (its `id` is `seq`, its `event` is `kind`).
+    """
+
+    created_at: int
+    kind: str
+    payload: dict[str, Any]
+    run_id: Optional[str] = None
+    seq: int
+    """
+    Per-session, gap-free and increasing: resume with `Last-Event-ID` or `?after=`.
+    """
+    session_id: str
+
+
+class InboxEventView(BaseModel):
+    """
+    One event of a session's inbox.
+    """
+
+    attempts: int = Field(..., ge=0)
+    available_at: Optional[int] = None
+    created_at: int
+    delivery: str
+    """
+    `queue` or `steer`.
+    """
+    expires_at: Optional[int] = None
+    group: Optional[str] = None
+    id: int
+    kind: str
+    """
+    `completion`, `group_completion` or `signal`.
+    """
+    lease_run_id: Optional[str] = None
+    """
+    The continuation run holding it, or that consumed it.
+    """
+    max_attempts: int = Field(..., ge=0)
+    parent_run_id: str
+    """
+    The run whose `delegate` call started the work.
+    """
+    payload: Optional[Any] = None
+    """
+    What the work reported; absent while the event is a reservation.
+    """
+    reason: Optional[str] = None
+    """
+    Why it was dead-lettered, superseded or discarded, why its last attempt failed, or who
+    requeued it.
+    """
+    requeued_at: Optional[int] = None
+    source_run_id: Optional[str] = None
+    status: str
+    """
+    `reserved` (a place held for running work), `pending`, `leased` (a continuation turn
+    holds it), `consumed`, `dead_letter`, `superseded` or `discarded` (a dead letter an
+    operator dropped).
+    """
+    updated_at: int
+
+
+class LiveActivityView(BaseModel):
+    """
+    The `data` of a live `activity` event: what a step in flight is doing right now
+    (`loading_context`, `calling_model` with `model`, `executing_tools` with `tools`). It is
+    never stored, so it has no `seq` and its server-sent event no `id`: it never moves a
+    client's cursor, and no replay contains it.
+    """
+
+    created_at: int
+    kind: str
+    """
+    Always `activity`.
+    """
+    live: bool
+    """
+    Always `true`: tells it from stored events, which have a `seq`.
+    """
+    payload: dict[str, Any]
+    run_id: str
+    session_id: str
+
+
+class MessageView(BaseModel):
+    content: str
+    created_at: int
+    id: str
+    origin: str
+    """
+    `user`, `agent`, `continuation` or `steer`.
+    """
+    role: str
+    """
+    `user`, `assistant` or `tool`.
+    """
+    run_id: str
+    tool_call_id: Optional[str] = None
+    tool_calls: list[dict[str, Any]]
+    visibility: str
+    """
+    Always `visible`: hidden messages are never listed.
+    """
+
+
+class ModelCallView(BaseModel):
+    messages: list[ModelMessageView]
+    """
+    The messages in the order sent, as the model saw them: the latest compaction summary
+    first, long tool results cut to the run's limit, a call left without a result answered.
+    """
+    model: str
+    """
+    The model spec the run calls (`provider:model` or a profile name).
+    """
+    reply: Optional[ModelMessageView] = None
+    system_prompt: str
+    tools: list[OfferedToolView]
+    """
+    The tools offered; none when the step asked for a final answer (`conclude`).
+    """
+
+
+class PageApprovalView(BaseModel):
+    """
+    Every listing: a page of items and the cursor of the next page (absent on the last).
+    """
+
+    items: list[ApprovalView]
+    next_cursor: Optional[str] = None
+
+
+class PageDeliveryView(BaseModel):
+    """
+    Every listing: a page of items and the cursor of the next page (absent on the last).
+    """
+
+    items: list[DeliveryView]
+    next_cursor: Optional[str] = None
+
+
+class PageInboxEventView(BaseModel):
+    """
+    Every listing: a page of items and the cursor of the next page (absent on the last).
+    """
+
+    items: list[InboxEventView]
+    next_cursor: Optional[str] = None
+
+
+class PageMessageView(BaseModel):
+    """
+    Every listing: a page of items and the cursor of the next page (absent on the last).
+    """
+
+    items: list[MessageView]
+    next_cursor: Optional[str] = None
+
+
+class ReloadView(BaseModel):
+    """
+    What is active after a reload.
+    """
+
+    agents: list[ActiveAgentView]
+    """
+    The catalog's agents in id order.
+    """
+    model: str
+    """
+    The model a run is frozen with when its session names no agent.
+    """
+    reloaded_at: int
+    restart_required: list[str]
+    """
+    Settings that changed but take effect only after a restart, by configuration key
+    (`listen`, `db`, `workers`, `lease_ms`, `heartbeat_ms`, `poll_ms`, `gates`, `mcp`,
+    `webhooks`, `models`); empty when nothing needs one.
+    """
+
+
+class RunSummaryView(BaseModel):
+    """
+    A run as listed: its state without usage details.
+    """
+
+    created_at: int
+    finished_at: Optional[int] = None
+    id: str
+    session_id: str
+    status: str
+    step_index: int = Field(..., ge=0)
+    stop_reason: Optional[str] = None
+
+
+class RunView(BaseModel):
+    agent: Optional[RunAgentView] = None
+    budgets: list[BudgetView]
+    """
+    Each budget the run has (`steps` always; the others when set), with what it used of
+    it, extensions given by `continue` included: which one ran out, and by how much.
+    """
+    completion_blockers: list[dict[str, Any]]
+    """
+    What blocked the last refused completion (`{"kind", …}` each); empty once met.
+    """
+    completion_refusals: int = Field(..., ge=0)
+    """
+    Completions refused because a criterion of the run's agent was unmet.
+    """
+    created_at: int
+    final_answer: Optional[str] = None
+    """
+    The run's answer, once it has completed.
+    """
+    finished_at: Optional[int] = None
+    id: str
+    in_doubt: list[dict[str, Any]]
+    """
+    `never` calls cut off when the run ended (its deadline, a cancel): nobody knows whether
+    they took effect. `POST /v1/runs/{id}/reconcile` records what happened to each
+    (`succeeded`, `failed` or `skip`; the run stays ended).
+    """
+    parent_run_id: Optional[str] = None
+    """
+    The run that delegated this one, for a child run.
+    """
+    pause_requested: bool
+    """
+    A pause was asked for while a step was in flight: the run pauses when that step ends.
+    """
+    pending_human: Optional[dict[str, Any]] = None
+    """
+    What the run waits on a human for, if anything.
+    """
+    session_id: str
+    started_at: Optional[int] = None
+    status: str
+    """
+    `queued`, `running`, `waiting_human`, `waiting_children`, `paused`, `cancelling`,
+    `completed`, `failed` or `cancelled`.
+    """
+    step_index: int = Field(..., ge=0)
+    """
+    The last committed step (steps are numbered from 1).
+    """
+    stop_reason: Optional[str] = None
+    usage: UsageView
+
+
+class SessionView(BaseModel):
+    active_run_id: Optional[str] = None
+    """
+    The run currently holding the session, if any.
+    """
+    agent: Optional[str] = None
+    archived_at: Optional[int] = None
+    created_at: int
+    id: str
+    last_activity_at: int
+    """
+    When the session's latest event was written (its creation, before any).
+    """
+    last_run_status: Optional[str] = None
+    """
+    How its latest run stands (`completed`, `failed`, …); null before any.
+    """
+    metadata: Optional[Any] = None
+    parent_session_id: Optional[str] = None
+    """
+    For a delegated run's session: the session of the run that delegated it. Such a
+    session is read-only: messages go to its root session.
+    """
+    status: str
+    """
+    `archived`, the active run's status (`running`, `waiting_human`, …), or `idle`.
+    """
+    title: Optional[str] = None
+    """
+    Its first message's first line until someone renames it (`PATCH`); null before any.
+    """
+
+
+class StepView(BaseModel):
+    duration_ms: int
+    finished_at: int
+    index: int = Field(..., ge=0)
+    instruction: str
+    """
+    `call_llm`, `call_tools_batch` or `finish`.
+    """
+    started_at: int
+    summary: dict[str, Any]
+
+
+class TreeActivityView(LiveActivityView):
+    """
+    The `data` of a tree stream's live `activity` event, with where its run sits in the tree.
+    """
+
+    depth: int = Field(..., ge=0)
+    parent_run_id: Optional[str] = None
+
+
+class TreeEventView(EventView):
+    """
+    The `data` of a tree stream's event: the event, with where its run sits in the tree.
+    """
+
+    depth: int = Field(..., ge=0)
+    """
+    Levels below the run a message started (0).
+    """
+    parent_run_id: Optional[str] = None
+    """
+    The run that started this event's run; `null` for the tree's root.
+    """
+
+
+class TreeNodeView(BaseModel):
+    agent: Optional[str] = None
+    """
+    The catalog agent it runs, when it was started from one.
+    """
+    background: bool
+    """
+    Started with `mode: "background"`: it reports to the session's inbox.
+    """
+    created_at: int
+    depth: int = Field(..., ge=0)
+    """
+    Levels below the run a message started, at the top of its whole tree (0 for that run),
+    also when the tree is asked about a run further down.
+    """
+    finished_at: Optional[int] = None
+    parent_run_id: Optional[str] = None
+    """
+    The run whose delegation started it; absent for a run started by a message.
+    """
+    run_id: str
+    session_id: str
+    """
+    Each delegated run has a session of its own.
+    """
+    status: str
+    steps: int = Field(..., ge=0)
+    """
+    Its committed steps.
+    """
+    stop_reason: Optional[str] = None
+    usage: UsageView
+    """
+    What this run itself spent (not its children); `cost_usd` is absent until a priced
+    model call has cost something.
+    """
+
+
+class WebhookView(BaseModel):
+    created_at: int
+    events: Optional[list[str]] = None
+    """
+    The event kinds it is sent; absent for every kind.
+    """
+    id: str
+    max_attempts: int = Field(..., ge=0)
+    secret: Optional[str] = None
+    """
+    The signing key: in the answer to the creation only.
+    """
+    url: str
+
+
+class ApprovalRequestBody(BaseModel):
+    """
+    Either `decisions` (every call that needs approval, once) or `"abort": true`, which ends
+    the run as cancelled by a human.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    abort: Optional[bool] = None
+    decisions: Optional[list[CallDecisionBody]] = None
+
+
+class PageRunSummaryView(BaseModel):
+    """
+    Every listing: a page of items and the cursor of the next page (absent on the last).
+    """
+
+    items: list[RunSummaryView]
+    next_cursor: Optional[str] = None
+
+
+class PageSessionView(BaseModel):
+    """
+    Every listing: a page of items and the cursor of the next page (absent on the last).
+    """
+
+    items: list[SessionView]
+    next_cursor: Optional[str] = None
+
+
+class PageStepView(BaseModel):
+    """
+    Every listing: a page of items and the cursor of the next page (absent on the last).
+    """
+
+    items: list[StepView]
+    next_cursor: Optional[str] = None
+
+
+class PageWebhookView(BaseModel):
+    """
+    Every listing: a page of items and the cursor of the next page (absent on the last).
+    """
+
+    items: list[WebhookView]
+    next_cursor: Optional[str] = None
+
+
+class RunTreeView(BaseModel):
+    """
+    A run and every run below it: the children its delegations started, theirs, and so on.
+    """
+
+    nodes: list[TreeNodeView]
+    """
+    Parents before their children, each level in creation order.
+    """
+    run_id: str
+    """
+    The run asked about: the first node.
+    """
+
+
+class StepDetailView(StepView):
+    """
+    One committed step, opened up: what it sent to the model and what came back.
+    """
+
+    model_call: Optional[ModelCallView] = None
+    written: list[ModelMessageView]
+    """
+    What the step's commit wrote to the session's history: a model call's reply, a batch's
+    results, a compaction's summary, the reports it handed on. Hidden ones included.
+    """
