@@ -9,6 +9,7 @@ import { NetworkError, WaitTimeoutError, errorFromResponse } from "./errors.js";
 import { resumingEvents, type EventStreamOptions, type StreamedEvent } from "./events.js";
 import { sleep } from "./sleep.js";
 import type {
+  AgentPage,
   ApprovalAnswer,
   Approval,
   ApprovalPage,
@@ -27,6 +28,7 @@ import type {
   Paused,
   Reconcile,
   ReconcileResult,
+  Reloaded,
   Requeued,
   Resumed,
   RotatedSecret,
@@ -184,6 +186,20 @@ export class Client {
   /** Repeats the model call a run failed on (`llm_error`). */
   retry(runId: string): Promise<Resumed> {
     return this.request("POST", `/v1/runs/${segment(runId)}/retry`);
+  }
+
+  /** The server's catalog of agents, in id order, on one page. */
+  listAgents(): Promise<AgentPage> {
+    return this.request("GET", "/v1/agents");
+  }
+
+  /**
+   * Makes the server read its configuration and agent catalog again (an administrator's
+   * token, when it has tokens). A rejected reload throws a `RatchetError` whose `problems`
+   * lists every problem found; the previous configuration then stays active.
+   */
+  reload(): Promise<Reloaded> {
+    return this.request("POST", "/v1/admin/reload");
   }
 
   /** One request, answered with its JSON body (`undefined` for `204`). */

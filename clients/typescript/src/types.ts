@@ -57,4 +57,7 @@ export type Delivery = Schemas["DeliveryView"];
 export type DeliveryPage = ResponseBody<"/v1/webhooks/{id}/deliveries", "get">;
 export type DeliveriesQuery = Query<"/v1/webhooks/{id}/deliveries", "get">;
 export type Requeued = ResponseBody<"/v1/webhooks/{id}/deliveries/requeue", "post">;
+export type Agent = Schemas["AgentView"];
+export type AgentPage = ResponseBody<"/v1/agents", "get">;
+export type Reloaded = Schemas["ReloadView"];
 export type ApiError = Schemas["ErrorBody"];

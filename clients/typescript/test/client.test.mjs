@@ -5,6 +5,8 @@ import { after, before, describe, test } from "node:test";
 import assert from "node:assert/strict";
 import { createServer as createHttpServer } from "node:http";
 import { createServer as createTcpServer } from "node:net";
+import { rmSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
 import { Client, NetworkError, RatchetError, WaitTimeoutError, isStoredEvent } from "../dist/index.js";
 import { DEADLINE_MS, ModelServer, Server, collectUntil, eventually, skipWithoutServer } from "../test-support/ratchet.mjs";
 
@@ -323,5 +325,25 @@ describe("against a real server", { skip: skipWithoutServer }, () => {
       receiver.closeAllConnections();
       await new Promise((resolve) => receiver.close(resolve));
     }
+  });
+
+  test("the catalog is listed and reloaded; a rejected reload lists every problem", async () => {
+    const agents = (await client.listAgents()).items.map((agent) => agent.id);
+    assert.ok(["chat", "guarded", "flaky"].every((id) => agents.includes(id)), agents.join(", "));
+    assert.deepEqual((await client.reload()).agents.map((agent) => agent.id), agents);
+
+    const broken = join(server.dir, "agents", "broken.md");
+    writeFileSync(broken, "---\nid: broken\ndescription: Calls a tool nobody has\nmodel: scripted:chat.json\ntools: [rm_rf]\n---\nYou break.\n");
+    try {
+      const rejected = await client.reload().then(assert.fail, (e) => e);
+      assert.ok(rejected instanceof RatchetError);
+      assert.equal(rejected.status, 422);
+      assert.equal(rejected.code, "invalid_request");
+      assert.equal(rejected.problems.length, 1, rejected.problems.join("\n"));
+      assert.match(rejected.problems[0], /broken\.md:\d+: .*rm_rf/);
+    } finally {
+      rmSync(broken);
+    }
+    assert.deepEqual((await client.listAgents()).items.map((agent) => agent.id), agents, "the previous catalog stayed active");
   });
 });
