@@ -72,7 +72,8 @@ export const WAITING_STATUSES: readonly RunStatus[] = ["waiting_human", "paused"
 
 type QueryValues = Record<string, string | number | boolean | undefined | null>;
 
-interface RequestOptions {
+/** What `request` sends besides its method and path. */
+export interface RequestOptions {
   query?: object;
   body?: unknown;
   signal?: AbortSignal;

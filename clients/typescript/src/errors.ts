@@ -1,7 +1,7 @@
 /**
- * The errors the client throws: the server's answer to a request it refused, a request that
- * got no answer at all, and a wait that ran out of time. An aborted request throws its
- * signal's reason instead, as `fetch` does.
+ * The errors the client throws — the server's answer to a request it refused, a request that
+ * got no answer at all, a wait that ran out of time — and how a refusal is read from its
+ * answer. An aborted request throws its signal's reason instead, as `fetch` does.
  */
 
 import type { components } from "./schema.js";

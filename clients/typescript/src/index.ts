@@ -4,7 +4,7 @@
  */
 
 export { Client, Webhooks, ENDED_STATUSES, WAITING_STATUSES } from "./client.js";
-export type { ClientOptions, SendMessageOptions, WaitRunOptions } from "./client.js";
+export type { ClientOptions, RequestOptions, SendMessageOptions, WaitRunOptions } from "./client.js";
 export { RatchetError, NetworkError, WaitTimeoutError } from "./errors.js";
 export { isStoredEvent } from "./events.js";
 export type { EventStreamOptions, StreamedEvent } from "./events.js";

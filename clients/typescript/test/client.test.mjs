@@ -70,6 +70,10 @@ describe("against a real server", { skip: skipWithoutServer }, () => {
     const listed = await client.listSessions({ agent: "chat", limit: 200 });
     assert.ok(listed.items.some((s) => s.id === session.id), "the session is listed with its agent's");
     assert.equal((await client.getSession(session.id)).last_run_status, "completed");
+    // Endpoints without a method of their own go through `request`.
+    const steps = await client.request("GET", `/v1/runs/${run.id}/steps`, { query: { limit: 10 } });
+    assert.deepEqual(steps.items.map((step) => step.index), [1]);
+    assert.equal(steps.items[0].instruction, "call_llm");
   });
 
   test("waitRun gives up after its timeout with the run as it stood", async () => {
