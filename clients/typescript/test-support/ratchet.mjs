@@ -34,7 +34,7 @@ const AGENTS = {
   napper: {
     description: "Naps briefly, then answers",
     tools: ["sleep_ms"],
-    script: [{ tool_calls: [{ name: "sleep_ms", arguments: { ms: 1500 } }] }, { text: "Woke up." }],
+    script: [{ tool_calls: [{ name: "sleep_ms", arguments: { ms: 3000 } }] }, { text: "Woke up." }],
   },
   sleeper: {
     description: "Sleeps for a minute",
@@ -56,7 +56,7 @@ const AGENTS = {
     description: "Takes several short steps, streaming each answer",
     tools: ["sleep_ms"],
     script: [
-      ...Array.from({ length: 6 }, () => ({ text: "One more nap.", chunk_delay_ms: 40, tool_calls: [{ name: "sleep_ms", arguments: { ms: 400 } }] })),
+      ...Array.from({ length: 6 }, () => ({ text: "One more nap.", chunk_delay_ms: 40, tool_calls: [{ name: "sleep_ms", arguments: { ms: 600 } }] })),
       { text: "All naps taken, one step at a time.", chunk_delay_ms: 40 },
     ],
   },
