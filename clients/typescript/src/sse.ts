@@ -41,11 +41,13 @@ export class SseParser {
       this.afterCarriageReturn = false;
       if (text.startsWith("\n")) text = text.slice(1);
     }
+    // What the buffer held holds no line end: only the new text needs scanning.
+    const scanned = this.buffer.length;
     this.buffer += text;
 
     const events: ServerSentEvent[] = [];
     let start = 0;
-    for (let i = 0; i < this.buffer.length; i++) {
+    for (let i = scanned; i < this.buffer.length; i++) {
       const char = this.buffer[i];
       if (char !== "\n" && char !== "\r") continue;
       const event = this.processLine(this.buffer.slice(start, i));
