@@ -18,4 +18,5 @@ mod providers;
 mod scale;
 mod serve;
 mod subagents;
+mod telemetry;
 mod tidy;
