@@ -59,6 +59,7 @@ macro_rules! store_conformance_tests {
     ($make:expr) => {
         $crate::store_conformance_tests!(@borrowed $make;
             submit_starts_a_run_or_queues_it_behind_the_active_one,
+            a_run_keeps_the_trace_its_message_came_with,
             sessions_are_titled_found_and_ordered_by_activity,
             commit_writes_the_step_and_continues_under_lease,
             stale_and_duplicate_commits_change_nothing,
@@ -488,6 +489,34 @@ async fn snapshot(store: &dyn Store, run: &RunId, session: &SessionId) -> Snapsh
 
 /// A submit on an idle session starts its run; a submit behind an active run waits, with
 /// no job and no message in history, until the active run ends.
+pub async fn a_run_keeps_the_trace_its_message_came_with(store: &dyn Store) {
+    let session = new_session(store).await;
+    let trace = ratchet_core::TraceContext::from_traceparent(
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    );
+    let traced = RunId::from_suffix(&unique()).unwrap();
+    let new = NewRun {
+        session_id: session.clone(),
+        run_id: traced.clone(),
+        message_id: MessageId::from_suffix(&unique()).unwrap(),
+        content: "traced".into(),
+        config: config(),
+        when_busy: WhenBusy::Enqueue,
+        quota: Default::default(),
+        trace,
+    };
+    store.submit_message(new, T0).await.unwrap();
+    assert_eq!(load(store, &traced).await.trace, trace);
+    let claimed = claim(store, OWNER_A, T0).await;
+    assert_eq!(claimed.job.run_id, traced);
+    assert_eq!(
+        claimed.state.trace, trace,
+        "the claimed state carries it too"
+    );
+    let (untraced, _) = submit(store, &new_session(store).await, "untraced", config(), T0).await;
+    assert_eq!(load(store, &untraced).await.trace, None);
+}
+
 pub async fn submit_starts_a_run_or_queues_it_behind_the_active_one(store: &dyn Store) {
     let session = new_session(store).await;
     let (first, submitted) = submit(store, &session, "first question", config(), T0).await;

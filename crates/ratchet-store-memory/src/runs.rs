@@ -109,6 +109,10 @@ impl Tables {
     }
 
     /// Inserts a run waiting in its session's queue, with the message that will start it.
+    #[expect(
+        clippy::too_many_arguments,
+        reason = "each is a field of the new run's row or state, given by every kind of run creation"
+    )]
     pub(crate) fn insert_queued_run(
         &mut self,
         session_id: &SessionId,

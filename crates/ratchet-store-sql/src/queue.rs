@@ -174,6 +174,10 @@ pub(crate) fn check_quota(
 }
 
 /// Inserts a run waiting in its session's queue, with the message that will start it.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "each is a field of the new run's row or state, given by every kind of run creation"
+)]
 pub(crate) fn insert_queued_run(
     c: &dyn Db,
     session_id: &SessionId,

@@ -96,8 +96,7 @@ async fn chat_completions(
     State(heard): State<mpsc::UnboundedSender<Heard>>,
     headers: HeaderMap,
 ) -> axum::Json<Value> {
-    let traceparent = (headers.get("traceparent"))
-        .map(|v| v.to_str().unwrap().to_owned());
+    let traceparent = (headers.get("traceparent")).map(|v| v.to_str().unwrap().to_owned());
     let _ = heard.send(Heard::ModelCall { traceparent });
     axum::Json(json!({
         "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "helper-model",
@@ -112,7 +111,10 @@ async fn receivers() -> (u16, mpsc::UnboundedReceiver<Heard>) {
     let (tx, rx) = mpsc::unbounded_channel();
     let app = axum::Router::new()
         .route("/v1/traces", axum::routing::post(otlp_traces))
-        .route("/v1/chat/completions", axum::routing::post(chat_completions))
+        .route(
+            "/v1/chat/completions",
+            axum::routing::post(chat_completions),
+        )
         .with_state(tx);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -165,7 +167,10 @@ fn serve(dir: &Path, port: u16, receiver: u16) -> Child {
         .arg(dir)
         .args(["--lease-ms", "1500"])
         .env("RATCHET_SECRETS_KEY", SECRETS_KEY)
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{receiver}"))
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://127.0.0.1:{receiver}"),
+        )
         .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         .env("OTEL_BSP_SCHEDULE_DELAY", "50")
         .env("OTEL_SERVICE_NAME", "ratchet-under-test")
@@ -178,8 +183,7 @@ fn serve(dir: &Path, port: u16, receiver: u16) -> Child {
 
 async fn ready(http: &reqwest::Client, base: &str) {
     let started = Instant::now();
-    while !(http.get(format!("{base}/readyz")).send().await)
-        .is_ok_and(|r| r.status().is_success())
+    while !(http.get(format!("{base}/readyz")).send().await).is_ok_and(|r| r.status().is_success())
     {
         assert!(started.elapsed() < DEADLINE, "ratchet serve was not ready");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -201,7 +205,9 @@ async fn read_until(http: &reqwest::Client, url: &str, mut until: impl FnMut(&Va
         }
         panic!("the stream ended");
     };
-    tokio::time::timeout(DEADLINE, read).await.expect("the awaited event never came");
+    tokio::time::timeout(DEADLINE, read)
+        .await
+        .expect("the awaited event never came");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -254,7 +260,10 @@ async fn a_run_across_a_crash_and_a_delegation_is_one_span_tree_of_the_callers_t
                 Heard::Spans(more) => spans.extend(more),
                 Heard::ModelCall { traceparent } => model_calls.push(traceparent),
             }
-            let runs_ended = spans.iter().filter(|s| s.name.starts_with("invoke_agent")).count();
+            let runs_ended = spans
+                .iter()
+                .filter(|s| s.name.starts_with("invoke_agent"))
+                .count();
             if runs_ended == 2 && !model_calls.is_empty() {
                 return;
             }
@@ -278,7 +287,10 @@ async fn a_run_across_a_crash_and_a_delegation_is_one_span_tree_of_the_callers_t
     };
 
     let boss = one("invoke_agent boss");
-    assert_eq!(boss.parent, CALLER_SPAN, "the run is a child of the caller's span");
+    assert_eq!(
+        boss.parent, CALLER_SPAN,
+        "the run is a child of the caller's span"
+    );
     assert_eq!(boss.span_id, run_span_id(&root_run).to_string());
     assert_eq!(boss.attr("gen_ai.operation.name"), Some("invoke_agent"));
     assert_eq!(boss.attr("gen_ai.agent.name"), Some("boss"));
@@ -293,7 +305,9 @@ async fn a_run_across_a_crash_and_a_delegation_is_one_span_tree_of_the_callers_t
     };
     let boss_steps = steps_of(boss);
     assert!(
-        boss_steps.iter().all(|s| s.attr("ratchet.run_id") == Some(root.as_str())),
+        boss_steps
+            .iter()
+            .all(|s| s.attr("ratchet.run_id") == Some(root.as_str())),
         "{everything}"
     );
     // The tool's step died with the first process; the second ran it again, attempt 2,
@@ -302,13 +316,23 @@ async fn a_run_across_a_crash_and_a_delegation_is_one_span_tree_of_the_callers_t
         .find(|s| s.attr("ratchet.attempt") == Some("2"))
         .unwrap_or_else(|| panic!("the resumed step's span: {everything}"));
     let sleep = one("execute_tool sleep_ms");
-    assert_eq!(sleep.parent, resumed.span_id, "the call ran in the resumed step");
+    assert_eq!(
+        sleep.parent, resumed.span_id,
+        "the call ran in the resumed step"
+    );
     assert_eq!(sleep.attr("gen_ai.operation.name"), Some("execute_tool"));
     assert_eq!(sleep.attr("gen_ai.tool.name"), Some("sleep_ms"));
     assert_eq!(sleep.attr("ratchet.replay_policy"), Some("safe"));
-    assert!(sleep.attr("gen_ai.tool.call.id").is_some_and(|id| !id.is_empty()));
+    assert!(
+        sleep
+            .attr("gen_ai.tool.call.id")
+            .is_some_and(|id| !id.is_empty())
+    );
     let step_index: u64 = resumed.attr("ratchet.step_index").unwrap().parse().unwrap();
-    assert_eq!(sleep.span_id, call_span_id(&root_run, step_index, 0).to_string());
+    assert_eq!(
+        sleep.span_id,
+        call_span_id(&root_run, step_index, 0).to_string()
+    );
 
     let delegate = one("execute_tool delegate");
     assert!(
@@ -316,14 +340,20 @@ async fn a_run_across_a_crash_and_a_delegation_is_one_span_tree_of_the_callers_t
         "the delegating call is in one of the run's steps: {everything}"
     );
     let helper = one("invoke_agent helper");
-    assert_eq!(helper.parent, delegate.span_id, "the child run hangs under the delegating call");
+    assert_eq!(
+        helper.parent, delegate.span_id,
+        "the child run hangs under the delegating call"
+    );
     assert_eq!(helper.attr("gen_ai.agent.name"), Some("helper"));
     assert_eq!(helper.attr("ratchet.status"), Some("completed"));
 
     let helper_steps = steps_of(helper);
     assert!(!helper_steps.is_empty(), "{everything}");
     let chat = one("chat helper-model");
-    assert!(helper_steps.iter().any(|s| s.span_id == chat.parent), "{everything}");
+    assert!(
+        helper_steps.iter().any(|s| s.span_id == chat.parent),
+        "{everything}"
+    );
     assert_eq!(chat.attr("gen_ai.operation.name"), Some("chat"));
     assert_eq!(chat.attr("gen_ai.provider.name"), Some("openai"));
     assert_eq!(chat.attr("gen_ai.request.model"), Some("helper-model"));
@@ -342,8 +372,10 @@ async fn a_run_across_a_crash_and_a_delegation_is_one_span_tree_of_the_callers_t
         "{everything}"
     );
     assert!(
-        spans.iter().all(|s| s.attr("gen_ai.input.messages").is_none()
-            && s.attr("gen_ai.output.messages").is_none()),
+        spans
+            .iter()
+            .all(|s| s.attr("gen_ai.input.messages").is_none()
+                && s.attr("gen_ai.output.messages").is_none()),
         "no content without RATCHET_OTEL_CAPTURE_CONTENT: {everything}"
     );
 }
