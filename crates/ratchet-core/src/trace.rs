@@ -174,10 +174,21 @@ fn derive<const N: usize>(parts: &[&[u8]]) -> [u8; N] {
 
 /// The trace `state`'s run belongs to: its stored context's, or one derived from its id.
 pub fn trace_id(state: &AgentState) -> TraceId {
-    match &state.trace {
+    trace_id_of(&state.run_id, state.trace.as_ref())
+}
+
+/// The trace of `run`, whose state stores `stored`.
+pub fn trace_id_of(run: &RunId, stored: Option<&TraceContext>) -> TraceId {
+    match stored {
         Some(context) => context.trace_id,
-        None => TraceId(derive(&[b"trace", state.run_id.as_str().as_bytes()])),
+        None => TraceId(derive(&[b"trace", run.as_str().as_bytes()])),
     }
+}
+
+/// The `traceparent` that names the span of `run` (whose state stores `stored`): what a
+/// request made on the run's behalf outside any call (a webhook delivery) carries.
+pub fn run_traceparent(run: &RunId, stored: Option<&TraceContext>) -> String {
+    traceparent(trace_id_of(run, stored), run_span_id(run))
 }
 
 /// The id of the run's own span (`invoke_agent`), the parent of each of its steps.

@@ -594,6 +594,17 @@ impl Engine {
                 // an effect outside the store, so it replays safely.
                 let replay = spec.map_or(ReplayPolicy::Safe, |s| s.replay);
                 let limits = spec.map_or_else(CallLimits::default, |s| s.calls);
+                let span = ratchet_telemetry::start_tool(
+                    &Context::current(),
+                    &state,
+                    job,
+                    ToolCallSpan {
+                        tool: &call.name,
+                        call_id: &call.id,
+                        slot,
+                        replay,
+                    },
+                );
                 let context = ToolContext {
                     workspace: workspace.clone(),
                     idempotency_key: call_key(&state, job, slot),
@@ -606,18 +617,8 @@ impl Engine {
                             state.session_id.clone(),
                         )) as Arc<dyn InputWatch>
                     }),
+                    traceparent: ratchet_telemetry::traceparent(&span),
                 };
-                let span = ratchet_telemetry::start_tool(
-                    &Context::current(),
-                    &state,
-                    job,
-                    ToolCallSpan {
-                        tool: &call.name,
-                        call_id: &call.id,
-                        slot,
-                        replay,
-                    },
-                );
                 let planned = PlannedCall {
                     slot,
                     tool,

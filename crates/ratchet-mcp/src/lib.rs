@@ -23,7 +23,7 @@ use ratchet_tools::{Tool, ToolContext};
 use serde_json::Value;
 
 pub use config::{Approval, Config, DEFAULT_CALL_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, ServerConfig};
-pub use server::IDEMPOTENCY_KEY_META;
+pub use server::{IDEMPOTENCY_KEY_META, TRACEPARENT_META};
 
 use server::{RemoteTool, Server};
 
@@ -194,12 +194,7 @@ impl Tool for McpTool {
             }
         };
         self.server
-            .call(
-                &self.remote.name,
-                arguments,
-                &context.idempotency_key,
-                &context.cancel,
-            )
+            .call(&self.remote.name, arguments, &context)
             .await
     }
 }

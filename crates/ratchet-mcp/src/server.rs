@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex as SyncMutex};
 use std::time::Duration;
 
 use ratchet_core::ToolOutcome;
+use ratchet_tools::ToolContext;
 use rmcp::model::{
     CallToolRequestParams, ClientCapabilities, ClientConfig, Implementation, JsonObject,
     MetaObject, PaginatedRequestParams, ProtocolVersion, RequestMetaObject,
@@ -36,6 +37,8 @@ use crate::content;
 /// The `_meta` key that carries a call's idempotency key (`{run}#{step}#{slot}`, the same on
 /// every attempt), so that a server configured `replay = "keyed"` can deduplicate.
 pub const IDEMPOTENCY_KEY_META: &str = "ratchet/idempotency_key";
+/// The `_meta` key of a call's W3C trace context, when traces are exported.
+pub const TRACEPARENT_META: &str = "traceparent";
 
 /// The wait before restarting a server whose last connection also failed; it doubles with
 /// every further failure, up to `MAX_BACKOFF`. The first restart after a break is immediate.
@@ -130,13 +133,12 @@ impl Server {
         &self,
         tool: &str,
         arguments: Option<JsonObject>,
-        idempotency_key: &str,
-        cancel: &CancellationToken,
+        context: &ToolContext,
     ) -> ToolOutcome {
         tokio::select! {
             biased;
-            () = cancel.cancelled() => ToolOutcome::unknown("cancelled while the server had the call"),
-            outcome = self.call_until_done(tool, arguments, idempotency_key) => outcome,
+            () = context.cancel.cancelled() => ToolOutcome::unknown("cancelled while the server had the call"),
+            outcome = self.call_until_done(tool, arguments, context) => outcome,
         }
     }
 
@@ -144,7 +146,7 @@ impl Server {
         &self,
         tool: &str,
         arguments: Option<JsonObject>,
-        idempotency_key: &str,
+        context: &ToolContext,
     ) -> ToolOutcome {
         let connection = match self.connection().await {
             Ok(connection) => connection,
@@ -155,8 +157,15 @@ impl Server {
         let mut meta = MetaObject::new();
         meta.insert(
             IDEMPOTENCY_KEY_META.to_owned(),
-            Value::String(idempotency_key.to_owned()),
+            Value::String(context.idempotency_key.clone()),
         );
+        // MCP carries trace context in a request's `_meta`, on every transport.
+        if let Some(traceparent) = &context.traceparent {
+            meta.insert(
+                TRACEPARENT_META.to_owned(),
+                Value::String(traceparent.clone()),
+            );
+        }
         params.meta = Some(RequestMetaObject(meta));
         // Dropping the request future (timeout or cancellation) makes rmcp send
         // `notifications/cancelled` for it.

@@ -372,6 +372,10 @@ impl Tables {
                     url,
                     secret,
                     max_attempts,
+                    traceparent: event.run_id.as_ref().map(|run| {
+                        let stored = self.runs.get(run).and_then(|r| r.state.trace);
+                        ratchet_core::trace::run_traceparent(run, stored.as_ref())
+                    }),
                     event,
                 });
             }

@@ -359,6 +359,26 @@ pub(crate) fn mark_cancel_requested(c: &dyn Db, run_id: &RunId) -> Result<()> {
     Ok(())
 }
 
+/// The `traceparent` of `run_id`'s span, read from its state's trace context alone.
+pub(crate) fn run_traceparent(c: &dyn Db, run_id: &RunId) -> Result<String> {
+    #[derive(serde::Deserialize)]
+    struct TraceOnly {
+        #[serde(default)]
+        trace: Option<ratchet_core::TraceContext>,
+    }
+    let row = c
+        .query_opt(
+            "SELECT state_json FROM runs WHERE id = ?1",
+            &params![run_id.as_str()],
+        )?
+        .ok_or_else(|| run_not_found(run_id))?;
+    let stored: TraceOnly = from_json(&row.text(0)?, "run state")?;
+    Ok(ratchet_core::trace::run_traceparent(
+        run_id,
+        stored.trace.as_ref(),
+    ))
+}
+
 pub(crate) fn load_state(c: &dyn Db, run_id: &RunId) -> Result<AgentState> {
     let mut row = c
         .query_opt(

@@ -514,6 +514,10 @@ fn claim_due(
                     "webhook delivery {id} names event {session_id}#{seq}, which does not exist"
                 ))
             })?;
+        let traceparent = match &event.run_id {
+            Some(run) => Some(crate::runs::run_traceparent(c, run)?),
+            None => None,
+        };
         claimed.push(ClaimedDelivery {
             claim: DeliveryClaim {
                 delivery_id: id,
@@ -524,6 +528,7 @@ fn claim_due(
             secret,
             max_attempts,
             event,
+            traceparent,
         });
     }
     Ok(dead_lettered)

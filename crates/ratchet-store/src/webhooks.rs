@@ -97,6 +97,9 @@ pub struct ClaimedDelivery {
     pub secret: String,
     pub max_attempts: u32,
     pub event: StoredEvent,
+    /// The W3C `traceparent` of the event's run (`ratchet_core::trace::run_traceparent`),
+    /// for an event of a run.
+    pub traceparent: Option<String>,
 }
 
 /// How an attempt ended.

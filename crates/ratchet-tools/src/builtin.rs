@@ -247,6 +247,7 @@ mod tests {
             session_id: ratchet_core::SessionId::from_suffix("s").unwrap(),
             memory: None,
             input: None,
+            traceparent: None,
         }
     }
 

@@ -37,6 +37,8 @@ pub struct ToolContext {
     /// New input for the run's session (a user message, a steer, an inbox report), which ends
     /// a `sleep` early. None for a child run: its sleep ends on its timer or its cancel only.
     pub input: Option<Arc<dyn InputWatch>>,
+    /// The W3C `traceparent` of the call's span, when traces are exported.
+    pub traceparent: Option<String>,
 }
 
 /// Tells a waiting tool that input for its session has arrived.

@@ -231,6 +231,7 @@ mod tests {
             session_id: session("mine"),
             memory,
             input: None,
+            traceparent: None,
         }
     }
 

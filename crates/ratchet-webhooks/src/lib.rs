@@ -338,8 +338,11 @@ async fn send(http: &reqwest::Client, url: Url, delivery: &ClaimedDelivery) -> A
     })
     .to_string();
     let timestamp = now_ms();
-    let sent = http
-        .post(url)
+    let mut request = http.post(url);
+    if let Some(traceparent) = &delivery.traceparent {
+        request = request.header("traceparent", traceparent);
+    }
+    let sent = request
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .header(
             SIGNATURE_HEADER,

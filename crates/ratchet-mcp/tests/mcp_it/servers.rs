@@ -45,8 +45,12 @@ fn context(cancel: CancellationToken) -> ToolContext {
         session_id: SessionId::parse("ses_1").unwrap(),
         memory: None,
         input: None,
+        traceparent: Some(TRACEPARENT.into()),
     }
 }
+
+/// The call span's trace context, as the engine gives it when traces are exported.
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
 fn tool(tools: &McpTools, name: &str) -> Arc<dyn Tool> {
     tools
@@ -209,10 +213,12 @@ async fn calls_become_outcomes_with_the_idempotency_key_in_meta() {
         serde_json::from_str::<Value>(lines[2]).unwrap(),
         json!({"width": 1, "height": 1})
     );
-    // The idempotency key travels in `_meta`, for servers that deduplicate.
+    // The idempotency key travels in `_meta`, for servers that deduplicate, and so does the
+    // call's trace context.
     let meta = call(&tools, "local.meta", json!({})).await;
     let meta: Value = serde_json::from_str(&meta.content).unwrap();
     assert_eq!(meta["ratchet/idempotency_key"], "run_1#2#0", "{meta}");
+    assert_eq!(meta["traceparent"], TRACEPARENT, "{meta}");
     // The configured variables are set; this process's own are not passed on.
     assert_eq!(
         call(&tools, "local.env", json!({"name": "GREETING"})).await,

@@ -82,6 +82,18 @@ async fn receive(
     if header(EVENT_HEADER) != event["kind"].as_str().unwrap_or_default() {
         problems.push(format!("the event header does not name {body}"));
     }
+    // A run's event names the run's span (these runs were started without a caller's trace).
+    let traceparent = match event["run_id"].as_str() {
+        Some(run) => {
+            ratchet_core::trace::run_traceparent(&ratchet_core::RunId::parse(run).unwrap(), None)
+        }
+        None => String::new(),
+    };
+    if header("traceparent") != traceparent {
+        problems.push(format!(
+            "the traceparent header is not {traceparent:?}: {body}"
+        ));
+    }
     receiver.problems.lock().unwrap().extend(problems);
     receiver.accepted.lock().unwrap().push(Accepted {
         session_id: event["session_id"].as_str().unwrap().to_owned(),
