@@ -19,6 +19,7 @@ use crate::api::{
 };
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
+use crate::schemas::{RunIdSchema, SessionIdSchema};
 use crate::{ApiError, AppState};
 
 pub fn router() -> OpenApiRouter<AppState> {
@@ -183,14 +184,20 @@ async fn list_sessions(
         .as_deref()
         .map(|cursor| session_cursor(order, cursor))
         .transpose()?;
-    let text = query.q.as_deref().map(str::trim).filter(|q| !q.is_empty());
+    let text = query.q.as_deref().map(str::trim);
     if let Some(text) = text
-        && text.chars().count() > MAX_QUERY_CHARS
+        && !(1..=MAX_QUERY_CHARS).contains(&text.chars().count())
     {
         return Err(ApiError::bad_request(format!(
-            "q must be at most {MAX_QUERY_CHARS} characters; found {}",
+            "q must be 1 to {MAX_QUERY_CHARS} characters besides the white space around them; \
+             found {}",
             text.chars().count()
         )));
+    }
+    if query.agent.as_deref() == Some("") {
+        return Err(ApiError::bad_request(
+            "agent must name an agent of the catalog, or `default`",
+        ));
     }
     if query.created_from.is_some_and(|at| at < 0) || query.created_before.is_some_and(|at| at < 0)
     {
@@ -248,7 +255,7 @@ fn session_cursor(order: ListOrder, cursor: &str) -> Result<SessionCursor, ApiEr
 
 #[utoipa::path(
     patch, path = "/v1/sessions/{id}", tag = "sessions",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = SessionIdSchema, Path, description = "The session's id")),
     request_body = UpdateSession,
     responses((status = 200, body = SessionView), (status = "4XX", body = ErrorBody)),
 )]
@@ -280,7 +287,7 @@ const MAX_TITLE_CHARS: usize = 200;
 
 #[utoipa::path(
     get, path = "/v1/sessions/{id}", tag = "sessions",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = SessionIdSchema, Path, description = "The session's id")),
     responses((status = 200, body = SessionView), (status = "4XX", body = ErrorBody)),
 )]
 async fn get_session(
@@ -296,7 +303,7 @@ async fn get_session(
 
 #[utoipa::path(
     post, path = "/v1/sessions/{id}/messages", tag = "messages",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = SessionIdSchema, Path, description = "The session's id")),
     request_body = SendMessage,
     responses(
         (status = 202, body = MessageAccepted),
@@ -341,7 +348,7 @@ async fn send_message(
 
 #[utoipa::path(
     get, path = "/v1/sessions/{id}/messages", tag = "messages",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"), PageQuery),
+    params(("id" = SessionIdSchema, Path, description = "The session's id"), PageQuery),
     responses((status = 200, body = Page<MessageView>), (status = "4XX", body = ErrorBody)),
 )]
 async fn list_messages(
@@ -366,7 +373,7 @@ async fn list_messages(
 
 #[utoipa::path(
     get, path = "/v1/sessions/{id}/runs", tag = "runs",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"), PageQuery),
+    params(("id" = SessionIdSchema, Path, description = "The session's id"), PageQuery),
     responses((status = 200, body = Page<RunSummaryView>), (status = "4XX", body = ErrorBody)),
 )]
 async fn list_session_runs(
@@ -392,7 +399,7 @@ async fn list_session_runs(
 
 #[utoipa::path(
     get, path = "/v1/runs/{id}", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     responses((status = 200, body = RunView), (status = "4XX", body = ErrorBody)),
 )]
 async fn get_run(
@@ -406,7 +413,7 @@ async fn get_run(
 
 #[utoipa::path(
     get, path = "/v1/runs/{id}/tree", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     responses((status = 200, body = RunTreeView), (status = "4XX", body = ErrorBody)),
 )]
 async fn get_run_tree(
@@ -425,7 +432,7 @@ async fn get_run_tree(
 
 #[utoipa::path(
     get, path = "/v1/runs/{id}/steps", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$"), PageQuery),
+    params(("id" = RunIdSchema, Path, description = "The run's id"), PageQuery),
     responses((status = 200, body = Page<StepView>), (status = "4XX", body = ErrorBody)),
 )]
 async fn list_steps(
@@ -453,8 +460,8 @@ async fn list_steps(
 #[utoipa::path(
     get, path = "/v1/runs/{id}/steps/{index}", tag = "runs",
     params(
-        ("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$"),
-        ("index" = u64, Path, description = "The step's index (steps are numbered from 1)"),
+        ("id" = RunIdSchema, Path, description = "The run's id"),
+        ("index" = u64, Path, minimum = 1, description = "The step's index (steps are numbered from 1)"),
     ),
     responses(
         (status = 200, body = StepDetailView, description = "The committed step, with the request its model call was sent and the messages it wrote"),
@@ -516,7 +523,7 @@ async fn get_step(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/cancel", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     responses((status = 200, body = CancelView), (status = "4XX", body = ErrorBody)),
 )]
 async fn cancel_run(
@@ -539,7 +546,7 @@ async fn cancel_run(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/pause", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     responses(
         (status = 200, body = PauseView),
         (status = 409, body = ErrorBody, description = "the run is not running (only a running run can be paused)"),
@@ -565,7 +572,7 @@ async fn pause_run(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/resume", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     responses(
         (status = 200, body = ResumedView),
         (status = 409, body = ErrorBody, description = "the run is not paused and has no pause pending"),
@@ -588,7 +595,7 @@ async fn resume_run(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/reconcile", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     request_body = ReconcileRequest,
     responses(
         (status = 200, body = ReconcileView),
@@ -629,7 +636,7 @@ async fn reconcile_run(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/retry", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     responses(
         (status = 200, body = ResumedView),
         (status = 409, body = ErrorBody, description = "the run has not failed, or its session has another active run"),
@@ -647,7 +654,7 @@ async fn retry_run(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/continue", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     request_body = ContinueRequest,
     responses(
         (status = 200, body = ResumedView),
@@ -662,13 +669,7 @@ async fn continue_run(
     ApiPath(id): ApiPath<String>,
     ApiJson(body): ApiJson<ContinueRequest>,
 ) -> Result<axum::Json<ResumedView>, ApiError> {
-    let extension = ratchet_core::BudgetExtension {
-        steps: body.extra_steps.unwrap_or(0),
-        model_calls: body.extra_model_calls.unwrap_or(0),
-        tool_calls: body.extra_tool_calls.unwrap_or(0),
-        tokens: body.extra_tokens.unwrap_or(0),
-        duration_ms: body.extra_duration_ms.unwrap_or(0),
-    };
+    let extension = body.extension()?;
     let how = ratchet_core::step::Resumption::Continue { extension };
     resume(&state, &tenant, &id, how).await
 }
