@@ -4,7 +4,6 @@
 //! the bounds the server enforces; cursors are opaque strings; request bodies require what
 //! the server requires and refuse unknown fields as the server does.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -281,55 +280,59 @@ async fn cursors_are_opaque_strings_the_server_issued() {
 #[tokio::test]
 async fn request_bodies_require_what_the_server_requires_and_nothing_else() {
     let document = document().await;
-    let expected: BTreeMap<(&str, &str), (&[&str], bool)> = BTreeMap::from([
-        (("post", "/v1/sessions"), (&[][..], true)),
-        (("patch", "/v1/sessions/{id}"), (&["title"][..], true)),
-        (
-            ("post", "/v1/sessions/{id}/messages"),
-            (&["content"][..], true),
-        ),
-        (
-            ("post", "/v1/runs/{id}/reconcile"),
-            (&["call_id", "outcome"][..], true),
-        ),
-        (("post", "/v1/runs/{id}/continue"), (&[][..], true)),
-        (("post", "/v1/approvals/{id}"), (&[][..], true)),
-        (("post", "/v1/webhooks"), (&["url"][..], true)),
-        (
-            ("post", "/v1/webhooks/{id}/rotate-secret"),
-            (&[][..], false),
-        ),
-        (
-            ("post", "/v1/sessions/{id}/inbox/{event_id}/requeue"),
-            (&[][..], false),
-        ),
-        (
-            ("post", "/v1/sessions/{id}/inbox/{event_id}/discard"),
-            (&[][..], false),
-        ),
-    ]);
-    let mut found = BTreeMap::new();
+    // Per body: whether it must be sent, and the fields each of its shapes requires.
+    let expected = json!({
+        "post /v1/sessions": [true, [[]]],
+        "patch /v1/sessions/{id}": [true, [["title"]]],
+        "post /v1/sessions/{id}/messages": [true, [["content"]]],
+        "post /v1/runs/{id}/reconcile": [true, [["call_id", "outcome"]]],
+        "post /v1/runs/{id}/continue": [true, [[]]],
+        "post /v1/approvals/{id}": [true, [["decisions"], ["abort"]]],
+        "post /v1/webhooks": [true, [["url"]]],
+        "post /v1/webhooks/{id}/rotate-secret": [false, [[]]],
+        "post /v1/sessions/{id}/inbox/{event_id}/requeue": [false, [[]]],
+        "post /v1/sessions/{id}/inbox/{event_id}/discard": [false, [[]]],
+    });
+    let mut found = serde_json::Map::new();
     for (method, path, operation) in operations(&document) {
         let body = &operation["requestBody"];
         if body.is_null() {
             continue;
         }
         let schema = resolved(&document, &body["content"]["application/json"]["schema"]);
-        assert_eq!(
-            schema["additionalProperties"], false,
-            "{method} {path}: the server refuses unknown fields: {schema}"
-        );
-        let required: Vec<String> = (schema["required"].as_array().into_iter().flatten())
-            .map(|name| name.as_str().unwrap().to_owned())
-            .collect();
-        let body_required = body["required"].as_bool().unwrap_or(false);
-        found.insert((method, path), (required, body_required));
+        let shapes = match schema["oneOf"].as_array() {
+            Some(shapes) => shapes.iter().collect(),
+            None => vec![schema],
+        };
+        let mut required = Vec::new();
+        for shape in shapes {
+            assert_eq!(
+                (&shape["type"], &shape["additionalProperties"]),
+                (&json!("object"), &json!(false)),
+                "{method} {path}: an object, and the server refuses unknown fields: {shape}"
+            );
+            required.push(shape.get("required").cloned().unwrap_or(json!([])));
+        }
+        let must_send = body["required"].as_bool().unwrap_or(false);
+        found.insert(format!("{method} {path}"), json!([must_send, required]));
     }
-    let expected: BTreeMap<(String, String), (Vec<String>, bool)> = (expected.into_iter())
-        .map(|((method, path), (required, body))| {
-            let required = required.iter().map(|name| name.to_string()).collect();
-            ((method.to_owned(), path.to_owned()), (required, body))
-        })
-        .collect();
-    assert_eq!(found, expected);
+    assert_eq!(Value::Object(found), expected);
+}
+
+#[tokio::test]
+async fn an_optional_body_is_absent_or_an_object_never_null() {
+    let document = document().await;
+    let paths = &document["paths"];
+    for path in [
+        "/v1/webhooks/{id}/rotate-secret",
+        "/v1/sessions/{id}/inbox/{event_id}/requeue",
+        "/v1/sessions/{id}/inbox/{event_id}/discard",
+    ] {
+        let body = &paths[path]["post"]["requestBody"];
+        let schema = &body["content"]["application/json"]["schema"];
+        assert!(
+            schema["$ref"].is_string(),
+            "{path}: the server refuses a `null` body: {schema}"
+        );
+    }
 }
