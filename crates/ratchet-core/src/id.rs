@@ -26,6 +26,8 @@ macro_rules! typed_id {
 
         impl $name {
             pub const PREFIX: &'static str = $prefix;
+            /// The most characters after the prefix.
+            pub const MAX_SUFFIX_LEN: usize = $max_len;
 
             /// Builds an id from a caller-supplied unique suffix (for example a UUIDv7).
             pub fn from_suffix(suffix: &str) -> Result<Self, IdError> {

@@ -5,10 +5,16 @@ use ratchet_core::{
     AgentProfile, AgentState, ApprovalPolicy, Counters, Message, Millis, RunStatus, StepRecord,
     ToolSpec,
 };
+use ratchet_core::{DeliveryStatus, InboxStatus};
 use ratchet_store::{Approval, RunSummary, Session, StoredEvent, StoredMessage, TreeNode};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use utoipa::ToSchema;
+
+use crate::schemas::{
+    ApprovalIdSchema, ApprovalStatusSchema, DeliveryStatusSchema, InboxStatusSchema,
+    MessageIdSchema, RunIdSchema, RunStatusSchema, SessionIdSchema, SessionStatusSchema,
+};
 
 /// Largest request body accepted, in bytes.
 pub const MAX_BODY_BYTES: usize = 1 << 20;
@@ -34,10 +40,12 @@ pub struct ErrorDetail {
     pub problems: Vec<String>,
 }
 
-/// Every listing: a page of items and the cursor of the next page (absent on the last).
+/// Every listing: a page of items and the cursor of the next page (null on the last).
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Page<T> {
     pub items: Vec<T>,
+    /// An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+    /// page.
     pub next_cursor: Option<String>,
 }
 
@@ -59,7 +67,7 @@ impl<T> Page<T> {
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct PageQuery {
-    /// The `next_cursor` of the previous page.
+    /// An opaque cursor the server issued: the `next_cursor` of the previous page, unchanged.
     #[param(min_length = 1)]
     pub cursor: Option<String>,
     /// Items per page, 1–200 (default 50).
@@ -73,49 +81,81 @@ impl PageQuery {
     }
 }
 
-/// A page of a list that can be filtered by status, in id order (an inbox, a delivery log).
+/// `GET /v1/sessions/{id}/inbox`: a page of a session's inbox, in id order.
 #[derive(Debug, Deserialize, ToSchema, utoipa::IntoParams)]
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
-pub struct StatusPageQuery {
-    /// The `next_cursor` of the previous page.
+pub struct InboxQuery {
+    /// An opaque cursor the server issued: the `next_cursor` of the previous page, unchanged.
     #[param(min_length = 1)]
     pub cursor: Option<String>,
     /// Items per page, 1–200 (default 50).
     #[param(minimum = 1, maximum = 200)]
     pub limit: Option<u32>,
-    /// Only items in this status (`dead_letter` lists the dead letters).
+    /// Only events in this status (`dead_letter` lists the dead letters).
+    #[param(value_type = Option<InboxStatusSchema>)]
     pub status: Option<String>,
 }
 
-impl StatusPageQuery {
-    /// The id the page starts after (0 for the first page), its size, and the status asked
-    /// for, one of `all` by the name `name_of` gives it; `what` names the statuses in errors.
-    pub fn checked<T: Copy>(
-        &self,
-        what: &str,
-        all: &[T],
-        name_of: impl Fn(T) -> &'static str,
-    ) -> Result<(i64, u32, Option<T>), crate::ApiError> {
+impl InboxQuery {
+    /// The id the page starts after (0 for the first page), its size, and the status asked for.
+    pub fn checked(&self) -> Result<(i64, u32, Option<InboxStatus>), crate::ApiError> {
+        let status = status_named(self.status.as_deref(), "inbox", &InboxStatus::ALL, |s| {
+            s.as_str()
+        })?;
         let after = crate::routes::numeric_cursor(self.cursor.as_deref())?;
-        let limit = page_limit(self.limit)?;
-        let status = match self.status.as_deref() {
-            None => None,
-            Some(text) => Some(
-                all.iter()
-                    .copied()
-                    .find(|status| name_of(*status) == text)
-                    .ok_or_else(|| {
-                        let known: Vec<&str> = all.iter().map(|s| name_of(*s)).collect();
-                        crate::ApiError::bad_request(format!(
-                            "unknown {what} status {text:?}; expected one of {}",
-                            known.join(", ")
-                        ))
-                    })?,
-            ),
-        };
-        Ok((after, limit, status))
+        Ok((after, page_limit(self.limit)?, status))
     }
+}
+
+/// `GET /v1/webhooks/{id}/deliveries`: a page of a webhook's delivery log, in id order.
+#[derive(Debug, Deserialize, ToSchema, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+#[serde(deny_unknown_fields)]
+pub struct DeliveriesQuery {
+    /// An opaque cursor the server issued: the `next_cursor` of the previous page, unchanged.
+    #[param(min_length = 1)]
+    pub cursor: Option<String>,
+    /// Items per page, 1–200 (default 50).
+    #[param(minimum = 1, maximum = 200)]
+    pub limit: Option<u32>,
+    /// Only deliveries in this status (`dead_letter` lists the dead letters).
+    #[param(value_type = Option<DeliveryStatusSchema>)]
+    pub status: Option<String>,
+}
+
+impl DeliveriesQuery {
+    /// The id the page starts after (0 for the first page), its size, and the status asked for.
+    pub fn checked(&self) -> Result<(i64, u32, Option<DeliveryStatus>), crate::ApiError> {
+        let status = status_named(
+            self.status.as_deref(),
+            "delivery",
+            &DeliveryStatus::ALL,
+            |s| s.as_str(),
+        )?;
+        let after = crate::routes::numeric_cursor(self.cursor.as_deref())?;
+        Ok((after, page_limit(self.limit)?, status))
+    }
+}
+
+/// The status of `all` that `name_of` names `text`; `what` names the statuses in errors.
+fn status_named<T: Copy>(
+    text: Option<&str>,
+    what: &str,
+    all: &[T],
+    name_of: impl Fn(T) -> &'static str,
+) -> Result<Option<T>, crate::ApiError> {
+    let Some(text) = text else {
+        return Ok(None);
+    };
+    let found = all.iter().copied().find(|status| name_of(*status) == text);
+    found.map(Some).ok_or_else(|| {
+        let known: Vec<&str> = all.iter().map(|s| name_of(*s)).collect();
+        crate::ApiError::bad_request(format!(
+            "unknown {what} status {text:?}; expected one of {}",
+            known.join(", ")
+        ))
+    })
 }
 
 /// `GET /v1/sessions`: a page of the tenant's sessions that match every filter given, in
@@ -124,7 +164,8 @@ impl StatusPageQuery {
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct SessionsQuery {
-    /// The `next_cursor` of the previous page (of the same order and filters).
+    /// An opaque cursor the server issued: the `next_cursor` of the previous page of the same
+    /// order and filters, unchanged.
     #[param(min_length = 1)]
     pub cursor: Option<String>,
     /// Items per page, 1–200 (default 50).
@@ -146,8 +187,9 @@ pub struct SessionsQuery {
     /// Created before this time (ms since the epoch).
     #[param(minimum = 0)]
     pub created_before: Option<i64>,
-    /// Text found, in any case, in the session's id, its title or its visible messages.
-    #[param(min_length = 1, max_length = 200)]
+    /// Text found, in any case, in the session's id, its title or its visible messages: 1–200
+    /// characters besides the white space around them.
+    #[param(min_length = 1, max_length = 200, pattern = "\\S")]
     pub q: Option<String>,
 }
 
@@ -173,7 +215,13 @@ pub enum SessionStatusFilter {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UpdateSession {
-    /// The session's new title: 1–200 characters, not only spaces, no control characters.
+    /// The session's new title: 1–200 characters once the white space around it is trimmed,
+    /// not only white space, no control characters.
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$"
+    )]
     pub title: String,
 }
 
@@ -206,15 +254,18 @@ pub struct CreateSession {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct SessionView {
+    #[schema(value_type = SessionIdSchema)]
     pub id: String,
     pub created_at: Millis,
     pub agent: Option<String>,
     pub metadata: Option<Value>,
     /// The run currently holding the session, if any.
+    #[schema(value_type = Option<RunIdSchema>)]
     pub active_run_id: Option<String>,
     /// When the session was archived: it takes no more messages.
     pub archived_at: Option<Millis>,
     /// `archived`, the active run's status (`running`, `waiting_human`, …), or `idle`.
+    #[schema(value_type = SessionStatusSchema)]
     pub status: String,
     /// When the session's latest event was written (its creation, before any).
     pub last_activity_at: Millis,
@@ -224,6 +275,7 @@ pub struct SessionView {
     pub last_run_status: Option<String>,
     /// For a delegated run's session: the session of the run that delegated it. Such a
     /// session is read-only: messages go to its root session.
+    #[schema(value_type = Option<SessionIdSchema>)]
     pub parent_session_id: Option<String>,
 }
 
@@ -275,8 +327,10 @@ pub struct SendMessage {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct MessageAccepted {
+    #[schema(value_type = MessageIdSchema)]
     pub message_id: String,
     /// The message's run; for a steering message, the active run it will join.
+    #[schema(value_type = RunIdSchema)]
     pub run_id: String,
     /// `running` when the run started at once, `queued` behind the session's active run (for
     /// a steering message, the active run's status).
@@ -287,7 +341,9 @@ pub struct MessageAccepted {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct MessageView {
+    #[schema(value_type = MessageIdSchema)]
     pub id: String,
+    #[schema(value_type = RunIdSchema)]
     pub run_id: String,
     /// `user`, `assistant` or `tool`.
     pub role: String,
@@ -353,10 +409,13 @@ impl UsageView {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct RunView {
+    #[schema(value_type = RunIdSchema)]
     pub id: String,
+    #[schema(value_type = SessionIdSchema)]
     pub session_id: String,
     /// `queued`, `running`, `waiting_human`, `waiting_children`, `paused`, `cancelling`,
     /// `completed`, `failed` or `cancelled`.
+    #[schema(value_type = RunStatusSchema)]
     pub status: String,
     pub stop_reason: Option<String>,
     /// A pause was asked for while a step was in flight: the run pauses when that step ends.
@@ -389,6 +448,7 @@ pub struct RunView {
     /// file as it was then.
     pub agent: Option<RunAgentView>,
     /// The run that delegated this one, for a child run.
+    #[schema(value_type = Option<RunIdSchema>)]
     pub parent_run_id: Option<String>,
 }
 
@@ -512,6 +572,7 @@ impl From<&AgentProfile> for AgentView {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct RunTreeView {
     /// The run asked about: the first node.
+    #[schema(value_type = RunIdSchema)]
     pub run_id: String,
     /// Parents before their children, each level in creation order.
     pub nodes: Vec<TreeNodeView>,
@@ -519,10 +580,13 @@ pub struct RunTreeView {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct TreeNodeView {
+    #[schema(value_type = RunIdSchema)]
     pub run_id: String,
     /// Each delegated run has a session of its own.
+    #[schema(value_type = SessionIdSchema)]
     pub session_id: String,
     /// The run whose delegation started it; absent for a run started by a message.
+    #[schema(value_type = Option<RunIdSchema>)]
     pub parent_run_id: Option<String>,
     /// The catalog agent it runs, when it was started from one.
     pub agent: Option<String>,
@@ -531,6 +595,7 @@ pub struct TreeNodeView {
     pub depth: u32,
     /// Started with `mode: "background"`: it reports to the session's inbox.
     pub background: bool,
+    #[schema(value_type = RunStatusSchema)]
     pub status: String,
     pub stop_reason: Option<String>,
     /// Its committed steps.
@@ -564,8 +629,11 @@ impl From<TreeNode> for TreeNodeView {
 /// A run as listed: its state without usage details.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct RunSummaryView {
+    #[schema(value_type = RunIdSchema)]
     pub id: String,
+    #[schema(value_type = SessionIdSchema)]
     pub session_id: String,
+    #[schema(value_type = RunStatusSchema)]
     pub status: String,
     pub stop_reason: Option<String>,
     pub step_index: u64,
@@ -694,9 +762,11 @@ impl From<Message> for ModelMessageView {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct CancelView {
+    #[schema(value_type = RunIdSchema)]
     pub run_id: String,
     /// `cancelled` when the run ended at once, `cancelling` while its step winds down, or the
     /// terminal status it already had.
+    #[schema(value_type = RunStatusSchema)]
     pub status: String,
 }
 
@@ -705,7 +775,9 @@ pub struct CancelView {
 pub struct EventView {
     /// Per-session, gap-free and increasing: resume with `Last-Event-ID` or `?after=`.
     pub seq: i64,
+    #[schema(value_type = SessionIdSchema)]
     pub session_id: String,
+    #[schema(value_type = Option<RunIdSchema>)]
     pub run_id: Option<String>,
     pub kind: String,
     #[schema(value_type = Object)]
@@ -754,7 +826,9 @@ fn event_view_json() -> utoipa::openapi::Object {
 /// client's cursor, and no replay contains it.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct LiveActivityView {
+    #[schema(value_type = SessionIdSchema)]
     pub session_id: String,
+    #[schema(value_type = RunIdSchema)]
     pub run_id: String,
     /// Always `activity`.
     pub kind: &'static str,
@@ -784,6 +858,7 @@ pub struct TreeEventView {
     #[serde(flatten)]
     pub event: EventView,
     /// The run that started this event's run; `null` for the tree's root.
+    #[schema(value_type = Option<RunIdSchema>)]
     pub parent_run_id: Option<String>,
     /// Levels below the run a message started (0).
     pub depth: u32,
@@ -804,6 +879,7 @@ impl TreeEventView {
 pub struct TreeActivityView {
     #[serde(flatten)]
     pub activity: LiveActivityView,
+    #[schema(value_type = Option<RunIdSchema>)]
     pub parent_run_id: Option<String>,
     pub depth: u32,
 }
@@ -894,19 +970,25 @@ pub struct ReconcileRequest {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ReconcileView {
+    #[schema(value_type = RunIdSchema)]
     pub run_id: String,
     /// `running` once every call in doubt is answered; `waiting_human` before. A call left in
     /// doubt by an ended run is recorded and the run keeps its terminal status.
+    #[schema(value_type = RunStatusSchema)]
     pub status: String,
 }
 
 /// A gated tool batch: no call of it runs until a human answers.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ApprovalView {
+    #[schema(value_type = ApprovalIdSchema)]
     pub id: String,
+    #[schema(value_type = RunIdSchema)]
     pub run_id: String,
+    #[schema(value_type = SessionIdSchema)]
     pub session_id: String,
     /// `pending`, `decided`, `aborted`, or `cancelled` (its run ended unanswered).
+    #[schema(value_type = ApprovalStatusSchema)]
     pub status: String,
     /// Every call of the batch, in the model's order.
     pub calls: Vec<ApprovalCallView>,
@@ -974,9 +1056,10 @@ impl From<Approval> for ApprovalView {
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ApprovalsQuery {
-    /// Only approvals with this status: `pending`, `decided`, `aborted` or `cancelled`.
+    /// Only approvals with this status.
+    #[param(value_type = Option<ApprovalStatusSchema>)]
     pub status: Option<String>,
-    /// The `next_cursor` of the previous page.
+    /// An opaque cursor the server issued: the `next_cursor` of the previous page, unchanged.
     #[param(min_length = 1)]
     pub cursor: Option<String>,
     /// Items per page, 1–200 (default 50).
@@ -1002,11 +1085,66 @@ pub struct CallDecisionBody {
 
 /// Either `decisions` (every call that needs approval, once) or `"abort": true`, which ends
 /// the run as cancelled by a human.
-#[derive(Debug, Deserialize, ToSchema)]
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ApprovalRequestBody {
     pub decisions: Option<Vec<CallDecisionBody>>,
     pub abort: Option<bool>,
+}
+
+/// Written by hand: the derive would make both fields optional, and `{}` (or both given) is
+/// refused. One of two shapes, exactly as `answer_approval` reads the body.
+impl utoipa::PartialSchema for ApprovalRequestBody {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        let decisions = json!({
+            "type": "array",
+            "items": {"$ref": "#/components/schemas/CallDecisionBody"},
+            "description": "One decision per call that needs approval; a call left out is approved.",
+        });
+        let schema = json!({
+            "description": "Either `decisions` (every call that needs approval, once) or \
+                            `\"abort\": true`, which ends the run as cancelled by a human.",
+            "oneOf": [
+                {
+                    "type": "object",
+                    "title": "Decisions",
+                    "required": ["decisions"],
+                    "properties": {
+                        "decisions": decisions,
+                        "abort": {"type": ["boolean", "null"], "enum": [false, null]},
+                    },
+                    "additionalProperties": false,
+                },
+                {
+                    "type": "object",
+                    "title": "Abort",
+                    "required": ["abort"],
+                    "properties": {
+                        "abort": {"type": "boolean", "enum": [true]},
+                        "decisions": {"type": "null"},
+                    },
+                    "additionalProperties": false,
+                },
+            ],
+        });
+        serde_json::from_value(schema).expect("the approval body's schema is a schema")
+    }
+}
+
+impl ToSchema for ApprovalRequestBody {
+    fn schemas(
+        schemas: &mut Vec<(
+            String,
+            utoipa::openapi::RefOr<utoipa::openapi::schema::Schema>,
+        )>,
+    ) {
+        use utoipa::PartialSchema;
+        schemas.push((
+            CallDecisionBody::name().into_owned(),
+            CallDecisionBody::schema(),
+        ));
+        <CallDecisionBody as ToSchema>::schemas(schemas);
+    }
 }
 
 /// Budget to add when continuing a failed run; each field is added to the run's limit of
@@ -1014,15 +1152,59 @@ pub struct ApprovalRequestBody {
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ContinueRequest {
+    #[serde(default, deserialize_with = "whole_number")]
     pub extra_steps: Option<u64>,
+    #[serde(default, deserialize_with = "whole_number")]
     pub extra_model_calls: Option<u64>,
+    #[serde(default, deserialize_with = "whole_number")]
     pub extra_tool_calls: Option<u64>,
+    #[serde(default, deserialize_with = "whole_number")]
     pub extra_tokens: Option<u64>,
+    #[serde(default, deserialize_with = "whole_number")]
     pub extra_duration_ms: Option<u64>,
+}
+
+/// A JSON integer, which JSON Schema lets a client write with a zero fraction (`3.0`) and some
+/// clients' numbers always do.
+fn whole_number<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<u64>, D::Error> {
+    let Some(number) = Option::<serde_json::Number>::deserialize(deserializer)? else {
+        return Ok(None);
+    };
+    let whole = number.as_u64().or_else(|| {
+        let float = number.as_f64()?;
+        (float.fract() == 0.0 && (0.0..=u64::MAX as f64).contains(&float)).then_some(float as u64)
+    });
+    whole.map(Some).ok_or_else(|| {
+        serde::de::Error::custom(format!("expected a whole number from 0, found {number}"))
+    })
+}
+
+impl ContinueRequest {
+    /// The extension asked for. Each amount is at most `i64::MAX`, as the document says
+    /// (`int64`): what every client's JSON numbers can be trusted to hold.
+    pub fn extension(&self) -> Result<ratchet_core::BudgetExtension, crate::ApiError> {
+        let amount = |name: &str, extra: Option<u64>| match extra {
+            Some(extra) if extra > i64::MAX as u64 => Err(crate::ApiError::unprocessable(format!(
+                "{name} must be at most {}, found {extra}",
+                i64::MAX
+            ))),
+            extra => Ok(extra.unwrap_or(0)),
+        };
+        Ok(ratchet_core::BudgetExtension {
+            steps: amount("extra_steps", self.extra_steps)?,
+            model_calls: amount("extra_model_calls", self.extra_model_calls)?,
+            tool_calls: amount("extra_tool_calls", self.extra_tool_calls)?,
+            tokens: amount("extra_tokens", self.extra_tokens)?,
+            duration_ms: amount("extra_duration_ms", self.extra_duration_ms)?,
+        })
+    }
 }
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ResumedView {
+    #[schema(value_type = RunIdSchema)]
     pub run_id: String,
     /// `running`: the run's next step is enqueued (or, for a pause not reached yet, the run
     /// simply goes on).
@@ -1031,6 +1213,7 @@ pub struct ResumedView {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct PauseView {
+    #[schema(value_type = RunIdSchema)]
     pub run_id: String,
     /// `paused` when the run stopped at once (or was paused already), `pausing` while the
     /// step in flight finishes: its commit pauses the run.

@@ -12,6 +12,7 @@ use crate::api::{
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
 use crate::routes::tenant_session;
+use crate::schemas::ApprovalIdSchema;
 use crate::{ApiError, AppState};
 
 pub fn router() -> OpenApiRouter<AppState> {
@@ -82,7 +83,7 @@ async fn list_approvals(
 
 #[utoipa::path(
     get, path = "/v1/approvals/{id}", tag = "approvals",
-    params(("id" = String, Path, description = "Approval id (`apr_…`)", pattern = "^apr_[A-Za-z0-9-]{1,85}$")),
+    params(("id" = ApprovalIdSchema, Path, description = "The approval's id")),
     responses((status = 200, body = ApprovalView), (status = "4XX", body = ErrorBody)),
 )]
 async fn get_approval(
@@ -98,7 +99,7 @@ async fn get_approval(
 
 #[utoipa::path(
     post, path = "/v1/approvals/{id}", tag = "approvals",
-    params(("id" = String, Path, description = "Approval id (`apr_…`)", pattern = "^apr_[A-Za-z0-9-]{1,85}$")),
+    params(("id" = ApprovalIdSchema, Path, description = "The approval's id")),
     request_body = ApprovalRequestBody,
     responses(
         (status = 200, body = ApprovalView, description = "answered (or the same answer again)"),

@@ -3,7 +3,7 @@
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use ratchet_core::{InboxStatus, Millis};
+use ratchet_core::Millis;
 use ratchet_store::{Closing, DeadLetterAction, InboxEvent};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -11,10 +11,11 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::api::{ErrorBody, Page, SessionView, StatusPageQuery};
+use crate::api::{ErrorBody, InboxQuery, Page, SessionView};
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
 use crate::routes::{parse_session_id, tenant_session};
+use crate::schemas::{InboxStatusSchema, RunIdSchema, SessionIdSchema};
 use crate::{ApiError, AppState};
 
 pub fn router() -> OpenApiRouter<AppState> {
@@ -35,11 +36,14 @@ pub struct InboxEventView {
     /// `reserved` (a place held for running work), `pending`, `leased` (a continuation turn
     /// holds it), `consumed`, `dead_letter`, `superseded` or `discarded` (a dead letter an
     /// operator dropped).
+    #[schema(value_type = InboxStatusSchema)]
     pub status: String,
     /// `queue` or `steer`.
     pub delivery: String,
     /// The run whose `delegate` call started the work.
+    #[schema(value_type = RunIdSchema)]
     pub parent_run_id: String,
+    #[schema(value_type = Option<RunIdSchema>)]
     pub source_run_id: Option<String>,
     pub group: Option<String>,
     /// What the work reported; absent while the event is a reservation.
@@ -48,6 +52,7 @@ pub struct InboxEventView {
     pub max_attempts: u32,
     pub available_at: Option<Millis>,
     /// The continuation run holding it, or that consumed it.
+    #[schema(value_type = Option<RunIdSchema>)]
     pub lease_run_id: Option<String>,
     /// Why it was dead-lettered, superseded or discarded, why its last attempt failed, or who
     /// requeued it.
@@ -86,7 +91,7 @@ impl From<InboxEvent> for InboxEventView {
 
 #[utoipa::path(
     get, path = "/v1/sessions/{id}/inbox", tag = "sessions",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"), StatusPageQuery),
+    params(("id" = SessionIdSchema, Path, description = "The session's id"), InboxQuery),
     responses(
         (status = 200, body = Page<InboxEventView>, description = "The session's inbox events in the order they were created, dead letters included"),
         (status = "4XX", body = ErrorBody),
@@ -96,10 +101,10 @@ async fn list_inbox(
     State(state): State<AppState>,
     tenant: Tenant,
     ApiPath(id): ApiPath<String>,
-    ApiQuery(query): ApiQuery<StatusPageQuery>,
+    ApiQuery(query): ApiQuery<InboxQuery>,
 ) -> Result<axum::Json<Page<InboxEventView>>, ApiError> {
     let id = parse_session_id(&id)?;
-    let (after, limit, status) = query.checked("inbox", &InboxStatus::ALL, InboxStatus::as_str)?;
+    let (after, limit, status) = query.checked()?;
     tenant_session(&state, &tenant, &id).await?;
     let events = state
         .coordinator
@@ -116,7 +121,13 @@ async fn list_inbox(
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct OperatorBody {
-    /// Who requeues or discards it (at most 200 characters); the caller's tenant when absent.
+    /// Who requeues or discards it: 1–200 characters, not only white space, no control
+    /// characters; the caller's tenant when absent.
+    #[schema(
+        min_length = 1,
+        max_length = 200,
+        pattern = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$"
+    )]
     pub by: Option<String>,
 }
 
@@ -151,8 +162,8 @@ fn inbox_event_path(
 #[utoipa::path(
     post, path = "/v1/sessions/{id}/inbox/{event_id}/requeue", tag = "sessions",
     params(
-        ("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"),
-        ("event_id" = i64, Path, description = "Inbox event id"),
+        ("id" = SessionIdSchema, Path, description = "The session's id"),
+        ("event_id" = i64, Path, minimum = 1, description = "The inbox event's id"),
     ),
     request_body(content = Option<OperatorBody>, description = "Optional: who requeues it"),
     responses(
@@ -175,8 +186,8 @@ async fn requeue_inbox_event(
 #[utoipa::path(
     post, path = "/v1/sessions/{id}/inbox/{event_id}/discard", tag = "sessions",
     params(
-        ("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"),
-        ("event_id" = i64, Path, description = "Inbox event id"),
+        ("id" = SessionIdSchema, Path, description = "The session's id"),
+        ("event_id" = i64, Path, minimum = 1, description = "The inbox event's id"),
     ),
     request_body(content = Option<OperatorBody>, description = "Optional: who discards it"),
     responses(
@@ -213,7 +224,7 @@ async fn act_on_dead_letter(
 
 #[utoipa::path(
     post, path = "/v1/sessions/{id}/archive", tag = "sessions",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = SessionIdSchema, Path, description = "The session's id")),
     responses(
         (status = 200, body = SessionView, description = "Archived: its runs (background ones included) are cancelled, its inbox dead-lettered; it takes no more messages and starts no continuation. Everything stays readable."),
         (status = 409, body = ErrorBody, description = "the session is already archived"),
@@ -238,7 +249,7 @@ async fn archive_session(
 
 #[utoipa::path(
     delete, path = "/v1/sessions/{id}", tag = "sessions",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = SessionIdSchema, Path, description = "The session's id")),
     responses(
         (status = 204, description = "Deleted: closed as by archive, and no longer listed or readable through the API; its records stay in the database"),
         (status = 422, body = ErrorBody, description = "the session holds a delegated run: delete its root session"),

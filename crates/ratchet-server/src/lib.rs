@@ -17,6 +17,7 @@ mod listener;
 mod metrics;
 pub mod reload;
 mod routes;
+mod schemas;
 mod sse;
 mod streams;
 mod webhooks;
@@ -130,15 +131,61 @@ impl AppState {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "Ratchet", description = "A durable runtime for LLM agents."),
+    // Schemas that only parameters or encoded stream data name: the routes collect those
+    // of bodies by themselves.
     components(schemas(
         api::ErrorBody,
         api::EventView,
         api::LiveActivityView,
         api::TreeEventView,
-        api::TreeActivityView
+        api::TreeActivityView,
+        api::SessionOrder,
+        api::SessionStatusFilter,
+        schemas::SessionIdSchema,
+        schemas::RunIdSchema,
+        schemas::ApprovalIdSchema,
+        schemas::WebhookIdSchema,
+        schemas::ApprovalStatusSchema,
+        schemas::InboxStatusSchema,
+        schemas::DeliveryStatusSchema,
     ))
 )]
 struct ApiDoc;
+
+/// The document with each optional request body described as what it is: absent, or the
+/// object. utoipa writes an `Option<T>` body as `T` or `null`, but the server reads an empty
+/// body as none and refuses a `null` one like any body that is not an object.
+fn optional_bodies_without_null(mut openapi: utoipa::openapi::OpenApi) -> utoipa::openapi::OpenApi {
+    use utoipa::openapi::schema::{Schema, Type};
+    use utoipa::openapi::{RefOr, Required};
+    let is_null = |schema: &RefOr<Schema>| {
+        matches!(schema, RefOr::T(Schema::Object(object))
+            if object.schema_type == Type::Null.into())
+    };
+    for item in openapi.paths.paths.values_mut() {
+        let operations = [&mut item.post, &mut item.put, &mut item.patch];
+        let bodies = (operations.into_iter().flatten())
+            .filter_map(|operation| match operation.request_body.as_mut() {
+                Some(RefOr::T(body)) => Some(body),
+                Some(RefOr::Ref(_)) | None => None,
+            })
+            .filter(|body| body.required != Some(Required::True));
+        for body in bodies {
+            for content in body.content.values_mut() {
+                let RefOr::T(content) = content else {
+                    continue;
+                };
+                if let Some(RefOr::T(Schema::OneOf(one_of))) = &mut content.schema {
+                    one_of.items.retain(|branch| !is_null(branch));
+                    if let [only] = &one_of.items[..] {
+                        content.schema = Some(only.clone());
+                    }
+                }
+            }
+        }
+    }
+    openapi
+}
 
 /// The whole HTTP surface, ready to serve (or to test without a socket).
 pub fn app(state: AppState) -> Router {
@@ -151,7 +198,7 @@ pub fn app(state: AppState) -> Router {
         .merge(metrics::router())
         .merge(reload::router())
         .split_for_parts();
-    let openapi = Arc::new(openapi);
+    let openapi = Arc::new(optional_bodies_without_null(openapi));
     router
         .route(
             "/openapi.json",

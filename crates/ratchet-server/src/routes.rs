@@ -21,6 +21,7 @@ use crate::api::{
 };
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
+use crate::schemas::{RunIdSchema, SessionIdSchema};
 use crate::{ApiError, AppState};
 
 pub fn router() -> OpenApiRouter<AppState> {
@@ -185,14 +186,20 @@ async fn list_sessions(
         .as_deref()
         .map(|cursor| session_cursor(order, cursor))
         .transpose()?;
-    let text = query.q.as_deref().map(str::trim).filter(|q| !q.is_empty());
+    let text = query.q.as_deref().map(str::trim);
     if let Some(text) = text
-        && text.chars().count() > MAX_QUERY_CHARS
+        && !(1..=MAX_QUERY_CHARS).contains(&text.chars().count())
     {
         return Err(ApiError::bad_request(format!(
-            "q must be at most {MAX_QUERY_CHARS} characters; found {}",
+            "q must be 1 to {MAX_QUERY_CHARS} characters besides the white space around them; \
+             found {}",
             text.chars().count()
         )));
+    }
+    if query.agent.as_deref() == Some("") {
+        return Err(ApiError::bad_request(
+            "agent must name an agent of the catalog, or `default`",
+        ));
     }
     if query.created_from.is_some_and(|at| at < 0) || query.created_before.is_some_and(|at| at < 0)
     {
@@ -250,7 +257,7 @@ fn session_cursor(order: ListOrder, cursor: &str) -> Result<SessionCursor, ApiEr
 
 #[utoipa::path(
     patch, path = "/v1/sessions/{id}", tag = "sessions",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = SessionIdSchema, Path, description = "The session's id")),
     request_body = UpdateSession,
     responses((status = 200, body = SessionView), (status = "4XX", body = ErrorBody)),
 )]
@@ -282,7 +289,7 @@ const MAX_TITLE_CHARS: usize = 200;
 
 #[utoipa::path(
     get, path = "/v1/sessions/{id}", tag = "sessions",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = SessionIdSchema, Path, description = "The session's id")),
     responses((status = 200, body = SessionView), (status = "4XX", body = ErrorBody)),
 )]
 async fn get_session(
@@ -299,7 +306,7 @@ async fn get_session(
 #[utoipa::path(
     post, path = "/v1/sessions/{id}/messages", tag = "messages",
     params(
-        ("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"),
+        ("id" = SessionIdSchema, Path, description = "The session's id"),
         ("traceparent" = Option<String>, Header, description = "W3C Trace Context: the run's spans join this trace, under this span. An invalid value is ignored."),
     ),
     request_body = SendMessage,
@@ -350,7 +357,7 @@ async fn send_message(
 
 #[utoipa::path(
     get, path = "/v1/sessions/{id}/messages", tag = "messages",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"), PageQuery),
+    params(("id" = SessionIdSchema, Path, description = "The session's id"), PageQuery),
     responses((status = 200, body = Page<MessageView>), (status = "4XX", body = ErrorBody)),
 )]
 async fn list_messages(
@@ -375,7 +382,7 @@ async fn list_messages(
 
 #[utoipa::path(
     get, path = "/v1/sessions/{id}/runs", tag = "runs",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"), PageQuery),
+    params(("id" = SessionIdSchema, Path, description = "The session's id"), PageQuery),
     responses((status = 200, body = Page<RunSummaryView>), (status = "4XX", body = ErrorBody)),
 )]
 async fn list_session_runs(
@@ -401,7 +408,7 @@ async fn list_session_runs(
 
 #[utoipa::path(
     get, path = "/v1/runs/{id}", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     responses((status = 200, body = RunView), (status = "4XX", body = ErrorBody)),
 )]
 async fn get_run(
@@ -415,7 +422,7 @@ async fn get_run(
 
 #[utoipa::path(
     get, path = "/v1/runs/{id}/tree", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     responses((status = 200, body = RunTreeView), (status = "4XX", body = ErrorBody)),
 )]
 async fn get_run_tree(
@@ -434,7 +441,7 @@ async fn get_run_tree(
 
 #[utoipa::path(
     get, path = "/v1/runs/{id}/steps", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$"), PageQuery),
+    params(("id" = RunIdSchema, Path, description = "The run's id"), PageQuery),
     responses((status = 200, body = Page<StepView>), (status = "4XX", body = ErrorBody)),
 )]
 async fn list_steps(
@@ -462,8 +469,8 @@ async fn list_steps(
 #[utoipa::path(
     get, path = "/v1/runs/{id}/steps/{index}", tag = "runs",
     params(
-        ("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$"),
-        ("index" = u64, Path, description = "The step's index (steps are numbered from 1)"),
+        ("id" = RunIdSchema, Path, description = "The run's id"),
+        ("index" = u64, Path, minimum = 1, description = "The step's index (steps are numbered from 1)"),
     ),
     responses(
         (status = 200, body = StepDetailView, description = "The committed step, with the request its model call was sent and the messages it wrote"),
@@ -525,7 +532,7 @@ async fn get_step(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/cancel", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     responses((status = 200, body = CancelView), (status = "4XX", body = ErrorBody)),
 )]
 async fn cancel_run(
@@ -548,7 +555,7 @@ async fn cancel_run(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/pause", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     responses(
         (status = 200, body = PauseView),
         (status = 409, body = ErrorBody, description = "the run is not running (only a running run can be paused)"),
@@ -574,7 +581,7 @@ async fn pause_run(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/resume", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     responses(
         (status = 200, body = ResumedView),
         (status = 409, body = ErrorBody, description = "the run is not paused and has no pause pending"),
@@ -597,7 +604,7 @@ async fn resume_run(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/reconcile", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     request_body = ReconcileRequest,
     responses(
         (status = 200, body = ReconcileView),
@@ -638,7 +645,7 @@ async fn reconcile_run(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/retry", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     responses(
         (status = 200, body = ResumedView),
         (status = 409, body = ErrorBody, description = "the run has not failed, or its session has another active run"),
@@ -656,7 +663,7 @@ async fn retry_run(
 
 #[utoipa::path(
     post, path = "/v1/runs/{id}/continue", tag = "runs",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
     request_body = ContinueRequest,
     responses(
         (status = 200, body = ResumedView),
@@ -671,13 +678,7 @@ async fn continue_run(
     ApiPath(id): ApiPath<String>,
     ApiJson(body): ApiJson<ContinueRequest>,
 ) -> Result<axum::Json<ResumedView>, ApiError> {
-    let extension = ratchet_core::BudgetExtension {
-        steps: body.extra_steps.unwrap_or(0),
-        model_calls: body.extra_model_calls.unwrap_or(0),
-        tool_calls: body.extra_tool_calls.unwrap_or(0),
-        tokens: body.extra_tokens.unwrap_or(0),
-        duration_ms: body.extra_duration_ms.unwrap_or(0),
-    };
+    let extension = body.extension()?;
     let how = ratchet_core::step::Resumption::Continue { extension };
     resume(&state, &tenant, &id, how).await
 }

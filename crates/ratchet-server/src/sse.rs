@@ -32,6 +32,7 @@ use crate::auth::Tenant;
 use crate::error::{ApiPath, ApiQuery};
 use crate::feed::{Feed, Lane, PageSize, Place, TreeCursor};
 use crate::routes::{parse_run_id, parse_session_id, tenant_run, tenant_session};
+use crate::schemas::{RunIdSchema, SessionIdSchema};
 use crate::streams::StreamPermit;
 use crate::{ApiError, AppState};
 
@@ -74,9 +75,8 @@ pub struct StreamQuery {
 #[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct TreeStreamQuery {
-    /// Replay after this cursor: the `id` of an event of this stream, `SESSION:SEQ` pairs
-    /// joined by commas, like `ses_a:12,ses_b:7` (default: from the beginning). The
-    /// `Last-Event-ID` header takes precedence.
+    /// Replay after this opaque cursor the server issued: the `id` of an event of this stream,
+    /// unchanged (default: from the beginning). The `Last-Event-ID` header takes precedence.
     after: Option<String>,
     /// `false` ends the stream after the stored backlog instead of following live events.
     follow: Option<bool>,
@@ -116,7 +116,7 @@ fn tree_start_after(headers: &HeaderMap, query: &TreeStreamQuery) -> Result<Tree
 
 #[utoipa::path(
     get, path = "/v1/sessions/{id}/events", tag = "events",
-    params(("id" = String, Path, description = "Session id (`ses_…`)", pattern = "^ses_[A-Za-z0-9-]{1,64}$"), StreamQuery),
+    params(("id" = SessionIdSchema, Path, description = "The session's id"), StreamQuery),
     responses(
         (status = 200, content_type = "text/event-stream", body = ServerSentEvent,
          description = "One `ServerSentEvent` per event; keep-alive comments"),
@@ -141,7 +141,7 @@ async fn session_events(
 
 #[utoipa::path(
     get, path = "/v1/runs/{id}/events", tag = "events",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$"), StreamQuery),
+    params(("id" = RunIdSchema, Path, description = "The run's id"), StreamQuery),
     responses(
         (status = 200, content_type = "text/event-stream", body = ServerSentEvent,
          description = "The run's events only; `seq` is the session's"),
@@ -167,7 +167,7 @@ async fn run_events(
 
 #[utoipa::path(
     get, path = "/v1/runs/{id}/tree/events", tag = "events",
-    params(("id" = String, Path, description = "Run id (`run_…`)", pattern = "^run_[A-Za-z0-9-]{1,64}$"), TreeStreamQuery),
+    params(("id" = RunIdSchema, Path, description = "The run's id"), TreeStreamQuery),
     responses(
         (status = 200, content_type = "text/event-stream", body = ServerSentTreeEvent,
          description = "Every event of the run and of every run below it, each with its run's \

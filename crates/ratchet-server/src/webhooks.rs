@@ -8,7 +8,7 @@
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use ratchet_core::{DeliveryStatus, EventKind, Millis, WebhookId};
+use ratchet_core::{EventKind, Millis, WebhookId};
 use ratchet_store::{NewWebhook, Webhook, WebhookDelivery};
 use ratchet_webhooks::WebhookPolicy;
 use serde::{Deserialize, Serialize};
@@ -16,10 +16,11 @@ use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::api::{ErrorBody, Page, StatusPageQuery};
+use crate::api::{DeliveriesQuery, ErrorBody, Page};
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
 use crate::metrics::now_ms;
+use crate::schemas::{DeliveryStatusSchema, EventKindSchema, SessionIdSchema, WebhookIdSchema};
 use crate::{ApiError, AppState};
 
 /// Attempts of one delivery when the webhook names none.
@@ -46,12 +47,17 @@ pub struct CreateWebhook {
     /// credentials, to a public address unless the server's `[webhooks] allow` permits
     /// another. It is stored as it will be requested (`http://2130706433` is
     /// `http://127.0.0.1/`).
+    #[schema(max_length = 2048, pattern = "^[hH][tT][tT][pP][sS]?://")]
     pub url: String,
     /// The event kinds to send (for example `run.finished`); every kind when absent.
+    #[schema(value_type = Option<Vec<EventKindSchema>>, min_items = 1)]
     pub events: Option<Vec<String>>,
-    /// The key deliveries are signed with, 16–256 characters; one is made when absent.
+    /// The key deliveries are signed with, 16–256 printable ASCII characters without spaces;
+    /// one is made when absent.
+    #[schema(min_length = 16, max_length = 256, pattern = "^[!-~]{16,256}$")]
     pub secret: Option<String>,
     /// Attempts of one delivery before it is dead-lettered, 1–50 (default 10).
+    #[schema(minimum = 1, maximum = 50)]
     pub max_attempts: Option<u32>,
 }
 
@@ -59,11 +65,13 @@ pub struct CreateWebhook {
 #[serde(deny_unknown_fields)]
 pub struct RotateSecret {
     /// The new key, 16–256 printable ASCII characters without spaces; one is made when absent.
+    #[schema(min_length = 16, max_length = 256, pattern = "^[!-~]{16,256}$")]
     pub secret: Option<String>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct RotatedSecret {
+    #[schema(value_type = WebhookIdSchema)]
     pub id: String,
     /// The new signing key, shown this once.
     pub secret: String,
@@ -71,9 +79,11 @@ pub struct RotatedSecret {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct WebhookView {
+    #[schema(value_type = WebhookIdSchema)]
     pub id: String,
     pub url: String,
-    /// The event kinds it is sent; absent for every kind.
+    /// The event kinds it is sent; null for every kind.
+    #[schema(value_type = Option<Vec<EventKindSchema>>)]
     pub events: Option<Vec<String>>,
     pub max_attempts: u32,
     pub created_at: Millis,
@@ -100,11 +110,14 @@ impl From<Webhook> for WebhookView {
 pub struct DeliveryView {
     /// Also the `Ratchet-Delivery` header of every attempt.
     pub id: i64,
+    #[schema(value_type = SessionIdSchema)]
     pub session_id: String,
     pub seq: i64,
+    #[schema(value_type = EventKindSchema)]
     pub event_kind: String,
     /// `pending` (waiting for its attempt, behind the session's earlier events),
     /// `delivering`, `delivered` or `dead_letter`.
+    #[schema(value_type = DeliveryStatusSchema)]
     pub status: String,
     pub attempts: u32,
     pub max_attempts: u32,
@@ -284,7 +297,7 @@ async fn list_webhooks(
 
 #[utoipa::path(
     get, path = "/v1/webhooks/{id}", tag = "webhooks",
-    params(("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = WebhookIdSchema, Path, description = "The webhook's id")),
     responses((status = 200, body = WebhookView), (status = "4XX", body = ErrorBody)),
 )]
 async fn get_webhook(
@@ -299,7 +312,7 @@ async fn get_webhook(
 
 #[utoipa::path(
     delete, path = "/v1/webhooks/{id}", tag = "webhooks",
-    params(("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = WebhookIdSchema, Path, description = "The webhook's id")),
     responses(
         (status = 204, description = "Deleted with its delivery log: nothing more is sent to it"),
         (status = "4XX", body = ErrorBody),
@@ -318,7 +331,7 @@ async fn delete_webhook(
 
 #[utoipa::path(
     post, path = "/v1/webhooks/{id}/rotate-secret", tag = "webhooks",
-    params(("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = WebhookIdSchema, Path, description = "The webhook's id")),
     request_body = Option<RotateSecret>,
     responses(
         (status = 200, body = RotatedSecret, description = "The new secret, shown this once: every attempt from now on is signed with it, those of deliveries already failing included"),
@@ -347,7 +360,7 @@ async fn rotate_secret(
 
 #[utoipa::path(
     get, path = "/v1/webhooks/{id}/deliveries", tag = "webhooks",
-    params(("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$"), StatusPageQuery),
+    params(("id" = WebhookIdSchema, Path, description = "The webhook's id"), DeliveriesQuery),
     responses(
         (status = 200, body = Page<DeliveryView>, description = "The webhook's deliveries in the order they were queued, dead letters included"),
         (status = "4XX", body = ErrorBody),
@@ -357,11 +370,10 @@ async fn list_deliveries(
     State(state): State<AppState>,
     tenant: Tenant,
     ApiPath(id): ApiPath<String>,
-    ApiQuery(query): ApiQuery<StatusPageQuery>,
+    ApiQuery(query): ApiQuery<DeliveriesQuery>,
 ) -> Result<axum::Json<Page<DeliveryView>>, ApiError> {
     let id = parse_webhook_id(&id)?;
-    let (after, limit, status) =
-        query.checked("delivery", &DeliveryStatus::ALL, DeliveryStatus::as_str)?;
+    let (after, limit, status) = query.checked()?;
     tenant_webhook(&state, &tenant, &id).await?;
     let deliveries = state.webhooks.deliveries(&id, status, after, limit).await?;
     let items = deliveries.into_iter().map(DeliveryView::from).collect();
@@ -379,8 +391,8 @@ pub struct RequeuedView {
 #[utoipa::path(
     post, path = "/v1/webhooks/{id}/deliveries/{delivery_id}/requeue", tag = "webhooks",
     params(
-        ("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$"),
-        ("delivery_id" = i64, Path, description = "Delivery id"),
+        ("id" = WebhookIdSchema, Path, description = "The webhook's id"),
+        ("delivery_id" = i64, Path, minimum = 1, description = "The delivery's id"),
     ),
     responses(
         (status = 200, body = DeliveryView, description = "Requeued: pending again, due now, its attempts counted afresh; sent in its session's `seq` order. A repeat of the request changes nothing and answers the delivery as it stands."),
@@ -410,7 +422,7 @@ async fn requeue_delivery(
 
 #[utoipa::path(
     post, path = "/v1/webhooks/{id}/deliveries/requeue", tag = "webhooks",
-    params(("id" = String, Path, description = "Webhook id (`whk_…`)", pattern = "^whk_[A-Za-z0-9-]{1,64}$")),
+    params(("id" = WebhookIdSchema, Path, description = "The webhook's id")),
     responses(
         (status = 200, body = RequeuedView, description = "Every dead letter of the webhook requeued; a repeat finds none left"),
         (status = "4XX", body = ErrorBody),

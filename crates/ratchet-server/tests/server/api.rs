@@ -183,6 +183,8 @@ async fn sessions_are_titled_renamed_found_and_paged_by_activity() {
         "status=bogus",
         "cursor=ses_x&order=activity",
         &long,
+        "q=%20%20",
+        "agent=",
         "created_from=-1",
     ] {
         let refused = call(server.get(TOKEN_A, &format!("/v1/sessions?{query}"))).await;

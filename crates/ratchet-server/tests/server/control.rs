@@ -514,7 +514,18 @@ async fn a_run_that_spent_its_budget_is_continued_with_more() {
         nothing.body
     );
 
-    let reply = call(server.post(TOKEN_A, &continue_path, json!({"extra_steps": 3}))).await;
+    // Amounts are whole numbers up to the `int64` the document promises: `3.0` is 3.
+    for refused in [json!(9_223_372_036_854_775_808u64), json!(2.5), json!(-1)] {
+        let body = json!({"extra_steps": refused});
+        let reply = call(server.post(TOKEN_A, &continue_path, body.clone())).await;
+        assert_error(
+            &body.to_string(),
+            &reply,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_request",
+        );
+    }
+    let reply = call(server.post(TOKEN_A, &continue_path, json!({"extra_steps": 3.0}))).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
     let again = server.finish_again(&run, 2).await;
     assert_eq!(

@@ -7,5 +7,6 @@ mod agents;
 mod api;
 mod bodies;
 mod control;
+mod openapi;
 mod security;
 mod webhooks;
