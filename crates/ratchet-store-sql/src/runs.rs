@@ -366,7 +366,7 @@ pub(crate) fn run_traceparent(c: &dyn Db, run_id: &RunId) -> Result<String> {
         #[serde(default)]
         trace: Option<ratchet_core::TraceContext>,
     }
-    let row = c
+    let mut row = c
         .query_opt(
             "SELECT state_json FROM runs WHERE id = ?1",
             &params![run_id.as_str()],

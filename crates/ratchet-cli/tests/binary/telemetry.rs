@@ -1,9 +1,9 @@
 //! Traces through the binary: `ratchet serve` with `OTEL_EXPORTER_OTLP_ENDPOINT` exports its
-//! spans over OTLP (HTTP/protobuf) to a receiver in this test, which decodes them with the
-//! protocol's own messages. A run that a caller's `traceparent` starts, that calls a tool,
-//! is killed with SIGKILL in the middle of a step, resumes in a new process, delegates to a
-//! child agent (whose model is an OpenAI-compatible server here) and ends, is one span tree
-//! of the caller's trace.
+//! spans over OTLP — HTTP/protobuf, and gRPC — to a receiver in this test, which decodes them
+//! with the protocol's own messages and service. A run that a caller's `traceparent` starts,
+//! that calls a tool, is killed with SIGKILL in the middle of a step, resumes in a new
+//! process, delegates to a child agent (whose model is an OpenAI-compatible server here) and
+//! ends, is one span tree of the caller's trace.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -14,6 +14,9 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::HeaderMap;
 use futures::StreamExt;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
@@ -106,8 +109,34 @@ async fn chat_completions(
     }))
 }
 
-/// The OTLP receiver and the model server, on one port.
-async fn receivers() -> (u16, mpsc::UnboundedReceiver<Heard>) {
+/// OTLP's gRPC trace service.
+struct GrpcReceiver(mpsc::UnboundedSender<Heard>);
+
+#[tonic::async_trait]
+impl TraceService for GrpcReceiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let spans = (request.get_ref().resource_spans.iter())
+            .flat_map(|r| &r.scope_spans)
+            .flat_map(|s| &s.spans)
+            .map(Received::of)
+            .collect();
+        let _ = self.0.send(Heard::Spans(spans));
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Protocol {
+    HttpProtobuf,
+    Grpc,
+}
+
+/// The model server, with the OTLP receiver of `protocol`: on the same port for HTTP, on a
+/// port of its own for gRPC. Returns the model server's port and the receiver's endpoint.
+async fn receivers(protocol: Protocol) -> (u16, String, mpsc::UnboundedReceiver<Heard>) {
     let (tx, rx) = mpsc::unbounded_channel();
     let app = axum::Router::new()
         .route("/v1/traces", axum::routing::post(otlp_traces))
@@ -115,11 +144,26 @@ async fn receivers() -> (u16, mpsc::UnboundedReceiver<Heard>) {
             "/v1/chat/completions",
             axum::routing::post(chat_completions),
         )
-        .with_state(tx);
+        .with_state(tx.clone());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    (port, rx)
+    let endpoint = match protocol {
+        Protocol::HttpProtobuf => format!("http://127.0.0.1:{port}"),
+        Protocol::Grpc => {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let grpc = listener.local_addr().unwrap().port();
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+            let service = TraceServiceServer::new(GrpcReceiver(tx));
+            tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(service)
+                    .serve_with_incoming(incoming),
+            );
+            format!("http://127.0.0.1:{grpc}")
+        }
+    };
+    (port, endpoint, rx)
 }
 
 /// `boss` sleeps in a tool call (long enough to be killed in), then delegates one task to
@@ -154,7 +198,11 @@ fn write_setup(dir: &Path, receiver: u16) {
     .unwrap();
 }
 
-fn serve(dir: &Path, port: u16, receiver: u16) -> Child {
+fn serve(dir: &Path, port: u16, endpoint: &str, protocol: Protocol) -> Child {
+    let protocol = match protocol {
+        Protocol::HttpProtobuf => "http/protobuf",
+        Protocol::Grpc => "grpc",
+    };
     Command::new(BIN)
         .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
         .arg("--db")
@@ -167,11 +215,8 @@ fn serve(dir: &Path, port: u16, receiver: u16) -> Child {
         .arg(dir)
         .args(["--lease-ms", "1500"])
         .env("RATCHET_SECRETS_KEY", SECRETS_KEY)
-        .env(
-            "OTEL_EXPORTER_OTLP_ENDPOINT",
-            format!("http://127.0.0.1:{receiver}"),
-        )
-        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        .env("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
         .env("OTEL_BSP_SCHEDULE_DELAY", "50")
         .env("OTEL_SERVICE_NAME", "ratchet-under-test")
         .env_remove("RATCHET_OTEL_CAPTURE_CONTENT")
@@ -211,14 +256,25 @@ async fn read_until(http: &reqwest::Client, url: &str, mut until: impl FnMut(&Va
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_across_a_crash_and_a_delegation_is_one_span_tree_of_the_callers_trace() {
+async fn a_run_across_a_crash_and_a_delegation_is_one_span_tree_over_http() {
+    span_tree_across_a_crash(Protocol::HttpProtobuf).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_across_a_crash_and_a_delegation_is_one_span_tree_over_grpc() {
+    span_tree_across_a_crash(Protocol::Grpc).await;
+}
+
+/// A run that a caller's `traceparent` starts, killed in the middle of a step and resumed,
+/// that delegates: every span is in the caller's trace, in one tree.
+async fn span_tree_across_a_crash(protocol: Protocol) {
     let dir = tempfile::tempdir().unwrap();
-    let (receiver, mut heard) = receivers().await;
-    write_setup(dir.path(), receiver);
+    let (model_port, endpoint, mut heard) = receivers(protocol).await;
+    write_setup(dir.path(), model_port);
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
-    let mut server = serve(dir.path(), port, receiver);
+    let mut server = serve(dir.path(), port, &endpoint, protocol);
     ready(&http, &base).await;
 
     let session: Value = (http.post(format!("{base}/v1/sessions")))
@@ -245,7 +301,7 @@ async fn a_run_across_a_crash_and_a_delegation_is_one_span_tree_of_the_callers_t
     read_until(&http, &events, |e| e["kind"] == "step.committed").await;
     server.kill().unwrap();
     server.wait().unwrap();
-    let mut server = serve(dir.path(), port, receiver);
+    let mut server = serve(dir.path(), port, &endpoint, protocol);
     ready(&http, &base).await;
     read_until(&http, &events, |e| e["kind"] == "run.finished").await;
 
