@@ -91,6 +91,11 @@ pub struct ModelReply {
     pub text: String,
     pub tool_calls: Vec<ToolCall>,
     pub usage: Usage,
+    /// What the model reasoned before answering, where the provider returns it. Clients are
+    /// shown it (`assistant.reasoning`); it is not the answer and is never sent back to the
+    /// model.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reasoning: String,
 }
 
 /// The row a committed step leaves in the step history.
@@ -245,11 +250,18 @@ pub fn after_model(
     state.counters.context_tokens = prompt.saturating_add(message.estimated_tokens());
     let cost = (state.config.model_settings.as_ref().and_then(|m| m.prices))
         .map(|prices| prices.cost_microusd(reply.usage));
-    let events = vec![EventDraft::new(
+    let mut events = Vec::with_capacity(2);
+    if !reply.reasoning.is_empty() {
+        events.push(EventDraft::new(
+            EventKind::AssistantReasoning,
+            json!({"run_id": state.run_id, "step_index": job.step_index, "text": reply.reasoning}),
+        ));
+    }
+    events.push(EventDraft::new(
         EventKind::AssistantMessage,
         json!({"run_id": state.run_id, "content": message.content, "tool_calls": message.tool_calls,
                "usage": reply.usage, "cost_microusd": cost}),
-    )];
+    ));
     let summary = json!({
         "tool_calls": message.tool_calls.len(),
         "conclude": conclude,

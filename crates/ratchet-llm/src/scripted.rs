@@ -152,6 +152,7 @@ impl Model for ScriptedModel {
             text: reply.text.clone(),
             tool_calls,
             usage,
+            reasoning: String::new(),
         })
     }
 }

@@ -236,6 +236,7 @@ fn tool_reply() -> ModelReply {
             output_tokens: 5,
             reasoning_tokens: 2,
         },
+        reasoning: String::new(),
     }
 }
 

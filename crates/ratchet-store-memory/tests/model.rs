@@ -388,6 +388,7 @@ fn model_reply(turn: ModelTurn) -> ModelReply {
         text: text.into(),
         tool_calls,
         usage: unmeasured_prompt(),
+        reasoning: String::new(),
     }
 }
 
@@ -1182,6 +1183,7 @@ impl<'a> Harness<'a> {
                 text: format!("a summary of {cut} messages"),
                 tool_calls: Vec::new(),
                 usage: unmeasured_prompt(),
+                reasoning: String::new(),
             },
             keeps_from: context
                 .get(cut)

@@ -383,6 +383,7 @@ impl ratchet::Model for Echo {
                 output_tokens: 2,
                 reasoning_tokens: 0,
             },
+            reasoning: String::new(),
         })
     }
 }

@@ -174,6 +174,7 @@ async fn a_stream_of_text_thinking_and_tool_use_with_pings_and_unknown_events() 
         }}})),
         event(json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}})),
         event(json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "They want a."}})),
+        event(json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": " Both of them."}})),
         event(json!({"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "EqQB"}})),
         block_stop(0),
         text_block(1),
@@ -201,6 +202,7 @@ async fn a_stream_of_text_thinking_and_tool_use_with_pings_and_unknown_events() 
     let (reply, deltas) = reply(streaming(&server).as_ref(), request).await;
     assert_eq!(reply.text, "Let me read it.");
     assert_eq!(deltas, ["Let me ", "read it."]);
+    assert_eq!(reply.reasoning, "They want a. Both of them.");
     assert_eq!(
         reply.tool_calls,
         [
@@ -412,6 +414,8 @@ async fn without_streaming_the_whole_answer_is_one_delta() {
         "id": "msg_1", "type": "message", "role": "assistant", "model": "test-model",
         "content": [
             {"type": "thinking", "thinking": "They want a.", "signature": "EqQB"},
+            {"type": "redacted_thinking", "data": "EmwKAhgB"},
+            {"type": "thinking", "thinking": "Read it first.", "signature": "EqQC"},
             {"type": "text", "text": "Reading it."},
             {"type": "tool_use", "id": "toolu_9", "name": "fs_read", "input": {"path": "a"}},
         ],
@@ -425,6 +429,7 @@ async fn without_streaming_the_whole_answer_is_one_delta() {
     let (reply, deltas) = reply(model(&settings, None).as_ref(), request).await;
     assert_eq!(reply.text, "Reading it.");
     assert_eq!(deltas, ["Reading it."]);
+    assert_eq!(reply.reasoning, "They want a.\n\nRead it first.");
     assert_eq!(
         reply.tool_calls,
         [call("toolu_9", "fs.read", json!({"path": "a"}))]

@@ -1,6 +1,6 @@
 //! The OpenAI-compatible provider against a local server replaying chat completion answers
 //! the way OpenAI, vLLM, Ollama and proxies send them: the request's wire format, streamed
-//! text, reasoning and usage, tool calls in every known shape, and each kind of failure.
+//! text, reasoning kept apart from it, usage, tool calls in every known shape, and each kind of failure.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -129,7 +129,7 @@ async fn without_a_key_or_tools_neither_is_sent() {
 }
 
 #[tokio::test]
-async fn text_streams_as_deltas_and_reasoning_stays_out_of_it() {
+async fn text_streams_as_deltas_and_reasoning_is_kept_apart_from_it() {
     let server = Server::start(vec![Reply::stream([
         data(json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})),
         data(json!({"choices": [{"index": 0, "delta": {"reasoning_content": "The user wants"}}]})),
@@ -147,6 +147,7 @@ async fn text_streams_as_deltas_and_reasoning_stays_out_of_it() {
     let (reply, deltas) = reply(streaming(&server).as_ref(), question()).await;
     assert_eq!(reply.text, "Hello!");
     assert_eq!(deltas, ["Hel", "lo!"]);
+    assert_eq!(reply.reasoning, "The user wants a greeting.");
     assert!(reply.tool_calls.is_empty());
     assert_eq!(
         reply.usage,
@@ -498,6 +499,7 @@ async fn without_streaming_the_whole_answer_is_one_delta() {
     let (reply, deltas) = reply(model(&settings, None).as_ref(), request).await;
     assert_eq!(reply.text, "Reading it.");
     assert_eq!(deltas, ["Reading it."]);
+    assert_eq!(reply.reasoning, "They want the file.");
     assert_eq!(
         reply.tool_calls,
         [call("call_9", "fs.read", json!({"path": "a"}))]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use ratchet_core::ApprovalPolicy;
 use reqwest::StatusCode;
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
@@ -1230,6 +1230,7 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
                     output_tokens: 400,
                     reasoning_tokens: 100,
                 },
+                reasoning: String::new(),
             })
         });
         models.register("metered", Arc::new(metered));
@@ -1281,6 +1282,82 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
     ] {
         assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_is_an_event_of_its_step_and_never_the_answer_nor_sent_back() {
+    let requests = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = requests.clone();
+    let server = Server::start_with(quick_script(), move |template, models| {
+        template.model = "thinking".into();
+        // Reasons before each answer: first it adds, then it answers.
+        let thinking = FnModel(move |request: ratchet_llm::ModelRequest| {
+            let first = request.call_index == 0;
+            seen.lock().unwrap().push(request.messages);
+            Ok(if first {
+                ratchet_core::ModelReply {
+                    text: "Let me add.".into(),
+                    tool_calls: vec![ratchet_core::ToolCall {
+                        id: "call-0".into(),
+                        name: "add".into(),
+                        arguments: json!({"a": 2, "b": 3}),
+                    }],
+                    reasoning: "SECRET-PLAN: add 2 and 3.".into(),
+                    ..Default::default()
+                }
+            } else {
+                ratchet_core::ModelReply {
+                    text: "The sum is 5.".into(),
+                    reasoning: "SECRET-CHECK: the tool said 5.".into(),
+                    ..Default::default()
+                }
+            })
+        });
+        models.register("thinking", Arc::new(thinking));
+    })
+    .await;
+    let (session, run, done) = server.run_to_end("add 2 and 3").await;
+    assert_eq!(done["final_answer"], "The sum is 5.", "{done}");
+
+    let events = server
+        .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
+        .await;
+    let reasoning: Vec<&Value> = events
+        .iter()
+        .filter(|e| e.kind == "assistant.reasoning")
+        .map(|e| &e.data["payload"])
+        .collect();
+    assert_eq!(
+        reasoning,
+        [
+            &json!({"run_id": run, "step_index": 1, "text": "SECRET-PLAN: add 2 and 3."}),
+            &json!({"run_id": run, "step_index": 3, "text": "SECRET-CHECK: the tool said 5."}),
+        ]
+    );
+    // Each is stored with its step's commit, just ahead of the step's answer.
+    let kinds = kinds(&events);
+    for (at, kind) in kinds.iter().enumerate() {
+        if *kind == "assistant.reasoning" {
+            assert_eq!(kinds[at + 1], "assistant.message", "{kinds:?}");
+        }
+    }
+    for event in events.iter().filter(|e| e.kind != "assistant.reasoning") {
+        assert!(
+            !event.data.to_string().contains("SECRET"),
+            "{:?}",
+            event.data
+        );
+    }
+    for message in server.messages(&session).await {
+        assert!(!message.to_string().contains("SECRET"), "{message}");
+    }
+    let requests = requests.lock().unwrap();
+    assert_eq!(requests.len(), 2);
+    assert!(
+        requests[1].iter().all(|m| !m.content.contains("SECRET")),
+        "reasoning went back to the model: {:?}",
+        requests[1]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
