@@ -22,7 +22,9 @@ use ratchet_core::{ApprovalPolicy, ReplayPolicy, ToolOutcome};
 use ratchet_tools::{Tool, ToolContext};
 use serde_json::Value;
 
-pub use config::{Approval, Config, DEFAULT_CALL_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, ServerConfig};
+pub use config::{
+    Approval, Config, DEFAULT_CALL_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, HeaderSource, ServerConfig,
+};
 pub use server::IDEMPOTENCY_KEY_META;
 
 use server::{RemoteTool, Server};

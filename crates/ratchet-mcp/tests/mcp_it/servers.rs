@@ -464,7 +464,7 @@ async fn a_server_that_cannot_start_is_an_error_naming_it() {
 fn http(url: String, token: &str) -> ServerConfig {
     ServerConfig {
         url: Some(url),
-        headers: BTreeMap::from([("Authorization".to_owned(), format!("Bearer {token}"))]),
+        headers: BTreeMap::from([("Authorization".to_owned(), format!("Bearer {token}").into())]),
         ..ServerConfig::default()
     }
 }
