@@ -83,6 +83,12 @@ pub struct Usage {
     /// The part of `output_tokens` spent reasoning, where a provider reports it.
     #[serde(default)]
     pub reasoning_tokens: u64,
+    /// The part of `input_tokens` written to the provider's prompt cache (Anthropic).
+    #[serde(default)]
+    pub cache_write_tokens: u64,
+    /// The part of `input_tokens` read from the provider's prompt cache.
+    #[serde(default)]
+    pub cache_read_tokens: u64,
 }
 
 /// A complete model answer.
@@ -268,6 +274,8 @@ pub fn after_model(
         "input_tokens": reply.usage.input_tokens,
         "output_tokens": reply.usage.output_tokens,
         "reasoning_tokens": reply.usage.reasoning_tokens,
+        "cache_write_tokens": reply.usage.cache_write_tokens,
+        "cache_read_tokens": reply.usage.cache_read_tokens,
         "cost_microusd": cost,
     });
     close_step(
@@ -346,6 +354,10 @@ fn count_model_call(state: &mut AgentState, usage: Usage) {
     counters.input_tokens = counters.input_tokens.saturating_add(usage.input_tokens);
     counters.output_tokens = counters.output_tokens.saturating_add(usage.output_tokens);
     counters.reasoning_tokens = (counters.reasoning_tokens).saturating_add(usage.reasoning_tokens);
+    counters.cache_write_tokens =
+        (counters.cache_write_tokens).saturating_add(usage.cache_write_tokens);
+    counters.cache_read_tokens =
+        (counters.cache_read_tokens).saturating_add(usage.cache_read_tokens);
     if let Some(prices) = state.config.model_settings.as_ref().and_then(|m| m.prices) {
         counters.cost_microusd =
             (counters.cost_microusd).saturating_add(prices.cost_microusd(usage));

@@ -354,6 +354,8 @@ impl WireUsage {
             output_tokens: count(self.output_tokens),
             // Thinking is counted in `output_tokens` and not reported apart.
             reasoning_tokens: 0,
+            cache_write_tokens: count(self.cache_creation_input_tokens),
+            cache_read_tokens: count(self.cache_read_input_tokens),
         }
     }
 }
@@ -698,7 +700,9 @@ mod tests {
             Usage {
                 input_tokens: 115,
                 output_tokens: 42,
-                reasoning_tokens: 0
+                reasoning_tokens: 0,
+                cache_write_tokens: 5,
+                cache_read_tokens: 100
             }
         );
     }

@@ -221,6 +221,7 @@ struct WireUsage {
     #[serde(deserialize_with = "nullable")]
     completion_tokens: u64,
     completion_tokens_details: Option<UsageDetails>,
+    prompt_tokens_details: Option<PromptDetails>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -228,6 +229,15 @@ struct WireUsage {
 struct UsageDetails {
     #[serde(deserialize_with = "nullable")]
     reasoning_tokens: u64,
+}
+
+/// The part of the prompt read from OpenAI's prompt cache (`cached_tokens`); OpenAI has no
+/// price for writing to it.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct PromptDetails {
+    #[serde(deserialize_with = "nullable")]
+    cached_tokens: u64,
 }
 
 impl From<WireUsage> for Usage {
@@ -238,6 +248,8 @@ impl From<WireUsage> for Usage {
             reasoning_tokens: usage
                 .completion_tokens_details
                 .map_or(0, |d| d.reasoning_tokens),
+            cache_write_tokens: 0,
+            cache_read_tokens: usage.prompt_tokens_details.map_or(0, |d| d.cached_tokens),
         }
     }
 }

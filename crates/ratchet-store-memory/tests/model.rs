@@ -399,6 +399,8 @@ fn unmeasured_prompt() -> Usage {
         input_tokens: 0,
         output_tokens: 5,
         reasoning_tokens: 0,
+        cache_write_tokens: 0,
+        cache_read_tokens: 0,
     }
 }
 

@@ -649,6 +649,8 @@ async fn children_that_spend_the_trees_budget_make_their_parents_next_call_concl
                 input_tokens: 400,
                 output_tokens: 100,
                 reasoning_tokens: 0,
+                cache_write_tokens: 0,
+                cache_read_tokens: 0,
             };
             let mut reply = if request.system_prompt == "you are helper" {
                 text(format!("did {}", first_user_message(request)))

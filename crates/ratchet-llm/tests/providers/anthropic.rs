@@ -191,7 +191,10 @@ async fn a_stream_of_text_thinking_and_tool_use_with_pings_and_unknown_events() 
         block_stop(2),
         tool_block(3, "toolu_b", "now"),
         block_stop(3),
-        message_delta("tool_use", 57),
+        // The final totals, the cache's included, as the API repeats them at the end.
+        event(json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {
+            "input_tokens": 10, "cache_creation_input_tokens": 4, "cache_read_input_tokens": 100, "output_tokens": 57,
+        }})),
         message_stop(),
     ])])
     .await;
@@ -215,7 +218,9 @@ async fn a_stream_of_text_thinking_and_tool_use_with_pings_and_unknown_events() 
         Usage {
             input_tokens: 114,
             output_tokens: 57,
-            reasoning_tokens: 0
+            reasoning_tokens: 0,
+            cache_write_tokens: 4,
+            cache_read_tokens: 100
         }
     );
 }
@@ -420,7 +425,7 @@ async fn without_streaming_the_whole_answer_is_one_delta() {
             {"type": "tool_use", "id": "toolu_9", "name": "fs_read", "input": {"path": "a"}},
         ],
         "stop_reason": "tool_use",
-        "usage": {"input_tokens": 20, "output_tokens": 7},
+        "usage": {"input_tokens": 20, "cache_creation_input_tokens": 30, "cache_read_input_tokens": 400, "output_tokens": 7},
     });
     let server = Server::start(vec![Reply::json(200, answer)]).await;
     let mut settings = settings("anthropic", &server.url);
@@ -437,9 +442,11 @@ async fn without_streaming_the_whole_answer_is_one_delta() {
     assert_eq!(
         reply.usage,
         Usage {
-            input_tokens: 20,
+            input_tokens: 450,
             output_tokens: 7,
-            reasoning_tokens: 0
+            reasoning_tokens: 0,
+            cache_write_tokens: 30,
+            cache_read_tokens: 400
         }
     );
     assert_eq!(server.only_request().body["stream"], json!(false));

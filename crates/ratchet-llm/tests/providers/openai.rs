@@ -140,6 +140,7 @@ async fn text_streams_as_deltas_and_reasoning_is_kept_apart_from_it() {
         data(json!({"choices": [], "usage": {
             "prompt_tokens": 12, "completion_tokens": 30,
             "completion_tokens_details": {"reasoning_tokens": 20},
+            "prompt_tokens_details": {"cached_tokens": 8},
         }})),
         done(),
     ])])
@@ -154,7 +155,9 @@ async fn text_streams_as_deltas_and_reasoning_is_kept_apart_from_it() {
         Usage {
             input_tokens: 12,
             output_tokens: 30,
-            reasoning_tokens: 20
+            reasoning_tokens: 20,
+            cache_write_tokens: 0,
+            cache_read_tokens: 8
         }
     );
 }
@@ -197,7 +200,9 @@ async fn interleaved_tool_calls_are_assembled_from_partial_arguments() {
         Usage {
             input_tokens: 5,
             output_tokens: 9,
-            reasoning_tokens: 0
+            reasoning_tokens: 0,
+            cache_write_tokens: 0,
+            cache_read_tokens: 0
         }
     );
     let sent = server.only_request().body;
@@ -490,7 +495,8 @@ async fn without_streaming_the_whole_answer_is_one_delta() {
             "reasoning_content": "They want the file.",
             "tool_calls": [{"id": "call_9", "type": "function", "function": {"name": "fs_read", "arguments": "{\"path\": \"a\"}"}}],
         }}],
-        "usage": {"prompt_tokens": 20, "completion_tokens": 7, "completion_tokens_details": {"reasoning_tokens": 3}},
+        "usage": {"prompt_tokens": 20, "completion_tokens": 7, "completion_tokens_details": {"reasoning_tokens": 3},
+                  "prompt_tokens_details": {"cached_tokens": 16, "audio_tokens": 0}},
     });
     let server = Server::start(vec![Reply::json(200, answer)]).await;
     let mut settings = settings("openai", &server.url);
@@ -509,7 +515,9 @@ async fn without_streaming_the_whole_answer_is_one_delta() {
         Usage {
             input_tokens: 20,
             output_tokens: 7,
-            reasoning_tokens: 3
+            reasoning_tokens: 3,
+            cache_write_tokens: 0,
+            cache_read_tokens: 16
         }
     );
     let sent = server.only_request().body;

@@ -1215,12 +1215,16 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
             read_timeout_ms: 1_000,
             stream: true,
             max_output_tokens: None,
+            // Cache writes at the default price, 1.25 × input; cache reads at their own.
             prices: Some(ratchet_core::Prices {
                 input_per_mtok: 2.5,
                 output_per_mtok: 10.0,
+                cache_write_per_mtok: None,
+                cache_read_per_mtok: Some(0.5),
             }),
         });
-        // Answers at once, reporting 1,000 prompt tokens and 400 generated, 100 reasoning.
+        // Answers at once, reporting 1,000 prompt tokens (200 written to the cache, 500 read
+        // from it) and 400 generated, 100 reasoning.
         let metered = FnModel(|_| {
             Ok(ratchet_core::ModelReply {
                 text: "metered".into(),
@@ -1229,6 +1233,8 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
                     input_tokens: 1_000,
                     output_tokens: 400,
                     reasoning_tokens: 100,
+                    cache_write_tokens: 200,
+                    cache_read_tokens: 500,
                 },
                 reasoning: String::new(),
             })
@@ -1242,20 +1248,37 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
         (
             &usage["input_tokens"],
             &usage["output_tokens"],
-            &usage["reasoning_tokens"]
+            &usage["reasoning_tokens"],
+            &usage["cache_write_tokens"],
+            &usage["cache_read_tokens"]
         ),
-        (&json!(1000), &json!(400), &json!(100)),
+        (
+            &json!(1000),
+            &json!(400),
+            &json!(100),
+            &json!(200),
+            &json!(500)
+        ),
         "{done}"
     );
-    // 1,000 × $2.5/M + 400 × $10/M = $0.0065
+    // 300 uncached × $2.5/M + 200 written × $3.125/M + 500 read × $0.5/M + 400 × $10/M
+    // = $0.005625
     assert!(
-        (usage["cost_usd"].as_f64().unwrap() - 0.0065).abs() < 1e-12,
+        (usage["cost_usd"].as_f64().unwrap() - 0.005625).abs() < 1e-12,
         "{usage}"
     );
     let steps = server
         .get_ok(TOKEN_A, &format!("/v1/runs/{run}/steps"))
         .await;
-    assert_eq!(steps["items"][0]["summary"]["cost_microusd"], 6500);
+    let summary = &steps["items"][0]["summary"];
+    assert_eq!(summary["cost_microusd"], 5625);
+    assert_eq!(
+        (
+            &summary["cache_write_tokens"],
+            &summary["cache_read_tokens"]
+        ),
+        (&json!(200), &json!(500))
+    );
     let events = server
         .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
         .await;
@@ -1264,8 +1287,14 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
         .find(|e| e.kind == "assistant.message")
         .unwrap();
     assert_eq!(message.data["payload"]["usage"]["reasoning_tokens"], 100);
+    assert_eq!(message.data["payload"]["usage"]["cache_read_tokens"], 500);
+    assert_eq!(message.data["payload"]["cost_microusd"], 5625);
     let finished = events.iter().find(|e| e.kind == "run.finished").unwrap();
-    assert_eq!(finished.data["payload"]["counters"]["cost_microusd"], 6500);
+    assert_eq!(finished.data["payload"]["counters"]["cost_microusd"], 5625);
+    assert_eq!(
+        finished.data["payload"]["counters"]["cache_write_tokens"],
+        200
+    );
     let metrics = server
         .http
         .get(server.url("/metrics"))
@@ -1278,7 +1307,9 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
     for line in [
         "ratchet_model_tokens_total{kind=\"input\"} 1000",
         "ratchet_model_tokens_total{kind=\"reasoning\"} 100",
-        "ratchet_model_cost_microdollars_total 6500",
+        "ratchet_model_tokens_total{kind=\"cache_write\"} 200",
+        "ratchet_model_tokens_total{kind=\"cache_read\"} 500",
+        "ratchet_model_cost_microdollars_total 5625",
     ] {
         assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
     }
