@@ -89,9 +89,7 @@ fn node_within(
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn Store> = Arc::new(ratchet_store_memory::MemoryStore::new());
     let tools = Arc::new(Registry::builtin());
-    let models = Arc::new(Models::new(
-        tools.names().into_iter().map(str::to_owned).collect(),
-    ));
+    let models = Arc::new(Models::new(tools.names()));
     models.register("test:policy", model);
     if let Some(quick) = quick {
         models.register("test:quick", quick);
