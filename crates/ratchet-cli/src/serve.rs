@@ -167,6 +167,8 @@ fn serve_settings(args: &ServeArgs) -> anyhow::Result<Config> {
 struct ServeReloader {
     args: ServeArgs,
     started: Config,
+    /// The configuration of the set last activated, made again when the tools change.
+    activated: std::sync::Mutex<Config>,
     /// The running toolbox's tools, models and profiles; its MCP connections stay with the
     /// runtime.
     toolbox: Toolbox,
@@ -176,10 +178,23 @@ struct ServeReloader {
 impl Reloader for ServeReloader {
     fn prepare(&self) -> Result<Prepared, Vec<String>> {
         let config = serve_settings(&self.args).map_err(|error| vec![format!("{error:#}")])?;
-        let active = ratchet::serving::prepare_active(&config, &self.toolbox, self.address)?;
+        let prepared = self.prepare_from(&config)?;
+        *self.activated.lock().unwrap_or_else(|e| e.into_inner()) = config;
+        Ok(prepared)
+    }
+
+    fn refresh(&self) -> Result<Prepared, Vec<String>> {
+        let config = (self.activated.lock().unwrap_or_else(|e| e.into_inner())).clone();
+        self.prepare_from(&config)
+    }
+}
+
+impl ServeReloader {
+    fn prepare_from(&self, config: &Config) -> Result<Prepared, Vec<String>> {
+        let active = ratchet::serving::prepare_active(config, &self.toolbox, self.address)?;
         Ok(Prepared {
             active,
-            restart_required: ratchet::serving::restart_required(&self.started, &config),
+            restart_required: ratchet::serving::restart_required(&self.started, config),
         })
     }
 }
@@ -227,9 +242,11 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
             return Err(rejected(problems));
         }
     };
+    let tool_changes = toolbox.changes();
     let reloader = ServeReloader {
         args: args.clone(),
         started: config.clone(),
+        activated: std::sync::Mutex::new(config.clone()),
         toolbox: toolbox.detached(),
         address,
     };
@@ -274,7 +291,8 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     // Before the socket accepts anyone who could send one: from here on a SIGHUP reloads
     // instead of ending the process.
     if let Some(reloads) = state.reloads() {
-        spawn_reload_on_hangup(reloads, shutdown.clone())?;
+        spawn_reload_on_hangup(reloads.clone(), shutdown.clone())?;
+        spawn_refresh_on_tool_changes(reloads, tool_changes, shutdown.clone());
     }
     let listener = tokio::net::TcpListener::bind(address)
         .await
@@ -380,6 +398,29 @@ fn spawn_signal_watch(shutdown: CancellationToken) {
         wait_for_signal().await;
         eprintln!("shutting down: no new steps; in-flight steps get {GRACE:?} to commit");
         shutdown.cancel();
+    });
+}
+
+/// Makes the active set again each time an MCP server's tools change, so that the runs
+/// created from then on are frozen with the new tools; runs already created keep theirs.
+fn spawn_refresh_on_tool_changes(
+    reloads: Reloads,
+    mut changes: tokio::sync::watch::Receiver<u64>,
+    shutdown: CancellationToken,
+) {
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                changed = changes.changed() => if changed.is_err() { return },
+            }
+            match reloads.refresh().await {
+                Ok(_) => {
+                    eprintln!("an MCP server's tools changed: new runs are offered its new tools")
+                }
+                Err(error) => eprintln!("an MCP server's tools changed, but {error}"),
+            }
+        }
     });
 }
 

@@ -11,6 +11,8 @@ pub enum EventKind {
     Activity,
     AssistantDelta,
     AssistantMessage,
+    /// The reasoning a provider returned with a model call, committed with its step.
+    AssistantReasoning,
     ToolCall,
     ToolResult,
     /// An attempt of a call ended with nobody knowing whether it took effect.
@@ -41,13 +43,14 @@ pub enum EventKind {
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 32] = [
+    pub const ALL: [EventKind; 33] = [
         EventKind::RunCreated,
         EventKind::RunStatus,
         EventKind::StepCommitted,
         EventKind::Activity,
         EventKind::AssistantDelta,
         EventKind::AssistantMessage,
+        EventKind::AssistantReasoning,
         EventKind::ToolCall,
         EventKind::ToolResult,
         EventKind::ToolOutcomeUnknown,
@@ -84,6 +87,7 @@ impl EventKind {
             EventKind::Activity => "activity",
             EventKind::AssistantDelta => "assistant.delta",
             EventKind::AssistantMessage => "assistant.message",
+            EventKind::AssistantReasoning => "assistant.reasoning",
             EventKind::ToolCall => "tool.call",
             EventKind::ToolResult => "tool.result",
             EventKind::ToolOutcomeUnknown => "tool.outcome_unknown",

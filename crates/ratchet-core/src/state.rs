@@ -127,19 +127,53 @@ impl MemoryScope {
 }
 
 /// Prices of a model, in US dollars per million tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Prices {
     pub input_per_mtok: f64,
     pub output_per_mtok: f64,
+    /// Prompt tokens written to the provider's prompt cache; without it, what Anthropic
+    /// charges for five-minute cache writes: `CACHE_WRITE_MULTIPLIER` × `input_per_mtok`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write_per_mtok: Option<f64>,
+    /// Prompt tokens read from the provider's prompt cache; without it, what Anthropic
+    /// charges for cache hits: `CACHE_READ_MULTIPLIER` × `input_per_mtok`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_read_per_mtok: Option<f64>,
 }
 
 impl Prices {
-    /// What `usage` cost, in millionths of a dollar: tokens times dollars per million tokens.
+    /// Anthropic's price of a cache write, as a multiple of the input price.
+    pub const CACHE_WRITE_MULTIPLIER: f64 = 1.25;
+    /// Anthropic's price of a cache read, as a multiple of the input price.
+    pub const CACHE_READ_MULTIPLIER: f64 = 0.1;
+
+    /// What `usage` cost, in millionths of a dollar: tokens times dollars per million tokens,
+    /// each part of the prompt at its own price (uncached, written to the cache, read from it).
     pub fn cost_microusd(&self, usage: crate::Usage) -> u64 {
-        let cost = usage.input_tokens as f64 * self.input_per_mtok
+        let cache_write = self
+            .cache_write_per_mtok
+            .unwrap_or(self.input_per_mtok * Prices::CACHE_WRITE_MULTIPLIER);
+        let cache_read = self
+            .cache_read_per_mtok
+            .unwrap_or(self.input_per_mtok * Prices::CACHE_READ_MULTIPLIER);
+        let uncached = usage
+            .input_tokens
+            .saturating_sub(usage.cache_write_tokens)
+            .saturating_sub(usage.cache_read_tokens);
+        let cost = uncached as f64 * self.input_per_mtok
+            + usage.cache_write_tokens as f64 * cache_write
+            + usage.cache_read_tokens as f64 * cache_read
             + usage.output_tokens as f64 * self.output_per_mtok;
         cost.round().max(0.0) as u64
+    }
+
+    /// Every price given, for checking that each is finite and not negative.
+    pub fn all(&self) -> impl Iterator<Item = f64> {
+        [self.input_per_mtok, self.output_per_mtok]
+            .into_iter()
+            .chain(self.cache_write_per_mtok)
+            .chain(self.cache_read_per_mtok)
     }
 }
 
@@ -366,6 +400,12 @@ pub struct Counters {
     pub context_tokens: u64,
     #[serde(default)]
     pub reasoning_tokens: u64,
+    /// The part of `input_tokens` written to the provider's prompt cache.
+    #[serde(default)]
+    pub cache_write_tokens: u64,
+    /// The part of `input_tokens` read from the provider's prompt cache.
+    #[serde(default)]
+    pub cache_read_tokens: u64,
     /// What the model calls cost, in millionths of a dollar, when the model has prices.
     #[serde(default)]
     pub cost_microusd: u64,
@@ -553,6 +593,47 @@ impl AgentState {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cached_prompt_tokens_cost_their_own_price_or_anthropics_multiple_of_the_input() {
+        let usage = crate::Usage {
+            input_tokens: 1_000_000,
+            output_tokens: 100_000,
+            cache_write_tokens: 200_000,
+            cache_read_tokens: 500_000,
+            ..crate::Usage::default()
+        };
+        let defaults = Prices {
+            input_per_mtok: 3.0,
+            output_per_mtok: 15.0,
+            ..Prices::default()
+        };
+        // 0.3 M uncached × $3 + 0.2 M written × $3.75 + 0.5 M read × $0.30 + 0.1 M × $15
+        assert_eq!(
+            defaults.cost_microusd(usage),
+            900_000 + 750_000 + 150_000 + 1_500_000
+        );
+        let own = Prices {
+            cache_write_per_mtok: Some(6.0),
+            cache_read_per_mtok: Some(0.0),
+            ..defaults
+        };
+        assert_eq!(own.cost_microusd(usage), 900_000 + 1_200_000 + 1_500_000);
+        // Without cached tokens, the prompt is all at the input price, as before.
+        let plain = crate::Usage {
+            input_tokens: 1_000,
+            output_tokens: 10,
+            ..crate::Usage::default()
+        };
+        assert_eq!(defaults.cost_microusd(plain), 3_000 + 150);
+        // Counts a provider got wrong (more cached than the prompt) never go below zero.
+        let odd = crate::Usage {
+            input_tokens: 10,
+            cache_read_tokens: 1_000_000,
+            ..crate::Usage::default()
+        };
+        assert_eq!(defaults.cost_microusd(odd), 300_000);
+    }
 
     /// Every budget a run has is reported with what it used, extensions included; the
     /// optional ones only when set, and the time budget without the time paused.

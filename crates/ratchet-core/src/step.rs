@@ -83,6 +83,12 @@ pub struct Usage {
     /// The part of `output_tokens` spent reasoning, where a provider reports it.
     #[serde(default)]
     pub reasoning_tokens: u64,
+    /// The part of `input_tokens` written to the provider's prompt cache (Anthropic).
+    #[serde(default)]
+    pub cache_write_tokens: u64,
+    /// The part of `input_tokens` read from the provider's prompt cache.
+    #[serde(default)]
+    pub cache_read_tokens: u64,
 }
 
 /// A complete model answer.
@@ -91,6 +97,11 @@ pub struct ModelReply {
     pub text: String,
     pub tool_calls: Vec<ToolCall>,
     pub usage: Usage,
+    /// What the model reasoned before answering, where the provider returns it. Clients are
+    /// shown it (`assistant.reasoning`); it is not the answer and is never sent back to the
+    /// model.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reasoning: String,
 }
 
 /// The row a committed step leaves in the step history.
@@ -245,17 +256,26 @@ pub fn after_model(
     state.counters.context_tokens = prompt.saturating_add(message.estimated_tokens());
     let cost = (state.config.model_settings.as_ref().and_then(|m| m.prices))
         .map(|prices| prices.cost_microusd(reply.usage));
-    let events = vec![EventDraft::new(
+    let mut events = Vec::with_capacity(2);
+    if !reply.reasoning.is_empty() {
+        events.push(EventDraft::new(
+            EventKind::AssistantReasoning,
+            json!({"run_id": state.run_id, "step_index": job.step_index, "text": reply.reasoning}),
+        ));
+    }
+    events.push(EventDraft::new(
         EventKind::AssistantMessage,
         json!({"run_id": state.run_id, "content": message.content, "tool_calls": message.tool_calls,
                "usage": reply.usage, "cost_microusd": cost}),
-    )];
+    ));
     let summary = json!({
         "tool_calls": message.tool_calls.len(),
         "conclude": conclude,
         "input_tokens": reply.usage.input_tokens,
         "output_tokens": reply.usage.output_tokens,
         "reasoning_tokens": reply.usage.reasoning_tokens,
+        "cache_write_tokens": reply.usage.cache_write_tokens,
+        "cache_read_tokens": reply.usage.cache_read_tokens,
         "cost_microusd": cost,
     });
     close_step(
@@ -334,6 +354,10 @@ fn count_model_call(state: &mut AgentState, usage: Usage) {
     counters.input_tokens = counters.input_tokens.saturating_add(usage.input_tokens);
     counters.output_tokens = counters.output_tokens.saturating_add(usage.output_tokens);
     counters.reasoning_tokens = (counters.reasoning_tokens).saturating_add(usage.reasoning_tokens);
+    counters.cache_write_tokens =
+        (counters.cache_write_tokens).saturating_add(usage.cache_write_tokens);
+    counters.cache_read_tokens =
+        (counters.cache_read_tokens).saturating_add(usage.cache_read_tokens);
     if let Some(prices) = state.config.model_settings.as_ref().and_then(|m| m.prices) {
         counters.cost_microusd =
             (counters.cost_microusd).saturating_add(prices.cost_microusd(usage));

@@ -596,6 +596,8 @@ fn retry_repeats_a_failed_model_call_and_continue_needs_budget_to_go_on() {
             input_tokens: u64::MAX,
             output_tokens: u64::MAX,
             reasoning_tokens: u64::MAX,
+            cache_write_tokens: 0,
+            cache_read_tokens: 0,
         },
         ..ModelReply::default()
     };

@@ -303,6 +303,18 @@ impl Worker {
                     .reasoning_tokens
                     .saturating_sub(before.reasoning_tokens),
             ),
+            (
+                "cache_write",
+                after
+                    .cache_write_tokens
+                    .saturating_sub(before.cache_write_tokens),
+            ),
+            (
+                "cache_read",
+                after
+                    .cache_read_tokens
+                    .saturating_sub(before.cache_read_tokens),
+            ),
         ];
         let cost = after.cost_microusd.saturating_sub(before.cost_microusd);
         let ends = result

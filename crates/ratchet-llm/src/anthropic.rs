@@ -4,8 +4,8 @@
 //! messages, not among them; strictly alternating user and assistant turns (tool results are
 //! user content, so a batch's results and anything said after them make one user turn); tool
 //! calls and text as content blocks. In a stream, `ping` and event types this client does not
-//! know are skipped, thinking is not part of the answer, and an `error` event after HTTP 200
-//! is a failure like any other. Nothing here retries.
+//! know are skipped, thinking is kept apart from the answer, and an `error` event after HTTP
+//! 200 is a failure like any other. Nothing here retries.
 
 use std::collections::BTreeMap;
 
@@ -281,7 +281,11 @@ enum Block {
         #[serde(default)]
         input: Value,
     },
-    /// `thinking`, `redacted_thinking`, and what the API adds later: not the answer.
+    Thinking {
+        #[serde(default)]
+        thinking: String,
+    },
+    /// `redacted_thinking`, and what the API adds later: not the answer.
     #[serde(other)]
     Other,
 }
@@ -296,7 +300,11 @@ enum BlockDelta {
         #[serde(default)]
         partial_json: String,
     },
-    /// `thinking_delta`, `signature_delta`, `citations_delta`, and later ones.
+    ThinkingDelta {
+        #[serde(default)]
+        thinking: String,
+    },
+    /// `signature_delta`, `citations_delta`, and later ones.
     #[serde(other)]
     Other,
 }
@@ -349,6 +357,8 @@ impl WireUsage {
             output_tokens: count(self.output_tokens),
             // Thinking is counted in `output_tokens` and not reported apart.
             reasoning_tokens: 0,
+            cache_write_tokens: count(self.cache_creation_input_tokens),
+            cache_read_tokens: count(self.cache_read_input_tokens),
         }
     }
 }
@@ -367,6 +377,8 @@ struct ToolUse {
 #[derive(Debug, Default)]
 struct Answer {
     text: String,
+    /// The thinking blocks' text, a blank line between blocks.
+    reasoning: String,
     tools: BTreeMap<u64, ToolUse>,
     /// `message_delta` gave the stop reason: the answer is whole even if `message_stop`
     /// never comes.
@@ -385,6 +397,12 @@ impl Answer {
     fn add_block(&mut self, index: u64, block: Block, deltas: &mpsc::UnboundedSender<String>) {
         match block {
             Block::Text { text } => self.add_text(text, deltas),
+            Block::Thinking { thinking } => {
+                if !self.reasoning.is_empty() {
+                    self.reasoning.push_str("\n\n");
+                }
+                self.reasoning.push_str(&thinking);
+            }
             Block::ToolUse { id, name, input } => {
                 let call = ToolUse {
                     id,
@@ -421,6 +439,7 @@ impl Answer {
             text: self.text,
             tool_calls,
             usage: self.usage.usage(),
+            reasoning: self.reasoning,
         }
     }
 }
@@ -463,6 +482,7 @@ async fn read_stream(
             } => answer.add_block(index, content_block, deltas),
             StreamEvent::ContentBlockDelta { index, delta } => match delta {
                 BlockDelta::TextDelta { text } => answer.add_text(text, deltas),
+                BlockDelta::ThinkingDelta { thinking } => answer.reasoning.push_str(&thinking),
                 BlockDelta::InputJsonDelta { partial_json } => {
                     let Some(call) = answer.tools.get_mut(&index) else {
                         return Err(malformed(&format!(
@@ -684,7 +704,9 @@ mod tests {
             Usage {
                 input_tokens: 115,
                 output_tokens: 42,
-                reasoning_tokens: 0
+                reasoning_tokens: 0,
+                cache_write_tokens: 5,
+                cache_read_tokens: 100
             }
         );
     }

@@ -177,14 +177,25 @@ struct StreamChoice {
 }
 
 /// What a chunk adds. `reasoning_content` (DeepSeek, vLLM) and `reasoning` (Ollama,
-/// OpenRouter) carry the model's reasoning: it is not part of the answer, so they are not
-/// read at all; only its token count is (`completion_tokens_details`).
+/// OpenRouter, newer vLLM) carry the model's reasoning: it is kept apart from the answer.
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
 struct Delta {
     content: Option<Value>,
+    reasoning_content: Option<Value>,
+    reasoning: Option<Value>,
     #[serde(deserialize_with = "nullable")]
     tool_calls: Vec<CallPiece>,
+}
+
+impl Delta {
+    /// The reasoning this delta adds. A server that sends both fields sends the same text in
+    /// each, so only one is read.
+    fn take_reasoning(&mut self) -> String {
+        let first = content_text(self.reasoning_content.take());
+        let second = content_text(self.reasoning.take());
+        if first.is_empty() { second } else { first }
+    }
 }
 
 /// A piece of a tool call: its first piece usually carries `id` and `function.name`, later
@@ -213,6 +224,7 @@ struct WireUsage {
     #[serde(deserialize_with = "nullable")]
     completion_tokens: u64,
     completion_tokens_details: Option<UsageDetails>,
+    prompt_tokens_details: Option<PromptDetails>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -220,6 +232,15 @@ struct WireUsage {
 struct UsageDetails {
     #[serde(deserialize_with = "nullable")]
     reasoning_tokens: u64,
+}
+
+/// The part of the prompt read from OpenAI's prompt cache (`cached_tokens`); OpenAI has no
+/// price for writing to it.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct PromptDetails {
+    #[serde(deserialize_with = "nullable")]
+    cached_tokens: u64,
 }
 
 impl From<WireUsage> for Usage {
@@ -230,6 +251,8 @@ impl From<WireUsage> for Usage {
             reasoning_tokens: usage
                 .completion_tokens_details
                 .map_or(0, |d| d.reasoning_tokens),
+            cache_write_tokens: 0,
+            cache_read_tokens: usage.prompt_tokens_details.map_or(0, |d| d.cached_tokens),
         }
     }
 }
@@ -350,6 +373,7 @@ impl Calls {
 #[derive(Debug, Default)]
 struct Answer {
     text: String,
+    reasoning: String,
     calls: Calls,
     /// A `finish_reason` arrived (`stop`, `tool_calls`, `length`, or one of a server's own,
     /// such as `eos`): the answer is whole even if `[DONE]` never comes.
@@ -365,7 +389,8 @@ impl Answer {
             self.usage = usage.into();
         }
         for choice in chunk.choices.into_iter().filter(|c| c.index == 0) {
-            if let Some(delta) = choice.delta {
+            if let Some(mut delta) = choice.delta {
+                self.reasoning.push_str(&delta.take_reasoning());
                 let text = content_text(delta.content);
                 if !text.is_empty() {
                     self.text.push_str(&text);
@@ -386,6 +411,7 @@ impl Answer {
             text: self.text,
             tool_calls: self.calls.finish(names),
             usage: self.usage,
+            reasoning: self.reasoning,
         }
     }
 }
@@ -446,17 +472,19 @@ fn parse_completion(body: &[u8], names: &WireNames) -> Result<ModelReply> {
         return Err(http::in_band_error(&json));
     }
     let completion: Completion = serde_json::from_value(json).map_err(|e| malformed(&e))?;
-    let Some(message) = (completion.choices.into_iter())
+    let Some(mut message) = (completion.choices.into_iter())
         .find(|c| c.index == 0)
         .and_then(|c| c.message)
     else {
         return Err(malformed(&"no choice with a message"));
     };
+    let reasoning = message.take_reasoning();
     let mut calls = Calls::default();
     for (position, piece) in message.tool_calls.into_iter().enumerate() {
         calls.add(position, piece);
     }
     Ok(ModelReply {
+        reasoning,
         text: content_text(message.content),
         tool_calls: calls.finish(names),
         usage: completion.usage.map(Usage::from).unwrap_or_default(),

@@ -158,7 +158,7 @@ fn settings_of(
     };
     if let Some(prices) = profile.prices {
         let valid = |p: f64| p.is_finite() && p >= 0.0;
-        if !valid(prices.input_per_mtok) || !valid(prices.output_per_mtok) {
+        if !prices.all().all(valid) {
             return Err("prices must be finite and not negative".into());
         }
     }
@@ -323,6 +323,7 @@ mod tests {
                     prices: prices.map(|(input_per_mtok, output_per_mtok)| Prices {
                         input_per_mtok,
                         output_per_mtok,
+                        ..Prices::default()
                     }),
                 },
             )

@@ -147,11 +147,14 @@ impl Model for ScriptedModel {
             input_tokens: request.messages.iter().map(|m| words(&m.content)).sum(),
             output_tokens: words(&reply.text),
             reasoning_tokens: 0,
+            cache_write_tokens: 0,
+            cache_read_tokens: 0,
         };
         Ok(ModelReply {
             text: reply.text.clone(),
             tool_calls,
             usage,
+            reasoning: String::new(),
         })
     }
 }

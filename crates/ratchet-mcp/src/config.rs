@@ -1,8 +1,9 @@
 //! Which MCP servers a process uses: a plain serde type (unknown keys are errors, so a typo
 //! never silently falls back to a default) and the checks that run before anything starts.
 //!
-//! It reads no file and no environment: whoever owns the configuration file deserializes
-//! this part of it and hands it over.
+//! It reads no file: whoever owns the configuration file deserializes this part of it and
+//! hands it over. The environment is read for one thing only, header values given as
+//! `{ env = "VARIABLE" }`, when the servers are checked, so a secret need not be in the file.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -44,7 +45,7 @@ pub struct ServerConfig {
     pub url: Option<String>,
     /// Headers sent with every HTTP request (an `Authorization` header, for instance).
     #[serde(default)]
-    pub headers: BTreeMap<String, String>,
+    pub headers: BTreeMap<String, HeaderSource>,
     /// How long one call may take before it is an error outcome (default 60 s).
     pub timeout_ms: Option<u64>,
     /// How long starting the server and listing its tools may take (default 30 s).
@@ -55,6 +56,62 @@ pub struct ServerConfig {
     pub replay: Option<ReplayPolicy>,
     /// Whether calls of this server's tools wait for a human (default `always`).
     pub approval: Option<Approval>,
+}
+
+/// Where a header's value comes from: the configuration itself (`"Bearer …"`), or an
+/// environment variable read when the servers are checked (`{ env = "SEARCH_TOKEN" }`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeaderSource {
+    Value(String),
+    Env(String),
+}
+
+impl From<&str> for HeaderSource {
+    fn from(value: &str) -> HeaderSource {
+        HeaderSource::Value(value.to_owned())
+    }
+}
+
+impl From<String> for HeaderSource {
+    fn from(value: String) -> HeaderSource {
+        HeaderSource::Value(value)
+    }
+}
+
+impl<'de> Deserialize<'de> for HeaderSource {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Source;
+        impl<'de> serde::de::Visitor<'de> for Source {
+            type Value = HeaderSource;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string, or { env = \"VARIABLE\" }")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, value: &str) -> Result<HeaderSource, E> {
+                Ok(HeaderSource::Value(value.to_owned()))
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<HeaderSource, A::Error> {
+                let mut variable = None;
+                while let Some(key) = map.next_key::<String>()? {
+                    if key != "env" || variable.is_some() {
+                        return Err(serde::de::Error::custom(format!(
+                            "unexpected key `{key}`: expected a string, or {{ env = \"VARIABLE\" }}"
+                        )));
+                    }
+                    variable = Some(map.next_value::<String>()?);
+                }
+                variable
+                    .map(HeaderSource::Env)
+                    .ok_or_else(|| serde::de::Error::missing_field("env"))
+            }
+        }
+        deserializer.deserialize_any(Source)
+    }
 }
 
 /// A server-wide approval default; per-tool rules with argument globs belong to the
@@ -106,11 +163,19 @@ impl Config {
         self.checked().map(|_| ())
     }
 
+    /// Checks every server, reading header values from this process's environment.
     pub(crate) fn checked(&self) -> Result<Vec<Checked>, Error> {
+        self.checked_with(&|variable| std::env::var(variable).ok())
+    }
+
+    pub(crate) fn checked_with(
+        &self,
+        environment: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Vec<Checked>, Error> {
         self.servers
             .iter()
             .map(|(name, server)| {
-                server.checked(name).map_err(|reason| {
+                server.checked(name, environment).map_err(|reason| {
                     Error::Config(format!("mcp.servers.{}: {reason}", printable(name)))
                 })
             })
@@ -119,7 +184,11 @@ impl Config {
 }
 
 impl ServerConfig {
-    fn checked(&self, name: &str) -> Result<Checked, String> {
+    fn checked(
+        &self,
+        name: &str,
+        environment: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Checked, String> {
         check_name(name)?;
         let transport = match (&self.command, &self.url) {
             (Some(command), None) => {
@@ -160,8 +229,25 @@ impl ServerConfig {
                             "`headers.{key}` is set by the MCP transport itself"
                         ));
                     }
-                    let value = HeaderValue::from_str(value)
-                        .map_err(|_| format!("`headers.{key}` is not a valid header value"))?;
+                    let value = match value {
+                        HeaderSource::Value(value) => HeaderValue::from_str(value)
+                            .map_err(|_| format!("`headers.{key}` is not a valid header value"))?,
+                        HeaderSource::Env(variable) => {
+                            let value = environment(variable).ok_or_else(|| {
+                                format!(
+                                    "`headers.{key}` is read from the environment variable \
+                                     {variable:?}, which is not set"
+                                )
+                            })?;
+                            // The value is a secret: the message names where it came from only.
+                            HeaderValue::from_str(&value).map_err(|_| {
+                                format!(
+                                    "`headers.{key}`: the environment variable {variable:?} \
+                                     does not hold a valid header value"
+                                )
+                            })?
+                        }
+                    };
                     headers.push((name, value));
                 }
                 Transport::Http {
@@ -291,6 +377,70 @@ mod tests {
         assert_eq!(search.replay, ReplayPolicy::Keyed);
         assert_eq!(search.approval, ApprovalPolicy::Never);
         assert!(parse("").unwrap().checked().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_header_value_may_come_from_the_environment() {
+        let config = parse(
+            r#"
+            [servers.search]
+            url = "https://mcp.example.com/mcp"
+            headers = { Authorization = { env = "SEARCH_TOKEN" }, X-Team = "core" }
+            "#,
+        )
+        .unwrap();
+        assert_eq!(
+            config.servers["search"].headers["Authorization"],
+            HeaderSource::Env("SEARCH_TOKEN".into())
+        );
+        let environment = |variable: &str| {
+            (variable == "SEARCH_TOKEN").then(|| "Bearer from-the-environment".to_owned())
+        };
+        let checked = config.checked_with(&environment).unwrap();
+        let Transport::Http { headers, .. } = &checked[0].transport else {
+            panic!("search is an HTTP server");
+        };
+        let headers: Vec<(&str, &str)> = (headers.iter())
+            .map(|(name, value)| (name.as_str(), value.to_str().unwrap()))
+            .collect();
+        assert_eq!(
+            headers,
+            [
+                ("authorization", "Bearer from-the-environment"),
+                ("x-team", "core")
+            ]
+        );
+
+        let missing = config.checked_with(&|_| None).unwrap_err().to_string();
+        assert_eq!(
+            missing,
+            "invalid MCP configuration: mcp.servers.search: `headers.Authorization` is read from \
+             the environment variable \"SEARCH_TOKEN\", which is not set"
+        );
+        let invalid = config
+            .checked_with(&|_| Some("line\nbreak SECRET".into()))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            invalid,
+            "invalid MCP configuration: mcp.servers.search: `headers.Authorization`: the \
+             environment variable \"SEARCH_TOKEN\" does not hold a valid header value"
+        );
+        for (text, expected) in [
+            (
+                "headers = { A = { file = \"x\" } }",
+                "unexpected key `file`: expected a string, or { env = \"VARIABLE\" }",
+            ),
+            ("headers = { A = {} }", "missing field `env`"),
+            (
+                "headers = { A = 7 }",
+                "expected a string, or { env = \"VARIABLE\" }",
+            ),
+            ("headers = { A = { env = 7 } }", "expected a string"),
+        ] {
+            let error = error(&format!("[servers.a]\nurl = \"http://h\"\n{text}"));
+            assert!(error.contains(expected), "{text:?}: {error}");
+        }
     }
 
     #[test]

@@ -2,9 +2,11 @@
 //! the built-ins: the engine records an intent before each call and its outcome after.
 //!
 //! `connect_all` starts (stdio) or reaches (streamable HTTP) every configured server, lists
-//! its tools and returns one `ratchet_tools::Tool` per tool, named `SERVER.TOOL`. The rmcp
-//! SDK stays inside this crate: no rmcp type appears in its API, so a new major version of
-//! it changes this crate only.
+//! its tools and returns one `ratchet_tools::Tool` per tool, named `SERVER.TOOL`. A server
+//! that sends `notifications/tools/list_changed` has its tools listed again, and whoever
+//! follows `McpTools::watch` is given the new set; a run already frozen with the old set
+//! keeps it. The rmcp SDK stays inside this crate: no rmcp type appears in its API, so a new
+//! major version of it changes this crate only.
 //!
 //! This crate never decides about replay or approval; it only states each tool's defaults
 //! (replay `never`, approval `always`, unless the server's configuration says otherwise),
@@ -21,8 +23,12 @@ use async_trait::async_trait;
 use ratchet_core::{ApprovalPolicy, ReplayPolicy, ToolOutcome};
 use ratchet_tools::{Tool, ToolContext};
 use serde_json::Value;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
-pub use config::{Approval, Config, DEFAULT_CALL_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, ServerConfig};
+pub use config::{
+    Approval, Config, DEFAULT_CALL_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, HeaderSource, ServerConfig,
+};
 pub use server::{IDEMPOTENCY_KEY_META, TRACEPARENT_META};
 
 use server::{RemoteTool, Server};
@@ -44,10 +50,61 @@ pub struct ToolPolicy {
     pub approval: ApprovalPolicy,
 }
 
-/// The tools of every configured server, connected.
+/// The tools of every configured server, connected, as last listed.
 pub struct McpTools {
     servers: Vec<Arc<Server>>,
-    tools: Vec<Arc<McpTool>>,
+    tools: Arc<watch::Sender<Vec<Arc<McpTool>>>>,
+    /// One task per server, listing its tools again when it says they changed.
+    followers: Vec<JoinHandle<()>>,
+}
+
+/// Follows the MCP servers' tools as they change.
+pub struct ToolsWatch {
+    tools: watch::Receiver<Vec<Arc<McpTool>>>,
+}
+
+impl ToolsWatch {
+    /// Every MCP tool once a server's tools have changed since this was last called; `None`
+    /// once the `McpTools` it follows is gone.
+    pub async fn changed(&mut self) -> Option<Vec<Arc<dyn Tool>>> {
+        self.tools.changed().await.ok()?;
+        Some(as_tools(&self.tools.borrow_and_update()))
+    }
+}
+
+fn as_tools(tools: &[Arc<McpTool>]) -> Vec<Arc<dyn Tool>> {
+    tools
+        .iter()
+        .map(|tool| Arc::clone(tool) as Arc<dyn Tool>)
+        .collect()
+}
+
+/// Lists a server's tools again each time it says they changed, in place of those it listed
+/// before. A list that fails keeps the tools it had: a server's hiccup never takes its tools
+/// away from the runs that start next.
+async fn follow_changes(server: Arc<Server>, tools: Arc<watch::Sender<Vec<Arc<McpTool>>>>) {
+    let name = server.config().name.clone();
+    loop {
+        server.tools_changed().await;
+        let listed = match server.list().await.and_then(|l| tools_of(&server, l)) {
+            Ok(listed) => listed,
+            Err(reason) => {
+                tracing::warn!(server = %name, %reason,
+                    "the server's tools changed, but listing them again failed: its previous tools stay");
+                continue;
+            }
+        };
+        tracing::info!(server = %name, tools = listed.len(),
+            "the server's tools changed: runs that start from now on are offered the new ones");
+        // In the place of the server's previous tools, which are listed together.
+        tools.send_modify(|all| {
+            let at = (all.iter())
+                .position(|tool| Arc::ptr_eq(&tool.server, &server))
+                .unwrap_or(all.len());
+            all.retain(|tool| !Arc::ptr_eq(&tool.server, &server));
+            all.splice(at..at, listed);
+        });
+    }
 }
 
 /// Checks the configuration, then starts or reaches every server at once and lists its
@@ -75,7 +132,15 @@ pub async fn connect_all(config: &Config) -> Result<McpTools> {
             }
         }
     }
-    let all = McpTools { servers, tools };
+    let tools = Arc::new(watch::Sender::new(tools));
+    let followers = (servers.iter())
+        .map(|server| tokio::spawn(follow_changes(Arc::clone(server), Arc::clone(&tools))))
+        .collect();
+    let all = McpTools {
+        servers,
+        tools,
+        followers,
+    };
     if let Some(error) = failure {
         all.close().await;
         return Err(error);
@@ -118,20 +183,27 @@ fn valid_tool_name(name: &str) -> bool {
 impl McpTools {
     /// The tools, to register together with the built-ins.
     pub fn tools(&self) -> Vec<Arc<dyn Tool>> {
-        self.tools
-            .iter()
-            .map(|tool| Arc::clone(tool) as Arc<dyn Tool>)
-            .collect()
+        as_tools(&self.tools.borrow())
+    }
+
+    /// The tools from now on, each time a server's tools change.
+    pub fn watch(&self) -> ToolsWatch {
+        ToolsWatch {
+            tools: self.tools.subscribe(),
+        }
     }
 
     /// The names of the tools, `SERVER.TOOL`, in the order the servers listed them.
-    pub fn names(&self) -> Vec<&str> {
-        self.tools.iter().map(|tool| tool.name.as_str()).collect()
+    pub fn names(&self) -> Vec<String> {
+        (self.tools.borrow().iter())
+            .map(|tool| tool.name.clone())
+            .collect()
     }
 
     /// Each tool's defaults, by name, for the runtime to apply its per-tool overrides to.
     pub fn policies(&self) -> BTreeMap<String, ToolPolicy> {
         self.tools
+            .borrow()
             .iter()
             .map(|tool| {
                 (
@@ -145,10 +217,22 @@ impl McpTools {
             .collect()
     }
 
-    /// Ends every connection; stdio servers are stopped. Calls made afterwards connect again.
+    /// Ends every connection; stdio servers are stopped. Calls made afterwards connect again;
+    /// a change of a server's tools is no longer followed.
     pub async fn close(&self) {
+        for follower in &self.followers {
+            follower.abort();
+        }
         for server in &self.servers {
             server.close().await;
+        }
+    }
+}
+
+impl Drop for McpTools {
+    fn drop(&mut self) {
+        for follower in &self.followers {
+            follower.abort();
         }
     }
 }

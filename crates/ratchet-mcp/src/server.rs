@@ -1,6 +1,8 @@
 //! One MCP server's connection: made when the runtime starts, shared by every call of the
 //! server's tools, and made again (the process restarted, the HTTP session renewed) after
 //! it broke — never in a tight loop: a connection that keeps failing waits longer each time.
+//! A server's `notifications/tools/list_changed` is passed on, for its tools to be listed
+//! again.
 //!
 //! Whatever a server does (exit mid-call, never answer, answer garbage), a call ends with an
 //! outcome within its timeout or as soon as it is cancelled: an error when the server never
@@ -15,11 +17,15 @@ use std::time::Duration;
 
 use ratchet_core::ToolOutcome;
 use ratchet_tools::ToolContext;
+use rmcp::ClientHandler;
 use rmcp::model::{
     CallToolRequestParams, ClientCapabilities, ClientConfig, Implementation, JsonObject,
     MetaObject, PaginatedRequestParams, ProtocolVersion, RequestMetaObject,
 };
-use rmcp::service::{ClientInitializeError, RoleClient, RunningService, ServiceError, ServiceExt};
+use rmcp::service::{
+    ClientInitializeError, NotificationContext, RoleClient, RunningService, ServiceError,
+    ServiceExt,
+};
 use rmcp::transport::streamable_http_client::{
     StreamableHttpClientTransportConfig, StreamableHttpError,
 };
@@ -27,7 +33,7 @@ use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::ChildStderr;
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -69,6 +75,24 @@ pub(crate) struct Server {
     /// Held while a new connection is made, so that calls waiting for one make one between
     /// them; calls on a live connection never wait for it.
     connecting: Mutex<()>,
+    /// Told when the server says its tools changed, on any of its connections.
+    tools_changed: Arc<Notify>,
+}
+
+/// Ratchet's side of a connection: it answers nothing a server may ask (no sampling, roots
+/// or elicitation) and listens for one notification, that the server's tools changed.
+struct Handler {
+    tools_changed: Arc<Notify>,
+}
+
+impl ClientHandler for Handler {
+    fn get_info(&self) -> ClientConfig {
+        client_config()
+    }
+
+    async fn on_tool_list_changed(&self, _context: NotificationContext<RoleClient>) {
+        self.tools_changed.notify_one();
+    }
 }
 
 #[derive(Default)]
@@ -83,7 +107,7 @@ struct State {
 }
 
 struct Connection {
-    service: RunningService<RoleClient, ClientConfig>,
+    service: RunningService<RoleClient, Handler>,
     stderr: Arc<Tail>,
 }
 
@@ -100,7 +124,26 @@ impl Server {
             config,
             state: SyncMutex::new(State::default()),
             connecting: Mutex::new(()),
+            tools_changed: Arc::new(Notify::new()),
         }
+    }
+
+    /// Returns once the server has said its tools changed since this was last awaited (at
+    /// once if it said so meanwhile: a notification is never lost, several count as one).
+    pub(crate) async fn tools_changed(&self) {
+        self.tools_changed.notified().await;
+    }
+
+    /// Lists the server's tools again, on its connection (made again if it broke), within
+    /// the startup timeout.
+    pub(crate) async fn list(&self) -> Result<Vec<RemoteTool>, String> {
+        let work = async {
+            let connection = self.connection().await?;
+            list_tools(&connection.service).await
+        };
+        tokio::time::timeout(self.config.startup_timeout, work)
+            .await
+            .unwrap_or_else(|_| Err(self.no_answer()))
     }
 
     pub(crate) fn config(&self) -> &Checked {
@@ -334,6 +377,9 @@ impl Server {
 
     /// Starts the process or opens the HTTP session, and makes the MCP handshake.
     async fn connect(&self, tail: &Arc<Tail>) -> Result<Connection, String> {
+        let handler = Handler {
+            tools_changed: Arc::clone(&self.tools_changed),
+        };
         let service = match &self.config.transport {
             Transport::Stdio { command, args, env } => {
                 let mut process = tokio::process::Command::new(command);
@@ -357,7 +403,7 @@ impl Server {
                 if let Some(stderr) = stderr {
                     tail.follow(self.config.name.clone(), stderr);
                 }
-                client_config()
+                handler
                     .serve(transport)
                     .await
                     .map_err(|e| format!("handshake failed: {}", handshake_error(&e)))?
@@ -366,7 +412,7 @@ impl Server {
                 let config = StreamableHttpClientTransportConfig::with_uri(url.as_str())
                     .custom_headers(headers.iter().cloned().collect());
                 let transport = StreamableHttpClientTransport::from_config(config);
-                client_config()
+                handler
                     .serve(transport)
                     .await
                     .map_err(|e| format!("handshake with {url} failed: {}", handshake_error(&e)))?
@@ -392,7 +438,7 @@ fn client_config() -> ClientConfig {
 
 /// Every page of `tools/list`.
 async fn list_tools(
-    service: &RunningService<RoleClient, ClientConfig>,
+    service: &RunningService<RoleClient, Handler>,
 ) -> Result<Vec<RemoteTool>, String> {
     let mut tools = Vec::new();
     let mut cursor: Option<String> = None;

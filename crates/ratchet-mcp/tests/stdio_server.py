@@ -8,7 +8,9 @@ Environment:
   MCP_TEST_LOG   file to which it appends what happened (`start`, `cancelled ID`, `meta ...`)
   MCP_TEST_MODE  `fail_start`: writes to stderr and exits before answering anything;
                  `die_after_first_start`: works the first time, then (a marker file next to
-                 the log exists) exits at once, like a server that dies at every restart.
+                 the log exists) exits at once, like a server that dies at every restart;
+                 `tools_change`: also lists `evolve`, which replaces `add` with `shout` and
+                 then sends `notifications/tools/list_changed`.
 """
 
 import json
@@ -23,6 +25,7 @@ KNOWN_VERSIONS = ["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"]
 
 write_lock = threading.Lock()
 cancelled = set()
+evolved = False
 
 
 def log(line):
@@ -73,10 +76,38 @@ PAGE_2 = [
 ]
 
 
+EVOLVE = {"name": "evolve", "description": "Changes this server's tools.",
+          "inputSchema": obj({})}
+SHOUT = {"name": "shout", "description": "Echoes its text in capitals.",
+         "inputSchema": obj({"text": {"type": "string"}}, ["text"])}
+
+
+def tools_page(page):
+    """A page of the tools as they are now."""
+    if MODE != "tools_change":
+        return page
+    if page is PAGE_2:
+        return PAGE_2 + [EVOLVE]
+    if evolved:
+        return [tool for tool in PAGE_1 if tool["name"] != "add"] + [SHOUT]
+    return page
+
+
 def call(id, params):
+    global evolved
     name = params.get("name")
     args = params.get("arguments") or {}
-    if name == "echo":
+    if name == "evolve":
+        evolved = True
+        log("evolved")
+        result(id, text("evolved"))
+        send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+    elif name == "shout" and evolved:
+        result(id, text(args["text"].upper()))
+    elif name == "add" and evolved:
+        send({"jsonrpc": "2.0", "id": id,
+              "error": {"code": -32602, "message": "unknown tool add"}})
+    elif name == "echo":
         result(id, text(args["text"]))
     elif name == "add":
         result(id, text(str(args["a"] + args["b"])))
@@ -136,9 +167,9 @@ def handle(message):
         result(id, {})
     elif method == "tools/list":
         if params.get("cursor") == "page-2":
-            result(id, {"tools": PAGE_2})
+            result(id, {"tools": tools_page(PAGE_2)})
         else:
-            result(id, {"tools": PAGE_1, "nextCursor": "page-2"})
+            result(id, {"tools": tools_page(PAGE_1), "nextCursor": "page-2"})
     elif method == "tools/call":
         threading.Thread(target=call, args=(id, params), daemon=True).start()
     elif id is not None:

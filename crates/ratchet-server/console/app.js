@@ -1495,6 +1495,16 @@ function showSession(view, sessionId) {
         for (const call of p.tool_calls ?? []) toolItem(runId, call.id, call.name, call.arguments);
         break;
       }
+      case "assistant.reasoning": {
+        // What the model thought on its way to its answer: there when wanted, folded away
+        // so the conversation reads as what was said. It comes with the step's commit, so
+        // it goes above the answer already streaming.
+        const item = h("li", { class: "item item-reasoning", "data-run": runId }, h("details", {}, h("summary", { text: "Reasoning" }), h("div", { class: "text", text: p.text ?? "" })));
+        const streaming = runOf(runId).assistant;
+        if (streaming) streaming.before(item);
+        else append(item, runId);
+        break;
+      }
       case "model.error": {
         const run = runOf(runId);
         run.assistant?.remove();

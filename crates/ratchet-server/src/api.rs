@@ -390,6 +390,10 @@ pub struct UsageView {
     /// Generated tokens, reasoning included.
     pub output_tokens: u64,
     pub reasoning_tokens: u64,
+    /// The part of `input_tokens` written to the provider's prompt cache.
+    pub cache_write_tokens: u64,
+    /// The part of `input_tokens` read from the provider's prompt cache.
+    pub cache_read_tokens: u64,
     /// In US dollars, from the prices of the run's model profile; absent without prices.
     pub cost_usd: Option<f64>,
 }
@@ -402,6 +406,8 @@ impl UsageView {
             input_tokens: counters.input_tokens,
             output_tokens: counters.output_tokens,
             reasoning_tokens: counters.reasoning_tokens,
+            cache_write_tokens: counters.cache_write_tokens,
+            cache_read_tokens: counters.cache_read_tokens,
             cost_usd: priced.then(|| counters.cost_microusd as f64 / 1e6),
         }
     }

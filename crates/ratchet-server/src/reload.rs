@@ -33,6 +33,13 @@ pub trait Reloader: Send + Sync + 'static {
     /// A new set, checked in full, or every problem found. It may block on files: it runs on
     /// a blocking thread.
     fn prepare(&self) -> Result<Prepared, Vec<String>>;
+
+    /// The set made again from the configuration last activated, read from nowhere again:
+    /// for when what it was checked against changed (the tools an MCP server offers). A
+    /// reloader that keeps no configuration reloads.
+    fn refresh(&self) -> Result<Prepared, Vec<String>> {
+        self.prepare()
+    }
 }
 
 impl<F> Reloader for F
@@ -77,8 +84,19 @@ pub enum Error {
 /// A handle on the reload task: each call waits for its own reload to be done.
 #[derive(Clone)]
 pub struct Reloads {
-    requests: mpsc::Sender<oneshot::Sender<Result<Reloaded, Error>>>,
+    requests: mpsc::Sender<Request>,
 }
+
+/// What a reload starts from.
+#[derive(Debug, Clone, Copy)]
+enum Source {
+    /// The configuration read again.
+    Read,
+    /// The configuration last activated.
+    Activated,
+}
+
+type Request = (Source, oneshot::Sender<Result<Reloaded, Error>>);
 
 impl Reloads {
     /// Starts the task that owns `reloader` and replaces what `active` holds; it ends when
@@ -96,9 +114,19 @@ impl Reloads {
     /// Prepares a new set and activates it, or reports why it was rejected (the old set stays
     /// active).
     pub async fn reload(&self) -> Result<Reloaded, Error> {
+        self.request(Source::Read).await
+    }
+
+    /// Makes the active set again from the configuration last activated (see
+    /// `Reloader::refresh`), in turn with reloads.
+    pub async fn refresh(&self) -> Result<Reloaded, Error> {
+        self.request(Source::Activated).await
+    }
+
+    async fn request(&self, source: Source) -> Result<Reloaded, Error> {
         let (answer, answered) = oneshot::channel();
         self.requests
-            .send(answer)
+            .send((source, answer))
             .await
             .map_err(|_| Error::Stopped)?;
         answered.await.map_err(|_| Error::Stopped)?
@@ -108,19 +136,23 @@ impl Reloads {
 async fn serve_reloads(
     reloader: Arc<dyn Reloader>,
     active: Arc<watch::Sender<Arc<Active>>>,
-    mut inbox: mpsc::Receiver<oneshot::Sender<Result<Reloaded, Error>>>,
+    mut inbox: mpsc::Receiver<Request>,
     shutdown: CancellationToken,
 ) {
     loop {
-        let answer = tokio::select! {
+        let (source, answer) = tokio::select! {
             () = shutdown.cancelled() => return,
             request = inbox.recv() => match request {
-                Some(answer) => answer,
+                Some(request) => request,
                 None => return,
             },
         };
         let preparing = Arc::clone(&reloader);
-        let prepared = match tokio::task::spawn_blocking(move || preparing.prepare()).await {
+        let prepare = move || match source {
+            Source::Read => preparing.prepare(),
+            Source::Activated => preparing.refresh(),
+        };
+        let prepared = match tokio::task::spawn_blocking(prepare).await {
             Ok(prepared) => prepared,
             // A reloader that panics has a bug; it ends this task, and later reloads are
             // answered `Stopped`.

@@ -236,7 +236,10 @@ fn tool_reply() -> ModelReply {
             input_tokens: 12,
             output_tokens: 5,
             reasoning_tokens: 2,
+            cache_write_tokens: 0,
+            cache_read_tokens: 0,
         },
+        reasoning: String::new(),
     }
 }
 
@@ -2412,6 +2415,8 @@ pub async fn config_and_cancel_flag_are_owned_by_the_store(store: &dyn Store) {
             prices: Some(ratchet_core::Prices {
                 input_per_mtok: 0.5,
                 output_per_mtok: 1.5,
+                cache_write_per_mtok: None,
+                cache_read_per_mtok: Some(0.05),
             }),
         }),
         workspace: Some("/srv/workspace".into()),

@@ -388,6 +388,7 @@ fn model_reply(turn: ModelTurn) -> ModelReply {
         text: text.into(),
         tool_calls,
         usage: unmeasured_prompt(),
+        reasoning: String::new(),
     }
 }
 
@@ -398,6 +399,8 @@ fn unmeasured_prompt() -> Usage {
         input_tokens: 0,
         output_tokens: 5,
         reasoning_tokens: 0,
+        cache_write_tokens: 0,
+        cache_read_tokens: 0,
     }
 }
 
@@ -1183,6 +1186,7 @@ impl<'a> Harness<'a> {
                 text: format!("a summary of {cut} messages"),
                 tool_calls: Vec::new(),
                 usage: unmeasured_prompt(),
+                reasoning: String::new(),
             },
             keeps_from: context
                 .get(cut)

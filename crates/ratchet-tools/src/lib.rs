@@ -10,7 +10,7 @@ mod workspace;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use async_trait::async_trait;
 use ratchet_core::{
@@ -91,28 +91,33 @@ struct Entry {
 }
 
 /// The tools a runtime offers, by name, with their compiled argument validators.
+///
+/// The set may be replaced while the runtime runs (an MCP server's tools changed): what runs
+/// are offered is frozen into each run when it is created, so a replacement only reaches the
+/// runs created after it, and a call of a tool that has gone or changed meanwhile is drift.
 pub struct Registry {
-    entries: BTreeMap<String, Entry>,
+    /// Held only for moments, never across an await.
+    entries: RwLock<Arc<Entries>>,
 }
+
+type Entries = BTreeMap<String, Arc<Entry>>;
 
 impl Registry {
     pub fn new(tools: Vec<Arc<dyn Tool>>) -> Result<Registry, Error> {
-        let mut entries = BTreeMap::new();
-        for tool in tools {
-            let name = tool.name().to_owned();
-            let validator =
-                jsonschema::validator_for(&tool.parameters()).map_err(|e| Error::Schema {
-                    name: name.clone(),
-                    reason: e.to_string(),
-                })?;
-            if entries
-                .insert(name.clone(), Entry { tool, validator })
-                .is_some()
-            {
-                return Err(Error::Duplicate(name));
-            }
-        }
-        Ok(Registry { entries })
+        Ok(Registry {
+            entries: RwLock::new(Arc::new(compile(tools)?)),
+        })
+    }
+
+    /// Replaces every tool with `tools`, all at once; on an error nothing changes.
+    pub fn replace(&self, tools: Vec<Arc<dyn Tool>>) -> Result<(), Error> {
+        let entries = Arc::new(compile(tools)?);
+        *self.entries.write().unwrap_or_else(|e| e.into_inner()) = entries;
+        Ok(())
+    }
+
+    fn entries(&self) -> Arc<Entries> {
+        Arc::clone(&self.entries.read().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// The built-in tools: `add`, `now`, `sleep_ms`, `append_line` and `memory_search`.
@@ -136,15 +141,15 @@ impl Registry {
 
     /// The JSON schema of a tool's arguments, as this registry has it now.
     pub fn parameters(&self, name: &str) -> Option<Value> {
-        self.entries.get(name).map(|e| e.tool.parameters())
+        self.entries().get(name).map(|e| e.tool.parameters())
     }
 
-    pub fn names(&self) -> Vec<&str> {
-        self.entries.keys().map(String::as_str).collect()
+    pub fn names(&self) -> Vec<String> {
+        self.entries().keys().cloned().collect()
     }
 
     pub fn specs(&self) -> Vec<ToolSpec> {
-        self.entries
+        self.entries()
             .values()
             .map(|e| ToolSpec {
                 name: e.tool.name().to_owned(),
@@ -162,10 +167,11 @@ impl Registry {
     /// Checks a call before it runs: the tool must exist and the arguments match its schema.
     /// The error text is shown to the model so that it can correct itself.
     pub fn validate(&self, name: &str, arguments: &Value) -> Result<Arc<dyn Tool>, String> {
-        let entry = self
-            .entries
-            .get(name)
-            .ok_or_else(|| unknown_tool(name, &self.names()))?;
+        let entries = self.entries();
+        let entry = entries.get(name).ok_or_else(|| {
+            let names: Vec<&str> = entries.keys().map(String::as_str).collect();
+            unknown_tool(name, &names)
+        })?;
         let problems: Vec<String> = entry
             .validator
             .iter_errors(arguments)
@@ -189,6 +195,26 @@ impl Registry {
     }
 }
 
+/// Compiles each tool's argument validator; names must be unique.
+fn compile(tools: Vec<Arc<dyn Tool>>) -> Result<Entries, Error> {
+    let mut entries = BTreeMap::new();
+    for tool in tools {
+        let name = tool.name().to_owned();
+        let validator =
+            jsonschema::validator_for(&tool.parameters()).map_err(|e| Error::Schema {
+                name: name.clone(),
+                reason: e.to_string(),
+            })?;
+        if entries
+            .insert(name.clone(), Arc::new(Entry { tool, validator }))
+            .is_some()
+        {
+            return Err(Error::Duplicate(name));
+        }
+    }
+    Ok(entries)
+}
+
 /// What the model is told when it calls a tool it was not offered.
 pub fn unknown_tool(name: &str, available: &[&str]) -> String {
     format!(
@@ -201,6 +227,23 @@ pub fn unknown_tool(name: &str, available: &[&str]) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_replacement_is_whole_or_nothing() {
+        let registry = Registry::builtin();
+        registry
+            .replace(vec![Arc::new(Add), Arc::new(Now)])
+            .unwrap();
+        assert_eq!(registry.names(), ["add", "now"]);
+        assert!(registry.validate("sleep", &json!({})).is_err());
+        let twice = registry.replace(vec![Arc::new(Add), Arc::new(Add), Arc::new(Sleep)]);
+        assert!(matches!(twice, Err(Error::Duplicate(name)) if name == "add"));
+        assert_eq!(
+            registry.names(),
+            ["add", "now"],
+            "a refused set changes nothing"
+        );
+    }
 
     #[test]
     fn validation_names_the_problem() {

@@ -1376,6 +1376,7 @@ mod tests {
                     prices: prices.map(|(input_per_mtok, output_per_mtok)| ratchet_core::Prices {
                         input_per_mtok,
                         output_per_mtok,
+                        ..ratchet_core::Prices::default()
                     }),
                 }
             })

@@ -12,11 +12,12 @@ use ratchet_engine::{
     Coordinator, Engine, Models, PermitLimits, PoolConfig, WorkerPool, owner_is_dead_local_process,
 };
 use ratchet_llm::profiles::{Profile, Resolved};
-use ratchet_mcp::McpTools;
+use ratchet_mcp::{McpTools, ToolsWatch};
 use ratchet_postgres::PgOptions;
 use ratchet_sqlite::SqliteOptions;
 use ratchet_store::{Deliveries, Keyring, Migrated, Roles, RunQuota, Store, WebhookAdmin};
-use ratchet_tools::Registry;
+use ratchet_tools::{Registry, Tool};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::{Error, Result};
@@ -28,6 +29,8 @@ pub struct Toolbox {
     profiles: BTreeMap<String, Profile>,
     /// The MCP servers' connections, closed when the runtime shuts down.
     mcp: Option<McpTools>,
+    /// Counts the times the tools were replaced (an MCP server's tools changed).
+    changes: watch::Receiver<u64>,
 }
 
 const SYSTEM_PROMPT: &str = "You are a helpful assistant. Use the tools when they help.";
@@ -133,14 +136,13 @@ impl Toolbox {
 
     pub(crate) fn of(registry: Registry, mcp: Option<McpTools>) -> Toolbox {
         let tools = Arc::new(registry);
-        let models = Arc::new(Models::new(
-            tools.names().into_iter().map(str::to_owned).collect(),
-        ));
+        let models = Arc::new(Models::new(tools.names()));
         Toolbox {
             tools,
             models,
             profiles: BTreeMap::new(),
             mcp,
+            changes: watch::channel(0).1,
         }
     }
 
@@ -156,8 +158,24 @@ impl Toolbox {
             return Ok(Toolbox::of(Registry::new(builtin)?, None));
         }
         let mcp = ratchet_mcp::connect_all(config).await?;
-        let registry = Registry::new([builtin, mcp.tools()].concat())?;
-        Ok(Toolbox::of(registry, Some(mcp)))
+        let registry = Registry::new([builtin.clone(), mcp.tools()].concat())?;
+        let watch = mcp.watch();
+        let mut toolbox = Toolbox::of(registry, Some(mcp));
+        let (changed, changes) = watch::channel(0);
+        tokio::spawn(follow_mcp(
+            Arc::clone(&toolbox.tools),
+            builtin,
+            watch,
+            changed,
+        ));
+        toolbox.changes = changes;
+        Ok(toolbox)
+    }
+
+    /// Changes each time the tools are replaced because an MCP server's tools changed: the
+    /// runs created from then on are to be frozen with the new ones.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.changes.clone()
     }
 
     /// The same tools, models and profiles without the MCP connections, which stay with this
@@ -169,6 +187,7 @@ impl Toolbox {
             models: Arc::clone(&self.models),
             profiles: self.profiles.clone(),
             mcp: None,
+            changes: self.changes.clone(),
         }
     }
 
@@ -198,7 +217,7 @@ impl Default for Toolbox {
 impl ratchet_catalog::Known for Toolbox {
     fn tool(&self, name: &str) -> std::result::Result<(), String> {
         let names = self.tools.names();
-        if names.contains(&name) {
+        if names.iter().any(|known| known == name) {
             Ok(())
         } else {
             Err(format!("the runtime's tools are {}", names.join(", ")))
@@ -209,6 +228,23 @@ impl ratchet_catalog::Known for Toolbox {
         self.resolve_model(spec)
             .map(|_| ())
             .map_err(|error| error.to_string())
+    }
+}
+
+/// Keeps the registry in step with the MCP servers' tools until the connections are gone.
+async fn follow_mcp(
+    registry: Arc<Registry>,
+    builtin: Vec<Arc<dyn Tool>>,
+    mut watch: ToolsWatch,
+    changed: watch::Sender<u64>,
+) {
+    while let Some(mcp) = watch.changed().await {
+        match registry.replace([builtin.clone(), mcp].concat()) {
+            Ok(()) => changed.send_modify(|count| *count += 1),
+            Err(error) => {
+                tracing::warn!(%error, "an MCP server's new tools cannot be offered: the previous ones stay");
+            }
+        }
     }
 }
 

@@ -382,7 +382,10 @@ impl ratchet::Model for Echo {
                 input_tokens: 3,
                 output_tokens: 2,
                 reasoning_tokens: 0,
+                cache_write_tokens: 0,
+                cache_read_tokens: 0,
             },
+            reasoning: String::new(),
         })
     }
 }

@@ -104,3 +104,136 @@ fn configured_policies_override_an_mcp_tools_defaults_and_a_dead_server_stops_th
     );
     assert!(!broken.path().join("r.db").exists(), "nothing was written");
 }
+
+/// `ratchet serve` with a server that changes its tools while a run calls it: the runs
+/// created afterwards are offered the new tools; the run that was running keeps those it was
+/// frozen with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_offers_an_mcp_servers_changed_tools_to_the_runs_that_start_after() {
+    use std::io::BufRead;
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!(
+        "[mcp.servers.local]\ncommand = \"python3\"\nargs = [\"{}\"]\n\
+         env = {{ MCP_TEST_MODE = \"tools_change\" }}\napproval = \"never\"\n",
+        server_script().display()
+    );
+    std::fs::write(dir.path().join("ratchet.toml"), config).unwrap();
+    let script = json!({"replies": [
+        {"tool_calls": [{"name": "local.evolve", "arguments": {}}]},
+        {"text": "Done."}
+    ]});
+    std::fs::write(dir.path().join("script.json"), script.to_string()).unwrap();
+    let port = crate::common::free_port();
+    let db = format!("sqlite://{}/r.db", dir.path().display());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratchet"))
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--db",
+            &db,
+        ])
+        .args([
+            "--config",
+            "ratchet.toml",
+            "--model",
+            "scripted:script.json",
+        ])
+        .current_dir(dir.path())
+        .env_remove("RATCHET_DB")
+        .env_remove("RATCHET_LOG")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (lines, said) = std::sync::mpsc::channel();
+    let stderr = child.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = lines.send(line);
+        }
+    });
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    let started = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            started.elapsed() < crate::common::DEADLINE,
+            "serve did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let run_to_end = |content: &'static str| {
+        let (http, base) = (http.clone(), base.clone());
+        async move {
+            let session: serde_json::Value = (http.post(format!("{base}/v1/sessions")))
+                .json(&json!({}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let sent: serde_json::Value = (http.post(format!(
+                "{base}/v1/sessions/{}/messages",
+                session["id"].as_str().unwrap()
+            )))
+            .json(&json!({"content": content}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+            let run = sent["run_id"].as_str().unwrap().to_owned();
+            let deadline = Instant::now() + crate::common::DEADLINE;
+            loop {
+                let view: serde_json::Value = (http.get(format!("{base}/v1/runs/{run}")))
+                    .send()
+                    .await
+                    .unwrap()
+                    .json()
+                    .await
+                    .unwrap();
+                if view["status"] == "completed" {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "{view}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let step: serde_json::Value = (http.get(format!("{base}/v1/runs/{run}/steps/1")))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            let offered: Vec<String> = (step["model_call"]["tools"].as_array().unwrap().iter())
+                .map(|tool| tool["name"].as_str().unwrap().to_owned())
+                .collect();
+            offered
+        }
+    };
+
+    let first = run_to_end("change your tools").await;
+    assert!(first.contains(&"local.add".to_owned()), "{first:?}");
+    assert!(!first.contains(&"local.shout".to_owned()), "{first:?}");
+    let refreshed = "an MCP server's tools changed: new runs are offered its new tools";
+    loop {
+        let line = said
+            .recv_timeout(crate::common::DEADLINE)
+            .expect("serve says the tools changed");
+        if line.contains(refreshed) {
+            break;
+        }
+    }
+    let second = run_to_end("again").await;
+    assert!(second.contains(&"local.shout".to_owned()), "{second:?}");
+    assert!(!second.contains(&"local.add".to_owned()), "{second:?}");
+    let _ = child.kill();
+    let _ = child.wait();
+}

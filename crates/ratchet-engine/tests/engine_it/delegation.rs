@@ -89,9 +89,7 @@ fn node_within(
     let dir = tempfile::tempdir().unwrap();
     let store: Arc<dyn Store> = Arc::new(ratchet_store_memory::MemoryStore::new());
     let tools = Arc::new(Registry::builtin());
-    let models = Arc::new(Models::new(
-        tools.names().into_iter().map(str::to_owned).collect(),
-    ));
+    let models = Arc::new(Models::new(tools.names()));
     models.register("test:policy", model);
     if let Some(quick) = quick {
         models.register("test:quick", quick);
@@ -649,6 +647,8 @@ async fn children_that_spend_the_trees_budget_make_their_parents_next_call_concl
                 input_tokens: 400,
                 output_tokens: 100,
                 reasoning_tokens: 0,
+                cache_write_tokens: 0,
+                cache_read_tokens: 0,
             };
             let mut reply = if request.system_prompt == "you are helper" {
                 text(format!("did {}", first_user_message(request)))

@@ -100,7 +100,7 @@ fn node(replies: Value) -> Node {
     let specs = tools.specs();
     // The scripted model may also call `vanished`, a tool a run can be frozen with but this
     // process does not have.
-    let mut names: Vec<String> = tools.names().into_iter().map(str::to_owned).collect();
+    let mut names: Vec<String> = tools.names();
     names.push("vanished".to_owned());
     let models = Arc::new(Models::new(names));
     let coordinator = Coordinator::new(store);

@@ -24,9 +24,7 @@ struct Node {
 fn node(store: &MemoryStore, config: PoolConfig) -> Node {
     let store: Arc<dyn Store> = Arc::new(store.clone());
     let tools = Arc::new(Registry::builtin());
-    let models = Arc::new(Models::new(
-        tools.names().into_iter().map(str::to_owned).collect(),
-    ));
+    let models = Arc::new(Models::new(tools.names()));
     let coordinator = Coordinator::new(store);
     let engine = Arc::new(Engine::new(Arc::clone(&coordinator), models, tools));
     let pool = WorkerPool::start(Arc::clone(&coordinator), engine, config);
@@ -361,9 +359,7 @@ async fn a_vanished_workers_lease_expires_on_the_runtimes_clock() {
         .unwrap()
         .expect("the first step, claimed by a worker that then vanishes");
     let tools = Arc::new(Registry::builtin());
-    let models = Arc::new(Models::new(
-        tools.names().into_iter().map(str::to_owned).collect(),
-    ));
+    let models = Arc::new(Models::new(tools.names()));
     let engine = Arc::new(Engine::new(Arc::clone(&coordinator), models, tools));
     let pool = WorkerPool::start(Arc::clone(&coordinator), engine, pool_config);
 
@@ -438,9 +434,7 @@ async fn the_follower_relays_other_processes_events_and_wakes_idle_workers() {
     let mut bus = here.subscribe();
     // Workers that would not look for a minute unless woken.
     let tools = Arc::new(Registry::builtin());
-    let models = Arc::new(Models::new(
-        tools.names().into_iter().map(str::to_owned).collect(),
-    ));
+    let models = Arc::new(Models::new(tools.names()));
     let engine = Arc::new(Engine::new(Arc::clone(&here), models, tools));
     let sleepy = PoolConfig {
         workers: 2,

@@ -174,6 +174,7 @@ async fn a_stream_of_text_thinking_and_tool_use_with_pings_and_unknown_events() 
         }}})),
         event(json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}})),
         event(json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": "They want a."}})),
+        event(json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": " Both of them."}})),
         event(json!({"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "EqQB"}})),
         block_stop(0),
         text_block(1),
@@ -190,7 +191,10 @@ async fn a_stream_of_text_thinking_and_tool_use_with_pings_and_unknown_events() 
         block_stop(2),
         tool_block(3, "toolu_b", "now"),
         block_stop(3),
-        message_delta("tool_use", 57),
+        // The final totals, the cache's included, as the API repeats them at the end.
+        event(json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {
+            "input_tokens": 10, "cache_creation_input_tokens": 4, "cache_read_input_tokens": 100, "output_tokens": 57,
+        }})),
         message_stop(),
     ])])
     .await;
@@ -201,6 +205,7 @@ async fn a_stream_of_text_thinking_and_tool_use_with_pings_and_unknown_events() 
     let (reply, deltas) = reply(streaming(&server).as_ref(), request).await;
     assert_eq!(reply.text, "Let me read it.");
     assert_eq!(deltas, ["Let me ", "read it."]);
+    assert_eq!(reply.reasoning, "They want a. Both of them.");
     assert_eq!(
         reply.tool_calls,
         [
@@ -213,7 +218,9 @@ async fn a_stream_of_text_thinking_and_tool_use_with_pings_and_unknown_events() 
         Usage {
             input_tokens: 114,
             output_tokens: 57,
-            reasoning_tokens: 0
+            reasoning_tokens: 0,
+            cache_write_tokens: 4,
+            cache_read_tokens: 100
         }
     );
 }
@@ -412,11 +419,13 @@ async fn without_streaming_the_whole_answer_is_one_delta() {
         "id": "msg_1", "type": "message", "role": "assistant", "model": "test-model",
         "content": [
             {"type": "thinking", "thinking": "They want a.", "signature": "EqQB"},
+            {"type": "redacted_thinking", "data": "EmwKAhgB"},
+            {"type": "thinking", "thinking": "Read it first.", "signature": "EqQC"},
             {"type": "text", "text": "Reading it."},
             {"type": "tool_use", "id": "toolu_9", "name": "fs_read", "input": {"path": "a"}},
         ],
         "stop_reason": "tool_use",
-        "usage": {"input_tokens": 20, "output_tokens": 7},
+        "usage": {"input_tokens": 20, "cache_creation_input_tokens": 30, "cache_read_input_tokens": 400, "output_tokens": 7},
     });
     let server = Server::start(vec![Reply::json(200, answer)]).await;
     let mut settings = settings("anthropic", &server.url);
@@ -425,6 +434,7 @@ async fn without_streaming_the_whole_answer_is_one_delta() {
     let (reply, deltas) = reply(model(&settings, None).as_ref(), request).await;
     assert_eq!(reply.text, "Reading it.");
     assert_eq!(deltas, ["Reading it."]);
+    assert_eq!(reply.reasoning, "They want a.\n\nRead it first.");
     assert_eq!(
         reply.tool_calls,
         [call("toolu_9", "fs.read", json!({"path": "a"}))]
@@ -432,9 +442,11 @@ async fn without_streaming_the_whole_answer_is_one_delta() {
     assert_eq!(
         reply.usage,
         Usage {
-            input_tokens: 20,
+            input_tokens: 450,
             output_tokens: 7,
-            reasoning_tokens: 0
+            reasoning_tokens: 0,
+            cache_write_tokens: 30,
+            cache_read_tokens: 400
         }
     );
     assert_eq!(server.only_request().body["stream"], json!(false));

@@ -1,6 +1,6 @@
 //! The OpenAI-compatible provider against a local server replaying chat completion answers
 //! the way OpenAI, vLLM, Ollama and proxies send them: the request's wire format, streamed
-//! text, reasoning and usage, tool calls in every known shape, and each kind of failure.
+//! text, reasoning kept apart from it, usage, tool calls in every known shape, and each kind of failure.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -129,7 +129,7 @@ async fn without_a_key_or_tools_neither_is_sent() {
 }
 
 #[tokio::test]
-async fn text_streams_as_deltas_and_reasoning_stays_out_of_it() {
+async fn text_streams_as_deltas_and_reasoning_is_kept_apart_from_it() {
     let server = Server::start(vec![Reply::stream([
         data(json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})),
         data(json!({"choices": [{"index": 0, "delta": {"reasoning_content": "The user wants"}}]})),
@@ -140,6 +140,7 @@ async fn text_streams_as_deltas_and_reasoning_stays_out_of_it() {
         data(json!({"choices": [], "usage": {
             "prompt_tokens": 12, "completion_tokens": 30,
             "completion_tokens_details": {"reasoning_tokens": 20},
+            "prompt_tokens_details": {"cached_tokens": 8},
         }})),
         done(),
     ])])
@@ -147,13 +148,16 @@ async fn text_streams_as_deltas_and_reasoning_stays_out_of_it() {
     let (reply, deltas) = reply(streaming(&server).as_ref(), question()).await;
     assert_eq!(reply.text, "Hello!");
     assert_eq!(deltas, ["Hel", "lo!"]);
+    assert_eq!(reply.reasoning, "The user wants a greeting.");
     assert!(reply.tool_calls.is_empty());
     assert_eq!(
         reply.usage,
         Usage {
             input_tokens: 12,
             output_tokens: 30,
-            reasoning_tokens: 20
+            reasoning_tokens: 20,
+            cache_write_tokens: 0,
+            cache_read_tokens: 8
         }
     );
 }
@@ -196,7 +200,9 @@ async fn interleaved_tool_calls_are_assembled_from_partial_arguments() {
         Usage {
             input_tokens: 5,
             output_tokens: 9,
-            reasoning_tokens: 0
+            reasoning_tokens: 0,
+            cache_write_tokens: 0,
+            cache_read_tokens: 0
         }
     );
     let sent = server.only_request().body;
@@ -489,7 +495,8 @@ async fn without_streaming_the_whole_answer_is_one_delta() {
             "reasoning_content": "They want the file.",
             "tool_calls": [{"id": "call_9", "type": "function", "function": {"name": "fs_read", "arguments": "{\"path\": \"a\"}"}}],
         }}],
-        "usage": {"prompt_tokens": 20, "completion_tokens": 7, "completion_tokens_details": {"reasoning_tokens": 3}},
+        "usage": {"prompt_tokens": 20, "completion_tokens": 7, "completion_tokens_details": {"reasoning_tokens": 3},
+                  "prompt_tokens_details": {"cached_tokens": 16, "audio_tokens": 0}},
     });
     let server = Server::start(vec![Reply::json(200, answer)]).await;
     let mut settings = settings("openai", &server.url);
@@ -498,6 +505,7 @@ async fn without_streaming_the_whole_answer_is_one_delta() {
     let (reply, deltas) = reply(model(&settings, None).as_ref(), request).await;
     assert_eq!(reply.text, "Reading it.");
     assert_eq!(deltas, ["Reading it."]);
+    assert_eq!(reply.reasoning, "They want the file.");
     assert_eq!(
         reply.tool_calls,
         [call("call_9", "fs.read", json!({"path": "a"}))]
@@ -507,7 +515,9 @@ async fn without_streaming_the_whole_answer_is_one_delta() {
         Usage {
             input_tokens: 20,
             output_tokens: 7,
-            reasoning_tokens: 3
+            reasoning_tokens: 3,
+            cache_write_tokens: 0,
+            cache_read_tokens: 16
         }
     );
     let sent = server.only_request().body;

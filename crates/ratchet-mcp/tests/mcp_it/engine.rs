@@ -39,9 +39,7 @@ fn node(dir: &Path, mcp: &McpTools) -> Node {
         )
         .unwrap(),
     );
-    let models = Arc::new(Models::new(
-        registry.names().into_iter().map(str::to_owned).collect(),
-    ));
+    let models = Arc::new(Models::new(registry.names()));
     let coordinator = Coordinator::new(store);
     let engine = Arc::new(Engine::new(
         Arc::clone(&coordinator),

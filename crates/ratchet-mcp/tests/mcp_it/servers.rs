@@ -179,6 +179,53 @@ async fn the_server_configuration_sets_every_tool_default() {
 }
 
 #[tokio::test]
+async fn a_server_whose_tools_changed_is_listed_again_and_the_new_tools_are_given_to_watchers() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = stdio(&dir.path().join("log"));
+    server
+        .env
+        .insert("MCP_TEST_MODE".into(), "tools_change".into());
+    let tools = connect_all(&config([("local", server)])).await.unwrap();
+    let before = tools.names();
+    assert!(before.contains(&"local.add".to_owned()), "{before:?}");
+    assert!(!before.contains(&"local.shout".to_owned()), "{before:?}");
+    let add_before = tool(&tools, "local.add");
+    let mut watch = tools.watch();
+
+    // The server replaces `add` with `shout`, then sends `notifications/tools/list_changed`.
+    assert_eq!(call(&tools, "local.evolve", json!({})).await, ok("evolved"));
+    let changed = tokio::time::timeout(Duration::from_secs(10), watch.changed())
+        .await
+        .expect("the change reaches the watcher")
+        .expect("the tools are still connected");
+    let names: Vec<&str> = changed.iter().map(|t| t.name()).collect();
+    assert!(names.contains(&"local.shout"), "{names:?}");
+    assert!(!names.contains(&"local.add"), "{names:?}");
+    assert_eq!(
+        tools.names(),
+        names,
+        "what the watcher is given is what is listed now"
+    );
+    assert_eq!(tools.names().len(), before.len(), "one tool out, one in");
+    assert_eq!(
+        tool(&tools, "local.shout").parameters()["required"],
+        json!(["text"])
+    );
+    assert_eq!(
+        call(&tools, "local.shout", json!({"text": "hi"})).await,
+        ok("HI")
+    );
+    // A tool a run was frozen with before the change is still callable, and the server
+    // answers for it as it now stands.
+    let outcome = add_before
+        .call(json!({"a": 1, "b": 2}), &context(CancellationToken::new()))
+        .await;
+    assert!(outcome.is_error, "{outcome:?}");
+    assert!(outcome.content.contains("unknown tool add"), "{outcome:?}");
+    tools.close().await;
+}
+
+#[tokio::test]
 async fn calls_become_outcomes_with_the_idempotency_key_in_meta() {
     let dir = tempfile::tempdir().unwrap();
     let mut server = stdio(&dir.path().join("log"));
@@ -470,7 +517,7 @@ async fn a_server_that_cannot_start_is_an_error_naming_it() {
 fn http(url: String, token: &str) -> ServerConfig {
     ServerConfig {
         url: Some(url),
-        headers: BTreeMap::from([("Authorization".to_owned(), format!("Bearer {token}"))]),
+        headers: BTreeMap::from([("Authorization".to_owned(), format!("Bearer {token}").into())]),
         ..ServerConfig::default()
     }
 }

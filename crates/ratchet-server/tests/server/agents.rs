@@ -96,11 +96,7 @@ async fn the_catalog_is_listed_in_id_order_with_each_agents_model_tools_and_dele
     assert_eq!(keys(&page), ["items", "next_cursor"], "{page}");
     assert!(page["next_cursor"].is_null(), "{page}");
     assert_eq!(ids(&page["items"]), ["boss", "writer"]);
-    let template_tools: Vec<String> = ratchet_tools::Registry::builtin()
-        .names()
-        .into_iter()
-        .map(str::to_owned)
-        .collect();
+    let template_tools: Vec<String> = ratchet_tools::Registry::builtin().names();
     let boss = &page["items"][0];
     assert_eq!(
         keys(boss),

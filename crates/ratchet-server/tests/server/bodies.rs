@@ -83,9 +83,7 @@ async fn seed() -> Seeded {
     let db = format!("sqlite://{}", dir.path().join("ratchet.db").display());
     let store: Arc<dyn Store> = Arc::new(ratchet_sqlite::open_url(&db).unwrap());
     let tools = Arc::new(Registry::builtin());
-    let models = Arc::new(Models::new(
-        tools.names().into_iter().map(str::to_owned).collect(),
-    ));
+    let models = Arc::new(Models::new(tools.names()));
     models.register("fuzz", Arc::new(model()));
     let coordinator = Coordinator::new(Arc::clone(&store));
     let engine = Arc::new(Engine::new(Arc::clone(&coordinator), models, tools));

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use ratchet_core::ApprovalPolicy;
 use reqwest::StatusCode;
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
@@ -1226,12 +1226,16 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
             read_timeout_ms: 1_000,
             stream: true,
             max_output_tokens: None,
+            // Cache writes at the default price, 1.25 × input; cache reads at their own.
             prices: Some(ratchet_core::Prices {
                 input_per_mtok: 2.5,
                 output_per_mtok: 10.0,
+                cache_write_per_mtok: None,
+                cache_read_per_mtok: Some(0.5),
             }),
         });
-        // Answers at once, reporting 1,000 prompt tokens and 400 generated, 100 reasoning.
+        // Answers at once, reporting 1,000 prompt tokens (200 written to the cache, 500 read
+        // from it) and 400 generated, 100 reasoning.
         let metered = FnModel(|_| {
             Ok(ratchet_core::ModelReply {
                 text: "metered".into(),
@@ -1240,7 +1244,10 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
                     input_tokens: 1_000,
                     output_tokens: 400,
                     reasoning_tokens: 100,
+                    cache_write_tokens: 200,
+                    cache_read_tokens: 500,
                 },
+                reasoning: String::new(),
             })
         });
         models.register("metered", Arc::new(metered));
@@ -1252,20 +1259,37 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
         (
             &usage["input_tokens"],
             &usage["output_tokens"],
-            &usage["reasoning_tokens"]
+            &usage["reasoning_tokens"],
+            &usage["cache_write_tokens"],
+            &usage["cache_read_tokens"]
         ),
-        (&json!(1000), &json!(400), &json!(100)),
+        (
+            &json!(1000),
+            &json!(400),
+            &json!(100),
+            &json!(200),
+            &json!(500)
+        ),
         "{done}"
     );
-    // 1,000 × $2.5/M + 400 × $10/M = $0.0065
+    // 300 uncached × $2.5/M + 200 written × $3.125/M + 500 read × $0.5/M + 400 × $10/M
+    // = $0.005625
     assert!(
-        (usage["cost_usd"].as_f64().unwrap() - 0.0065).abs() < 1e-12,
+        (usage["cost_usd"].as_f64().unwrap() - 0.005625).abs() < 1e-12,
         "{usage}"
     );
     let steps = server
         .get_ok(TOKEN_A, &format!("/v1/runs/{run}/steps"))
         .await;
-    assert_eq!(steps["items"][0]["summary"]["cost_microusd"], 6500);
+    let summary = &steps["items"][0]["summary"];
+    assert_eq!(summary["cost_microusd"], 5625);
+    assert_eq!(
+        (
+            &summary["cache_write_tokens"],
+            &summary["cache_read_tokens"]
+        ),
+        (&json!(200), &json!(500))
+    );
     let events = server
         .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
         .await;
@@ -1274,8 +1298,14 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
         .find(|e| e.kind == "assistant.message")
         .unwrap();
     assert_eq!(message.data["payload"]["usage"]["reasoning_tokens"], 100);
+    assert_eq!(message.data["payload"]["usage"]["cache_read_tokens"], 500);
+    assert_eq!(message.data["payload"]["cost_microusd"], 5625);
     let finished = events.iter().find(|e| e.kind == "run.finished").unwrap();
-    assert_eq!(finished.data["payload"]["counters"]["cost_microusd"], 6500);
+    assert_eq!(finished.data["payload"]["counters"]["cost_microusd"], 5625);
+    assert_eq!(
+        finished.data["payload"]["counters"]["cache_write_tokens"],
+        200
+    );
     let metrics = server
         .http
         .get(server.url("/metrics"))
@@ -1288,10 +1318,88 @@ async fn usage_and_cost_show_in_the_run_its_steps_events_and_metrics() {
     for line in [
         "ratchet_model_tokens_total{kind=\"input\"} 1000",
         "ratchet_model_tokens_total{kind=\"reasoning\"} 100",
-        "ratchet_model_cost_microdollars_total 6500",
+        "ratchet_model_tokens_total{kind=\"cache_write\"} 200",
+        "ratchet_model_tokens_total{kind=\"cache_read\"} 500",
+        "ratchet_model_cost_microdollars_total 5625",
     ] {
         assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reasoning_is_an_event_of_its_step_and_never_the_answer_nor_sent_back() {
+    let requests = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = requests.clone();
+    let server = Server::start_with(quick_script(), move |template, models| {
+        template.model = "thinking".into();
+        // Reasons before each answer: first it adds, then it answers.
+        let thinking = FnModel(move |request: ratchet_llm::ModelRequest| {
+            let first = request.call_index == 0;
+            seen.lock().unwrap().push(request.messages);
+            Ok(if first {
+                ratchet_core::ModelReply {
+                    text: "Let me add.".into(),
+                    tool_calls: vec![ratchet_core::ToolCall {
+                        id: "call-0".into(),
+                        name: "add".into(),
+                        arguments: json!({"a": 2, "b": 3}),
+                    }],
+                    reasoning: "SECRET-PLAN: add 2 and 3.".into(),
+                    ..Default::default()
+                }
+            } else {
+                ratchet_core::ModelReply {
+                    text: "The sum is 5.".into(),
+                    reasoning: "SECRET-CHECK: the tool said 5.".into(),
+                    ..Default::default()
+                }
+            })
+        });
+        models.register("thinking", Arc::new(thinking));
+    })
+    .await;
+    let (session, run, done) = server.run_to_end("add 2 and 3").await;
+    assert_eq!(done["final_answer"], "The sum is 5.", "{done}");
+
+    let events = server
+        .replay(&format!("/v1/runs/{run}/events?follow=false"), None)
+        .await;
+    let reasoning: Vec<&Value> = events
+        .iter()
+        .filter(|e| e.kind == "assistant.reasoning")
+        .map(|e| &e.data["payload"])
+        .collect();
+    assert_eq!(
+        reasoning,
+        [
+            &json!({"run_id": run, "step_index": 1, "text": "SECRET-PLAN: add 2 and 3."}),
+            &json!({"run_id": run, "step_index": 3, "text": "SECRET-CHECK: the tool said 5."}),
+        ]
+    );
+    // Each is stored with its step's commit, just ahead of the step's answer.
+    let kinds = kinds(&events);
+    for (at, kind) in kinds.iter().enumerate() {
+        if *kind == "assistant.reasoning" {
+            assert_eq!(kinds[at + 1], "assistant.message", "{kinds:?}");
+        }
+    }
+    for event in events.iter().filter(|e| e.kind != "assistant.reasoning") {
+        assert!(
+            !event.data.to_string().contains("SECRET"),
+            "{:?}",
+            event.data
+        );
+    }
+    for message in server.messages(&session).await {
+        assert!(!message.to_string().contains("SECRET"), "{message}");
+    }
+    let requests = requests.lock().unwrap();
+    assert_eq!(requests.len(), 2);
+    assert!(
+        requests[1].iter().all(|m| !m.content.contains("SECRET")),
+        "reasoning went back to the model: {:?}",
+        requests[1]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

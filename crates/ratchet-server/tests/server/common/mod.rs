@@ -187,7 +187,7 @@ impl Server {
             Arc::new(ratchet_sqlite::open_url(&db).unwrap().with_secrets(keyring));
         let tools = Arc::new(Registry::builtin());
         // Scripts of delegating agents call the runtime's own tools besides the registry's.
-        let mut known_tools: Vec<String> = tools.names().into_iter().map(str::to_owned).collect();
+        let mut known_tools: Vec<String> = tools.names();
         known_tools.extend([DELEGATE_TOOL, AGENT_TASK_TOOL].map(str::to_owned));
         let models = Arc::new(Models::new(known_tools));
         let coordinator = Coordinator::new(Arc::clone(&store));
