@@ -35,7 +35,6 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::ChildStderr;
 use tokio::sync::{Mutex, Notify};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use crate::config::{Checked, Transport};
 use crate::content;
