@@ -90,6 +90,36 @@ def reference_named_objects(document: Dict[str, Any]) -> Dict[str, Any]:
     return {**document, "components": {**document["components"], "schemas": schemas}}
 
 
+def inline_named_strings(document: Dict[str, Any]) -> Dict[str, Any]:
+    """The document with every reference to a named string schema (an id with its pattern,
+    a cursor) replaced by that schema, so that a field holds a plain `str` — one a caller
+    compares with the ids it has — whether it is required or may be null."""
+    named = document.get("components", {}).get("schemas", {})
+    strings = {
+        f"#/components/schemas/{name}": schema
+        for name, schema in named.items()
+        if schema.get("type") == "string" and "enum" not in schema
+    }
+
+    def inlined(node: Any) -> Any:
+        if isinstance(node, dict):
+            if node.get("$ref") in strings and set(node) <= {"$ref", "description"}:
+                rest = {k: v for k, v in node.items() if k != "$ref"}
+                return {**strings[node["$ref"]], **rest}
+            choices = node.get("oneOf")
+            if isinstance(choices, list) and len(choices) == 2 and {"type": "null"} in choices:
+                (other,) = [inlined(c) for c in choices if c != {"type": "null"}]
+                if other.get("type") == "string" and "enum" not in other:
+                    rest = {k: inlined(v) for k, v in node.items() if k != "oneOf"}
+                    return {**other, **rest, "type": ["string", "null"]}
+            return {key: inlined(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inlined(value) for value in node]
+        return node
+
+    return inlined(document)
+
+
 def generate(document: Dict[str, Any]) -> str:
     """The source of `models.py` for `document`."""
     installed = importlib.metadata.version("datamodel-code-generator")
@@ -101,7 +131,7 @@ def generate(document: Dict[str, Any]) -> str:
     with tempfile.TemporaryDirectory() as scratch:
         # A fixed name: the generator writes it into the header.
         document_path = Path(scratch) / "openapi.json"
-        document = reference_named_objects(document)
+        document = inline_named_strings(reference_named_objects(document))
         document_path.write_text(json.dumps(document, indent=2), encoding="utf-8")
         output_path = Path(scratch) / "models.py"
         subprocess.run(

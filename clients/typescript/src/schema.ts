@@ -599,25 +599,35 @@ export interface components {
             needs_approval: boolean;
             note?: string | null;
         };
-        /**
-         * @description Either `decisions` (every call that needs approval, once) or `"abort": true`, which ends
-         *     the run as cancelled by a human.
-         */
+        /** @description A approval id: `apr_` then 1 to 85 letters, digits or `-`. */
+        ApprovalId: string;
+        /** @description Either `decisions` (every call that needs approval, once) or `"abort": true`, which ends the run as cancelled by a human. */
         ApprovalRequestBody: {
-            abort?: boolean | null;
-            decisions?: components["schemas"]["CallDecisionBody"][] | null;
+            /** @enum {boolean|null} */
+            abort?: false | null;
+            /** @description One decision per call that needs approval; a call left out is approved. */
+            decisions: components["schemas"]["CallDecisionBody"][];
+        } | {
+            /** @enum {boolean} */
+            abort: true;
+            decisions?: null;
         };
+        /**
+         * @description `pending`, `decided`, `aborted`, or `cancelled` (its run ended unanswered).
+         * @enum {string}
+         */
+        ApprovalStatus: "pending" | "decided" | "aborted" | "cancelled";
         /** @description A gated tool batch: no call of it runs until a human answers. */
         ApprovalView: {
             /** @description Every call of the batch, in the model's order. */
             calls: components["schemas"]["ApprovalCallView"][];
             created_at: components["schemas"]["i64"];
             decided_at?: components["schemas"]["i64"] | null;
-            id: string;
-            run_id: string;
-            session_id: string;
+            id: components["schemas"]["ApprovalId"];
+            run_id: components["schemas"]["RunId"];
+            session_id: components["schemas"]["SessionId"];
             /** @description `pending`, `decided`, `aborted`, or `cancelled` (its run ended unanswered). */
-            status: string;
+            status: components["schemas"]["ApprovalStatus"];
         };
         /** @description One budget of a run and what it used. */
         BudgetView: {
@@ -640,12 +650,12 @@ export interface components {
             note?: string | null;
         };
         CancelView: {
-            run_id: string;
+            run_id: components["schemas"]["RunId"];
             /**
              * @description `cancelled` when the run ended at once, `cancelling` while its step winds down, or the
              *     terminal status it already had.
              */
-            status: string;
+            status: components["schemas"]["RunStatus"];
         };
         /**
          * @description Budget to add when continuing a failed run; each field is added to the run's limit of
@@ -677,13 +687,16 @@ export interface components {
         };
         CreateWebhook: {
             /** @description The event kinds to send (for example `run.finished`); every kind when absent. */
-            events?: string[] | null;
+            events?: components["schemas"]["EventKind"][] | null;
             /**
              * Format: int32
              * @description Attempts of one delivery before it is dead-lettered, 1–50 (default 10).
              */
             max_attempts?: number | null;
-            /** @description The key deliveries are signed with, 16–256 characters; one is made when absent. */
+            /**
+             * @description The key deliveries are signed with, 16–256 printable ASCII characters without spaces;
+             *     one is made when absent.
+             */
             secret?: string | null;
             /**
              * @description Where each event is POSTed: an absolute `http://` or `https://` URL without
@@ -695,6 +708,11 @@ export interface components {
         };
         /** @enum {string} */
         DecisionBody: "approve" | "deny";
+        /**
+         * @description where a webhook delivery stands (`dead_letter` for the dead letters).
+         * @enum {string}
+         */
+        DeliveryStatus: "pending" | "delivering" | "delivered" | "dead_letter";
         /** @description One event's delivery to the webhook. */
         DeliveryView: {
             /** Format: int32 */
@@ -702,7 +720,7 @@ export interface components {
             available_at?: components["schemas"]["i64"] | null;
             created_at: components["schemas"]["i64"];
             delivered_at?: components["schemas"]["i64"] | null;
-            event_kind: string;
+            event_kind: components["schemas"]["EventKind"];
             /**
              * Format: int64
              * @description Also the `Ratchet-Delivery` header of every attempt.
@@ -720,12 +738,12 @@ export interface components {
             requeued_at?: components["schemas"]["i64"] | null;
             /** Format: int64 */
             seq: number;
-            session_id: string;
+            session_id: components["schemas"]["SessionId"];
             /**
              * @description `pending` (waiting for its attempt, behind the session's earlier events),
              *     `delivering`, `delivered` or `dead_letter`.
              */
-            status: string;
+            status: components["schemas"]["DeliveryStatus"];
             updated_at: components["schemas"]["i64"];
         };
         ErrorBody: {
@@ -745,18 +763,23 @@ export interface components {
              */
             problems?: string[];
         };
+        /**
+         * @description the kind of a stored event.
+         * @enum {string}
+         */
+        EventKind: "run.created" | "run.status" | "step.committed" | "activity" | "assistant.delta" | "assistant.message" | "assistant.reasoning" | "tool.call" | "tool.result" | "tool.outcome_unknown" | "model.error" | "reconciliation.required" | "reconciliation.decided" | "approval.required" | "approval.decided" | "run.resumed" | "message.steered" | "context.compacted" | "subagent.started" | "subagent.finished" | "completion.blocked" | "inbox.reserved" | "inbox.pending" | "inbox.leased" | "inbox.consumed" | "inbox.released" | "inbox.dead_lettered" | "inbox.superseded" | "inbox.requeued" | "inbox.discarded" | "signal.emitted" | "session.closed" | "run.finished";
         /** @description The `data` of every server-sent event (its `id` is `seq`, its `event` is `kind`). */
         EventView: {
             created_at: components["schemas"]["i64"];
             kind: string;
             payload: Record<string, unknown>;
-            run_id?: string | null;
+            run_id?: components["schemas"]["RunId"] | null;
             /**
              * Format: int64
              * @description Per-session, gap-free and increasing: resume with `Last-Event-ID` or `?after=`.
              */
             seq: number;
-            session_id: string;
+            session_id: components["schemas"]["SessionId"];
         };
         /** @description One event of a session's inbox. */
         InboxEventView: {
@@ -772,12 +795,11 @@ export interface components {
             id: number;
             /** @description `completion`, `group_completion` or `signal`. */
             kind: string;
-            /** @description The continuation run holding it, or that consumed it. */
-            lease_run_id?: string | null;
+            lease_run_id?: components["schemas"]["RunId"] | null;
             /** Format: int32 */
             max_attempts: number;
             /** @description The run whose `delegate` call started the work. */
-            parent_run_id: string;
+            parent_run_id: components["schemas"]["RunId"];
             /** @description What the work reported; absent while the event is a reservation. */
             payload?: unknown;
             /**
@@ -786,15 +808,20 @@ export interface components {
              */
             reason?: string | null;
             requeued_at?: components["schemas"]["i64"] | null;
-            source_run_id?: string | null;
+            source_run_id?: components["schemas"]["RunId"] | null;
             /**
              * @description `reserved` (a place held for running work), `pending`, `leased` (a continuation turn
              *     holds it), `consumed`, `dead_letter`, `superseded` or `discarded` (a dead letter an
              *     operator dropped).
              */
-            status: string;
+            status: components["schemas"]["InboxStatus"];
             updated_at: components["schemas"]["i64"];
         };
+        /**
+         * @description where an inbox event stands (`dead_letter` for the dead letters).
+         * @enum {string}
+         */
+        InboxStatus: "reserved" | "pending" | "leased" | "consumed" | "dead_letter" | "superseded" | "discarded";
         /**
          * @description The `data` of a live `activity` event: what a step in flight is doing right now
          *     (`loading_context`, `calling_model` with `model`, `executing_tools` with `tools`). It is
@@ -808,13 +835,13 @@ export interface components {
             /** @description Always `true`: tells it from stored events, which have a `seq`. */
             live: boolean;
             payload: Record<string, unknown>;
-            run_id: string;
-            session_id: string;
+            run_id: components["schemas"]["RunId"];
+            session_id: components["schemas"]["SessionId"];
         };
         MessageAccepted: {
-            message_id: string;
+            message_id: components["schemas"]["MessageId"];
             /** @description The message's run; for a steering message, the active run it will join. */
-            run_id: string;
+            run_id: components["schemas"]["RunId"];
             /**
              * @description `running` when the run started at once, `queued` behind the session's active run (for
              *     a steering message, the active run's status).
@@ -823,15 +850,17 @@ export interface components {
             /** @description True when the message waits to join the active run (`multitask: "steer"`). */
             steered: boolean;
         };
+        /** @description A message id: `msg_` then letters, digits or `-`. */
+        MessageId: string;
         MessageView: {
             content: string;
             created_at: components["schemas"]["i64"];
-            id: string;
+            id: components["schemas"]["MessageId"];
             /** @description `user`, `agent`, `continuation` or `steer`. */
             origin: string;
             /** @description `user`, `assistant` or `tool`. */
             role: string;
-            run_id: string;
+            run_id: components["schemas"]["RunId"];
             tool_call_id?: string | null;
             tool_calls: Record<string, unknown>[];
             /** @description Always `visible`: hidden messages are never listed. */
@@ -874,10 +903,13 @@ export interface components {
         };
         /** @description Who acts on a dead letter, for the record. */
         OperatorBody: {
-            /** @description Who requeues or discards it (at most 200 characters); the caller's tenant when absent. */
+            /**
+             * @description Who requeues or discards it: 1–200 characters, not only white space, no control
+             *     characters; the caller's tenant when absent.
+             */
             by?: string | null;
         };
-        /** @description Every listing: a page of items and the cursor of the next page (absent on the last). */
+        /** @description Every listing: a page of items and the cursor of the next page (null on the last). */
         Page_AgentView: {
             items: {
                 /**
@@ -904,24 +936,32 @@ export interface components {
                 /** @description The tools its runs are offered, by name. */
                 tools: string[];
             }[];
+            /**
+             * @description An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+             *     page.
+             */
             next_cursor?: string | null;
         };
-        /** @description Every listing: a page of items and the cursor of the next page (absent on the last). */
+        /** @description Every listing: a page of items and the cursor of the next page (null on the last). */
         Page_ApprovalView: {
             items: {
                 /** @description Every call of the batch, in the model's order. */
                 calls: components["schemas"]["ApprovalCallView"][];
                 created_at: components["schemas"]["i64"];
                 decided_at?: components["schemas"]["i64"] | null;
-                id: string;
-                run_id: string;
-                session_id: string;
+                id: components["schemas"]["ApprovalId"];
+                run_id: components["schemas"]["RunId"];
+                session_id: components["schemas"]["SessionId"];
                 /** @description `pending`, `decided`, `aborted`, or `cancelled` (its run ended unanswered). */
-                status: string;
+                status: components["schemas"]["ApprovalStatus"];
             }[];
+            /**
+             * @description An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+             *     page.
+             */
             next_cursor?: string | null;
         };
-        /** @description Every listing: a page of items and the cursor of the next page (absent on the last). */
+        /** @description Every listing: a page of items and the cursor of the next page (null on the last). */
         Page_DeliveryView: {
             items: {
                 /** Format: int32 */
@@ -929,7 +969,7 @@ export interface components {
                 available_at?: components["schemas"]["i64"] | null;
                 created_at: components["schemas"]["i64"];
                 delivered_at?: components["schemas"]["i64"] | null;
-                event_kind: string;
+                event_kind: components["schemas"]["EventKind"];
                 /**
                  * Format: int64
                  * @description Also the `Ratchet-Delivery` header of every attempt.
@@ -947,17 +987,21 @@ export interface components {
                 requeued_at?: components["schemas"]["i64"] | null;
                 /** Format: int64 */
                 seq: number;
-                session_id: string;
+                session_id: components["schemas"]["SessionId"];
                 /**
                  * @description `pending` (waiting for its attempt, behind the session's earlier events),
                  *     `delivering`, `delivered` or `dead_letter`.
                  */
-                status: string;
+                status: components["schemas"]["DeliveryStatus"];
                 updated_at: components["schemas"]["i64"];
             }[];
+            /**
+             * @description An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+             *     page.
+             */
             next_cursor?: string | null;
         };
-        /** @description Every listing: a page of items and the cursor of the next page (absent on the last). */
+        /** @description Every listing: a page of items and the cursor of the next page (null on the last). */
         Page_InboxEventView: {
             items: {
                 /** Format: int32 */
@@ -972,12 +1016,11 @@ export interface components {
                 id: number;
                 /** @description `completion`, `group_completion` or `signal`. */
                 kind: string;
-                /** @description The continuation run holding it, or that consumed it. */
-                lease_run_id?: string | null;
+                lease_run_id?: components["schemas"]["RunId"] | null;
                 /** Format: int32 */
                 max_attempts: number;
                 /** @description The run whose `delegate` call started the work. */
-                parent_run_id: string;
+                parent_run_id: components["schemas"]["RunId"];
                 /** @description What the work reported; absent while the event is a reservation. */
                 payload?: unknown;
                 /**
@@ -986,76 +1029,87 @@ export interface components {
                  */
                 reason?: string | null;
                 requeued_at?: components["schemas"]["i64"] | null;
-                source_run_id?: string | null;
+                source_run_id?: components["schemas"]["RunId"] | null;
                 /**
                  * @description `reserved` (a place held for running work), `pending`, `leased` (a continuation turn
                  *     holds it), `consumed`, `dead_letter`, `superseded` or `discarded` (a dead letter an
                  *     operator dropped).
                  */
-                status: string;
+                status: components["schemas"]["InboxStatus"];
                 updated_at: components["schemas"]["i64"];
             }[];
+            /**
+             * @description An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+             *     page.
+             */
             next_cursor?: string | null;
         };
-        /** @description Every listing: a page of items and the cursor of the next page (absent on the last). */
+        /** @description Every listing: a page of items and the cursor of the next page (null on the last). */
         Page_MessageView: {
             items: {
                 content: string;
                 created_at: components["schemas"]["i64"];
-                id: string;
+                id: components["schemas"]["MessageId"];
                 /** @description `user`, `agent`, `continuation` or `steer`. */
                 origin: string;
                 /** @description `user`, `assistant` or `tool`. */
                 role: string;
-                run_id: string;
+                run_id: components["schemas"]["RunId"];
                 tool_call_id?: string | null;
                 tool_calls: Record<string, unknown>[];
                 /** @description Always `visible`: hidden messages are never listed. */
                 visibility: string;
             }[];
+            /**
+             * @description An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+             *     page.
+             */
             next_cursor?: string | null;
         };
-        /** @description Every listing: a page of items and the cursor of the next page (absent on the last). */
+        /** @description Every listing: a page of items and the cursor of the next page (null on the last). */
         Page_RunSummaryView: {
             items: {
                 created_at: components["schemas"]["i64"];
                 finished_at?: components["schemas"]["i64"] | null;
-                id: string;
-                session_id: string;
-                status: string;
+                id: components["schemas"]["RunId"];
+                session_id: components["schemas"]["SessionId"];
+                status: components["schemas"]["RunStatus"];
                 /** Format: int64 */
                 step_index: number;
                 stop_reason?: string | null;
             }[];
+            /**
+             * @description An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+             *     page.
+             */
             next_cursor?: string | null;
         };
-        /** @description Every listing: a page of items and the cursor of the next page (absent on the last). */
+        /** @description Every listing: a page of items and the cursor of the next page (null on the last). */
         Page_SessionView: {
             items: {
-                /** @description The run currently holding the session, if any. */
-                active_run_id?: string | null;
+                active_run_id?: components["schemas"]["RunId"] | null;
                 agent?: string | null;
                 archived_at?: components["schemas"]["i64"] | null;
                 created_at: components["schemas"]["i64"];
-                id: string;
+                id: components["schemas"]["SessionId"];
                 /** @description When the session's latest event was written (its creation, before any). */
                 last_activity_at: components["schemas"]["i64"];
                 /** @description How its latest run stands (`completed`, `failed`, …); null before any. */
                 last_run_status?: string | null;
                 metadata?: unknown;
-                /**
-                 * @description For a delegated run's session: the session of the run that delegated it. Such a
-                 *     session is read-only: messages go to its root session.
-                 */
-                parent_session_id?: string | null;
+                parent_session_id?: components["schemas"]["SessionId"] | null;
                 /** @description `archived`, the active run's status (`running`, `waiting_human`, …), or `idle`. */
-                status: string;
+                status: components["schemas"]["SessionStatus"];
                 /** @description Its first message's first line until someone renames it (`PATCH`); null before any. */
                 title?: string | null;
             }[];
+            /**
+             * @description An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+             *     page.
+             */
             next_cursor?: string | null;
         };
-        /** @description Every listing: a page of items and the cursor of the next page (absent on the last). */
+        /** @description Every listing: a page of items and the cursor of the next page (null on the last). */
         Page_StepView: {
             items: {
                 /** Format: int64 */
@@ -1068,25 +1122,33 @@ export interface components {
                 started_at: components["schemas"]["i64"];
                 summary: Record<string, unknown>;
             }[];
+            /**
+             * @description An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+             *     page.
+             */
             next_cursor?: string | null;
         };
-        /** @description Every listing: a page of items and the cursor of the next page (absent on the last). */
+        /** @description Every listing: a page of items and the cursor of the next page (null on the last). */
         Page_WebhookView: {
             items: {
                 created_at: components["schemas"]["i64"];
-                /** @description The event kinds it is sent; absent for every kind. */
-                events?: string[] | null;
-                id: string;
+                /** @description The event kinds it is sent; null for every kind. */
+                events?: components["schemas"]["EventKind"][] | null;
+                id: components["schemas"]["WebhookId"];
                 /** Format: int32 */
                 max_attempts: number;
                 /** @description The signing key: in the answer to the creation only. */
                 secret?: string | null;
                 url: string;
             }[];
+            /**
+             * @description An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+             *     page.
+             */
             next_cursor?: string | null;
         };
         PauseView: {
-            run_id: string;
+            run_id: components["schemas"]["RunId"];
             /**
              * @description `paused` when the run stopped at once (or was paused already), `pausing` while the
              *     step in flight finishes: its commit pauses the run.
@@ -1105,12 +1167,12 @@ export interface components {
             result?: string | null;
         };
         ReconcileView: {
-            run_id: string;
+            run_id: components["schemas"]["RunId"];
             /**
              * @description `running` once every call in doubt is answered; `waiting_human` before. A call left in
              *     doubt by an ended run is recorded and the run keeps its terminal status.
              */
-            status: string;
+            status: components["schemas"]["RunStatus"];
         };
         /** @description What is active after a reload. */
         ReloadView: {
@@ -1132,7 +1194,7 @@ export interface components {
             requeued: number;
         };
         ResumedView: {
-            run_id: string;
+            run_id: components["schemas"]["RunId"];
             /**
              * @description `running`: the run's next step is enqueued (or, for a pause not reached yet, the run
              *     simply goes on).
@@ -1144,7 +1206,7 @@ export interface components {
             secret?: string | null;
         };
         RotatedSecret: {
-            id: string;
+            id: components["schemas"]["WebhookId"];
             /** @description The new signing key, shown this once. */
             secret: string;
         };
@@ -1152,13 +1214,20 @@ export interface components {
             hash: string;
             id: string;
         };
+        /** @description A run id: `run_` then 1 to 64 letters, digits or `-`. */
+        RunId: string;
+        /**
+         * @description what a run is doing, or how it ended.
+         * @enum {string}
+         */
+        RunStatus: "queued" | "running" | "waiting_human" | "waiting_children" | "paused" | "cancelling" | "completed" | "failed" | "cancelled";
         /** @description A run as listed: its state without usage details. */
         RunSummaryView: {
             created_at: components["schemas"]["i64"];
             finished_at?: components["schemas"]["i64"] | null;
-            id: string;
-            session_id: string;
-            status: string;
+            id: components["schemas"]["RunId"];
+            session_id: components["schemas"]["SessionId"];
+            status: components["schemas"]["RunStatus"];
             /** Format: int64 */
             step_index: number;
             stop_reason?: string | null;
@@ -1168,7 +1237,7 @@ export interface components {
             /** @description Parents before their children, each level in creation order. */
             nodes: components["schemas"]["TreeNodeView"][];
             /** @description The run asked about: the first node. */
-            run_id: string;
+            run_id: components["schemas"]["RunId"];
         };
         RunView: {
             agent?: components["schemas"]["RunAgentView"] | null;
@@ -1188,26 +1257,25 @@ export interface components {
             /** @description The run's answer, once it has completed. */
             final_answer?: string | null;
             finished_at?: components["schemas"]["i64"] | null;
-            id: string;
+            id: components["schemas"]["RunId"];
             /**
              * @description `never` calls cut off when the run ended (its deadline, a cancel): nobody knows whether
              *     they took effect. `POST /v1/runs/{id}/reconcile` records what happened to each
              *     (`succeeded`, `failed` or `skip`; the run stays ended).
              */
             in_doubt: Record<string, unknown>[];
-            /** @description The run that delegated this one, for a child run. */
-            parent_run_id?: string | null;
+            parent_run_id?: components["schemas"]["RunId"] | null;
             /** @description A pause was asked for while a step was in flight: the run pauses when that step ends. */
             pause_requested: boolean;
             /** @description What the run waits on a human for, if anything. */
             pending_human?: Record<string, unknown> | null;
-            session_id: string;
+            session_id: components["schemas"]["SessionId"];
             started_at?: components["schemas"]["i64"] | null;
             /**
              * @description `queued`, `running`, `waiting_human`, `waiting_children`, `paused`, `cancelling`,
              *     `completed`, `failed` or `cancelled`.
              */
-            status: string;
+            status: components["schemas"]["RunStatus"];
             /**
              * Format: int64
              * @description The last committed step (steps are numbered from 1).
@@ -1245,25 +1313,31 @@ export interface components {
              */
             id: string;
         };
+        /** @description A session id: `ses_` then 1 to 64 letters, digits or `-`. */
+        SessionId: string;
+        /** @enum {string} */
+        SessionOrder: "oldest" | "newest" | "activity";
+        /**
+         * @description `archived`, its active run's status, or `idle` (no active run).
+         * @enum {string}
+         */
+        SessionStatus: "queued" | "running" | "waiting_human" | "waiting_children" | "paused" | "cancelling" | "completed" | "failed" | "cancelled" | "idle" | "archived";
+        /** @enum {string} */
+        SessionStatusFilter: "waiting_human" | "active" | "failed" | "idle" | "archived";
         SessionView: {
-            /** @description The run currently holding the session, if any. */
-            active_run_id?: string | null;
+            active_run_id?: components["schemas"]["RunId"] | null;
             agent?: string | null;
             archived_at?: components["schemas"]["i64"] | null;
             created_at: components["schemas"]["i64"];
-            id: string;
+            id: components["schemas"]["SessionId"];
             /** @description When the session's latest event was written (its creation, before any). */
             last_activity_at: components["schemas"]["i64"];
             /** @description How its latest run stands (`completed`, `failed`, …); null before any. */
             last_run_status?: string | null;
             metadata?: unknown;
-            /**
-             * @description For a delegated run's session: the session of the run that delegated it. Such a
-             *     session is read-only: messages go to its root session.
-             */
-            parent_session_id?: string | null;
+            parent_session_id?: components["schemas"]["SessionId"] | null;
             /** @description `archived`, the active run's status (`running`, `waiting_human`, …), or `idle`. */
-            status: string;
+            status: components["schemas"]["SessionStatus"];
             /** @description Its first message's first line until someone renames it (`PATCH`); null before any. */
             title?: string | null;
         };
@@ -1291,7 +1365,7 @@ export interface components {
         TreeActivityView: components["schemas"]["LiveActivityView"] & {
             /** Format: int32 */
             depth: number;
-            parent_run_id?: string | null;
+            parent_run_id?: components["schemas"]["RunId"] | null;
         };
         /** @description The `data` of a tree stream's event: the event, with where its run sits in the tree. */
         TreeEventView: components["schemas"]["EventView"] & {
@@ -1300,8 +1374,7 @@ export interface components {
              * @description Levels below the run a message started (0).
              */
             depth: number;
-            /** @description The run that started this event's run; `null` for the tree's root. */
-            parent_run_id?: string | null;
+            parent_run_id?: components["schemas"]["RunId"] | null;
         };
         TreeNodeView: {
             /** @description The catalog agent it runs, when it was started from one. */
@@ -1316,12 +1389,11 @@ export interface components {
              */
             depth: number;
             finished_at?: components["schemas"]["i64"] | null;
-            /** @description The run whose delegation started it; absent for a run started by a message. */
-            parent_run_id?: string | null;
-            run_id: string;
+            parent_run_id?: components["schemas"]["RunId"] | null;
+            run_id: components["schemas"]["RunId"];
             /** @description Each delegated run has a session of its own. */
-            session_id: string;
-            status: string;
+            session_id: components["schemas"]["SessionId"];
+            status: components["schemas"]["RunStatus"];
             /**
              * Format: int64
              * @description Its committed steps.
@@ -1336,10 +1408,23 @@ export interface components {
         };
         /** @description `PATCH /v1/sessions/{id}`. */
         UpdateSession: {
-            /** @description The session's new title: 1–200 characters, not only spaces, no control characters. */
+            /**
+             * @description The session's new title: 1–200 characters once the white space around it is trimmed,
+             *     not only white space, no control characters.
+             */
             title: string;
         };
         UsageView: {
+            /**
+             * Format: int64
+             * @description The part of `input_tokens` read from the provider's prompt cache.
+             */
+            cache_read_tokens: number;
+            /**
+             * Format: int64
+             * @description The part of `input_tokens` written to the provider's prompt cache.
+             */
+            cache_write_tokens: number;
             /**
              * Format: double
              * @description In US dollars, from the prices of the run's model profile; absent without prices.
@@ -1359,11 +1444,13 @@ export interface components {
             /** Format: int64 */
             tool_calls: number;
         };
+        /** @description A webhook id: `whk_` then 1 to 64 letters, digits or `-`. */
+        WebhookId: string;
         WebhookView: {
             created_at: components["schemas"]["i64"];
-            /** @description The event kinds it is sent; absent for every kind. */
-            events?: string[] | null;
-            id: string;
+            /** @description The event kinds it is sent; null for every kind. */
+            events?: components["schemas"]["EventKind"][] | null;
+            id: components["schemas"]["WebhookId"];
             /** Format: int32 */
             max_attempts: number;
             /** @description The signing key: in the answer to the creation only. */
@@ -1542,9 +1629,9 @@ export interface operations {
     list_approvals: {
         parameters: {
             query?: {
-                /** @description Only approvals with this status: `pending`, `decided`, `aborted` or `cancelled`. */
-                status?: string;
-                /** @description The `next_cursor` of the previous page. */
+                /** @description Only approvals with this status. */
+                status?: components["schemas"]["ApprovalStatus"];
+                /** @description An opaque cursor the server issued: the `next_cursor` of the previous page, unchanged. */
                 cursor?: string;
                 /** @description Items per page, 1–200 (default 50). */
                 limit?: number;
@@ -1578,8 +1665,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Approval id (`apr_…`) */
-                id: string;
+                /** @description The approval's id */
+                id: components["schemas"]["ApprovalId"];
             };
             cookie?: never;
         };
@@ -1608,8 +1695,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Approval id (`apr_…`) */
-                id: string;
+                /** @description The approval's id */
+                id: components["schemas"]["ApprovalId"];
             };
             cookie?: never;
         };
@@ -1661,8 +1748,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Run id (`run_…`) */
-                id: string;
+                /** @description The run's id */
+                id: components["schemas"]["RunId"];
             };
             cookie?: never;
         };
@@ -1691,8 +1778,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Run id (`run_…`) */
-                id: string;
+                /** @description The run's id */
+                id: components["schemas"]["RunId"];
             };
             cookie?: never;
         };
@@ -1721,8 +1808,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Run id (`run_…`) */
-                id: string;
+                /** @description The run's id */
+                id: components["schemas"]["RunId"];
             };
             cookie?: never;
         };
@@ -1783,8 +1870,8 @@ export interface operations {
             };
             header?: never;
             path: {
-                /** @description Run id (`run_…`) */
-                id: string;
+                /** @description The run's id */
+                id: components["schemas"]["RunId"];
             };
             cookie?: never;
         };
@@ -1814,8 +1901,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Run id (`run_…`) */
-                id: string;
+                /** @description The run's id */
+                id: components["schemas"]["RunId"];
             };
             cookie?: never;
         };
@@ -1853,8 +1940,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Run id (`run_…`) */
-                id: string;
+                /** @description The run's id */
+                id: components["schemas"]["RunId"];
             };
             cookie?: never;
         };
@@ -1896,8 +1983,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Run id (`run_…`) */
-                id: string;
+                /** @description The run's id */
+                id: components["schemas"]["RunId"];
             };
             cookie?: never;
         };
@@ -1935,8 +2022,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Run id (`run_…`) */
-                id: string;
+                /** @description The run's id */
+                id: components["schemas"]["RunId"];
             };
             cookie?: never;
         };
@@ -1981,15 +2068,15 @@ export interface operations {
     list_steps: {
         parameters: {
             query?: {
-                /** @description The `next_cursor` of the previous page. */
+                /** @description An opaque cursor the server issued: the `next_cursor` of the previous page, unchanged. */
                 cursor?: string;
                 /** @description Items per page, 1–200 (default 50). */
                 limit?: number;
             };
             header?: never;
             path: {
-                /** @description Run id (`run_…`) */
-                id: string;
+                /** @description The run's id */
+                id: components["schemas"]["RunId"];
             };
             cookie?: never;
         };
@@ -2018,8 +2105,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Run id (`run_…`) */
-                id: string;
+                /** @description The run's id */
+                id: components["schemas"]["RunId"];
                 /** @description The step's index (steps are numbered from 1) */
                 index: number;
             };
@@ -2060,8 +2147,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Run id (`run_…`) */
-                id: string;
+                /** @description The run's id */
+                id: components["schemas"]["RunId"];
             };
             cookie?: never;
         };
@@ -2089,9 +2176,8 @@ export interface operations {
         parameters: {
             query?: {
                 /**
-                 * @description Replay after this cursor: the `id` of an event of this stream, `SESSION:SEQ` pairs
-                 *     joined by commas, like `ses_a:12,ses_b:7` (default: from the beginning). The
-                 *     `Last-Event-ID` header takes precedence.
+                 * @description Replay after this opaque cursor the server issued: the `id` of an event of this stream,
+                 *     unchanged (default: from the beginning). The `Last-Event-ID` header takes precedence.
                  */
                 after?: string;
                 /** @description `false` ends the stream after the stored backlog instead of following live events. */
@@ -2101,8 +2187,8 @@ export interface operations {
             };
             header?: never;
             path: {
-                /** @description Run id (`run_…`) */
-                id: string;
+                /** @description The run's id */
+                id: components["schemas"]["RunId"];
             };
             cookie?: never;
         };
@@ -2130,7 +2216,10 @@ export interface operations {
     list_sessions: {
         parameters: {
             query?: {
-                /** @description The `next_cursor` of the previous page (of the same order and filters). */
+                /**
+                 * @description An opaque cursor the server issued: the `next_cursor` of the previous page of the same
+                 *     order and filters, unchanged.
+                 */
                 cursor?: string;
                 /** @description Items per page, 1–200 (default 50). */
                 limit?: number;
@@ -2138,20 +2227,23 @@ export interface operations {
                  * @description `oldest` first (the default) or `newest` first (ids are time-ordered), or the latest
                  *     `activity` first.
                  */
-                order?: unknown;
+                order?: components["schemas"]["SessionOrder"];
                 /**
                  * @description What the session is doing: `waiting_human` (its active run waits for a person),
                  *     `active` (any other active run), `failed` (no active run; its latest failed), `idle`
                  *     (no active run; its latest did not fail, or it has none) or `archived`.
                  */
-                status?: unknown;
+                status?: components["schemas"]["SessionStatusFilter"];
                 /** @description Sessions of this catalog agent; `default` for those of the server's own model. */
                 agent?: string;
                 /** @description Created at or after this time (ms since the epoch). */
                 created_from?: number;
                 /** @description Created before this time (ms since the epoch). */
                 created_before?: number;
-                /** @description Text found, in any case, in the session's id, its title or its visible messages. */
+                /**
+                 * @description Text found, in any case, in the session's id, its title or its visible messages: 1–200
+                 *     characters besides the white space around them.
+                 */
                 q?: string;
             };
             header?: never;
@@ -2214,8 +2306,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Session id (`ses_…`) */
-                id: string;
+                /** @description The session's id */
+                id: components["schemas"]["SessionId"];
             };
             cookie?: never;
         };
@@ -2244,8 +2336,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Session id (`ses_…`) */
-                id: string;
+                /** @description The session's id */
+                id: components["schemas"]["SessionId"];
             };
             cookie?: never;
         };
@@ -2282,8 +2374,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Session id (`ses_…`) */
-                id: string;
+                /** @description The session's id */
+                id: components["schemas"]["SessionId"];
             };
             cookie?: never;
         };
@@ -2316,8 +2408,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Session id (`ses_…`) */
-                id: string;
+                /** @description The session's id */
+                id: components["schemas"]["SessionId"];
             };
             cookie?: never;
         };
@@ -2375,8 +2467,8 @@ export interface operations {
             };
             header?: never;
             path: {
-                /** @description Session id (`ses_…`) */
-                id: string;
+                /** @description The session's id */
+                id: components["schemas"]["SessionId"];
             };
             cookie?: never;
         };
@@ -2404,17 +2496,17 @@ export interface operations {
     list_inbox: {
         parameters: {
             query?: {
-                /** @description The `next_cursor` of the previous page. */
+                /** @description An opaque cursor the server issued: the `next_cursor` of the previous page, unchanged. */
                 cursor?: string;
                 /** @description Items per page, 1–200 (default 50). */
                 limit?: number;
-                /** @description Only items in this status (`dead_letter` lists the dead letters). */
-                status?: string;
+                /** @description Only events in this status (`dead_letter` lists the dead letters). */
+                status?: components["schemas"]["InboxStatus"];
             };
             header?: never;
             path: {
-                /** @description Session id (`ses_…`) */
-                id: string;
+                /** @description The session's id */
+                id: components["schemas"]["SessionId"];
             };
             cookie?: never;
         };
@@ -2444,9 +2536,9 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Session id (`ses_…`) */
-                id: string;
-                /** @description Inbox event id */
+                /** @description The session's id */
+                id: components["schemas"]["SessionId"];
+                /** @description The inbox event's id */
                 event_id: number;
             };
             cookie?: never;
@@ -2454,7 +2546,7 @@ export interface operations {
         /** @description Optional: who discards it */
         requestBody?: {
             content: {
-                "application/json": components["schemas"]["OperatorBody"] | null;
+                "application/json": components["schemas"]["OperatorBody"];
             };
         };
         responses: {
@@ -2500,9 +2592,9 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Session id (`ses_…`) */
-                id: string;
-                /** @description Inbox event id */
+                /** @description The session's id */
+                id: components["schemas"]["SessionId"];
+                /** @description The inbox event's id */
                 event_id: number;
             };
             cookie?: never;
@@ -2510,7 +2602,7 @@ export interface operations {
         /** @description Optional: who requeues it */
         requestBody?: {
             content: {
-                "application/json": components["schemas"]["OperatorBody"] | null;
+                "application/json": components["schemas"]["OperatorBody"];
             };
         };
         responses: {
@@ -2563,15 +2655,15 @@ export interface operations {
     list_messages: {
         parameters: {
             query?: {
-                /** @description The `next_cursor` of the previous page. */
+                /** @description An opaque cursor the server issued: the `next_cursor` of the previous page, unchanged. */
                 cursor?: string;
                 /** @description Items per page, 1–200 (default 50). */
                 limit?: number;
             };
             header?: never;
             path: {
-                /** @description Session id (`ses_…`) */
-                id: string;
+                /** @description The session's id */
+                id: components["schemas"]["SessionId"];
             };
             cookie?: never;
         };
@@ -2598,10 +2690,13 @@ export interface operations {
     send_message: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description W3C Trace Context: the run's spans join this trace, under this span. An invalid value is ignored. */
+                traceparent?: string | null;
+            };
             path: {
-                /** @description Session id (`ses_…`) */
-                id: string;
+                /** @description The session's id */
+                id: components["schemas"]["SessionId"];
             };
             cookie?: never;
         };
@@ -2650,15 +2745,15 @@ export interface operations {
     list_session_runs: {
         parameters: {
             query?: {
-                /** @description The `next_cursor` of the previous page. */
+                /** @description An opaque cursor the server issued: the `next_cursor` of the previous page, unchanged. */
                 cursor?: string;
                 /** @description Items per page, 1–200 (default 50). */
                 limit?: number;
             };
             header?: never;
             path: {
-                /** @description Session id (`ses_…`) */
-                id: string;
+                /** @description The session's id */
+                id: components["schemas"]["SessionId"];
             };
             cookie?: never;
         };
@@ -2756,8 +2851,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Webhook id (`whk_…`) */
-                id: string;
+                /** @description The webhook's id */
+                id: components["schemas"]["WebhookId"];
             };
             cookie?: never;
         };
@@ -2786,8 +2881,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Webhook id (`whk_…`) */
-                id: string;
+                /** @description The webhook's id */
+                id: components["schemas"]["WebhookId"];
             };
             cookie?: never;
         };
@@ -2813,17 +2908,17 @@ export interface operations {
     list_deliveries: {
         parameters: {
             query?: {
-                /** @description The `next_cursor` of the previous page. */
+                /** @description An opaque cursor the server issued: the `next_cursor` of the previous page, unchanged. */
                 cursor?: string;
                 /** @description Items per page, 1–200 (default 50). */
                 limit?: number;
-                /** @description Only items in this status (`dead_letter` lists the dead letters). */
-                status?: string;
+                /** @description Only deliveries in this status (`dead_letter` lists the dead letters). */
+                status?: components["schemas"]["DeliveryStatus"];
             };
             header?: never;
             path: {
-                /** @description Webhook id (`whk_…`) */
-                id: string;
+                /** @description The webhook's id */
+                id: components["schemas"]["WebhookId"];
             };
             cookie?: never;
         };
@@ -2853,8 +2948,8 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Webhook id (`whk_…`) */
-                id: string;
+                /** @description The webhook's id */
+                id: components["schemas"]["WebhookId"];
             };
             cookie?: never;
         };
@@ -2884,9 +2979,9 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Webhook id (`whk_…`) */
-                id: string;
-                /** @description Delivery id */
+                /** @description The webhook's id */
+                id: components["schemas"]["WebhookId"];
+                /** @description The delivery's id */
                 delivery_id: number;
             };
             cookie?: never;
@@ -2935,14 +3030,14 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description Webhook id (`whk_…`) */
-                id: string;
+                /** @description The webhook's id */
+                id: components["schemas"]["WebhookId"];
             };
             cookie?: never;
         };
         requestBody?: {
             content: {
-                "application/json": components["schemas"]["RotateSecret"] | null;
+                "application/json": components["schemas"]["RotateSecret"];
             };
         };
         responses: {

@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 
 class ActiveAgentView(BaseModel):
@@ -72,6 +72,25 @@ class ApprovalCallView(BaseModel):
     note: Optional[str] = None
 
 
+class ApprovalId(RootModel[str]):
+    root: str = Field(..., pattern="^apr_[A-Za-z0-9-]{1,85}$")
+    """
+    A approval id: `apr_` then 1 to 85 letters, digits or `-`.
+    """
+
+
+class ApprovalRequestBody2(BaseModel):
+    """
+    Either `decisions` (every call that needs approval, once) or `"abort": true`, which ends the run as cancelled by a human.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    abort: Literal[True]
+    decisions: None = Field(None)
+
+
 class BudgetView(BaseModel):
     """
     One budget of a run and what it used.
@@ -88,15 +107,6 @@ class BudgetView(BaseModel):
     `used` has reached `limit`.
     """
     used: int = Field(..., ge=0)
-
-
-class CancelView(BaseModel):
-    run_id: str
-    status: str
-    """
-    `cancelled` when the run ended at once, `cancelling` while its step winds down, or the
-    terminal status it already had.
-    """
 
 
 class ContinueRequest(BaseModel):
@@ -131,31 +141,6 @@ class CreateSession(BaseModel):
     """
 
 
-class CreateWebhook(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid",
-    )
-    events: Optional[list[str]] = None
-    """
-    The event kinds to send (for example `run.finished`); every kind when absent.
-    """
-    max_attempts: Optional[int] = Field(None, ge=0)
-    """
-    Attempts of one delivery before it is dead-lettered, 1–50 (default 10).
-    """
-    secret: Optional[str] = None
-    """
-    The key deliveries are signed with, 16–256 characters; one is made when absent.
-    """
-    url: str
-    """
-    Where each event is POSTed: an absolute `http://` or `https://` URL without
-    credentials, to a public address unless the server's `[webhooks] allow` permits
-    another. It is stored as it will be requested (`http://2130706433` is
-    `http://127.0.0.1/`).
-    """
-
-
 class ErrorDetail(BaseModel):
     code: str
     """
@@ -172,8 +157,11 @@ class ErrorDetail(BaseModel):
 
 
 class MessageAccepted(BaseModel):
-    message_id: str
-    run_id: str
+    message_id: str = Field(..., pattern="^msg_[A-Za-z0-9-]+$")
+    """
+    A message id: `msg_` then letters, digits or `-`.
+    """
+    run_id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
     """
     The message's run; for a steering message, the active run it will join.
     """
@@ -185,6 +173,13 @@ class MessageAccepted(BaseModel):
     steered: bool
     """
     True when the message waits to join the active run (`multitask: "steer"`).
+    """
+
+
+class MessageId(RootModel[str]):
+    root: str = Field(..., pattern="^msg_[A-Za-z0-9-]+$")
+    """
+    A message id: `msg_` then letters, digits or `-`.
     """
 
 
@@ -231,23 +226,36 @@ class OperatorBody(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    by: Optional[str] = None
+    by: Optional[str] = Field(
+        None,
+        max_length=200,
+        min_length=1,
+        pattern="^[^\\x00-\\x1f\\x7f-\\x9f]*[^\\s\\x00-\\x1f\\x7f-\\x9f][^\\x00-\\x1f\\x7f-\\x9f]*$",
+    )
     """
-    Who requeues or discards it (at most 200 characters); the caller's tenant when absent.
+    Who requeues or discards it: 1–200 characters, not only white space, no control
+    characters; the caller's tenant when absent.
     """
 
 
 class PageAgentView(BaseModel):
     """
-    Every listing: a page of items and the cursor of the next page (absent on the last).
+    Every listing: a page of items and the cursor of the next page (null on the last).
     """
 
     items: list[AgentView]
     next_cursor: Optional[str] = None
+    """
+    An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+    page.
+    """
 
 
 class PauseView(BaseModel):
-    run_id: str
+    run_id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
     status: str
     """
     `paused` when the run stopped at once (or was paused already), `pausing` while the
@@ -270,15 +278,6 @@ class ReconcileRequest(BaseModel):
     """
 
 
-class ReconcileView(BaseModel):
-    run_id: str
-    status: str
-    """
-    `running` once every call in doubt is answered; `waiting_human` before. A call left in
-    doubt by an ended run is recorded and the run keeps its terminal status.
-    """
-
-
 class RequeuedView(BaseModel):
     """
     How many dead letters a bulk requeue put back.
@@ -288,7 +287,10 @@ class RequeuedView(BaseModel):
 
 
 class ResumedView(BaseModel):
-    run_id: str
+    run_id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
     status: str
     """
     `running`: the run's next step is enqueued (or, for a pause not reached yet, the run
@@ -300,14 +302,19 @@ class RotateSecret(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    secret: Optional[str] = None
+    secret: Optional[str] = Field(
+        None, max_length=256, min_length=16, pattern="^[!-~]{16,256}$"
+    )
     """
     The new key, 16–256 printable ASCII characters without spaces; one is made when absent.
     """
 
 
 class RotatedSecret(BaseModel):
-    id: str
+    id: str = Field(..., pattern="^whk_[A-Za-z0-9-]{1,64}$")
+    """
+    A webhook id: `whk_` then 1 to 64 letters, digits or `-`.
+    """
     secret: str
     """
     The new signing key, shown this once.
@@ -317,6 +324,13 @@ class RotatedSecret(BaseModel):
 class RunAgentView(BaseModel):
     hash: str
     id: str
+
+
+class RunId(RootModel[str]):
+    root: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
 
 
 class SendMessage(BaseModel):
@@ -382,6 +396,23 @@ class ServerSentTreeEvent(BaseModel):
     """
 
 
+class SessionId(RootModel[str]):
+    root: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
+    """
+    A session id: `ses_` then 1 to 64 letters, digits or `-`.
+    """
+
+
+class SessionOrder(RootModel[Literal["oldest", "newest", "activity"]]):
+    root: Literal["oldest", "newest", "activity"]
+
+
+class SessionStatusFilter(
+    RootModel[Literal["waiting_human", "active", "failed", "idle", "archived"]]
+):
+    root: Literal["waiting_human", "active", "failed", "idle", "archived"]
+
+
 class UpdateSession(BaseModel):
     """
     `PATCH /v1/sessions/{id}`.
@@ -390,13 +421,27 @@ class UpdateSession(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    title: str
+    title: str = Field(
+        ...,
+        max_length=200,
+        min_length=1,
+        pattern="^[^\\x00-\\x1f\\x7f-\\x9f]*[^\\s\\x00-\\x1f\\x7f-\\x9f][^\\x00-\\x1f\\x7f-\\x9f]*$",
+    )
     """
-    The session's new title: 1–200 characters, not only spaces, no control characters.
+    The session's new title: 1–200 characters once the white space around it is trimmed,
+    not only white space, no control characters.
     """
 
 
 class UsageView(BaseModel):
+    cache_read_tokens: int = Field(..., ge=0)
+    """
+    The part of `input_tokens` read from the provider's prompt cache.
+    """
+    cache_write_tokens: int = Field(..., ge=0)
+    """
+    The part of `input_tokens` written to the provider's prompt cache.
+    """
     cost_usd: Optional[float] = None
     """
     In US dollars, from the prices of the run's model profile; absent without prices.
@@ -411,6 +456,13 @@ class UsageView(BaseModel):
     tool_calls: int = Field(..., ge=0)
 
 
+class WebhookId(RootModel[str]):
+    root: str = Field(..., pattern="^whk_[A-Za-z0-9-]{1,64}$")
+    """
+    A webhook id: `whk_` then 1 to 64 letters, digits or `-`.
+    """
+
+
 class ApprovalView(BaseModel):
     """
     A gated tool batch: no call of it runs until a human answers.
@@ -422,10 +474,19 @@ class ApprovalView(BaseModel):
     """
     created_at: int
     decided_at: Optional[int] = None
-    id: str
-    run_id: str
-    session_id: str
-    status: str
+    id: str = Field(..., pattern="^apr_[A-Za-z0-9-]{1,85}$")
+    """
+    A approval id: `apr_` then 1 to 85 letters, digits or `-`.
+    """
+    run_id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
+    session_id: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
+    """
+    A session id: `ses_` then 1 to 64 letters, digits or `-`.
+    """
+    status: Literal["pending", "decided", "aborted", "cancelled"]
     """
     `pending`, `decided`, `aborted`, or `cancelled` (its run ended unanswered).
     """
@@ -443,6 +504,94 @@ class CallDecisionBody(BaseModel):
     """
 
 
+class CancelView(BaseModel):
+    run_id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
+    status: Literal[
+        "queued",
+        "running",
+        "waiting_human",
+        "waiting_children",
+        "paused",
+        "cancelling",
+        "completed",
+        "failed",
+        "cancelled",
+    ]
+    """
+    `cancelled` when the run ended at once, `cancelling` while its step winds down, or the
+    terminal status it already had.
+    """
+
+
+class CreateWebhook(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    events: Optional[
+        list[
+            Literal[
+                "run.created",
+                "run.status",
+                "step.committed",
+                "activity",
+                "assistant.delta",
+                "assistant.message",
+                "assistant.reasoning",
+                "tool.call",
+                "tool.result",
+                "tool.outcome_unknown",
+                "model.error",
+                "reconciliation.required",
+                "reconciliation.decided",
+                "approval.required",
+                "approval.decided",
+                "run.resumed",
+                "message.steered",
+                "context.compacted",
+                "subagent.started",
+                "subagent.finished",
+                "completion.blocked",
+                "inbox.reserved",
+                "inbox.pending",
+                "inbox.leased",
+                "inbox.consumed",
+                "inbox.released",
+                "inbox.dead_lettered",
+                "inbox.superseded",
+                "inbox.requeued",
+                "inbox.discarded",
+                "signal.emitted",
+                "session.closed",
+                "run.finished",
+            ]
+        ]
+    ] = Field(None, min_length=1)
+    """
+    The event kinds to send (for example `run.finished`); every kind when absent.
+    """
+    max_attempts: Optional[int] = Field(None, ge=1, le=50)
+    """
+    Attempts of one delivery before it is dead-lettered, 1–50 (default 10).
+    """
+    secret: Optional[str] = Field(
+        None, max_length=256, min_length=16, pattern="^[!-~]{16,256}$"
+    )
+    """
+    The key deliveries are signed with, 16–256 printable ASCII characters without spaces;
+    one is made when absent.
+    """
+    url: str = Field(..., max_length=2048, pattern="^[hH][tT][tT][pP][sS]?://")
+    """
+    Where each event is POSTed: an absolute `http://` or `https://` URL without
+    credentials, to a public address unless the server's `[webhooks] allow` permits
+    another. It is stored as it will be requested (`http://2130706433` is
+    `http://127.0.0.1/`).
+    """
+
+
 class DeliveryView(BaseModel):
     """
     One event's delivery to the webhook.
@@ -452,7 +601,44 @@ class DeliveryView(BaseModel):
     available_at: Optional[int] = None
     created_at: int
     delivered_at: Optional[int] = None
-    event_kind: str
+    event_kind: Literal[
+        "run.created",
+        "run.status",
+        "step.committed",
+        "activity",
+        "assistant.delta",
+        "assistant.message",
+        "assistant.reasoning",
+        "tool.call",
+        "tool.result",
+        "tool.outcome_unknown",
+        "model.error",
+        "reconciliation.required",
+        "reconciliation.decided",
+        "approval.required",
+        "approval.decided",
+        "run.resumed",
+        "message.steered",
+        "context.compacted",
+        "subagent.started",
+        "subagent.finished",
+        "completion.blocked",
+        "inbox.reserved",
+        "inbox.pending",
+        "inbox.leased",
+        "inbox.consumed",
+        "inbox.released",
+        "inbox.dead_lettered",
+        "inbox.superseded",
+        "inbox.requeued",
+        "inbox.discarded",
+        "signal.emitted",
+        "session.closed",
+        "run.finished",
+    ]
+    """
+    the kind of a stored event.
+    """
     id: int
     """
     Also the `Ratchet-Delivery` header of every attempt.
@@ -468,8 +654,11 @@ class DeliveryView(BaseModel):
     max_attempts: int = Field(..., ge=0)
     requeued_at: Optional[int] = None
     seq: int
-    session_id: str
-    status: str
+    session_id: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
+    """
+    A session id: `ses_` then 1 to 64 letters, digits or `-`.
+    """
+    status: Literal["pending", "delivering", "delivered", "dead_letter"]
     """
     `pending` (waiting for its attempt, behind the session's earlier events),
     `delivering`, `delivered` or `dead_letter`.
@@ -489,12 +678,18 @@ class EventView(BaseModel):
     created_at: int
     kind: str
     payload: dict[str, Any]
-    run_id: Optional[str] = None
+    run_id: Optional[str] = Field(None, pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
     seq: int
     """
     Per-session, gap-free and increasing: resume with `Last-Event-ID` or `?after=`.
     """
-    session_id: str
+    session_id: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
+    """
+    A session id: `ses_` then 1 to 64 letters, digits or `-`.
+    """
 
 
 class InboxEventView(BaseModel):
@@ -516,12 +711,12 @@ class InboxEventView(BaseModel):
     """
     `completion`, `group_completion` or `signal`.
     """
-    lease_run_id: Optional[str] = None
+    lease_run_id: Optional[str] = Field(None, pattern="^run_[A-Za-z0-9-]{1,64}$")
     """
     The continuation run holding it, or that consumed it.
     """
     max_attempts: int = Field(..., ge=0)
-    parent_run_id: str
+    parent_run_id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
     """
     The run whose `delegate` call started the work.
     """
@@ -535,8 +730,19 @@ class InboxEventView(BaseModel):
     requeued it.
     """
     requeued_at: Optional[int] = None
-    source_run_id: Optional[str] = None
-    status: str
+    source_run_id: Optional[str] = Field(None, pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
+    status: Literal[
+        "reserved",
+        "pending",
+        "leased",
+        "consumed",
+        "dead_letter",
+        "superseded",
+        "discarded",
+    ]
     """
     `reserved` (a place held for running work), `pending`, `leased` (a continuation turn
     holds it), `consumed`, `dead_letter`, `superseded` or `discarded` (a dead letter an
@@ -563,14 +769,23 @@ class LiveActivityView(BaseModel):
     Always `true`: tells it from stored events, which have a `seq`.
     """
     payload: dict[str, Any]
-    run_id: str
-    session_id: str
+    run_id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
+    session_id: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
+    """
+    A session id: `ses_` then 1 to 64 letters, digits or `-`.
+    """
 
 
 class MessageView(BaseModel):
     content: str
     created_at: int
-    id: str
+    id: str = Field(..., pattern="^msg_[A-Za-z0-9-]+$")
+    """
+    A message id: `msg_` then letters, digits or `-`.
+    """
     origin: str
     """
     `user`, `agent`, `continuation` or `steer`.
@@ -579,7 +794,10 @@ class MessageView(BaseModel):
     """
     `user`, `assistant` or `tool`.
     """
-    run_id: str
+    run_id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
     tool_call_id: Optional[str] = None
     tool_calls: list[dict[str, Any]]
     visibility: str
@@ -608,38 +826,76 @@ class ModelCallView(BaseModel):
 
 class PageApprovalView(BaseModel):
     """
-    Every listing: a page of items and the cursor of the next page (absent on the last).
+    Every listing: a page of items and the cursor of the next page (null on the last).
     """
 
     items: list[ApprovalView]
     next_cursor: Optional[str] = None
+    """
+    An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+    page.
+    """
 
 
 class PageDeliveryView(BaseModel):
     """
-    Every listing: a page of items and the cursor of the next page (absent on the last).
+    Every listing: a page of items and the cursor of the next page (null on the last).
     """
 
     items: list[DeliveryView]
     next_cursor: Optional[str] = None
+    """
+    An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+    page.
+    """
 
 
 class PageInboxEventView(BaseModel):
     """
-    Every listing: a page of items and the cursor of the next page (absent on the last).
+    Every listing: a page of items and the cursor of the next page (null on the last).
     """
 
     items: list[InboxEventView]
     next_cursor: Optional[str] = None
+    """
+    An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+    page.
+    """
 
 
 class PageMessageView(BaseModel):
     """
-    Every listing: a page of items and the cursor of the next page (absent on the last).
+    Every listing: a page of items and the cursor of the next page (null on the last).
     """
 
     items: list[MessageView]
     next_cursor: Optional[str] = None
+    """
+    An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+    page.
+    """
+
+
+class ReconcileView(BaseModel):
+    run_id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
+    status: Literal[
+        "queued",
+        "running",
+        "waiting_human",
+        "waiting_children",
+        "paused",
+        "cancelling",
+        "completed",
+        "failed",
+        "cancelled",
+    ]
+    """
+    `running` once every call in doubt is answered; `waiting_human` before. A call left in
+    doubt by an ended run is recorded and the run keeps its terminal status.
+    """
 
 
 class ReloadView(BaseModel):
@@ -671,9 +927,28 @@ class RunSummaryView(BaseModel):
 
     created_at: int
     finished_at: Optional[int] = None
-    id: str
-    session_id: str
-    status: str
+    id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
+    session_id: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
+    """
+    A session id: `ses_` then 1 to 64 letters, digits or `-`.
+    """
+    status: Literal[
+        "queued",
+        "running",
+        "waiting_human",
+        "waiting_children",
+        "paused",
+        "cancelling",
+        "completed",
+        "failed",
+        "cancelled",
+    ]
+    """
+    what a run is doing, or how it ended.
+    """
     step_index: int = Field(..., ge=0)
     stop_reason: Optional[str] = None
 
@@ -699,14 +974,17 @@ class RunView(BaseModel):
     The run's answer, once it has completed.
     """
     finished_at: Optional[int] = None
-    id: str
+    id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
     in_doubt: list[dict[str, Any]]
     """
     `never` calls cut off when the run ended (its deadline, a cancel): nobody knows whether
     they took effect. `POST /v1/runs/{id}/reconcile` records what happened to each
     (`succeeded`, `failed` or `skip`; the run stays ended).
     """
-    parent_run_id: Optional[str] = None
+    parent_run_id: Optional[str] = Field(None, pattern="^run_[A-Za-z0-9-]{1,64}$")
     """
     The run that delegated this one, for a child run.
     """
@@ -718,9 +996,22 @@ class RunView(BaseModel):
     """
     What the run waits on a human for, if anything.
     """
-    session_id: str
+    session_id: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
+    """
+    A session id: `ses_` then 1 to 64 letters, digits or `-`.
+    """
     started_at: Optional[int] = None
-    status: str
+    status: Literal[
+        "queued",
+        "running",
+        "waiting_human",
+        "waiting_children",
+        "paused",
+        "cancelling",
+        "completed",
+        "failed",
+        "cancelled",
+    ]
     """
     `queued`, `running`, `waiting_human`, `waiting_children`, `paused`, `cancelling`,
     `completed`, `failed` or `cancelled`.
@@ -734,14 +1025,17 @@ class RunView(BaseModel):
 
 
 class SessionView(BaseModel):
-    active_run_id: Optional[str] = None
+    active_run_id: Optional[str] = Field(None, pattern="^run_[A-Za-z0-9-]{1,64}$")
     """
     The run currently holding the session, if any.
     """
     agent: Optional[str] = None
     archived_at: Optional[int] = None
     created_at: int
-    id: str
+    id: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
+    """
+    A session id: `ses_` then 1 to 64 letters, digits or `-`.
+    """
     last_activity_at: int
     """
     When the session's latest event was written (its creation, before any).
@@ -751,12 +1045,24 @@ class SessionView(BaseModel):
     How its latest run stands (`completed`, `failed`, …); null before any.
     """
     metadata: Optional[Any] = None
-    parent_session_id: Optional[str] = None
+    parent_session_id: Optional[str] = Field(None, pattern="^ses_[A-Za-z0-9-]{1,64}$")
     """
     For a delegated run's session: the session of the run that delegated it. Such a
     session is read-only: messages go to its root session.
     """
-    status: str
+    status: Literal[
+        "queued",
+        "running",
+        "waiting_human",
+        "waiting_children",
+        "paused",
+        "cancelling",
+        "completed",
+        "failed",
+        "cancelled",
+        "idle",
+        "archived",
+    ]
     """
     `archived`, the active run's status (`running`, `waiting_human`, …), or `idle`.
     """
@@ -784,7 +1090,10 @@ class TreeActivityView(LiveActivityView):
     """
 
     depth: int = Field(..., ge=0)
-    parent_run_id: Optional[str] = None
+    parent_run_id: Optional[str] = Field(None, pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
 
 
 class TreeEventView(EventView):
@@ -796,7 +1105,7 @@ class TreeEventView(EventView):
     """
     Levels below the run a message started (0).
     """
-    parent_run_id: Optional[str] = None
+    parent_run_id: Optional[str] = Field(None, pattern="^run_[A-Za-z0-9-]{1,64}$")
     """
     The run that started this event's run; `null` for the tree's root.
     """
@@ -818,16 +1127,32 @@ class TreeNodeView(BaseModel):
     also when the tree is asked about a run further down.
     """
     finished_at: Optional[int] = None
-    parent_run_id: Optional[str] = None
+    parent_run_id: Optional[str] = Field(None, pattern="^run_[A-Za-z0-9-]{1,64}$")
     """
     The run whose delegation started it; absent for a run started by a message.
     """
-    run_id: str
-    session_id: str
+    run_id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
+    session_id: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
     """
     Each delegated run has a session of its own.
     """
-    status: str
+    status: Literal[
+        "queued",
+        "running",
+        "waiting_human",
+        "waiting_children",
+        "paused",
+        "cancelling",
+        "completed",
+        "failed",
+        "cancelled",
+    ]
+    """
+    what a run is doing, or how it ended.
+    """
     steps: int = Field(..., ge=0)
     """
     Its committed steps.
@@ -842,11 +1167,52 @@ class TreeNodeView(BaseModel):
 
 class WebhookView(BaseModel):
     created_at: int
-    events: Optional[list[str]] = None
+    events: Optional[
+        list[
+            Literal[
+                "run.created",
+                "run.status",
+                "step.committed",
+                "activity",
+                "assistant.delta",
+                "assistant.message",
+                "assistant.reasoning",
+                "tool.call",
+                "tool.result",
+                "tool.outcome_unknown",
+                "model.error",
+                "reconciliation.required",
+                "reconciliation.decided",
+                "approval.required",
+                "approval.decided",
+                "run.resumed",
+                "message.steered",
+                "context.compacted",
+                "subagent.started",
+                "subagent.finished",
+                "completion.blocked",
+                "inbox.reserved",
+                "inbox.pending",
+                "inbox.leased",
+                "inbox.consumed",
+                "inbox.released",
+                "inbox.dead_lettered",
+                "inbox.superseded",
+                "inbox.requeued",
+                "inbox.discarded",
+                "signal.emitted",
+                "session.closed",
+                "run.finished",
+            ]
+        ]
+    ] = None
     """
-    The event kinds it is sent; absent for every kind.
+    The event kinds it is sent; null for every kind.
     """
-    id: str
+    id: str = Field(..., pattern="^whk_[A-Za-z0-9-]{1,64}$")
+    """
+    A webhook id: `whk_` then 1 to 64 letters, digits or `-`.
+    """
     max_attempts: int = Field(..., ge=0)
     secret: Optional[str] = None
     """
@@ -855,53 +1221,78 @@ class WebhookView(BaseModel):
     url: str
 
 
-class ApprovalRequestBody(BaseModel):
+class ApprovalRequestBody1(BaseModel):
     """
-    Either `decisions` (every call that needs approval, once) or `"abort": true`, which ends
-    the run as cancelled by a human.
+    Either `decisions` (every call that needs approval, once) or `"abort": true`, which ends the run as cancelled by a human.
     """
 
     model_config = ConfigDict(
         extra="forbid",
     )
-    abort: Optional[bool] = None
-    decisions: Optional[list[CallDecisionBody]] = None
+    abort: Optional[Literal[False]] = None
+    decisions: list[CallDecisionBody]
+    """
+    One decision per call that needs approval; a call left out is approved.
+    """
+
+
+class ApprovalRequestBody(RootModel[Union[ApprovalRequestBody1, ApprovalRequestBody2]]):
+    root: Union[ApprovalRequestBody1, ApprovalRequestBody2]
+    """
+    Either `decisions` (every call that needs approval, once) or `"abort": true`, which ends the run as cancelled by a human.
+    """
 
 
 class PageRunSummaryView(BaseModel):
     """
-    Every listing: a page of items and the cursor of the next page (absent on the last).
+    Every listing: a page of items and the cursor of the next page (null on the last).
     """
 
     items: list[RunSummaryView]
     next_cursor: Optional[str] = None
+    """
+    An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+    page.
+    """
 
 
 class PageSessionView(BaseModel):
     """
-    Every listing: a page of items and the cursor of the next page (absent on the last).
+    Every listing: a page of items and the cursor of the next page (null on the last).
     """
 
     items: list[SessionView]
     next_cursor: Optional[str] = None
+    """
+    An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+    page.
+    """
 
 
 class PageStepView(BaseModel):
     """
-    Every listing: a page of items and the cursor of the next page (absent on the last).
+    Every listing: a page of items and the cursor of the next page (null on the last).
     """
 
     items: list[StepView]
     next_cursor: Optional[str] = None
+    """
+    An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+    page.
+    """
 
 
 class PageWebhookView(BaseModel):
     """
-    Every listing: a page of items and the cursor of the next page (absent on the last).
+    Every listing: a page of items and the cursor of the next page (null on the last).
     """
 
     items: list[WebhookView]
     next_cursor: Optional[str] = None
+    """
+    An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+    page.
+    """
 
 
 class RunTreeView(BaseModel):
@@ -913,7 +1304,7 @@ class RunTreeView(BaseModel):
     """
     Parents before their children, each level in creation order.
     """
-    run_id: str
+    run_id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
     """
     The run asked about: the first node.
     """
