@@ -200,7 +200,7 @@ impl Worker {
             .run_step_in_span(claimed, cancel, may_continue)
             .with_context(span.clone())
             .await;
-        ratchet_telemetry::end_step(&span, None);
+        ratchet_telemetry::end_step(&span);
         next
     }
 

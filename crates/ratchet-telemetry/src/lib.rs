@@ -138,13 +138,10 @@ pub fn start_step(state: &AgentState, job: &StepJob) -> Context {
     parent.with_span(span)
 }
 
-/// Ends a step's span, as an error when `failure` says why it did not commit.
-pub fn end_step(step: &Context, failure: Option<&str>) {
-    let span = step.span();
-    if let Some(failure) = failure {
-        span.set_status(Status::error(failure.to_owned()));
-    }
-    span.end();
+/// Ends a step's span. How the step went is told by its children (a failed model or tool
+/// call is an error) and by the run's span.
+pub fn end_step(step: &Context) {
+    step.span().end();
 }
 
 /// The span of a model call (`chat {model}`), a child of `step`.
