@@ -19,3 +19,4 @@ mod scale;
 mod serve;
 mod subagents;
 mod tidy;
+mod version;
