@@ -15,15 +15,18 @@ FROM ${RUST_IMAGE} AS build
 ARG RATCHET_GIT_COMMIT=
 WORKDIR /src
 COPY . .
+# Without the release profile's line tables the binary is a fifth of its size (45 MB, not
+# 200); its symbols stay, so a backtrace still names its functions.
 RUN cargo build --release --locked -p ratchet-cli --bin ratchet \
-    && cp target/release/ratchet /usr/local/bin/ratchet
+    && strip --strip-debug --output-file /usr/local/bin/ratchet target/release/ratchet
 
 FROM ${RUNTIME_IMAGE}
 # Root certificates for model providers, MCP servers, webhooks and PostgreSQL over TLS.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
-    && useradd --system --user-group --uid 10001 --home-dir /data --shell /usr/sbin/nologin ratchet \
+    && groupadd --system --gid 10001 ratchet \
+    && useradd --system --uid 10001 --gid ratchet --home-dir /data --shell /usr/sbin/nologin ratchet \
     && mkdir -p /data \
     && chown ratchet:ratchet /data
 COPY --from=build /usr/local/bin/ratchet /usr/local/bin/ratchet
