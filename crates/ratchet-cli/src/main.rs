@@ -19,7 +19,11 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "ratchet", version, about = "A durable runtime for LLM agents")]
+#[command(
+    name = "ratchet",
+    version = concat!(env!("CARGO_PKG_VERSION"), " (", env!("RATCHET_BUILD_COMMIT"), ")"),
+    about = "A durable runtime for LLM agents"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

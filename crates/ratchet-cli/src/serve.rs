@@ -310,8 +310,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let pool = (pool_config.workers > 0).then(|| runtime.start_workers(pool_config.clone()));
     let app = ratchet_server::app(state);
     eprintln!(
-        "ratchet listening on http://{} (database {db}{}{}; {})",
+        "ratchet listening on http://{} (database {}{}{}; {})",
         listener.local_addr()?,
+        ratchet_postgres::redacted(&db),
         if config.tokens.is_empty() {
             ", no authentication"
         } else {
@@ -363,7 +364,8 @@ pub async fn worker(args: ProcessArgs) -> anyhow::Result<ExitCode> {
     let Process { db, runtime } = Process::open(&config, toolbox, args.no_migrate, None).await?;
     let pool = runtime.start_workers(pool_config.clone());
     eprintln!(
-        "ratchet worker on database {db}; {}",
+        "ratchet worker on database {}; {}",
+        ratchet_postgres::redacted(&db),
         describe_pool(Some(&pool), &pool_config)
     );
     let shutdown = CancellationToken::new();

@@ -225,8 +225,9 @@ impl Connector {
 
 /// A url, or a part of one, as it may be shown: without its password, however it was
 /// written — a mistyped scheme, a password holding `@`, `/` or `?`, a `password=` option. A
-/// strange url may have more hidden than its password, never less.
-fn redacted(url: &str) -> String {
+/// strange url may have more hidden than its password, never less. `serve` and `worker` print
+/// their database this way, since their output ends up in logs.
+pub fn redacted(url: &str) -> String {
     let shown = match url.rfind('@') {
         None => url.to_owned(),
         Some(at) => match url[..at].find("//") {

@@ -20,3 +20,4 @@ mod serve;
 mod subagents;
 mod telemetry;
 mod tidy;
+mod version;
