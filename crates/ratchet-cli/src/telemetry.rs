@@ -10,7 +10,6 @@ use anyhow::{Context as _, bail};
 use opentelemetry_otlp::SpanExporter;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::SdkTracerProvider;
-use ratchet_telemetry::ChosenIds;
 
 /// How long spans still buffered at exit may take to leave.
 const FLUSH_AT_EXIT: Duration = Duration::from_secs(5);
@@ -61,7 +60,7 @@ pub fn install() -> anyhow::Result<Option<Exporting>> {
     }
     let provider = SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
-        .with_id_generator(ChosenIds::default())
+        .with_id_generator(ratchet_telemetry::enable())
         .with_resource(resource.build())
         .build();
     opentelemetry::global::set_tracer_provider(provider.clone());

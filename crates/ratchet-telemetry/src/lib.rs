@@ -1,15 +1,17 @@
 //! The spans of runs, steps, model calls and tool calls, following the OpenTelemetry GenAI
-//! semantic conventions, made with the OpenTelemetry API. Without an installed tracer
-//! provider (no `OTEL_EXPORTER_OTLP_ENDPOINT`) every span here is a no-op.
+//! semantic conventions, made with the OpenTelemetry API. A process that exports none (no
+//! `OTEL_EXPORTER_OTLP_ENDPOINT`) never calls `enable`, and makes none.
 //!
 //! A run's span (`invoke_agent`) cannot be held open across processes, and its steps may
 //! run in several: so its id is derived from the run's id (`ratchet_core::trace`), each step
 //! is made a child of that id wherever it runs, and the run's span itself is made — with
 //! that id, from the run's creation to its end — by the process that commits its end. The
-//! SDK picks span ids itself; `ChosenIds`, the id generator the exporting binary installs,
-//! lets this crate choose them for those spans.
+//! SDK picks span ids itself; `ChosenIds`, the id generator the exporting binary installs
+//! (`enable`), lets this crate choose them for those spans. Until `enable`, every function
+//! here returns at once.
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use opentelemetry::trace::{
@@ -45,7 +47,23 @@ thread_local! {
     static CHOSEN: Cell<Option<(opentelemetry::TraceId, opentelemetry::SpanId)>> = const { Cell::new(None) };
 }
 
-/// The SDK's id generator: random ids, except for the span being built inside `with_ids`.
+/// Whether spans are made at all: off until `enable`, so that a process that exports
+/// nothing spends nothing on them.
+static ENABLED: AtomicBool = AtomicBool::new(false);
+
+/// Turns Ratchet's spans on, and returns the id generator the tracer provider that exports
+/// them must be built with (the run and call spans' ids are chosen, see the module's doc).
+pub fn enable() -> ChosenIds {
+    ENABLED.store(true, Ordering::Relaxed);
+    ChosenIds::default()
+}
+
+fn enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
+/// The SDK's id generator: random ids, except for the span being built by `build` with ids
+/// of its choosing.
 #[derive(Debug, Default)]
 pub struct ChosenIds {
     random: RandomIdGenerator,
@@ -65,12 +83,24 @@ impl IdGenerator for ChosenIds {
     }
 }
 
-/// Builds a span whose ids are `ids` (the trace's applies when there is no parent). The SDK
-/// asks the id generator synchronously while it builds, on this thread.
-fn with_ids(ids: (TraceId, SpanId), builder: SpanBuilder, parent: &Context) -> global::BoxedSpan {
-    CHOSEN.with(|chosen| chosen.set(Some((otel_trace(ids.0), otel_span(ids.1)))));
-    let span = global::tracer(SCOPE).build_with_context(builder, parent);
+/// Builds a span, with the ids `ids` when given (the trace's applies when there is no
+/// parent: the SDK asks the id generator synchronously while it builds, on this thread).
+/// Its attributes are made only when the span is recorded: without an exporter a step pays
+/// for no text it would throw away.
+fn build(
+    builder: SpanBuilder,
+    parent: &Context,
+    ids: Option<(TraceId, SpanId)>,
+    attributes: impl FnOnce() -> Vec<KeyValue>,
+) -> global::BoxedSpan {
+    if let Some((trace, span)) = ids {
+        CHOSEN.with(|chosen| chosen.set(Some((otel_trace(trace), otel_span(span)))));
+    }
+    let mut span = global::tracer(SCOPE).build_with_context(builder, parent);
     CHOSEN.with(|chosen| chosen.set(None));
+    if span.is_recording() {
+        span.set_attributes(attributes());
+    }
     span
 }
 
@@ -127,14 +157,17 @@ fn run_attributes(state: &AgentState) -> Vec<KeyValue> {
 /// The span of one step: a child of its run's span, wherever the step runs. The returned
 /// context holds it; model and tool calls made within are its children.
 pub fn start_step(state: &AgentState, job: &StepJob) -> Context {
-    let mut attributes = run_attributes(state);
-    attributes.push(KeyValue::new("ratchet.step_index", job.step_index as i64));
-    attributes.push(KeyValue::new("ratchet.attempt", i64::from(job.attempt)));
-    let builder = SpanBuilder::from_name("step")
-        .with_kind(SpanKind::Internal)
-        .with_attributes(attributes);
+    if !enabled() {
+        return Context::new();
+    }
+    let builder = SpanBuilder::from_name("step").with_kind(SpanKind::Internal);
     let parent = run_parent(state);
-    let span = global::tracer(SCOPE).build_with_context(builder, &parent);
+    let span = build(builder, &parent, None, || {
+        let mut attributes = run_attributes(state);
+        attributes.push(KeyValue::new("ratchet.step_index", job.step_index as i64));
+        attributes.push(KeyValue::new("ratchet.attempt", i64::from(job.attempt)));
+        attributes
+    });
     parent.with_span(span)
 }
 
@@ -146,17 +179,20 @@ pub fn end_step(step: &Context) {
 
 /// The span of a model call (`chat {model}`), a child of `step`.
 pub fn start_chat(step: &Context, state: &AgentState) -> Context {
+    if !enabled() {
+        return step.clone();
+    }
     let (provider, model) = provider_and_model(&state.config);
-    let mut attributes = run_attributes(state);
-    attributes.extend([
-        KeyValue::new("gen_ai.operation.name", "chat"),
-        KeyValue::new("gen_ai.provider.name", provider),
-        KeyValue::new("gen_ai.request.model", model.clone()),
-    ]);
-    let builder = SpanBuilder::from_name(format!("chat {model}"))
-        .with_kind(SpanKind::Client)
-        .with_attributes(attributes);
-    let span = global::tracer(SCOPE).build_with_context(builder, step);
+    let builder = SpanBuilder::from_name(format!("chat {model}")).with_kind(SpanKind::Client);
+    let span = build(builder, step, None, || {
+        let mut attributes = run_attributes(state);
+        attributes.extend([
+            KeyValue::new("gen_ai.operation.name", "chat"),
+            KeyValue::new("gen_ai.provider.name", provider),
+            KeyValue::new("gen_ai.request.model", model),
+        ]);
+        attributes
+    });
     step.with_span(span)
 }
 
@@ -169,6 +205,9 @@ pub fn end_chat(
     content: impl FnOnce() -> (String, String),
 ) {
     let span = chat.span();
+    if !span.is_recording() {
+        return span.end();
+    }
     match outcome {
         Ok(usage) => {
             span.set_attribute(KeyValue::new(
@@ -207,19 +246,23 @@ pub fn start_tool(
     job: &StepJob,
     call: ToolCallSpan<'_>,
 ) -> Context {
-    let mut attributes = run_attributes(state);
-    attributes.extend([
-        KeyValue::new("gen_ai.operation.name", "execute_tool"),
-        KeyValue::new("gen_ai.tool.name", call.tool.to_owned()),
-        KeyValue::new("gen_ai.tool.call.id", call.call_id.to_owned()),
-        KeyValue::new("ratchet.step_index", job.step_index as i64),
-        KeyValue::new("ratchet.replay_policy", call.replay.as_str()),
-    ]);
-    let builder = SpanBuilder::from_name(format!("execute_tool {}", call.tool))
-        .with_kind(SpanKind::Internal)
-        .with_attributes(attributes);
+    if !enabled() {
+        return step.clone();
+    }
+    let builder =
+        SpanBuilder::from_name(format!("execute_tool {}", call.tool)).with_kind(SpanKind::Internal);
     let id = trace::call_span_id(&state.run_id, job.step_index, call.slot);
-    let span = with_ids((trace::trace_id(state), id), builder, step);
+    let span = build(builder, step, Some((trace::trace_id(state), id)), || {
+        let mut attributes = run_attributes(state);
+        attributes.extend([
+            KeyValue::new("gen_ai.operation.name", "execute_tool"),
+            KeyValue::new("gen_ai.tool.name", call.tool.to_owned()),
+            KeyValue::new("gen_ai.tool.call.id", call.call_id.to_owned()),
+            KeyValue::new("ratchet.step_index", job.step_index as i64),
+            KeyValue::new("ratchet.replay_policy", call.replay.as_str()),
+        ]);
+        attributes
+    });
     step.with_span(span)
 }
 
@@ -235,40 +278,44 @@ pub fn end_tool(tool: &Context, error: Option<&str>) {
 /// Records the span of a run that has just ended (`invoke_agent {agent}`), from its
 /// creation to `ended_at`, under the caller's or delegating call's span when it has one.
 pub fn run_ended(state: &AgentState, ended_at: Millis) {
+    if !enabled() {
+        return;
+    }
     let name = match agent_name(&state.config) {
         Some(agent) => format!("invoke_agent {agent}"),
         None => "invoke_agent".to_owned(),
     };
-    let (provider, model) = provider_and_model(&state.config);
-    let mut attributes = run_attributes(state);
-    attributes.extend([
-        KeyValue::new("gen_ai.operation.name", "invoke_agent"),
-        KeyValue::new("gen_ai.provider.name", provider),
-        KeyValue::new("gen_ai.request.model", model),
-        KeyValue::new("ratchet.status", state.status.to_string()),
-        KeyValue::new("ratchet.steps", state.step_index as i64),
-        KeyValue::new(
-            "gen_ai.usage.input_tokens",
-            state.counters.input_tokens as i64,
-        ),
-        KeyValue::new(
-            "gen_ai.usage.output_tokens",
-            state.counters.output_tokens as i64,
-        ),
-    ]);
-    if let Some(reason) = &state.stop_reason {
-        attributes.push(KeyValue::new("ratchet.stop_reason", reason.to_string()));
-    }
     let builder = SpanBuilder::from_name(name)
         .with_kind(SpanKind::Internal)
-        .with_start_time(time(state.created_at))
-        .with_attributes(attributes);
+        .with_start_time(time(state.created_at));
     let parent = match &state.trace {
         Some(context) => remote(context.trace_id, context.parent_span_id),
         None => Context::new(),
     };
     let ids = (trace::trace_id(state), trace::run_span_id(&state.run_id));
-    let mut span = with_ids(ids, builder, &parent);
+    let mut span = build(builder, &parent, Some(ids), || {
+        let (provider, model) = provider_and_model(&state.config);
+        let mut attributes = run_attributes(state);
+        attributes.extend([
+            KeyValue::new("gen_ai.operation.name", "invoke_agent"),
+            KeyValue::new("gen_ai.provider.name", provider),
+            KeyValue::new("gen_ai.request.model", model),
+            KeyValue::new("ratchet.status", state.status.to_string()),
+            KeyValue::new("ratchet.steps", state.step_index as i64),
+            KeyValue::new(
+                "gen_ai.usage.input_tokens",
+                state.counters.input_tokens as i64,
+            ),
+            KeyValue::new(
+                "gen_ai.usage.output_tokens",
+                state.counters.output_tokens as i64,
+            ),
+        ]);
+        if let Some(reason) = &state.stop_reason {
+            attributes.push(KeyValue::new("ratchet.stop_reason", reason.to_string()));
+        }
+        attributes
+    });
     if state.status != ratchet_core::RunStatus::Completed {
         span.set_status(Status::error(state.status.to_string()));
     }
