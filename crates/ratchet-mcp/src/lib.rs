@@ -278,7 +278,7 @@ impl Tool for McpTool {
             }
         };
         self.server
-            .call(&self.remote.name, arguments, &context)
+            .call(&self.remote.name, arguments, context)
             .await
     }
 }
