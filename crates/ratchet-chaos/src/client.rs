@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
-use ratchet_core::RunId;
+use ratchet_core::{RunId, SessionId};
 use ratchet_llm::sse::SseParser;
 use ratchet_store::Reads;
 use reqwest::{Method, StatusCode};
@@ -296,27 +296,32 @@ impl Clients {
     }
 
     /// The run a user message with `content` started, if the session holds one (tags are
-    /// unique, so the content is too).
+    /// unique, so the content is too). Read from the session's `run.created` events, which
+    /// carry the message from the moment it is accepted: the messages list shows a queued
+    /// run's message only once the run starts.
     async fn run_of_message(
         &self,
         session_id: &str,
         content: &str,
     ) -> anyhow::Result<Option<String>> {
-        let mut cursor: Option<String> = None;
+        let session =
+            SessionId::parse(session_id).map_err(|e| anyhow!("session id {session_id:?}: {e}"))?;
+        let mut after = 0;
         loop {
-            let mut path = format!("/v1/sessions/{session_id}/messages?limit=200");
-            if let Some(cursor) = &cursor {
-                path.push_str(&format!("&cursor={cursor}"));
-            }
-            let page = self.retrying(Method::GET, &path, None).await?;
-            let found = (page["items"].as_array().into_iter().flatten())
-                .find(|m| m["role"] == "user" && m["content"] == content);
-            if let Some(message) = found {
-                return Ok(Some(text(message, "run_id")?));
-            }
-            match page["next_cursor"].as_str() {
-                Some(next) => cursor = Some(next.to_owned()),
-                None => return Ok(None),
+            let page = self.store.events_after(&session, after, 500).await?;
+            let Some(last) = page.last() else {
+                return Ok(None);
+            };
+            after = last.seq;
+            let found = page.iter().find(|e| {
+                e.kind == "run.created" && e.payload["content"].as_str() == Some(content)
+            });
+            if let Some(created) = found {
+                let run = created
+                    .run_id
+                    .as_ref()
+                    .ok_or_else(|| anyhow!("a run.created event of {session_id} names no run"))?;
+                return Ok(Some(run.to_string()));
             }
         }
     }
