@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use crate::common::{output_within_deadline, report, stderr_of};
+use crate::common::{json_of, output_within_deadline, report, stderr_of};
 use serde_json::json;
 
 /// The stdio MCP server the MCP crate's own tests use.
@@ -170,48 +170,23 @@ async fn serve_offers_an_mcp_servers_changed_tools_to_the_runs_that_start_after(
     let run_to_end = |content: &'static str| {
         let (http, base) = (http.clone(), base.clone());
         async move {
-            let session: serde_json::Value = (http.post(format!("{base}/v1/sessions")))
-                .json(&json!({}))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            let sent: serde_json::Value = (http.post(format!(
+            let session = json_of(http.post(format!("{base}/v1/sessions")).json(&json!({}))).await;
+            let messages = format!(
                 "{base}/v1/sessions/{}/messages",
                 session["id"].as_str().unwrap()
-            )))
-            .json(&json!({"content": content}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+            );
+            let sent = json_of(http.post(messages).json(&json!({"content": content}))).await;
             let run = sent["run_id"].as_str().unwrap().to_owned();
             let deadline = Instant::now() + crate::common::DEADLINE;
             loop {
-                let view: serde_json::Value = (http.get(format!("{base}/v1/runs/{run}")))
-                    .send()
-                    .await
-                    .unwrap()
-                    .json()
-                    .await
-                    .unwrap();
+                let view = json_of(http.get(format!("{base}/v1/runs/{run}"))).await;
                 if view["status"] == "completed" {
                     break;
                 }
                 assert!(Instant::now() < deadline, "{view}");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            let step: serde_json::Value = (http.get(format!("{base}/v1/runs/{run}/steps/1")))
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
+            let step = json_of(http.get(format!("{base}/v1/runs/{run}/steps/1"))).await;
             let offered: Vec<String> = (step["model_call"]["tools"].as_array().unwrap().iter())
                 .map(|tool| tool["name"].as_str().unwrap().to_owned())
                 .collect();

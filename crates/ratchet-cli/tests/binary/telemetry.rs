@@ -29,7 +29,7 @@ use ratchet_llm::sse::SseParser;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use crate::common::{DEADLINE, SECRETS_KEY, free_port};
+use crate::common::{DEADLINE, SECRETS_KEY, free_port, json_of};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratchet");
 const CALLER_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
@@ -277,24 +277,18 @@ async fn span_tree_across_a_crash(protocol: Protocol) {
     let mut server = serve(dir.path(), port, &endpoint, protocol);
     ready(&http, &base).await;
 
-    let session: Value = (http.post(format!("{base}/v1/sessions")))
-        .json(&json!({"agent": "boss"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let session = json_of(
+        http.post(format!("{base}/v1/sessions"))
+            .json(&json!({"agent": "boss"})),
+    )
+    .await;
     let session = session["id"].as_str().unwrap();
-    let accepted: Value = (http.post(format!("{base}/v1/sessions/{session}/messages")))
-        .header("traceparent", format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01"))
-        .json(&json!({"content": "hand out the work"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let accepted = json_of(
+        (http.post(format!("{base}/v1/sessions/{session}/messages")))
+            .header("traceparent", format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01"))
+            .json(&json!({"content": "hand out the work"})),
+    )
+    .await;
     let root = accepted["run_id"].as_str().unwrap().to_owned();
     let events = format!("{base}/v1/runs/{root}/events");
     // The model's step is committed: the tool's step sleeps now, and dies with the process.

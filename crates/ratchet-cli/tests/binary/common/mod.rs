@@ -69,6 +69,12 @@ pub fn output_within_deadline(command: &mut Command, stdin: &str) -> Output {
 
 /// A port nobody listens on right now (another process could still take it before use).
 #[allow(dead_code, reason = "not every test binary starts a server")]
+/// Sends `request` and reads its answer's body as JSON; panics if either fails.
+pub async fn json_of(request: reqwest::RequestBuilder) -> serde_json::Value {
+    let response = request.send().await.unwrap();
+    response.json().await.unwrap()
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
