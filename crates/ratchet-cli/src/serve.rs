@@ -286,6 +286,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     )
     .with_stream_limits(limits.streams)
     .with_host_policy(hosts)
+    .with_idempotency_ttl(config.idempotency_ttl_ms()?)
     .with_reloader(reloader)
     .with_webhook_policy(webhook_policy);
     // Before the socket accepts anyone who could send one: from here on a SIGHUP reloads

@@ -17,8 +17,9 @@ use ratchet_core::{
     MessageId, Millis, RunConfigSnapshot, RunId, RunStatus, SessionId, StepResult, TraceContext,
 };
 use ratchet_store::{
-    CancelOutcome, Change, ChangeStream, Changes, Claim, ClaimedStep, Commit, Lease, NewRun, Reads,
-    Roles, RunQuota, Session, SessionSpec, StoredEvent, WhenBusy, Writes,
+    CancelOutcome, Change, ChangeStream, Changes, Claim, ClaimedStep, Commit, KeyedRequest, Lease,
+    NewRun, Reads, RequestClaim, RequestMark, Roles, RunQuota, Session, SessionSpec, StoredEvent,
+    StoredResponse, WhenBusy, Writes,
 };
 use tokio::sync::{Notify, broadcast};
 use tokio::task::JoinHandle;
@@ -209,7 +210,7 @@ impl Coordinator {
         config: RunConfigSnapshot,
         multitask: Multitask,
     ) -> Result<StartedRun> {
-        self.submit_in_trace(session_id, content, config, multitask, None)
+        self.submit_in_trace(session_id, content, config, multitask, None, None)
             .await
     }
 
@@ -221,6 +222,7 @@ impl Coordinator {
         config: RunConfigSnapshot,
         multitask: Multitask,
         trace: Option<TraceContext>,
+        request: Option<RequestMark>,
     ) -> Result<StartedRun> {
         let invalid = |e: ratchet_core::IdError| crate::Error::Invalid(e.to_string());
         let run_id = RunId::from_suffix(&fresh_suffix()).map_err(invalid)?;
@@ -239,6 +241,7 @@ impl Coordinator {
             },
             quota: self.quota,
             trace,
+            request,
         };
         let submitted = self.writes.submit_message(new, self.now()).await?;
         self.publish(submitted.events);
@@ -512,6 +515,31 @@ impl Coordinator {
             self.wake.notify_one();
         }
         Ok(served.started.len())
+    }
+
+    /// Takes the key of a request sent with an `Idempotency-Key`, or says why not.
+    pub async fn begin_request(&self, request: KeyedRequest) -> Result<RequestClaim> {
+        Ok(self.writes.begin_request(request, self.now()).await?)
+    }
+
+    /// Keeps the response a keyed request was answered with; false when its key was taken
+    /// over meanwhile.
+    pub async fn finish_request(
+        &self,
+        mark: &RequestMark,
+        response: StoredResponse,
+    ) -> Result<bool> {
+        Ok(self.writes.finish_request(mark, response).await?)
+    }
+
+    /// Gives back the key of a request that did nothing worth repeating.
+    pub async fn abandon_request(&self, mark: &RequestMark) -> Result<()> {
+        Ok(self.writes.abandon_request(mark).await?)
+    }
+
+    /// Forgets the request keys that expired; how many.
+    pub async fn sweep_requests(&self) -> Result<u64> {
+        Ok(self.writes.sweep_requests(self.now()).await?)
     }
 
     /// Ends the runs that wait past their deadline (`timed_out`), cancelling their children

@@ -312,6 +312,26 @@ UPDATE sessions SET title = (
     ORDER BY m.rowid LIMIT 1
 );
 "#,
+    r#"
+-- Requests sent with an `Idempotency-Key`, per tenant: what the key was first used for, who
+-- holds it while the request is carried out (`attempt`, `held_until`), the effect its
+-- transaction recorded and the response it was answered with. Swept once `expires_at` passed.
+CREATE TABLE idempotent_requests (
+    tenant TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    method TEXT NOT NULL,
+    path TEXT NOT NULL,
+    body_hash TEXT NOT NULL,
+    attempt BIGINT NOT NULL,
+    held_until BIGINT NOT NULL,
+    expires_at BIGINT NOT NULL,
+    effect_json TEXT,
+    response_status BIGINT,
+    response_body TEXT,
+    PRIMARY KEY (tenant, idempotency_key)
+);
+CREATE INDEX idempotent_requests_expiry ON idempotent_requests(expires_at);
+"#,
 ];
 
 /// The advisory lock that makes processes opening one database at once migrate it one

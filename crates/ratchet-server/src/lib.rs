@@ -12,6 +12,7 @@ mod console;
 mod error;
 mod feed;
 mod hosts;
+mod idempotency;
 mod inbox;
 mod listener;
 mod metrics;
@@ -37,6 +38,7 @@ pub use active::Active;
 pub use auth::{Caller, Tokens, hash_token};
 pub use error::ApiError;
 pub use hosts::HostPolicy;
+pub use idempotency::{DEFAULT_TTL_MS as DEFAULT_IDEMPOTENCY_TTL_MS, IDEMPOTENCY_KEY};
 pub use listener::GuardedListener;
 pub use reload::{Reloader, Reloads};
 pub use streams::StreamLimits;
@@ -62,6 +64,8 @@ pub struct AppState {
     /// Where webhooks may be created to send; the dispatcher checks the same policy again as
     /// it connects.
     webhook_policy: Arc<WebhookPolicy>,
+    /// How long `Idempotency-Key`s are kept.
+    keys: Arc<idempotency::KeyPolicy>,
 }
 
 impl AppState {
@@ -81,7 +85,15 @@ impl AppState {
             streams: streams::StreamGate::new(StreamLimits::default()),
             hosts: Arc::new(HostPolicy::default()),
             webhook_policy: Arc::new(WebhookPolicy::default()),
+            keys: idempotency::KeyPolicy::new(idempotency::DEFAULT_TTL_MS),
         }
+    }
+
+    /// The same state, keeping `Idempotency-Key`s and their responses for `ttl_ms` (default
+    /// a day).
+    pub fn with_idempotency_ttl(mut self, ttl_ms: ratchet_core::Millis) -> AppState {
+        self.keys = idempotency::KeyPolicy::new(ttl_ms);
+        self
     }
 
     /// The same state, creating webhooks only where `policy` allows (by default: public
@@ -187,6 +199,40 @@ fn optional_bodies_without_null(mut openapi: utoipa::openapi::OpenApi) -> utoipa
     openapi
 }
 
+/// The document with the `Idempotency-Key` header on every `POST` under `/v1`, which the
+/// middleware reads (`idempotency::keyed`) rather than any handler.
+fn with_idempotency_keys(mut openapi: utoipa::openapi::OpenApi) -> utoipa::openapi::OpenApi {
+    use utoipa::openapi::path::{Parameter, ParameterBuilder, ParameterIn};
+    use utoipa::openapi::{ObjectBuilder, Required, Type};
+    let key: Parameter = ParameterBuilder::new()
+        .name("Idempotency-Key")
+        .parameter_in(ParameterIn::Header)
+        .required(Required::False)
+        .description(Some(
+            "Names this request (1 to 255 printable ASCII characters, per tenant): a repeat \
+             within `[api] idempotency_ttl_ms` gets the first response back with \
+             `Idempotent-Replayed: true` and does nothing again; the same key with another \
+             method, path or body is 422, and a repeat while the first is carried out is 409 \
+             (`request_in_progress`). Responses 409, 429 and 5xx are not kept.",
+        ))
+        .schema(Some(
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .min_length(Some(1))
+                .max_length(Some(idempotency::MAX_KEY_CHARS))
+                .pattern(Some("^[\\x20-\\x7E]+$")),
+        ))
+        .build();
+    for (path, item) in openapi.paths.paths.iter_mut() {
+        if let Some(post) = item.post.as_mut().filter(|_| path.starts_with("/v1/")) {
+            post.parameters
+                .get_or_insert_with(Vec::new)
+                .push(key.clone().into());
+        }
+    }
+    openapi
+}
+
 /// The whole HTTP surface, ready to serve (or to test without a socket).
 pub fn app(state: AppState) -> Router {
     let (router, openapi) = OpenApiRouter::with_openapi(ApiDoc::openapi())
@@ -198,7 +244,7 @@ pub fn app(state: AppState) -> Router {
         .merge(metrics::router())
         .merge(reload::router())
         .split_for_parts();
-    let openapi = Arc::new(optional_bodies_without_null(openapi));
+    let openapi = Arc::new(with_idempotency_keys(optional_bodies_without_null(openapi)));
     router
         .route(
             "/openapi.json",
@@ -210,6 +256,10 @@ pub fn app(state: AppState) -> Router {
         .merge(console::router())
         .fallback(error::not_found)
         .method_not_allowed_fallback(error::method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            idempotency::keyed,
+        ))
         .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(error::refuse_oversized_bodies))
         .layer(axum::middleware::from_fn_with_state(

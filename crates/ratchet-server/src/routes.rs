@@ -1,6 +1,7 @@
 //! The JSON endpoints under `/v1`: the catalog's agents, sessions, messages, runs, run trees,
 //! steps and cancellation.
 
+use axum::Extension;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use ratchet_core::bounds::sent_to_model;
@@ -8,7 +9,9 @@ use ratchet_core::{
     AgentState, Role, RunConfigSnapshot, RunId, RunStatus, SessionId, TraceContext,
 };
 use ratchet_engine::Multitask as EngineMultitask;
-use ratchet_store::{ListOrder, Session, SessionCursor, SessionQuery, SessionSpec, SessionState};
+use ratchet_store::{
+    ListOrder, RequestMark, Session, SessionCursor, SessionQuery, SessionSpec, SessionState,
+};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -145,6 +148,7 @@ async fn create_session(
     State(state): State<AppState>,
     tenant: Tenant,
     Current(active): Current,
+    request: Option<Extension<RequestMark>>,
     ApiJson(body): ApiJson<CreateSession>,
 ) -> Result<(StatusCode, axum::Json<SessionView>), ApiError> {
     if let Some(agent) = body.agent.as_deref()
@@ -160,6 +164,7 @@ async fn create_session(
         tenant: tenant.0,
         agent: body.agent,
         metadata: body.metadata.map(serde_json::Value::Object),
+        request: request.map(|Extension(mark)| mark),
     };
     let session = state.coordinator.create_session(spec).await?;
     Ok((StatusCode::CREATED, axum::Json(session.into())))
@@ -323,6 +328,7 @@ async fn send_message(
     Current(active): Current,
     ApiPath(id): ApiPath<String>,
     headers: HeaderMap,
+    request: Option<Extension<RequestMark>>,
     ApiJson(body): ApiJson<SendMessage>,
 ) -> Result<(StatusCode, axum::Json<MessageAccepted>), ApiError> {
     let id = parse_session_id(&id)?;
@@ -344,7 +350,14 @@ async fn send_message(
         .and_then(TraceContext::from_traceparent);
     let started = state
         .coordinator
-        .submit_in_trace(&id, body.content, config, multitask, trace)
+        .submit_in_trace(
+            &id,
+            body.content,
+            config,
+            multitask,
+            trace,
+            request.map(|Extension(mark)| mark),
+        )
         .await?;
     let accepted = MessageAccepted {
         message_id: started.message_id.to_string(),

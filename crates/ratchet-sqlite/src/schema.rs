@@ -336,6 +336,26 @@ UPDATE sessions SET title = (
     ORDER BY m.rowid LIMIT 1
 );
 "#,
+    r#"
+-- Requests sent with an `Idempotency-Key`, per tenant: what the key was first used for, who
+-- holds it while the request is carried out (`attempt`, `held_until`), the effect its
+-- transaction recorded and the response it was answered with. Swept once `expires_at` passed.
+CREATE TABLE idempotent_requests (
+    tenant TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    method TEXT NOT NULL,
+    path TEXT NOT NULL,
+    body_hash TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    held_until INTEGER NOT NULL,
+    expires_at INTEGER NOT NULL,
+    effect_json TEXT,
+    response_status INTEGER,
+    response_body TEXT,
+    PRIMARY KEY (tenant, idempotency_key)
+);
+CREATE INDEX idempotent_requests_expiry ON idempotent_requests(expires_at);
+"#,
 ];
 
 /// The schema version this build migrates a database to.
@@ -509,6 +529,7 @@ mod tests {
                 when_busy: WhenBusy::Enqueue,
                 quota: Default::default(),
                 trace: None,
+                request: None,
             };
             store.submit_message(new, 2).await.unwrap();
             new_runs.push(run_id);

@@ -37,6 +37,7 @@ async fn steer(
                 when_busy: WhenBusy::Steer,
                 quota: Default::default(),
                 trace: None,
+                request: None,
             },
             now,
         )

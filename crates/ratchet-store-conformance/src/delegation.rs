@@ -254,6 +254,7 @@ pub async fn a_delegation_starts_children_in_sessions_of_their_own_and_joins_onc
                     when_busy: WhenBusy::Enqueue,
                     quota: RunQuota::default(),
                     trace: None,
+                    request: None,
                 },
                 T0 + 20,
             )
@@ -766,6 +767,7 @@ pub async fn run_quotas_refuse_new_runs_beyond_them(store: &dyn Store) {
                         when_busy: WhenBusy::Enqueue,
                         quota,
                         trace: None,
+                        request: None,
                     },
                     at,
                 )

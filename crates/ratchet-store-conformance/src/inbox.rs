@@ -558,6 +558,7 @@ pub async fn a_stopped_continuation_gives_its_reports_back_for_after_the_next_us
         when_busy: WhenBusy::Interrupt,
         quota: Default::default(),
         trace: None,
+        request: None,
     };
     let user = interrupting.run_id.clone();
     let submitted = store.submit_message(interrupting, T0 + 70).await.unwrap();
@@ -962,6 +963,7 @@ pub async fn closing_a_session_cancels_its_background_work_and_empties_its_inbox
                 when_busy: ratchet_store::WhenBusy::Enqueue,
                 quota: Default::default(),
                 trace: None,
+                request: None,
             },
             T0 + 50,
         )

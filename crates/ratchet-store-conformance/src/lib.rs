@@ -13,6 +13,7 @@ mod bounds;
 mod delegation;
 mod inbox;
 mod pause;
+mod requests;
 mod webhooks;
 
 use std::sync::Arc;
@@ -34,6 +35,7 @@ pub use bounds::*;
 pub use delegation::*;
 pub use inbox::*;
 pub use pause::*;
+pub use requests::*;
 pub use webhooks::*;
 
 use ratchet_store::{
@@ -115,6 +117,8 @@ macro_rules! store_conformance_tests {
             cancel_of_a_paused_run_frees_the_session,
             a_users_steers_past_the_lanes_count_or_bytes_are_refused_and_nothing_is_written,
             a_background_runs_steered_signals_past_the_agent_lane_are_refused,
+            a_keyed_request_is_carried_out_once_and_its_response_replayed,
+            a_keyed_effect_is_recorded_with_its_key_and_recovered_after_its_holder_died,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -122,6 +126,7 @@ macro_rules! store_conformance_tests {
             event_seqs_are_dense_per_session,
             a_steer_racing_the_end_of_a_run_lands_exactly_once,
             a_pause_racing_a_step_pauses_the_run_exactly_once,
+            concurrent_requests_with_one_key_have_one_holder,
         );
         $crate::store_conformance_tests!(@observed $make;
             a_webhook_is_queued_each_wanted_event_once_from_its_creation_on,
@@ -269,6 +274,7 @@ async fn submit(
         when_busy: WhenBusy::Enqueue,
         quota: Default::default(),
         trace: None,
+        request: None,
     };
     let submitted = store
         .submit_message(new, now)
@@ -507,6 +513,7 @@ pub async fn a_run_keeps_the_trace_its_message_came_with(store: &dyn Store) {
         when_busy: WhenBusy::Enqueue,
         quota: Default::default(),
         trace,
+        request: None,
     };
     store.submit_message(new, T0).await.unwrap();
     assert_eq!(load(store, &traced).await.trace, trace);
@@ -541,6 +548,7 @@ pub async fn submit_starts_a_run_or_queues_it_behind_the_active_one(store: &dyn 
         when_busy: WhenBusy::Reject,
         quota: Default::default(),
         trace: None,
+        request: None,
     };
     match store.submit_message(refused, T0 + 1).await {
         Err(Error::Conflict(message)) => assert!(message.contains("active run"), "{message}"),
@@ -899,6 +907,7 @@ pub async fn sessions_are_listed_per_tenant_in_pages(store: &dyn Store) {
         tenant: tenant.into(),
         agent: Some(format!("agent-{i}")),
         metadata: Some(json!({"n": i})),
+        request: None,
     };
     let mut acme = Vec::new();
     for i in 0..5 {
@@ -1030,6 +1039,7 @@ pub async fn sessions_are_titled_found_and_ordered_by_activity(store: &dyn Store
             tenant: "find".into(),
             agent: agent.map(str::to_owned),
             metadata: None,
+            request: None,
         };
         async move {
             store.create_session(&id, spec, at).await.unwrap();
@@ -1414,6 +1424,7 @@ pub async fn an_interrupting_message_cancels_the_active_run_and_follows_it(store
         when_busy: WhenBusy::Interrupt,
         quota: Default::default(),
         trace: None,
+        request: None,
     };
     // A running run with a step in flight.
     let session = new_session(store).await;
@@ -2359,6 +2370,7 @@ pub async fn missing_and_duplicate_entities_are_errors(store: &dyn Store) {
         when_busy: WhenBusy::Enqueue,
         quota: Default::default(),
         trace: None,
+        request: None,
     };
     match store.submit_message(new, T0).await {
         Err(Error::NotFound { .. }) => {}
@@ -2909,6 +2921,7 @@ async fn submit_as(
         when_busy,
         quota: Default::default(),
         trace: None,
+        request: None,
     };
     let submitted = store
         .submit_message(new, now)

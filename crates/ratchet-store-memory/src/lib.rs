@@ -28,6 +28,7 @@ mod events;
 mod inbox;
 mod jobs;
 mod messages;
+mod requests;
 mod runs;
 mod search;
 mod sessions;
@@ -47,11 +48,12 @@ use ratchet_core::{
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, Changes, Claim,
     ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction, Deliveries,
-    DeliveryBounds, DeliveryClaim, EmittedSignal, Error, InboxChange, InboxEvent, Intent,
-    IntentRecord, Keyring, Lease, MessageHit, NewRun, NewSignal, NewWebhook, PauseOutcome,
-    PendingInput, Reads, Reconciled, RecordedIntents, Result, ResumeOutcome, RunQuota, RunSummary,
-    SearchScope, Served, Session, SessionQuery, SessionSpec, StepMessages, StoreStats, StoredEvent,
-    StoredMessage, Submitted, TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
+    DeliveryBounds, DeliveryClaim, Effect, EmittedSignal, Error, InboxChange, InboxEvent, Intent,
+    IntentRecord, KeyedRequest, Keyring, Lease, MessageHit, NewRun, NewSignal, NewWebhook,
+    PauseOutcome, PendingInput, Reads, Reconciled, RecordedIntents, RequestClaim, RequestMark,
+    Result, ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session, SessionQuery,
+    SessionSpec, StepMessages, StoreStats, StoredEvent, StoredMessage, StoredResponse, Submitted,
+    TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
 };
 
 use crate::tables::Tables;
@@ -263,15 +265,31 @@ impl Writes for MemoryStore {
         spec: SessionSpec,
         now: Millis,
     ) -> Result<Session> {
-        self.write(|t| t.create_session(id, spec, now))
+        let request = spec.request.clone();
+        self.write(|t| {
+            let session = t.create_session(id, spec, now)?;
+            if let Some(mark) = &request {
+                let session_id = id.clone();
+                t.record_effect(mark, Effect::SessionCreated { session_id })?;
+            }
+            Ok(session)
+        })
     }
 
     async fn rename_session(&self, id: &SessionId, title: &str) -> Result<Session> {
         self.write(|t| t.rename_session(id, title))
     }
 
-    async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted> {
-        self.write(|t| t.submit_message(new, now))
+    async fn submit_message(&self, mut new: NewRun, now: Millis) -> Result<Submitted> {
+        let request = new.request.take();
+        self.write(|t| {
+            let (message_id, run_id) = (new.message_id.clone(), new.run_id.clone());
+            let submitted = t.submit_message(new, now)?;
+            if let Some(mark) = &request {
+                t.record_effect(mark, Effect::submitted(message_id, run_id, &submitted))?;
+            }
+            Ok(submitted)
+        })
     }
 
     async fn claim_next(
@@ -435,6 +453,25 @@ impl Writes for MemoryStore {
     async fn release_leases(&self, owner: &str) -> Result<u64> {
         self.write(|t| Ok(t.release_leases(owner)))
     }
+
+    async fn begin_request(&self, request: KeyedRequest, now: Millis) -> Result<RequestClaim> {
+        self.write(|t| Ok(t.begin_request(request, now)))
+    }
+
+    async fn finish_request(&self, mark: &RequestMark, response: StoredResponse) -> Result<bool> {
+        self.write(|t| Ok(t.finish_request(mark, response)))
+    }
+
+    async fn abandon_request(&self, mark: &RequestMark) -> Result<()> {
+        self.write(|t| {
+            t.abandon_request(mark);
+            Ok(())
+        })
+    }
+
+    async fn sweep_requests(&self, now: Millis) -> Result<u64> {
+        self.write(|t| Ok(t.sweep_requests(now)))
+    }
 }
 
 /// No other process can write its data: there is nothing to follow.
@@ -544,6 +581,7 @@ mod tests {
             when_busy: WhenBusy::Enqueue,
             quota: RunQuota::default(),
             trace: None,
+            request: None,
         }
     }
 

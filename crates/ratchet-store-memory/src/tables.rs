@@ -40,6 +40,7 @@ pub(crate) struct Tables {
     /// The id of the latest delivery queued: ids count up, and a deleted delivery's id is
     /// never given out again.
     pub(crate) last_delivery_id: i64,
+    pub(crate) requests: crate::requests::Requests,
 }
 
 #[derive(Debug, Clone)]

@@ -748,6 +748,7 @@ impl<'a> Harness<'a> {
                         global: None,
                     },
                     trace: None,
+                    request: None,
                 };
                 self.same("submit_message", async |s| {
                     s.submit_message(new.clone(), now).await
@@ -1679,6 +1680,7 @@ fn the_harness_sees_a_difference() {
                 when_busy: WhenBusy::Enqueue,
                 quota: RunQuota::default(),
                 trace: None,
+                request: None,
             };
             right.submit_message(only_here, T0).await.unwrap();
             run_case(&left, &right, &ops)

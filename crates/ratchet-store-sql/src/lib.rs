@@ -25,6 +25,7 @@ mod events;
 mod inbox;
 mod payload;
 mod queue;
+mod requests;
 mod rows;
 mod runs;
 mod sessions;
@@ -44,10 +45,11 @@ use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, ChangeStream,
     Changes, Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction,
     Deliveries, DeliveryBounds, DeliveryClaim, EmittedSignal, Error, InboxChange, InboxEvent,
-    Intent, IntentRecord, Keyring, Lease, MessageHit, NewRun, NewSignal, NewWebhook, PauseOutcome,
-    PendingInput, Reads, Reconciled, RecordedIntents, ResumeOutcome, RunQuota, RunSummary,
-    SearchScope, Served, Session, SessionQuery, SessionSpec, StepMessages, StoreStats, StoredEvent,
-    StoredMessage, Submitted, TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
+    Intent, IntentRecord, KeyedRequest, Keyring, Lease, MessageHit, NewRun, NewSignal, NewWebhook,
+    PauseOutcome, PendingInput, Reads, Reconciled, RecordedIntents, RequestClaim, RequestMark,
+    ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session, SessionQuery, SessionSpec,
+    StepMessages, StoreStats, StoredEvent, StoredMessage, StoredResponse, Submitted, TimedOut,
+    TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -299,6 +301,14 @@ forward! {
             = inbox::close_session(&id, how, now);
         write release_leases(owner: &str => to_owned) -> Result<u64>
             = steps::release_leases(&owner);
+        write begin_request(request: KeyedRequest, now: Millis) -> Result<RequestClaim>
+            = requests::begin_request(request, now);
+        write finish_request(mark: &RequestMark => clone, response: StoredResponse) -> Result<bool>
+            = requests::finish_request(&mark, &response);
+        write abandon_request(mark: &RequestMark => clone) -> Result<()>
+            = requests::abandon_request(&mark);
+        write sweep_requests(now: Millis) -> Result<u64>
+            = requests::sweep_requests(now);
     }
 
     // What a step's commit writes as JSON is encoded before its transaction (`EncodedStep`).

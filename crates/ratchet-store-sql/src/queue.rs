@@ -9,7 +9,7 @@ use ratchet_core::{
     AgentState, EventDraft, EventKind, Message, Millis, Origin, RunConfigSnapshot, RunId,
     RunStatus, SessionId, TraceContext,
 };
-use ratchet_store::{CancelOutcome, Error, NewRun, StoredEvent, Submitted, WhenBusy};
+use ratchet_store::{CancelOutcome, Effect, Error, NewRun, StoredEvent, Submitted, WhenBusy};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
@@ -21,7 +21,18 @@ use crate::sessions::insert_message;
 use crate::steps::insert_job;
 use crate::{Result, params};
 
-pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Submitted> {
+pub(crate) fn submit_message(c: &dyn Db, mut new: NewRun, now: Millis) -> Result<Submitted> {
+    let request = new.request.take();
+    let (message_id, run_id) = (new.message_id.clone(), new.run_id.clone());
+    let submitted = submit(c, new, now)?;
+    if let Some(mark) = &request {
+        let effect = Effect::submitted(message_id, run_id, &submitted);
+        crate::requests::record_effect(c, mark, &effect)?;
+    }
+    Ok(submitted)
+}
+
+fn submit(c: &dyn Db, new: NewRun, now: Millis) -> Result<Submitted> {
     c.lock_session(new.session_id.as_str())?;
     let Some(mut row) = c
         .query_opt(

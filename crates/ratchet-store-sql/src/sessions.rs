@@ -5,7 +5,7 @@
 
 use ratchet_core::{AgentState, Message, Millis, RunId, SessionId};
 use ratchet_store::{
-    Error, ListOrder, Session, SessionCursor, SessionQuery, SessionSpec, SessionState,
+    Effect, Error, ListOrder, Session, SessionCursor, SessionQuery, SessionSpec, SessionState,
     StepMessages, StoredMessage, split_step_messages,
 };
 
@@ -30,6 +30,12 @@ pub(crate) fn create_session(
     )?;
     if inserted == 0 {
         return Err(Error::Conflict(format!("session {id} already exists")));
+    }
+    if let Some(mark) = &spec.request {
+        let effect = Effect::SessionCreated {
+            session_id: id.clone(),
+        };
+        crate::requests::record_effect(c, mark, &effect)?;
     }
     Ok(Session {
         id: id.clone(),

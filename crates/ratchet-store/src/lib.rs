@@ -19,9 +19,13 @@ use ratchet_core::{
 use serde::Serialize;
 use serde_json::Value;
 
+pub mod requests;
 pub mod secrets;
 mod webhooks;
 
+pub use requests::{
+    Effect, KeyRecord, KeyedRequest, RequestClaim, RequestKey, RequestMark, StoredResponse,
+};
 pub use secrets::{Key, Keyring};
 pub use webhooks::{
     AttemptOutcome, ClaimedDelivery, Deliveries, DeliveryBounds, DeliveryClaim, NewWebhook,
@@ -122,6 +126,8 @@ pub struct SessionSpec {
     pub tenant: String,
     pub agent: Option<String>,
     pub metadata: Option<Value>,
+    /// The keyed request that creates it: recorded with the key in the same transaction.
+    pub request: Option<RequestMark>,
 }
 
 impl Default for SessionSpec {
@@ -130,6 +136,7 @@ impl Default for SessionSpec {
             tenant: DEFAULT_TENANT.to_owned(),
             agent: None,
             metadata: None,
+            request: None,
         }
     }
 }
@@ -517,6 +524,9 @@ pub struct NewRun {
     pub quota: RunQuota,
     /// The trace the caller's request was part of; the run's spans join it.
     pub trace: Option<TraceContext>,
+    /// The keyed request this message came with: its effect is recorded with the key in the
+    /// same transaction (refused with `Conflict` when the mark no longer holds the key).
+    pub request: Option<RequestMark>,
 }
 
 /// Limits on non-terminal runs (queued, running, waiting, cancelling). A session's count
@@ -1266,6 +1276,23 @@ pub trait Writes: Send + Sync + 'static {
 
     /// Releases every lease of an owner known to be dead, so its jobs are claimable now.
     async fn release_leases(&self, owner: &str) -> Result<u64>;
+
+    /// Takes `request`'s key, or says why not (`RequestClaim::decide`): a key taken is held
+    /// until `now + requests::HOLD_MS`. Two requests with one key at once: one takes it, the
+    /// other finds it in progress.
+    async fn begin_request(&self, request: KeyedRequest, now: Millis) -> Result<RequestClaim>;
+
+    /// Keeps `response` as the answer to the key `mark` holds; false (nothing written) when
+    /// the mark no longer holds it.
+    async fn finish_request(&self, mark: &RequestMark, response: StoredResponse) -> Result<bool>;
+
+    /// Gives the key `mark` holds back, when the request did nothing worth repeating (it was
+    /// refused for now, or failed): the next request with the key is carried out. A key
+    /// whose effect was recorded is kept.
+    async fn abandon_request(&self, mark: &RequestMark) -> Result<()>;
+
+    /// Forgets the keys that expired by `now`; how many.
+    async fn sweep_requests(&self, now: Millis) -> Result<u64>;
 }
 
 /// How a process hears what other processes sharing the database commit.

@@ -117,6 +117,18 @@ pub struct Config {
     /// The HTTP server, `[server]`.
     #[serde(default)]
     pub server: ServerSettings,
+    /// The HTTP API's own settings, `[api]`.
+    #[serde(default)]
+    pub api: ApiSettings,
+}
+
+/// `[api]`: how the HTTP API treats requests. Absent keys keep their defaults.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiSettings {
+    /// How long the response to a request sent with an `Idempotency-Key` is kept and sent
+    /// again to a repeat (default 86400000, a day). At least 1000.
+    pub idempotency_ttl_ms: Option<u64>,
 }
 
 /// `[limits]`: how much of the server a client, a tenant or a tool result may take. Absent
@@ -699,6 +711,17 @@ impl Config {
             stream_stall: Duration::from_millis(stall),
             max_snippet_bytes: size(snippet),
         })
+    }
+
+    /// How long `Idempotency-Key`s are kept (`[api] idempotency_ttl_ms`), checked.
+    pub fn idempotency_ttl_ms(&self) -> Result<i64, ConfigError> {
+        match self.api.idempotency_ttl_ms {
+            None => Ok(ratchet_server::DEFAULT_IDEMPOTENCY_TTL_MS),
+            Some(ttl) if ttl < 1000 => Err(ConfigError::Invalid(format!(
+                "api.idempotency_ttl_ms must be at least 1000 (a second), found {ttl}"
+            ))),
+            Some(ttl) => Ok(i64::try_from(ttl).unwrap_or(i64::MAX)),
+        }
     }
 
     /// What `[limits]` bounds of a run's inputs, checked (no zeros): the bytes of a tool result
@@ -1474,6 +1497,7 @@ mod tests {
                     limits: LimitSettings::default(),
                     server: ServerSettings::default(),
                     secrets: SecretsSettings::default(),
+                    api: ApiSettings::default(),
                 },
             )
     }

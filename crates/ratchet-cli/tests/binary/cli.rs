@@ -1002,6 +1002,7 @@ fn write_tree(db: &str) {
             when_busy: WhenBusy::Enqueue,
             quota: Default::default(),
             trace: None,
+            request: None,
         };
         store.submit_message(root, now).await.unwrap();
         delegate(store, &run(TREE[0]), &TREE[1..3]).await;
