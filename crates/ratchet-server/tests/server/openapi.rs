@@ -336,3 +336,23 @@ async fn an_optional_body_is_absent_or_an_object_never_null() {
         );
     }
 }
+
+#[tokio::test]
+async fn every_post_under_v1_takes_an_idempotency_key() {
+    let document = document().await;
+    let posts: Vec<_> = operations(&document)
+        .into_iter()
+        .filter(|(method, path, _)| method == "post" && path.starts_with("/v1/"))
+        .collect();
+    assert!(posts.len() > 10, "found {} POSTs", posts.len());
+    for (_, path, operation) in posts {
+        let key = parameter(&document, operation, "Idempotency-Key")
+            .unwrap_or_else(|| panic!("POST {path} names no Idempotency-Key"));
+        assert_eq!(key["type"], "string", "POST {path}");
+        assert_eq!(
+            (&key["minLength"], &key["maxLength"]),
+            (&json!(1), &json!(255)),
+            "POST {path}"
+        );
+    }
+}
