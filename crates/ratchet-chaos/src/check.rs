@@ -39,6 +39,10 @@ pub struct Tally {
     pub reports_dead: usize,
     /// Messages sent with `multitask: "interrupt"`.
     pub interrupts: usize,
+    /// Messages sent again under their key after no answer came, and messages answered with
+    /// a kept response.
+    pub message_resends: usize,
+    pub message_replays: usize,
 }
 
 /// The event kinds counted in the tally: each is a path the workload is meant to exercise.
@@ -156,6 +160,9 @@ pub async fn check(
             tally.calls_in_doubt +=
                 check_model_waits_for_answers(run, &run_events, asked, &mut violations);
 
+            // 22: a message sent again under its key started no second run.
+            check_one_run_per_message(run, &events, &mut violations);
+
             // 7: the frozen configuration never changed.
             let config_now = serde_json::to_value(&*state.config)?;
             if config_now != run.config_at_start {
@@ -196,6 +203,8 @@ pub async fn check(
                 }
             }
         }
+        tally.message_resends += log.message_resends;
+        tally.message_replays += log.message_replays;
         check_history(store, &session_id, &mut tally, &mut violations).await?;
         check_children(store, log, &mut tally, &mut violations).await?;
         if log.delegating {
@@ -213,6 +222,28 @@ pub async fn check(
     }
     check_mcp_executions(&executions, &mut tally, &mut violations);
     Ok((tally, violations))
+}
+
+/// Invariant 22: the run's message, sent under its `Idempotency-Key` until answered, created
+/// exactly one run — the one the client was answered with.
+fn check_one_run_per_message(run: &RunLog, events: &[StoredEvent], violations: &mut Vec<String>) {
+    let created: Vec<String> = events
+        .iter()
+        .filter(|e| {
+            e.kind == "run.created" && e.payload["content"].as_str() == Some(run.message.as_str())
+        })
+        .map(|e| {
+            e.run_id
+                .as_ref()
+                .map_or_else(String::new, ToString::to_string)
+        })
+        .collect();
+    if created != [run.run_id.as_str()] {
+        violations.push(format!(
+            "invariant 22: the message of run {} ({}) created runs {created:?}, expected it alone",
+            run.run_id, run.tag
+        ));
+    }
 }
 
 /// The model's requests for each plan, in the order received.
@@ -744,8 +775,39 @@ mod tests {
         assert!(violations[0].starts_with("invariant 1"), "{violations:?}");
     }
 
+    #[test]
+    fn a_message_that_created_its_run_alone_passes_and_one_that_created_two_does_not() {
+        let created = |seq, run: &str, content: &str| {
+            stored(seq, run, "run.created", json!({"content": content}))
+        };
+        let run = RunLog {
+            run_id: "run_a".into(),
+            message: "hello".into(),
+            ..run_log(Vec::new())
+        };
+        let once = vec![created(1, "a", "hello"), created(2, "b", "other")];
+        let mut violations = Vec::new();
+        check_one_run_per_message(&run, &once, &mut violations);
+        assert_eq!(violations, Vec::<String>::new());
+
+        let twice = vec![created(1, "a", "hello"), created(2, "b", "hello")];
+        check_one_run_per_message(&run, &twice, &mut violations);
+        assert_eq!(violations.len(), 1, "{violations:?}");
+        assert!(violations[0].starts_with("invariant 22"), "{violations:?}");
+
+        let another = vec![created(1, "b", "hello")];
+        let mut violations = Vec::new();
+        check_one_run_per_message(&run, &another, &mut violations);
+        assert_eq!(
+            violations.len(),
+            1,
+            "the client was answered with another run"
+        );
+    }
+
     fn run_log(reconciled: Vec<(String, Instant)>) -> RunLog {
         RunLog {
+            message: String::new(),
             run_id: "run_a".into(),
             tag: "t".into(),
             config_at_start: Value::Null,

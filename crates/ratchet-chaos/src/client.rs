@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, anyhow, bail};
-use ratchet_core::{RunId, SessionId};
+use ratchet_core::RunId;
 use ratchet_llm::sse::SseParser;
 use ratchet_store::Reads;
 use reqwest::{Method, StatusCode};
@@ -50,6 +50,10 @@ pub struct SessionLog {
     pub runs: Vec<RunLog>,
     /// Messages sent with `multitask: "interrupt"`.
     pub interrupts: usize,
+    /// Messages sent again under their `Idempotency-Key` because no answer came back.
+    pub message_resends: usize,
+    /// Messages whose answer was a kept response (`Idempotent-Replayed`), not a new run.
+    pub message_replays: usize,
     /// Things the client saw go wrong (a run that never finished, a 5xx).
     pub problems: Vec<String>,
 }
@@ -58,6 +62,8 @@ pub struct SessionLog {
 pub struct RunLog {
     pub run_id: String,
     pub tag: String,
+    /// The user message that started it.
+    pub message: String,
     /// The run's frozen configuration as first read from the database.
     pub config_at_start: Value,
     pub finished: bool,
@@ -79,12 +85,6 @@ pub struct Clients {
     pub mcp_log: PathBuf,
     /// No client waits past this: a run still going then is stranded.
     pub deadline: Instant,
-}
-
-/// A request's failure: the server was unreachable (retry when safe) or it answered badly.
-enum Failure {
-    Unreachable,
-    Answered(anyhow::Error),
 }
 
 impl Clients {
@@ -222,11 +222,13 @@ impl Clients {
         log: &mut SessionLog,
     ) -> anyhow::Result<String> {
         self.model.add_plan(plan);
-        let run_id = self.send_message(&log.session_id, plan, multitask).await?;
+        let message = plan.user_message();
+        let run_id = self.send_message(plan, &message, multitask, log).await?;
         let config_at_start = self.frozen_config(&run_id).await?;
         log.runs.push(RunLog {
             run_id: run_id.clone(),
             tag: plan.tag.clone(),
+            message,
             config_at_start,
             finished: false,
             reconciled: Vec::new(),
@@ -272,57 +274,49 @@ impl Clients {
         }
     }
 
-    /// Sends a plan's message once; when the server died meanwhile, the message may have
-    /// committed: it counts if the session holds it, and is sent again otherwise.
+    /// Sends a plan's message under an `Idempotency-Key` of its own, and sends it again under
+    /// the same key until an answer comes back: when the server died meanwhile, the message
+    /// may have committed, and the key makes the repeat answer with its run instead of
+    /// starting another (the checks hold the session to one run per message).
     async fn send_message(
         &self,
-        session_id: &str,
         plan: &Plan,
+        message: &str,
         multitask: &str,
+        log: &mut SessionLog,
     ) -> anyhow::Result<String> {
-        let path = format!("/v1/sessions/{session_id}/messages");
-        let content = plan.user_message();
-        let body = json!({"content": content, "multitask": multitask});
+        let path = format!("/v1/sessions/{}/messages", log.session_id);
+        let body = json!({"content": message, "multitask": multitask});
+        let key = format!("message-{}", plan.tag);
         loop {
-            match self.once(Method::POST, &path, Some(&body)).await {
-                Ok(accepted) => return text(&accepted, "run_id"),
-                Err(Failure::Answered(error)) => return Err(error),
-                Err(Failure::Unreachable) => {}
-            }
-            if let Some(run) = self.run_of_message(session_id, &content).await? {
-                return Ok(run);
-            }
-        }
-    }
-
-    /// The run a user message with `content` started, if the session holds one (tags are
-    /// unique, so the content is too). Read from the session's `run.created` events, which
-    /// carry the message from the moment it is accepted: the messages list shows a queued
-    /// run's message only once the run starts.
-    async fn run_of_message(
-        &self,
-        session_id: &str,
-        content: &str,
-    ) -> anyhow::Result<Option<String>> {
-        let session =
-            SessionId::parse(session_id).map_err(|e| anyhow!("session id {session_id:?}: {e}"))?;
-        let mut after = 0;
-        loop {
-            let page = self.store.events_after(&session, after, 500).await?;
-            let Some(last) = page.last() else {
-                return Ok(None);
+            let request = (self.http.post(format!("{}{path}", self.api)))
+                .header("idempotency-key", &key)
+                .json(&body);
+            let Ok(response) = request.send().await else {
+                if Instant::now() >= self.deadline {
+                    bail!("POST {path} got no answer by the deadline");
+                }
+                log.message_resends += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
             };
-            after = last.seq;
-            let found = page.iter().find(|e| {
-                e.kind == "run.created" && e.payload["content"].as_str() == Some(content)
-            });
-            if let Some(created) = found {
-                let run = created
-                    .run_id
-                    .as_ref()
-                    .ok_or_else(|| anyhow!("a run.created event of {session_id} names no run"))?;
-                return Ok(Some(run.to_string()));
+            let status = response.status();
+            let replayed = response.headers().contains_key("idempotent-replayed");
+            let Ok(bytes) = response.bytes().await else {
+                log.message_resends += 1;
+                continue;
+            };
+            let answer: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            if status == StatusCode::CONFLICT && answer["error"]["code"] == "request_in_progress" {
+                // The process that took the key died before answering: its hold runs out.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
             }
+            if !status.is_success() {
+                bail!("POST {path}: {status} {answer}");
+            }
+            log.message_replays += usize::from(replayed);
+            return text(&answer, "run_id");
         }
     }
 
@@ -450,21 +444,6 @@ impl Clients {
                 }
                 Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
             }
-        }
-    }
-
-    async fn once(
-        &self,
-        method: Method,
-        path: &str,
-        body: Option<&Value>,
-    ) -> Result<Value, Failure> {
-        match self.send(method.clone(), path, body).await {
-            Ok((status, body)) if status.is_success() => Ok(body),
-            Ok((status, body)) => Err(Failure::Answered(anyhow!(
-                "{method} {path}: {status} {body}"
-            ))),
-            Err(_) => Err(Failure::Unreachable),
         }
     }
 

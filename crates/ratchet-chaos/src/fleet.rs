@@ -228,7 +228,8 @@ impl Fleet {
 /// small enough that long sessions are compacted (their summaries are hidden messages). The
 /// chaos MCP server's tools run without approval, `never` replay but `flaky` (`keyed`), and
 /// its timeout is short, so that calls whose outcome is unknown are frequent. A report whose
-/// continuation fails is offered again soon and dead-lettered after its second attempt.
+/// continuation fails is offered again soon and dead-lettered after its second attempt. A
+/// keyed message whose process was killed holds its key for two seconds only.
 fn config_text(spec: &FleetSpec, generation: u64) -> String {
     format!(
         r#"db = {db:?}
@@ -245,6 +246,9 @@ poll_ms = 100
 
 [tools.append_line]
 approval = {{ path = "{gated}/**" }}
+
+[api]
+idempotency_hold_ms = 2000
 
 [inbox]
 max_attempts = 2

@@ -122,6 +122,11 @@ impl fmt::Display for Report {
             self.tally.reports_dead,
             self.tally.interrupts
         )?;
+        writeln!(
+            f,
+            "keyed messages: {} sent again after no answer, {} answered with the kept response",
+            self.tally.message_resends, self.tally.message_replays
+        )?;
         writeln!(f, "stop reasons: {}", reasons.join(", "))?;
         let paths: Vec<String> = self
             .tally

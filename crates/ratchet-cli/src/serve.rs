@@ -215,6 +215,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let config = serve_settings(&args)?;
     let pool_config = config.pool()?;
     let limits = config.limits()?;
+    let idempotency = config.idempotency()?;
     let listen = config.listen.as_deref().unwrap_or("127.0.0.1:7700");
     let address: SocketAddr = listen
         .parse()
@@ -286,7 +287,7 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     )
     .with_stream_limits(limits.streams)
     .with_host_policy(hosts)
-    .with_idempotency_ttl(config.idempotency_ttl_ms()?)
+    .with_idempotency(idempotency.0, idempotency.1)
     .with_reloader(reloader)
     .with_webhook_policy(webhook_policy);
     // Before the socket accepts anyone who could send one: from here on a SIGHUP reloads

@@ -529,6 +529,9 @@ impl Coordinator {
         mark: &RequestMark,
         response: StoredResponse,
     ) -> Result<bool> {
+        // The process dies after the request's effect committed, before its answer is kept.
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("request.before_response", |_| std::process::abort());
         Ok(self.writes.finish_request(mark, response).await?)
     }
 

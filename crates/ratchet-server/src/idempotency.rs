@@ -36,20 +36,27 @@ pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-
 /// How long a key is kept by default: a day.
 pub const DEFAULT_TTL_MS: Millis = 24 * 60 * 60 * 1000;
 
+/// How long a request holds its key by default while it is carried out: far longer than any
+/// handler takes, and what a repeat waits at most after the process carrying it out died.
+pub const DEFAULT_HOLD_MS: Millis = 30_000;
+
 /// How often a process sweeps expired keys, at most.
 const SWEEP_EVERY_MS: Millis = 60_000;
 
-/// How keys are kept: for how long, and when this process last swept the expired ones.
+/// How keys are kept: for how long, how long a request holds its key, and when this process
+/// last swept the expired ones.
 #[derive(Debug)]
 pub struct KeyPolicy {
     ttl_ms: Millis,
+    hold_ms: Millis,
     last_sweep: AtomicI64,
 }
 
 impl KeyPolicy {
-    pub fn new(ttl_ms: Millis) -> Arc<KeyPolicy> {
+    pub fn new(ttl_ms: Millis, hold_ms: Millis) -> Arc<KeyPolicy> {
         Arc::new(KeyPolicy {
             ttl_ms,
+            hold_ms,
             last_sweep: AtomicI64::new(0),
         })
     }
@@ -108,6 +115,7 @@ async fn carry_out(state: AppState, request: Request, next: Next) -> Result<Resp
         method: parts.method.to_string(),
         path: request_path.clone(),
         body_hash: body_hash(&bytes),
+        held_until: now.saturating_add(policy.hold_ms),
         expires_at: now.saturating_add(policy.ttl_ms),
     };
     let claim = (state.coordinator.begin_request(keyed).await)
@@ -142,7 +150,8 @@ async fn carry_out(state: AppState, request: Request, next: Next) -> Result<Resp
         }
         RequestClaim::Mismatch { method, path } => Err(ApiError::unprocessable(format!(
             "Idempotency-Key {:?} was first used for {method} {path} with its own body; expected \
-             the same request again, found {method_now} {request_path}{body_note}: a key names              one request",
+             the same request again, found {method_now} {request_path}{body_note}: a key names \
+             one request",
             key.key,
             method_now = parts.method,
             body_note = if method == parts.method.as_str() && path == request_path {

@@ -38,7 +38,10 @@ pub use active::Active;
 pub use auth::{Caller, Tokens, hash_token};
 pub use error::ApiError;
 pub use hosts::HostPolicy;
-pub use idempotency::{DEFAULT_TTL_MS as DEFAULT_IDEMPOTENCY_TTL_MS, IDEMPOTENCY_KEY};
+pub use idempotency::{
+    DEFAULT_HOLD_MS as DEFAULT_IDEMPOTENCY_HOLD_MS, DEFAULT_TTL_MS as DEFAULT_IDEMPOTENCY_TTL_MS,
+    IDEMPOTENCY_KEY,
+};
 pub use listener::GuardedListener;
 pub use reload::{Reloader, Reloads};
 pub use streams::StreamLimits;
@@ -85,14 +88,21 @@ impl AppState {
             streams: streams::StreamGate::new(StreamLimits::default()),
             hosts: Arc::new(HostPolicy::default()),
             webhook_policy: Arc::new(WebhookPolicy::default()),
-            keys: idempotency::KeyPolicy::new(idempotency::DEFAULT_TTL_MS),
+            keys: idempotency::KeyPolicy::new(
+                idempotency::DEFAULT_TTL_MS,
+                idempotency::DEFAULT_HOLD_MS,
+            ),
         }
     }
 
     /// The same state, keeping `Idempotency-Key`s and their responses for `ttl_ms` (default
-    /// a day).
-    pub fn with_idempotency_ttl(mut self, ttl_ms: ratchet_core::Millis) -> AppState {
-        self.keys = idempotency::KeyPolicy::new(ttl_ms);
+    /// a day), each held for `hold_ms` by the request carrying it out (default 30 s).
+    pub fn with_idempotency(
+        mut self,
+        ttl_ms: ratchet_core::Millis,
+        hold_ms: ratchet_core::Millis,
+    ) -> AppState {
+        self.keys = idempotency::KeyPolicy::new(ttl_ms, hold_ms);
         self
     }
 

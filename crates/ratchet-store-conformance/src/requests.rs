@@ -5,7 +5,6 @@
 use std::sync::Arc;
 
 use ratchet_core::{MessageId, RunId, RunStatus, SessionId};
-use ratchet_store::requests::HOLD_MS;
 use ratchet_store::{
     Effect, Error, KeyedRequest, NewRun, RequestClaim, RequestKey, RequestMark, SessionSpec, Store,
     StoredResponse, WhenBusy,
@@ -14,6 +13,8 @@ use ratchet_store::{
 use super::{T0, config, new_session, unique};
 
 const TTL_MS: i64 = 3_600_000;
+/// How long the suite's requests hold their key.
+const HOLD_MS: i64 = 30_000;
 
 fn keyed(tenant: &str, key: &str, path: &str, body_hash: &str, now: i64) -> KeyedRequest {
     KeyedRequest {
@@ -21,6 +22,7 @@ fn keyed(tenant: &str, key: &str, path: &str, body_hash: &str, now: i64) -> Keye
         method: "POST".into(),
         path: path.into(),
         body_hash: body_hash.into(),
+        held_until: now + HOLD_MS,
         expires_at: now + TTL_MS,
     }
 }

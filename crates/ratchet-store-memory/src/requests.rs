@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 
 use ratchet_core::Millis;
-use ratchet_store::requests::HOLD_MS;
 use ratchet_store::{
     Effect, Error, KeyRecord, KeyedRequest, RequestClaim, RequestMark, Result, StoredResponse,
 };
@@ -35,7 +34,7 @@ impl Tables {
                     path: request.path,
                     body_hash: request.body_hash,
                     attempt,
-                    held_until: now + HOLD_MS,
+                    held_until: request.held_until,
                     expires_at,
                     effect,
                     response: None,

@@ -28,6 +28,9 @@ pub(crate) fn submit_message(c: &dyn Db, mut new: NewRun, now: Millis) -> Result
     if let Some(mark) = &request {
         let effect = Effect::submitted(message_id, run_id, &submitted);
         crate::requests::record_effect(c, mark, &effect)?;
+        // The process dies with the message and its key's effect written but not committed.
+        #[cfg(feature = "failpoints")]
+        fail::fail_point!("request.before_commit", |_| std::process::abort());
     }
     Ok(submitted)
 }

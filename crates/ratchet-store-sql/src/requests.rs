@@ -3,7 +3,6 @@
 //! key back, and sweeping expired keys.
 
 use ratchet_core::Millis;
-use ratchet_store::requests::HOLD_MS;
 use ratchet_store::{
     Effect, Error, KeyRecord, KeyedRequest, RequestClaim, RequestMark, StoredResponse,
 };
@@ -57,7 +56,7 @@ pub(crate) fn begin_request(
     let Some(attempt) = taken else {
         return Ok(claim);
     };
-    let held_until = now + HOLD_MS;
+    let held_until = request.held_until;
     let written = match &record {
         None => c.execute(
             "INSERT INTO idempotent_requests (tenant, idempotency_key, method, path, body_hash,

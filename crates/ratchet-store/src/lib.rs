@@ -1278,8 +1278,8 @@ pub trait Writes: Send + Sync + 'static {
     async fn release_leases(&self, owner: &str) -> Result<u64>;
 
     /// Takes `request`'s key, or says why not (`RequestClaim::decide`): a key taken is held
-    /// until `now + requests::HOLD_MS`. Two requests with one key at once: one takes it, the
-    /// other finds it in progress.
+    /// until `request.held_until`. Two requests with one key at once: one takes it, the other
+    /// finds it in progress.
     async fn begin_request(&self, request: KeyedRequest, now: Millis) -> Result<RequestClaim>;
 
     /// Keeps `response` as the answer to the key `mark` holds; false (nothing written) when

@@ -14,11 +14,6 @@ use serde::{Deserialize, Serialize};
 /// The longest key a client may send, in characters.
 pub const MAX_KEY_CHARS: usize = 255;
 
-/// How long a request holds its key while it is carried out. A repeat within it is refused
-/// as in progress; past it, the request's process is taken for dead and a repeat takes the
-/// key over.
-pub const HOLD_MS: Millis = 30_000;
-
 /// A key as a tenant sent it: keys of different tenants never meet.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RequestKey {
@@ -57,6 +52,10 @@ pub struct KeyedRequest {
     pub path: String,
     /// A digest of the body, so that the same key with another body is told apart.
     pub body_hash: String,
+    /// Until when the request holds the key while it is carried out, if it takes it. A
+    /// repeat within the hold is refused as in progress; past it, the request's process is
+    /// taken for dead and a repeat takes the key over.
+    pub held_until: Millis,
     /// When the key and its response are forgotten.
     pub expires_at: Millis,
 }
@@ -138,8 +137,8 @@ pub enum RequestClaim {
 
 impl RequestClaim {
     /// The claim of `request` given what the store holds of its key now, and — when the key
-    /// is taken — the attempt it is taken with (the row to write: held until
-    /// `now + HOLD_MS`). An expired record counts as none.
+    /// is taken — the attempt it is taken with (the row to write, held until
+    /// `request.held_until`). An expired record counts as none.
     pub fn decide(
         record: Option<&KeyRecord>,
         request: &KeyedRequest,
@@ -192,6 +191,7 @@ mod tests {
             method: "POST".into(),
             path: "/v1/sessions".into(),
             body_hash: "h".into(),
+            held_until: 40,
             expires_at: 1_000_000,
         }
     }

@@ -129,6 +129,10 @@ pub struct ApiSettings {
     /// How long the response to a request sent with an `Idempotency-Key` is kept and sent
     /// again to a repeat (default 86400000, a day). At least 1000.
     pub idempotency_ttl_ms: Option<u64>,
+    /// How long such a request holds its key while it is carried out (default 30000): a
+    /// repeat meanwhile is 409, and after the process carrying it out died, a repeat waits
+    /// this long at most. At least 1000, and less than the TTL.
+    pub idempotency_hold_ms: Option<u64>,
 }
 
 /// `[limits]`: how much of the server a client, a tenant or a tool result may take. Absent
@@ -713,15 +717,32 @@ impl Config {
         })
     }
 
-    /// How long `Idempotency-Key`s are kept (`[api] idempotency_ttl_ms`), checked.
-    pub fn idempotency_ttl_ms(&self) -> Result<i64, ConfigError> {
-        match self.api.idempotency_ttl_ms {
-            None => Ok(ratchet_server::DEFAULT_IDEMPOTENCY_TTL_MS),
-            Some(ttl) if ttl < 1000 => Err(ConfigError::Invalid(format!(
-                "api.idempotency_ttl_ms must be at least 1000 (a second), found {ttl}"
+    /// How long `Idempotency-Key`s are kept and held (`[api] idempotency_ttl_ms` and
+    /// `idempotency_hold_ms`), checked.
+    pub fn idempotency(&self) -> Result<(i64, i64), ConfigError> {
+        let at_least_a_second = |name: &str, value: Option<u64>, default: i64| match value {
+            None => Ok(default),
+            Some(ms) if ms < 1000 => Err(ConfigError::Invalid(format!(
+                "api.{name} must be at least 1000 (a second), found {ms}"
             ))),
-            Some(ttl) => Ok(i64::try_from(ttl).unwrap_or(i64::MAX)),
+            Some(ms) => Ok(i64::try_from(ms).unwrap_or(i64::MAX)),
+        };
+        let ttl = at_least_a_second(
+            "idempotency_ttl_ms",
+            self.api.idempotency_ttl_ms,
+            ratchet_server::DEFAULT_IDEMPOTENCY_TTL_MS,
+        )?;
+        let hold = at_least_a_second(
+            "idempotency_hold_ms",
+            self.api.idempotency_hold_ms,
+            ratchet_server::DEFAULT_IDEMPOTENCY_HOLD_MS,
+        )?;
+        if hold >= ttl {
+            return Err(ConfigError::Invalid(format!(
+                "api.idempotency_hold_ms ({hold}) must be less than api.idempotency_ttl_ms ({ttl})"
+            )));
         }
+        Ok((ttl, hold))
     }
 
     /// What `[limits]` bounds of a run's inputs, checked (no zeros): the bytes of a tool result

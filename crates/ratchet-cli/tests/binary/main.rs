@@ -13,6 +13,7 @@ mod console;
 mod crash;
 mod failpoints;
 mod http_fuzz;
+mod idempotency;
 mod mcp;
 mod providers;
 mod scale;
