@@ -235,15 +235,19 @@ async def test_the_async_client_sends_a_lost_message_again_with_its_key(
 
 
 class InProgressOnce(BaseHTTPRequestHandler):
-    """Answers its first `POST` `409 request_in_progress` with `Retry-After: 1`, the next one
-    as the server would once the first is done."""
+    """Answers its first `POST` `409 request_in_progress` with `Retry-After: 1` (or, with
+    `slow`, after two seconds), the next one as the server would once the first is done."""
 
     posts: List[Tuple[float, Optional[str]]] = []
+    slow = False
 
     def do_POST(self) -> None:  # noqa: N802 (the handler's name)
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.posts.append((time.monotonic(), self.headers.get("Idempotency-Key")))
-        if len(self.posts) == 1:
+        if len(self.posts) == 1 and self.slow:
+            time.sleep(2)
+            self._answer(201, {"id": "ses_too_late"}, {})
+        elif len(self.posts) == 1:
             body = {"error": {"code": "request_in_progress", "message": "still carried out"}}
             self._answer(409, body, {"Retry-After": "1"})
         else:
@@ -266,6 +270,7 @@ class InProgressOnce(BaseHTTPRequestHandler):
 @pytest.fixture
 def in_progress_once() -> Iterator[str]:
     InProgressOnce.posts = []
+    InProgressOnce.slow = False
     http = ThreadingHTTPServer(("127.0.0.1", 0), InProgressOnce)
     threading.Thread(target=http.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{http.server_address[1]}"
@@ -290,6 +295,15 @@ def test_a_request_still_in_progress_when_the_time_is_spent_raises_its_conflict(
             client.send_message("ses_a", "hello")
     assert busy.value.code == "request_in_progress"
     assert len(InProgressOnce.posts) == 1
+
+
+def test_a_request_that_timed_out_is_sent_again_with_its_key(in_progress_once: str) -> None:
+    InProgressOnce.slow = True
+    with Client(in_progress_once, timeout=0.5) as client:
+        accepted = client.send_message("ses_a", "hello")
+    assert accepted.run_id == "run_1"
+    (_, first_key), (_, second_key) = InProgressOnce.posts
+    assert first_key is not None and second_key == first_key
 
 
 def test_an_unreachable_server_is_tried_a_bounded_number_of_times() -> None:

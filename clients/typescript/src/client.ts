@@ -67,7 +67,7 @@ export interface RetryOptions {
   maxAttempts?: number;
   /** The wait before the second send, doubled before each next (default 250 ms). */
   backoffMs?: number;
-  /** No send begins later than this after the first, `Retry-After` waits included (default 10 000 ms). */
+  /** No send begins later than this after the first failure, `Retry-After` waits included (default 10 000 ms). */
   maxRetryMs?: number;
 }
 
@@ -382,7 +382,7 @@ const REQUEST_IN_PROGRESS = "request_in_progress";
 
 /** The attempts of one keyed request, within its `RetryOptions`. */
 class Retrying {
-  private readonly started = Date.now();
+  private firstFailure: number | undefined;
   private attempts = 1;
   private backoffMs: number;
 
@@ -392,7 +392,9 @@ class Retrying {
 
   /** The wait before the next attempt (`delayMs`, or the backoff), or `undefined` to give up. */
   next(delayMs: number = this.backoffMs): number | undefined {
-    const remaining = this.options.maxRetryMs - (Date.now() - this.started);
+    const now = Date.now();
+    this.firstFailure ??= now;
+    const remaining = this.options.maxRetryMs - (now - this.firstFailure);
     if (this.attempts >= this.options.maxAttempts || remaining <= 0) return undefined;
     this.attempts += 1;
     this.backoffMs *= 2;

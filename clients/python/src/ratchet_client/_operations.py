@@ -284,7 +284,8 @@ REQUEST_IN_PROGRESS = "request_in_progress"
 class RetryPolicy:
     """How a keyed operation is sent again: at most `max_attempts` sends in all, waiting
     `backoff` seconds before the second, twice as long before each next, and none begun more
-    than `max_time` seconds after the first (the server's `Retry-After` waits included)."""
+    than `max_time` seconds after the first failed (the server's `Retry-After` waits
+    included), so that a first send that timed out is still sent again."""
 
     max_attempts: int
     backoff: float
@@ -299,7 +300,7 @@ class Retrying:
 
     def __init__(self, policy: RetryPolicy) -> None:
         self._policy = policy
-        self._started = time.monotonic()
+        self._first_failure: Optional[float] = None
         self._attempts = 1
         self._backoff = policy.backoff
 
@@ -315,7 +316,10 @@ class Retrying:
         return self._next(_seconds(retry_after, self._backoff))
 
     def _next(self, delay: float) -> Optional[float]:
-        remaining = self._policy.max_time - (time.monotonic() - self._started)
+        now = time.monotonic()
+        if self._first_failure is None:
+            self._first_failure = now
+        remaining = self._policy.max_time - (now - self._first_failure)
         if self._attempts >= self._policy.max_attempts or remaining <= 0:
             return None
         self._attempts += 1

@@ -24,7 +24,8 @@ STREAM_READ_TIMEOUT = 45.0
 DEFAULT_MAX_ATTEMPTS = 4
 #: ...waiting this many seconds before the second, twice as long before each next...
 DEFAULT_RETRY_BACKOFF = 0.25
-#: ...and none begun more than this many seconds after the first (`Retry-After` waits included).
+#: ...and none begun more than this many seconds after the first failure (`Retry-After` waits
+#: included).
 DEFAULT_MAX_RETRY_TIME = 10.0
 
 
@@ -49,8 +50,8 @@ class Client:
     when they may or may not have arrived: no answer (a refused or broken connection, a
     timeout) or `409 request_in_progress` (after its `Retry-After`). At most `max_attempts`
     sends, waiting `retry_backoff` seconds before the second and twice as long before each
-    next, none begun more than `max_retry_time` seconds after the first; then the last
-    failure is raised. `max_attempts=1` sends once.
+    next, none begun more than `max_retry_time` seconds after the first failure; then the
+    last failure is raised. `max_attempts=1` sends once.
     """
 
     def __init__(
