@@ -1,11 +1,12 @@
 /**
  * The client: one method per operation of Ratchet's HTTP API, over `fetch`, so that it runs
  * in Node, Deno and browsers alike. Every refused request throws a `RatchetError` and every
- * request without an answer a `NetworkError`; nothing is retried here except event streams,
- * which resume by themselves (see `events.ts`).
+ * request without an answer a `NetworkError`. Only two things are retried: event streams,
+ * which resume by themselves (see `events.ts`), and `createSession` and `sendMessage`, which
+ * carry an `Idempotency-Key` and are sent again with it when they may or may not have arrived.
  */
 
-import { NetworkError, WaitTimeoutError, errorFromResponse } from "./errors.js";
+import { NetworkError, RatchetError, WaitTimeoutError, errorFromResponse } from "./errors.js";
 import { resumingEvents, type EventStreamOptions, type StreamedEvent } from "./events.js";
 import { sleep } from "./sleep.js";
 import type {
@@ -50,9 +51,37 @@ export interface ClientOptions {
   token?: string;
   /** The `fetch` to use: the global one by default. */
   fetch?: typeof fetch;
+  /** How `createSession` and `sendMessage` are sent again; see `RetryOptions`. */
+  retry?: RetryOptions;
 }
 
-export interface SendMessageOptions {
+/**
+ * `createSession` and `sendMessage` are sent again, with the same `Idempotency-Key`, when they
+ * may or may not have arrived: no answer at all (a `NetworkError`: a refused or broken
+ * connection) or `409 request_in_progress` (the first is still being carried out: after its
+ * `Retry-After`). Any other answer is final. When the attempts or the time are spent, the last
+ * failure is thrown.
+ */
+export interface RetryOptions {
+  /** Sends in all, the first included (default 4); 1 sends once. */
+  maxAttempts?: number;
+  /** The wait before the second send, doubled before each next (default 250 ms). */
+  backoffMs?: number;
+  /** No send begins later than this after the first failure, `Retry-After` waits included (default 10 000 ms). */
+  maxRetryMs?: number;
+}
+
+/** What `createSession` and `sendMessage` send besides their body. */
+export interface IdempotentOptions {
+  /**
+   * Names the request (1 to 255 printable ASCII characters): the same key again gets the first
+   * answer back and does nothing again; with another body it is refused (`422`). Without one, a
+   * fresh random UUID is sent with each call.
+   */
+  idempotencyKey?: string;
+}
+
+export interface SendMessageOptions extends IdempotentOptions {
   /** What happens when the session already has an active run; `enqueue` by default. */
   multitask?: Multitask;
 }
@@ -76,24 +105,35 @@ type QueryValues = Record<string, string | number | boolean | undefined | null>;
 export interface RequestOptions {
   query?: object;
   body?: unknown;
+  /** More request headers, for example `{"Idempotency-Key": key}` for a `POST` under `/v1`. */
+  headers?: Record<string, string>;
   signal?: AbortSignal;
 }
+
+/** The default `RetryOptions`. */
+export const DEFAULT_RETRY: Readonly<Required<RetryOptions>> = { maxAttempts: 4, backoffMs: 250, maxRetryMs: 10_000 };
 
 export class Client {
   readonly baseUrl: string;
   readonly webhooks: Webhooks;
   private readonly token: string | undefined;
   private readonly fetch: typeof fetch;
+  private readonly retryOptions: Required<RetryOptions>;
 
   constructor(options: ClientOptions) {
     this.baseUrl = options.baseUrl.replace(/\/+$/, "");
     this.token = options.token;
     this.fetch = options.fetch ?? globalThis.fetch.bind(globalThis);
+    this.retryOptions = { ...DEFAULT_RETRY, ...definedOnly(options.retry ?? {}) };
     this.webhooks = new Webhooks(this);
   }
 
-  createSession(session: CreateSession = {}): Promise<Session> {
-    return this.request("POST", "/v1/sessions", { body: session });
+  /**
+   * Creates a session, sent with `options.idempotencyKey` (a fresh UUID without one) and sent
+   * again with it when it may not have arrived (see `RetryOptions`).
+   */
+  createSession(session: CreateSession = {}, options: IdempotentOptions = {}): Promise<Session> {
+    return this.idempotent("POST", "/v1/sessions", session, options.idempotencyKey);
   }
 
   getSession(sessionId: string): Promise<Session> {
@@ -104,10 +144,14 @@ export class Client {
     return this.request("GET", "/v1/sessions", { query });
   }
 
-  /** Sends a message; the answer names the run it started (or joined, for `steer`). */
+  /**
+   * Sends a message; the answer names the run it started (or joined, for `steer`). It is sent
+   * with `options.idempotencyKey` (a fresh UUID without one) and sent again with it when it may
+   * not have arrived (see `RetryOptions`), so a message is taken once.
+   */
   sendMessage(sessionId: string, content: string, options: SendMessageOptions = {}): Promise<MessageAccepted> {
     const body = { content, multitask: options.multitask ?? "enqueue" };
-    return this.request("POST", `/v1/sessions/${segment(sessionId)}/messages`, { body });
+    return this.idempotent("POST", `/v1/sessions/${segment(sessionId)}/messages`, body, options.idempotencyKey);
   }
 
   listMessages(sessionId: string, query: MessagesQuery = {}): Promise<MessagePage> {
@@ -203,9 +247,44 @@ export class Client {
     return this.request("POST", "/v1/admin/reload");
   }
 
-  /** One request, answered with its JSON body (`undefined` for `204`). */
+  /**
+   * One request, sent once and answered with its JSON body (`undefined` for `204`). A `POST`
+   * under `/v1` takes an idempotency key in `options.headers` (`{"Idempotency-Key": key}`): sent
+   * again with the same key, after a `NetworkError` say, it is carried out once.
+   */
   async request<T>(method: string, path: string, options: RequestOptions = {}): Promise<T> {
-    const headers: Record<string, string> = { Accept: "application/json", ...this.authorization() };
+    return this.answer<T>(await this.exchange(method, path, options), method, path, options.signal);
+  }
+
+  /**
+   * A request that carries `Idempotency-Key: key` (a fresh UUID without one) and is sent again
+   * with the same key while it may or may not have arrived, as `RetryOptions` says.
+   */
+  private async idempotent<T>(method: string, path: string, body: unknown, key: string | undefined): Promise<T> {
+    const options: RequestOptions = { body, headers: { [IDEMPOTENCY_KEY]: key ?? globalThis.crypto.randomUUID() } };
+    const retrying = new Retrying(this.retryOptions);
+    for (;;) {
+      let failure: NetworkError | RatchetError;
+      let delayMs: number | undefined;
+      try {
+        const response = await this.exchange(method, path, options);
+        if (response.status !== 409) return await this.answer<T>(response, method, path, undefined);
+        const refusal = await errorFromResponse(response);
+        if (refusal.code !== REQUEST_IN_PROGRESS) throw refusal;
+        failure = refusal;
+        delayMs = retrying.next(retryAfterMs(response.headers.get("Retry-After")));
+      } catch (error) {
+        if (!(error instanceof NetworkError)) throw error;
+        failure = error;
+        delayMs = retrying.next();
+      }
+      if (delayMs === undefined) throw failure;
+      await sleep(delayMs, undefined);
+    }
+  }
+
+  private exchange(method: string, path: string, options: RequestOptions): Promise<Response> {
+    const headers: Record<string, string> = { Accept: "application/json", ...options.headers, ...this.authorization() };
     const init: RequestInit = { method, headers };
     if (options.body !== undefined) {
       headers["Content-Type"] = "application/json";
@@ -213,13 +292,16 @@ export class Client {
     }
     if (options.signal) init.signal = options.signal;
     const url = this.baseUrl + path + queryString(options.query as QueryValues | undefined);
-    const response = await this.send(url, init, `${method} ${path}`);
+    return this.send(url, init, `${method} ${path}`);
+  }
+
+  private async answer<T>(response: Response, method: string, path: string, signal: AbortSignal | undefined): Promise<T> {
     if (!response.ok) throw await errorFromResponse(response);
     if (response.status === 204) return undefined as T;
     try {
       return (await response.json()) as T;
     } catch (error) {
-      if (options.signal?.aborted) throw options.signal.reason;
+      if (signal?.aborted) throw signal.reason;
       throw new NetworkError(`${method} ${path}: the answer could not be read`, { cause: error });
     }
   }
@@ -291,6 +373,44 @@ export class Webhooks {
   requeueDead(webhookId: string): Promise<Requeued> {
     return this.client.request("POST", `/v1/webhooks/${segment(webhookId)}/deliveries/requeue`);
   }
+}
+
+/** The request header that names a request, so that sending it again does it once. */
+const IDEMPOTENCY_KEY = "Idempotency-Key";
+/** The error code of a keyed request sent again while the first is still carried out. */
+const REQUEST_IN_PROGRESS = "request_in_progress";
+
+/** The attempts of one keyed request, within its `RetryOptions`. */
+class Retrying {
+  private firstFailure: number | undefined;
+  private attempts = 1;
+  private backoffMs: number;
+
+  constructor(private readonly options: Required<RetryOptions>) {
+    this.backoffMs = options.backoffMs;
+  }
+
+  /** The wait before the next attempt (`delayMs`, or the backoff), or `undefined` to give up. */
+  next(delayMs: number = this.backoffMs): number | undefined {
+    const now = Date.now();
+    this.firstFailure ??= now;
+    const remaining = this.options.maxRetryMs - (now - this.firstFailure);
+    if (this.attempts >= this.options.maxAttempts || remaining <= 0) return undefined;
+    this.attempts += 1;
+    this.backoffMs *= 2;
+    return Math.min(delayMs, remaining);
+  }
+}
+
+/** A `Retry-After` in milliseconds (the server sends whole seconds), or `undefined`. */
+function retryAfterMs(value: string | null): number | undefined {
+  const seconds = value === null || value.trim() === "" ? NaN : Number(value);
+  return Number.isFinite(seconds) && seconds >= 0 ? seconds * 1000 : undefined;
+}
+
+/** The options that were given: an `undefined` one leaves its default. */
+function definedOnly<T extends object>(options: T): Partial<T> {
+  return Object.fromEntries(Object.entries(options).filter(([, value]) => value !== undefined)) as Partial<T>;
 }
 
 /** An id as one path segment: a slash or `?` in it cannot reach another route. */

@@ -3,8 +3,8 @@
  * themselves. It has no runtime dependencies and needs only `fetch` and web streams.
  */
 
-export { Client, Webhooks, ENDED_STATUSES, WAITING_STATUSES } from "./client.js";
-export type { ClientOptions, RequestOptions, SendMessageOptions, WaitRunOptions } from "./client.js";
+export { Client, Webhooks, DEFAULT_RETRY, ENDED_STATUSES, WAITING_STATUSES } from "./client.js";
+export type { ClientOptions, IdempotentOptions, RequestOptions, RetryOptions, SendMessageOptions, WaitRunOptions } from "./client.js";
 export { RatchetError, NetworkError, WaitTimeoutError } from "./errors.js";
 export { isStoredEvent } from "./events.js";
 export type { EventStreamOptions, StreamedEvent } from "./events.js";

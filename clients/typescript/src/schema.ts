@@ -1537,7 +1537,10 @@ export interface operations {
     reload: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path?: never;
             cookie?: never;
         };
@@ -1693,7 +1696,10 @@ export interface operations {
     answer_approval: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path: {
                 /** @description The approval's id */
                 id: components["schemas"]["ApprovalId"];
@@ -1776,7 +1782,10 @@ export interface operations {
     cancel_run: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path: {
                 /** @description The run's id */
                 id: components["schemas"]["RunId"];
@@ -1806,7 +1815,10 @@ export interface operations {
     continue_run: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path: {
                 /** @description The run's id */
                 id: components["schemas"]["RunId"];
@@ -1899,7 +1911,10 @@ export interface operations {
     pause_run: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path: {
                 /** @description The run's id */
                 id: components["schemas"]["RunId"];
@@ -1938,7 +1953,10 @@ export interface operations {
     reconcile_run: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path: {
                 /** @description The run's id */
                 id: components["schemas"]["RunId"];
@@ -1981,7 +1999,10 @@ export interface operations {
     resume_run: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path: {
                 /** @description The run's id */
                 id: components["schemas"]["RunId"];
@@ -2020,7 +2041,10 @@ export interface operations {
     retry_run: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path: {
                 /** @description The run's id */
                 id: components["schemas"]["RunId"];
@@ -2273,7 +2297,10 @@ export interface operations {
     create_session: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path?: never;
             cookie?: never;
         };
@@ -2406,7 +2433,10 @@ export interface operations {
     archive_session: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path: {
                 /** @description The session's id */
                 id: components["schemas"]["SessionId"];
@@ -2534,7 +2564,10 @@ export interface operations {
     discard_inbox_event: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path: {
                 /** @description The session's id */
                 id: components["schemas"]["SessionId"];
@@ -2590,7 +2623,10 @@ export interface operations {
     requeue_inbox_event: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path: {
                 /** @description The session's id */
                 id: components["schemas"]["SessionId"];
@@ -2693,6 +2729,8 @@ export interface operations {
             header?: {
                 /** @description W3C Trace Context: the run's spans join this trace, under this span. An invalid value is ignored. */
                 traceparent?: string | null;
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
             };
             path: {
                 /** @description The session's id */
@@ -2808,7 +2846,10 @@ export interface operations {
     create_webhook: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path?: never;
             cookie?: never;
         };
@@ -2946,7 +2987,10 @@ export interface operations {
     requeue_dead_deliveries: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path: {
                 /** @description The webhook's id */
                 id: components["schemas"]["WebhookId"];
@@ -2977,7 +3021,10 @@ export interface operations {
     requeue_delivery: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path: {
                 /** @description The webhook's id */
                 id: components["schemas"]["WebhookId"];
@@ -3028,7 +3075,10 @@ export interface operations {
     rotate_secret: {
         parameters: {
             query?: never;
-            header?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
             path: {
                 /** @description The webhook's id */
                 id: components["schemas"]["WebhookId"];

@@ -5,6 +5,8 @@ apart."""
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Sequence, Type, Union
 from urllib.parse import quote
@@ -28,6 +30,14 @@ class Operation:
     params: Optional[Dict[str, Any]] = None
     #: The model the answer is read into; `None` for an answer without content.
     answer: Optional[Type[BaseModel]] = None
+    #: Sent as `Idempotency-Key`; an operation with one is sent again, with the same key,
+    #: when it may or may not have arrived (see `Retrying`).
+    idempotency_key: Optional[str] = None
+
+    def headers(self) -> Optional[Dict[str, str]]:
+        if self.idempotency_key is None:
+            return None
+        return {IDEMPOTENCY_KEY: self.idempotency_key}
 
 
 def _segment(value: str) -> str:
@@ -44,9 +54,22 @@ def _page(cursor: Optional[str], limit: Optional[int], **filters: Any) -> Dict[s
     return _present(cursor=cursor, limit=limit, **filters)
 
 
-def create_session(agent: Optional[str], metadata: Optional[Mapping[str, Any]]) -> Operation:
+def fresh_key() -> str:
+    """A new idempotency key: a random UUID (version 4)."""
+    return str(uuid.uuid4())
+
+
+def create_session(
+    agent: Optional[str], metadata: Optional[Mapping[str, Any]], idempotency_key: Optional[str]
+) -> Operation:
     body = _present(agent=agent, metadata=dict(metadata) if metadata is not None else None)
-    return Operation("POST", "/v1/sessions", body=body, answer=models.SessionView)
+    return Operation(
+        "POST",
+        "/v1/sessions",
+        body=body,
+        answer=models.SessionView,
+        idempotency_key=idempotency_key if idempotency_key is not None else fresh_key(),
+    )
 
 
 def get_session(session_id: str) -> Operation:
@@ -68,12 +91,15 @@ def delete_session(session_id: str) -> Operation:
     return Operation("DELETE", f"/v1/sessions/{_segment(session_id)}")
 
 
-def send_message(session_id: str, content: str, multitask: str) -> Operation:
+def send_message(
+    session_id: str, content: str, multitask: str, idempotency_key: Optional[str]
+) -> Operation:
     return Operation(
         "POST",
         f"/v1/sessions/{_segment(session_id)}/messages",
         body={"content": content, "multitask": multitask},
         answer=models.MessageAccepted,
+        idempotency_key=idempotency_key if idempotency_key is not None else fresh_key(),
     )
 
 
@@ -246,6 +272,68 @@ def read_raw_answer(status: int, text: str) -> Any:
     if status >= 400:
         raise api_error(status, text)
     return json.loads(text) if text else None
+
+
+#: The request header that names a request, so that sending it again does it once.
+IDEMPOTENCY_KEY = "Idempotency-Key"
+#: The error code of a keyed request sent again while the first is still carried out.
+REQUEST_IN_PROGRESS = "request_in_progress"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a keyed operation is sent again: at most `max_attempts` sends in all, waiting
+    `backoff` seconds before the second, twice as long before each next, and none begun more
+    than `max_time` seconds after the first failed (the server's `Retry-After` waits
+    included), so that a first send that timed out is still sent again."""
+
+    max_attempts: int
+    backoff: float
+    max_time: float
+
+
+class Retrying:
+    """The attempts of one keyed operation. It is sent again, with the same key, only when it
+    may or may not have arrived: no answer at all (a refused or broken connection, a timeout),
+    or `409 request_in_progress` (the first is still being carried out: wait its
+    `Retry-After`). Every other answer is final."""
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self._policy = policy
+        self._first_failure: Optional[float] = None
+        self._attempts = 1
+        self._backoff = policy.backoff
+
+    def after_no_answer(self) -> Optional[float]:
+        """Seconds to wait before the next attempt, or `None` to give up."""
+        return self._next(self._backoff)
+
+    def after_answer(self, status: int, retry_after: Optional[str], text: str) -> Optional[float]:
+        """Seconds to wait before the next attempt after this answer, or `None` when the
+        answer is final (or the attempts are spent)."""
+        if status != 409 or api_error(status, text).code != REQUEST_IN_PROGRESS:
+            return None
+        return self._next(_seconds(retry_after, self._backoff))
+
+    def _next(self, delay: float) -> Optional[float]:
+        now = time.monotonic()
+        if self._first_failure is None:
+            self._first_failure = now
+        remaining = self._policy.max_time - (now - self._first_failure)
+        if self._attempts >= self._policy.max_attempts or remaining <= 0:
+            return None
+        self._attempts += 1
+        self._backoff *= 2
+        return min(delay, remaining)
+
+
+def _seconds(retry_after: Optional[str], default: float) -> float:
+    """A `Retry-After` in seconds (the server sends whole seconds), or `default`."""
+    try:
+        seconds = float(retry_after) if retry_after is not None else default
+    except ValueError:
+        return default
+    return seconds if seconds >= 0 else default
 
 
 #: Statuses `wait_run` returns at: the run has ended, or it will not move until someone acts

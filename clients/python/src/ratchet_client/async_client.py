@@ -12,7 +12,10 @@ from . import _operations as op
 from . import models
 from ._sse import Event, Resumption, SseParser, is_retryable
 from .client import (
+    DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_RECONNECT_TIME,
+    DEFAULT_MAX_RETRY_TIME,
+    DEFAULT_RETRY_BACKOFF,
     DEFAULT_TIMEOUT,
     auth_headers,
     stream_timeout,
@@ -28,6 +31,10 @@ class AsyncClient:
     none); `timeout` bounds each request in seconds; `max_reconnect_time` is how long, by
     default, an event iterator keeps trying to reconnect before it raises
     `StreamDisconnected`. Use it as an async context manager, or await `close()`.
+
+    `create_session` and `send_message` send an `Idempotency-Key` and are sent again with it
+    when they may or may not have arrived, within `max_attempts`, `retry_backoff` and
+    `max_retry_time`, as `Client` describes.
     """
 
     def __init__(
@@ -37,9 +44,13 @@ class AsyncClient:
         timeout: float = DEFAULT_TIMEOUT,
         *,
         max_reconnect_time: float = DEFAULT_MAX_RECONNECT_TIME,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        retry_backoff: float = DEFAULT_RETRY_BACKOFF,
+        max_retry_time: float = DEFAULT_MAX_RETRY_TIME,
     ) -> None:
         self._timeout = timeout
         self._max_reconnect_time = max_reconnect_time
+        self._retry = op.RetryPolicy(max_attempts, retry_backoff, max_retry_time)
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"), headers=auth_headers(token), timeout=timeout
         )
@@ -54,13 +65,28 @@ class AsyncClient:
         await self.close()
 
     async def _send(self, operation: op.Operation) -> Any:
-        try:
-            response = await self._http.request(
-                operation.method, operation.path, params=operation.params, json=operation.body
-            )
-        except httpx.TransportError as error:
-            raise TransportError(f"{operation.method} {operation.path}: {error}") from error
-        return op.read_answer(operation, response.status_code, response.text)
+        retrying = op.Retrying(self._retry) if operation.idempotency_key is not None else None
+        while True:
+            try:
+                response = await self._http.request(
+                    operation.method,
+                    operation.path,
+                    params=operation.params,
+                    json=operation.body,
+                    headers=operation.headers(),
+                )
+            except httpx.TransportError as error:
+                delay = retrying.after_no_answer() if retrying is not None else None
+                if delay is None:
+                    raise TransportError(f"{operation.method} {operation.path}: {error}") from error
+            else:
+                delay = None
+                if retrying is not None:
+                    retry_after = response.headers.get("Retry-After")
+                    delay = retrying.after_answer(response.status_code, retry_after, response.text)
+                if delay is None:
+                    return op.read_answer(operation, response.status_code, response.text)
+            await anyio.sleep(delay)
 
     async def request(
         self,
@@ -73,7 +99,11 @@ class AsyncClient:
         headers: Optional[Mapping[str, str]] = None,
     ) -> Any:
         """Any request to the API, for endpoints without a method of their own; answers the
-        decoded JSON body (`None` without one) and raises the typed errors."""
+        decoded JSON body (`None` without one) and raises the typed errors.
+
+        It is sent once. Any `POST` under `/v1` takes an idempotency key as a header,
+        `headers={"Idempotency-Key": key}`: sent again with the same key (after a
+        `TransportError`, say), it is carried out once and answered as the first time."""
         try:
             response = await self._http.request(
                 method, path, params=params, json=json, content=content, headers=headers
@@ -85,9 +115,15 @@ class AsyncClient:
     # Sessions and messages.
 
     async def create_session(
-        self, agent: Optional[str] = None, metadata: Optional[Mapping[str, Any]] = None
+        self,
+        agent: Optional[str] = None,
+        metadata: Optional[Mapping[str, Any]] = None,
+        *,
+        idempotency_key: Optional[str] = None,
     ) -> models.SessionView:
-        return await self._send(op.create_session(agent, metadata))
+        """Creates a session, sent with `idempotency_key` (a fresh UUID without one): see
+        `Client.create_session`."""
+        return await self._send(op.create_session(agent, metadata, idempotency_key))
 
     async def get_session(self, session_id: str) -> models.SessionView:
         return await self._send(op.get_session(session_id))
@@ -106,11 +142,18 @@ class AsyncClient:
         await self._send(op.delete_session(session_id))
 
     async def send_message(
-        self, session_id: str, content: str, multitask: str = "enqueue"
+        self,
+        session_id: str,
+        content: str,
+        multitask: str = "enqueue",
+        *,
+        idempotency_key: Optional[str] = None,
     ) -> models.MessageAccepted:
         """Sends a message; `multitask` says what happens when a run is active: `enqueue`,
-        `reject`, `interrupt` or `steer`."""
-        return await self._send(op.send_message(session_id, content, multitask))
+        `reject`, `interrupt` or `steer`. It is sent with `idempotency_key` (a fresh UUID
+        without one) and sent again with it when it may not have arrived: see
+        `Client.send_message`."""
+        return await self._send(op.send_message(session_id, content, multitask, idempotency_key))
 
     async def list_messages(
         self, session_id: str, cursor: Optional[str] = None, limit: Optional[int] = None

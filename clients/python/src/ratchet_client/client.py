@@ -19,6 +19,14 @@ DEFAULT_MAX_RECONNECT_TIME = 60.0
 #: Seconds without a byte before an event stream counts as dropped: the server sends a
 #: keep-alive comment every 15 s, so a silent connection is a dead one.
 STREAM_READ_TIMEOUT = 45.0
+#: How `create_session` and `send_message` are sent again, with the same `Idempotency-Key`,
+#: when they may or may not have arrived: at most this many sends in all...
+DEFAULT_MAX_ATTEMPTS = 4
+#: ...waiting this many seconds before the second, twice as long before each next...
+DEFAULT_RETRY_BACKOFF = 0.25
+#: ...and none begun more than this many seconds after the first failure (`Retry-After` waits
+#: included).
+DEFAULT_MAX_RETRY_TIME = 10.0
 
 
 def auth_headers(token: Optional[str]) -> Dict[str, str]:
@@ -36,6 +44,14 @@ class Client:
     none); `timeout` bounds each request in seconds; `max_reconnect_time` is how long, by
     default, an event iterator keeps trying to reconnect before it raises
     `StreamDisconnected`. Use it as a context manager, or call `close()`.
+
+    `create_session` and `send_message` send an `Idempotency-Key` (the caller's
+    `idempotency_key`, or a fresh random UUID per call) and are sent again with the same key
+    when they may or may not have arrived: no answer (a refused or broken connection, a
+    timeout) or `409 request_in_progress` (after its `Retry-After`). At most `max_attempts`
+    sends, waiting `retry_backoff` seconds before the second and twice as long before each
+    next, none begun more than `max_retry_time` seconds after the first failure; then the
+    last failure is raised. `max_attempts=1` sends once.
     """
 
     def __init__(
@@ -45,9 +61,13 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT,
         *,
         max_reconnect_time: float = DEFAULT_MAX_RECONNECT_TIME,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        retry_backoff: float = DEFAULT_RETRY_BACKOFF,
+        max_retry_time: float = DEFAULT_MAX_RETRY_TIME,
     ) -> None:
         self._timeout = timeout
         self._max_reconnect_time = max_reconnect_time
+        self._retry = op.RetryPolicy(max_attempts, retry_backoff, max_retry_time)
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"), headers=auth_headers(token), timeout=timeout
         )
@@ -62,13 +82,28 @@ class Client:
         self.close()
 
     def _send(self, operation: op.Operation) -> Any:
-        try:
-            response = self._http.request(
-                operation.method, operation.path, params=operation.params, json=operation.body
-            )
-        except httpx.TransportError as error:
-            raise TransportError(f"{operation.method} {operation.path}: {error}") from error
-        return op.read_answer(operation, response.status_code, response.text)
+        retrying = op.Retrying(self._retry) if operation.idempotency_key is not None else None
+        while True:
+            try:
+                response = self._http.request(
+                    operation.method,
+                    operation.path,
+                    params=operation.params,
+                    json=operation.body,
+                    headers=operation.headers(),
+                )
+            except httpx.TransportError as error:
+                delay = retrying.after_no_answer() if retrying is not None else None
+                if delay is None:
+                    raise TransportError(f"{operation.method} {operation.path}: {error}") from error
+            else:
+                delay = None
+                if retrying is not None:
+                    retry_after = response.headers.get("Retry-After")
+                    delay = retrying.after_answer(response.status_code, retry_after, response.text)
+                if delay is None:
+                    return op.read_answer(operation, response.status_code, response.text)
+            time.sleep(delay)
 
     def request(
         self,
@@ -81,7 +116,11 @@ class Client:
         headers: Optional[Mapping[str, str]] = None,
     ) -> Any:
         """Any request to the API, for endpoints without a method of their own; answers the
-        decoded JSON body (`None` without one) and raises the typed errors."""
+        decoded JSON body (`None` without one) and raises the typed errors.
+
+        It is sent once. Any `POST` under `/v1` takes an idempotency key as a header,
+        `headers={"Idempotency-Key": key}`: sent again with the same key (after a
+        `TransportError`, say), it is carried out once and answered as the first time."""
         try:
             response = self._http.request(
                 method, path, params=params, json=json, content=content, headers=headers
@@ -93,9 +132,16 @@ class Client:
     # Sessions and messages.
 
     def create_session(
-        self, agent: Optional[str] = None, metadata: Optional[Mapping[str, Any]] = None
+        self,
+        agent: Optional[str] = None,
+        metadata: Optional[Mapping[str, Any]] = None,
+        *,
+        idempotency_key: Optional[str] = None,
     ) -> models.SessionView:
-        return self._send(op.create_session(agent, metadata))
+        """Creates a session. It is sent with `idempotency_key` (a fresh UUID without one) and
+        sent again with it when it may not have arrived; the same key again, later, answers
+        the same session and creates none."""
+        return self._send(op.create_session(agent, metadata, idempotency_key))
 
     def get_session(self, session_id: str) -> models.SessionView:
         return self._send(op.get_session(session_id))
@@ -114,11 +160,21 @@ class Client:
         self._send(op.delete_session(session_id))
 
     def send_message(
-        self, session_id: str, content: str, multitask: str = "enqueue"
+        self,
+        session_id: str,
+        content: str,
+        multitask: str = "enqueue",
+        *,
+        idempotency_key: Optional[str] = None,
     ) -> models.MessageAccepted:
         """Sends a message; `multitask` says what happens when a run is active: `enqueue`,
-        `reject`, `interrupt` or `steer`."""
-        return self._send(op.send_message(session_id, content, multitask))
+        `reject`, `interrupt` or `steer`.
+
+        It is sent with `idempotency_key` (a fresh UUID without one) and sent again with it
+        when it may not have arrived, so a message is taken once. The same key again, later,
+        gets the first answer back and starts nothing; the same key with another message
+        raises `UnprocessableEntity`."""
+        return self._send(op.send_message(session_id, content, multitask, idempotency_key))
 
     def list_messages(
         self, session_id: str, cursor: Optional[str] = None, limit: Optional[int] = None
