@@ -312,6 +312,11 @@ UPDATE sessions SET title = (
     ORDER BY m.rowid LIMIT 1
 );
 "#,
+    r#"
+-- A run forked from another records where from: the source run and the step it continues.
+ALTER TABLE runs ADD COLUMN forked_from_run_id TEXT COLLATE "C";
+ALTER TABLE runs ADD COLUMN forked_from_step BIGINT;
+"#,
 ];
 
 /// The advisory lock that makes processes opening one database at once migrate it one

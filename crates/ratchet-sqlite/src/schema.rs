@@ -336,6 +336,11 @@ UPDATE sessions SET title = (
     ORDER BY m.rowid LIMIT 1
 );
 "#,
+    r#"
+-- A run forked from another records where from: the source run and the step it continues.
+ALTER TABLE runs ADD COLUMN forked_from_run_id TEXT;
+ALTER TABLE runs ADD COLUMN forked_from_step INTEGER;
+"#,
 ];
 
 /// The schema version this build migrates a database to.

@@ -25,6 +25,7 @@
 mod approvals;
 mod delegation;
 mod events;
+mod fork;
 mod inbox;
 mod jobs;
 mod messages;
@@ -47,8 +48,8 @@ use ratchet_core::{
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, Changes, Claim,
     ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction, Deliveries,
-    DeliveryBounds, DeliveryClaim, EmittedSignal, Error, InboxChange, InboxEvent, Intent,
-    IntentRecord, Keyring, Lease, MessageHit, NewRun, NewSignal, NewWebhook, PauseOutcome,
+    DeliveryBounds, DeliveryClaim, EmittedSignal, Error, Forked, InboxChange, InboxEvent, Intent,
+    IntentRecord, Keyring, Lease, MessageHit, NewFork, NewRun, NewSignal, NewWebhook, PauseOutcome,
     PendingInput, Reads, Reconciled, RecordedIntents, Result, ResumeOutcome, RunQuota, RunSummary,
     SearchScope, Served, Session, SessionQuery, SessionSpec, StepMessages, StoreStats, StoredEvent,
     StoredMessage, Submitted, TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
@@ -272,6 +273,10 @@ impl Writes for MemoryStore {
 
     async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted> {
         self.write(|t| t.submit_message(new, now))
+    }
+
+    async fn fork_run(&self, fork: NewFork, now: Millis) -> Result<Forked> {
+        self.write(|t| t.fork_run(fork, now))
     }
 
     async fn claim_next(
