@@ -11,6 +11,7 @@
 
 mod bounds;
 mod delegation;
+mod fork;
 mod inbox;
 mod pause;
 mod webhooks;
@@ -32,6 +33,7 @@ use serde_json::{Value, json};
 
 pub use bounds::*;
 pub use delegation::*;
+pub use fork::*;
 pub use inbox::*;
 pub use pause::*;
 pub use webhooks::*;
@@ -115,6 +117,10 @@ macro_rules! store_conformance_tests {
             cancel_of_a_paused_run_frees_the_session,
             a_users_steers_past_the_lanes_count_or_bytes_are_refused_and_nothing_is_written,
             a_background_runs_steered_signals_past_the_agent_lane_are_refused,
+            a_fork_at_each_step_holds_the_sources_history_through_it_and_leaves_it_alone,
+            a_forks_edit_replaces_the_user_message_or_a_tool_result,
+            a_fork_counts_against_the_run_quota,
+            a_fork_never_runs_a_never_call_in_doubt_again,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -403,13 +409,15 @@ async fn load(store: &dyn Store, run: &RunId) -> AgentState {
             summary.status,
             summary.stop_reason,
             summary.step_index,
-            &summary.session_id
+            &summary.session_id,
+            &summary.forked_from
         ),
         (
             state.status,
             state.stop_reason,
             state.step_index,
-            &state.session_id
+            &state.session_id,
+            &state.forked_from
         ),
         "list_runs and load_state disagree about {run}"
     );
