@@ -355,6 +355,30 @@ test("pause a run at its step boundary, then resume it", async () => {
   assert.deepEqual(page.errors, []);
 });
 
+test("fork a run from one of its steps: the fork's page opens and it completes on its own", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  const sessionId = await newSession(page, "napper");
+  await send(page, "Nap, then answer");
+  await latestRunStatus(page).filter({ hasText: "completed" }).waitFor();
+  const source = (await server.get(`/v1/sessions/${sessionId}/runs`)).items[0].id;
+  await page.goto(`${server.url}/#/runs/${source}`);
+  const fork = page.locator(`li[data-run="${source}"][data-step="1"]`).getByRole("button", { name: "Fork from here" });
+  await fork.click();
+  await page.waitForURL((url) => url.hash.startsWith("#/runs/run_") && !url.hash.includes(source));
+  const forkId = new URL(page.url()).hash.split("/")[2];
+  await page.locator("#view .facts", { hasText: "Forked from" }).waitFor();
+  for (let i = 0; (await server.get(`/v1/runs/${forkId}`)).status !== "completed"; i += 1) {
+    assert.ok(i < 200, "the fork completes");
+    await new Promise((resolve) => setTimeout(resolve, 50));
+  }
+  const forked = await server.get(`/v1/runs/${forkId}`);
+  assert.deepEqual(forked.forked_from, { run_id: source, step: 1 });
+  assert.notEqual(forked.session_id, sessionId, "a session of its own");
+  assert.equal((await server.get(`/v1/runs/${source}`)).status, "completed", "the source is left as it was");
+  assert.deepEqual(page.errors, []);
+});
+
 test("continue a run that spent its budget, with more steps", async () => {
   const server = await serve();
   const page = await openPage(browser, server.url);

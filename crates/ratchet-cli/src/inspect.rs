@@ -55,6 +55,7 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
             "final_answer": state.final_answer,
             "pending_human": state.pending_human,
             "in_doubt": state.in_doubt,
+            "forked_from": state.forked_from,
             "steps": steps.iter().map(|s| json!({
                 "index": s.index,
                 "instruction": s.instruction,
@@ -72,6 +73,9 @@ pub async fn show(db: &str, run_id: &str, json: bool) -> anyhow::Result<ExitCode
     writeln!(out, "status       {} (stop reason: {reason})", state.status)?;
     writeln!(out, "step_index   {}", state.step_index)?;
     writeln!(out, "model        {}", state.config.model)?;
+    if let Some(from) = &state.forked_from {
+        writeln!(out, "forked from  {} at step {}", from.run_id, from.step)?;
+    }
     if let Some(HumanRequest::Reconciliation { calls }) = &state.pending_human {
         writeln!(
             out,

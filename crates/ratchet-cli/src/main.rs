@@ -6,6 +6,7 @@ mod approve;
 mod chat;
 mod dead_letters;
 mod drive;
+mod fork;
 mod inspect;
 mod pause;
 mod secrets;
@@ -241,6 +242,11 @@ enum RunsCommand {
     /// Go on with a failed run from its last committed step, adding budget to it (needed
     /// when it stopped with budget_exhausted); `ratchet resume` carries the run on.
     Continue(ContinueArgs),
+    /// Fork a run at one of its committed steps: a new session holding its history as that
+    /// step left it, and a run that continues from there (the source is left as it is).
+    /// Prints the new session and run; against the database, `ratchet resume` (or a server)
+    /// carries the fork on.
+    Fork(ForkArgs),
     /// List every run.
     List(ListArgs),
     /// Show one run: status, steps, any pending human request and the runs below it.
@@ -248,6 +254,24 @@ enum RunsCommand {
     /// Say what happened to a call whose outcome is unknown after a crash; once every call
     /// in doubt is answered, `ratchet resume` (or a server) carries the run on.
     Reconcile(ReconcileArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ForkArgs {
+    run_id: String,
+    /// The step to fork at, as `ratchet runs show` numbers them (from 1).
+    #[arg(long, value_name = "N")]
+    at_step: u64,
+    /// Replace the last user message at or before the step with this text; the fork calls
+    /// the model with it first.
+    #[arg(long, value_name = "TEXT")]
+    message: Option<String>,
+    /// Run the fork as this agent of the server's catalog (needs --server); without it, the
+    /// run's own frozen configuration.
+    #[arg(long, value_name = "ID")]
+    agent: Option<String>,
+    #[command(flatten)]
+    target: ServerOrDb,
 }
 
 #[derive(Debug, clap::Args)]
@@ -655,6 +679,11 @@ impl RunsCommand {
             RunsCommand::Pause(run) => pause::pause(run.target.target()?, &run.run_id).await,
             RunsCommand::Resume(run) => pause::resume(run.target.target()?, &run.run_id).await,
             RunsCommand::Cancel(run) => pause::cancel(run.target.target()?, &run.run_id).await,
+            RunsCommand::Fork(args) => {
+                let edit = args.message.as_deref();
+                let (run, at, agent) = (&args.run_id, args.at_step, args.agent.as_deref());
+                fork::fork(args.target.target()?, run, at, edit, agent).await
+            }
             RunsCommand::Retry(args) => {
                 inspect::resume_failed(&args.db.db, &args.run_id, Resumption::Retry).await
             }

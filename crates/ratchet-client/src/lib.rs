@@ -88,6 +88,14 @@ pub struct RunView {
     pub pending_human: Option<ratchet_core::HumanRequest>,
 }
 
+/// The answer to `POST /v1/runs/{id}/fork`: the fork's new session and run.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ForkedView {
+    pub session_id: String,
+    pub run_id: String,
+    pub status: RunStatus,
+}
+
 /// The `data` of one server-sent event (the fields this client reads).
 #[derive(Debug, Clone, Deserialize)]
 pub struct EventView {
@@ -271,6 +279,28 @@ impl Api {
     pub async fn run_action(&self, run_id: &str, action: &str) -> Result<Value, ClientError> {
         let path = format!("/v1/runs/{run_id}/{action}");
         self.call(self.request(reqwest::Method::POST, &path)).await
+    }
+
+    /// Forks a run at its committed step `at_step`: a new session with its history as that
+    /// step left it, and a run that continues from there — after `message` replaces the last
+    /// user message, when given; as the catalog agent `agent`, when given.
+    pub async fn fork_run(
+        &self,
+        run_id: &str,
+        at_step: u64,
+        message: Option<&str>,
+        agent: Option<&str>,
+    ) -> Result<ForkedView, ClientError> {
+        let mut body = serde_json::json!({"at_step": at_step});
+        if let Some(message) = message {
+            body["edit"] = serde_json::json!({"replace_user_message": message});
+        }
+        if let Some(agent) = agent {
+            body["agent"] = serde_json::json!(agent);
+        }
+        let path = format!("/v1/runs/{run_id}/fork");
+        self.call(self.request(reqwest::Method::POST, &path).json(&body))
+            .await
     }
 
     pub async fn get_run(&self, run_id: &str) -> Result<RunView, ClientError> {

@@ -268,6 +268,11 @@ pub struct ToolCheckpoint {
     /// before this was recorded: its keys name the step that runs it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_step: Option<u64>,
+    /// The run whose id the calls' idempotency keys name, when not the run that holds the
+    /// batch: a fork takes up its source's pending batch under the source's keys, so a `keyed`
+    /// tool does the work once across both. None: the holder's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_run: Option<crate::RunId>,
 }
 
 impl ToolCheckpoint {
@@ -275,12 +280,14 @@ impl ToolCheckpoint {
     /// `{run}#{step}#{slot}`, the step being the batch's first.
     pub fn idempotency_key(&self, run_id: &crate::RunId, step_index: u64, slot: u32) -> String {
         let step = self.key_step.unwrap_or(step_index);
+        let run_id = self.key_run.as_ref().unwrap_or(run_id);
         format!("{run_id}#{step}#{slot}")
     }
 
     pub fn new(calls: Vec<ToolCall>) -> Self {
         ToolCheckpoint {
             key_step: None,
+            key_run: None,
             calls: calls
                 .into_iter()
                 .map(|call| CallProgress {
@@ -451,6 +458,9 @@ pub struct AgentState {
     /// trace of its own (see `trace`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<crate::trace::TraceContext>,
+    /// The run and step this run was forked from; None for a run that was not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forked_from: Option<crate::ForkedFrom>,
     /// Set while the run is `paused`: the job it takes up again when resumed.
     #[serde(default)]
     pub pause: Option<Pause>,
@@ -579,6 +589,7 @@ impl AgentState {
             final_answer: None,
             lineage: None,
             trace: None,
+            forked_from: None,
             pause: None,
             paused_ms: 0,
             completion: crate::CompletionProgress::default(),

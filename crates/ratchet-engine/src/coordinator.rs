@@ -48,6 +48,15 @@ pub enum Multitask {
     Steer,
 }
 
+/// A fork's new session and run (see `Coordinator::fork`).
+#[derive(Debug, Clone)]
+pub struct ForkedRun {
+    pub session: Session,
+    pub run_id: RunId,
+    /// `running`, or `waiting_human` when a call of the source is in doubt.
+    pub status: RunStatus,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StartedRun {
     pub session_id: SessionId,
@@ -212,6 +221,42 @@ impl Coordinator {
     ) -> Result<StartedRun> {
         self.submit_in_trace(session_id, content, config, multitask, None, None)
             .await
+    }
+
+    /// Forks `source` at its step `at_step` (see `Writes::fork_run`): a new session and a
+    /// run in it that continues from there, frozen with `config` (and its session naming the
+    /// agent) when given, with the source's configuration otherwise.
+    pub async fn fork(
+        &self,
+        source: &RunId,
+        at_step: u64,
+        edit: Option<ratchet_core::ForkEdit>,
+        config: Option<(RunConfigSnapshot, Option<String>)>,
+        request: Option<RequestMark>,
+    ) -> Result<ForkedRun> {
+        let invalid = |e: ratchet_core::IdError| crate::Error::Invalid(e.to_string());
+        let session_id = SessionId::from_suffix(&fresh_suffix()).map_err(invalid)?;
+        let run_id = RunId::from_suffix(&fresh_suffix()).map_err(invalid)?;
+        let fork = ratchet_store::NewFork {
+            source: source.clone(),
+            at_step,
+            session_id,
+            run_id: run_id.clone(),
+            config,
+            edit,
+            quota: self.quota,
+            request,
+        };
+        let forked = self.writes.fork_run(fork, self.now()).await?;
+        self.publish(forked.events);
+        if forked.status == RunStatus::Running {
+            self.wake.notify_one();
+        }
+        Ok(ForkedRun {
+            session: forked.session,
+            run_id,
+            status: forked.status,
+        })
     }
 
     /// `submit`, with the run's spans in the caller's `trace` (from its `traceparent`).

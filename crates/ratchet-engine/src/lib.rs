@@ -17,7 +17,7 @@ mod worker;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use activity::{LiveActivity, Observed};
-pub use coordinator::{Coordinator, Multitask, StartedRun};
+pub use coordinator::{Coordinator, ForkedRun, Multitask, StartedRun};
 pub use engine::{DEFAULT_CANCEL_GRACE, Engine, Executed, StepFailure};
 pub use gates::{PermitLimits, StepPermits};
 pub use models::Models;

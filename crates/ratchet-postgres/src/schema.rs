@@ -332,6 +332,11 @@ CREATE TABLE idempotent_requests (
 );
 CREATE INDEX idempotent_requests_expiry ON idempotent_requests(expires_at);
 "#,
+    r#"
+-- A run forked from another records where from: the source run and the step it continues.
+ALTER TABLE runs ADD COLUMN forked_from_run_id TEXT COLLATE "C";
+ALTER TABLE runs ADD COLUMN forked_from_step BIGINT;
+"#,
 ];
 
 /// The advisory lock that makes processes opening one database at once migrate it one

@@ -1984,6 +1984,7 @@ function showRun(view, runId) {
         ...fact("Session", h("a", { href: `#/sessions/${run.session_id}`, class: "mono", text: run.session_id })),
         ...fact("Agent", run.agent ? `${run.agent.id} (${run.agent.hash.slice(0, 12)})` : "default"),
         ...(run.parent_run_id ? fact("Parent", runLink(run.parent_run_id)) : []),
+        ...(run.forked_from ? fact("Forked from", runLink(run.forked_from.run_id), ` at step ${run.forked_from.step}`) : []),
         ...fact("Created", when(run.created_at)),
         ...(run.finished_at ? fact("Finished", `${when(run.finished_at)} (${finishedIn(run, steps.get(runId) ?? [])})`) : []),
         ...(run.pending_human ? fact("Waiting for", run.pending_human.kind, " — answer it in the ", h("a", { href: `#/sessions/${run.session_id}`, text: "conversation" })) : []),
@@ -2136,6 +2137,15 @@ function showRun(view, runId) {
         const tokens = s.input_tokens !== undefined ? ` · ${s.input_tokens} in, ${s.output_tokens} out` : "";
         const open = h("button", { type: "button", class: "linkish", text: `#${step.index} ${stepLabel(step)}` });
         open.addEventListener("click", () => inspect(node.run_id, step.index, node.agent));
+        // A fork of the run at this step: a new session with its history as the step left it,
+        // and a run that continues from there, which the page then shows.
+        const fork = h("button", { type: "button", class: "quiet small", "data-fork": step.index, text: "Fork from here" });
+        fork.addEventListener("click", () =>
+          act(fork, region, async () => {
+            const forked = await api(`/v1/runs/${node.run_id}/fork`, { method: "POST", body: { at_step: step.index } });
+            location.hash = `#/runs/${forked.run_id}`;
+          }),
+        );
         const stepTrack = h("div", { class: "wf-track" });
         if (waited > 0) stepTrack.append(place(h("div", { class: "wf-wait", "data-kind": kind }), from, step.started_at));
         stepTrack.append(place(h("div", { class: "wf-bar", "data-instruction": step.instruction }), step.started_at, step.finished_at));
@@ -2143,7 +2153,7 @@ function showRun(view, runId) {
           h(
             "li",
             { class: "wf-row wf-step", "data-run": node.run_id, "data-step": step.index, "data-depth": node.depth },
-            h("div", { class: "wf-label" }, open, h("span", { class: "muted small", text: ` ${step.duration_ms} ms${tokens}${waited >= 50 ? ` · after ${seconds(waited)} ${words}` : ""}` })),
+            h("div", { class: "wf-label" }, open, h("span", { class: "muted small", text: ` ${step.duration_ms} ms${tokens}${waited >= 50 ? ` · after ${seconds(waited)} ${words}` : ""}` }), " ", fork),
             stepTrack,
           ),
         );

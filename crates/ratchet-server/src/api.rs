@@ -456,6 +456,72 @@ pub struct RunView {
     /// The run that delegated this one, for a child run.
     #[schema(value_type = Option<RunIdSchema>)]
     pub parent_run_id: Option<String>,
+    /// The run and step this run was forked from, for a fork.
+    pub forked_from: Option<ForkedFromView>,
+}
+
+/// Where a fork came from: its source run and the step of it the fork continues from.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ForkedFromView {
+    #[schema(value_type = RunIdSchema)]
+    pub run_id: String,
+    pub step: u64,
+}
+
+impl From<ratchet_core::ForkedFrom> for ForkedFromView {
+    fn from(from: ratchet_core::ForkedFrom) -> ForkedFromView {
+        ForkedFromView {
+            run_id: from.run_id.to_string(),
+            step: from.step,
+        }
+    }
+}
+
+/// `POST /v1/runs/{id}/fork`: a new session whose history is the run's as step `at_step`
+/// left it, and a run in it that continues from there.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForkRequest {
+    /// The committed step of the run to fork at (steps are numbered from 1).
+    pub at_step: u64,
+    /// What the fork changes before its first model call.
+    pub edit: Option<ForkEditRequest>,
+    /// The catalog agent the fork runs as; without it, the run's own frozen configuration.
+    pub agent: Option<String>,
+}
+
+/// One edit: `{"replace_user_message": "text"}` or `{"replace_tool_result": {"call_id", "result"}}`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum ForkEditRequest {
+    /// The last user message at or before the step says this instead; what answered the old
+    /// text is left out, and the fork calls the model first.
+    ReplaceUserMessage(String),
+    /// The call returned this instead (a string as it is, any other JSON as its text); the
+    /// fork's history ends with that call's batch, and the model is called next.
+    ReplaceToolResult(ReplaceToolResult),
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReplaceToolResult {
+    /// A call of the batch pending at the step, or of one answered at or before it.
+    pub call_id: String,
+    pub result: Value,
+}
+
+/// A fork, created: its new session and run.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ForkedView {
+    #[schema(value_type = SessionIdSchema)]
+    pub session_id: String,
+    #[schema(value_type = RunIdSchema)]
+    pub run_id: String,
+    /// `running`, or `waiting_human` when a `never` call the source started has no known
+    /// outcome: reconcile it on the fork (`POST /v1/runs/{run_id}/reconcile`).
+    #[schema(value_type = RunStatusSchema)]
+    pub status: String,
+    pub forked_from: ForkedFromView,
 }
 
 /// One budget of a run and what it used.
@@ -522,6 +588,7 @@ impl From<AgentState> for RunView {
                 hash: a.hash.clone(),
             }),
             parent_run_id: state.lineage.map(|l| l.parent_run_id.to_string()),
+            forked_from: state.forked_from.map(ForkedFromView::from),
         }
     }
 }
@@ -645,6 +712,8 @@ pub struct RunSummaryView {
     pub step_index: u64,
     pub created_at: Millis,
     pub finished_at: Option<Millis>,
+    /// The run and step this run was forked from, for a fork.
+    pub forked_from: Option<ForkedFromView>,
 }
 
 impl From<RunSummary> for RunSummaryView {
@@ -657,6 +726,7 @@ impl From<RunSummary> for RunSummaryView {
             step_index: run.step_index,
             created_at: run.created_at,
             finished_at: run.finished_at,
+            forked_from: run.forked_from.map(ForkedFromView::from),
         }
     }
 }

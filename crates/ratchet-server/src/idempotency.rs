@@ -4,7 +4,7 @@
 //! repeat while the first is still being carried out too (409).
 //!
 //! The key is taken before the handler runs and the response kept after it; the handlers
-//! whose effect is one transaction (a message, a new session) record the effect with the key
+//! whose effect is one transaction (a message, a new session, a fork) record the effect with the key
 //! in that transaction (`KeyedRequest` → `RequestMark` in the request's extensions), so that
 //! a process that dies between its commit and keeping the response leaves a key a repeat
 //! answers from (`RequestClaim::Recovered`). A response that did nothing and may come out
@@ -248,6 +248,24 @@ async fn answer_from(state: &AppState, effect: Effect) -> Response {
                 }
                 Err(error) => return ApiError::from(error).into_response(),
             }
+        }
+        Effect::Forked {
+            source,
+            at_step,
+            session_id,
+            run_id,
+            status,
+        } => {
+            let view = crate::api::ForkedView {
+                session_id: session_id.to_string(),
+                run_id: run_id.to_string(),
+                status: status.to_string(),
+                forked_from: crate::api::ForkedFromView {
+                    run_id: source.to_string(),
+                    step: at_step,
+                },
+            };
+            (StatusCode::CREATED, axum::Json(view)).into_response()
         }
     };
     (response.headers_mut()).insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));

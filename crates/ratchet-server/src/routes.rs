@@ -1,5 +1,5 @@
 //! The JSON endpoints under `/v1`: the catalog's agents, sessions, messages, runs, run trees,
-//! steps and cancellation.
+//! steps, cancellation and forks.
 
 use axum::Extension;
 use axum::extract::State;
@@ -17,10 +17,11 @@ use utoipa_axum::routes;
 
 use crate::active::{Active, Current, DEFAULT_AGENT};
 use crate::api::{
-    AgentView, CancelView, ContinueRequest, CreateSession, ErrorBody, MessageAccepted, MessageView,
-    ModelCallView, Multitask, Page, PageQuery, PauseView, ReconcileOutcome, ReconcileRequest,
-    ReconcileView, ResumedView, RunSummaryView, RunTreeView, RunView, SendMessage, SessionOrder,
-    SessionStatusFilter, SessionView, SessionsQuery, StepDetailView, StepView, UpdateSession,
+    AgentView, CancelView, ContinueRequest, CreateSession, ErrorBody, ForkEditRequest, ForkRequest,
+    ForkedFromView, ForkedView, MessageAccepted, MessageView, ModelCallView, Multitask, Page,
+    PageQuery, PauseView, ReconcileOutcome, ReconcileRequest, ReconcileView, ResumedView,
+    RunSummaryView, RunTreeView, RunView, SendMessage, SessionOrder, SessionStatusFilter,
+    SessionView, SessionsQuery, StepDetailView, StepView, UpdateSession,
 };
 use crate::auth::Tenant;
 use crate::error::{ApiJson, ApiPath, ApiQuery};
@@ -44,6 +45,7 @@ pub fn router() -> OpenApiRouter<AppState> {
         .routes(routes!(continue_run))
         .routes(routes!(pause_run))
         .routes(routes!(resume_run))
+        .routes(routes!(fork_run))
 }
 
 pub(crate) fn parse_session_id(text: &str) -> Result<SessionId, ApiError> {
@@ -709,4 +711,78 @@ async fn resume(
         run_id: id.to_string(),
         status: "running".to_owned(),
     }))
+}
+
+#[utoipa::path(
+    post, path = "/v1/runs/{id}/fork", tag = "runs",
+    params(("id" = RunIdSchema, Path, description = "The run's id")),
+    request_body = ForkRequest,
+    responses(
+        (status = 201, body = ForkedView),
+        (status = 404, body = ErrorBody, description = "no such run"),
+        (status = 422, body = ErrorBody, description = "the step cannot be forked (not committed, waiting for children, nothing to continue), the edit names nothing there, or the agent is unknown"),
+        (status = 429, body = ErrorBody, description = "the run quota is full"),
+        (status = "4XX", body = ErrorBody),
+    ),
+)]
+async fn fork_run(
+    State(state): State<AppState>,
+    tenant: Tenant,
+    Current(active): Current,
+    ApiPath(id): ApiPath<String>,
+    request: Option<Extension<RequestMark>>,
+    ApiJson(body): ApiJson<ForkRequest>,
+) -> Result<(StatusCode, axum::Json<ForkedView>), ApiError> {
+    let id = parse_run_id(&id)?;
+    tenant_run(&state, &tenant, &id).await?;
+    let config = match body.agent {
+        None => None,
+        Some(agent) if agent != DEFAULT_AGENT && active.agent(&agent).is_none() => {
+            return Err(ApiError::unprocessable(format!(
+                "unknown agent {agent:?}; available agents: {}",
+                active.available_agents()
+            )));
+        }
+        Some(agent) => Some((run_config(&active, Some(&agent))?, Some(agent))),
+    };
+    let edit = match body.edit {
+        None => None,
+        Some(ForkEditRequest::ReplaceUserMessage(text)) if text.trim().is_empty() => {
+            return Err(ApiError::unprocessable(
+                "replace_user_message is empty; expected the message text",
+            ));
+        }
+        Some(ForkEditRequest::ReplaceUserMessage(text)) => {
+            Some(ratchet_core::ForkEdit::ReplaceUserMessage(text))
+        }
+        Some(ForkEditRequest::ReplaceToolResult(replace)) => {
+            Some(ratchet_core::ForkEdit::ReplaceToolResult {
+                call_id: replace.call_id,
+                result: match replace.result {
+                    serde_json::Value::String(text) => text,
+                    other => other.to_string(),
+                },
+            })
+        }
+    };
+    let forked = state
+        .coordinator
+        .fork(
+            &id,
+            body.at_step,
+            edit,
+            config,
+            request.map(|Extension(mark)| mark),
+        )
+        .await?;
+    let view = ForkedView {
+        session_id: forked.session.id.to_string(),
+        run_id: forked.run_id.to_string(),
+        status: forked.status.to_string(),
+        forked_from: ForkedFromView {
+            run_id: id.to_string(),
+            step: body.at_step,
+        },
+    };
+    Ok((StatusCode::CREATED, axum::Json(view)))
 }

@@ -356,6 +356,11 @@ CREATE TABLE idempotent_requests (
 );
 CREATE INDEX idempotent_requests_expiry ON idempotent_requests(expires_at);
 "#,
+    r#"
+-- A run forked from another records where from: the source run and the step it continues.
+ALTER TABLE runs ADD COLUMN forked_from_run_id TEXT;
+ALTER TABLE runs ADD COLUMN forked_from_step INTEGER;
+"#,
 ];
 
 /// The schema version this build migrates a database to.

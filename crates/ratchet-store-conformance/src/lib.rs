@@ -11,6 +11,7 @@
 
 mod bounds;
 mod delegation;
+mod fork;
 mod inbox;
 mod pause;
 mod requests;
@@ -33,6 +34,7 @@ use serde_json::{Value, json};
 
 pub use bounds::*;
 pub use delegation::*;
+pub use fork::*;
 pub use inbox::*;
 pub use pause::*;
 pub use requests::*;
@@ -119,6 +121,10 @@ macro_rules! store_conformance_tests {
             a_background_runs_steered_signals_past_the_agent_lane_are_refused,
             a_keyed_request_is_carried_out_once_and_its_response_replayed,
             a_keyed_effect_is_recorded_with_its_key_and_recovered_after_its_holder_died,
+            a_fork_at_each_step_holds_the_sources_history_through_it_and_leaves_it_alone,
+            a_forks_edit_replaces_the_user_message_or_a_tool_result,
+            a_fork_counts_against_the_run_quota,
+            a_fork_never_runs_a_never_call_in_doubt_again,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -409,13 +415,15 @@ async fn load(store: &dyn Store, run: &RunId) -> AgentState {
             summary.status,
             summary.stop_reason,
             summary.step_index,
-            &summary.session_id
+            &summary.session_id,
+            &summary.forked_from
         ),
         (
             state.status,
             state.stop_reason,
             state.step_index,
-            &state.session_id
+            &state.session_id,
+            &state.forked_from
         ),
         "list_runs and load_state disagree about {run}"
     );

@@ -25,6 +25,7 @@
 mod approvals;
 mod delegation;
 mod events;
+mod fork;
 mod inbox;
 mod jobs;
 mod messages;
@@ -48,12 +49,12 @@ use ratchet_core::{
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, Changes, Claim,
     ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction, Deliveries,
-    DeliveryBounds, DeliveryClaim, Effect, EmittedSignal, Error, InboxChange, InboxEvent, Intent,
-    IntentRecord, KeyedRequest, Keyring, Lease, MessageHit, NewRun, NewSignal, NewWebhook,
-    PauseOutcome, PendingInput, Reads, Reconciled, RecordedIntents, RequestClaim, RequestMark,
-    Result, ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session, SessionQuery,
-    SessionSpec, StepMessages, StoreStats, StoredEvent, StoredMessage, StoredResponse, Submitted,
-    TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
+    DeliveryBounds, DeliveryClaim, Effect, EmittedSignal, Error, Forked, InboxChange, InboxEvent,
+    Intent, IntentRecord, KeyedRequest, Keyring, Lease, MessageHit, NewFork, NewRun, NewSignal,
+    NewWebhook, PauseOutcome, PendingInput, Reads, Reconciled, RecordedIntents, RequestClaim,
+    RequestMark, Result, ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session,
+    SessionQuery, SessionSpec, StepMessages, StoreStats, StoredEvent, StoredMessage,
+    StoredResponse, Submitted, TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
 };
 
 use crate::tables::Tables;
@@ -289,6 +290,26 @@ impl Writes for MemoryStore {
                 t.record_effect(mark, Effect::submitted(message_id, run_id, &submitted))?;
             }
             Ok(submitted)
+        })
+    }
+
+    async fn fork_run(&self, mut fork: NewFork, now: Millis) -> Result<Forked> {
+        let request = fork.request.take();
+        self.write(|t| {
+            let (source, at_step) = (fork.source.clone(), fork.at_step);
+            let (session_id, run_id) = (fork.session_id.clone(), fork.run_id.clone());
+            let forked = t.fork_run(fork, now)?;
+            if let Some(mark) = &request {
+                let effect = Effect::Forked {
+                    source,
+                    at_step,
+                    session_id,
+                    run_id,
+                    status: forked.status,
+                };
+                t.record_effect(mark, effect)?;
+            }
+            Ok(forked)
         })
     }
 

@@ -58,6 +58,14 @@ impl Tables {
             .collect()
     }
 
+    /// The session's messages as stored, in order, hidden ones included, drafts not.
+    pub(crate) fn stored_history(&self, session_id: &SessionId) -> Vec<StoredMessage> {
+        self.session_messages(session_id)
+            .filter(|(_, m)| m.draft_of.is_none())
+            .map(stored)
+            .collect()
+    }
+
     /// Everything the session's history holds, hidden messages included, drafts not.
     pub(crate) fn history(&self, session_id: &SessionId) -> Vec<Message> {
         self.session_messages(session_id)

@@ -562,5 +562,6 @@ fn summary((run_id, run): (&RunId, &RunRow)) -> RunSummary {
         step_index: run.state.step_index,
         created_at: run.state.created_at,
         finished_at: run.state.finished_at,
+        forked_from: run.state.forked_from.clone(),
     }
 }

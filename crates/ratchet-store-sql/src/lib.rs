@@ -22,6 +22,7 @@ mod bounds;
 mod db;
 mod delegation;
 mod events;
+mod fork;
 mod inbox;
 mod payload;
 mod queue;
@@ -44,12 +45,12 @@ use ratchet_core::{
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, ChangeStream,
     Changes, Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction,
-    Deliveries, DeliveryBounds, DeliveryClaim, EmittedSignal, Error, InboxChange, InboxEvent,
-    Intent, IntentRecord, KeyedRequest, Keyring, Lease, MessageHit, NewRun, NewSignal, NewWebhook,
-    PauseOutcome, PendingInput, Reads, Reconciled, RecordedIntents, RequestClaim, RequestMark,
-    ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session, SessionQuery, SessionSpec,
-    StepMessages, StoreStats, StoredEvent, StoredMessage, StoredResponse, Submitted, TimedOut,
-    TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
+    Deliveries, DeliveryBounds, DeliveryClaim, EmittedSignal, Error, Forked, InboxChange,
+    InboxEvent, Intent, IntentRecord, KeyedRequest, Keyring, Lease, MessageHit, NewFork, NewRun,
+    NewSignal, NewWebhook, PauseOutcome, PendingInput, Reads, Reconciled, RecordedIntents,
+    RequestClaim, RequestMark, ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session,
+    SessionQuery, SessionSpec, StepMessages, StoreStats, StoredEvent, StoredMessage,
+    StoredResponse, Submitted, TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -240,6 +241,7 @@ forward! {
             = sessions::rename_session(&id, &title);
         write submit_message(new: NewRun, now: Millis) -> Result<Submitted>
             = queue::submit_message(new, now);
+        write fork_run(new: NewFork, now: Millis) -> Result<Forked> = fork::fork_run(new, now);
         write claim_next(lease: Lease, run: Option<&RunId> => cloned, now: Millis)
             -> Result<Option<ClaimedStep>> = steps::claim_next(&lease, run.as_ref(), now);
         write heartbeat(claim: &Claim => clone, expires_at: Millis) -> Result<bool>

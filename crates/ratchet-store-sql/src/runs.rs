@@ -418,7 +418,8 @@ pub(crate) fn frozen_config(
 }
 
 const RUN_COLUMNS: &str =
-    "id, session_id, status, stop_reason, step_index, created_at, finished_at";
+    "id, session_id, status, stop_reason, step_index, created_at, finished_at,
+     forked_from_run_id, forked_from_step";
 
 fn to_run_summary(mut r: Row) -> Result<RunSummary> {
     Ok(RunSummary {
@@ -432,6 +433,13 @@ fn to_run_summary(mut r: Row) -> Result<RunSummary> {
         step_index: r.int(4)? as u64,
         created_at: r.int(5)?,
         finished_at: r.opt_int(6)?,
+        forked_from: match (r.opt_text(7)?, r.opt_int(8)?) {
+            (Some(run_id), Some(step)) => Some(ratchet_core::ForkedFrom {
+                run_id: parse_run_id(&run_id)?,
+                step: step as u64,
+            }),
+            _ => None,
+        },
     })
 }
 

@@ -405,6 +405,21 @@ fn to_message(r: &mut Row, at: usize) -> Result<Message> {
     })
 }
 
+/// The session's messages in order, as stored, hidden ones included; not a continuation
+/// turn's drafts.
+pub(crate) fn stored_history(c: &dyn Db, session_id: &SessionId) -> Result<Vec<StoredMessage>> {
+    c.query(
+        &format!(
+            "SELECT {STORED_MESSAGE_COLUMNS} FROM messages
+             WHERE session_id = ?1 AND draft_of IS NULL ORDER BY rowid"
+        ),
+        &params![session_id.as_str()],
+    )?
+    .into_iter()
+    .map(to_stored_message)
+    .collect()
+}
+
 pub(crate) fn history(c: &dyn Db, session_id: &SessionId) -> Result<Vec<Message>> {
     c.query(
         "SELECT role, content, tool_calls_json, tool_call_id, visibility, origin, keeps_from, is_error FROM messages

@@ -5,16 +5,18 @@
 //! next: decisions come from `ratchet-core`, and the store only checks the fences (step
 //! index, status edge, lease epoch) and writes atomically.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use ratchet_core::fork::SourceMessage;
 use ratchet_core::step::Reconciliation;
 use ratchet_core::step::{DecisionError, Resumption};
 use ratchet_core::{
-    AgentState, ApprovalAnswer, ApprovalCall, ApprovalId, Counters, Delivery, EventDraft,
-    IllegalEdge, InboxKind, InboxStatus, Message, MessageId, Millis, Role, RunConfigSnapshot,
-    RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult, StopReason, ToolOutcome,
-    TraceContext, TreeSpend,
+    AgentState, ApprovalAnswer, ApprovalCall, ApprovalId, Counters, Delivery, EventDraft, ForkEdit,
+    ForkedFrom, IllegalEdge, InboxKind, InboxStatus, Message, MessageId, Millis, Role,
+    RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult, StopReason,
+    ToolOutcome, TraceContext, TreeSpend,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -68,6 +70,12 @@ pub enum Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl From<ratchet_core::fork::ForkError> for Error {
+    fn from(error: ratchet_core::fork::ForkError) -> Error {
+        Error::Invalid(error.to_string())
+    }
+}
 
 impl From<DecisionError> for Error {
     fn from(error: DecisionError) -> Error {
@@ -449,6 +457,13 @@ fn step_message_prefix(run_id: &RunId) -> String {
     format!("msg_{bare}-")
 }
 
+/// The step of `run_id` that wrote the message `id`, when a step of that run wrote it.
+pub fn message_step(run_id: &RunId, id: &str) -> Option<u64> {
+    (id.strip_prefix(&step_message_prefix(run_id)))
+        .and_then(|rest| rest.split('-').next())
+        .and_then(|step| step.parse::<u64>().ok())
+}
+
 /// Splits a run's messages (in history order) for `Reads::step_messages` of step
 /// `step_index`: the position the step's context ends at — just before the first message of
 /// this step or a later one, or with none, at the run's last message — and the messages the
@@ -458,12 +473,7 @@ pub fn split_step_messages(
     run_id: &RunId,
     step_index: u64,
 ) -> Option<(i64, Vec<StoredMessage>)> {
-    let prefix = step_message_prefix(run_id);
-    let written_by = |id: &str| {
-        (id.strip_prefix(&prefix))
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|step| step.parse::<u64>().ok())
-    };
+    let written_by = |id: &str| message_step(run_id, id);
     let first_from = (runs_messages.iter())
         .position(|m| written_by(&m.id).is_some_and(|step| step >= step_index));
     let through = match first_from {
@@ -527,6 +537,79 @@ pub struct NewRun {
     /// The keyed request this message came with: its effect is recorded with the key in the
     /// same transaction (refused with `Conflict` when the mark no longer holds the key).
     pub request: Option<RequestMark>,
+}
+
+/// A fork of a run at one of its steps (see `Writes::fork_run`).
+#[derive(Debug, Clone)]
+pub struct NewFork {
+    pub source: RunId,
+    pub at_step: u64,
+    /// The fork's new session and run.
+    pub session_id: SessionId,
+    pub run_id: RunId,
+    /// The configuration the fork is frozen with, and the catalog agent its session names;
+    /// None: the source's frozen configuration and its session's agent.
+    pub config: Option<(RunConfigSnapshot, Option<String>)>,
+    pub edit: Option<ForkEdit>,
+    /// Refused with `Error::QuotaExceeded` when admitting the fork would exceed it.
+    pub quota: RunQuota,
+    /// The keyed request that forks: its effect is recorded with the key in the same
+    /// transaction.
+    pub request: Option<RequestMark>,
+}
+
+/// What `Writes::fork_run` created.
+#[derive(Debug, Clone)]
+pub struct Forked {
+    pub session: Session,
+    /// `running` (its first job enqueued) or `waiting_human` (a call in doubt to reconcile).
+    pub status: RunStatus,
+    pub events: Vec<StoredEvent>,
+}
+
+/// A session's messages in order, each with the step of `run_id` that wrote it, as
+/// `ratchet_core::fork` reads a source's history.
+pub fn source_messages(messages: Vec<StoredMessage>, run_id: &RunId) -> Vec<(i64, SourceMessage)> {
+    (messages.into_iter())
+        .map(|m| {
+            let step = (m.run_id == *run_id)
+                .then(|| message_step(run_id, &m.id))
+                .flatten();
+            (
+                m.position,
+                SourceMessage {
+                    message: m.message,
+                    step,
+                },
+            )
+        })
+        .collect()
+}
+
+/// The steps whose intents hold what the source did of the batch its step `batch_step` asked
+/// for: from the next step to the first later one that wrote messages (the step that ran the
+/// batch to its end), or to the step in flight (`committed + 1`) when none has yet.
+pub fn batch_steps(
+    messages: &[(i64, SourceMessage)],
+    batch_step: u64,
+    committed: u64,
+) -> std::ops::RangeInclusive<u64> {
+    let ran = (messages.iter())
+        .filter_map(|(_, m)| m.step)
+        .filter(|&step| step > batch_step)
+        .min();
+    (batch_step + 1)..=ran.unwrap_or(committed + 1)
+}
+
+/// What a source recorded of a batch's tool calls by slot, from its intents in step order: the
+/// last attempt's outcome, or None for a call started without one.
+pub fn batch_started(
+    intents: impl IntoIterator<Item = IntentRecord>,
+) -> HashMap<u32, Option<ToolOutcome>> {
+    (intents.into_iter())
+        .filter(|intent| intent.kind == IntentKind::Tool)
+        .map(|intent| (intent.slot, intent.outcome))
+        .collect()
 }
 
 /// Limits on non-terminal runs (queued, running, waiting, cancelling). A session's count
@@ -733,6 +816,8 @@ pub struct RunSummary {
     pub step_index: u64,
     pub created_at: Millis,
     pub finished_at: Option<Millis>,
+    /// The run and step it was forked from.
+    pub forked_from: Option<ForkedFrom>,
 }
 
 #[derive(Debug, Clone)]
@@ -1088,6 +1173,16 @@ pub trait Writes: Send + Sync + 'static {
     /// (its first job enqueued) when the session has no non-terminal run; otherwise it waits
     /// `queued` until the runs before it end.
     async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted>;
+
+    /// Forks `source` at its committed step `at_step` in one transaction: a new session of the
+    /// source session's tenant, holding a copy of the source's history as that step left it
+    /// (edited as asked; see `ratchet_core::fork::plan`), and a new run in it that continues
+    /// from there with fresh budgets, recording `forked_from`. Its first job is enqueued, or it
+    /// waits for a human when a `never` call the source started has no known outcome. The
+    /// source is only read. Refused with `Error::Invalid` for a step that cannot be forked,
+    /// `Error::QuotaExceeded` past `quota` and `Error::NotFound` for an unknown run (nothing
+    /// written).
+    async fn fork_run(&self, fork: NewFork, now: Millis) -> Result<Forked>;
 
     /// Claims the oldest available job — of `run` and the runs of its delegations only, when
     /// given: never claimed, released for retry, or with an expired lease. A reclaim increments the job's attempt and epoch.

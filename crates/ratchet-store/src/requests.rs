@@ -5,7 +5,7 @@
 //! is carried out. A request whose effect is one transaction records that effect in the key's
 //! row within that same transaction (`NewRun::request`, `SessionSpec::request`), so that when
 //! its process dies between the commit and storing the response, a repeat answers from the
-//! recorded effect instead of doing it again. Once answered, the response is kept
+//! recorded effect instead of doing it again. A fork (`NewFork::request`) does the same. Once answered, the response is kept
 //! (`Writes::finish_request`) and every repeat until the key expires gets it back.
 
 use ratchet_core::{MessageId, Millis, RunId, RunStatus, SessionId};
@@ -90,6 +90,14 @@ pub enum Effect {
     },
     /// A session was created (`Writes::create_session`).
     SessionCreated { session_id: SessionId },
+    /// A run was forked (`Writes::fork_run`) into a new session.
+    Forked {
+        source: RunId,
+        at_step: u64,
+        session_id: SessionId,
+        run_id: RunId,
+        status: RunStatus,
+    },
 }
 
 impl Effect {

@@ -12,6 +12,7 @@ mod client;
 mod console;
 mod crash;
 mod failpoints;
+mod fork;
 mod http_fuzz;
 mod idempotency;
 mod mcp;

@@ -677,6 +677,7 @@ async fn health_metrics_and_the_openapi_document() {
         ("/v1/runs/{id}/resume", vec!["post"]),
         ("/v1/runs/{id}/retry", vec!["post"]),
         ("/v1/runs/{id}/continue", vec!["post"]),
+        ("/v1/runs/{id}/fork", vec!["post"]),
         ("/v1/approvals", vec!["get"]),
         ("/v1/approvals/{id}", vec!["get", "post"]),
         ("/v1/runs/{id}/events", vec!["get"]),

@@ -157,3 +157,22 @@ async fn a_key_that_is_not_1_to_255_printable_characters_is_a_bad_request() {
     let listed = server.get_ok(TOKEN_A, "/v1/sessions").await;
     assert_eq!(listed["items"], json!([]), "nothing was created");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_fork_forks_once() {
+    let server = Server::start(quick_script()).await;
+    let (_, run, _) = server.run_to_end("What is 2 + 3?").await;
+    let path = format!("/v1/runs/{run}/fork");
+    let body = json!({"at_step": 2});
+    let first = keyed(&server, TOKEN_A, &path, "fork-1", body.clone()).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    let again = keyed(&server, TOKEN_A, &path, "fork-1", body).await;
+    assert_eq!((again.status, again.replayed), (StatusCode::CREATED, true));
+    assert_eq!(again.body, first.body);
+    let sessions = server.get_ok(TOKEN_A, "/v1/sessions").await;
+    assert_eq!(
+        sessions["items"].as_array().unwrap().len(),
+        2,
+        "the source's session and one fork's: {sessions}"
+    );
+}

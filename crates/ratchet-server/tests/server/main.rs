@@ -7,6 +7,7 @@ mod agents;
 mod api;
 mod bodies;
 mod control;
+mod fork;
 mod idempotency;
 mod openapi;
 mod security;

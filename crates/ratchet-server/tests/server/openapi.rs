@@ -287,6 +287,7 @@ async fn request_bodies_require_what_the_server_requires_and_nothing_else() {
         "post /v1/sessions/{id}/messages": [true, [["content"]]],
         "post /v1/runs/{id}/reconcile": [true, [["call_id", "outcome"]]],
         "post /v1/runs/{id}/continue": [true, [[]]],
+        "post /v1/runs/{id}/fork": [true, [["at_step"]]],
         "post /v1/approvals/{id}": [true, [["decisions"], ["abort"]]],
         "post /v1/webhooks": [true, [["url"]]],
         "post /v1/webhooks/{id}/rotate-secret": [false, [[]]],
