@@ -29,6 +29,7 @@ mod rows;
 mod runs;
 mod sessions;
 mod steps;
+mod timer;
 mod webhooks;
 
 use std::future::Future;

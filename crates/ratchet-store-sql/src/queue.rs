@@ -74,11 +74,13 @@ pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Sub
                 now
             ],
         )?;
+        let woke = crate::timer::wake_on_input(c, &new.session_id, now)?;
         return Ok(Submitted {
             status: run_row(c, active)?.status,
             events: Vec::new(),
             interrupted: None,
             steered_into: Some(active.clone()),
+            woke,
         });
     }
     let (state, created) = insert_queued_run(
@@ -108,10 +110,12 @@ pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Sub
             events,
             interrupted: None,
             steered_into: None,
+            woke: None,
         });
     };
     let mut events = insert_events(c, &new.session_id, Some(&new.run_id), &drafts, now)?;
     let mut interrupted = None;
+    let mut woke = None;
     if new.when_busy == WhenBusy::Interrupt {
         // A cancel that ends the active run at once frees the session, and the queue (this
         // run included) moves on inside the same transaction.
@@ -123,6 +127,8 @@ pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Sub
             CancelOutcome::AlreadyTerminal(_) => {}
         }
         interrupted = Some(active);
+    } else {
+        woke = crate::timer::wake_on_input(c, &new.session_id, now)?;
     }
     let status = run_row(c, &new.run_id)?.status;
     Ok(Submitted {
@@ -130,12 +136,12 @@ pub(crate) fn submit_message(c: &dyn Db, new: NewRun, now: Millis) -> Result<Sub
         events,
         interrupted,
         steered_into: None,
+        woke,
     })
 }
 
 /// The statuses a run quota counts.
-pub(crate) const ACTIVE_STATUSES: &str =
-    "('queued', 'running', 'waiting_human', 'waiting_children', 'paused', 'cancelling')";
+pub(crate) const ACTIVE_STATUSES: &str = "('queued', 'running', 'waiting_human', 'waiting_children', 'waiting_timer', 'paused', 'cancelling')";
 
 /// Non-terminal runs of a root session, the runs of its delegations included.
 pub(crate) fn active_in_session(c: &dyn Db, root_session: &SessionId) -> Result<u64> {
