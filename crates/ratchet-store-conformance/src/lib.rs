@@ -13,6 +13,7 @@ mod bounds;
 mod delegation;
 mod inbox;
 mod pause;
+mod timer;
 mod webhooks;
 
 use std::sync::Arc;
@@ -34,6 +35,7 @@ pub use bounds::*;
 pub use delegation::*;
 pub use inbox::*;
 pub use pause::*;
+pub use timer::*;
 pub use webhooks::*;
 
 use ratchet_store::{
@@ -115,6 +117,10 @@ macro_rules! store_conformance_tests {
             cancel_of_a_paused_run_frees_the_session,
             a_users_steers_past_the_lanes_count_or_bytes_are_refused_and_nothing_is_written,
             a_background_runs_steered_signals_past_the_agent_lane_are_refused,
+            a_wait_parks_the_run_with_one_job_ready_at_its_due_time,
+            input_for_its_session_ends_a_wait_early_once,
+            a_waiting_run_is_paused_and_cancelled_at_once,
+            a_run_waiting_on_a_timer_past_its_deadline_times_out,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -122,6 +128,7 @@ macro_rules! store_conformance_tests {
             event_seqs_are_dense_per_session,
             a_steer_racing_the_end_of_a_run_lands_exactly_once,
             a_pause_racing_a_step_pauses_the_run_exactly_once,
+            concurrent_claims_of_a_due_timer_have_one_winner,
         );
         $crate::store_conformance_tests!(@observed $make;
             a_webhook_is_queued_each_wanted_event_once_from_its_creation_on,

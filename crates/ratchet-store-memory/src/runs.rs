@@ -391,7 +391,7 @@ impl Tables {
             }
             status => {
                 return Err(Error::Conflict(format!(
-                    "run {run_id} is {status}; only a running run, or one waiting on a timer, can be paused"
+                    "run {run_id} is {status}; only a running run can be paused (or one waiting on a timer)"
                 )));
             }
         }

@@ -277,7 +277,7 @@ pub(crate) fn request_pause(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<P
         }
         status => {
             return Err(Error::Conflict(format!(
-                "run {run_id} is {status}; only a running run, or one waiting on a timer, can be paused"
+                "run {run_id} is {status}; only a running run can be paused (or one waiting on a timer)"
             )));
         }
     }
