@@ -123,7 +123,7 @@ pub async fn a_wait_parks_the_run_with_one_job_ready_at_its_due_time(store: &dyn
     let timer = state.timer.clone().expect("the state keeps the timer");
     assert_eq!((timer.due_at, timer.since, timer.slot), (due, T0 + 4, 1));
     assert_eq!(timer.woken_by_input, None);
-    assert_eq!(store.runs_with_jobs().await.unwrap(), [run.clone()]);
+    assert_eq!(store.runs_with_jobs().await.unwrap(), std::slice::from_ref(&run));
     assert!(store.lease_owners().await.unwrap().is_empty());
     assert_eq!(
         store.get_session(&session).await.unwrap().active_run_id,
