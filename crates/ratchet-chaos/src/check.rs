@@ -224,7 +224,7 @@ pub async fn check(
     Ok((tally, violations))
 }
 
-/// Invariant 22: the run's message, sent under its `Idempotency-Key` until answered, created
+/// Invariant 23: the run's message, sent under its `Idempotency-Key` until answered, created
 /// exactly one run — the one the client was answered with.
 fn check_one_run_per_message(run: &RunLog, events: &[StoredEvent], violations: &mut Vec<String>) {
     let created: Vec<String> = events
@@ -240,7 +240,7 @@ fn check_one_run_per_message(run: &RunLog, events: &[StoredEvent], violations: &
         .collect();
     if created != [run.run_id.as_str()] {
         violations.push(format!(
-            "invariant 22: the message of run {} ({}) created runs {created:?}, expected it alone",
+            "invariant 23: the message of run {} ({}) created runs {created:?}, expected it alone",
             run.run_id, run.tag
         ));
     }
@@ -793,7 +793,7 @@ mod tests {
         let twice = vec![created(1, "a", "hello"), created(2, "b", "hello")];
         check_one_run_per_message(&run, &twice, &mut violations);
         assert_eq!(violations.len(), 1, "{violations:?}");
-        assert!(violations[0].starts_with("invariant 22"), "{violations:?}");
+        assert!(violations[0].starts_with("invariant 23"), "{violations:?}");
 
         let another = vec![created(1, "b", "hello")];
         let mut violations = Vec::new();

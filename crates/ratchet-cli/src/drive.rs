@@ -395,6 +395,7 @@ pub async fn resume(
                     | RunStatus::Cancelling
                     | RunStatus::Queued
                     | RunStatus::WaitingChildren
+                    | RunStatus::WaitingTimer
             )
         })
         .map(|r| r.run_id)
@@ -490,6 +491,23 @@ pub(crate) fn show_progress(out: &mut impl Write, kind: &str, payload: &serde_js
             } else {
                 "; retrying"
             }
+        ),
+        "timer.set" => writeln!(
+            out,
+            "  [{}] waiting {} ms, until {}",
+            payload["call_id"].as_str().unwrap_or_default(),
+            payload["wait_ms"],
+            payload["due_at"]
+                .as_i64()
+                .map(ratchet_core::timer::format_rfc3339)
+                .unwrap_or_default()
+        ),
+        "timer.woke" => writeln!(
+            out,
+            "  [{}] woke ({}) after {} ms",
+            payload["call_id"].as_str().unwrap_or_default(),
+            payload["woke"].as_str().unwrap_or_default(),
+            payload["waited_ms"]
         ),
         "tool.outcome_unknown" => writeln!(
             out,

@@ -628,7 +628,10 @@ impl RunArgs {
             db: self.db.db,
             model: (self.model).unwrap_or_else(|| "scripted:demo".to_owned()),
             workspace: self.workspace,
-            limits: self.budget.limits(),
+            limits: ratchet_core::Limits {
+                max_wait_ms: file.max_wait_ms()?,
+                ..self.budget.limits()
+            },
             overrides,
             profiles: file.models,
             mcp: file.mcp,

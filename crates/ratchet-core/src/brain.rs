@@ -70,10 +70,12 @@ fn decide_in_time(state: &AgentState, phase: Phase) -> Instruction {
                 Instruction::Finish(StopReason::Completed)
             }
         }
-        // The batch a human was asked about (or whose children ran) is finished by a tools
-        // step even when every outcome is now known: that step is what hands the results to
-        // the model, in order.
-        Phase::HumanDecided | Phase::ChildrenJoined if state.checkpoint.is_some() => {
+        // The batch a human was asked about (or whose children ran, or whose `wait` ended) is
+        // finished by a tools step even when every other outcome is known: that step is what
+        // hands the results to the model, in order.
+        Phase::HumanDecided | Phase::ChildrenJoined | Phase::WaitEnded
+            if state.checkpoint.is_some() =>
+        {
             Instruction::CallToolsBatch
         }
         Phase::ToolsBatchResult
@@ -89,6 +91,7 @@ fn decide_in_time(state: &AgentState, phase: Phase) -> Instruction {
         | Phase::ToolsBatchResult
         | Phase::HumanDecided
         | Phase::ChildrenJoined
+        | Phase::WaitEnded
         | Phase::Resumed
         | Phase::ContextCompacted
         | Phase::CompletionBlocked => next_model_call(state),
@@ -294,7 +297,9 @@ mod tests {
             Phase::LlmResult if gated => AskApproval,
             Phase::LlmResult if pending => CallToolsBatch,
             Phase::LlmResult => Finish(StopReason::Completed),
-            Phase::HumanDecided | Phase::ChildrenJoined if checkpoint != 0 => CallToolsBatch,
+            Phase::HumanDecided | Phase::ChildrenJoined | Phase::WaitEnded if checkpoint != 0 => {
+                CallToolsBatch
+            }
             Phase::ToolsBatchResult if parse_failures >= 3 => Finish(StopReason::ParseFailures),
             Phase::ToolsBatchResult if checkpoint == 2 => Finish(StopReason::Completed),
             _ => model_call(),

@@ -28,6 +28,10 @@ pub enum EventKind {
     SubagentStarted,
     SubagentFinished,
     CompletionBlocked,
+    /// A run parked on a `wait` call, until the time it names.
+    TimerSet,
+    /// A run's `wait` ended: its time came, or input for its session arrived.
+    TimerWoke,
     InboxReserved,
     InboxPending,
     InboxLeased,
@@ -43,7 +47,7 @@ pub enum EventKind {
 }
 
 impl EventKind {
-    pub const ALL: [EventKind; 33] = [
+    pub const ALL: [EventKind; 35] = [
         EventKind::RunCreated,
         EventKind::RunStatus,
         EventKind::StepCommitted,
@@ -65,6 +69,8 @@ impl EventKind {
         EventKind::SubagentStarted,
         EventKind::SubagentFinished,
         EventKind::CompletionBlocked,
+        EventKind::TimerSet,
+        EventKind::TimerWoke,
         EventKind::InboxReserved,
         EventKind::InboxPending,
         EventKind::InboxLeased,
@@ -102,6 +108,8 @@ impl EventKind {
             EventKind::SubagentStarted => "subagent.started",
             EventKind::SubagentFinished => "subagent.finished",
             EventKind::CompletionBlocked => "completion.blocked",
+            EventKind::TimerSet => "timer.set",
+            EventKind::TimerWoke => "timer.woke",
             EventKind::InboxReserved => "inbox.reserved",
             EventKind::InboxPending => "inbox.pending",
             EventKind::InboxLeased => "inbox.leased",

@@ -21,6 +21,7 @@ pub mod message;
 pub mod state;
 pub mod status;
 pub mod step;
+pub mod timer;
 pub mod trace;
 pub mod tree_budget;
 pub mod webhook;
@@ -43,6 +44,7 @@ pub use state::{
 };
 pub use status::{IllegalEdge, RunStatus, StopReason};
 pub use step::{ModelReply, Phase, StepJob, StepRecord, StepResult, Usage};
+pub use timer::{Timer, WAIT_TOOL};
 pub use trace::TraceContext;
 pub use tree_budget::{TreeBudget, TreeSpend};
 pub use webhook::{Backoff, DeliveryStatus};

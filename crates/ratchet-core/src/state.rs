@@ -83,10 +83,18 @@ pub struct Limits {
     /// cut from its view, never from the store. Configs frozen before it existed read 64 KiB.
     #[serde(default = "default_max_tool_result_bytes")]
     pub max_tool_result_bytes: u64,
+    /// The longest one `wait` call may park the run (`[tools.wait] max_ms`). Configs frozen
+    /// before it existed read seven days.
+    #[serde(default = "default_max_wait_ms")]
+    pub max_wait_ms: u64,
 }
 
 fn default_max_tool_result_bytes() -> u64 {
     crate::bounds::DEFAULT_MAX_TOOL_RESULT_BYTES
+}
+
+fn default_max_wait_ms() -> u64 {
+    crate::timer::DEFAULT_MAX_WAIT_MS
 }
 
 impl Default for Limits {
@@ -102,6 +110,7 @@ impl Default for Limits {
             max_prompt_tokens: None,
             max_duration_ms: None,
             max_tool_result_bytes: crate::bounds::DEFAULT_MAX_TOOL_RESULT_BYTES,
+            max_wait_ms: crate::timer::DEFAULT_MAX_WAIT_MS,
         }
     }
 }
@@ -467,6 +476,10 @@ pub struct AgentState {
     /// Time spent paused, which the duration budget does not count.
     #[serde(default)]
     pub paused_ms: u64,
+    /// The `wait` the run is parked on (`waiting_timer`, or paused while it waited), with its
+    /// due time frozen when it parked; None otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timer: Option<crate::timer::Timer>,
     /// Where the run stands with its completion criteria (not stored while untouched: most
     /// runs have none, and every step writes the state).
     #[serde(
@@ -592,6 +605,7 @@ impl AgentState {
             forked_from: None,
             pause: None,
             paused_ms: 0,
+            timer: None,
             completion: crate::CompletionProgress::default(),
             in_doubt: Vec::new(),
             created_at: now,

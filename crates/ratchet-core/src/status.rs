@@ -14,6 +14,9 @@ pub enum RunStatus {
     Running,
     WaitingHuman,
     WaitingChildren,
+    /// Parked on a `wait` call until its due time (or until input for its session arrives):
+    /// it holds its session and one job, ready at that time, but no worker and no permit.
+    WaitingTimer,
     /// Stopped at a step boundary because a client asked; `resume` goes on from there.
     Paused,
     Cancelling,
@@ -30,11 +33,12 @@ pub struct IllegalEdge {
 }
 
 impl RunStatus {
-    pub const ALL: [RunStatus; 9] = [
+    pub const ALL: [RunStatus; 10] = [
         RunStatus::Queued,
         RunStatus::Running,
         RunStatus::WaitingHuman,
         RunStatus::WaitingChildren,
+        RunStatus::WaitingTimer,
         RunStatus::Paused,
         RunStatus::Cancelling,
         RunStatus::Completed,
@@ -50,7 +54,8 @@ impl RunStatus {
     }
 
     /// A waiting run holds its session but has no job: it moves only when something outside
-    /// the run (a human, its children, a client resuming it) answers.
+    /// the run (a human, its children, a client resuming it) answers. A run `waiting_timer` is
+    /// not one of them: its job wakes it by itself.
     pub fn is_waiting(self) -> bool {
         matches!(
             self,
@@ -69,6 +74,7 @@ impl RunStatus {
                 Running
                     | WaitingHuman
                     | WaitingChildren
+                    | WaitingTimer
                     | Paused
                     | Cancelling
                     | Completed
@@ -78,7 +84,12 @@ impl RunStatus {
             // A waiting run past its deadline fails (`timed_out`); a paused one does not: time
             // spent paused is not the run's.
             WaitingHuman => matches!(to, Running | Failed | Cancelled),
-            Paused => matches!(to, Running | Cancelled),
+            // The step its job runs when the wait ends goes on with the batch (and may end the
+            // run there: a tool of the batch that completes it, a spent budget, the deadline);
+            // a pause or a cancel needs no step.
+            WaitingTimer => matches!(to, Running | Paused | Completed | Failed | Cancelled),
+            // A run paused while it waited on a timer waits again when resumed.
+            Paused => matches!(to, Running | WaitingTimer | Cancelled),
             WaitingChildren => matches!(to, Running | Cancelling | Failed | Cancelled),
             // A step in flight when the cancel arrived may still end the run on its own.
             Cancelling => matches!(to, Cancelling | Completed | Failed | Cancelled),
@@ -98,6 +109,7 @@ impl RunStatus {
             RunStatus::Running => "running",
             RunStatus::WaitingHuman => "waiting_human",
             RunStatus::WaitingChildren => "waiting_children",
+            RunStatus::WaitingTimer => "waiting_timer",
             RunStatus::Paused => "paused",
             RunStatus::Cancelling => "cancelling",
             RunStatus::Completed => "completed",
@@ -134,7 +146,7 @@ pub enum StopReason {
     /// The model kept trying to finish with a completion criterion unmet.
     CompletionBlocked,
     /// The run's `max_duration_ms` passed: the step in flight was cut off, or the run was
-    /// waiting (for a human, for its children) when it passed.
+    /// waiting (for a human, for its children, on a timer) when it passed.
     TimedOut,
 }
 
@@ -177,15 +189,16 @@ mod tests {
     /// The whole edge table, written out as a matrix so that any change to it is a
     /// deliberate, reviewed change here. Rows are `from`, columns are `to`, in `ALL` order.
     const EXPECTED: &str = "\
-queued           .X......X
-running          .XXXXXXXX
-waiting_human    .X.....XX
-waiting_children .X...X.XX
-paused           .X......X
-cancelling       .....XXXX
-completed        .........
-failed           .X.......
-cancelled        .........
+queued           .X.......X
+running          .XXXXXXXXX
+waiting_human    .X......XX
+waiting_children .X....X.XX
+waiting_timer    .X...X.XXX
+paused           .X..X....X
+cancelling       ......XXXX
+completed        ..........
+failed           .X........
+cancelled        ..........
 ";
 
     #[test]

@@ -31,10 +31,13 @@ pub enum Phase {
     ChildrenJoined,
     /// The model tried to finish with a completion criterion unmet: it is called again.
     CompletionBlocked,
+    /// The run's `wait` ended (its due time came, or input for its session arrived): the
+    /// batch goes on with the wait's result.
+    WaitEnded,
 }
 
 impl Phase {
-    pub const ALL: [Phase; 9] = [
+    pub const ALL: [Phase; 10] = [
         Phase::UserInput,
         Phase::LlmResult,
         Phase::ToolsBatchResult,
@@ -44,6 +47,7 @@ impl Phase {
         Phase::ContextCompacted,
         Phase::ChildrenJoined,
         Phase::CompletionBlocked,
+        Phase::WaitEnded,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -57,6 +61,7 @@ impl Phase {
             Phase::ContextCompacted => "context_compacted",
             Phase::ChildrenJoined => "children_joined",
             Phase::CompletionBlocked => "completion_blocked",
+            Phase::WaitEnded => "wait_ended",
         }
     }
 
@@ -141,11 +146,14 @@ impl StepResult {
         self.children.clear();
         self.events
             .retain(|event| event.kind != EventKind::SubagentStarted);
-        if self.state.status.is_waiting() {
+        if self.state.status.is_waiting() || self.state.status == RunStatus::WaitingTimer {
             self.state.pending_human = None;
+            self.state.timer = None;
             let waiting = serde_json::to_value(self.state.status).unwrap_or_default();
             self.events.retain(|event| match event.kind {
-                EventKind::ApprovalRequired | EventKind::ReconciliationRequired => false,
+                EventKind::ApprovalRequired
+                | EventKind::ReconciliationRequired
+                | EventKind::TimerSet => false,
                 EventKind::RunStatus => event.payload["status"] != waiting,
                 _ => true,
             });
@@ -164,10 +172,14 @@ impl StepResult {
 impl StepResult {
     /// A pause was asked for while this step was in flight. A run that would go on to its
     /// next step stops here instead, keeping that step's phase to take it up when resumed
-    /// (background children the step starts still start). A step that ends the run or makes
-    /// it wait is left as it is. True when the run paused.
+    /// (background children the step starts still start); so does one the step parks on a
+    /// timer, which waits again, for the same due time, when resumed. A step that ends the run
+    /// or makes it wait for someone is left as it is. True when the run paused.
     pub fn yield_to_pause(&mut self) -> bool {
-        if self.state.status != RunStatus::Running {
+        if !matches!(
+            self.state.status,
+            RunStatus::Running | RunStatus::WaitingTimer
+        ) {
             return false;
         }
         let Some(next) = self.next.take() else {
@@ -632,6 +644,7 @@ fn end_idle(state: &mut AgentState, reason: StopReason, now: Millis) -> Vec<Even
     if let Some(HumanRequest::Reconciliation { calls }) = state.pending_human.take() {
         state.in_doubt.extend(calls);
     }
+    state.timer = None;
     finish_in_place(state, reason, now, &mut events);
     events
 }
@@ -755,18 +768,19 @@ fn pause_in_place(state: &mut AgentState, next: Phase, now: Millis) {
     state.pause = Some(crate::state::Pause { next, since: now });
 }
 
-/// Pauses a running run that has no step in flight: `next` is the phase of the job that was
-/// waiting to be claimed (the caller removes that job).
+/// Pauses a running run that has no step in flight, or one waiting on a timer (which keeps
+/// its due time): `next` is the phase of the job that was waiting to be claimed (the caller
+/// removes that job).
 pub fn pause_idle(
     state: &mut AgentState,
     next: Phase,
     now: Millis,
 ) -> Result<Vec<EventDraft>, DecisionError> {
-    if state.status != RunStatus::Running {
+    if !matches!(state.status, RunStatus::Running | RunStatus::WaitingTimer) {
         return Err(DecisionError::NotWaiting {
             run_id: state.run_id.clone(),
             status: state.status,
-            expected: "pause (only a running run can)".to_owned(),
+            expected: "pause (only a running run, or one waiting on a timer, can)".to_owned(),
         });
     }
     pause_in_place(state, next, now);
@@ -774,7 +788,9 @@ pub fn pause_idle(
 }
 
 /// Moves a paused run back to `running`; the returned job is the one the pause took away.
-/// The time spent paused is not counted against the run's duration budget.
+/// The time spent paused is not counted against the run's duration budget. A run paused while
+/// it waited on a timer waits again, for the same due time (its job is ready then, or at once
+/// when that time has passed or input ended the wait meanwhile).
 pub fn resume_paused(
     state: &mut AgentState,
     now: Millis,
@@ -794,6 +810,17 @@ pub fn resume_paused(
         .paused_ms
         .saturating_add(u64::try_from(now.saturating_sub(pause.since)).unwrap_or(0));
     let mut events = Vec::new();
+    if pause.next == Phase::WaitEnded && state.timer.is_some() {
+        state.status = RunStatus::WaitingTimer;
+        events.push(status_event(state));
+        let job = StepJob {
+            run_id: state.run_id.clone(),
+            step_index: state.step_index + 1,
+            phase: Phase::WaitEnded,
+            attempt: 0,
+        };
+        return Ok((events, job));
+    }
     let job = back_to_running(state, pause.next, &mut events);
     Ok((events, job))
 }

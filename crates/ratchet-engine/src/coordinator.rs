@@ -300,7 +300,8 @@ impl Coordinator {
                 token.cancel();
             }
         }
-        if submitted.status == RunStatus::Running {
+        // A new run, or a run whose wait on a timer this message ended, has a job ready now.
+        if submitted.status == RunStatus::Running || submitted.woke.is_some() {
             self.wake.notify_one();
         }
         Ok(StartedRun {

@@ -20,9 +20,10 @@ use ratchet_core::step::{
     Compaction, after_compaction, after_model, after_tools, ask_approval_step,
     await_reconciliation, finish_step,
 };
+use ratchet_core::timer::{WAIT_TOOL, await_timer, plan_waits, wake_step};
 use ratchet_core::{
     AfterUnknown, AgentState, CallLimits, EventDraft, EventKind, HumanRequest, Instruction,
-    Message, ReplayPolicy, RunConfigSnapshot, SessionId, StepJob, StepResult, ToolCall,
+    Message, ReplayPolicy, RunConfigSnapshot, RunStatus, SessionId, StepJob, StepResult, ToolCall,
     ToolDelegation, ToolOutcome, UnknownCall, after_unknown, decide,
 };
 use ratchet_llm::ModelRequest;
@@ -172,6 +173,16 @@ impl Engine {
             ),
             Instruction::CallLlm { conclude } => {
                 return self.call_model(claimed, conclude, started, cancel).await;
+            }
+            // The step that ends a wait runs nothing: the batch's other calls ran before the
+            // run parked, and the wait's result is what ended it.
+            Instruction::CallToolsBatch if claimed.state.status == RunStatus::WaitingTimer => {
+                wake_step(
+                    claimed.state.clone(),
+                    &claimed.job,
+                    started,
+                    self.coordinator.now(),
+                )
             }
             Instruction::CallToolsBatch => self.run_batch(claimed, started, cancel, grace).await?,
             Instruction::AskApproval => ask_approval_step(
@@ -495,6 +506,7 @@ impl Engine {
         let mut invalid = 0;
         let mut unknown = Vec::new();
         let mut delegations = Vec::new();
+        let mut waits = Vec::new();
         for ((slot, call), planned) in (0u32..).zip(&calls).zip(plan) {
             match planned {
                 SlotPlan::Known(known) => {
@@ -511,6 +523,15 @@ impl Engine {
             let injected = (state.config.tool(&call.name))
                 .is_some_and(|spec| spec.delegation == ToolDelegation::RuntimeInjected);
             let checked = match call.name.as_str() {
+                // A wait is performed by parking the run once the rest of the batch has run.
+                WAIT_TOOL => match self.check_call(&state.config, call) {
+                    Ok(_) => {
+                        waits.push(slot);
+                        outcomes.push(None);
+                        continue;
+                    }
+                    Err(message) => Err(message),
+                },
                 DELEGATE_TOOL if injected => match read_delegate(&state, &call.arguments) {
                     Ok(request) => {
                         delegations.push(Delegation {
@@ -701,10 +722,18 @@ impl Engine {
                 outcomes[delegation.slot as usize] = Some(background_started(&started, policy));
             }
         }
-        let waits = delegations
+        let awaits_children = delegations
             .iter()
             .any(|d| d.request.mode == DelegationMode::Foreground);
-        if waits {
+        let now = self.coordinator.now();
+        let wait_calls: Vec<(u32, &serde_json::Value)> = (waits.iter())
+            .map(|&slot| (slot, &calls[slot as usize].arguments))
+            .collect();
+        let waits = plan_waits(&state, &wait_calls, awaits_children, now);
+        for (slot, refusal) in waits.refused {
+            outcomes[slot as usize] = Some(refusal);
+        }
+        if awaits_children {
             let result = await_children(
                 state,
                 job,
@@ -713,6 +742,11 @@ impl Engine {
                 started,
                 self.coordinator.now(),
             );
+            return Ok(with_call_events(result, call_events));
+        }
+        if let Some(parks) = waits.parks {
+            let mut result = await_timer(state, job, outcomes, parks, started, now);
+            start_in_background(&mut result, children);
             return Ok(with_call_events(result, call_events));
         }
         let outcomes = outcomes

@@ -736,8 +736,9 @@ function runControls(onChange, { own = false } = {}) {
       chip(run.status),
       run.stop_reason && run.stop_reason !== run.status ? ` (${run.stop_reason.replaceAll("_", " ")})` : "",
       run.pause_requested ? " (pausing when its step ends)" : "",
+      run.wait ? ` (${run.wait.woken_by_input ? "woken by input" : `until ${new Date(run.wait.due_at).toLocaleString()}`})` : "",
     );
-    pause.disabled = run.status !== "running" || run.pause_requested;
+    pause.disabled = !(run.status === "running" || run.status === "waiting_timer") || run.pause_requested;
     resume.disabled = !(run.status === "paused" || run.pause_requested);
     cancel.disabled = TERMINAL.has(run.status) || run.status === "cancelling";
     retry.disabled = !(run.status === "failed" && run.stop_reason === "llm_error");
@@ -2060,6 +2061,7 @@ function showRun(view, runId) {
     if (!previous) return ["queue", "in the queue"];
     const s = previous.summary ?? {};
     if (s.children?.length) return ["children", "waiting for its children"];
+    if (s.wait) return ["timer", "waiting on a timer"];
     if (s.asked_approval) return ["person", "waiting for a person's approval"];
     if (s.reconciliation) return ["person", "waiting for a person to reconcile"];
     return ["other", "waiting (a retry's backoff, a pause or a free worker)"];
@@ -2068,6 +2070,7 @@ function showRun(view, runId) {
     queued: ["queue", "in the queue"],
     waiting_human: ["person", "waiting for a person"],
     waiting_children: ["children", "waiting for its children"],
+    waiting_timer: ["timer", "waiting on a timer"],
     paused: ["other", "paused"],
     running: ["other", "a step in flight"],
     cancelling: ["other", "winding down"],

@@ -419,8 +419,8 @@ pub struct RunView {
     pub id: String,
     #[schema(value_type = SessionIdSchema)]
     pub session_id: String,
-    /// `queued`, `running`, `waiting_human`, `waiting_children`, `paused`, `cancelling`,
-    /// `completed`, `failed` or `cancelled`.
+    /// `queued`, `running`, `waiting_human`, `waiting_children`, `waiting_timer`, `paused`,
+    /// `cancelling`, `completed`, `failed` or `cancelled`.
     #[schema(value_type = RunStatusSchema)]
     pub status: String,
     pub stop_reason: Option<String>,
@@ -437,6 +437,8 @@ pub struct RunView {
     /// What the run waits on a human for, if anything.
     #[schema(value_type = Option<Object>)]
     pub pending_human: Option<Value>,
+    /// The `wait` call the run is parked on (`waiting_timer`, or paused while it waited).
+    pub wait: Option<WaitView>,
     /// `never` calls cut off when the run ended (its deadline, a cancel): nobody knows whether
     /// they took effect. `POST /v1/runs/{id}/reconcile` records what happened to each
     /// (`succeeded`, `failed` or `skip`; the run stays ended).
@@ -524,6 +526,19 @@ pub struct ForkedView {
     pub forked_from: ForkedFromView,
 }
 
+/// A run's wait on a timer: when it began and when it ends, unless input ended it sooner.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct WaitView {
+    /// The `wait` call the run parked on.
+    pub call_id: String,
+    /// When the run parked (ms since the epoch).
+    pub since: Millis,
+    /// When the wait ends (ms since the epoch), frozen when the run parked.
+    pub due_at: Millis,
+    /// When input for the session ended the wait early; its job is then ready at once.
+    pub woken_by_input: Option<Millis>,
+}
+
 /// One budget of a run and what it used.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct BudgetView {
@@ -571,6 +586,12 @@ impl From<AgentState> for RunView {
             pending_human: state
                 .pending_human
                 .and_then(|h| serde_json::to_value(h).ok()),
+            wait: state.timer.map(|timer| WaitView {
+                call_id: timer.call_id,
+                since: timer.since,
+                due_at: timer.due_at,
+                woken_by_input: timer.woken_by_input,
+            }),
             in_doubt: (state.in_doubt.iter())
                 .filter_map(|c| serde_json::to_value(c).ok())
                 .collect(),

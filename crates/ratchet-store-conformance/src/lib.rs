@@ -15,6 +15,7 @@ mod fork;
 mod inbox;
 mod pause;
 mod requests;
+mod timer;
 mod webhooks;
 
 use std::sync::Arc;
@@ -38,6 +39,7 @@ pub use fork::*;
 pub use inbox::*;
 pub use pause::*;
 pub use requests::*;
+pub use timer::*;
 pub use webhooks::*;
 
 use ratchet_store::{
@@ -125,6 +127,10 @@ macro_rules! store_conformance_tests {
             a_forks_edit_replaces_the_user_message_or_a_tool_result,
             a_fork_counts_against_the_run_quota,
             a_fork_never_runs_a_never_call_in_doubt_again,
+            a_wait_parks_the_run_with_one_job_ready_at_its_due_time,
+            input_for_its_session_ends_a_wait_early_once,
+            a_waiting_run_is_paused_and_cancelled_at_once,
+            a_run_waiting_on_a_timer_past_its_deadline_times_out,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -133,6 +139,7 @@ macro_rules! store_conformance_tests {
             a_steer_racing_the_end_of_a_run_lands_exactly_once,
             a_pause_racing_a_step_pauses_the_run_exactly_once,
             concurrent_requests_with_one_key_have_one_holder,
+            concurrent_claims_of_a_due_timer_have_one_winner,
         );
         $crate::store_conformance_tests!(@observed $make;
             a_webhook_is_queued_each_wanted_event_once_from_its_creation_on,

@@ -248,8 +248,8 @@ impl Tables {
         Ok(events)
     }
 
-    /// Starts a continuation turn in a root session that has no active run and has due
-    /// events.
+    /// An inbox event became due in a root session: one that has no active run starts a
+    /// continuation turn; one whose active run waits on a timer wakes it.
     fn serve_if_free(
         &mut self,
         session: &SessionId,
@@ -258,7 +258,15 @@ impl Tables {
     ) -> Result<Vec<StoredEvent>> {
         let free = (self.sessions.get(session))
             .is_some_and(|s| s.active_run_id.is_none() && !s.is_closed());
-        if !free || self.due(session, now).next().is_none() {
+        if self.due(session, now).next().is_none() {
+            return Ok(Vec::new());
+        }
+        // A report is input for a busy session's run, as it is for `sleep`: a wait on a timer
+        // ends now.
+        if !free {
+            if self.wake_on_input(session, now)?.is_some() {
+                *enqueued = true;
+            }
             return Ok(Vec::new());
         }
         *enqueued = true;

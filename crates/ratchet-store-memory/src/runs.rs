@@ -53,11 +53,13 @@ impl Tables {
             }
             (Some(active), WhenBusy::Steer) => {
                 self.queue_steer(&new, active, now)?;
+                let woke = self.wake_on_input(&new.session_id, now)?;
                 return Ok(Submitted {
                     status: self.run(active)?.status(),
                     events: Vec::new(),
                     interrupted: None,
                     steered_into: Some(active.clone()),
+                    woke,
                 });
             }
             _ => {}
@@ -85,11 +87,13 @@ impl Tables {
                 events,
                 interrupted: None,
                 steered_into: None,
+                woke: None,
             });
         };
         let mut events =
             self.insert_events(&new.session_id, Some(&new.run_id), vec![created], now)?;
         let mut interrupted = None;
+        let mut woke = None;
         if new.when_busy == WhenBusy::Interrupt {
             // A cancel that ends the active run at once frees the session, and the queue (this
             // run included) moves on in the same write.
@@ -99,12 +103,15 @@ impl Tables {
                 CancelOutcome::AlreadyTerminal(_) => {}
             }
             interrupted = Some(active);
+        } else {
+            woke = self.wake_on_input(&new.session_id, now)?;
         }
         Ok(Submitted {
             status: self.run(&new.run_id)?.status(),
             events,
             interrupted,
             steered_into: None,
+            woke,
         })
     }
 
@@ -191,14 +198,14 @@ impl Tables {
         let run = self.run_mut(&state.run_id)?;
         let waits = matches!(
             state.status,
-            RunStatus::WaitingHuman | RunStatus::WaitingChildren
+            RunStatus::WaitingHuman | RunStatus::WaitingChildren | RunStatus::WaitingTimer
         );
         run.deadline_at = state.deadline().filter(|_| waits);
         run.state = state.clone();
         Ok(())
     }
 
-    /// Enqueues a job nobody holds, claimable from `now`.
+    /// Enqueues a job nobody holds, claimable from `now` (a timer's due time).
     pub(crate) fn insert_job(&mut self, job: &StepJob, now: Millis) -> Result<()> {
         let key = (job.run_id.clone(), job.step_index);
         if self.jobs.contains_key(&key) {
@@ -346,9 +353,12 @@ impl Tables {
                 let events = self.insert_events(&session_id, Some(run_id), drafts, now)?;
                 Ok(CancelOutcome::Cancelling { events })
             }
+            // A run waiting on a timer ends now even while a worker holds its job: that step
+            // has no effect outside the store, and its commit finds the job gone.
             RunStatus::Queued
             | RunStatus::WaitingHuman
             | RunStatus::WaitingChildren
+            | RunStatus::WaitingTimer
             | RunStatus::Paused => {
                 let drafts = cancel_idle(&mut state, now);
                 self.run_mut(run_id)?.cancel_requested = true;
@@ -373,9 +383,15 @@ impl Tables {
         match run.status() {
             RunStatus::Paused => return Ok(PauseOutcome::Paused { events: Vec::new() }),
             RunStatus::Running => {}
+            RunStatus::WaitingTimer => {
+                let session_id = run.session_id.clone();
+                return self
+                    .pause_waiting(run_id, &session_id, now)
+                    .map(|events| PauseOutcome::Paused { events });
+            }
             status => {
                 return Err(Error::Conflict(format!(
-                    "run {run_id} is {status}; only a running run can be paused"
+                    "run {run_id} is {status}; only a running run can be paused (or one waiting on a timer)"
                 )));
             }
         }
@@ -410,6 +426,51 @@ impl Tables {
             .map(Some)
     }
 
+    /// A run waiting on a timer pauses at once, keeping its due time; its job goes, even
+    /// while a worker holds it (that step has no effect outside the store).
+    fn pause_waiting(
+        &mut self,
+        run_id: &RunId,
+        session_id: &SessionId,
+        now: Millis,
+    ) -> Result<Vec<StoredEvent>> {
+        self.remove_jobs_of(run_id);
+        let mut state = self.load_state(run_id)?;
+        let drafts =
+            ratchet_core::step::pause_idle(&mut state, ratchet_core::Phase::WaitEnded, now)?;
+        self.write_state(&state)?;
+        self.run_mut(run_id)?.pause_requested = false;
+        self.insert_events(session_id, Some(run_id), drafts, now)
+    }
+
+    /// Input arrived for `session`: its active run, if it waits on a timer that has not ended
+    /// (or is paused while it does), wakes; its job is ready now (a paused run's is written
+    /// when it is resumed). Returns the run woken.
+    pub(crate) fn wake_on_input(
+        &mut self,
+        session: &SessionId,
+        now: Millis,
+    ) -> Result<Option<RunId>> {
+        let Some(run_id) = (self.sessions.get(session)).and_then(|s| s.active_run_id.clone())
+        else {
+            return Ok(None);
+        };
+        let mut state = self.load_state(&run_id)?;
+        if !ratchet_core::timer::wake_by_input(&mut state, now) {
+            return Ok(None);
+        }
+        self.write_state(&state)?;
+        if state.status == RunStatus::WaitingTimer {
+            let at = ratchet_core::timer::job_ready_at(&state, now);
+            for ((run, _), job) in self.jobs.iter_mut() {
+                if *run == run_id && job.lease_owner.is_none() && job.ready_at > at {
+                    job.ready_at = at;
+                }
+            }
+        }
+        Ok(Some(run_id))
+    }
+
     pub(crate) fn resume_paused(&mut self, run_id: &RunId, now: Millis) -> Result<ResumeOutcome> {
         let run = self.run_mut(run_id)?;
         if run.status() == RunStatus::Running && run.pause_requested {
@@ -420,7 +481,7 @@ impl Tables {
         let mut state = self.load_state(run_id)?;
         let (mut drafts, job) = ratchet_core::step::resume_paused(&mut state, now)?;
         self.write_state(&state)?;
-        self.insert_job(&job, now)?;
+        self.insert_job(&job, ratchet_core::timer::job_ready_at(&state, now))?;
         if matches!(
             ratchet_core::decide(&state, job.phase, now),
             Instruction::CallLlm { .. }
@@ -495,7 +556,10 @@ impl Tables {
         let run = self.run(run_id)?;
         let (status, session_id) = (run.status(), run.session_id.clone());
         let mut state = self.load_state(run_id)?;
-        let waiting = matches!(status, RunStatus::WaitingHuman | RunStatus::WaitingChildren);
+        let waiting = matches!(
+            status,
+            RunStatus::WaitingHuman | RunStatus::WaitingChildren | RunStatus::WaitingTimer
+        );
         if !waiting || state.deadline().is_none_or(|deadline| deadline > now) {
             return Ok(TimedOut::default());
         }

@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use ratchet_core::{
-    AgentState, EventDraft, HumanRequest, Millis, RunId, StepJob, StepResult, ToolOutcome,
+    AgentState, EventDraft, HumanRequest, Millis, RunId, RunStatus, StepJob, StepResult,
+    ToolOutcome,
 };
 use ratchet_store::{
     ApprovalStatus, Claim, ClaimedStep, Commit, Error, Intent, IntentRecord, Lease,
@@ -38,6 +39,13 @@ impl Tables {
             result.yield_to_cancel();
         }
         let paused = pause_requested && result.yield_to_pause();
+        // Input that arrived while the step ran ends the wait it parks on at once.
+        if result.state.status == RunStatus::WaitingTimer
+            && result.state.lineage.is_none()
+            && self.pending_input(&session_id, now).any()
+        {
+            ratchet_core::timer::wake_by_input(&mut result.state, now);
+        }
         let refused = if stored_step + 1 != claim.step_index {
             Some(Stale::StepMismatch {
                 committed: stored_step,
@@ -55,7 +63,17 @@ impl Tables {
         if let Some(refused) = refused {
             return Ok(Commit::Stale(refused));
         }
-        self.advance_job(claim, result.next.as_ref(), continue_with.as_ref(), now)?;
+        // A run that waits on a timer is woken by its job at the due time, by whichever
+        // worker is idle then: the job is nobody's, and the committer does not go on with it.
+        let continue_with =
+            continue_with.filter(|_| result.state.status != RunStatus::WaitingTimer);
+        let ready_at = ratchet_core::timer::job_ready_at(&result.state, now);
+        self.advance_job(
+            claim,
+            result.next.as_ref(),
+            continue_with.as_ref(),
+            ready_at,
+        )?;
         let steer_boundary = result.accepts_steer();
         self.write_state(&result.state)?;
         if paused {
@@ -88,7 +106,7 @@ impl Tables {
             ));
         }
         self.steps.insert(step_key, result.record.clone());
-        let mut enqueued = result.next.is_some() && continue_with.is_none();
+        let mut enqueued = result.next.is_some() && continue_with.is_none() && ready_at <= now;
         let mut drafts = std::mem::take(&mut result.events);
         let mut added = std::mem::take(&mut result.messages);
         if steer_boundary {
@@ -132,7 +150,7 @@ impl Tables {
     }
 
     /// Moves the claimed job on to `next` (or removes it): leased at once to the committer that
-    /// continues with it, or free for any worker from `now`.
+    /// continues with it, or free for any worker from `now` (a timer's due time).
     fn advance_job(
         &mut self,
         claim: &Claim,

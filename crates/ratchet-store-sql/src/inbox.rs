@@ -250,7 +250,9 @@ pub(crate) fn background_ended(
     Ok(events)
 }
 
-/// Starts a continuation turn in a root session that has no active run and has due events.
+/// An inbox event became due in a root session: a session that has no active run starts a
+/// continuation turn; one whose active run waits on a timer wakes it (the report is input,
+/// as it is for `sleep`).
 fn serve_if_free(
     c: &dyn Db,
     session: &SessionId,
@@ -264,7 +266,15 @@ fn serve_if_free(
             &params![session.as_str()],
         )?
         .is_some();
-    if !free || oldest_due(c, session, now)?.is_none() {
+    if !free {
+        if oldest_due(c, session, now)?.is_some()
+            && crate::timer::wake_on_input(c, session, now)?.is_some()
+        {
+            *enqueued = true;
+        }
+        return Ok(Vec::new());
+    }
+    if oldest_due(c, session, now)?.is_none() {
         return Ok(Vec::new());
     }
     *enqueued = true;

@@ -31,6 +31,7 @@ mod rows;
 mod runs;
 mod sessions;
 mod steps;
+mod timer;
 mod webhooks;
 
 use std::future::Future;

@@ -88,11 +88,13 @@ fn submit(c: &dyn Db, new: NewRun, now: Millis) -> Result<Submitted> {
                 now
             ],
         )?;
+        let woke = crate::timer::wake_on_input(c, &new.session_id, now)?;
         return Ok(Submitted {
             status: run_row(c, active)?.status,
             events: Vec::new(),
             interrupted: None,
             steered_into: Some(active.clone()),
+            woke,
         });
     }
     let (state, created) = insert_queued_run(
@@ -122,10 +124,12 @@ fn submit(c: &dyn Db, new: NewRun, now: Millis) -> Result<Submitted> {
             events,
             interrupted: None,
             steered_into: None,
+            woke: None,
         });
     };
     let mut events = insert_events(c, &new.session_id, Some(&new.run_id), &drafts, now)?;
     let mut interrupted = None;
+    let mut woke = None;
     if new.when_busy == WhenBusy::Interrupt {
         // A cancel that ends the active run at once frees the session, and the queue (this
         // run included) moves on inside the same transaction.
@@ -137,6 +141,8 @@ fn submit(c: &dyn Db, new: NewRun, now: Millis) -> Result<Submitted> {
             CancelOutcome::AlreadyTerminal(_) => {}
         }
         interrupted = Some(active);
+    } else {
+        woke = crate::timer::wake_on_input(c, &new.session_id, now)?;
     }
     let status = run_row(c, &new.run_id)?.status;
     Ok(Submitted {
@@ -144,12 +150,12 @@ fn submit(c: &dyn Db, new: NewRun, now: Millis) -> Result<Submitted> {
         events,
         interrupted,
         steered_into: None,
+        woke,
     })
 }
 
 /// The statuses a run quota counts.
-pub(crate) const ACTIVE_STATUSES: &str =
-    "('queued', 'running', 'waiting_human', 'waiting_children', 'paused', 'cancelling')";
+pub(crate) const ACTIVE_STATUSES: &str = "('queued', 'running', 'waiting_human', 'waiting_children', 'waiting_timer', 'paused', 'cancelling')";
 
 /// Non-terminal runs of a root session, the runs of its delegations included.
 pub(crate) fn active_in_session(c: &dyn Db, root_session: &SessionId) -> Result<u64> {

@@ -23,7 +23,7 @@ use crate::rows::{
     to_json,
 };
 use crate::sessions::get_session;
-use crate::steps::insert_job;
+use crate::steps::{insert_job, insert_job_ready_at};
 use crate::{Result, params};
 
 /// Locks the session a run belongs to (see the crate's doc).
@@ -110,7 +110,7 @@ pub(crate) fn write_encoded_state(
     // worker that holds its step.
     let waits = matches!(
         state.status,
-        RunStatus::WaitingHuman | RunStatus::WaitingChildren
+        RunStatus::WaitingHuman | RunStatus::WaitingChildren | RunStatus::WaitingTimer
     );
     let deadline_at = state.deadline().filter(|_| waits);
     c.write(
@@ -149,7 +149,7 @@ pub(crate) fn time_out_run(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<Ti
     let mut state = load_state(c, run_id)?;
     let waiting = matches!(
         stored.status,
-        RunStatus::WaitingHuman | RunStatus::WaitingChildren
+        RunStatus::WaitingHuman | RunStatus::WaitingChildren | RunStatus::WaitingTimer
     );
     if !waiting || state.deadline().is_none_or(|deadline| deadline > now) {
         return Ok(TimedOut::default());
@@ -234,9 +234,13 @@ pub(crate) fn cancel_one(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<Canc
             let events = insert_events(c, &stored.session_id, Some(run_id), &drafts, now)?;
             Ok(CancelOutcome::Cancelling { events })
         }
+        // A run waiting on a timer has a job, but the step it runs has no effect outside the
+        // store: even while a worker holds it, the run ends now and that step's commit finds
+        // its job gone.
         RunStatus::Queued
         | RunStatus::WaitingHuman
         | RunStatus::WaitingChildren
+        | RunStatus::WaitingTimer
         | RunStatus::Paused => {
             let held_session = stored.status != RunStatus::Queued;
             let drafts = cancel_idle(&mut state, now);
@@ -267,9 +271,13 @@ pub(crate) fn request_pause(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<P
     match stored.status {
         RunStatus::Paused => return Ok(PauseOutcome::Paused { events: Vec::new() }),
         RunStatus::Running => {}
+        RunStatus::WaitingTimer => {
+            return pause_waiting(c, run_id, &stored.session_id, now)
+                .map(|events| PauseOutcome::Paused { events });
+        }
         status => {
             return Err(Error::Conflict(format!(
-                "run {run_id} is {status}; only a running run can be paused"
+                "run {run_id} is {status}; only a running run can be paused (or one waiting on a timer)"
             )));
         }
     }
@@ -314,6 +322,26 @@ pub(crate) fn pause_if_unclaimed(
     Ok(None)
 }
 
+/// A run waiting on a timer pauses at once, keeping its due time; its job goes. The step of
+/// that job has no effect outside the store, so it goes even when a worker holds it (whose
+/// commit then finds it gone).
+fn pause_waiting(
+    c: &dyn Db,
+    run_id: &RunId,
+    session_id: &SessionId,
+    now: Millis,
+) -> Result<Vec<StoredEvent>> {
+    c.execute(
+        "DELETE FROM step_jobs WHERE run_id = ?1",
+        &params![run_id.as_str()],
+    )?;
+    let mut state = load_state(c, run_id)?;
+    let drafts = ratchet_core::step::pause_idle(&mut state, Phase::WaitEnded, now)?;
+    write_state(c, &state)?;
+    set_pause_requested(c, run_id, false)?;
+    insert_events(c, session_id, Some(run_id), &drafts, now)
+}
+
 pub(crate) fn resume_paused(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<ResumeOutcome> {
     lock_session_of_run(c, run_id)?;
     let stored = run_row(c, run_id)?;
@@ -324,7 +352,7 @@ pub(crate) fn resume_paused(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<R
     let mut state = load_state(c, run_id)?;
     let (mut drafts, job) = ratchet_core::step::resume_paused(&mut state, now)?;
     write_state(c, &state)?;
-    insert_job(c, &job, now)?;
+    insert_job_ready_at(c, &job, ratchet_core::timer::job_ready_at(&state, now))?;
     if matches!(
         ratchet_core::decide(&state, job.phase, now),
         ratchet_core::Instruction::CallLlm { .. }

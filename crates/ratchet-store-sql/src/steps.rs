@@ -56,7 +56,12 @@ impl<'a> NewJob<'a> {
 }
 
 pub(crate) fn insert_job(c: &dyn Db, job: &StepJob, now: Millis) -> Result<()> {
-    let row = NewJob::new(None, now);
+    insert_job_ready_at(c, job, now)
+}
+
+/// Inserts a job nobody holds that may be claimed from `ready_at` on (a timer's due time).
+pub(crate) fn insert_job_ready_at(c: &dyn Db, job: &StepJob, ready_at: Millis) -> Result<()> {
+    let row = NewJob::new(None, ready_at);
     c.execute(
         "INSERT INTO step_jobs (run_id, step_index, phase, attempt, epoch, lease_owner, ready_at)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
@@ -337,8 +342,15 @@ pub(crate) fn commit_step(
         result.yield_to_cancel();
     }
     let paused = stored.pause_requested && result.yield_to_pause();
-    // A cancel or a pause that arrived during the step changed the result it was encoded from.
-    let encoded = if stored.cancel_requested || paused {
+    // Input that arrived while the step ran ends the wait it parks on at once, as input
+    // arriving after the commit would (it finds the run waiting; see `timer::wake_on_input`).
+    let woken = result.state.status == RunStatus::WaitingTimer
+        && result.state.lineage.is_none()
+        && crate::inbox::pending_input(c, &stored.session_id, now)?.any()
+        && ratchet_core::timer::wake_by_input(&mut result.state, now);
+    // A cancel, a pause or input that arrived during the step changed the result it was
+    // encoded from.
+    let encoded = if stored.cancel_requested || paused || woken {
         EncodedStep::of(&result)?
     } else {
         encoded
@@ -363,7 +375,11 @@ pub(crate) fn commit_step(
     if let Some(refused) = refused {
         return Ok(Commit::Stale(refused));
     }
-    let next_row = NewJob::new(continue_with.as_ref(), now);
+    // A run that waits on a timer is woken by its job at the due time, by whichever worker
+    // is idle then: the job is nobody's, and the committer does not go on with it.
+    let continue_with = continue_with.filter(|_| result.state.status != RunStatus::WaitingTimer);
+    let ready_at = ratchet_core::timer::job_ready_at(&result.state, now);
+    let next_row = NewJob::new(continue_with.as_ref(), ready_at);
     #[cfg(feature = "failpoints")]
     fail::fail_point!("commit.before_outbox", |_| injected("commit.before_outbox"));
     advance_job(c, claim, result.next.as_ref(), &next_row)?;
@@ -404,7 +420,7 @@ pub(crate) fn commit_step(
             &encoded.summary
         ],
     )?;
-    let mut enqueued = result.next.is_some() && continue_with.is_none();
+    let mut enqueued = result.next.is_some() && continue_with.is_none() && ready_at <= now;
     let mut drafts = std::mem::take(&mut result.events);
     let mut added = std::mem::take(&mut result.messages);
     if steer_boundary && seen.steers_waiting {

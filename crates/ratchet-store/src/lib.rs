@@ -730,6 +730,8 @@ pub struct Submitted {
     pub interrupted: Option<RunId>,
     /// The active run this message will steer (`status` is that run's).
     pub steered_into: Option<RunId>,
+    /// The active run whose wait on a timer this message ended: its job is ready now.
+    pub woke: Option<RunId>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1002,7 +1004,8 @@ pub enum PauseOutcome {
 
 #[derive(Debug, Clone)]
 pub enum ResumeOutcome {
-    /// The run is `running` again, with the job its pause took away enqueued.
+    /// The run is `running` again, with the job its pause took away enqueued (or waits on its
+    /// timer again, its job ready at the due time).
     Resumed { events: Vec<StoredEvent> },
     /// The run had not reached its pause yet: the request is withdrawn and it goes on.
     PauseWithdrawn,
@@ -1171,7 +1174,8 @@ pub trait Writes: Send + Sync + 'static {
 
     /// Inserts the user message and its run in one transaction. The run starts at once
     /// (its first job enqueued) when the session has no non-terminal run; otherwise it waits
-    /// `queued` until the runs before it end.
+    /// `queued` until the runs before it end. A message that queues or steers is input for the
+    /// active run: if it waits on a timer, its wait ends now (`Submitted::woke`).
     async fn submit_message(&self, new: NewRun, now: Millis) -> Result<Submitted>;
 
     /// Forks `source` at its committed step `at_step` in one transaction: a new session of the
@@ -1279,8 +1283,9 @@ pub trait Writes: Send + Sync + 'static {
     /// its delegations started, down the tree.
     async fn request_cancel(&self, run_id: &RunId, now: Millis) -> Result<CancelOutcome>;
 
-    /// Pauses a running run at its next step boundary (see `PauseOutcome`); the run keeps
-    /// its session. `Error::Conflict` unless the run is running or paused.
+    /// Pauses a running run at its next step boundary (see `PauseOutcome`), or a run waiting
+    /// on a timer at once, keeping its due time; the run keeps its session. `Error::Conflict`
+    /// unless the run is running, waiting on a timer or paused.
     async fn request_pause(&self, run_id: &RunId, now: Millis) -> Result<PauseOutcome>;
 
     /// Takes a paused run up again from where it stopped, with the session's waiting steers
@@ -1356,7 +1361,7 @@ pub trait Writes: Send + Sync + 'static {
     /// a commit to start it). Each start is its own transaction under the session's lock.
     async fn serve_inboxes(&self, now: Millis) -> Result<Served>;
 
-    /// Ends every run that waits (for a human, for its children) past its deadline as
+    /// Ends every run that waits (for a human, for its children, on a timer) past its deadline as
     /// `timed_out`: its children are cancelled, `never` calls it was waiting on a human to
     /// reconcile stay in doubt on it, and a parent sees it as a failed task. Each run is its
     /// own transaction; a run that moved on meanwhile is left alone.

@@ -179,6 +179,48 @@ impl Tool for Sleep {
     }
 }
 
+/// Parks the run until a time or for a while, holding no worker: the runtime performs it
+/// (`ratchet_core::timer`), never by calling it. Only its name, description and schema are
+/// used — to offer it, and to check a call's arguments before the run parks.
+pub struct Wait;
+
+#[async_trait]
+impl Tool for Wait {
+    fn name(&self) -> &str {
+        ratchet_core::WAIT_TOOL
+    }
+    fn description(&self) -> &str {
+        "Waits until a time (`until`, RFC 3339 such as 2030-01-01T09:00:00Z) or for a number of milliseconds (`ms`), for minutes to days (at most 7 days unless configured otherwise), holding nothing meanwhile; it survives restarts. Ends early when new input arrives for this conversation (a user message, or a report of background work you started), and says which it was. The batch's other calls run first; one wait per batch. For a few seconds, use sleep."
+    }
+    fn parameters(&self) -> Value {
+        json!({
+            "type": "object",
+            "properties": {
+                "until": {
+                    "type": "string",
+                    "description": "When to wake: an RFC 3339 date-time with an offset, in the future"
+                },
+                "ms": {"type": "integer", "minimum": 1, "description": "How long to wait, in milliseconds"}
+            },
+            "minProperties": 1,
+            "maxProperties": 1,
+            "additionalProperties": false
+        })
+    }
+    /// A child's wait ends on its time alone: its session takes no input.
+    fn delegation(&self) -> ToolDelegation {
+        ToolDelegation::Delegatable
+    }
+    fn replay(&self) -> ReplayPolicy {
+        ReplayPolicy::Safe
+    }
+    async fn call(&self, _: Value, _: &ToolContext) -> ToolOutcome {
+        ToolOutcome::error(
+            "wait parks a run and is performed by the Ratchet runtime; it cannot be called on its own",
+        )
+    }
+}
+
 pub struct AppendLine;
 
 #[async_trait]

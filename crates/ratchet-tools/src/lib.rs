@@ -19,7 +19,7 @@ use ratchet_core::{
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-pub use builtin::{Add, AppendLine, Now, Sleep, SleepMs};
+pub use builtin::{Add, AppendLine, Now, Sleep, SleepMs, Wait};
 pub use memory::{DEFAULT_MAX_SNIPPET_BYTES, MemoryHit, MemorySearch, MemorySearchTool};
 
 /// What a running tool call may know about its surroundings.
@@ -120,7 +120,8 @@ impl Registry {
         Arc::clone(&self.entries.read().unwrap_or_else(|e| e.into_inner()))
     }
 
-    /// The built-in tools: `add`, `now`, `sleep_ms`, `append_line` and `memory_search`.
+    /// The built-in tools: `add`, `now`, `sleep_ms`, `sleep`, `wait`, `append_line` and
+    /// `memory_search`.
     pub fn builtin() -> Registry {
         Registry::new(Registry::builtin_tools(memory::DEFAULT_MAX_SNIPPET_BYTES))
             .expect("built-in tool schemas are valid and their names unique")
@@ -134,6 +135,7 @@ impl Registry {
             Arc::new(Now),
             Arc::new(SleepMs),
             Arc::new(Sleep),
+            Arc::new(Wait),
             Arc::new(AppendLine),
             Arc::new(MemorySearchTool::new(max_snippet_bytes)),
         ]
@@ -256,10 +258,26 @@ mod tests {
                 "memory_search",
                 "now",
                 "sleep",
-                "sleep_ms"
+                "sleep_ms",
+                "wait"
             ]
         );
         assert!(registry.validate("add", &json!({"a": 1, "b": 2.5})).is_ok());
+        // A wait names exactly one of its two arguments; its value is checked where it parks.
+        assert!(registry.validate("wait", &json!({"ms": 5})).is_ok());
+        assert!(
+            registry
+                .validate("wait", &json!({"until": "later"}))
+                .is_ok()
+        );
+        for bad in [
+            json!({}),
+            json!({"ms": 5, "until": "2030-01-01T00:00:00Z"}),
+            json!({"ms": 0}),
+            json!({"seconds": 5}),
+        ] {
+            assert!(registry.validate("wait", &bad).is_err(), "{bad}");
+        }
         let err = registry
             .validate("add", &json!({"a": "one", "b": 2}))
             .err()
@@ -330,7 +348,7 @@ mod tests {
             };
             assert_eq!(spec.approval, expected, "{}", spec.name);
         }
-        assert_eq!(specs.len(), 7);
+        assert_eq!(specs.len(), 8);
     }
 
     #[test]

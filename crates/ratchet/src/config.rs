@@ -305,6 +305,9 @@ pub struct ToolConfig {
     /// connections) before a human is asked (`keyed`) or the model gets an error (`safe`);
     /// default 3. A `never` call is tried once.
     pub max_attempts: Option<u32>,
+    /// `[tools.wait]` only: the longest one `wait` call may park its run (default 604800000,
+    /// seven days). Frozen into each run.
+    pub max_ms: Option<u64>,
 }
 
 /// The call limits `[tools.NAME]` sets over the tool's defaults.
@@ -677,6 +680,29 @@ impl Config {
         Ok(limits)
     }
 
+    /// The longest one `wait` may park a run, `[tools.wait] max_ms`, checked: at least 1, and
+    /// set for `wait` alone (no other tool waits).
+    pub fn max_wait_ms(&self) -> Result<u64, ConfigError> {
+        for (tool, settings) in &self.tools {
+            match (settings.max_ms, tool == ratchet_core::WAIT_TOOL) {
+                (Some(_), false) => {
+                    return Err(ConfigError::Invalid(format!(
+                        "tools.{tool}.max_ms is not a setting of {tool}; only [tools.wait] takes max_ms"
+                    )));
+                }
+                (Some(0), true) => {
+                    return Err(ConfigError::Invalid(
+                        "tools.wait.max_ms must be at least 1, found 0".into(),
+                    ));
+                }
+                _ => {}
+            }
+        }
+        Ok((self.tools.get(ratchet_core::WAIT_TOOL))
+            .and_then(|settings| settings.max_ms)
+            .unwrap_or(ratchet_core::timer::DEFAULT_MAX_WAIT_MS))
+    }
+
     /// The replay policies the file sets, by tool name.
     pub fn replay_policies(&self) -> BTreeMap<String, ReplayPolicy> {
         (self.tools.iter())
@@ -1031,6 +1057,22 @@ mod tests {
             );
         }
         assert!(toml::from_str::<Config>("[inbox]\ncapasity = 8\n").is_err());
+    }
+
+    #[test]
+    fn the_longest_wait_is_read_from_tools_wait_alone_and_defaults_to_seven_days() {
+        assert_eq!(Config::default().max_wait_ms().unwrap(), 604_800_000);
+        let set = Config::from_toml("[tools.wait]\nmax_ms = 3600000").unwrap();
+        assert_eq!(set.max_wait_ms().unwrap(), 3_600_000);
+        let zero = Config::from_toml("[tools.wait]\nmax_ms = 0").unwrap();
+        let error = zero.max_wait_ms().unwrap_err().to_string();
+        assert!(
+            error.contains("tools.wait.max_ms must be at least 1"),
+            "{error}"
+        );
+        let elsewhere = Config::from_toml("[tools.sleep]\nmax_ms = 10").unwrap();
+        let error = elsewhere.max_wait_ms().unwrap_err().to_string();
+        assert!(error.contains("only [tools.wait] takes max_ms"), "{error}");
     }
 
     #[test]
@@ -1458,13 +1500,17 @@ mod tests {
             proptest::option::of(replay()),
             small(),
             proptest::option::of(0u32..5),
+            small(),
         )
-            .prop_map(|(approval, replay, timeout_ms, max_attempts)| ToolConfig {
-                approval,
-                replay,
-                timeout_ms,
-                max_attempts,
-            });
+            .prop_map(
+                |(approval, replay, timeout_ms, max_attempts, max_ms)| ToolConfig {
+                    approval,
+                    replay,
+                    timeout_ms,
+                    max_attempts,
+                    max_ms,
+                },
+            );
         (
             (text(), text(), text(), text()),
             (number(), number(), number(), number(), number(), number()),
@@ -1577,6 +1623,7 @@ mod tests {
             put(&mut table, "replay", tool.replay.map(|r| r.as_str()));
             put(&mut table, "timeout_ms", int(tool.timeout_ms));
             put(&mut table, "max_attempts", tool.max_attempts.map(i64::from));
+            put(&mut table, "max_ms", int(tool.max_ms));
             tools.insert(name.clone(), table.into());
         }
         root.insert("tools".into(), tools.into());

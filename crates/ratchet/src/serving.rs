@@ -72,6 +72,7 @@ pub fn run_template(config: &Config, toolbox: &Toolbox) -> Result<RunConfigSnaps
             max_tokens: config.max_tokens,
             max_prompt_tokens: config.max_prompt_tokens,
             max_duration_ms: config.max_duration_ms,
+            max_wait_ms: config.max_wait_ms()?,
             ..Limits::default()
         },
         &ToolOverrides {

@@ -22,4 +22,5 @@ mod serve;
 mod subagents;
 mod telemetry;
 mod tidy;
+mod timer;
 mod version;

@@ -554,3 +554,72 @@ async fn a_sleeping_run_wakes_when_a_message_is_queued_behind_it() {
     wait_until_terminal(&node.coordinator, &second).await;
     node.pool.shutdown().await;
 }
+
+/// A run parked on a `wait` holds no worker: with a pool of one, another session's run starts
+/// and completes while it waits. At its due time it wakes, and the model reads the batch's
+/// results in order — the call that ran before it parked, then the wait's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_run_holds_no_worker_and_wakes_with_its_batch_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let waits = dir.path().join("waits");
+    let answers = dir.path().join("answers");
+    std::fs::create_dir_all(&waits).unwrap();
+    std::fs::create_dir_all(&answers).unwrap();
+    let waiting = write_script(
+        &waits,
+        json!({"replies": [
+            {"tool_calls": [
+                {"name": "add", "arguments": {"a": 1, "b": 2}},
+                {"name": "wait", "arguments": {"ms": 1_500}}]},
+            {"text": "waited"}
+        ]}),
+    );
+    let answering = write_script(&answers, json!({"replies": [{"text": "answered"}]}));
+    let one = node(
+        &MemoryStore::new(),
+        PoolConfig {
+            workers: 1,
+            ..fast_pool()
+        },
+    );
+    let coordinator = &one.coordinator;
+    let run = start_run(coordinator, "wait".into(), config(&waiting)).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let parked = loop {
+        let state = coordinator.store().load_state(&run).await.unwrap();
+        if state.status == RunStatus::WaitingTimer {
+            break state;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never parked: {}",
+            state.status
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let due = parked.timer.expect("parked on its timer").due_at;
+    let other = start_run(coordinator, "answer".into(), config(&answering)).await;
+    let answered = wait_until_terminal(coordinator, &other).await;
+    assert_eq!(answered.status, RunStatus::Completed);
+    assert!(
+        answered.finished_at.unwrap() < due,
+        "the only worker answered another session while the run waited"
+    );
+    let woke = wait_until_terminal(coordinator, &run).await;
+    assert_eq!(
+        (woke.status, woke.final_answer.as_deref()),
+        (RunStatus::Completed, Some("waited"))
+    );
+    let session = woke.session_id.clone();
+    let history = coordinator.store().history(&session).await.unwrap();
+    let results: Vec<&str> = (history.iter())
+        .filter(|m| m.role == ratchet_core::Role::Tool)
+        .map(|m| m.content.as_str())
+        .collect();
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert_eq!(results[0], "3");
+    let waited: serde_json::Value = serde_json::from_str(results[1]).unwrap();
+    assert_eq!(waited["woke"], "timer");
+    assert!(waited["waited_ms"].as_i64().unwrap() >= 1_500, "{waited}");
+    one.pool.shutdown().await;
+}
