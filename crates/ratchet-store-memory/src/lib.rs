@@ -29,6 +29,7 @@ mod inbox;
 mod jobs;
 mod messages;
 mod runs;
+mod schedules;
 mod search;
 mod sessions;
 mod steers;
@@ -42,15 +43,17 @@ use async_trait::async_trait;
 use ratchet_core::step::{Reconciliation, Resumption};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalId, DeliveryStatus, EventDraft, InboxStatus, Message,
-    Millis, RunId, SessionId, StepRecord, StepResult, ToolOutcome, TreeSpend, WebhookId,
+    Millis, RunId, ScheduleId, SessionId, StepRecord, StepResult, ToolOutcome, TreeSpend,
+    WebhookId,
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, Changes, Claim,
     ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction, Deliveries,
-    DeliveryBounds, DeliveryClaim, EmittedSignal, Error, InboxChange, InboxEvent, Intent,
-    IntentRecord, Keyring, Lease, MessageHit, NewRun, NewSignal, NewWebhook, PauseOutcome,
-    PendingInput, Reads, Reconciled, RecordedIntents, Result, ResumeOutcome, RunQuota, RunSummary,
-    SearchScope, Served, Session, SessionQuery, SessionSpec, StepMessages, StoreStats, StoredEvent,
+    DeliveryBounds, DeliveryClaim, DuePass, EmittedSignal, Error, FireIds, Fired, InboxChange,
+    InboxEvent, Intent, IntentRecord, Keyring, Lease, MessageHit, NewRun, NewSchedule, NewSignal,
+    NewWebhook, PauseOutcome, PendingInput, Reads, Reconciled, RecordedIntents, Result,
+    ResumeOutcome, RunQuota, RunSummary, Schedule, ScheduleChange, ScheduleSlot, SearchScope,
+    Served, Session, SessionQuery, SessionSpec, SlotCursor, StepMessages, StoreStats, StoredEvent,
     StoredMessage, Submitted, TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
 };
 
@@ -253,6 +256,36 @@ impl Reads for MemoryStore {
     async fn stats(&self, now: Millis) -> Result<StoreStats> {
         Ok(self.read(|t| t.stats(now)))
     }
+
+    async fn get_schedule(&self, id: &ScheduleId) -> Result<Schedule> {
+        self.read(|t| t.get_schedule(id))
+    }
+
+    async fn schedules(
+        &self,
+        tenant: &str,
+        after: Option<&ScheduleId>,
+        limit: u32,
+    ) -> Result<Vec<Schedule>> {
+        Ok(self.read(|t| t.list_schedules(tenant, after, limit)))
+    }
+
+    async fn due_schedules(&self, now: Millis, limit: u32) -> Result<Vec<Schedule>> {
+        Ok(self.read(|t| t.due_schedules(now, limit)))
+    }
+
+    async fn next_schedule_fire(&self) -> Result<Option<Millis>> {
+        Ok(self.read(Tables::next_schedule_fire))
+    }
+
+    async fn schedule_slots(
+        &self,
+        id: &ScheduleId,
+        before: Option<SlotCursor>,
+        limit: u32,
+    ) -> Result<Vec<ScheduleSlot>> {
+        Ok(self.read(|t| t.schedule_slots(id, before, limit)))
+    }
 }
 
 #[async_trait]
@@ -434,6 +467,53 @@ impl Writes for MemoryStore {
 
     async fn release_leases(&self, owner: &str) -> Result<u64> {
         self.write(|t| Ok(t.release_leases(owner)))
+    }
+
+    async fn create_schedule(&self, new: NewSchedule, now: Millis) -> Result<Schedule> {
+        self.write(|t| t.create_schedule(new, now))
+    }
+
+    async fn update_schedule(
+        &self,
+        id: &ScheduleId,
+        change: ScheduleChange,
+        now: Millis,
+    ) -> Result<Schedule> {
+        self.write(|t| t.update_schedule(id, change, now))
+    }
+
+    async fn set_schedule_paused(
+        &self,
+        id: &ScheduleId,
+        paused: bool,
+        next_fire_at: Option<Millis>,
+        now: Millis,
+    ) -> Result<Schedule> {
+        self.write(|t| t.set_schedule_paused(id, paused, next_fire_at, now))
+    }
+
+    async fn delete_schedule(&self, id: &ScheduleId, now: Millis) -> Result<()> {
+        self.write(|t| t.delete_schedule(id, now))
+    }
+
+    async fn fire_schedule(
+        &self,
+        id: &ScheduleId,
+        pass: DuePass,
+        quota: RunQuota,
+        now: Millis,
+    ) -> Result<Fired> {
+        self.write(|t| t.fire_schedule(id, pass, quota, now))
+    }
+
+    async fn trigger_schedule(
+        &self,
+        id: &ScheduleId,
+        ids: FireIds,
+        quota: RunQuota,
+        now: Millis,
+    ) -> Result<Fired> {
+        self.write(|t| t.trigger_schedule(id, ids, quota, now))
     }
 }
 

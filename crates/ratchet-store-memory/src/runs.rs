@@ -562,5 +562,7 @@ fn summary((run_id, run): (&RunId, &RunRow)) -> RunSummary {
         step_index: run.state.step_index,
         created_at: run.state.created_at,
         finished_at: run.state.finished_at,
+        schedule_id: run.state.schedule.as_ref().map(|s| s.schedule_id.clone()),
+        slot: run.state.schedule.as_ref().map(|s| s.slot),
     }
 }

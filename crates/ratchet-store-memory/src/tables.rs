@@ -40,6 +40,10 @@ pub(crate) struct Tables {
     /// The id of the latest delivery queued: ids count up, and a deleted delivery's id is
     /// never given out again.
     pub(crate) last_delivery_id: i64,
+    pub(crate) schedules: BTreeMap<ratchet_core::ScheduleId, crate::schedules::ScheduleRow>,
+    /// Decided slots by (schedule, manual, slot): the primary key of `schedule_slots`.
+    pub(crate) schedule_slots:
+        BTreeMap<(ratchet_core::ScheduleId, bool, Millis), crate::schedules::SlotRow>,
 }
 
 #[derive(Debug, Clone)]

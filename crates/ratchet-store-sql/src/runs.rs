@@ -6,7 +6,7 @@ use ratchet_core::delegation::{ChildResult, child_finished, join_children};
 use ratchet_core::step::{Reconciliation, Resumption, cancel_idle};
 use ratchet_core::{
     AgentState, EventDraft, EventKind, Millis, Phase, RunConfigSnapshot, RunId, RunStatus,
-    SessionId, StopReason,
+    ScheduleId, SessionId, StopReason,
 };
 use ratchet_store::{
     CancelOutcome, Error, PauseOutcome, Reconciled, ResumeOutcome, RunSummary, StoreStats,
@@ -418,7 +418,8 @@ pub(crate) fn frozen_config(
 }
 
 const RUN_COLUMNS: &str =
-    "id, session_id, status, stop_reason, step_index, created_at, finished_at";
+    "id, session_id, status, stop_reason, step_index, created_at, finished_at,
+     schedule_id, schedule_slot";
 
 fn to_run_summary(mut r: Row) -> Result<RunSummary> {
     Ok(RunSummary {
@@ -432,6 +433,10 @@ fn to_run_summary(mut r: Row) -> Result<RunSummary> {
         step_index: r.int(4)? as u64,
         created_at: r.int(5)?,
         finished_at: r.opt_int(6)?,
+        schedule_id: (r.opt_text(7)?)
+            .map(|id| ScheduleId::parse(&id).map_err(crate::rows::corrupt))
+            .transpose()?,
+        slot: r.opt_int(8)?,
     })
 }
 

@@ -211,7 +211,9 @@ async fn a_secret_written_in_clear_before_sealing_is_sealed_by_the_first_store_w
         // Undo the migrations after sealing, newest first, then mark the version before
         // sealing.
         conn.execute_batch(
-            "ALTER TABLE sessions DROP COLUMN title;
+            "ALTER TABLE runs DROP COLUMN schedule_slot; ALTER TABLE runs DROP COLUMN schedule_id;
+             DROP TABLE schedule_slots; DROP TABLE schedules;
+             ALTER TABLE sessions DROP COLUMN title;
              DROP INDEX inbox_expiring; ALTER TABLE inbox DROP COLUMN expires_at;
              ALTER TABLE webhook_deliveries DROP COLUMN requeued_at;
              ALTER TABLE inbox DROP COLUMN requeued_at;
@@ -221,7 +223,7 @@ async fn a_secret_written_in_clear_before_sealing_is_sealed_by_the_first_store_w
              DROP INDEX runs_by_deadline; ALTER TABLE runs DROP COLUMN deadline_at;",
         )
         .unwrap();
-        conn.pragma_update(None, "user_version", ratchet_sqlite::SCHEMA_VERSION - 7)
+        conn.pragma_update(None, "user_version", ratchet_sqlite::SCHEMA_VERSION - 8)
             .unwrap();
     }
     let store = ratchet_sqlite::open_url(&url)
