@@ -485,10 +485,7 @@ impl Firing<'_> {
                         self.fired.events.extend(events);
                         self.fired.enqueued |= enqueued;
                     }
-                    CancelOutcome::Cancelling { events } => {
-                        self.fired.events.extend(events);
-                        self.fired.cancelled.push(run);
-                    }
+                    CancelOutcome::Cancelling { events } => self.fired.events.extend(events),
                     CancelOutcome::AlreadyTerminal(_) => {}
                 }
             }

@@ -148,8 +148,6 @@ pub struct Fired {
     pub events: Vec<StoredEvent>,
     /// Jobs were enqueued (a run started, a cancel freed a session): wake the workers.
     pub enqueued: bool,
-    /// Previous runs asked to cancel (`cancel_previous`) whose step may be in flight.
-    pub cancelled: Vec<RunId>,
 }
 
 /// The reason recorded on a slot skipped because the previous run had not finished.

@@ -1,0 +1,87 @@
+//! The scheduler: a loop every worker pool runs (`ratchet serve`, `ratchet worker`) that sleeps
+//! until the earliest schedule's next slot — at most a second, so that schedules other
+//! processes create or change are seen — and then asks the Coordinator to decide the due
+//! slots. Processes race for the same slots freely: the store decides each slot once, under
+//! the schedule's lock, and a pass that lost the race is told so (`Fired::stale`) and moves on.
+//!
+//! It computes the slots (`cadence`) and the plan (`ratchet_core::schedule::plan_slots`); it
+//! never writes but through the Coordinator.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ratchet_core::Millis;
+use ratchet_core::schedule::plan_slots;
+use ratchet_store::{DuePass, PlannedSlot, Schedule};
+use tokio_util::sync::CancellationToken;
+
+use crate::cadence::Cadence;
+use crate::{Coordinator, Result};
+
+/// The longest the scheduler sleeps: how late it may notice a schedule another process made.
+const POLL_MS: Millis = 1_000;
+/// The shortest: a due schedule that cannot be fired (a stored cadence this build rejects) is
+/// looked at again no faster than this.
+const MIN_SLEEP_MS: Millis = 20;
+/// Schedules decided in one pass.
+const DUE_PER_PASS: u32 = 100;
+
+/// Decides the slots of every schedule due now; returns how many runs it fired.
+pub async fn fire_due(coordinator: &Coordinator) -> Result<usize> {
+    let now = coordinator.now();
+    let due = coordinator.store().due_schedules(now, DUE_PER_PASS).await?;
+    let mut fired = 0;
+    for schedule in due {
+        match fire_one(coordinator, &schedule, now).await {
+            Ok(count) => fired += count,
+            Err(error) => {
+                tracing::warn!(%error, schedule = %schedule.id, "deciding a schedule's due slots failed");
+            }
+        }
+    }
+    Ok(fired)
+}
+
+async fn fire_one(coordinator: &Coordinator, schedule: &Schedule, now: Millis) -> Result<usize> {
+    let cadence = Cadence::of(&schedule.spec.cadence).map_err(crate::Error::Invalid)?;
+    let due = cadence.due(schedule.next_fire_at, now);
+    let plans = plan_slots(schedule.spec.catch_up, due.earlier, &due.latest, now);
+    let slots = (plans.into_iter())
+        .map(|plan| {
+            Ok(PlannedSlot {
+                plan,
+                ids: coordinator.fire_ids()?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let pass = DuePass {
+        expected_next: schedule.next_fire_at,
+        slots,
+        // A cron expression that never matches again is never due again.
+        next_fire_at: cadence.next_after(now).unwrap_or(Millis::MAX),
+    };
+    let fired = coordinator.fire_schedule(&schedule.id, pass).await?;
+    if fired.stale {
+        tracing::debug!(schedule = %schedule.id, "its due slots were decided by another process");
+    }
+    Ok((fired.slots.iter())
+        .filter(|slot| slot.run_id.is_some())
+        .count())
+}
+
+/// Runs the scheduler until `shutdown`.
+pub(crate) async fn run(coordinator: Arc<Coordinator>, shutdown: CancellationToken) {
+    while !shutdown.is_cancelled() {
+        if let Err(error) = fire_due(&coordinator).await {
+            tracing::warn!(%error, "reading the due schedules failed");
+        }
+        let wait = match coordinator.store().next_schedule_fire().await {
+            Ok(Some(at)) => (at.saturating_sub(coordinator.now())).clamp(MIN_SLEEP_MS, POLL_MS),
+            Ok(None) | Err(_) => POLL_MS,
+        };
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(wait as u64)) => {}
+            () = shutdown.cancelled() => {}
+        }
+    }
+}
