@@ -13,6 +13,7 @@ mod bounds;
 mod delegation;
 mod inbox;
 mod pause;
+mod schedules;
 mod webhooks;
 
 use std::sync::Arc;
@@ -34,6 +35,7 @@ pub use bounds::*;
 pub use delegation::*;
 pub use inbox::*;
 pub use pause::*;
+pub use schedules::*;
 pub use webhooks::*;
 
 use ratchet_store::{
@@ -115,6 +117,12 @@ macro_rules! store_conformance_tests {
             cancel_of_a_paused_run_frees_the_session,
             a_users_steers_past_the_lanes_count_or_bytes_are_refused_and_nothing_is_written,
             a_background_runs_steered_signals_past_the_agent_lane_are_refused,
+            a_schedule_is_kept_changed_paused_and_deleted,
+            a_due_slot_fires_once_as_a_run_that_names_its_schedule_and_slot,
+            missed_slots_are_recorded_as_skipped_and_listed_newest_first,
+            overlap_skips_queues_behind_or_cancels_the_previous_run,
+            a_refused_slot_is_recorded_and_the_schedule_moves_on,
+            a_trigger_fires_a_manual_slot_and_moves_nothing,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -122,6 +130,7 @@ macro_rules! store_conformance_tests {
             event_seqs_are_dense_per_session,
             a_steer_racing_the_end_of_a_run_lands_exactly_once,
             a_pause_racing_a_step_pauses_the_run_exactly_once,
+            racing_passes_decide_each_slot_once,
         );
         $crate::store_conformance_tests!(@observed $make;
             a_webhook_is_queued_each_wanted_event_once_from_its_creation_on,
