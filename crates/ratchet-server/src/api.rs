@@ -456,6 +456,20 @@ pub struct RunView {
     /// The run that delegated this one, for a child run.
     #[schema(value_type = Option<RunIdSchema>)]
     pub parent_run_id: Option<String>,
+    /// The schedule that fired the run and the slot it fired for; null for a run a message or
+    /// a delegation started.
+    pub schedule: Option<RunScheduleView>,
+}
+
+/// Where a run fired by a schedule came from.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RunScheduleView {
+    #[schema(value_type = crate::schemas::ScheduleIdSchema)]
+    pub schedule_id: String,
+    /// When the slot was due (ms since the epoch); for a manual trigger, when it was asked for.
+    pub slot: Millis,
+    /// Fired by `POST /v1/schedules/{id}/trigger` rather than by the schedule's cadence.
+    pub manual: bool,
 }
 
 /// One budget of a run and what it used.
@@ -522,6 +536,11 @@ impl From<AgentState> for RunView {
                 hash: a.hash.clone(),
             }),
             parent_run_id: state.lineage.map(|l| l.parent_run_id.to_string()),
+            schedule: state.schedule.map(|s| RunScheduleView {
+                schedule_id: s.schedule_id.to_string(),
+                slot: s.slot,
+                manual: s.manual,
+            }),
         }
     }
 }
@@ -645,6 +664,10 @@ pub struct RunSummaryView {
     pub step_index: u64,
     pub created_at: Millis,
     pub finished_at: Option<Millis>,
+    /// The schedule that fired the run, and the slot it fired for.
+    #[schema(value_type = Option<crate::schemas::ScheduleIdSchema>)]
+    pub schedule_id: Option<String>,
+    pub slot: Option<Millis>,
 }
 
 impl From<RunSummary> for RunSummaryView {
@@ -657,6 +680,8 @@ impl From<RunSummary> for RunSummaryView {
             step_index: run.step_index,
             created_at: run.created_at,
             finished_at: run.finished_at,
+            schedule_id: run.schedule_id.map(|id| id.to_string()),
+            slot: run.slot,
         }
     }
 }

@@ -17,6 +17,7 @@ mod listener;
 mod metrics;
 pub mod reload;
 mod routes;
+mod schedules;
 mod schemas;
 mod sse;
 mod streams;
@@ -145,6 +146,7 @@ impl AppState {
         schemas::RunIdSchema,
         schemas::ApprovalIdSchema,
         schemas::WebhookIdSchema,
+        schemas::ScheduleIdSchema,
         schemas::ApprovalStatusSchema,
         schemas::InboxStatusSchema,
         schemas::DeliveryStatusSchema,
@@ -195,6 +197,7 @@ pub fn app(state: AppState) -> Router {
         .merge(inbox::router())
         .merge(sse::router())
         .merge(webhooks::router())
+        .merge(schedules::router())
         .merge(metrics::router())
         .merge(reload::router())
         .split_for_parts();

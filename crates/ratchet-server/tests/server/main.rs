@@ -8,5 +8,6 @@ mod api;
 mod bodies;
 mod control;
 mod openapi;
+mod schedules;
 mod security;
 mod webhooks;
