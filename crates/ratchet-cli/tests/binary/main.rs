@@ -16,6 +16,7 @@ mod http_fuzz;
 mod mcp;
 mod providers;
 mod scale;
+mod schedules;
 mod serve;
 mod subagents;
 mod telemetry;
