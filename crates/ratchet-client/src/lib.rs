@@ -1,5 +1,5 @@
 //! A small Rust client of Ratchet's HTTP API, for the CLI (`run --server`, `chat`,
-//! `approvals`) and the benchmarks: JSON calls, event streams that reconnect with
+//! `approvals`, `schedules`) and the benchmarks: JSON calls, event streams that reconnect with
 //! `Last-Event-ID`, and a Server-Sent Events parser that follows the WHATWG rules.
 
 use std::collections::VecDeque;
@@ -271,6 +271,73 @@ impl Api {
     pub async fn run_action(&self, run_id: &str, action: &str) -> Result<Value, ClientError> {
         let path = format!("/v1/runs/{run_id}/{action}");
         self.call(self.request(reqwest::Method::POST, &path)).await
+    }
+
+    /// `POST /v1/schedules`: creates a schedule (the body as `docs/API.md` describes it).
+    pub async fn create_schedule(&self, body: &Value) -> Result<Value, ClientError> {
+        self.post("/v1/schedules", body).await
+    }
+
+    /// Every schedule of the caller, following the pages.
+    pub async fn schedules(&self) -> Result<Vec<Value>, ClientError> {
+        self.pages("/v1/schedules", 200).await
+    }
+
+    pub async fn schedule(&self, id: &str) -> Result<Value, ClientError> {
+        let path = format!("/v1/schedules/{id}");
+        self.call(self.request(reqwest::Method::GET, &path)).await
+    }
+
+    /// `PATCH /v1/schedules/{id}`: the fields of `change` replace the schedule's.
+    pub async fn update_schedule(&self, id: &str, change: &Value) -> Result<Value, ClientError> {
+        let path = format!("/v1/schedules/{id}");
+        self.call(self.request(reqwest::Method::PATCH, &path).json(change))
+            .await
+    }
+
+    pub async fn delete_schedule(&self, id: &str) -> Result<(), ClientError> {
+        let path = format!("/v1/schedules/{id}");
+        let response = (self.request(reqwest::Method::DELETE, &path))
+            .timeout(CALL_TIMEOUT)
+            .send()
+            .await
+            .map_err(|e| self.unreachable(&e))?;
+        if !response.status().is_success() {
+            return Err(api_error(response).await);
+        }
+        Ok(())
+    }
+
+    /// `POST /v1/schedules/{id}/{action}` with no body (`pause`, `resume`, `trigger`).
+    pub async fn schedule_action(&self, id: &str, action: &str) -> Result<Value, ClientError> {
+        let path = format!("/v1/schedules/{id}/{action}");
+        self.call(self.request(reqwest::Method::POST, &path)).await
+    }
+
+    /// A schedule's decided slots, newest first: the latest `limit` of them.
+    pub async fn schedule_runs(&self, id: &str, limit: u32) -> Result<Vec<Value>, ClientError> {
+        let path = format!("/v1/schedules/{id}/runs?limit={}", limit.clamp(1, 200));
+        let page: Value = self.call(self.request(reqwest::Method::GET, &path)).await?;
+        Ok(page["items"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// Every item of a paged list, following `next_cursor`.
+    async fn pages(&self, path: &str, limit: u32) -> Result<Vec<Value>, ClientError> {
+        let mut items = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            // Cursors the server issues are ids and numbers: nothing in them needs escaping.
+            let url = match &cursor {
+                Some(cursor) => format!("{path}?limit={limit}&cursor={cursor}"),
+                None => format!("{path}?limit={limit}"),
+            };
+            let page: Value = (self.call(self.request(reqwest::Method::GET, &url))).await?;
+            items.extend(page["items"].as_array().cloned().unwrap_or_default());
+            match page["next_cursor"].as_str() {
+                Some(next) => cursor = Some(next.to_owned()),
+                None => return Ok(items),
+            }
+        }
     }
 
     pub async fn get_run(&self, run_id: &str) -> Result<RunView, ClientError> {

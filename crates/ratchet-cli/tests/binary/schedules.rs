@@ -168,3 +168,125 @@ async fn kills_around_slots(db: &str) {
     }
     finisher.terminate();
 }
+
+/// `ratchet schedules …` against a server: every command, and a refusal that says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_manages_a_servers_schedules() {
+    let db = sqlite().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let script = write_script(dir.path(), &json!({"replies": [{"text": "tick"}]}));
+    migrate(&db.url);
+    let (mut api, base) = serve(&db.url, dir.path(), &script, "2");
+    let cli = |args: &[&str]| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ratchet"));
+        command
+            .args(["schedules"])
+            .args(args)
+            .args(["--server", &base]);
+        crate::common::output_within_deadline(&mut command, "")
+    };
+    let json_of = |output: &std::process::Output| -> serde_json::Value {
+        assert!(
+            output.status.success(),
+            "{}{}",
+            crate::common::stdout_of(output),
+            crate::common::stderr_of(output)
+        );
+        serde_json::from_str(&crate::common::stdout_of(output)).unwrap()
+    };
+
+    let refused = cli(&[
+        "create",
+        "--every-ms",
+        "500",
+        "--session",
+        "new",
+        "--overlap",
+        "skip",
+        "--catch-up",
+        "one",
+        "tick",
+    ]);
+    assert!(!refused.status.success());
+    let said = crate::common::stderr_of(&refused);
+    assert!(said.contains("every_ms must be at least 1000"), "{said}");
+    let incomplete = cli(&["create", "--every-ms", "1000", "tick"]);
+    assert!(
+        crate::common::stderr_of(&incomplete).contains("--session, --overlap, --catch-up"),
+        "{}",
+        crate::common::stderr_of(&incomplete)
+    );
+
+    let created = json_of(&cli(&[
+        "create",
+        "--cron",
+        "0 9 * * *",
+        "--timezone",
+        "Asia/Tokyo",
+        "--session",
+        "new",
+        "--overlap",
+        "cancel-previous",
+        "--catch-up",
+        "all",
+        "--paused",
+        "--json",
+        "the digest",
+    ]));
+    let id = created["id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        (
+            &created["overlap"],
+            &created["catch_up"],
+            &created["paused"],
+            &created["timezone"]
+        ),
+        (
+            &json!("cancel_previous"),
+            &json!("all"),
+            &json!(true),
+            &json!("Asia/Tokyo")
+        )
+    );
+    let listed = json_of(&cli(&["list", "--json"]));
+    assert_eq!(listed[0]["id"], json!(id));
+    let text = crate::common::stdout_of(&cli(&["get", &id]));
+    assert!(
+        text.contains("cron \"0 9 * * *\" in Asia/Tokyo") && text.contains("paused"),
+        "{text}"
+    );
+
+    let resumed = json_of(&cli(&["resume", &id, "--json"]));
+    assert!(resumed["next_fire_at"].is_i64(), "{resumed}");
+    let paused = json_of(&cli(&["pause", &id, "--json"]));
+    assert_eq!(paused["paused"], true);
+    let updated = json_of(&cli(&[
+        "update",
+        &id,
+        "--message",
+        "the new digest",
+        "--json",
+    ]));
+    assert_eq!(updated["message"], "the new digest");
+    let fired = json_of(&cli(&["trigger", &id, "--json"]));
+    assert_eq!(
+        (&fired["manual"], &fired["outcome"]),
+        (&json!(true), &json!("fired"))
+    );
+    let runs = crate::common::stdout_of(&cli(&["runs", &id]));
+    let run = fired["run_id"].as_str().unwrap();
+    assert!(
+        runs.contains("(manual)  fired") && runs.contains(run),
+        "{runs}"
+    );
+    let deleted = cli(&["delete", &id]);
+    assert!(crate::common::stdout_of(&deleted).contains("is deleted"));
+    let gone = cli(&["get", &id]);
+    assert!(!gone.status.success());
+    assert!(
+        crate::common::stderr_of(&gone).contains("404"),
+        "{}",
+        crate::common::stderr_of(&gone)
+    );
+    api.terminate();
+}
