@@ -119,7 +119,7 @@ impl Tables {
                 decided_at: row.decided_at,
             })
             .collect();
-        slots.sort_by(|a, b| (b.slot, b.manual).cmp(&(a.slot, a.manual)));
+        slots.sort_by_key(|s| std::cmp::Reverse((s.slot, s.manual)));
         slots.truncate(limit as usize);
         slots
     }

@@ -98,7 +98,7 @@ async fn a_schedule_is_kept_per_tenant_changed_and_deleted() {
         created
     );
     let listed = server.get_ok(TOKEN_A, "/v1/schedules").await;
-    assert_eq!(ids(&listed["items"]), [id.clone()]);
+    assert_eq!(ids(&listed["items"]), std::slice::from_ref(&id));
     let others = server.get_ok(TOKEN_B, "/v1/schedules").await;
     assert_eq!(
         others["items"],
