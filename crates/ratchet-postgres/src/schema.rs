@@ -330,7 +330,7 @@ CREATE TABLE schedules (
     overlap      TEXT NOT NULL,
     catch_up     TEXT NOT NULL,
     paused       BIGINT NOT NULL DEFAULT 0,
-    config_id    TEXT COLLATE "C" NOT NULL,
+    run_config   TEXT COLLATE "C" NOT NULL,
     next_fire_at BIGINT NOT NULL,
     last_slot    BIGINT,
     last_run_id  TEXT COLLATE "C",

@@ -354,7 +354,7 @@ CREATE TABLE schedules (
     overlap      TEXT NOT NULL,
     catch_up     TEXT NOT NULL,
     paused       INTEGER NOT NULL DEFAULT 0,
-    config_id    TEXT NOT NULL,
+    run_config   TEXT NOT NULL,
     next_fire_at INTEGER NOT NULL,
     last_slot    INTEGER,
     last_run_id  TEXT,

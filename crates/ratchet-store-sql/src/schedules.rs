@@ -98,11 +98,11 @@ fn cadence_columns(cadence: &Cadence) -> (Option<&str>, Option<&str>, Option<i64
 /// Stores a configuration in `run_configs` (once for every schedule and run frozen with it)
 /// and returns its id.
 fn store_config(c: &dyn Db, config: &RunConfigSnapshot) -> Result<String> {
-    let config_json = to_json(config)?;
-    let id = crate::queue::config_id(&config_json);
+    let encoded = to_json(config)?;
+    let id = crate::queue::config_id(&encoded);
     c.write(
         "INSERT INTO run_configs (id, config_json) VALUES (?1, ?2) ON CONFLICT (id) DO NOTHING",
-        &params![&id, &config_json],
+        &params![&id, &encoded],
     )?;
     Ok(id)
 }
@@ -212,12 +212,12 @@ pub(crate) fn schedule_slots(
 }
 
 pub(crate) fn create_schedule(c: &dyn Db, new: NewSchedule, now: Millis) -> Result<Schedule> {
-    let config_id = store_config(c, &new.config)?;
+    let frozen = store_config(c, &new.config)?;
     let spec = &new.spec;
     let (cron, timezone, every_ms) = cadence_columns(&spec.cadence);
     let inserted = c.execute(
         "INSERT INTO schedules (id, tenant, agent, message, cron, timezone, every_ms, session_id,
-             overlap, catch_up, paused, config_id, next_fire_at, created_at, updated_at)
+             overlap, catch_up, paused, run_config, next_fire_at, created_at, updated_at)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?14)
          ON CONFLICT (id) DO NOTHING",
         &params![
@@ -232,7 +232,7 @@ pub(crate) fn create_schedule(c: &dyn Db, new: NewSchedule, now: Millis) -> Resu
             spec.overlap.as_str(),
             spec.catch_up.as_str(),
             spec.paused,
-            &config_id,
+            &frozen,
             new.next_fire_at,
             now
         ],
@@ -253,12 +253,12 @@ pub(crate) fn update_schedule(
     now: Millis,
 ) -> Result<Schedule> {
     lock_schedule(c, id)?.ok_or_else(|| not_found(id))?;
-    let config_id = store_config(c, &change.config)?;
+    let frozen = store_config(c, &change.config)?;
     let spec = &change.spec;
     let (cron, timezone, every_ms) = cadence_columns(&spec.cadence);
     c.execute(
         "UPDATE schedules SET agent = ?2, message = ?3, cron = ?4, timezone = ?5, every_ms = ?6,
-             session_id = ?7, overlap = ?8, catch_up = ?9, paused = ?10, config_id = ?11,
+             session_id = ?7, overlap = ?8, catch_up = ?9, paused = ?10, run_config = ?11,
              next_fire_at = COALESCE(?12, next_fire_at), updated_at = ?13
          WHERE id = ?1",
         &params![
@@ -272,7 +272,7 @@ pub(crate) fn update_schedule(
             spec.overlap.as_str(),
             spec.catch_up.as_str(),
             spec.paused,
-            &config_id,
+            &frozen,
             change.next_fire_at,
             now
         ],
@@ -311,7 +311,7 @@ pub(crate) fn delete_schedule(c: &dyn Db, id: &ScheduleId, now: Millis) -> Resul
 fn schedule_config(c: &dyn Db, id: &ScheduleId) -> Result<RunConfigSnapshot> {
     let json = c
         .query_opt(
-            "SELECT c.config_json FROM schedules s JOIN run_configs c ON c.id = s.config_id
+            "SELECT c.config_json FROM schedules s JOIN run_configs c ON c.id = s.run_config
              WHERE s.id = ?1",
             &params![id.as_str()],
         )?
