@@ -85,3 +85,69 @@ pub(crate) async fn run(coordinator: Arc<Coordinator>, shutdown: CancellationTok
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use ratchet_core::{CatchUp, Overlap, RunConfigSnapshot, SlotOutcome};
+    use ratchet_store::{Cadence, DEFAULT_TENANT, RunQuota, ScheduleSpec};
+    use ratchet_store_memory::MemoryStore;
+
+    use super::*;
+    use crate::Clock;
+
+    /// 2024-03-01T00:00:00Z, a whole minute.
+    const T: Millis = 1_709_251_200_000;
+
+    /// After downtime, a pass decides every missed slot once, as each schedule's `catch_up`
+    /// says, and moves its next fire past now; a second pass finds nothing due.
+    #[tokio::test(start_paused = true)]
+    async fn missed_slots_are_caught_up_as_each_schedule_says() {
+        let store = std::sync::Arc::new(MemoryStore::new());
+        // Slots at T, T+60 s and T+120 s, the latest 30 s late: all three were missed.
+        let now = T + 150_000;
+        let coordinator =
+            Coordinator::with_clock(store.clone(), RunQuota::default(), Clock::tokio_from(now));
+        let mut ids = Vec::new();
+        for catch_up in CatchUp::ALL {
+            let spec = ScheduleSpec {
+                agent: None,
+                message: "tick".into(),
+                cadence: Cadence::Every { ms: 60_000 },
+                session: None,
+                overlap: Overlap::Enqueue,
+                catch_up,
+                paused: false,
+            };
+            let schedule = coordinator
+                .create_schedule(DEFAULT_TENANT.into(), spec, RunConfigSnapshot::default(), T)
+                .await
+                .unwrap();
+            ids.push((catch_up, schedule.id));
+        }
+        assert_eq!(fire_due(&coordinator).await.unwrap(), 1 + 3);
+        for (catch_up, id) in &ids {
+            let mut slots = coordinator
+                .store()
+                .schedule_slots(id, None, 10)
+                .await
+                .unwrap();
+            slots.reverse();
+            let decided: Vec<(Millis, SlotOutcome)> =
+                slots.iter().map(|s| (s.slot, s.outcome)).collect();
+            let (skip, fire) = (SlotOutcome::SkippedCatchUp, SlotOutcome::Fired);
+            let expected = match catch_up {
+                CatchUp::Skip => [(T, skip), (T + 60_000, skip), (T + 120_000, skip)],
+                CatchUp::One => [(T, skip), (T + 60_000, skip), (T + 120_000, fire)],
+                CatchUp::All => [(T, fire), (T + 60_000, fire), (T + 120_000, fire)],
+            };
+            assert_eq!(decided, expected, "{catch_up:?}");
+            let schedule = coordinator.store().get_schedule(id).await.unwrap();
+            assert_eq!(schedule.next_fire_at, T + 180_000, "{catch_up:?}");
+        }
+        assert_eq!(
+            fire_due(&coordinator).await.unwrap(),
+            0,
+            "nothing is due twice"
+        );
+    }
+}
