@@ -20,8 +20,7 @@ use crate::{Coordinator, Result};
 
 /// The longest the scheduler sleeps: how late it may notice a schedule another process made.
 const POLL_MS: Millis = 1_000;
-/// The shortest: a due schedule that cannot be fired (a stored cadence this build rejects) is
-/// looked at again no faster than this.
+/// The shortest, so that a slot due in a moment is not waited for in a busy loop.
 const MIN_SLEEP_MS: Millis = 20;
 /// Schedules decided in one pass.
 const DUE_PER_PASS: u32 = 100;
@@ -75,8 +74,12 @@ pub(crate) async fn run(coordinator: Arc<Coordinator>, shutdown: CancellationTok
         if let Err(error) = fire_due(&coordinator).await {
             tracing::warn!(%error, "reading the due schedules failed");
         }
+        let now = coordinator.now();
         let wait = match coordinator.store().next_schedule_fire().await {
-            Ok(Some(at)) => (at.saturating_sub(coordinator.now())).clamp(MIN_SLEEP_MS, POLL_MS),
+            // Still overdue right after a pass: a schedule this process cannot fire (its
+            // failure was logged) is not tried again at once, in a loop.
+            Ok(Some(at)) if at < now - POLL_MS => POLL_MS,
+            Ok(Some(at)) => (at.saturating_sub(now)).clamp(MIN_SLEEP_MS, POLL_MS),
             Ok(None) | Err(_) => POLL_MS,
         };
         tokio::select! {
