@@ -781,6 +781,52 @@ test("a webhook's dead deliveries are requeued from its delivery log", async () 
   assert.deepEqual(page.errors, []);
 });
 
+test("a schedule is created, triggered, paused and deleted from the Schedules page", async () => {
+  const server = await serve();
+  const page = await openPage(browser, server.url);
+  page.on("dialog", (dialog) => dialog.accept());
+  await page.getByRole("link", { name: "Schedules" }).click();
+  await page.getByRole("heading", { name: "Schedules" }).waitFor();
+  await page.getByText("No schedules yet").waitFor();
+  await assertLabelled(page);
+
+  // A cron expression of four fields is refused, and the form says what it expects.
+  await page.getByLabel("Message", { exact: true }).fill("Ping");
+  await page.getByLabel("Cadence", { exact: true }).selectOption("cron");
+  await page.getByLabel("Interval (ms) or cron expression").fill("* * * *");
+  await page.getByRole("button", { name: "Create schedule" }).click();
+  await page.getByText(/cron must have 5 fields/).waitFor();
+
+  await page.getByLabel("Cadence", { exact: true }).selectOption("every_ms");
+  await page.getByLabel("Interval (ms) or cron expression").fill("3600000");
+  await page.getByLabel("Overlap", { exact: true }).selectOption("enqueue");
+  await page.getByRole("button", { name: "Create schedule" }).click();
+  const row = page.locator("tr[data-schedule]");
+  await row.first().waitFor();
+  const id = await row.first().getAttribute("data-schedule");
+  await row.first().getByText("every 1 h").waitFor();
+  const created = await server.get(`/v1/schedules/${id}`);
+  assert.equal(created.message, "Ping");
+  assert.equal(created.overlap, "enqueue");
+
+  await page.getByRole("button", { name: `Trigger ${id}` }).click();
+  await until("the trigger fired a run", async () => (await server.get(`/v1/schedules/${id}/runs`)).items.length === 1);
+  const [slot] = (await server.get(`/v1/schedules/${id}/runs`)).items;
+  assert.equal(slot.manual, true);
+  await row.first().getByRole("link", { name: slot.run_id }).waitFor();
+
+  await page.getByRole("button", { name: `Pause ${id}` }).click();
+  await page.getByRole("button", { name: `Resume ${id}` }).waitFor();
+  assert.equal((await server.get(`/v1/schedules/${id}`)).paused, true);
+  await row.first().locator(".chip", { hasText: "paused" }).waitFor();
+  assert.deepEqual(await accessibilityViolations(page), []);
+
+  await page.getByRole("button", { name: `Delete ${id}` }).click();
+  await page.getByText("No schedules yet").waitFor();
+  assert.deepEqual((await server.get("/v1/schedules")).items, []);
+  assert.deepEqual(page.errors, []);
+});
+
 test("the Agents page draws the catalog: delegation, tools, approvals and limits", async () => {
   const server = await serve();
   const page = await openPage(browser, server.url);
@@ -881,6 +927,11 @@ test("every view passes an automated WCAG 2.1 AA audit, in both colour schemes",
     await page.goto(`${server.url}/#/agents`);
     await page.getByRole("img", { name: /^Delegation graph/ }).waitFor();
     audited.agents = await accessibilityViolations(page);
+
+    await server.post("/v1/schedules", { message: "Ping", every_ms: 3600000, session: "new", overlap: "skip", catch_up: "one" });
+    await page.goto(`${server.url}/#/schedules`);
+    await page.locator("tr[data-schedule]").first().waitFor();
+    audited.schedules = await accessibilityViolations(page);
 
     await page.goto(`${server.url}/#/runs/${runId}`);
     await page.getByRole("list", { name: "Waterfall" }).locator("li[data-step] button").first().click();

@@ -182,6 +182,22 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/runs/{id}/fork": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post: operations["fork_run"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/runs/{id}/pause": {
         parameters: {
             query?: never;
@@ -304,6 +320,102 @@ export interface paths {
         get: operations["tree_events"];
         put?: never;
         post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/schedules": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get: operations["list_schedules"];
+        put?: never;
+        post: operations["create_schedule"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/schedules/{id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get: operations["get_schedule"];
+        put?: never;
+        post?: never;
+        delete: operations["delete_schedule"];
+        options?: never;
+        head?: never;
+        patch: operations["update_schedule"];
+        trace?: never;
+    };
+    "/v1/schedules/{id}/pause": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post: operations["pause_schedule"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/schedules/{id}/resume": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post: operations["resume_schedule"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/schedules/{id}/runs": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get: operations["list_schedule_runs"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/schedules/{id}/trigger": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post: operations["trigger_schedule"];
         delete?: never;
         options?: never;
         head?: never;
@@ -658,6 +770,11 @@ export interface components {
             status: components["schemas"]["RunStatus"];
         };
         /**
+         * @description What becomes of the slots missed while no scheduler ran (more than 10 s late).
+         * @enum {string}
+         */
+        CatchUpView: "skip" | "one" | "all";
+        /**
          * @description Budget to add when continuing a failed run; each field is added to the run's limit of
          *     the same name (a run without such a limit stays without one).
          */
@@ -672,6 +789,37 @@ export interface components {
             extra_tokens?: number | null;
             /** Format: int64 */
             extra_tool_calls?: number | null;
+        };
+        CreateSchedule: {
+            /**
+             * @description The catalog agent its runs are of (`default`, or absent, for the server's run
+             *     template); with an existing `session`, that session's agent or absent.
+             */
+            agent?: string | null;
+            catch_up: components["schemas"]["CatchUpView"];
+            /**
+             * @description A cron expression: 5 fields (minute hour day-of-month month day-of-week) or 6 (seconds
+             *     first). Exactly one of `cron` and `every_ms`.
+             */
+            cron?: string | null;
+            /**
+             * Format: int64
+             * @description An interval in milliseconds, at least 1000; slots fall on its multiples since the Unix
+             *     epoch. Exactly one of `cron` and `every_ms`.
+             */
+            every_ms?: number | null;
+            /** @description The message each run starts with. */
+            message: string;
+            overlap: components["schemas"]["OverlapView"];
+            /** @description Created paused: it fires nothing until resumed (default false). */
+            paused?: boolean | null;
+            /**
+             * @description `new` (each run in a new session of its own) or the id of a session of yours, which
+             *     every run goes to.
+             */
+            session: string;
+            /** @description The IANA time zone the cron expression is read in (default `UTC`); only with `cron`. */
+            timezone?: string | null;
         };
         CreateSession: {
             /**
@@ -767,7 +915,7 @@ export interface components {
          * @description the kind of a stored event.
          * @enum {string}
          */
-        EventKind: "run.created" | "run.status" | "step.committed" | "activity" | "assistant.delta" | "assistant.message" | "assistant.reasoning" | "tool.call" | "tool.result" | "tool.outcome_unknown" | "model.error" | "reconciliation.required" | "reconciliation.decided" | "approval.required" | "approval.decided" | "run.resumed" | "message.steered" | "context.compacted" | "subagent.started" | "subagent.finished" | "completion.blocked" | "inbox.reserved" | "inbox.pending" | "inbox.leased" | "inbox.consumed" | "inbox.released" | "inbox.dead_lettered" | "inbox.superseded" | "inbox.requeued" | "inbox.discarded" | "signal.emitted" | "session.closed" | "run.finished";
+        EventKind: "run.created" | "run.status" | "step.committed" | "activity" | "assistant.delta" | "assistant.message" | "assistant.reasoning" | "tool.call" | "tool.result" | "tool.outcome_unknown" | "model.error" | "reconciliation.required" | "reconciliation.decided" | "approval.required" | "approval.decided" | "run.resumed" | "message.steered" | "context.compacted" | "subagent.started" | "subagent.finished" | "completion.blocked" | "timer.set" | "timer.woke" | "inbox.reserved" | "inbox.pending" | "inbox.leased" | "inbox.consumed" | "inbox.released" | "inbox.dead_lettered" | "inbox.superseded" | "inbox.requeued" | "inbox.discarded" | "signal.emitted" | "session.closed" | "run.finished";
         /** @description The `data` of every server-sent event (its `id` is `seq`, its `event` is `kind`). */
         EventView: {
             created_at: components["schemas"]["i64"];
@@ -780,6 +928,51 @@ export interface components {
              */
             seq: number;
             session_id: components["schemas"]["SessionId"];
+        };
+        /** @description One edit: `{"replace_user_message": "text"}` or `{"replace_tool_result": {"call_id", "result"}}`. */
+        ForkEditRequest: {
+            /**
+             * @description The last user message at or before the step says this instead; what answered the old
+             *     text is left out, and the fork calls the model first.
+             */
+            replace_user_message: string;
+        } | {
+            /**
+             * @description The call returned this instead (a string as it is, any other JSON as its text); the
+             *     fork's history ends with that call's batch, and the model is called next.
+             */
+            replace_tool_result: components["schemas"]["ReplaceToolResult"];
+        };
+        /**
+         * @description `POST /v1/runs/{id}/fork`: a new session whose history is the run's as step `at_step`
+         *     left it, and a run in it that continues from there.
+         */
+        ForkRequest: {
+            /** @description The catalog agent the fork runs as; without it, the run's own frozen configuration. */
+            agent?: string | null;
+            /**
+             * Format: int64
+             * @description The committed step of the run to fork at (steps are numbered from 1).
+             */
+            at_step: number;
+            edit?: components["schemas"]["ForkEditRequest"] | null;
+        };
+        /** @description Where a fork came from: its source run and the step of it the fork continues from. */
+        ForkedFromView: {
+            run_id: components["schemas"]["RunId"];
+            /** Format: int64 */
+            step: number;
+        };
+        /** @description A fork, created: its new session and run. */
+        ForkedView: {
+            forked_from: components["schemas"]["ForkedFromView"];
+            run_id: components["schemas"]["RunId"];
+            session_id: components["schemas"]["SessionId"];
+            /**
+             * @description `running`, or `waiting_human` when a `never` call the source started has no known
+             *     outcome: reconcile it on the fork (`POST /v1/runs/{run_id}/reconcile`).
+             */
+            status: components["schemas"]["RunStatus"];
         };
         /** @description One event of a session's inbox. */
         InboxEventView: {
@@ -909,6 +1102,11 @@ export interface components {
              */
             by?: string | null;
         };
+        /**
+         * @description What a due slot does while the schedule's previous run has not finished.
+         * @enum {string}
+         */
+        OverlapView: "skip" | "enqueue" | "cancel_previous";
         /** @description Every listing: a page of items and the cursor of the next page (null on the last). */
         Page_AgentView: {
             items: {
@@ -1071,12 +1269,66 @@ export interface components {
             items: {
                 created_at: components["schemas"]["i64"];
                 finished_at?: components["schemas"]["i64"] | null;
+                forked_from?: components["schemas"]["ForkedFromView"] | null;
                 id: components["schemas"]["RunId"];
+                schedule_id?: components["schemas"]["ScheduleId"] | null;
                 session_id: components["schemas"]["SessionId"];
+                slot?: components["schemas"]["i64"] | null;
                 status: components["schemas"]["RunStatus"];
                 /** Format: int64 */
                 step_index: number;
                 stop_reason?: string | null;
+            }[];
+            /**
+             * @description An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+             *     page.
+             */
+            next_cursor?: string | null;
+        };
+        /** @description Every listing: a page of items and the cursor of the next page (null on the last). */
+        Page_ScheduleRunView: {
+            items: {
+                decided_at: components["schemas"]["i64"];
+                /** @description Fired by a trigger rather than by the cadence. */
+                manual: boolean;
+                outcome: components["schemas"]["SlotOutcomeView"];
+                /** @description Why it was skipped or refused. */
+                reason?: string | null;
+                run_id?: components["schemas"]["RunId"] | null;
+                session_id?: components["schemas"]["SessionId"] | null;
+                /** @description When the slot was due (ms since the epoch); for a manual trigger, when it was asked for. */
+                slot: components["schemas"]["i64"];
+                status?: components["schemas"]["RunStatus"] | null;
+                /** @description The last slot of missed slots skipped together; `slot` otherwise. */
+                through: components["schemas"]["i64"];
+            }[];
+            /**
+             * @description An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+             *     page.
+             */
+            next_cursor?: string | null;
+        };
+        /** @description Every listing: a page of items and the cursor of the next page (null on the last). */
+        Page_ScheduleView: {
+            items: {
+                agent?: string | null;
+                catch_up: components["schemas"]["CatchUpView"];
+                created_at: components["schemas"]["i64"];
+                cron?: string | null;
+                /** Format: int64 */
+                every_ms?: number | null;
+                id: components["schemas"]["ScheduleId"];
+                last_run_id?: components["schemas"]["RunId"] | null;
+                last_slot?: components["schemas"]["i64"] | null;
+                message: string;
+                next_fire_at?: components["schemas"]["i64"] | null;
+                overlap: components["schemas"]["OverlapView"];
+                paused: boolean;
+                /** @description `new`, or the session every run goes to. */
+                session: string;
+                /** @description The cron expression's time zone (null: UTC). */
+                timezone?: string | null;
+                updated_at: components["schemas"]["i64"];
             }[];
             /**
              * @description An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
@@ -1188,6 +1440,11 @@ export interface components {
              */
             restart_required: string[];
         };
+        ReplaceToolResult: {
+            /** @description A call of the batch pending at the step, or of one answered at or before it. */
+            call_id: string;
+            result: unknown;
+        };
         /** @description How many dead letters a bulk requeue put back. */
         RequeuedView: {
             /** Format: int64 */
@@ -1216,17 +1473,28 @@ export interface components {
         };
         /** @description A run id: `run_` then 1 to 64 letters, digits or `-`. */
         RunId: string;
+        /** @description Where a run fired by a schedule came from. */
+        RunScheduleView: {
+            /** @description Fired by `POST /v1/schedules/{id}/trigger` rather than by the schedule's cadence. */
+            manual: boolean;
+            schedule_id: components["schemas"]["ScheduleId"];
+            /** @description When the slot was due (ms since the epoch); for a manual trigger, when it was asked for. */
+            slot: components["schemas"]["i64"];
+        };
         /**
          * @description what a run is doing, or how it ended.
          * @enum {string}
          */
-        RunStatus: "queued" | "running" | "waiting_human" | "waiting_children" | "paused" | "cancelling" | "completed" | "failed" | "cancelled";
+        RunStatus: "queued" | "running" | "waiting_human" | "waiting_children" | "waiting_timer" | "paused" | "cancelling" | "completed" | "failed" | "cancelled";
         /** @description A run as listed: its state without usage details. */
         RunSummaryView: {
             created_at: components["schemas"]["i64"];
             finished_at?: components["schemas"]["i64"] | null;
+            forked_from?: components["schemas"]["ForkedFromView"] | null;
             id: components["schemas"]["RunId"];
+            schedule_id?: components["schemas"]["ScheduleId"] | null;
             session_id: components["schemas"]["SessionId"];
+            slot?: components["schemas"]["i64"] | null;
             status: components["schemas"]["RunStatus"];
             /** Format: int64 */
             step_index: number;
@@ -1257,6 +1525,7 @@ export interface components {
             /** @description The run's answer, once it has completed. */
             final_answer?: string | null;
             finished_at?: components["schemas"]["i64"] | null;
+            forked_from?: components["schemas"]["ForkedFromView"] | null;
             id: components["schemas"]["RunId"];
             /**
              * @description `never` calls cut off when the run ended (its deadline, a cancel): nobody knows whether
@@ -1269,11 +1538,12 @@ export interface components {
             pause_requested: boolean;
             /** @description What the run waits on a human for, if anything. */
             pending_human?: Record<string, unknown> | null;
+            schedule?: components["schemas"]["RunScheduleView"] | null;
             session_id: components["schemas"]["SessionId"];
             started_at?: components["schemas"]["i64"] | null;
             /**
-             * @description `queued`, `running`, `waiting_human`, `waiting_children`, `paused`, `cancelling`,
-             *     `completed`, `failed` or `cancelled`.
+             * @description `queued`, `running`, `waiting_human`, `waiting_children`, `waiting_timer`, `paused`,
+             *     `cancelling`, `completed`, `failed` or `cancelled`.
              */
             status: components["schemas"]["RunStatus"];
             /**
@@ -1283,6 +1553,45 @@ export interface components {
             step_index: number;
             stop_reason?: string | null;
             usage: components["schemas"]["UsageView"];
+            wait?: components["schemas"]["WaitView"] | null;
+        };
+        /** @description A schedule id: `sch_` then 1 to 64 letters, digits or `-`. */
+        ScheduleId: string;
+        /** @description A decided slot of a schedule and its run, if it fired one. */
+        ScheduleRunView: {
+            decided_at: components["schemas"]["i64"];
+            /** @description Fired by a trigger rather than by the cadence. */
+            manual: boolean;
+            outcome: components["schemas"]["SlotOutcomeView"];
+            /** @description Why it was skipped or refused. */
+            reason?: string | null;
+            run_id?: components["schemas"]["RunId"] | null;
+            session_id?: components["schemas"]["SessionId"] | null;
+            /** @description When the slot was due (ms since the epoch); for a manual trigger, when it was asked for. */
+            slot: components["schemas"]["i64"];
+            status?: components["schemas"]["RunStatus"] | null;
+            /** @description The last slot of missed slots skipped together; `slot` otherwise. */
+            through: components["schemas"]["i64"];
+        };
+        ScheduleView: {
+            agent?: string | null;
+            catch_up: components["schemas"]["CatchUpView"];
+            created_at: components["schemas"]["i64"];
+            cron?: string | null;
+            /** Format: int64 */
+            every_ms?: number | null;
+            id: components["schemas"]["ScheduleId"];
+            last_run_id?: components["schemas"]["RunId"] | null;
+            last_slot?: components["schemas"]["i64"] | null;
+            message: string;
+            next_fire_at?: components["schemas"]["i64"] | null;
+            overlap: components["schemas"]["OverlapView"];
+            paused: boolean;
+            /** @description `new`, or the session every run goes to. */
+            session: string;
+            /** @description The cron expression's time zone (null: UTC). */
+            timezone?: string | null;
+            updated_at: components["schemas"]["i64"];
         };
         SendMessage: {
             /** @description The message; it must have some text besides white space. */
@@ -1321,7 +1630,7 @@ export interface components {
          * @description `archived`, its active run's status, or `idle` (no active run).
          * @enum {string}
          */
-        SessionStatus: "queued" | "running" | "waiting_human" | "waiting_children" | "paused" | "cancelling" | "completed" | "failed" | "cancelled" | "idle" | "archived";
+        SessionStatus: "queued" | "running" | "waiting_human" | "waiting_children" | "waiting_timer" | "paused" | "cancelling" | "completed" | "failed" | "cancelled" | "idle" | "archived";
         /** @enum {string} */
         SessionStatusFilter: "waiting_human" | "active" | "failed" | "idle" | "archived";
         SessionView: {
@@ -1341,6 +1650,11 @@ export interface components {
             /** @description Its first message's first line until someone renames it (`PATCH`); null before any. */
             title?: string | null;
         };
+        /**
+         * @description What a decided slot became.
+         * @enum {string}
+         */
+        SlotOutcomeView: "fired" | "skipped_overlap" | "skipped_catch_up" | "refused";
         /** @description One committed step, opened up: what it sent to the model and what came back. */
         StepDetailView: components["schemas"]["StepView"] & {
             model_call?: components["schemas"]["ModelCallView"] | null;
@@ -1406,6 +1720,27 @@ export interface components {
              */
             usage: components["schemas"]["UsageView"];
         };
+        /**
+         * @description A change of a schedule: each field given replaces the one it has; the agent's configuration
+         *     is frozen again from the catalog in force.
+         */
+        UpdateSchedule: {
+            agent?: string | null;
+            catch_up?: components["schemas"]["CatchUpView"] | null;
+            /** @description Replaces the cadence (and drops `every_ms`). */
+            cron?: string | null;
+            /**
+             * Format: int64
+             * @description Replaces the cadence (and drops `cron` and `timezone`).
+             */
+            every_ms?: number | null;
+            message?: string | null;
+            overlap?: components["schemas"]["OverlapView"] | null;
+            paused?: boolean | null;
+            /** @description `new` or a session id. */
+            session?: string | null;
+            timezone?: string | null;
+        };
         /** @description `PATCH /v1/sessions/{id}`. */
         UpdateSession: {
             /**
@@ -1443,6 +1778,16 @@ export interface components {
             reasoning_tokens: number;
             /** Format: int64 */
             tool_calls: number;
+        };
+        /** @description A run's wait on a timer: when it began and when it ends, unless input ended it sooner. */
+        WaitView: {
+            /** @description The `wait` call the run parked on. */
+            call_id: string;
+            /** @description When the wait ends (ms since the epoch), frozen when the run parked. */
+            due_at: components["schemas"]["i64"];
+            /** @description When the run parked (ms since the epoch). */
+            since: components["schemas"]["i64"];
+            woken_by_input?: components["schemas"]["i64"] | null;
         };
         /** @description A webhook id: `whk_` then 1 to 64 letters, digits or `-`. */
         WebhookId: string;
@@ -1908,6 +2253,70 @@ export interface operations {
             };
         };
     };
+    fork_run: {
+        parameters: {
+            query?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
+            path: {
+                /** @description The run's id */
+                id: components["schemas"]["RunId"];
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["ForkRequest"];
+            };
+        };
+        responses: {
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ForkedView"];
+                };
+            };
+            /** @description no such run */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description the step cannot be forked (not committed, waiting for children, nothing to continue), the edit names nothing there, or the agent is unknown */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description the run quota is full */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
     pause_run: {
         parameters: {
             query?: never;
@@ -2225,6 +2634,339 @@ export interface operations {
                 };
                 content: {
                     "text/event-stream": components["schemas"]["ServerSentTreeEvent"];
+                };
+            };
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    list_schedules: {
+        parameters: {
+            query?: {
+                /** @description An opaque cursor the server issued: the `next_cursor` of the previous page, unchanged. */
+                cursor?: string;
+                /** @description Items per page, 1–200 (default 50). */
+                limit?: number;
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Page_ScheduleView"];
+                };
+            };
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    create_schedule: {
+        parameters: {
+            query?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["CreateSchedule"];
+            };
+        };
+        responses: {
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ScheduleView"];
+                };
+            };
+            /** @description the cadence, time zone, session, agent or message is not valid: the message says what is expected and what was found */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    get_schedule: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description The schedule's id */
+                id: components["schemas"]["ScheduleId"];
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ScheduleView"];
+                };
+            };
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    delete_schedule: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description The schedule's id */
+                id: components["schemas"]["ScheduleId"];
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Deleted: it fires no more; the runs it fired stay */
+            204: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    update_schedule: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description The schedule's id */
+                id: components["schemas"]["ScheduleId"];
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["UpdateSchedule"];
+            };
+        };
+        responses: {
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ScheduleView"];
+                };
+            };
+            /** @description the schedule's agent is no longer in the catalog: name another */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description a field is not valid: the message says what is expected and what was found */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    pause_schedule: {
+        parameters: {
+            query?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
+            path: {
+                /** @description The schedule's id */
+                id: components["schemas"]["ScheduleId"];
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Paused (again): it fires nothing by its cadence until resumed */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ScheduleView"];
+                };
+            };
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    resume_schedule: {
+        parameters: {
+            query?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
+            path: {
+                /** @description The schedule's id */
+                id: components["schemas"]["ScheduleId"];
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Resumed from its next slot after now: the slots of the pause are not caught up */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ScheduleView"];
+                };
+            };
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    list_schedule_runs: {
+        parameters: {
+            query?: {
+                /** @description An opaque cursor the server issued: the `next_cursor` of the previous page, unchanged. */
+                cursor?: string;
+                /** @description Items per page, 1–200 (default 50). */
+                limit?: number;
+            };
+            header?: never;
+            path: {
+                /** @description The schedule's id */
+                id: components["schemas"]["ScheduleId"];
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Every decided slot, newest first: those that fired with their run, and those skipped or refused with `run_id` null and the reason */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Page_ScheduleRunView"];
+                };
+            };
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    trigger_schedule: {
+        parameters: {
+            query?: never;
+            header?: {
+                /** @description Names this request (1 to 255 printable ASCII characters, per tenant): a repeat within `[api] idempotency_ttl_ms` gets the first response back with `Idempotent-Replayed: true` and does nothing again; the same key with another method, path or body is 422, and a repeat while the first is carried out is 409 (`request_in_progress`). Responses 409, 429 and 5xx are not kept. */
+                "Idempotency-Key"?: string;
+            };
+            path: {
+                /** @description The schedule's id */
+                id: components["schemas"]["ScheduleId"];
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description A manual slot at now, decided as a due slot is: fired, skipped by `overlap`, or refused */
+            202: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ScheduleRunView"];
+                };
+            };
+            /** @description triggered at this same millisecond already */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             "4XX": {

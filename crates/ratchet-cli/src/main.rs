@@ -9,6 +9,7 @@ mod drive;
 mod fork;
 mod inspect;
 mod pause;
+mod schedules;
 mod secrets;
 mod serve;
 mod telemetry;
@@ -147,6 +148,11 @@ enum Command {
     Inbox {
         #[command(subcommand)]
         command: InboxCommand,
+    },
+    /// Manage a server's schedules: messages sent on a cadence, each slot fired once.
+    Schedules {
+        #[command(subcommand)]
+        command: schedules::SchedulesCommand,
     },
     /// Act on the dead deliveries of a webhook.
     Webhooks {
@@ -521,6 +527,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Resume(args) => args.resume().await,
         Command::Runs { command } => command.execute().await,
         Command::Inbox { command } => command.execute().await,
+        Command::Schedules { command } => command.execute().await,
         Command::Webhooks {
             command: WebhooksCommand::Requeue(args),
         } => {

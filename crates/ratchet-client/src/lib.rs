@@ -1,5 +1,5 @@
 //! A small Rust client of Ratchet's HTTP API, for the CLI (`run --server`, `chat`,
-//! `approvals`) and the benchmarks: JSON calls, event streams that reconnect with
+//! `approvals`, `schedules`) and the benchmarks: JSON calls, event streams that reconnect with
 //! `Last-Event-ID`, and a Server-Sent Events parser that follows the WHATWG rules.
 
 use std::collections::VecDeque;
@@ -50,6 +50,22 @@ pub enum ClientError {
     /// An answer that is not what the API sends.
     #[error("unexpected answer from the server: {0}")]
     Protocol(String),
+}
+
+/// How often a keyed request is sent at most, and the first wait before sending it again.
+const KEYED_ATTEMPTS: u32 = 4;
+const KEYED_BACKOFF: Duration = Duration::from_millis(250);
+
+/// Whether a keyed request that failed this way may be sent again under its key: nothing
+/// came back, or the server is still carrying out the first request with the key.
+fn may_resend(error: &ClientError) -> bool {
+    match error {
+        ClientError::Unreachable { .. } => true,
+        ClientError::Api { status, code, .. } => {
+            *status == StatusCode::CONFLICT && code == "request_in_progress"
+        }
+        ClientError::Invalid(_) | ClientError::Protocol(_) => false,
+    }
 }
 
 fn refusal(status: StatusCode, code: &str, message: &str) -> String {
@@ -207,29 +223,52 @@ impl Api {
     }
 
     /// A new session of the catalog agent `agent`, or of the server's model without one.
+    /// Sent under an `Idempotency-Key` of its own, and sent again under it when no answer came
+    /// (see `keyed_call`): a retry never creates a second session.
     pub async fn create_session(&self, agent: Option<&str>) -> Result<SessionView, ClientError> {
         let body = match agent {
             Some(agent) => json!({"agent": agent}),
             None => json!({}),
         };
-        self.call(
-            self.request(reqwest::Method::POST, "/v1/sessions")
-                .json(&body),
-        )
-        .await
+        self.keyed_call("/v1/sessions", &body).await
     }
 
+    /// Sends a message under an `Idempotency-Key` of its own, sent again under it when no
+    /// answer came (see `keyed_call`): a retry never starts a second run.
     pub async fn send_message(
         &self,
         session_id: &str,
         content: &str,
     ) -> Result<MessageAccepted, ClientError> {
         let path = format!("/v1/sessions/{session_id}/messages");
-        self.call(
-            self.request(reqwest::Method::POST, &path)
-                .json(&json!({"content": content})),
-        )
-        .await
+        self.keyed_call(&path, &json!({"content": content})).await
+    }
+
+    /// `POST path` with a fresh `Idempotency-Key`, sent again with the same key — up to
+    /// `KEYED_ATTEMPTS` times, waits doubling from `KEYED_BACKOFF` — when the server could not
+    /// be reached or answered that the first request with the key is still in progress: the
+    /// server carries the request out once and answers every repeat with its first response.
+    async fn keyed_call<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &Value,
+    ) -> Result<T, ClientError> {
+        let key = format!("ratchet-cli-{}", uuid::Uuid::new_v4());
+        let mut wait = KEYED_BACKOFF;
+        let mut attempt = 1;
+        loop {
+            let request = (self.request(reqwest::Method::POST, path))
+                .header("idempotency-key", &key)
+                .json(body);
+            match self.call(request).await {
+                Err(error) if attempt < KEYED_ATTEMPTS && may_resend(&error) => {
+                    tokio::time::sleep(wait).await;
+                    wait *= 2;
+                    attempt += 1;
+                }
+                answer => return answer,
+            }
+        }
     }
 
     /// Every approval of the tenant (all pages), only those with `status` when given.
@@ -301,6 +340,73 @@ impl Api {
         let path = format!("/v1/runs/{run_id}/fork");
         self.call(self.request(reqwest::Method::POST, &path).json(&body))
             .await
+    }
+
+    /// `POST /v1/schedules`: creates a schedule (the body as `docs/API.md` describes it).
+    pub async fn create_schedule(&self, body: &Value) -> Result<Value, ClientError> {
+        self.post("/v1/schedules", body).await
+    }
+
+    /// Every schedule of the caller, following the pages.
+    pub async fn schedules(&self) -> Result<Vec<Value>, ClientError> {
+        self.pages("/v1/schedules", 200).await
+    }
+
+    pub async fn schedule(&self, id: &str) -> Result<Value, ClientError> {
+        let path = format!("/v1/schedules/{id}");
+        self.call(self.request(reqwest::Method::GET, &path)).await
+    }
+
+    /// `PATCH /v1/schedules/{id}`: the fields of `change` replace the schedule's.
+    pub async fn update_schedule(&self, id: &str, change: &Value) -> Result<Value, ClientError> {
+        let path = format!("/v1/schedules/{id}");
+        self.call(self.request(reqwest::Method::PATCH, &path).json(change))
+            .await
+    }
+
+    pub async fn delete_schedule(&self, id: &str) -> Result<(), ClientError> {
+        let path = format!("/v1/schedules/{id}");
+        let response = (self.request(reqwest::Method::DELETE, &path))
+            .timeout(CALL_TIMEOUT)
+            .send()
+            .await
+            .map_err(|e| self.unreachable(&e))?;
+        if !response.status().is_success() {
+            return Err(api_error(response).await);
+        }
+        Ok(())
+    }
+
+    /// `POST /v1/schedules/{id}/{action}` with no body (`pause`, `resume`, `trigger`).
+    pub async fn schedule_action(&self, id: &str, action: &str) -> Result<Value, ClientError> {
+        let path = format!("/v1/schedules/{id}/{action}");
+        self.call(self.request(reqwest::Method::POST, &path)).await
+    }
+
+    /// A schedule's decided slots, newest first: the latest `limit` of them.
+    pub async fn schedule_runs(&self, id: &str, limit: u32) -> Result<Vec<Value>, ClientError> {
+        let path = format!("/v1/schedules/{id}/runs?limit={}", limit.clamp(1, 200));
+        let page: Value = self.call(self.request(reqwest::Method::GET, &path)).await?;
+        Ok(page["items"].as_array().cloned().unwrap_or_default())
+    }
+
+    /// Every item of a paged list, following `next_cursor`.
+    async fn pages(&self, path: &str, limit: u32) -> Result<Vec<Value>, ClientError> {
+        let mut items = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            // Cursors the server issues are ids and numbers: nothing in them needs escaping.
+            let url = match &cursor {
+                Some(cursor) => format!("{path}?limit={limit}&cursor={cursor}"),
+                None => format!("{path}?limit={limit}"),
+            };
+            let page: Value = (self.call(self.request(reqwest::Method::GET, &url))).await?;
+            items.extend(page["items"].as_array().cloned().unwrap_or_default());
+            match page["next_cursor"].as_str() {
+                Some(next) => cursor = Some(next.to_owned()),
+                None => return Ok(items),
+            }
+        }
     }
 
     pub async fn get_run(&self, run_id: &str) -> Result<RunView, ClientError> {
@@ -533,6 +639,54 @@ pub async fn follow_run_live(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A message whose first answer is "still in progress" is sent again under the same key;
+    /// one that the server refuses for good is not sent again.
+    #[tokio::test]
+    async fn a_keyed_message_is_sent_again_under_its_key_while_in_progress() {
+        use std::sync::{Arc, Mutex};
+
+        use axum::http::HeaderMap;
+
+        let keys: Arc<Mutex<Vec<String>>> = Arc::default();
+        let log = Arc::clone(&keys);
+        let app = axum::Router::new().route(
+            "/v1/sessions/{id}/messages",
+            axum::routing::post(move |headers: HeaderMap| {
+                let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+                let mut keys = log.lock().unwrap();
+                keys.push(key);
+                let answer = match keys.len() {
+                    1 => (
+                        StatusCode::CONFLICT,
+                        json!({"error": {"code": "request_in_progress", "message": "wait"}}),
+                    ),
+                    _ => (
+                        StatusCode::ACCEPTED,
+                        json!({"message_id": "msg_a", "run_id": "run_a", "run_status": "running", "steered": false}),
+                    ),
+                };
+                async move { (answer.0, axum::Json(answer.1)) }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let api = Api::new(&address.to_string(), None, 2).unwrap();
+        let accepted = api.send_message("ses_a", "hello").await.unwrap();
+        assert_eq!(accepted.run_id, "run_a");
+        let sent = keys.lock().unwrap().clone();
+        assert_eq!(sent.len(), 2, "{sent:?}");
+        assert_eq!(sent[0], sent[1], "the same key both times");
+        assert!(sent[0].starts_with("ratchet-cli-"), "{sent:?}");
+
+        let conflict = ClientError::Api {
+            status: StatusCode::CONFLICT,
+            code: "conflict".into(),
+            message: "busy".into(),
+        };
+        assert!(!may_resend(&conflict), "a refusal for good is final");
+    }
 
     #[tokio::test]
     async fn a_dropped_stream_is_resumed_with_the_last_event_id() {

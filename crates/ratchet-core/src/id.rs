@@ -1,4 +1,4 @@
-//! Typed, prefixed identifiers (`ses_…`, `run_…`, `msg_…`, `apr_…`, `whk_…`).
+//! Typed, prefixed identifiers (`ses_…`, `run_…`, `msg_…`, `apr_…`, `whk_…`, `sch_…`).
 //!
 //! The core cannot generate ids (that needs randomness or a clock); it only defines their
 //! shape and validates them at the edges.
@@ -85,6 +85,7 @@ typed_id!(MessageId, "msg_", "message", 64);
 // An approval is named after its run and step: room for a run's suffix, '-' and a step.
 typed_id!(ApprovalId, "apr_", "approval", 85);
 typed_id!(WebhookId, "whk_", "webhook", 64);
+typed_id!(ScheduleId, "sch_", "schedule", 64);
 
 #[cfg(test)]
 mod tests {

@@ -18,6 +18,7 @@ pub mod fork;
 pub mod id;
 pub mod inbox;
 pub mod message;
+pub mod schedule;
 pub mod state;
 pub mod status;
 pub mod step;
@@ -34,9 +35,10 @@ pub use delegation::{AgentProfile, AgentRef, DelegationConfig, Lineage, ToolDele
 pub use effect::{AfterUnknown, CallLimits, after_unknown};
 pub use event::{EventDraft, EventKind};
 pub use fork::{ForkEdit, ForkedFrom};
-pub use id::{ApprovalId, IdError, MessageId, RunId, SessionId, WebhookId};
+pub use id::{ApprovalId, IdError, MessageId, RunId, ScheduleId, SessionId, WebhookId};
 pub use inbox::{CompletionPolicy, Delivery, InboxKind, InboxPolicy, InboxStatus};
 pub use message::{Message, Origin, Role, ToolCall, ToolOutcome, Visibility};
+pub use schedule::{CatchUp, Overlap, ScheduledSlot, SlotOutcome};
 pub use state::{
     AgentState, BudgetExtension, BudgetKind, BudgetUse, CallProgress, Counters, HumanRequest,
     Limits, MemoryScope, ModelSettings, Pause, Prices, ReplayPolicy, RunConfigSnapshot,

@@ -491,6 +491,10 @@ pub struct AgentState {
     /// they took effect. A human may still record what happened (`step::reconcile`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub in_doubt: Vec<UnknownCall>,
+    /// The schedule and slot that fired the run; None for a run a message or a delegation
+    /// started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<crate::ScheduledSlot>,
     pub created_at: Millis,
     pub started_at: Option<Millis>,
     pub finished_at: Option<Millis>,
@@ -608,6 +612,7 @@ impl AgentState {
             timer: None,
             completion: crate::CompletionProgress::default(),
             in_doubt: Vec::new(),
+            schedule: None,
             created_at: now,
             started_at: None,
             finished_at: None,

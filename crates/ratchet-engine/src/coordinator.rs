@@ -14,11 +14,13 @@ use std::sync::{Arc, Mutex, Weak};
 use futures::StreamExt;
 
 use ratchet_core::{
-    MessageId, Millis, RunConfigSnapshot, RunId, RunStatus, SessionId, StepResult, TraceContext,
+    MessageId, Millis, RunConfigSnapshot, RunId, RunStatus, ScheduleId, SessionId, StepResult,
+    TraceContext,
 };
 use ratchet_store::{
-    CancelOutcome, Change, ChangeStream, Changes, Claim, ClaimedStep, Commit, KeyedRequest, Lease,
-    NewRun, Reads, RequestClaim, RequestMark, Roles, RunQuota, Session, SessionSpec, StoredEvent,
+    CancelOutcome, Change, ChangeStream, Changes, Claim, ClaimedStep, Commit, DuePass, FireIds,
+    Fired, KeyedRequest, Lease, NewRun, NewSchedule, Reads, RequestClaim, RequestMark, Roles,
+    RunQuota, Schedule, ScheduleChange, ScheduleSpec, Session, SessionSpec, StoredEvent,
     StoredResponse, WhenBusy, Writes,
 };
 use tokio::sync::{Notify, broadcast};
@@ -636,6 +638,91 @@ impl Coordinator {
             self.wake.notify_one();
         }
         Ok(changed.event)
+    }
+
+    /// Creates a schedule of `tenant`, its runs frozen with `config`, its first slot due at
+    /// `next_fire_at`.
+    pub async fn create_schedule(
+        &self,
+        tenant: String,
+        spec: ScheduleSpec,
+        config: RunConfigSnapshot,
+        next_fire_at: Millis,
+    ) -> Result<Schedule> {
+        let id = ScheduleId::from_suffix(&fresh_suffix())
+            .map_err(|e| crate::Error::Invalid(e.to_string()))?;
+        let new = NewSchedule {
+            id,
+            tenant,
+            spec,
+            config,
+            next_fire_at,
+        };
+        Ok(self.writes.create_schedule(new, self.now()).await?)
+    }
+
+    /// Replaces a schedule's definition (see `Writes::update_schedule`).
+    pub async fn update_schedule(
+        &self,
+        id: &ScheduleId,
+        change: ScheduleChange,
+    ) -> Result<Schedule> {
+        Ok(self.writes.update_schedule(id, change, self.now()).await?)
+    }
+
+    /// Pauses or resumes a schedule; a resumed one's next slot is due at `next_fire_at`.
+    pub async fn set_schedule_paused(
+        &self,
+        id: &ScheduleId,
+        paused: bool,
+        next_fire_at: Option<Millis>,
+    ) -> Result<Schedule> {
+        Ok(self
+            .writes
+            .set_schedule_paused(id, paused, next_fire_at, self.now())
+            .await?)
+    }
+
+    pub async fn delete_schedule(&self, id: &ScheduleId) -> Result<()> {
+        Ok(self.writes.delete_schedule(id, self.now()).await?)
+    }
+
+    /// Fresh ids for a run a schedule may fire, and for its session when it gets a new one.
+    pub fn fire_ids(&self) -> Result<FireIds> {
+        let invalid = |e: ratchet_core::IdError| crate::Error::Invalid(e.to_string());
+        Ok(FireIds {
+            run_id: RunId::from_suffix(&fresh_suffix()).map_err(invalid)?,
+            message_id: MessageId::from_suffix(&fresh_suffix()).map_err(invalid)?,
+            session_id: SessionId::from_suffix(&fresh_suffix()).map_err(invalid)?,
+        })
+    }
+
+    /// Decides a schedule's due slots (see `Writes::fire_schedule`): what it started is
+    /// published, the previous runs it cancels are cut off here too, and workers woken.
+    pub async fn fire_schedule(&self, id: &ScheduleId, pass: DuePass) -> Result<Fired> {
+        let fired = (self.writes)
+            .fire_schedule(id, pass, self.quota, self.now())
+            .await?;
+        Ok(self.after_firing(fired))
+    }
+
+    /// Fires a schedule now, as a manual slot (see `Writes::trigger_schedule`).
+    pub async fn trigger_schedule(&self, id: &ScheduleId) -> Result<Fired> {
+        let ids = self.fire_ids()?;
+        let fired = (self.writes)
+            .trigger_schedule(id, ids, self.quota, self.now())
+            .await?;
+        Ok(self.after_firing(fired))
+    }
+
+    fn after_firing(&self, mut fired: Fired) -> Fired {
+        // A previous run that `cancel_previous` moved to `cancelling` has its step here cut off.
+        self.cancel_descendants(&fired.events);
+        self.publish(std::mem::take(&mut fired.events));
+        if fired.enqueued {
+            self.wake.notify_one();
+        }
+        fired
     }
 
     /// Releases the leases of processes on this machine that no longer exist, so their steps

@@ -5,6 +5,7 @@
 //! This crate depends on the storage *port* only, never on an adapter.
 
 mod activity;
+pub mod cadence;
 mod coordinator;
 mod delegation;
 mod engine;
@@ -12,6 +13,7 @@ mod gates;
 mod input;
 mod memory;
 mod models;
+pub mod scheduler;
 mod worker;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

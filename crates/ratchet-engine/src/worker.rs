@@ -91,6 +91,13 @@ impl WorkerPool {
             };
             tracker.spawn(worker.run());
         }
+        // A pool scoped to one run (`ratchet run`) fires no schedule: it serves that run alone.
+        if config.only_run.is_none() {
+            tracker.spawn(crate::scheduler::run(
+                Arc::clone(&coordinator),
+                shutdown.clone(),
+            ));
+        }
         tracker.close();
         WorkerPool {
             shutdown,

@@ -337,6 +337,49 @@ CREATE INDEX idempotent_requests_expiry ON idempotent_requests(expires_at);
 ALTER TABLE runs ADD COLUMN forked_from_run_id TEXT COLLATE "C";
 ALTER TABLE runs ADD COLUMN forked_from_step BIGINT;
 "#,
+    r#"
+-- Schedules: a definition (its cadence, message, session, overlap and catch-up rules), the
+-- configuration its runs are frozen with (in `run_configs`), and `next_fire_at`, before which
+-- every slot has been decided. A row of `schedule_slots` per decided slot — fired, skipped or
+-- refused — written in the transaction that starts its run: the primary key makes a slot fire
+-- at most once whichever process reaches it. A run fired by a schedule names it and its slot.
+CREATE TABLE schedules (
+    id           TEXT COLLATE "C" PRIMARY KEY,
+    tenant       TEXT NOT NULL,
+    agent        TEXT,
+    message      TEXT NOT NULL,
+    cron         TEXT,
+    timezone     TEXT,
+    every_ms     BIGINT,
+    session_id   TEXT COLLATE "C",
+    overlap      TEXT NOT NULL,
+    catch_up     TEXT NOT NULL,
+    paused       BIGINT NOT NULL DEFAULT 0,
+    run_config   TEXT COLLATE "C" NOT NULL,
+    next_fire_at BIGINT NOT NULL,
+    last_slot    BIGINT,
+    last_run_id  TEXT COLLATE "C",
+    created_at   BIGINT NOT NULL,
+    updated_at   BIGINT NOT NULL,
+    deleted_at   BIGINT
+);
+CREATE INDEX schedules_by_tenant ON schedules (tenant, id) WHERE deleted_at IS NULL;
+CREATE INDEX schedules_due ON schedules (next_fire_at) WHERE paused = 0 AND deleted_at IS NULL;
+CREATE TABLE schedule_slots (
+    schedule_id  TEXT COLLATE "C" NOT NULL,
+    manual       BIGINT NOT NULL,
+    slot         BIGINT NOT NULL,
+    through_slot BIGINT NOT NULL,
+    outcome      TEXT NOT NULL,
+    run_id       TEXT COLLATE "C",
+    session_id   TEXT COLLATE "C",
+    reason       TEXT,
+    decided_at   BIGINT NOT NULL,
+    PRIMARY KEY (schedule_id, manual, slot)
+);
+ALTER TABLE runs ADD COLUMN schedule_id TEXT COLLATE "C";
+ALTER TABLE runs ADD COLUMN schedule_slot BIGINT;
+"#,
 ];
 
 /// The advisory lock that makes processes opening one database at once migrate it one

@@ -2666,6 +2666,164 @@ function showWebhook(view, webhookId) {
   return () => clearInterval(timer);
 }
 
+// A schedule's cadence in words: its cron expression (and zone), or its interval.
+function cadenceText(schedule) {
+  if (schedule.cron) return `cron ${schedule.cron}${schedule.timezone ? ` (${schedule.timezone})` : " (UTC)"}`;
+  const ms = schedule.every_ms;
+  if (ms % 3_600_000 === 0) return `every ${ms / 3_600_000} h`;
+  if (ms % 60_000 === 0) return `every ${ms / 60_000} min`;
+  return ms % 1000 === 0 ? `every ${ms / 1000} s` : `every ${ms} ms`;
+}
+
+function showSchedules(view) {
+  const region = errorRegion();
+  // What an action or the form was refused for: a later refresh does not clear it.
+  const actionRegion = errorRegion();
+  const field = (id, label, control) => h("div", { class: "field" }, h("label", { for: id, text: label }), control);
+  const select = (id, values) => h("select", { id }, ...values.map((v) => h("option", { value: v, text: v.replaceAll("_", " ") })));
+  const message = h("textarea", { id: "schedule-message", rows: 2, required: true });
+  const kind = select("schedule-kind", ["every_ms", "cron"]);
+  const cadence = h("input", { id: "schedule-cadence", required: true, value: "60000", autocomplete: "off" });
+  const timezone = h("input", { id: "schedule-timezone", placeholder: "UTC", autocomplete: "off" });
+  const session = h("input", { id: "schedule-session", value: "new", required: true, autocomplete: "off" });
+  const overlap = select("schedule-overlap", ["skip", "enqueue", "cancel_previous"]);
+  const catchUp = select("schedule-catch-up", ["one", "skip", "all"]);
+  const create = h("button", { type: "submit", text: "Create schedule" });
+  const form = h(
+    "form",
+    { class: "panel", "aria-labelledby": "new-schedule" },
+    h("h2", { id: "new-schedule", text: "New schedule" }),
+    field("schedule-message", "Message", message),
+    h(
+      "div",
+      { class: "inline" },
+      field("schedule-kind", "Cadence", kind),
+      field("schedule-cadence", "Interval (ms) or cron expression", cadence),
+      field("schedule-timezone", "Time zone (cron)", timezone),
+    ),
+    h(
+      "div",
+      { class: "inline" },
+      field("schedule-session", "Session (new or ses_…)", session),
+      field("schedule-overlap", "Overlap", overlap),
+      field("schedule-catch-up", "Catch up", catchUp),
+    ),
+    create,
+  );
+  kind.addEventListener("change", () => {
+    cadence.value = kind.value === "cron" ? "0 9 * * *" : "60000";
+  });
+  const body = h("tbody");
+  view.append(
+    h("h1", { text: "Schedules" }),
+    h("p", { class: "muted", text: "Messages sent on a cadence. Each slot fires once, whichever server or worker reaches it; its runs are listed with what each slot became." }),
+    region,
+    actionRegion,
+    h(
+      "div",
+      { class: "scroll" },
+      h(
+        "table",
+        {},
+        h("caption", { text: "Schedules" }),
+        h("thead", {}, h("tr", {}, ...["Schedule", "Cadence", "Next fire", "Last runs", "Actions"].map((t) => h("th", { scope: "col", text: t })))),
+        body,
+      ),
+    ),
+    form,
+  );
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    act(create, actionRegion, async () => {
+      const definition = {
+        message: message.value,
+        session: session.value.trim(),
+        overlap: overlap.value,
+        catch_up: catchUp.value,
+      };
+      if (kind.value === "cron") {
+        definition.cron = cadence.value;
+        if (timezone.value.trim()) definition.timezone = timezone.value.trim();
+      } else {
+        const ms = Number(cadence.value);
+        if (!Number.isInteger(ms)) throw new Error(`The interval must be a whole number of milliseconds; found ${JSON.stringify(cadence.value)}.`);
+        definition.every_ms = ms;
+      }
+      await api("/v1/schedules", { method: "POST", body: definition });
+      message.value = "";
+      await refresh();
+    });
+  });
+  const operate = (button, action) =>
+    act(button, actionRegion, async () => {
+      await action();
+      await refresh();
+    });
+
+  let reads = 0;
+  async function refresh() {
+    const read = ++reads;
+    try {
+      const schedules = await allPages("/v1/schedules");
+      const recent = await Promise.all(schedules.map((s) => api(`/v1/schedules/${s.id}/runs?limit=3`).then((page) => page.items)));
+      if (read !== reads) return;
+      replaceKeepingFocus(
+        body,
+        schedules.map((schedule, i) => {
+          const name = schedule.message.length > 60 ? `${schedule.message.slice(0, 60)}…` : schedule.message;
+          const toggle = h("button", { type: "button", text: schedule.paused ? "Resume" : "Pause", "aria-label": `${schedule.paused ? "Resume" : "Pause"} ${schedule.id}` });
+          toggle.addEventListener("click", () => operate(toggle, () => api(`/v1/schedules/${schedule.id}/${schedule.paused ? "resume" : "pause"}`, { method: "POST" })));
+          const trigger = h("button", { type: "button", text: "Trigger", "aria-label": `Trigger ${schedule.id}` });
+          trigger.addEventListener("click", () => operate(trigger, () => api(`/v1/schedules/${schedule.id}/trigger`, { method: "POST" })));
+          const remove = h("button", { type: "button", class: "danger", text: "Delete", "aria-label": `Delete ${schedule.id}` });
+          remove.addEventListener("click", () => {
+            if (!confirm(`Delete schedule ${schedule.id}? The runs it fired stay.`)) return;
+            operate(remove, () => api(`/v1/schedules/${schedule.id}`, { method: "DELETE" }));
+          });
+          return h(
+            "tr",
+            { "data-schedule": schedule.id, "data-key": schedule.id },
+            h("td", {}, h("div", { text: name }), h("div", { class: "mono small muted", text: schedule.id })),
+            h("td", {}, h("div", { text: cadenceText(schedule) }), h("div", { class: "muted small", text: `session ${schedule.session} · overlap ${schedule.overlap.replaceAll("_", " ")} · catch up ${schedule.catch_up}` })),
+            h("td", {}, schedule.paused ? chip("paused") : schedule.next_fire_at ? stamp(schedule.next_fire_at) : h("span", { class: "muted", text: "never" })),
+            h(
+              "td",
+              {},
+              recent[i].length === 0
+                ? h("span", { class: "muted", text: "none yet" })
+                : h(
+                    "ul",
+                    { class: "slots" },
+                    ...recent[i].map((slot) =>
+                      h(
+                        "li",
+                        { "data-outcome": slot.outcome },
+                        stamp(slot.slot),
+                        slot.manual ? " manual " : " ",
+                        slot.run_id ? runLink(slot.run_id) : null,
+                        " ",
+                        chip(slot.status ?? slot.outcome),
+                      ),
+                    ),
+                  ),
+            ),
+            h("td", {}, h("div", { class: "actions" }, toggle, trigger, remove)),
+          );
+        }),
+      );
+      if (schedules.length === 0) body.append(h("tr", {}, h("td", { colspan: "5", class: "muted", text: "No schedules yet: create one below." })));
+      clearError(region);
+      connection.set("live", "Live");
+    } catch (error) {
+      showError(region, error);
+    }
+  }
+  refresh();
+  const timer = setInterval(refresh, 3000);
+  connection.set("idle", "");
+  return () => clearInterval(timer);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Routing by the URL's fragment, so that every view has an address and the server serves one page.
 
@@ -2678,6 +2836,7 @@ const ROUTES = [
   [/^#\/agents$/, showAgents],
   [/^#\/webhooks$/, showWebhooks],
   [/^#\/webhooks\/([A-Za-z0-9_-]+)$/, showWebhook],
+  [/^#\/schedules$/, showSchedules],
 ];
 
 let teardown = null;

@@ -460,6 +460,9 @@ pub struct RunView {
     pub parent_run_id: Option<String>,
     /// The run and step this run was forked from, for a fork.
     pub forked_from: Option<ForkedFromView>,
+    /// The schedule that fired the run and the slot it fired for; null for a run a message or
+    /// a delegation started.
+    pub schedule: Option<RunScheduleView>,
 }
 
 /// Where a fork came from: its source run and the step of it the fork continues from.
@@ -539,6 +542,17 @@ pub struct WaitView {
     pub woken_by_input: Option<Millis>,
 }
 
+/// Where a run fired by a schedule came from.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RunScheduleView {
+    #[schema(value_type = crate::schemas::ScheduleIdSchema)]
+    pub schedule_id: String,
+    /// When the slot was due (ms since the epoch); for a manual trigger, when it was asked for.
+    pub slot: Millis,
+    /// Fired by `POST /v1/schedules/{id}/trigger` rather than by the schedule's cadence.
+    pub manual: bool,
+}
+
 /// One budget of a run and what it used.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct BudgetView {
@@ -610,6 +624,11 @@ impl From<AgentState> for RunView {
             }),
             parent_run_id: state.lineage.map(|l| l.parent_run_id.to_string()),
             forked_from: state.forked_from.map(ForkedFromView::from),
+            schedule: state.schedule.map(|s| RunScheduleView {
+                schedule_id: s.schedule_id.to_string(),
+                slot: s.slot,
+                manual: s.manual,
+            }),
         }
     }
 }
@@ -735,6 +754,10 @@ pub struct RunSummaryView {
     pub finished_at: Option<Millis>,
     /// The run and step this run was forked from, for a fork.
     pub forked_from: Option<ForkedFromView>,
+    /// The schedule that fired the run, and the slot it fired for.
+    #[schema(value_type = Option<crate::schemas::ScheduleIdSchema>)]
+    pub schedule_id: Option<String>,
+    pub slot: Option<Millis>,
 }
 
 impl From<RunSummary> for RunSummaryView {
@@ -748,6 +771,8 @@ impl From<RunSummary> for RunSummaryView {
             created_at: run.created_at,
             finished_at: run.finished_at,
             forked_from: run.forked_from.map(ForkedFromView::from),
+            schedule_id: run.schedule_id.map(|id| id.to_string()),
+            slot: run.slot,
         }
     }
 }

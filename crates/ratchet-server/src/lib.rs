@@ -18,6 +18,7 @@ mod listener;
 mod metrics;
 pub mod reload;
 mod routes;
+mod schedules;
 mod schemas;
 mod sse;
 mod streams;
@@ -167,6 +168,7 @@ impl AppState {
         schemas::RunIdSchema,
         schemas::ApprovalIdSchema,
         schemas::WebhookIdSchema,
+        schemas::ScheduleIdSchema,
         schemas::ApprovalStatusSchema,
         schemas::InboxStatusSchema,
         schemas::DeliveryStatusSchema,
@@ -251,6 +253,7 @@ pub fn app(state: AppState) -> Router {
         .merge(inbox::router())
         .merge(sse::router())
         .merge(webhooks::router())
+        .merge(schedules::router())
         .merge(metrics::router())
         .merge(reload::router())
         .split_for_parts();

@@ -103,7 +103,10 @@ pub(crate) async fn tenant_run(
 
 /// The configuration a new run of a session with `agent` is frozen with: the agent's, or the
 /// server's template for a session that names none.
-fn run_config(active: &Active, agent: Option<&str>) -> Result<RunConfigSnapshot, ApiError> {
+pub(crate) fn run_config(
+    active: &Active,
+    agent: Option<&str>,
+) -> Result<RunConfigSnapshot, ApiError> {
     match agent {
         None | Some(DEFAULT_AGENT) => Ok(active.run_template().clone()),
         Some(id) => match active.agent(id) {

@@ -9,7 +9,8 @@
 use std::borrow::Cow;
 
 use ratchet_core::{
-    ApprovalId, DeliveryStatus, EventKind, InboxStatus, RunId, RunStatus, SessionId, WebhookId,
+    ApprovalId, DeliveryStatus, EventKind, InboxStatus, RunId, RunStatus, ScheduleId, SessionId,
+    WebhookId,
 };
 use ratchet_store::ApprovalStatus;
 use utoipa::openapi::RefOr;
@@ -79,6 +80,7 @@ id_schema!(SessionIdSchema, SessionId, "session");
 id_schema!(RunIdSchema, RunId, "run");
 id_schema!(ApprovalIdSchema, ApprovalId, "approval");
 id_schema!(WebhookIdSchema, WebhookId, "webhook");
+id_schema!(ScheduleIdSchema, ScheduleId, "schedule");
 
 /// A message's id. A person's message has a `MessageId` (`msg_` and at most 64 letters, digits
 /// or `-`); the messages a step writes are named after their run and step, so theirs may be

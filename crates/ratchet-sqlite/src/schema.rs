@@ -361,6 +361,49 @@ CREATE INDEX idempotent_requests_expiry ON idempotent_requests(expires_at);
 ALTER TABLE runs ADD COLUMN forked_from_run_id TEXT;
 ALTER TABLE runs ADD COLUMN forked_from_step INTEGER;
 "#,
+    r#"
+-- Schedules: a definition (its cadence, message, session, overlap and catch-up rules), the
+-- configuration its runs are frozen with (in `run_configs`), and `next_fire_at`, before which
+-- every slot has been decided. A row of `schedule_slots` per decided slot — fired, skipped or
+-- refused — written in the transaction that starts its run: the primary key makes a slot fire
+-- at most once whichever process reaches it. A run fired by a schedule names it and its slot.
+CREATE TABLE schedules (
+    id           TEXT PRIMARY KEY,
+    tenant       TEXT NOT NULL,
+    agent        TEXT,
+    message      TEXT NOT NULL,
+    cron         TEXT,
+    timezone     TEXT,
+    every_ms     INTEGER,
+    session_id   TEXT,
+    overlap      TEXT NOT NULL,
+    catch_up     TEXT NOT NULL,
+    paused       INTEGER NOT NULL DEFAULT 0,
+    run_config   TEXT NOT NULL,
+    next_fire_at INTEGER NOT NULL,
+    last_slot    INTEGER,
+    last_run_id  TEXT,
+    created_at   INTEGER NOT NULL,
+    updated_at   INTEGER NOT NULL,
+    deleted_at   INTEGER
+);
+CREATE INDEX schedules_by_tenant ON schedules(tenant, id) WHERE deleted_at IS NULL;
+CREATE INDEX schedules_due ON schedules(next_fire_at) WHERE paused = 0 AND deleted_at IS NULL;
+CREATE TABLE schedule_slots (
+    schedule_id  TEXT NOT NULL,
+    manual       INTEGER NOT NULL,
+    slot         INTEGER NOT NULL,
+    through_slot INTEGER NOT NULL,
+    outcome      TEXT NOT NULL,
+    run_id       TEXT,
+    session_id   TEXT,
+    reason       TEXT,
+    decided_at   INTEGER NOT NULL,
+    PRIMARY KEY (schedule_id, manual, slot)
+);
+ALTER TABLE runs ADD COLUMN schedule_id TEXT;
+ALTER TABLE runs ADD COLUMN schedule_slot INTEGER;
+"#,
 ];
 
 /// The schema version this build migrates a database to.

@@ -15,6 +15,7 @@ mod fork;
 mod inbox;
 mod pause;
 mod requests;
+mod schedules;
 mod timer;
 mod webhooks;
 
@@ -39,6 +40,7 @@ pub use fork::*;
 pub use inbox::*;
 pub use pause::*;
 pub use requests::*;
+pub use schedules::*;
 pub use timer::*;
 pub use webhooks::*;
 
@@ -131,6 +133,12 @@ macro_rules! store_conformance_tests {
             input_for_its_session_ends_a_wait_early_once,
             a_waiting_run_is_paused_and_cancelled_at_once,
             a_run_waiting_on_a_timer_past_its_deadline_times_out,
+            a_schedule_is_kept_changed_paused_and_deleted,
+            a_due_slot_fires_once_as_a_run_that_names_its_schedule_and_slot,
+            missed_slots_are_recorded_as_skipped_and_listed_newest_first,
+            overlap_skips_queues_behind_or_cancels_the_previous_run,
+            a_refused_slot_is_recorded_and_the_schedule_moves_on,
+            a_trigger_fires_a_manual_slot_and_moves_nothing,
         );
         $crate::store_conformance_tests!(@shared $make;
             concurrent_claims_of_one_step_have_one_winner,
@@ -140,6 +148,7 @@ macro_rules! store_conformance_tests {
             a_pause_racing_a_step_pauses_the_run_exactly_once,
             concurrent_requests_with_one_key_have_one_holder,
             concurrent_claims_of_a_due_timer_have_one_winner,
+            racing_passes_decide_each_slot_once,
         );
         $crate::store_conformance_tests!(@observed $make;
             a_webhook_is_queued_each_wanted_event_once_from_its_creation_on,

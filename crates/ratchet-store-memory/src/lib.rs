@@ -31,6 +31,7 @@ mod jobs;
 mod messages;
 mod requests;
 mod runs;
+mod schedules;
 mod search;
 mod sessions;
 mod steers;
@@ -44,17 +45,19 @@ use async_trait::async_trait;
 use ratchet_core::step::{Reconciliation, Resumption};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalId, DeliveryStatus, EventDraft, InboxStatus, Message,
-    Millis, RunId, SessionId, StepRecord, StepResult, ToolOutcome, TreeSpend, WebhookId,
+    Millis, RunId, ScheduleId, SessionId, StepRecord, StepResult, ToolOutcome, TreeSpend,
+    WebhookId,
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, Changes, Claim,
     ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction, Deliveries,
-    DeliveryBounds, DeliveryClaim, Effect, EmittedSignal, Error, Forked, InboxChange, InboxEvent,
-    Intent, IntentRecord, KeyedRequest, Keyring, Lease, MessageHit, NewFork, NewRun, NewSignal,
-    NewWebhook, PauseOutcome, PendingInput, Reads, Reconciled, RecordedIntents, RequestClaim,
-    RequestMark, Result, ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session,
-    SessionQuery, SessionSpec, StepMessages, StoreStats, StoredEvent, StoredMessage,
-    StoredResponse, Submitted, TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
+    DeliveryBounds, DeliveryClaim, DuePass, Effect, EmittedSignal, Error, FireIds, Fired, Forked,
+    InboxChange, InboxEvent, Intent, IntentRecord, KeyedRequest, Keyring, Lease, MessageHit,
+    NewFork, NewRun, NewSchedule, NewSignal, NewWebhook, PauseOutcome, PendingInput, Reads,
+    Reconciled, RecordedIntents, RequestClaim, RequestMark, Result, ResumeOutcome, RunQuota,
+    RunSummary, Schedule, ScheduleChange, ScheduleSlot, SearchScope, Served, Session, SessionQuery,
+    SessionSpec, SlotCursor, StepMessages, StoreStats, StoredEvent, StoredMessage, StoredResponse,
+    Submitted, TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
 };
 
 use crate::tables::Tables;
@@ -255,6 +258,36 @@ impl Reads for MemoryStore {
 
     async fn stats(&self, now: Millis) -> Result<StoreStats> {
         Ok(self.read(|t| t.stats(now)))
+    }
+
+    async fn get_schedule(&self, id: &ScheduleId) -> Result<Schedule> {
+        self.read(|t| t.get_schedule(id))
+    }
+
+    async fn schedules(
+        &self,
+        tenant: &str,
+        after: Option<&ScheduleId>,
+        limit: u32,
+    ) -> Result<Vec<Schedule>> {
+        Ok(self.read(|t| t.list_schedules(tenant, after, limit)))
+    }
+
+    async fn due_schedules(&self, now: Millis, limit: u32) -> Result<Vec<Schedule>> {
+        Ok(self.read(|t| t.due_schedules(now, limit)))
+    }
+
+    async fn next_schedule_fire(&self) -> Result<Option<Millis>> {
+        Ok(self.read(Tables::next_schedule_fire))
+    }
+
+    async fn schedule_slots(
+        &self,
+        id: &ScheduleId,
+        before: Option<SlotCursor>,
+        limit: u32,
+    ) -> Result<Vec<ScheduleSlot>> {
+        Ok(self.read(|t| t.schedule_slots(id, before, limit)))
     }
 }
 
@@ -492,6 +525,53 @@ impl Writes for MemoryStore {
 
     async fn sweep_requests(&self, now: Millis) -> Result<u64> {
         self.write(|t| Ok(t.sweep_requests(now)))
+    }
+
+    async fn create_schedule(&self, new: NewSchedule, now: Millis) -> Result<Schedule> {
+        self.write(|t| t.create_schedule(new, now))
+    }
+
+    async fn update_schedule(
+        &self,
+        id: &ScheduleId,
+        change: ScheduleChange,
+        now: Millis,
+    ) -> Result<Schedule> {
+        self.write(|t| t.update_schedule(id, change, now))
+    }
+
+    async fn set_schedule_paused(
+        &self,
+        id: &ScheduleId,
+        paused: bool,
+        next_fire_at: Option<Millis>,
+        now: Millis,
+    ) -> Result<Schedule> {
+        self.write(|t| t.set_schedule_paused(id, paused, next_fire_at, now))
+    }
+
+    async fn delete_schedule(&self, id: &ScheduleId, now: Millis) -> Result<()> {
+        self.write(|t| t.delete_schedule(id, now))
+    }
+
+    async fn fire_schedule(
+        &self,
+        id: &ScheduleId,
+        pass: DuePass,
+        quota: RunQuota,
+        now: Millis,
+    ) -> Result<Fired> {
+        self.write(|t| t.fire_schedule(id, pass, quota, now))
+    }
+
+    async fn trigger_schedule(
+        &self,
+        id: &ScheduleId,
+        ids: FireIds,
+        quota: RunQuota,
+        now: Millis,
+    ) -> Result<Fired> {
+        self.write(|t| t.trigger_schedule(id, ids, quota, now))
     }
 }
 

@@ -627,5 +627,7 @@ fn summary((run_id, run): (&RunId, &RunRow)) -> RunSummary {
         created_at: run.state.created_at,
         finished_at: run.state.finished_at,
         forked_from: run.state.forked_from.clone(),
+        schedule_id: run.state.schedule.as_ref().map(|s| s.schedule_id.clone()),
+        slot: run.state.schedule.as_ref().map(|s| s.slot),
     }
 }

@@ -41,6 +41,10 @@ pub(crate) struct Tables {
     /// never given out again.
     pub(crate) last_delivery_id: i64,
     pub(crate) requests: crate::requests::Requests,
+    pub(crate) schedules: BTreeMap<ratchet_core::ScheduleId, crate::schedules::ScheduleRow>,
+    /// Decided slots by (schedule, manual, slot): the primary key of `schedule_slots`.
+    pub(crate) schedule_slots:
+        BTreeMap<(ratchet_core::ScheduleId, bool, Millis), crate::schedules::SlotRow>,
 }
 
 #[derive(Debug, Clone)]

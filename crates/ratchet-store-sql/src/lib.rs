@@ -8,7 +8,7 @@
 //! Each body runs inside one write transaction (or on a read connection) and is the whole of
 //! one store operation. They live by aggregate: `sessions` (sessions and messages), `queue`
 //! (submitting, quotas, steers, the next run), `runs`, `steps` (jobs, leases, the commit,
-//! intents), `delegation`, `approvals`, `inbox` and `webhooks`, over `events` (appending and
+//! intents), `delegation`, `approvals`, `inbox`, `webhooks` and `schedules`, over `events` (appending and
 //! reading a session's events) and `rows` (decoding columns).
 //!
 //! A write that changes anything of a session locks the session first (`Db::lock_session`):
@@ -29,6 +29,7 @@ mod queue;
 mod requests;
 mod rows;
 mod runs;
+mod schedules;
 mod sessions;
 mod steps;
 mod timer;
@@ -41,17 +42,19 @@ use async_trait::async_trait;
 use ratchet_core::step::{Reconciliation, Resumption};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalId, DeliveryStatus, EventDraft, InboxStatus, Message,
-    Millis, RunId, SessionId, StepRecord, StepResult, ToolOutcome, TreeSpend, WebhookId,
+    Millis, RunId, ScheduleId, SessionId, StepRecord, StepResult, ToolOutcome, TreeSpend,
+    WebhookId,
 };
 use ratchet_store::{
     Admission, Answered, Approval, ApprovalStatus, AttemptOutcome, CancelOutcome, ChangeStream,
     Changes, Claim, ClaimedDelivery, ClaimedStep, Closed, Closing, Commit, DeadLetterAction,
-    Deliveries, DeliveryBounds, DeliveryClaim, EmittedSignal, Error, Forked, InboxChange,
-    InboxEvent, Intent, IntentRecord, KeyedRequest, Keyring, Lease, MessageHit, NewFork, NewRun,
-    NewSignal, NewWebhook, PauseOutcome, PendingInput, Reads, Reconciled, RecordedIntents,
-    RequestClaim, RequestMark, ResumeOutcome, RunQuota, RunSummary, SearchScope, Served, Session,
-    SessionQuery, SessionSpec, StepMessages, StoreStats, StoredEvent, StoredMessage,
-    StoredResponse, Submitted, TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
+    Deliveries, DeliveryBounds, DeliveryClaim, DuePass, EmittedSignal, Error, FireIds, Fired,
+    Forked, InboxChange, InboxEvent, Intent, IntentRecord, KeyedRequest, Keyring, Lease,
+    MessageHit, NewFork, NewRun, NewSchedule, NewSignal, NewWebhook, PauseOutcome, PendingInput,
+    Reads, Reconciled, RecordedIntents, RequestClaim, RequestMark, ResumeOutcome, RunQuota,
+    RunSummary, Schedule, ScheduleChange, ScheduleSlot, SearchScope, Served, Session, SessionQuery,
+    SessionSpec, SlotCursor, StepMessages, StoreStats, StoredEvent, StoredMessage, StoredResponse,
+    Submitted, TimedOut, TreeNode, Webhook, WebhookAdmin, WebhookDelivery, Writes,
 };
 
 pub use db::{Announcement, Configs, Db, Param, Row, Value};
@@ -219,6 +222,15 @@ forward! {
         read lease_owners() -> Result<Vec<String>> = steps::lease_owners();
         read stats(now: Millis) -> Result<StoreStats> = runs::stats(now);
         read runs_with_jobs() -> Result<Vec<RunId>> = steps::runs_with_jobs();
+        read get_schedule(id: &ScheduleId => clone) -> Result<Schedule>
+            = schedules::get_schedule(&id);
+        read schedules(tenant: &str => to_owned, after: Option<&ScheduleId> => cloned, limit: u32)
+            -> Result<Vec<Schedule>> = schedules::schedules(&tenant, after.as_ref(), limit);
+        read due_schedules(now: Millis, limit: u32) -> Result<Vec<Schedule>>
+            = schedules::due_schedules(now, limit);
+        read next_schedule_fire() -> Result<Option<Millis>> = schedules::next_schedule_fire();
+        read schedule_slots(id: &ScheduleId => clone, before: Option<SlotCursor>, limit: u32)
+            -> Result<Vec<ScheduleSlot>> = schedules::schedule_slots(&id, before, limit);
     }
 
     // Search is the backend's own.
@@ -312,6 +324,22 @@ forward! {
             = requests::abandon_request(&mark);
         write sweep_requests(now: Millis) -> Result<u64>
             = requests::sweep_requests(now);
+        write create_schedule(new: NewSchedule, now: Millis) -> Result<Schedule>
+            = schedules::create_schedule(new, now);
+        write update_schedule(id: &ScheduleId => clone, change: ScheduleChange, now: Millis)
+            -> Result<Schedule> = schedules::update_schedule(&id, change, now);
+        write set_schedule_paused(
+            id: &ScheduleId => clone,
+            paused: bool,
+            next_fire_at: Option<Millis>,
+            now: Millis
+        ) -> Result<Schedule> = schedules::set_schedule_paused(&id, paused, next_fire_at, now);
+        write delete_schedule(id: &ScheduleId => clone, now: Millis) -> Result<()>
+            = schedules::delete_schedule(&id, now);
+        write fire_schedule(id: &ScheduleId => clone, pass: DuePass, quota: RunQuota, now: Millis)
+            -> Result<Fired> = schedules::fire_schedule(&id, pass, quota, now);
+        write trigger_schedule(id: &ScheduleId => clone, ids: FireIds, quota: RunQuota, now: Millis)
+            -> Result<Fired> = schedules::trigger_schedule(&id, ids, quota, now);
     }
 
     // What a step's commit writes as JSON is encoded before its transaction (`EncodedStep`).

@@ -412,7 +412,7 @@ pub(crate) fn release_session(
 
 /// The key a configuration is stored under in `run_configs`: the SHA-256 of its JSON, so that
 /// every run frozen with the same configuration refers to one row.
-fn config_id(config_json: &str) -> String {
+pub(crate) fn config_id(config_json: &str) -> String {
     Sha256::digest(config_json.as_bytes())
         .iter()
         .map(|b| format!("{b:02x}"))

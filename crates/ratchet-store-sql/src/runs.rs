@@ -6,7 +6,7 @@ use ratchet_core::delegation::{ChildResult, child_finished, join_children};
 use ratchet_core::step::{Reconciliation, Resumption, cancel_idle};
 use ratchet_core::{
     AgentState, EventDraft, EventKind, Millis, Phase, RunConfigSnapshot, RunId, RunStatus,
-    SessionId, StopReason,
+    ScheduleId, SessionId, StopReason,
 };
 use ratchet_store::{
     CancelOutcome, Error, PauseOutcome, Reconciled, ResumeOutcome, RunSummary, StoreStats,
@@ -447,7 +447,7 @@ pub(crate) fn frozen_config(
 
 const RUN_COLUMNS: &str =
     "id, session_id, status, stop_reason, step_index, created_at, finished_at,
-     forked_from_run_id, forked_from_step";
+     forked_from_run_id, forked_from_step, schedule_id, schedule_slot";
 
 fn to_run_summary(mut r: Row) -> Result<RunSummary> {
     Ok(RunSummary {
@@ -468,6 +468,10 @@ fn to_run_summary(mut r: Row) -> Result<RunSummary> {
             }),
             _ => None,
         },
+        schedule_id: (r.opt_text(9)?)
+            .map(|id| ScheduleId::parse(&id).map_err(crate::rows::corrupt))
+            .transpose()?,
+        slot: r.opt_int(10)?,
     })
 }
 

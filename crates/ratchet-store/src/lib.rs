@@ -15,18 +15,23 @@ use ratchet_core::step::{DecisionError, Resumption};
 use ratchet_core::{
     AgentState, ApprovalAnswer, ApprovalCall, ApprovalId, Counters, Delivery, EventDraft, ForkEdit,
     ForkedFrom, IllegalEdge, InboxKind, InboxStatus, Message, MessageId, Millis, Role,
-    RunConfigSnapshot, RunId, RunStatus, SessionId, StepJob, StepRecord, StepResult, StopReason,
-    ToolOutcome, TraceContext, TreeSpend,
+    RunConfigSnapshot, RunId, RunStatus, ScheduleId, SessionId, StepJob, StepRecord, StepResult,
+    StopReason, ToolOutcome, TraceContext, TreeSpend,
 };
 use serde::Serialize;
 use serde_json::Value;
 
 pub mod requests;
+mod schedules;
 pub mod secrets;
 mod webhooks;
 
 pub use requests::{
     Effect, KeyRecord, KeyedRequest, RequestClaim, RequestKey, RequestMark, StoredResponse,
+};
+pub use schedules::{
+    Cadence, DuePass, FireIds, Fired, NewSchedule, PlannedSlot, Schedule, ScheduleChange,
+    ScheduleSlot, ScheduleSpec, SlotCursor, catch_up_reason, overlap_reason,
 };
 pub use secrets::{Key, Keyring};
 pub use webhooks::{
@@ -820,6 +825,9 @@ pub struct RunSummary {
     pub finished_at: Option<Millis>,
     /// The run and step it was forked from.
     pub forked_from: Option<ForkedFrom>,
+    /// The schedule that fired the run, and the slot it fired for.
+    pub schedule_id: Option<ScheduleId>,
+    pub slot: Option<Millis>,
 }
 
 #[derive(Debug, Clone)]
@@ -1155,6 +1163,31 @@ pub trait Reads: Send + Sync + 'static {
     async fn runs_with_jobs(&self) -> Result<Vec<RunId>>;
 
     async fn stats(&self, now: Millis) -> Result<StoreStats>;
+
+    /// A schedule; `Error::NotFound` once deleted.
+    async fn get_schedule(&self, id: &ScheduleId) -> Result<Schedule>;
+
+    /// A tenant's schedules in id order, after `after` when given (deleted ones left out).
+    async fn schedules(
+        &self,
+        tenant: &str,
+        after: Option<&ScheduleId>,
+        limit: u32,
+    ) -> Result<Vec<Schedule>>;
+
+    /// The schedules not paused whose next slot is due by `now`, the most overdue first.
+    async fn due_schedules(&self, now: Millis, limit: u32) -> Result<Vec<Schedule>>;
+
+    /// When the earliest slot of a schedule not paused is due; None with no such schedule.
+    async fn next_schedule_fire(&self) -> Result<Option<Millis>>;
+
+    /// A schedule's decided slots, newest first, before `before` when given.
+    async fn schedule_slots(
+        &self,
+        id: &ScheduleId,
+        before: Option<SlotCursor>,
+        limit: u32,
+    ) -> Result<Vec<ScheduleSlot>>;
 }
 
 /// The state plane's transactions. Only the Coordinator holds this role: every other part
@@ -1393,6 +1426,56 @@ pub trait Writes: Send + Sync + 'static {
 
     /// Forgets the keys that expired by `now`; how many.
     async fn sweep_requests(&self, now: Millis) -> Result<u64>;
+
+    /// Creates a schedule, its runs' configuration frozen now. `Error::Conflict` for an id
+    /// that exists.
+    async fn create_schedule(&self, new: NewSchedule, now: Millis) -> Result<Schedule>;
+
+    /// Replaces a schedule's definition and frozen configuration (see `ScheduleChange`).
+    async fn update_schedule(
+        &self,
+        id: &ScheduleId,
+        change: ScheduleChange,
+        now: Millis,
+    ) -> Result<Schedule>;
+
+    /// Pauses or resumes a schedule; a resume sets when its next slot is due (the slots of
+    /// the pause are not caught up).
+    async fn set_schedule_paused(
+        &self,
+        id: &ScheduleId,
+        paused: bool,
+        next_fire_at: Option<Millis>,
+        now: Millis,
+    ) -> Result<Schedule>;
+
+    /// Deletes a schedule: it fires no more and reads as missing; its slots and runs stay.
+    async fn delete_schedule(&self, id: &ScheduleId, now: Millis) -> Result<()>;
+
+    /// Decides a schedule's due slots in one transaction, under the schedule's lock: a row
+    /// per slot (unique per schedule and slot), each fired slot's run submitted as a message
+    /// would be (within `quota`; a refusal is recorded on its row), `overlap` applied against
+    /// the previous run, and `next_fire_at` moved on. When the schedule's `next_fire_at` is no
+    /// longer `pass.expected_next` (someone decided these slots first), or it was paused or
+    /// deleted meanwhile, nothing is written and the answer is `stale`.
+    async fn fire_schedule(
+        &self,
+        id: &ScheduleId,
+        pass: DuePass,
+        quota: RunQuota,
+        now: Millis,
+    ) -> Result<Fired>;
+
+    /// Fires a schedule now, whatever its cadence and even paused: a manual slot at `now`,
+    /// decided as a due slot is (`overlap`, the quota). Its `next_fire_at` does not move.
+    /// `Error::Conflict` when it was triggered at this same millisecond already.
+    async fn trigger_schedule(
+        &self,
+        id: &ScheduleId,
+        ids: FireIds,
+        quota: RunQuota,
+        now: Millis,
+    ) -> Result<Fired>;
 }
 
 /// How a process hears what other processes sharing the database commit.

@@ -156,6 +156,31 @@ class ErrorDetail(BaseModel):
     """
 
 
+class ForkEditRequest1(BaseModel):
+    """
+    The last user message at or before the step says this instead; what answered the old
+    text is left out, and the fork calls the model first.
+    """
+
+    replace_user_message: str
+    """
+    The last user message at or before the step says this instead; what answered the old
+    text is left out, and the fork calls the model first.
+    """
+
+
+class ForkedFromView(BaseModel):
+    """
+    Where a fork came from: its source run and the step of it the fork continues from.
+    """
+
+    run_id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
+    step: int = Field(..., ge=0)
+
+
 class MessageAccepted(BaseModel):
     message_id: str = Field(..., pattern="^msg_[A-Za-z0-9-]+$")
     """
@@ -278,6 +303,17 @@ class ReconcileRequest(BaseModel):
     """
 
 
+class ReplaceToolResult(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    call_id: str
+    """
+    A call of the batch pending at the step, or of one answered at or before it.
+    """
+    result: Any
+
+
 class RequeuedView(BaseModel):
     """
     How many dead letters a bulk requeue put back.
@@ -330,6 +366,13 @@ class RunId(RootModel[str]):
     root: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
     """
     A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
+
+
+class ScheduleId(RootModel[str]):
+    root: str = Field(..., pattern="^sch_[A-Za-z0-9-]{1,64}$")
+    """
+    A schedule id: `sch_` then 1 to 64 letters, digits or `-`.
     """
 
 
@@ -411,6 +454,35 @@ class SessionStatusFilter(
     RootModel[Literal["waiting_human", "active", "failed", "idle", "archived"]]
 ):
     root: Literal["waiting_human", "active", "failed", "idle", "archived"]
+
+
+class UpdateSchedule(BaseModel):
+    """
+    A change of a schedule: each field given replaces the one it has; the agent's configuration
+    is frozen again from the catalog in force.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    agent: Optional[str] = None
+    catch_up: Optional[Literal["skip", "one", "all"]] = None
+    cron: Optional[str] = None
+    """
+    Replaces the cadence (and drops `every_ms`).
+    """
+    every_ms: Optional[int] = Field(None, ge=1000)
+    """
+    Replaces the cadence (and drops `cron` and `timezone`).
+    """
+    message: Optional[str] = Field(None, min_length=1)
+    overlap: Optional[Literal["skip", "enqueue", "cancel_previous"]] = None
+    paused: Optional[bool] = None
+    session: Optional[str] = None
+    """
+    `new` or a session id.
+    """
+    timezone: Optional[str] = None
 
 
 class UpdateSession(BaseModel):
@@ -514,6 +586,7 @@ class CancelView(BaseModel):
         "running",
         "waiting_human",
         "waiting_children",
+        "waiting_timer",
         "paused",
         "cancelling",
         "completed",
@@ -523,6 +596,52 @@ class CancelView(BaseModel):
     """
     `cancelled` when the run ended at once, `cancelling` while its step winds down, or the
     terminal status it already had.
+    """
+
+
+class CreateSchedule(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    agent: Optional[str] = None
+    """
+    The catalog agent its runs are of (`default`, or absent, for the server's run
+    template); with an existing `session`, that session's agent or absent.
+    """
+    catch_up: Literal["skip", "one", "all"]
+    """
+    What becomes of the slots missed while no scheduler ran (more than 10 s late).
+    """
+    cron: Optional[str] = None
+    """
+    A cron expression: 5 fields (minute hour day-of-month month day-of-week) or 6 (seconds
+    first). Exactly one of `cron` and `every_ms`.
+    """
+    every_ms: Optional[int] = Field(None, ge=1000)
+    """
+    An interval in milliseconds, at least 1000; slots fall on its multiples since the Unix
+    epoch. Exactly one of `cron` and `every_ms`.
+    """
+    message: str = Field(..., min_length=1)
+    """
+    The message each run starts with.
+    """
+    overlap: Literal["skip", "enqueue", "cancel_previous"]
+    """
+    What a due slot does while the schedule's previous run has not finished.
+    """
+    paused: Optional[bool] = None
+    """
+    Created paused: it fires nothing until resumed (default false).
+    """
+    session: str
+    """
+    `new` (each run in a new session of its own) or the id of a session of yours, which
+    every run goes to.
+    """
+    timezone: Optional[str] = None
+    """
+    The IANA time zone the cron expression is read in (default `UTC`); only with `cron`.
     """
 
 
@@ -554,6 +673,8 @@ class CreateWebhook(BaseModel):
                 "subagent.started",
                 "subagent.finished",
                 "completion.blocked",
+                "timer.set",
+                "timer.woke",
                 "inbox.reserved",
                 "inbox.pending",
                 "inbox.leased",
@@ -623,6 +744,8 @@ class DeliveryView(BaseModel):
         "subagent.started",
         "subagent.finished",
         "completion.blocked",
+        "timer.set",
+        "timer.woke",
         "inbox.reserved",
         "inbox.pending",
         "inbox.leased",
@@ -689,6 +812,71 @@ class EventView(BaseModel):
     session_id: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
     """
     A session id: `ses_` then 1 to 64 letters, digits or `-`.
+    """
+
+
+class ForkEditRequest2(BaseModel):
+    """
+    The call returned this instead (a string as it is, any other JSON as its text); the
+    fork's history ends with that call's batch, and the model is called next.
+    """
+
+    replace_tool_result: ReplaceToolResult
+    """
+    The call returned this instead (a string as it is, any other JSON as its text); the
+    fork's history ends with that call's batch, and the model is called next.
+    """
+
+
+class ForkRequest(BaseModel):
+    """
+    `POST /v1/runs/{id}/fork`: a new session whose history is the run's as step `at_step`
+    left it, and a run in it that continues from there.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+    )
+    agent: Optional[str] = None
+    """
+    The catalog agent the fork runs as; without it, the run's own frozen configuration.
+    """
+    at_step: int = Field(..., ge=0)
+    """
+    The committed step of the run to fork at (steps are numbered from 1).
+    """
+    edit: Optional[Union[ForkEditRequest1, ForkEditRequest2]] = None
+
+
+class ForkedView(BaseModel):
+    """
+    A fork, created: its new session and run.
+    """
+
+    forked_from: ForkedFromView
+    run_id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
+    session_id: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
+    """
+    A session id: `ses_` then 1 to 64 letters, digits or `-`.
+    """
+    status: Literal[
+        "queued",
+        "running",
+        "waiting_human",
+        "waiting_children",
+        "waiting_timer",
+        "paused",
+        "cancelling",
+        "completed",
+        "failed",
+        "cancelled",
+    ]
+    """
+    `running`, or `waiting_human` when a `never` call the source started has no known
+    outcome: reconcile it on the fork (`POST /v1/runs/{run_id}/reconcile`).
     """
 
 
@@ -886,6 +1074,7 @@ class ReconcileView(BaseModel):
         "running",
         "waiting_human",
         "waiting_children",
+        "waiting_timer",
         "paused",
         "cancelling",
         "completed",
@@ -920,6 +1109,25 @@ class ReloadView(BaseModel):
     """
 
 
+class RunScheduleView(BaseModel):
+    """
+    Where a run fired by a schedule came from.
+    """
+
+    manual: bool
+    """
+    Fired by `POST /v1/schedules/{id}/trigger` rather than by the schedule's cadence.
+    """
+    schedule_id: str = Field(..., pattern="^sch_[A-Za-z0-9-]{1,64}$")
+    """
+    A schedule id: `sch_` then 1 to 64 letters, digits or `-`.
+    """
+    slot: int
+    """
+    When the slot was due (ms since the epoch); for a manual trigger, when it was asked for.
+    """
+
+
 class RunSummaryView(BaseModel):
     """
     A run as listed: its state without usage details.
@@ -927,19 +1135,26 @@ class RunSummaryView(BaseModel):
 
     created_at: int
     finished_at: Optional[int] = None
+    forked_from: Optional[ForkedFromView] = None
     id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
     """
     A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
+    schedule_id: Optional[str] = Field(None, pattern="^sch_[A-Za-z0-9-]{1,64}$")
+    """
+    The schedule that fired the run, and the slot it fired for.
     """
     session_id: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
     """
     A session id: `ses_` then 1 to 64 letters, digits or `-`.
     """
+    slot: Optional[int] = None
     status: Literal[
         "queued",
         "running",
         "waiting_human",
         "waiting_children",
+        "waiting_timer",
         "paused",
         "cancelling",
         "completed",
@@ -953,75 +1168,90 @@ class RunSummaryView(BaseModel):
     stop_reason: Optional[str] = None
 
 
-class RunView(BaseModel):
-    agent: Optional[RunAgentView] = None
-    budgets: list[BudgetView]
+class ScheduleRunView(BaseModel):
     """
-    Each budget the run has (`steps` always; the others when set), with what it used of
-    it, extensions given by `continue` included: which one ran out, and by how much.
+    A decided slot of a schedule and its run, if it fired one.
     """
-    completion_blockers: list[dict[str, Any]]
+
+    decided_at: int
+    manual: bool
     """
-    What blocked the last refused completion (`{"kind", …}` each); empty once met.
+    Fired by a trigger rather than by the cadence.
     """
-    completion_refusals: int = Field(..., ge=0)
+    outcome: Literal["fired", "skipped_overlap", "skipped_catch_up", "refused"]
     """
-    Completions refused because a criterion of the run's agent was unmet.
+    What a decided slot became.
     """
-    created_at: int
-    final_answer: Optional[str] = None
+    reason: Optional[str] = None
     """
-    The run's answer, once it has completed.
+    Why it was skipped or refused.
     """
-    finished_at: Optional[int] = None
-    id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    run_id: Optional[str] = Field(None, pattern="^run_[A-Za-z0-9-]{1,64}$")
     """
-    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    The run it fired; null for a slot skipped or refused.
     """
-    in_doubt: list[dict[str, Any]]
-    """
-    `never` calls cut off when the run ended (its deadline, a cancel): nobody knows whether
-    they took effect. `POST /v1/runs/{id}/reconcile` records what happened to each
-    (`succeeded`, `failed` or `skip`; the run stays ended).
-    """
-    parent_run_id: Optional[str] = Field(None, pattern="^run_[A-Za-z0-9-]{1,64}$")
-    """
-    The run that delegated this one, for a child run.
-    """
-    pause_requested: bool
-    """
-    A pause was asked for while a step was in flight: the run pauses when that step ends.
-    """
-    pending_human: Optional[dict[str, Any]] = None
-    """
-    What the run waits on a human for, if anything.
-    """
-    session_id: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
+    session_id: Optional[str] = Field(None, pattern="^ses_[A-Za-z0-9-]{1,64}$")
     """
     A session id: `ses_` then 1 to 64 letters, digits or `-`.
     """
-    started_at: Optional[int] = None
-    status: Literal[
-        "queued",
-        "running",
-        "waiting_human",
-        "waiting_children",
-        "paused",
-        "cancelling",
-        "completed",
-        "failed",
-        "cancelled",
-    ]
+    slot: int
     """
-    `queued`, `running`, `waiting_human`, `waiting_children`, `paused`, `cancelling`,
-    `completed`, `failed` or `cancelled`.
+    When the slot was due (ms since the epoch); for a manual trigger, when it was asked for.
     """
-    step_index: int = Field(..., ge=0)
+    status: Optional[
+        Literal[
+            "queued",
+            "running",
+            "waiting_human",
+            "waiting_children",
+            "waiting_timer",
+            "paused",
+            "cancelling",
+            "completed",
+            "failed",
+            "cancelled",
+        ]
+    ] = None
+    through: int
     """
-    The last committed step (steps are numbered from 1).
+    The last slot of missed slots skipped together; `slot` otherwise.
     """
-    stop_reason: Optional[str] = None
-    usage: UsageView
+
+
+class ScheduleView(BaseModel):
+    agent: Optional[str] = None
+    catch_up: Literal["skip", "one", "all"]
+    """
+    What becomes of the slots missed while no scheduler ran (more than 10 s late).
+    """
+    created_at: int
+    cron: Optional[str] = None
+    every_ms: Optional[int] = Field(None, ge=0)
+    id: str = Field(..., pattern="^sch_[A-Za-z0-9-]{1,64}$")
+    """
+    A schedule id: `sch_` then 1 to 64 letters, digits or `-`.
+    """
+    last_run_id: Optional[str] = Field(None, pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    The latest run it fired.
+    """
+    last_slot: Optional[int] = None
+    message: str
+    next_fire_at: Optional[int] = None
+    overlap: Literal["skip", "enqueue", "cancel_previous"]
+    """
+    What a due slot does while the schedule's previous run has not finished.
+    """
+    paused: bool
+    session: str
+    """
+    `new`, or the session every run goes to.
+    """
+    timezone: Optional[str] = None
+    """
+    The cron expression's time zone (null: UTC).
+    """
+    updated_at: int
 
 
 class SessionView(BaseModel):
@@ -1055,6 +1285,7 @@ class SessionView(BaseModel):
         "running",
         "waiting_human",
         "waiting_children",
+        "waiting_timer",
         "paused",
         "cancelling",
         "completed",
@@ -1144,6 +1375,7 @@ class TreeNodeView(BaseModel):
         "running",
         "waiting_human",
         "waiting_children",
+        "waiting_timer",
         "paused",
         "cancelling",
         "completed",
@@ -1163,6 +1395,26 @@ class TreeNodeView(BaseModel):
     What this run itself spent (not its children); `cost_usd` is absent until a priced
     model call has cost something.
     """
+
+
+class WaitView(BaseModel):
+    """
+    A run's wait on a timer: when it began and when it ends, unless input ended it sooner.
+    """
+
+    call_id: str
+    """
+    The `wait` call the run parked on.
+    """
+    due_at: int
+    """
+    When the wait ends (ms since the epoch), frozen when the run parked.
+    """
+    since: int
+    """
+    When the run parked (ms since the epoch).
+    """
+    woken_by_input: Optional[int] = None
 
 
 class WebhookView(BaseModel):
@@ -1191,6 +1443,8 @@ class WebhookView(BaseModel):
                 "subagent.started",
                 "subagent.finished",
                 "completion.blocked",
+                "timer.set",
+                "timer.woke",
                 "inbox.reserved",
                 "inbox.pending",
                 "inbox.leased",
@@ -1256,6 +1510,32 @@ class PageRunSummaryView(BaseModel):
     """
 
 
+class PageScheduleRunView(BaseModel):
+    """
+    Every listing: a page of items and the cursor of the next page (null on the last).
+    """
+
+    items: list[ScheduleRunView]
+    next_cursor: Optional[str] = None
+    """
+    An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+    page.
+    """
+
+
+class PageScheduleView(BaseModel):
+    """
+    Every listing: a page of items and the cursor of the next page (null on the last).
+    """
+
+    items: list[ScheduleView]
+    next_cursor: Optional[str] = None
+    """
+    An opaque cursor: pass it as `cursor` for the next page, unchanged. Null on the last
+    page.
+    """
+
+
 class PageSessionView(BaseModel):
     """
     Every listing: a page of items and the cursor of the next page (null on the last).
@@ -1308,6 +1588,81 @@ class RunTreeView(BaseModel):
     """
     The run asked about: the first node.
     """
+
+
+class RunView(BaseModel):
+    agent: Optional[RunAgentView] = None
+    budgets: list[BudgetView]
+    """
+    Each budget the run has (`steps` always; the others when set), with what it used of
+    it, extensions given by `continue` included: which one ran out, and by how much.
+    """
+    completion_blockers: list[dict[str, Any]]
+    """
+    What blocked the last refused completion (`{"kind", …}` each); empty once met.
+    """
+    completion_refusals: int = Field(..., ge=0)
+    """
+    Completions refused because a criterion of the run's agent was unmet.
+    """
+    created_at: int
+    final_answer: Optional[str] = None
+    """
+    The run's answer, once it has completed.
+    """
+    finished_at: Optional[int] = None
+    forked_from: Optional[ForkedFromView] = None
+    id: str = Field(..., pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    A run id: `run_` then 1 to 64 letters, digits or `-`.
+    """
+    in_doubt: list[dict[str, Any]]
+    """
+    `never` calls cut off when the run ended (its deadline, a cancel): nobody knows whether
+    they took effect. `POST /v1/runs/{id}/reconcile` records what happened to each
+    (`succeeded`, `failed` or `skip`; the run stays ended).
+    """
+    parent_run_id: Optional[str] = Field(None, pattern="^run_[A-Za-z0-9-]{1,64}$")
+    """
+    The run that delegated this one, for a child run.
+    """
+    pause_requested: bool
+    """
+    A pause was asked for while a step was in flight: the run pauses when that step ends.
+    """
+    pending_human: Optional[dict[str, Any]] = None
+    """
+    What the run waits on a human for, if anything.
+    """
+    schedule: Optional[RunScheduleView] = None
+    session_id: str = Field(..., pattern="^ses_[A-Za-z0-9-]{1,64}$")
+    """
+    A session id: `ses_` then 1 to 64 letters, digits or `-`.
+    """
+    started_at: Optional[int] = None
+    status: Literal[
+        "queued",
+        "running",
+        "waiting_human",
+        "waiting_children",
+        "waiting_timer",
+        "paused",
+        "cancelling",
+        "completed",
+        "failed",
+        "cancelled",
+    ]
+    """
+    `queued`, `running`, `waiting_human`, `waiting_children`, `waiting_timer`, `paused`,
+    `cancelling`, `completed`, `failed` or `cancelled`.
+    """
+    step_index: int = Field(..., ge=0)
+    """
+    The last committed step (steps are numbered from 1).
+    """
+    stop_reason: Optional[str] = None
+    usage: UsageView
+    wait: Optional[WaitView] = None
 
 
 class StepDetailView(StepView):

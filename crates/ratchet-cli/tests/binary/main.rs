@@ -18,6 +18,7 @@ mod idempotency;
 mod mcp;
 mod providers;
 mod scale;
+mod schedules;
 mod serve;
 mod subagents;
 mod telemetry;

@@ -60,7 +60,7 @@ scenarios!(sqlite);
 scenarios!(postgres);
 
 /// The test's own view of the database, for checking what the processes stored.
-fn open(url: &str) -> Arc<dyn Store> {
+pub(crate) fn open(url: &str) -> Arc<dyn Store> {
     if url.starts_with("sqlite:") {
         return Arc::new(ratchet_sqlite::open_url(url).unwrap());
     }
@@ -71,14 +71,14 @@ fn open(url: &str) -> Arc<dyn Store> {
 }
 
 /// A `ratchet` process whose stderr is collected as it runs; killed if the test fails.
-struct Process {
-    name: &'static str,
+pub(crate) struct Process {
+    pub(crate) name: &'static str,
     child: Child,
     log: Arc<Mutex<String>>,
 }
 
 impl Process {
-    fn start(name: &'static str, args: &[&str]) -> Process {
+    pub(crate) fn start(name: &'static str, args: &[&str]) -> Process {
         let mut child = Command::new(BIN)
             .args(args)
             .env("RATCHET_LOG", "info")
@@ -103,12 +103,12 @@ impl Process {
         Process { name, child, log }
     }
 
-    fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         self.log.lock().unwrap().clone()
     }
 
     /// Waits until the process has said `marker`; returns its log.
-    fn wait_for(&mut self, marker: &str) -> String {
+    pub(crate) fn wait_for(&mut self, marker: &str) -> String {
         let started = Instant::now();
         loop {
             let log = self.log();
@@ -134,14 +134,14 @@ impl Process {
         rest.split(',').next().unwrap().to_owned()
     }
 
-    fn kill_9(&mut self) {
+    pub(crate) fn kill_9(&mut self) {
         self.child.kill().unwrap();
         let status = self.child.wait().unwrap();
         assert_eq!(status.signal(), Some(9), "{} ended by itself", self.name);
     }
 
     /// SIGTERM, then the exit status within the deadline.
-    fn terminate(&mut self) -> ExitStatus {
+    pub(crate) fn terminate(&mut self) -> ExitStatus {
         let sent = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status()
@@ -172,7 +172,7 @@ impl Drop for Process {
 
 /// Applies the schema once, as a deployment would before starting its processes (which then
 /// run with `--no-migrate`).
-fn migrate(db: &str) {
+pub(crate) fn migrate(db: &str) {
     let out = Command::new(BIN)
         .args(["migrate", "--db", db])
         .output()
@@ -187,7 +187,7 @@ fn migrate(db: &str) {
 
 /// A process serving the API on a free port, with `workers` workers, the model `script` and
 /// the workspace `dir`.
-fn serve(db: &str, dir: &Path, script: &Path, workers: &str) -> (Process, String) {
+pub(crate) fn serve(db: &str, dir: &Path, script: &Path, workers: &str) -> (Process, String) {
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
     let model = format!("scripted:{}", script.display());
@@ -212,7 +212,7 @@ fn serve(db: &str, dir: &Path, script: &Path, workers: &str) -> (Process, String
     (process, format!("http://{listen}"))
 }
 
-fn worker(name: &'static str, db: &str) -> Process {
+pub(crate) fn worker(name: &'static str, db: &str) -> Process {
     let mut args = vec!["worker", "--no-migrate", "--db", db, "--workers", "4"];
     args.extend(TUNING);
     let mut process = Process::start(name, &args);
@@ -220,7 +220,7 @@ fn worker(name: &'static str, db: &str) -> Process {
     process
 }
 
-fn write_script(dir: &Path, script: &Value) -> PathBuf {
+pub(crate) fn write_script(dir: &Path, script: &Value) -> PathBuf {
     let path = dir.join("script.json");
     std::fs::write(&path, script.to_string()).unwrap();
     path

@@ -690,6 +690,12 @@ async fn health_metrics_and_the_openapi_document() {
             vec!["post"],
         ),
         ("/v1/webhooks/{id}/rotate-secret", vec!["post"]),
+        ("/v1/schedules", vec!["get", "post"]),
+        ("/v1/schedules/{id}", vec!["delete", "get", "patch"]),
+        ("/v1/schedules/{id}/pause", vec!["post"]),
+        ("/v1/schedules/{id}/resume", vec!["post"]),
+        ("/v1/schedules/{id}/trigger", vec!["post"]),
+        ("/v1/schedules/{id}/runs", vec!["get"]),
     ]);
     assert_eq!(paths, expected);
     let error_detail = &openapi.body["components"]["schemas"]["ErrorDetail"];

@@ -10,5 +10,6 @@ mod control;
 mod fork;
 mod idempotency;
 mod openapi;
+mod schedules;
 mod security;
 mod webhooks;

@@ -20,6 +20,7 @@ const SESSION_ID: &str = "^ses_[A-Za-z0-9-]{1,64}$";
 const RUN_ID: &str = "^run_[A-Za-z0-9-]{1,64}$";
 const APPROVAL_ID: &str = "^apr_[A-Za-z0-9-]{1,85}$";
 const WEBHOOK_ID: &str = "^whk_[A-Za-z0-9-]{1,64}$";
+const SCHEDULE_ID: &str = "^sch_[A-Za-z0-9-]{1,64}$";
 
 /// `GET /openapi.json` of a server on a fresh SQLite file.
 async fn document() -> Value {
@@ -130,6 +131,7 @@ async fn ids_carry_their_pattern_in_paths_and_fields() {
         Some("runs") => RUN_ID,
         Some("approvals") => APPROVAL_ID,
         Some("webhooks") => WEBHOOK_ID,
+        Some("schedules") => SCHEDULE_ID,
         other => panic!("{path}: an id of what? {other:?}"),
     };
     let mut checked = 0;
@@ -144,9 +146,9 @@ async fn ids_carry_their_pattern_in_paths_and_fields() {
 
     let field_pattern = |field: &str| match field {
         "session_id" | "parent_session_id" => Some(SESSION_ID),
-        "run_id" | "active_run_id" | "parent_run_id" | "source_run_id" | "lease_run_id" => {
-            Some(RUN_ID)
-        }
+        "run_id" | "active_run_id" | "parent_run_id" | "source_run_id" | "lease_run_id"
+        | "last_run_id" => Some(RUN_ID),
+        "schedule_id" => Some(SCHEDULE_ID),
         _ => None,
     };
     let mut fields = 0;
@@ -170,6 +172,7 @@ async fn ids_carry_their_pattern_in_paths_and_fields() {
         ("ApprovalView", APPROVAL_ID),
         ("WebhookView", WEBHOOK_ID),
         ("RotatedSecret", WEBHOOK_ID),
+        ("ScheduleView", SCHEDULE_ID),
     ];
     for (name, pattern) in own_id {
         let id = &document["components"]["schemas"][name]["properties"]["id"];
@@ -228,7 +231,7 @@ async fn integers_carry_the_bounds_the_server_enforces() {
             assert_eq!(after["minimum"], 0, "{method} {path}: {after}");
         }
     }
-    assert_eq!(limits, 7, "every paged list takes a limit");
+    assert_eq!(limits, 9, "every paged list takes a limit");
     let paths = &document["paths"];
     let step = parameter(
         &document,
@@ -274,7 +277,7 @@ async fn cursors_are_opaque_strings_the_server_issued() {
         );
         cursors += 1;
     }
-    assert_eq!(cursors, 7, "every paged list takes a cursor");
+    assert_eq!(cursors, 9, "every paged list takes a cursor");
 }
 
 #[tokio::test]
@@ -293,6 +296,8 @@ async fn request_bodies_require_what_the_server_requires_and_nothing_else() {
         "post /v1/webhooks/{id}/rotate-secret": [false, [[]]],
         "post /v1/sessions/{id}/inbox/{event_id}/requeue": [false, [[]]],
         "post /v1/sessions/{id}/inbox/{event_id}/discard": [false, [[]]],
+        "post /v1/schedules": [true, [["message", "session", "overlap", "catch_up"]]],
+        "patch /v1/schedules/{id}": [true, [[]]],
     });
     let mut found = serde_json::Map::new();
     for (method, path, operation) in operations(&document) {

@@ -212,7 +212,9 @@ async fn a_secret_written_in_clear_before_sealing_is_sealed_by_the_first_store_w
         // Undo the migrations after sealing, newest first, then mark the version before
         // sealing.
         conn.execute_batch(
-            "ALTER TABLE runs DROP COLUMN forked_from_step;
+            "ALTER TABLE runs DROP COLUMN schedule_slot; ALTER TABLE runs DROP COLUMN schedule_id;
+             DROP TABLE schedule_slots; DROP TABLE schedules;
+             ALTER TABLE runs DROP COLUMN forked_from_step;
              ALTER TABLE runs DROP COLUMN forked_from_run_id;
              DROP TABLE idempotent_requests;
              ALTER TABLE sessions DROP COLUMN title;
@@ -225,7 +227,7 @@ async fn a_secret_written_in_clear_before_sealing_is_sealed_by_the_first_store_w
              DROP INDEX runs_by_deadline; ALTER TABLE runs DROP COLUMN deadline_at;",
         )
         .unwrap();
-        conn.pragma_update(None, "user_version", ratchet_sqlite::SCHEMA_VERSION - 9)
+        conn.pragma_update(None, "user_version", ratchet_sqlite::SCHEMA_VERSION - 10)
             .unwrap();
     }
     let store = ratchet_sqlite::open_url(&url)
