@@ -519,7 +519,7 @@ test("open a run tree: its waterfall, its children, their steps and what a step 
   await screenshot(page, "run-tree");
 
   // A step opened up: what its model call was sent, and the reply.
-  await waterfall.locator(`li[data-run="${rootId}"][data-step="1"] button`).click();
+  await waterfall.locator(`li[data-run="${rootId}"][data-step="1"] button:not([data-fork])`).click();
   const inspector = page.getByRole("region", { name: /^Step 1 of lead/ });
   await inspector.waitFor();
   const sent = inspector.getByRole("list", { name: "Messages sent to the model" });

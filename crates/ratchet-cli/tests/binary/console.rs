@@ -48,7 +48,7 @@ fn the_console_works_in_a_real_browser() {
         .args([
             "--test",
             "--test-concurrency=1",
-            "--test-timeout=120000",
+            "--test-timeout=300000",
             "console.test.mjs",
         ])
         .current_dir(&e2e)
