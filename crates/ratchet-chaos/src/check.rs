@@ -922,9 +922,9 @@ mod tests {
             ),
         ] {
             let violations = check(events, RunStatus::Completed);
-            assert_eq!(violations.len(), 1, "{why}: {violations:?}");
+            assert!(!violations.is_empty(), "{why}");
             assert!(
-                violations[0].starts_with("invariant 22"),
+                violations.iter().all(|v| v.starts_with("invariant 22")),
                 "{why}: {violations:?}"
             );
         }
