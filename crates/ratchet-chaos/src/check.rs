@@ -43,6 +43,11 @@ pub struct Tally {
     /// a kept response.
     pub message_resends: usize,
     pub message_replays: usize,
+    /// Durable timers set, and those ended early by input.
+    pub timers_set: usize,
+    pub timers_woken_by_input: usize,
+    /// Slots the chaos schedule fired, each one run.
+    pub scheduled_slots: usize,
 }
 
 /// The event kinds counted in the tally: each is a path the workload is meant to exercise.
@@ -163,6 +168,9 @@ pub async fn check(
             // 22: a message sent again under its key started no second run.
             check_one_run_per_message(run, &events, &mut violations);
 
+            // 22: every wait set ends once, never before its due time unless input woke it.
+            check_timers(name, &run_events, state.status, &mut tally, &mut violations);
+
             // 7: the frozen configuration never changed.
             let config_now = serde_json::to_value(&*state.config)?;
             if config_now != run.config_at_start {
@@ -222,6 +230,106 @@ pub async fn check(
     }
     check_mcp_executions(&executions, &mut tally, &mut violations);
     Ok((tally, violations))
+}
+
+/// Invariant 22: a timer set (`timer.set`) is woken exactly once (`timer.woke`) unless its
+/// run was stopped while it waited, and a wake by the timer comes at its due time or after.
+fn check_timers(
+    run: &str,
+    events: &[&StoredEvent],
+    status: RunStatus,
+    tally: &mut Tally,
+    violations: &mut Vec<String>,
+) {
+    let of_kind = |kind: &str| -> Vec<&StoredEvent> {
+        events.iter().copied().filter(|e| e.kind == kind).collect()
+    };
+    let (set, woke) = (of_kind("timer.set"), of_kind("timer.woke"));
+    tally.timers_set += set.len();
+    let stopped = matches!(status, RunStatus::Cancelled | RunStatus::Failed);
+    for timer in &set {
+        let call = &timer.payload["call_id"];
+        let wakes: Vec<&&StoredEvent> = woke
+            .iter()
+            .filter(|w| &w.payload["call_id"] == call && w.seq > timer.seq)
+            .collect();
+        match wakes[..] {
+            [] if stopped => {}
+            [wake] => {
+                let due = timer.payload["due_at"].as_i64().unwrap_or(i64::MAX);
+                match wake.payload["woke"].as_str() {
+                    Some("input") => tally.timers_woken_by_input += 1,
+                    Some("timer") if wake.created_at >= due => {}
+                    other => violations.push(format!(
+                        "invariant 22: run {run}'s wait {call} woke ({other:?}) at {}, before its due time {due}",
+                        wake.created_at
+                    )),
+                }
+            }
+            _ => violations.push(format!(
+                "invariant 22: run {run}'s wait {call} (set at seq {}) was woken {} times; the run is {status}",
+                timer.seq,
+                wakes.len()
+            )),
+        }
+    }
+    if woke.len() > set.len() {
+        violations.push(format!(
+            "invariant 22: run {run} has {} timer.woke events for {} timers set",
+            woke.len(),
+            set.len()
+        ));
+    }
+}
+
+/// The runs the chaos schedule fired (`RunSummary::schedule_id` is `schedule`): each slot
+/// fired at most once, each run ended, and — its catch-up being `all` — no slot lost between
+/// the first and the last fired.
+pub async fn check_schedule(
+    store: &dyn Reads,
+    schedule: &str,
+    every_ms: i64,
+    tally: &mut Tally,
+    violations: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    let runs = store.list_runs().await?;
+    let mut by_slot: BTreeMap<i64, Vec<String>> = BTreeMap::new();
+    for run in runs.iter().filter(|r| {
+        r.schedule_id
+            .as_ref()
+            .is_some_and(|id| id.as_str() == schedule)
+    }) {
+        let slot = run.slot.unwrap_or_default();
+        by_slot
+            .entry(slot)
+            .or_default()
+            .push(run.run_id.to_string());
+        if !run.status.is_terminal() {
+            violations.push(format!(
+                "invariant 3: scheduled run {} (slot {slot}) is {} after the chaos settled",
+                run.run_id, run.status
+            ));
+        }
+    }
+    tally.scheduled_slots = by_slot.len();
+    for (slot, runs) in &by_slot {
+        if runs.len() > 1 {
+            violations.push(format!(
+                "schedules: slot {slot} of {schedule} fired {} runs: {runs:?}",
+                runs.len()
+            ));
+        }
+    }
+    let slots: Vec<i64> = by_slot.keys().copied().collect();
+    for pair in slots.windows(2) {
+        if pair[1] - pair[0] != every_ms {
+            violations.push(format!(
+                "schedules: {schedule} fired slot {} then {}, expected every {every_ms} ms in between (catch_up all)",
+                pair[0], pair[1]
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Invariant 23: the run's message, sent under its `Idempotency-Key` until answered, created
@@ -773,6 +881,53 @@ mod tests {
         check_one_active_run("ses_s", &overlapping, &mut violations);
         assert_eq!(violations.len(), 1);
         assert!(violations[0].starts_with("invariant 1"), "{violations:?}");
+    }
+
+    #[test]
+    fn a_wait_woken_once_at_or_after_its_due_time_passes_and_anything_else_does_not() {
+        let set = |seq| {
+            stored(
+                seq,
+                "a",
+                "timer.set",
+                json!({"call_id": "w", "due_at": 100}),
+            )
+        };
+        let woke = |seq, at, by: &str| {
+            let mut event = stored(seq, "a", "timer.woke", json!({"call_id": "w", "woke": by}));
+            event.created_at = at;
+            event
+        };
+        let check = |events: Vec<StoredEvent>, status| {
+            let (mut tally, mut violations) = (Tally::default(), Vec::new());
+            let events: Vec<&StoredEvent> = events.iter().collect();
+            check_timers("run_a", &events, status, &mut tally, &mut violations);
+            violations
+        };
+        assert!(check(vec![set(1), woke(2, 100, "timer")], RunStatus::Completed).is_empty());
+        assert!(check(vec![set(1), woke(2, 50, "input")], RunStatus::Completed).is_empty());
+        assert!(
+            check(vec![set(1)], RunStatus::Cancelled).is_empty(),
+            "stopped while waiting"
+        );
+        for (events, why) in [
+            (vec![set(1)], "a completed run's wait never woke"),
+            (
+                vec![set(1), woke(2, 99, "timer")],
+                "woken by its timer before the due time",
+            ),
+            (
+                vec![set(1), woke(2, 100, "timer"), woke(3, 101, "timer")],
+                "woken twice",
+            ),
+        ] {
+            let violations = check(events, RunStatus::Completed);
+            assert!(!violations.is_empty(), "{why}");
+            assert!(
+                violations.iter().all(|v| v.starts_with("invariant 22")),
+                "{why}: {violations:?}"
+            );
+        }
     }
 
     #[test]

@@ -320,6 +320,34 @@ impl Clients {
         }
     }
 
+    /// Creates a schedule; its id.
+    pub async fn create_schedule(&self, body: &Value) -> anyhow::Result<String> {
+        let created = self
+            .retrying(Method::POST, "/v1/schedules", Some(body.clone()))
+            .await?;
+        text(&created, "id")
+    }
+
+    /// Pauses the schedule, then waits until every run it fired has ended.
+    pub async fn settle_schedule(&self, id: &str) -> anyhow::Result<()> {
+        self.retrying(Method::POST, &format!("/v1/schedules/{id}/pause"), None)
+            .await?;
+        loop {
+            let runs = self.store.list_runs().await?;
+            let open = (runs.iter())
+                .filter(|r| r.schedule_id.as_ref().is_some_and(|s| s.as_str() == id))
+                .filter(|r| !r.status.is_terminal())
+                .count();
+            if open == 0 {
+                return Ok(());
+            }
+            if Instant::now() >= self.deadline {
+                bail!("{open} runs of schedule {id} had not ended by the deadline");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
     async fn frozen_config(&self, run_id: &str) -> anyhow::Result<Value> {
         let id = RunId::parse(run_id).map_err(|e| anyhow!("run id {run_id:?}: {e}"))?;
         let state = self.store.load_state(&id).await?;

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use futures::StreamExt;
 use ratchet_store::Reads;
+use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::check::Tally;
@@ -127,6 +128,11 @@ impl fmt::Display for Report {
             "keyed messages: {} sent again after no answer, {} answered with the kept response",
             self.tally.message_resends, self.tally.message_replays
         )?;
+        writeln!(
+            f,
+            "durable timers: {} set, {} woken early by input; schedule: {} slots fired, one run each",
+            self.tally.timers_set, self.tally.timers_woken_by_input, self.tally.scheduled_slots
+        )?;
         writeln!(f, "stop reasons: {}", reasons.join(", "))?;
         let paths: Vec<String> = self
             .tally
@@ -141,6 +147,9 @@ impl fmt::Display for Report {
         Ok(())
     }
 }
+
+/// How often the chaos schedule fires.
+const SCHEDULE_EVERY_MS: i64 = 1000;
 
 pub async fn run(options: Options) -> anyhow::Result<Report> {
     let stop_model = CancellationToken::new();
@@ -170,6 +179,21 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
         spec.mcp_log(),
         deadline,
     )?);
+
+    // A schedule fires a run every second all through the chaos, on whichever process
+    // reaches each slot first.
+    model.add_plan(&Plan::scheduled());
+    let schedule = clients
+        .create_schedule(&json!({
+            "message": Plan::scheduled().user_message(),
+            "every_ms": SCHEDULE_EVERY_MS,
+            "session": "new",
+            "overlap": "enqueue",
+            "catch_up": "all",
+        }))
+        .await
+        .context("creating the chaos schedule")?;
+    let schedule_client = Arc::clone(&clients);
 
     let mut rng = fastrand::Rng::with_seed(options.seed);
     let sessions = sessions_of_plans(options.runs, &mut rng);
@@ -214,6 +238,10 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
     for joined in driving.await? {
         logs.push(joined.context("a client task panicked")?);
     }
+    schedule_client
+        .settle_schedule(&schedule)
+        .await
+        .context("pausing the chaos schedule")?;
     fleet.stop().await?;
 
     let rounds_asked = model.rounds_asked();
@@ -223,7 +251,15 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
         mcp_log: &spec.mcp_log(),
         rounds_asked: &rounds_asked,
     };
-    let (tally, mut violations) = check::check(store.as_ref(), &evidence).await?;
+    let (mut tally, mut violations) = check::check(store.as_ref(), &evidence).await?;
+    check::check_schedule(
+        store.as_ref(),
+        &schedule,
+        SCHEDULE_EVERY_MS,
+        &mut tally,
+        &mut violations,
+    )
+    .await?;
     violations.extend(model.violations());
     violations.extend(logs.iter().flat_map(|log| log.problems.iter().cloned()));
     Ok(Report {

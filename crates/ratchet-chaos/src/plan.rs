@@ -47,6 +47,9 @@ pub enum Call {
     Drop,
     /// `keyed` replay, on the chaos MCP server: its first `stalls` attempts never answer.
     Flaky { stalls: u64 },
+    /// The built-in `wait`: the run parks on a durable timer, holding no worker, and any
+    /// process wakes it when `ms` have passed.
+    Wait { ms: u64 },
     /// A background delegation of `tasks` helper runs, reported one by one (`each`) or
     /// together: the run goes on at once, and the reports reach the session later, in
     /// continuation turns.
@@ -62,6 +65,9 @@ pub const FLAKY_TOOL: &str = "chaos.flaky";
 /// unknown.
 pub const NEVER_TOOLS: [&str; 3] = ["append_line", HANG_TOOL, DROP_TOOL];
 
+/// The tag of the runs the chaos schedule fires.
+pub const SCHEDULED: &str = "sched";
+
 /// The path a plan's appends write to; gated ones need approval (see `Fleet`'s config).
 pub const LOG_DIR: &str = "log";
 pub const GATED_DIR: &str = "approve";
@@ -72,8 +78,11 @@ impl Plan {
         let rounds = (0..rng.usize(0..=3))
             .map(|_| {
                 (0..rng.usize(1..=4))
-                    .map(|_| match rng.u8(0..24) {
+                    .map(|_| match rng.u8(0..25) {
                         0..=5 => add(rng),
+                        24 => Call::Wait {
+                            ms: rng.u64(200..2500),
+                        },
                         6..=11 => sleep(rng, 250),
                         12..=17 => Call::Append,
                         18..=19 => Call::GatedAppend,
@@ -159,6 +168,16 @@ impl Plan {
         Some(Plan::of(tag.to_owned(), vec![vec![Call::Sleep { ms }]], 3))
     }
 
+    /// The run a schedule fires every slot: one safe call, then the answer. Its runs share
+    /// this plan (and its tag), each in a session of its own.
+    pub fn scheduled() -> Plan {
+        Plan::of(
+            SCHEDULED.to_owned(),
+            vec![vec![Call::Add { a: 2, b: 3 }]],
+            2,
+        )
+    }
+
     /// A plan of these rounds that nobody cancels or interrupts and that delegates nothing.
     fn of(tag: String, rounds: Vec<Vec<Call>>, chunk_delay_ms: u64) -> Plan {
         Plan {
@@ -222,6 +241,7 @@ impl Plan {
         let (name, arguments) = match call {
             Call::Add { a, b } => ("add", json!({"a": a, "b": b})),
             Call::Sleep { ms } => ("sleep_ms", json!({"ms": ms})),
+            Call::Wait { ms } => ("wait", json!({"ms": ms})),
             Call::Append => (
                 "append_line",
                 json!({"path": format!("{LOG_DIR}/{}.log", self.tag), "line": id}),
