@@ -532,7 +532,7 @@ test("open a run tree: its waterfall, its children, their steps and what a step 
   await reply.locator(".j-str", { hasText: "Count the apples" }).waitFor();
   await screenshot(page, "step-inspected");
   // A child's step shows the task it was given.
-  await waterfall.locator(`li[data-run="${truth.nodes[1].run_id}"][data-step="1"] button`).click();
+  await waterfall.locator(`li[data-run="${truth.nodes[1].run_id}"][data-step="1"] button:not([data-fork])`).click();
   await page.getByRole("region", { name: /^Step 1 of worker/ }).getByRole("list", { name: "Messages sent to the model" }).getByText(/^Count the (apples|pears)$/).waitFor();
 
   // A child's page links back to its parent.
