@@ -78,6 +78,14 @@ fn decide_in_time(state: &AgentState, phase: Phase) -> Instruction {
         {
             Instruction::CallToolsBatch
         }
+        // A run continued after its batch was cut off (by its deadline) carries the batch on.
+        Phase::Resumed if state.checkpoint.as_ref().is_some_and(|c| c.cut_off) => {
+            if approval_needed(state) {
+                Instruction::AskApproval
+            } else {
+                Instruction::CallToolsBatch
+            }
+        }
         Phase::ToolsBatchResult
             if state.counters.consecutive_parse_failures
                 >= state.limits().max_consecutive_parse_failures =>

@@ -282,6 +282,11 @@ pub struct ToolCheckpoint {
     /// tool does the work once across both. None: the holder's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_run: Option<crate::RunId>,
+    /// The run ended before the batch's results were handed to the model (its deadline cut
+    /// the batch off, or passed while a human was asked about it): a continued run carries the
+    /// batch on from here rather than calling the model.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cut_off: bool,
 }
 
 impl ToolCheckpoint {
@@ -297,6 +302,7 @@ impl ToolCheckpoint {
         ToolCheckpoint {
             key_step: None,
             key_run: None,
+            cut_off: false,
             calls: calls
                 .into_iter()
                 .map(|call| CallProgress {

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use crate::{
     AgentState, BudgetExtension, EventDraft, EventKind, HumanRequest, Instruction, Message, Millis,
-    RunId, RunStatus, StopReason, ToolCall, ToolCheckpoint, ToolOutcome, decide,
+    ReplayPolicy, RunId, RunStatus, StopReason, ToolCall, ToolCheckpoint, ToolOutcome, decide,
 };
 
 /// Why a job woke its run up.
@@ -23,7 +23,8 @@ pub enum Phase {
     /// A human answered the run's pending request; the batch goes on from its checkpoint.
     HumanDecided,
     Cancel,
-    /// A failed run was continued or retried: it calls the model again.
+    /// A failed run was continued or retried: it carries on the batch its deadline cut off,
+    /// if any, else calls the model again.
     Resumed,
     /// The context was compacted: the model is called with the shorter prompt.
     ContextCompacted,
@@ -387,6 +388,7 @@ pub fn after_tools(
     now: Millis,
 ) -> StepResult {
     let mut checkpoint = state.checkpoint.take().unwrap_or_default();
+    checkpoint.cut_off = false;
     let mut messages = Vec::with_capacity(outcomes.len());
     let mut events = Vec::with_capacity(outcomes.len());
     for (progress, outcome) in checkpoint.calls.iter_mut().zip(outcomes) {
@@ -517,6 +519,12 @@ pub enum DecisionError {
     },
     #[error("call {call_id:?} is not awaiting reconciliation; awaiting: {awaiting}")]
     NotAwaited { call_id: String, awaiting: String },
+    /// The run left calls whose outcome nobody knows; a human records each first.
+    #[error(
+        "run {run_id} left calls in doubt: {calls}; record what happened to each \
+         (reconcile) before it goes on"
+    )]
+    InDoubt { run_id: RunId, calls: String },
     #[error("{0}")]
     Invalid(String),
 }
@@ -616,6 +624,28 @@ fn record_in_doubt(
         )));
     }
     let call = state.in_doubt.remove(position);
+    // A failed run that is continued carries its batch on: the recorded outcome is the call's.
+    let recorded = match answer {
+        Reconciliation::Succeeded => ToolOutcome::ok(
+            result
+                .clone()
+                .unwrap_or_else(|| "succeeded (confirmed by a human)".into()),
+        ),
+        Reconciliation::Failed => ToolOutcome::error(
+            result
+                .clone()
+                .unwrap_or_else(|| "failed (confirmed by a human)".into()),
+        ),
+        Reconciliation::Skip | Reconciliation::Retry => {
+            ToolOutcome::error("skipped by a human; it did not run again")
+        }
+    };
+    if let Some(progress) = (state.checkpoint.as_mut())
+        .and_then(|c| c.calls.get_mut(call.call_index))
+        .filter(|p| p.call.id == call.call_id && p.outcome.is_none())
+    {
+        progress.outcome = Some(recorded);
+    }
     let event = EventDraft::new(
         EventKind::ReconciliationDecided,
         json!({
@@ -643,6 +673,13 @@ fn end_idle(state: &mut AgentState, reason: StopReason, now: Millis) -> Vec<Even
     let mut events = Vec::new();
     if let Some(HumanRequest::Reconciliation { calls }) = state.pending_human.take() {
         state.in_doubt.extend(calls);
+        // The batch's results were never handed to the model: a continued run carries it on
+        // once a human has recorded the calls in doubt.
+        if let Some(checkpoint) = state.checkpoint.as_mut()
+            && reason.terminal_status() == RunStatus::Failed
+        {
+            checkpoint.cut_off = true;
+        }
     }
     state.timer = None;
     finish_in_place(state, reason, now, &mut events);
@@ -717,6 +754,15 @@ pub fn resume_failed(
             });
         }
     };
+    if !state.in_doubt.is_empty() {
+        return Err(DecisionError::InDoubt {
+            run_id: state.run_id.clone(),
+            calls: (state.in_doubt.iter())
+                .map(|c| format!("{} ({})", c.call_id, c.tool))
+                .collect::<Vec<_>>()
+                .join(", "),
+        });
+    }
     let mut resumed = state.clone();
     match how {
         Resumption::Retry if reason != StopReason::LlmError => {
@@ -852,6 +898,113 @@ pub fn finish_step(
         next: None,
         children: Vec::new(),
     }
+}
+
+/// How one call of a batch stood when the batch was cut off.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CallEnding {
+    /// It finished (or an earlier attempt recorded its outcome): what it did is kept.
+    Known(ToolOutcome),
+    /// It started and did not finish: whether it took effect is unknown.
+    CutOff,
+    /// It never started.
+    NotStarted,
+}
+
+/// Ends a run whose batch was cut off (by a cancel or the run's deadline), keeping what the
+/// batch did: every known outcome goes into the checkpoint, and a started `never` call without
+/// one is listed in doubt on the ended run for a human to record.
+///
+/// A run that may go on (`failed`: continued later) keeps its batch open: continuing it runs
+/// the batch on from the checkpoint, so a call with an outcome does not run again, a `keyed`
+/// or `safe` call that was cut off runs again under the same idempotency key, one that never
+/// started runs then, and the model is handed every result in order. A run that cannot go on
+/// (`cancelled`) closes the batch in its history now, each call told what became of it — a
+/// later run of the session reads the truth, never "not run" of a call that started.
+pub fn cut_off_step(
+    mut state: AgentState,
+    job: &StepJob,
+    reason: StopReason,
+    endings: Vec<CallEnding>,
+    started_at: Millis,
+    now: Millis,
+) -> StepResult {
+    let Some(mut checkpoint) = state.checkpoint.take() else {
+        return finish_step(state, job, reason, started_at, now);
+    };
+    // The keys name the batch's first step whatever step carries the batch on.
+    checkpoint.key_step.get_or_insert(job.step_index);
+    let closes = reason.terminal_status() == RunStatus::Cancelled;
+    let cause = match reason {
+        StopReason::Cancelled => "the run was cancelled",
+        StopReason::TimedOut => "the run's deadline passed",
+        _ => "the run ended",
+    };
+    let mut messages = Vec::new();
+    let mut events = Vec::new();
+    for (slot, ending) in (0u32..).zip(endings) {
+        let key = checkpoint.idempotency_key(&job.run_id, job.step_index, slot);
+        let Some(progress) = checkpoint.calls.get_mut(slot as usize) else {
+            continue;
+        };
+        let replay = (state.config.tool(&progress.call.name)).map(|spec| spec.replay);
+        if progress.outcome.is_none()
+            && let CallEnding::Known(outcome) = &ending
+        {
+            progress.outcome = Some(outcome.clone());
+        }
+        let in_doubt = ending == CallEnding::CutOff && replay == Some(ReplayPolicy::Never);
+        if in_doubt && !state.in_doubt.iter().any(|c| c.call_id == progress.call.id) {
+            state.in_doubt.push(crate::UnknownCall {
+                call_index: slot as usize,
+                call_id: progress.call.id.clone(),
+                tool: progress.call.name.clone(),
+                arguments: progress.call.arguments.clone(),
+                idempotency_key: key,
+                drift: None,
+            });
+        }
+        if !closes {
+            continue;
+        }
+        let told = match (&progress.outcome, ending) {
+            (Some(outcome), _) => outcome.clone(),
+            (None, CallEnding::CutOff) if in_doubt => ToolOutcome::error(format!(
+                "outcome unknown: {cause} while this call ran. Its tool must never run twice, \
+                 so it will not run again: it is listed in doubt on the run for a human to \
+                 record what happened"
+            )),
+            (None, CallEnding::CutOff) => ToolOutcome::error(format!(
+                "outcome unknown: {cause} while this call ran, and it did not finish"
+            )),
+            (None, _) => ToolOutcome::error(format!(
+                "not run: {cause} before this call started"
+            )),
+        };
+        let message = Message {
+            origin: agent_origin(&state),
+            ..Message::tool_result(&progress.call.id, &told)
+        };
+        state.counters.context_tokens += message.estimated_tokens();
+        messages.push(message);
+        events.push(EventDraft::new(
+            EventKind::ToolResult,
+            json!({
+                "run_id": state.run_id,
+                "call_id": progress.call.id,
+                "tool": progress.call.name,
+                "content": told.content,
+                "is_error": told.is_error,
+            }),
+        ));
+        progress.outcome = Some(told);
+    }
+    checkpoint.cut_off = !closes;
+    state.checkpoint = Some(checkpoint);
+    let mut result = finish_step(state, job, reason, started_at, now);
+    result.messages = messages;
+    result.events.splice(0..0, events);
+    result
 }
 
 /// A step whose one instruction is to park the run on an approval for its batch.
@@ -1014,6 +1167,172 @@ fn mark_committed(
 mod tests {
     use super::*;
     use crate::{Lineage, RunConfigSnapshot, RunId, SessionId};
+
+    /// A run in step 3 of a batch of a `never`, a `keyed` and a `safe` call, and a fourth
+    /// `never` call.
+    fn cut_batch() -> (AgentState, StepJob) {
+        let run = RunId::from_suffix("r").unwrap();
+        let session = SessionId::from_suffix("s").unwrap();
+        let mut state = AgentState::new(session, run.clone(), Default::default(), 0);
+        let tool = |name: &str, replay| crate::ToolSpec {
+            name: name.into(),
+            description: String::new(),
+            parameters: json!({"type": "object"}),
+            replay,
+            completes_run: false,
+            approval: Default::default(),
+            delegation: Default::default(),
+            calls: Default::default(),
+        };
+        state.config = std::sync::Arc::new(RunConfigSnapshot {
+            tools: vec![
+                tool("pay", ReplayPolicy::Never),
+                tool("book", ReplayPolicy::Keyed),
+                tool("look", ReplayPolicy::Safe),
+            ],
+            ..Default::default()
+        });
+        let call = |id: &str, name: &str| ToolCall {
+            id: id.into(),
+            name: name.into(),
+            arguments: json!({}),
+        };
+        state.status = RunStatus::Running;
+        state.step_index = 2;
+        state.checkpoint = Some(ToolCheckpoint {
+            key_step: Some(3),
+            ..ToolCheckpoint::new(vec![
+                call("c0", "pay"),
+                call("c1", "book"),
+                call("c2", "look"),
+                call("c3", "pay"),
+            ])
+        });
+        let job = StepJob {
+            run_id: run,
+            step_index: 3,
+            phase: Phase::LlmResult,
+            attempt: 1,
+        };
+        (state, job)
+    }
+
+    fn endings(first: CallEnding) -> Vec<CallEnding> {
+        vec![
+            first,
+            CallEnding::Known(ToolOutcome::ok("booked")),
+            CallEnding::CutOff,
+            CallEnding::NotStarted,
+        ]
+    }
+
+    fn results(result: &StepResult) -> Vec<(&str, &str)> {
+        (result.messages.iter())
+            .map(|m| (m.tool_call_id.as_deref().unwrap(), m.content.as_str()))
+            .collect()
+    }
+
+    #[test]
+    fn a_cancel_closes_the_cut_off_batch_telling_each_call_what_became_of_it() {
+        let (state, job) = cut_batch();
+        for (first, in_doubt) in [
+            (CallEnding::Known(ToolOutcome::ok("paid")), false),
+            (CallEnding::CutOff, true),
+            (CallEnding::NotStarted, false),
+        ] {
+            let result = cut_off_step(
+                state.clone(),
+                &job,
+                StopReason::Cancelled,
+                endings(first.clone()),
+                10,
+                11,
+            );
+            assert_eq!(result.state.status, RunStatus::Cancelled);
+            let told = results(&result);
+            assert_eq!(told.len(), 4, "every call is answered: {told:?}");
+            match &first {
+                CallEnding::Known(_) => assert_eq!(told[0].1, "paid"),
+                CallEnding::CutOff => assert!(told[0].1.contains("in doubt"), "{told:?}"),
+                CallEnding::NotStarted => assert!(told[0].1.starts_with("not run"), "{told:?}"),
+            }
+            assert_eq!(told[1].1, "booked");
+            assert!(told[2].1.starts_with("outcome unknown"), "{told:?}");
+            assert!(told[3].1.starts_with("not run"), "{told:?}");
+            // Only a call that never started is told it did not run.
+            let not_run: Vec<&str> = (told.iter())
+                .filter(|(_, content)| content.starts_with("not run"))
+                .map(|(id, _)| *id)
+                .collect();
+            let expected_not_run: &[&str] = match first {
+                CallEnding::NotStarted => &["c0", "c3"],
+                _ => &["c3"],
+            };
+            assert_eq!(not_run, expected_not_run);
+            let doubted: Vec<&str> = (result.state.in_doubt.iter())
+                .map(|c| c.call_id.as_str())
+                .collect();
+            assert_eq!(doubted, if in_doubt { vec!["c0"] } else { vec![] });
+            if in_doubt {
+                assert_eq!(result.state.in_doubt[0].idempotency_key, "run_r#3#0");
+            }
+            let checkpoint = result.state.checkpoint.as_ref().unwrap();
+            assert!(!checkpoint.has_pending() && !checkpoint.cut_off);
+            let results_first = (result.events.iter())
+                .position(|e| e.kind == EventKind::ToolResult)
+                .unwrap();
+            let committed = (result.events.iter())
+                .position(|e| e.kind == EventKind::StepCommitted)
+                .unwrap();
+            assert!(results_first < committed, "results precede the step's own events");
+        }
+    }
+
+    #[test]
+    fn a_deadline_keeps_the_cut_off_batch_open_and_continuing_carries_it_on() {
+        let (state, job) = cut_batch();
+        let result = cut_off_step(
+            state,
+            &job,
+            StopReason::TimedOut,
+            endings(CallEnding::CutOff),
+            10,
+            11,
+        );
+        assert!(result.messages.is_empty(), "the batch stays open");
+        let mut ended = result.state;
+        assert_eq!(ended.status, RunStatus::Failed);
+        let checkpoint = ended.checkpoint.clone().unwrap();
+        assert!(checkpoint.cut_off);
+        let outcomes: Vec<Option<&str>> = (checkpoint.calls.iter())
+            .map(|p| p.outcome.as_ref().map(|o| o.content.as_str()))
+            .collect();
+        assert_eq!(outcomes, [None, Some("booked"), None, None]);
+        // The `never` call in doubt must be recorded before the run goes on.
+        let more = Resumption::Continue {
+            extension: BudgetExtension {
+                duration_ms: 60_000,
+                ..Default::default()
+            },
+        };
+        let refused = resume_failed(&mut ended.clone(), more, 20).unwrap_err();
+        assert!(
+            matches!(&refused, DecisionError::InDoubt { calls, .. } if calls == "c0 (pay)"),
+            "{refused}"
+        );
+        reconcile(&mut ended, "c0", Reconciliation::Succeeded, Some("paid".into())).unwrap();
+        let (_, resumed) = resume_failed(&mut ended, more, 20).unwrap();
+        assert_eq!(resumed.phase, Phase::Resumed);
+        assert_eq!(
+            decide(&ended, Phase::Resumed, 21),
+            Instruction::CallToolsBatch,
+            "the batch is carried on, not the model asked"
+        );
+        let carried = ended.checkpoint.as_ref().unwrap();
+        assert_eq!(carried.calls[0].outcome, Some(ToolOutcome::ok("paid")));
+        // The cut-off `safe` call runs again under the key it first had.
+        assert_eq!(carried.idempotency_key(&ended.run_id, 9, 2), "run_r#3#2");
+    }
 
     #[test]
     fn only_a_root_run_that_is_not_a_continuation_is_resumed_after_failing() {

@@ -434,14 +434,14 @@ impl Coordinator {
         match &outcome {
             CancelOutcome::Cancelled { events, enqueued } => {
                 self.forget_token(run_id);
-                self.cancel_descendants(events);
+                self.cancel_moved(events);
                 self.publish(events.clone());
                 if *enqueued {
                     self.wake.notify_one();
                 }
             }
             CancelOutcome::Cancelling { events } => {
-                self.cancel_descendants(events);
+                self.cancel_moved(events);
                 self.publish(events.clone());
                 token.cancel();
             }
@@ -450,9 +450,10 @@ impl Coordinator {
         Ok(outcome)
     }
 
-    /// A cancel reaches the runs a delegation started too: those the store moved to
-    /// `cancelling` have their step in this process (if any) cancelled now.
-    fn cancel_descendants(&self, events: &[StoredEvent]) {
+    /// Runs that `events` move to `cancelling` have their step in this process (if any)
+    /// cancelled now: the runs a cancel's delegations started, and runs another process
+    /// accepted a cancel for.
+    fn cancel_moved(&self, events: &[StoredEvent]) {
         let cancelling = RunStatus::Cancelling.as_str();
         let tokens = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
         for event in events {
@@ -597,7 +598,7 @@ impl Coordinator {
     /// (in this process too). Returns how many ended.
     pub async fn time_out_overdue(&self) -> Result<usize> {
         let timed_out = self.writes.time_out_overdue(self.now()).await?;
-        self.cancel_descendants(&timed_out.events);
+        self.cancel_moved(&timed_out.events);
         self.publish(timed_out.events);
         if timed_out.enqueued {
             self.wake.notify_one();
@@ -613,7 +614,7 @@ impl Coordinator {
         how: ratchet_store::Closing,
     ) -> Result<ratchet_store::Closed> {
         let closed = self.writes.close_session(id, how, self.now()).await?;
-        self.cancel_descendants(&closed.events);
+        self.cancel_moved(&closed.events);
         self.publish(closed.events.clone());
         if closed.enqueued {
             self.wake.notify_one();
@@ -717,7 +718,7 @@ impl Coordinator {
 
     fn after_firing(&self, mut fired: Fired) -> Fired {
         // A previous run that `cancel_previous` moved to `cancelling` has its step here cut off.
-        self.cancel_descendants(&fired.events);
+        self.cancel_moved(&fired.events);
         self.publish(std::mem::take(&mut fired.events));
         if fired.enqueued {
             self.wake.notify_one();
@@ -766,6 +767,7 @@ impl Coordinator {
                 return;
             };
             after = last.seq;
+            self.cancel_moved(&page);
             self.publish(page);
         }
     }

@@ -17,7 +17,7 @@ use ratchet_core::delegation::{
     background_started, start_in_background,
 };
 use ratchet_core::step::{
-    Compaction, after_compaction, after_model, after_tools, ask_approval_step,
+    CallEnding, Compaction, after_compaction, after_model, after_tools, ask_approval_step,
     await_reconciliation, finish_step,
 };
 use ratchet_core::timer::{WAIT_TOOL, await_timer, plan_waits, wake_step};
@@ -67,6 +67,14 @@ pub enum StepFailure {
     Fatal(String),
     #[error("step cancelled")]
     Cancelled,
+    /// The step's tool batch was cut off (its token cancelled, or the store refused a call
+    /// because a cancel was accepted): how each call of the batch stood, in the batch's order,
+    /// and the events the calls left for the commit that ends the run.
+    #[error("tool batch cut off")]
+    CutOff {
+        endings: Vec<CallEnding>,
+        events: Vec<EventDraft>,
+    },
     /// Another worker holds the step now; this one must drop it without a word.
     #[error("lease lost")]
     LeaseLost,
@@ -668,6 +676,10 @@ impl Engine {
                             end: CallEnd::InDoubt,
                             ..
                         }) => Some("the call's outcome is unknown"),
+                        Ok(CallRun {
+                            end: CallEnd::NotStarted,
+                            ..
+                        }) => Some("the step was cut off before the call started"),
                         Err(_) => Some("the call could not be recorded"),
                     };
                     ratchet_telemetry::end_tool(&span, error);
@@ -683,12 +695,17 @@ impl Engine {
             .collect::<Result<_, _>>()?;
         // The calls' events go to the commit in the batch's order, before the step's own.
         finished.sort_by_key(|run| run.slot);
+        let cut_off = cancel.is_cancelled()
+            || (finished.iter()).any(|run| matches!(run.end, CallEnd::NotStarted));
+        if cut_off {
+            return Err(cut_off_batch(outcomes, finished));
+        }
         let mut call_events = Vec::new();
         for CallRun { slot, end, events } in finished {
             call_events.extend(events);
             match end {
                 CallEnd::Known(outcome) => outcomes[slot as usize] = Some(outcome),
-                CallEnd::InDoubt => {
+                CallEnd::InDoubt | CallEnd::NotStarted => {
                     unknown.push(unknown_call(&state, job, slot, &calls[slot as usize]));
                 }
             }
@@ -802,9 +819,12 @@ impl Engine {
 enum CallEnd {
     /// Its outcome, recorded: the model will read it.
     Known(ToolOutcome),
-    /// Nobody knows whether it took effect, and its replay policy forbids trying again: a
-    /// human must say what happened before the batch goes on.
+    /// Nobody knows whether it took effect, and its replay policy forbids trying again (or
+    /// the step was cut off while it ran): a human must say what happened before the batch
+    /// goes on.
     InDoubt,
+    /// The step was cut off before it started.
+    NotStarted,
 }
 
 /// One call of a batch with what it needs to run.
@@ -843,9 +863,14 @@ async fn run_call(
         limits,
         context,
     } = planned;
+    let not_started = |events| CallRun {
+        slot,
+        end: CallEnd::NotStarted,
+        events,
+    };
     let permit = tokio::select! {
         permit = permits.tool_call(session) => permit,
-        () = context.cancel.cancelled() => return Err(StepFailure::Cancelled),
+        () = context.cancel.cancelled() => return Ok(not_started(Vec::new())),
     };
     let writes_ahead = replay == ReplayPolicy::Never;
     let mut events = Vec::new();
@@ -855,8 +880,12 @@ async fn run_call(
         // Read before the token: an attempt that starts is stamped no later than any cancel
         // that this process accepted after it.
         let started_at = coordinator.now();
+        // A retry after an unknown outcome is not a first start: the call stays in doubt.
+        if context.cancel.is_cancelled() && attempt == 1 {
+            return Ok(not_started(events));
+        }
         if context.cancel.is_cancelled() {
-            return Err(StepFailure::Cancelled);
+            break CallEnd::InDoubt;
         }
         let announce = EventDraft::new(
             EventKind::ToolCall,
@@ -879,9 +908,22 @@ async fn run_call(
                 name: call.name.clone(),
                 idempotency_key: context.idempotency_key.clone(),
             };
-            coordinator
+            match coordinator
                 .record_intents(&claim, vec![intent], vec![announce])
-                .await?;
+                .await
+            {
+                Ok(_) => {}
+                // A cancel accepted by any process refuses the intent: the call never starts.
+                Err(crate::Error::Store(ratchet_store::Error::CancelRequested { .. }))
+                    if attempt == 1 =>
+                {
+                    return Ok(not_started(events));
+                }
+                Err(crate::Error::Store(ratchet_store::Error::CancelRequested { .. })) => {
+                    break CallEnd::InDoubt;
+                }
+                Err(error) => return Err(error.into()),
+            }
         } else {
             events.push(announce);
         }
@@ -916,10 +958,25 @@ async fn run_call(
     }
     #[cfg(feature = "failpoints")]
     fail::fail_point!("tools.between_calls", |_| std::process::abort());
-    if context.cancel.is_cancelled() {
-        return Err(StepFailure::Cancelled);
-    }
     Ok(CallRun { slot, end, events })
+}
+
+/// How each call of a batch stood when the batch was cut off: the outcomes known before it ran
+/// (recorded earlier, refused, invalid) and what each call that was run came to.
+fn cut_off_batch(known: Vec<Option<ToolOutcome>>, finished: Vec<CallRun>) -> StepFailure {
+    let mut endings: Vec<CallEnding> = (known.into_iter())
+        .map(|outcome| outcome.map_or(CallEnding::NotStarted, CallEnding::Known))
+        .collect();
+    let mut events = Vec::new();
+    for CallRun { slot, end, events: left } in finished {
+        events.extend(left);
+        endings[slot as usize] = match end {
+            CallEnd::Known(outcome) => CallEnding::Known(outcome),
+            CallEnd::InDoubt => CallEnding::CutOff,
+            CallEnd::NotStarted => CallEnding::NotStarted,
+        };
+    }
+    StepFailure::CutOff { endings, events }
 }
 
 /// Puts the events the batch's calls left for the commit ahead of the step's own, so each

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use opentelemetry::trace::FutureExt as _;
-use ratchet_core::step::finish_step;
-use ratchet_core::{EventDraft, EventKind, Message, ReplayPolicy, StopReason, UnknownCall};
+use ratchet_core::step::{CallEnding, cut_off_step, finish_step};
+use ratchet_core::{EventDraft, EventKind, Message, StopReason};
 use ratchet_store::{ClaimedStep, Commit, IntentKind, Lease};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -50,6 +50,9 @@ pub fn owner_is_dead_local_process(owner: &str) -> bool {
     };
     this_host.is_ok_and(|h| h == host) && pid != std::process::id() && gone()
 }
+
+/// How often a step that runs on reads whether a cancel of its run was accepted elsewhere.
+const CANCEL_WATCH: Duration = Duration::from_secs(1);
 
 /// Why a worker cut its own step off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,11 +232,16 @@ impl Worker {
         };
         let outcome = match (outcome, cut_off) {
             (Err(StepFailure::Cancelled), Some(CutOff::Deadline)) => {
-                return self.end_cut_off(&claimed, StopReason::TimedOut).await;
+                return self.end_cut_off(&claimed, StopReason::TimedOut, None).await;
+            }
+            (Err(StepFailure::CutOff { endings, events }), Some(CutOff::Deadline)) => {
+                let batch = Some((endings, events));
+                return self.end_cut_off(&claimed, StopReason::TimedOut, batch).await;
             }
             // Shutting down: the step is given back, as a crash would leave it, and another
-            // worker (here after a restart, or another process) takes it over.
-            (Err(StepFailure::Cancelled), Some(CutOff::Shutdown)) => {
+            // worker (here after a restart, or another process) takes it over: `never` calls'
+            // outcomes are in their intents, `keyed` and `safe` calls run again by policy.
+            (Err(StepFailure::Cancelled | StepFailure::CutOff { .. }), Some(CutOff::Shutdown)) => {
                 self.back_off(&claimed, "the process shut down during the step")
                     .await;
                 return None;
@@ -262,7 +270,15 @@ impl Worker {
             // Only a cancel request cancels a run's token or refuses its intents; the store
             // already marked the run `cancelling`, so this step ends it.
             Err(StepFailure::Cancelled) => {
-                return self.end_cut_off(&claimed, StopReason::Cancelled).await;
+                return self
+                    .end_cut_off(&claimed, StopReason::Cancelled, None)
+                    .await;
+            }
+            Err(StepFailure::CutOff { endings, events }) => {
+                let batch = Some((endings, events));
+                return self
+                    .end_cut_off(&claimed, StopReason::Cancelled, batch)
+                    .await;
             }
             Err(StepFailure::LeaseLost) => {
                 tracing::info!(run = %claimed.job.run_id, step = claimed.job.step_index, "lease lost; another worker has the step");
@@ -363,12 +379,18 @@ impl Worker {
         }
     }
 
-    /// Ends a run whose step was cut off (by a cancel or its deadline). The calls of the step
-    /// that were started and have no outcome are not known to have happened or not: the
-    /// `never` ones stay listed in doubt on the ended run, for a human to record.
-    async fn end_cut_off(&self, claimed: &ClaimedStep, reason: StopReason) -> Option<ClaimedStep> {
+    /// Ends a run whose step was cut off (by a cancel or its deadline), keeping what its batch
+    /// did (`cut_off_step`). `batch` is how the engine saw each call when it stopped, with the
+    /// events the calls left; the intents say what any attempt of the step recorded — a
+    /// `never` call with an intent and no outcome started, whatever this attempt saw.
+    async fn end_cut_off(
+        &self,
+        claimed: &ClaimedStep,
+        reason: StopReason,
+        batch: Option<(Vec<CallEnding>, Vec<EventDraft>)>,
+    ) -> Option<ClaimedStep> {
         let state = &claimed.state;
-        let started = match self
+        let intents = match self
             .coordinator
             .store()
             .intents(&state.run_id, claimed.job.step_index)
@@ -380,36 +402,30 @@ impl Worker {
                 return None;
             }
         };
-        let calls = state.checkpoint.as_ref().map(|c| c.calls.as_slice());
-        let mut in_doubt_state = state.clone();
-        for intent in started.iter().filter(|i| i.outcome.is_none()) {
-            let Some(progress) = calls.and_then(|c| c.get(intent.slot as usize)) else {
+        let pending = state.checkpoint.as_ref().filter(|c| c.has_pending());
+        let (mut endings, call_events) = batch.unwrap_or_else(|| {
+            let calls = pending.map_or(0, |c| c.calls.len());
+            (vec![CallEnding::NotStarted; calls], Vec::new())
+        });
+        for intent in intents.iter().filter(|i| i.kind == IntentKind::Tool) {
+            let Some(ending) = endings.get_mut(intent.slot as usize) else {
                 continue;
             };
-            let never = (state.config.tool(&progress.call.name))
-                .is_some_and(|spec| spec.replay == ReplayPolicy::Never);
-            if intent.kind == IntentKind::Tool && never && progress.outcome.is_none() {
-                in_doubt_state.in_doubt.push(UnknownCall {
-                    call_index: intent.slot as usize,
-                    call_id: progress.call.id.clone(),
-                    tool: progress.call.name.clone(),
-                    arguments: progress.call.arguments.clone(),
-                    idempotency_key: ratchet_core::batch::call_key(
-                        state,
-                        &claimed.job,
-                        intent.slot,
-                    ),
-                    drift: None,
-                });
-            }
+            *ending = match (&intent.outcome, &ending) {
+                (Some(outcome), _) => CallEnding::Known(outcome.clone()),
+                (None, CallEnding::Known(_)) => continue,
+                (None, _) => CallEnding::CutOff,
+            };
         }
-        let result = finish_step(
-            in_doubt_state,
+        let mut result = cut_off_step(
+            state.clone(),
             &claimed.job,
             reason,
+            endings,
             self.coordinator.now(),
             self.coordinator.now(),
         );
+        result.events.splice(0..0, call_events);
         self.commit(claimed, result, None)
             .await
             .map(|(next, _)| next)
@@ -442,6 +458,10 @@ impl Worker {
         tokio::pin!(deadline);
         let shutdown_grace = tokio::time::sleep(Duration::MAX);
         tokio::pin!(shutdown_grace);
+        let mut watch = tokio::time::interval_at(
+            tokio::time::Instant::now() + CANCEL_WATCH,
+            CANCEL_WATCH,
+        );
         let mut draining = false;
         let mut cut_off = None;
         loop {
@@ -461,6 +481,18 @@ impl Worker {
                     tracing::info!(run = %claimed.job.run_id, step = claimed.job.step_index, "shutting down; cutting off a step that outlived the grace period");
                     cut_off = Some(CutOff::Shutdown);
                     step_cancel.cancel();
+                }
+                // A cancel accepted by another process reaches this one by the change stream
+                // where the store has one; this read is the fallback that always works.
+                _ = watch.tick(), if !cancel.is_cancelled() => {
+                    match self.coordinator.store().load_state(&claimed.job.run_id).await {
+                        Ok(state) if state.cancel_requested => {
+                            tracing::info!(run = %claimed.job.run_id, step = claimed.job.step_index, "a cancel was accepted elsewhere; cutting the step off");
+                            cancel.cancel();
+                        }
+                        Ok(_) => {}
+                        Err(error) => tracing::warn!(%error, "reading the run's cancel flag failed"),
+                    }
                 }
                 _ = beat.tick() => {
                     match self.coordinator.heartbeat(&claimed.claim, &self.lease()).await {
