@@ -24,6 +24,10 @@ enum Behaviour {
     Unknown,
     /// Never answers and never looks at its cancellation token.
     Hang,
+    /// Answers at once that it was done.
+    Done,
+    /// Hangs as `Hang` on its first call, answers as `Done` on every later one.
+    HangOnce,
 }
 
 /// A tool that records every call's idempotency key.
@@ -49,13 +53,16 @@ impl Tool for Probe {
         self.replay
     }
     async fn call(&self, _: Value, context: &ToolContext) -> ToolOutcome {
-        self.keys
-            .lock()
-            .unwrap()
-            .push(context.idempotency_key.clone());
+        let first = {
+            let mut keys = self.keys.lock().unwrap();
+            keys.push(context.idempotency_key.clone());
+            keys.iter().filter(|k| **k == context.idempotency_key).count() == 1
+        };
         match self.behaviour {
             Behaviour::Unknown => ToolOutcome::unknown("the connection dropped mid-call"),
-            Behaviour::Hang => {
+            Behaviour::Done => ToolOutcome::ok(format!("{} done", self.name)),
+            Behaviour::HangOnce if !first => ToolOutcome::ok(format!("{} done", self.name)),
+            Behaviour::Hang | Behaviour::HangOnce => {
                 // Deaf to its token: only an abort stops it.
                 tokio::time::sleep(Duration::from_secs(3600)).await;
                 ToolOutcome::ok("too late")
@@ -66,6 +73,7 @@ impl Tool for Probe {
 
 struct Node {
     coordinator: Arc<Coordinator>,
+    store: Arc<dyn Store>,
     pool: WorkerPool,
     specs: Vec<ratchet_core::ToolSpec>,
     keys: Arc<Mutex<Vec<String>>>,
@@ -88,6 +96,9 @@ fn node(replies: Value) -> Node {
         ("unknown_safe", ReplayPolicy::Safe, Behaviour::Unknown),
         ("hang_never", ReplayPolicy::Never, Behaviour::Hang),
         ("hang_safe", ReplayPolicy::Safe, Behaviour::Hang),
+        ("done_never", ReplayPolicy::Never, Behaviour::Done),
+        ("done_keyed", ReplayPolicy::Keyed, Behaviour::Done),
+        ("hang_once_keyed", ReplayPolicy::Keyed, Behaviour::HangOnce),
     ] {
         tools.push(Arc::new(Probe {
             name,
@@ -103,7 +114,7 @@ fn node(replies: Value) -> Node {
     let mut names: Vec<String> = tools.names();
     names.push("vanished".to_owned());
     let models = Arc::new(Models::new(names));
-    let coordinator = Coordinator::new(store);
+    let coordinator = Coordinator::new(Arc::clone(&store));
     let engine = Arc::new(Engine::new(Arc::clone(&coordinator), models, tools));
     let config = PoolConfig {
         workers: 2,
@@ -114,6 +125,7 @@ fn node(replies: Value) -> Node {
     let pool = WorkerPool::start(Arc::clone(&coordinator), engine, config);
     Node {
         coordinator,
+        store,
         pool,
         specs,
         keys,
@@ -528,5 +540,126 @@ async fn a_call_run_again_after_a_wait_keeps_its_first_idempotency_key() {
         under_first_key, 2,
         "the keyed call was sent again under its first key: {keys:?}"
     );
+    node.pool.shutdown().await;
+}
+
+/// A model's batch of a `never` and a `keyed` call that finish and a `keyed` call that hangs.
+fn mixed_batch() -> Value {
+    json!({"tool_calls": [
+        {"name": "done_never", "arguments": {}},
+        {"name": "done_keyed", "arguments": {}},
+        {"name": "hang_once_keyed", "arguments": {}},
+    ]})
+}
+
+impl Node {
+    /// Waits until the hanging call has started.
+    async fn hanging(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.keys().len() < 3 {
+            assert!(Instant::now() < deadline, "the batch never started");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// The batch's deadline passes while one call hangs: the two calls that finished keep their
+/// outcomes, and `continue` carries the batch on — the finished calls do not run again, the
+/// cut-off `keyed` one runs again under its first key, and the model reads every real result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_cut_off_batch_keeps_its_outcomes_and_continue_carries_it_on() {
+    let node = node(json!([mixed_batch(), answer()]));
+    let limits = Limits {
+        max_duration_ms: Some(800),
+        ..Limits::default()
+    };
+    let run = node.start(node.config(limits, &[])).await;
+    let ended = node.settle(&run).await;
+    assert_eq!(ended.stop_reason, Some(StopReason::TimedOut));
+    assert!(ended.in_doubt.is_empty(), "{:?}", ended.in_doubt);
+    let kept: Vec<Option<String>> = (ended.checkpoint.as_ref().unwrap().calls.iter())
+        .map(|p| p.outcome.as_ref().map(|o| o.content.clone()))
+        .collect();
+    assert_eq!(
+        kept,
+        [
+            Some("done_never done".to_owned()),
+            Some("done_keyed done".to_owned()),
+            None
+        ]
+    );
+    assert!(node.tool_results(&run).await.is_empty(), "the batch stays open");
+    let more = ratchet_core::step::Resumption::Continue {
+        extension: ratchet_core::BudgetExtension {
+            duration_ms: 60_000,
+            ..Default::default()
+        },
+    };
+    node.coordinator.resume_failed(&run, more).await.unwrap();
+    let done = node.settle(&run).await;
+    assert_eq!(done.status, RunStatus::Completed);
+    assert_eq!(done.counters.model_calls, 2, "the model was asked once more, after the batch");
+    assert_eq!(
+        node.tool_results(&run).await,
+        [
+            ("done_never done".to_owned(), false),
+            ("done_keyed done".to_owned(), false),
+            ("hang_once_keyed done".to_owned(), false),
+        ]
+    );
+    let keys = node.keys();
+    assert_eq!(keys.len(), 4, "only the cut-off call ran again: {keys:?}");
+    let cut_off_key = &(ended.checkpoint.as_ref().unwrap()).idempotency_key(&run, 0, 2);
+    let under_it = keys.iter().filter(|k| *k == cut_off_key).count();
+    assert_eq!(under_it, 2, "it ran again under its first key: {keys:?}");
+    node.pool.shutdown().await;
+}
+
+/// A cancel cuts a batch off: the cancelled run's history answers every call with what
+/// became of it — the finished calls' real outcomes, the hanging call's unknown outcome —
+/// and never "not run" of a call that started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_batch_tells_each_call_what_became_of_it() {
+    let node = node(json!([mixed_batch(), answer()]));
+    let run = node.start(node.config(Limits::default(), &[])).await;
+    node.hanging().await;
+    node.coordinator.request_cancel(&run).await.unwrap();
+    let ended = node.settle(&run).await;
+    assert_eq!(ended.status, RunStatus::Cancelled);
+    let results = node.tool_results(&run).await;
+    assert_eq!(results.len(), 3, "{results:?}");
+    assert_eq!(results[0].0, "done_never done");
+    assert_eq!(results[1].0, "done_keyed done");
+    assert!(
+        results[2].0.starts_with("outcome unknown: the run was cancelled"),
+        "{results:?}"
+    );
+    assert!(ended.in_doubt.is_empty(), "a keyed call is not a human's to record");
+    node.pool.shutdown().await;
+}
+
+/// A cancel accepted by another process (another Coordinator on the same store, with no
+/// change stream between them) reaches the step in flight here: it is cut off within the
+/// grace period and about a second, whatever its tool does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_accepted_by_another_process_reaches_the_step_in_flight() {
+    let node = node(json!([call("hang_never"), answer()]));
+    let run = node.start(node.config(Limits::default(), &[])).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while node.keys().is_empty() {
+        assert!(Instant::now() < deadline, "the tool never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let other = Coordinator::new(node.store.clone());
+    let asked = Instant::now();
+    other.request_cancel(&run).await.unwrap();
+    let state = node.settle(&run).await;
+    let took = asked.elapsed();
+    assert_eq!(state.status, RunStatus::Cancelled);
+    assert!(
+        took < GRACE + Duration::from_secs(2),
+        "took {took:?} with a grace of {GRACE:?}"
+    );
+    assert_eq!(in_doubt_tools(&state), ["hang_never"]);
     node.pool.shutdown().await;
 }
