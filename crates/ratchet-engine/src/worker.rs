@@ -54,6 +54,30 @@ pub fn owner_is_dead_local_process(owner: &str) -> bool {
 /// How often a step that runs on reads whether a cancel of its run was accepted elsewhere.
 const CANCEL_WATCH: Duration = Duration::from_secs(1);
 
+/// How often every pool sweeps, however busy its workers are.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// Sweeps on a cadence of its own until `shutdown`: ends runs that wait past their deadline
+/// and, unless the pool serves one run, starts due continuation turns and re-offers or
+/// expires released inbox reports. An idle worker sweeps too, at once when woken; this loop
+/// is what holds when every worker is busy. Every process races for the same rows freely:
+/// each sweep is one transaction per run or session, and a row another process swept first
+/// is not there any more.
+async fn sweep(coordinator: Arc<Coordinator>, inboxes: bool, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(SWEEP_EVERY) => {}
+            () = shutdown.cancelled() => return,
+        }
+        if let Err(error) = coordinator.time_out_overdue().await {
+            tracing::warn!(%error, "ending runs past their deadline failed");
+        }
+        if inboxes && let Err(error) = coordinator.serve_inboxes().await {
+            tracing::warn!(%error, "starting due continuation turns failed");
+        }
+    }
+}
+
 /// Why a worker cut its own step off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum CutOff {
@@ -94,6 +118,11 @@ impl WorkerPool {
             };
             tracker.spawn(worker.run());
         }
+        tracker.spawn(sweep(
+            Arc::clone(&coordinator),
+            config.only_run.is_none(),
+            shutdown.clone(),
+        ));
         // A pool scoped to one run (`ratchet run`) fires no schedule: it serves that run alone.
         if config.only_run.is_none() {
             tracker.spawn(crate::scheduler::run(

@@ -19,6 +19,7 @@ mod mcp;
 mod providers;
 mod scale;
 mod schedules;
+mod seams;
 mod serve;
 mod subagents;
 mod telemetry;

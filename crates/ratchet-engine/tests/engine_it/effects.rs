@@ -663,3 +663,52 @@ async fn a_cancel_accepted_by_another_process_reaches_the_step_in_flight() {
     assert_eq!(in_doubt_tools(&state), ["hang_never"]);
     node.pool.shutdown().await;
 }
+
+/// Every worker of the pool is busy with a long call: a run waiting for a human still ends at
+/// its deadline, swept on the pool's own cadence rather than only by an idle worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_run_ends_at_its_deadline_while_every_worker_is_busy() {
+    let node = node(json!([call("unknown_never"), answer()]));
+    let limits = Limits {
+        max_duration_ms: Some(1_500),
+        ..Limits::default()
+    };
+    let waiting = node.start(node.config(limits, &[])).await;
+    assert_eq!(node.settle(&waiting).await.status, RunStatus::WaitingHuman);
+    let busy = node.script.with_file_name("busy.json");
+    std::fs::write(
+        &busy,
+        json!({"replies": [call("hang_safe"), answer()]}).to_string(),
+    )
+    .unwrap();
+    let hour = CallLimits {
+        timeout_ms: 3_600_000,
+        ..CallLimits::default()
+    };
+    for _ in 0..2 {
+        let config = RunConfigSnapshot {
+            model: format!("scripted:{}", busy.display()),
+            ..node.config(Limits::default(), &[("hang_safe", hour)])
+        };
+        node.start(config).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while node.keys().len() < 3 {
+        assert!(Instant::now() < deadline, "the two long calls never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let ended = loop {
+        let state = node.coordinator.store().load_state(&waiting).await.unwrap();
+        if state.status.is_terminal() {
+            break state;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still {} long after its deadline",
+            state.status
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(ended.stop_reason, Some(StopReason::TimedOut));
+}
