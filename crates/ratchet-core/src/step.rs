@@ -977,9 +977,7 @@ pub fn cut_off_step(
             (None, CallEnding::CutOff) => ToolOutcome::error(format!(
                 "outcome unknown: {cause} while this call ran, and it did not finish"
             )),
-            (None, _) => ToolOutcome::error(format!(
-                "not run: {cause} before this call started"
-            )),
+            (None, _) => ToolOutcome::error(format!("not run: {cause} before this call started")),
         };
         let message = Message {
             origin: agent_origin(&state),
@@ -1284,7 +1282,10 @@ mod tests {
             let committed = (result.events.iter())
                 .position(|e| e.kind == EventKind::StepCommitted)
                 .unwrap();
-            assert!(results_first < committed, "results precede the step's own events");
+            assert!(
+                results_first < committed,
+                "results precede the step's own events"
+            );
         }
     }
 
@@ -1320,7 +1321,13 @@ mod tests {
             matches!(&refused, DecisionError::InDoubt { calls, .. } if calls == "c0 (pay)"),
             "{refused}"
         );
-        reconcile(&mut ended, "c0", Reconciliation::Succeeded, Some("paid".into())).unwrap();
+        reconcile(
+            &mut ended,
+            "c0",
+            Reconciliation::Succeeded,
+            Some("paid".into()),
+        )
+        .unwrap();
         let (_, resumed) = resume_failed(&mut ended, more, 20).unwrap();
         assert_eq!(resumed.phase, Phase::Resumed);
         assert_eq!(

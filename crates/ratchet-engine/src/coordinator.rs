@@ -421,7 +421,11 @@ impl Coordinator {
     pub async fn request_cancel(&self, run_id: &RunId) -> Result<CancelOutcome> {
         // The token goes in first: a worker that claims the run while the store is being
         // told adopts it, so the cancel cannot fall between its claim and its registration.
+        // It is cancelled before the cancel is stamped, so no call of a step here starts later
+        // than the time the cancel is recorded at; should the store fail to record it, the
+        // step's worker finds no cancel recorded and gives the step back.
         let (token, registered_here) = self.cancel_token(run_id);
+        token.cancel();
         let outcome = match self.writes.request_cancel(run_id, self.now()).await {
             Ok(outcome) => outcome,
             Err(error) => {
@@ -443,7 +447,6 @@ impl Coordinator {
             CancelOutcome::Cancelling { events } => {
                 self.cancel_moved(events);
                 self.publish(events.clone());
-                token.cancel();
             }
             CancelOutcome::AlreadyTerminal(_) => self.forget_token(run_id),
         }

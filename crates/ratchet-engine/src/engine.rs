@@ -968,7 +968,12 @@ fn cut_off_batch(known: Vec<Option<ToolOutcome>>, finished: Vec<CallRun>) -> Ste
         .map(|outcome| outcome.map_or(CallEnding::NotStarted, CallEnding::Known))
         .collect();
     let mut events = Vec::new();
-    for CallRun { slot, end, events: left } in finished {
+    for CallRun {
+        slot,
+        end,
+        events: left,
+    } in finished
+    {
         events.extend(left);
         endings[slot as usize] = match end {
             CallEnd::Known(outcome) => CallEnding::Known(outcome),

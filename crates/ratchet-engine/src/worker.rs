@@ -265,7 +265,9 @@ impl Worker {
             }
             (Err(StepFailure::CutOff { endings, events }), Some(CutOff::Deadline)) => {
                 let batch = Some((endings, events));
-                return self.end_cut_off(&claimed, StopReason::TimedOut, batch).await;
+                return self
+                    .end_cut_off(&claimed, StopReason::TimedOut, batch)
+                    .await;
             }
             // Shutting down: the step is given back, as a crash would leave it, and another
             // worker (here after a restart, or another process) takes it over: `never` calls'
@@ -419,13 +421,22 @@ impl Worker {
         batch: Option<(Vec<CallEnding>, Vec<EventDraft>)>,
     ) -> Option<ClaimedStep> {
         let state = &claimed.state;
-        let intents = match self
-            .coordinator
-            .store()
-            .intents(&state.run_id, claimed.job.step_index)
-            .await
-        {
-            Ok(intents) => intents,
+        let store = self.coordinator.store();
+        let read = async {
+            let intents = store.intents(&state.run_id, claimed.job.step_index).await?;
+            // A cancel cuts the step off before the store records it; one the store failed
+            // to record leaves the run to go on, and the step is given back.
+            let recorded = reason != StopReason::Cancelled
+                || store.load_state(&state.run_id).await?.cancel_requested;
+            Ok::<_, ratchet_store::Error>((intents, recorded))
+        };
+        let intents = match read.await {
+            Ok((intents, true)) => intents,
+            Ok((_, false)) => {
+                self.back_off(claimed, "a cancel cut the step off but was not recorded")
+                    .await;
+                return None;
+            }
             Err(error) => {
                 self.back_off(claimed, &error.to_string()).await;
                 return None;
@@ -487,10 +498,8 @@ impl Worker {
         tokio::pin!(deadline);
         let shutdown_grace = tokio::time::sleep(Duration::MAX);
         tokio::pin!(shutdown_grace);
-        let mut watch = tokio::time::interval_at(
-            tokio::time::Instant::now() + CANCEL_WATCH,
-            CANCEL_WATCH,
-        );
+        let mut watch =
+            tokio::time::interval_at(tokio::time::Instant::now() + CANCEL_WATCH, CANCEL_WATCH);
         let mut draining = false;
         let mut cut_off = None;
         loop {

@@ -89,6 +89,7 @@ macro_rules! store_conformance_tests {
             a_run_events_payload_names_its_run_as_published_and_read_back,
             an_approval_holds_the_whole_batch_until_a_human_answers,
             an_aborted_or_cancelled_approval_ends_its_run_and_frees_the_session,
+            an_approval_of_a_run_that_ended_is_closed_with_it,
             a_failed_run_is_retried_or_continued_once_its_session_is_free,
             a_steer_joins_the_active_run_before_its_next_model_call_or_runs_next,
             search_finds_earlier_user_and_assistant_messages,
@@ -2562,11 +2563,17 @@ fn guarded_config() -> RunConfigSnapshot {
 /// and `note` in one batch.
 async fn gated_run(store: &dyn Store, session: &SessionId, now: Millis) -> (RunId, Approval) {
     let (run, _) = submit(store, session, "look it up", guarded_config(), now).await;
+    (run.clone(), ask_approval_in(store, &run, now).await)
+}
+
+/// Claims the run's next job, a model call, and commits its reply asking for `lookup` and
+/// `note` in one batch; returns the approval the run then waits on.
+async fn ask_approval_in(store: &dyn Store, run: &RunId, now: Millis) -> Approval {
     let model = store
-        .claim_next(lease(OWNER_A, now + LEASE_MS), Some(&run), now)
+        .claim_next(lease(OWNER_A, now + LEASE_MS), Some(run), now)
         .await
         .unwrap()
-        .expect("the gated run's first job");
+        .expect("the gated run's model job");
     let mut reply = tool_reply();
     reply.tool_calls.push(ToolCall {
         id: "call-2".into(),
@@ -2584,15 +2591,68 @@ async fn gated_run(store: &dyn Store, session: &SessionId, now: Millis) -> (RunI
         "the gate is announced: {:?}",
         kinds(&events)
     );
-    let state = load(store, &run).await;
+    let state = load(store, run).await;
     let Some(HumanRequest::Approval { approval_id, .. }) = state.pending_human else {
         panic!(
             "a batch with a guarded call waits for approval, found {:?} / {:?}",
             state.status, state.pending_human
         );
     };
-    let approval = store.get_approval(&approval_id).await.unwrap();
-    (run, approval)
+    store.get_approval(&approval_id).await.unwrap()
+}
+
+/// A run that ends while it waits on an approval (here its deadline passes) closes the
+/// approval in the transaction that ends it: continued, the run asks again under a new
+/// approval, and the first stays cancelled — it never reads as pending again, and answering
+/// it is a conflict.
+pub async fn an_approval_of_a_run_that_ended_is_closed_with_it(store: &dyn Store) {
+    let session = new_session(store).await;
+    let guarded = guarded_config();
+    let limited = RunConfigSnapshot {
+        limits: Limits {
+            max_duration_ms: Some(1_000),
+            ..guarded.limits
+        },
+        ..guarded
+    };
+    let (run, _) = submit(store, &session, "look it up", limited, T0).await;
+    let first = ask_approval_in(store, &run, T0).await;
+    let timed_out = store.time_out_overdue(T0 + 2_000).await.unwrap();
+    assert_eq!(timed_out.ended, [run.clone()]);
+    let closed = store.get_approval(&first.id).await.unwrap();
+    assert_eq!(
+        (closed.status, closed.decided_at),
+        (ApprovalStatus::Cancelled, Some(T0 + 2_000))
+    );
+    let more = Resumption::Continue {
+        extension: BudgetExtension {
+            duration_ms: 60_000,
+            ..Default::default()
+        },
+    };
+    store.resume_failed(&run, more, T0 + 3_000).await.unwrap();
+    let second = ask_approval_in(store, &run, T0 + 3_000).await;
+    assert_ne!(second.id, first.id);
+    assert_eq!(second.status, ApprovalStatus::Pending);
+    assert_eq!(
+        store.get_approval(&first.id).await.unwrap().status,
+        ApprovalStatus::Cancelled,
+        "the ended run's approval stays closed"
+    );
+    let pending = store
+        .approvals(DEFAULT_TENANT, Some(ApprovalStatus::Pending), None, 100)
+        .await
+        .unwrap();
+    let pending: Vec<&ratchet_core::ApprovalId> = pending.iter().map(|a| &a.id).collect();
+    assert_eq!(pending, [&second.id]);
+    let answer = decisions(&[("call-1", Verdict::Approve, None)]);
+    match store
+        .answer_approval(&first.id, answer, "a human", T0 + 3_001)
+        .await
+    {
+        Err(Error::Conflict(_)) => {}
+        other => panic!("answering a closed approval: expected Conflict, got {other:?}"),
+    }
 }
 
 fn decisions(pairs: &[(&str, Verdict, Option<&str>)]) -> ApprovalAnswer {

@@ -13,8 +13,8 @@ use ratchet_core::{
     SessionId, StepJob, StepRecord, TraceContext,
 };
 use ratchet_store::{
-    CancelOutcome, Error, NewRun, PauseOutcome, Reconciled, Result, ResumeOutcome, RunSummary,
-    StoredEvent, Submitted, TimedOut, WhenBusy,
+    ApprovalStatus, CancelOutcome, Error, NewRun, PauseOutcome, Reconciled, Result, ResumeOutcome,
+    RunSummary, StoredEvent, Submitted, TimedOut, WhenBusy,
 };
 use serde_json::json;
 
@@ -202,6 +202,15 @@ impl Tables {
         );
         run.deadline_at = state.deadline().filter(|_| waits);
         run.state = state.clone();
+        // A run's end closes the approvals it still waited on: a continue cannot revive them.
+        if state.status.is_terminal() {
+            let asked = (self.approvals.iter_mut())
+                .filter(|a| a.run_id == state.run_id && a.status == ApprovalStatus::Pending);
+            for approval in asked {
+                approval.status = ApprovalStatus::Cancelled;
+                approval.decided_at = state.finished_at;
+            }
+        }
         Ok(())
     }
 

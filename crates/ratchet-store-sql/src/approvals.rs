@@ -1,5 +1,5 @@
-//! Approvals: reading them (a pending one whose run no longer waits reads as cancelled) and
-//! answering one, which moves its run on.
+//! Approvals: reading them (a pending one whose run no longer waits reads as cancelled; a
+//! run's end writes it cancelled) and answering one, which moves its run on.
 
 use ratchet_core::{ApprovalAnswer, ApprovalId, Millis, RunStatus};
 use ratchet_store::{Answered, Approval, ApprovalStatus, Error};
@@ -42,12 +42,13 @@ pub(crate) fn approvals(
     after: Option<&ApprovalId>,
     limit: u32,
 ) -> Result<Vec<Approval>> {
-    // A pending row is pending only while its run waits; otherwise it reads as cancelled.
+    // A pending row is pending only while its run waits; otherwise it reads as cancelled (a
+    // run's end writes that, but a run that moved on without ending leaves the row pending).
     let filter = match status {
         None => "",
         Some(ApprovalStatus::Pending) => "AND a.status = 'pending' AND r.status = 'waiting_human'",
         Some(ApprovalStatus::Cancelled) => {
-            "AND a.status = 'pending' AND r.status <> 'waiting_human'"
+            "AND (a.status = 'cancelled' OR (a.status = 'pending' AND r.status <> 'waiting_human'))"
         }
         Some(ApprovalStatus::Decided) => "AND a.status = 'decided'",
         Some(ApprovalStatus::Aborted) => "AND a.status = 'aborted'",

@@ -127,6 +127,13 @@ pub(crate) fn write_encoded_state(
             deadline_at
         ],
     )?;
+    // A run's end closes the approvals it still waited on: a continue cannot revive them.
+    if state.status.is_terminal() {
+        c.execute(
+            "UPDATE approvals SET status = 'cancelled', decided_at = ?2 WHERE run_id = ?1 AND status = 'pending'",
+            &params![state.run_id.as_str(), state.finished_at],
+        )?;
+    }
     Ok(())
 }
 

@@ -180,7 +180,10 @@ async fn cancel_across_processes(url: &str) {
         .await
         .unwrap();
     let sent: Value = http
-        .post(format!("{base}/v1/sessions/{}/messages", session["id"].as_str().unwrap()))
+        .post(format!(
+            "{base}/v1/sessions/{}/messages",
+            session["id"].as_str().unwrap()
+        ))
         .json(&json!({"content": "sleep a minute"}))
         .send()
         .await
@@ -194,12 +197,17 @@ async fn cancel_across_processes(url: &str) {
     let started = Instant::now();
     loop {
         let events = store.run_events_after(&run_id, 0, 1_000).await.unwrap();
-        if events.iter().any(|e| e.kind == "activity" || e.kind == "tool.call")
+        if events
+            .iter()
+            .any(|e| e.kind == "activity" || e.kind == "tool.call")
             || store.load_state(&run_id).await.unwrap().step_index >= 1
         {
             break;
         }
-        assert!(started.elapsed() < DEADLINE, "the run never reached its call");
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the run never reached its call"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // Let the call start in the worker.

@@ -56,7 +56,10 @@ impl Tool for Probe {
         let first = {
             let mut keys = self.keys.lock().unwrap();
             keys.push(context.idempotency_key.clone());
-            keys.iter().filter(|k| **k == context.idempotency_key).count() == 1
+            keys.iter()
+                .filter(|k| **k == context.idempotency_key)
+                .count()
+                == 1
         };
         match self.behaviour {
             Behaviour::Unknown => ToolOutcome::unknown("the connection dropped mid-call"),
@@ -588,7 +591,10 @@ async fn a_deadline_cut_off_batch_keeps_its_outcomes_and_continue_carries_it_on(
             None
         ]
     );
-    assert!(node.tool_results(&run).await.is_empty(), "the batch stays open");
+    assert!(
+        node.tool_results(&run).await.is_empty(),
+        "the batch stays open"
+    );
     let more = ratchet_core::step::Resumption::Continue {
         extension: ratchet_core::BudgetExtension {
             duration_ms: 60_000,
@@ -598,7 +604,10 @@ async fn a_deadline_cut_off_batch_keeps_its_outcomes_and_continue_carries_it_on(
     node.coordinator.resume_failed(&run, more).await.unwrap();
     let done = node.settle(&run).await;
     assert_eq!(done.status, RunStatus::Completed);
-    assert_eq!(done.counters.model_calls, 2, "the model was asked once more, after the batch");
+    assert_eq!(
+        done.counters.model_calls, 2,
+        "the model was asked once more, after the batch"
+    );
     assert_eq!(
         node.tool_results(&run).await,
         [
@@ -631,10 +640,15 @@ async fn a_cancelled_batch_tells_each_call_what_became_of_it() {
     assert_eq!(results[0].0, "done_never done");
     assert_eq!(results[1].0, "done_keyed done");
     assert!(
-        results[2].0.starts_with("outcome unknown: the run was cancelled"),
+        results[2]
+            .0
+            .starts_with("outcome unknown: the run was cancelled"),
         "{results:?}"
     );
-    assert!(ended.in_doubt.is_empty(), "a keyed call is not a human's to record");
+    assert!(
+        ended.in_doubt.is_empty(),
+        "a keyed call is not a human's to record"
+    );
     node.pool.shutdown().await;
 }
 
@@ -694,7 +708,10 @@ async fn a_waiting_run_ends_at_its_deadline_while_every_worker_is_busy() {
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     while node.keys().len() < 3 {
-        assert!(Instant::now() < deadline, "the two long calls never started");
+        assert!(
+            Instant::now() < deadline,
+            "the two long calls never started"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let deadline = Instant::now() + Duration::from_secs(10);
