@@ -62,6 +62,23 @@ pub struct Source<'a> {
     /// What the source recorded, by slot, of the calls of the batch pending at the step (its
     /// intents: an outcome, or None for a call started and never heard of again).
     pub started: &'a HashMap<u32, Option<ToolOutcome>>,
+    /// The source's state as it stands: its frozen configuration decides which of its calls
+    /// are `never`, and its open batch, if any, is one it may still run calls of.
+    pub state: &'a AgentState,
+}
+
+impl Source<'_> {
+    /// Whether the source holds open the batch `calls` asked for and may yet run calls of it:
+    /// while it has not ended, or when it failed with the batch cut off (`continue` carries it
+    /// on).
+    fn still_runs(&self, calls: &[crate::ToolCall]) -> bool {
+        let Some(checkpoint) = &self.state.checkpoint else {
+            return false;
+        };
+        let live = !self.state.status.is_terminal() || checkpoint.cut_off;
+        let same = (checkpoint.calls.iter().map(|p| &p.call.id)).eq(calls.iter().map(|c| &c.id));
+        live && same && checkpoint.has_pending()
+    }
 }
 
 /// Why a fork was refused; the request could never succeed as given.
@@ -150,12 +167,10 @@ fn pending_batch(history: &[SourceMessage]) -> Option<usize> {
 }
 
 /// Decides whether the source may be forked at `at_step` and how: the fork's history, the batch
-/// it picks up and how it begins. `config` is the configuration the fork is frozen with (it
-/// says which calls are `never`).
+/// it picks up and how it begins.
 pub fn plan(
     source: &Source<'_>,
     at_step: u64,
-    config: &RunConfigSnapshot,
     edit: Option<&ForkEdit>,
 ) -> Result<ForkPlan, ForkError> {
     let run_id = source.run_id.clone();
@@ -202,7 +217,7 @@ pub fn plan(
                 .filter(|&p| (history[p].message.tool_calls.iter()).any(|c| &c.id == call_id));
             if let Some(at) = in_pending {
                 let given = (call_id.as_str(), ToolOutcome::ok(result.clone()));
-                return Ok(pick_up_batch(source, history, at, config, Some(given)));
+                return Ok(pick_up_batch(source, history, at, Some(given)));
             }
             let Some(at) = (history.iter()).rposition(|m| {
                 m.message.role == Role::Tool && m.message.tool_call_id.as_ref() == Some(call_id)
@@ -239,7 +254,7 @@ pub fn plan(
         }
         None => {
             if let Some(at) = pending {
-                return Ok(pick_up_batch(source, history, at, config, None));
+                return Ok(pick_up_batch(source, history, at, None));
             }
             let phase = match history.last().map(|m| &m.message) {
                 None
@@ -270,19 +285,44 @@ pub fn plan(
 /// The fork takes up the batch the assistant message at `at` asked for. Each call keeps the
 /// source's idempotency key, so a `keyed` tool does the work once across source and fork; a
 /// call the source recorded an outcome for does not run again (a `never` call's effect
-/// happened); a `never` call the source started without an outcome is in doubt — unless
-/// `given` supplies its result.
+/// happened); a `never` call the source started without an outcome is in doubt — and while
+/// the source may still run calls of the batch, so is every `never` call it has no outcome
+/// for, started or not: the source may carry it out after the fork was made, and a `never`
+/// effect must not happen in both runs without a human's say. Unless `given` supplies its
+/// result. Which calls are `never` is the source's frozen configuration's say, whatever the
+/// fork's is.
 fn pick_up_batch(
     source: &Source<'_>,
     history: &[SourceMessage],
     at: usize,
-    config: &RunConfigSnapshot,
     given: Option<(&str, ToolOutcome)>,
 ) -> ForkPlan {
     let asked = &history[at];
+    let source_runs_it = source.still_runs(&asked.message.tool_calls);
+    // A batch the source took up from its own source (a fork of a fork) keeps the keys it
+    // has there: the first run's, so a `keyed` tool does the work once across all three.
+    let inherited = (source.state.checkpoint.as_ref()).filter(|c| {
+        asked.step.is_none()
+            && (c.calls.iter().map(|p| &p.call.id)).eq(asked
+                .message
+                .tool_calls
+                .iter()
+                .map(|c| &c.id))
+    });
+    let (key_run, key_step) = match inherited {
+        Some(checkpoint) => (
+            checkpoint
+                .key_run
+                .clone()
+                .unwrap_or_else(|| source.run_id.clone()),
+            checkpoint.key_step,
+        ),
+        None => (source.run_id.clone(), asked.step.map(|s| s + 1)),
+    };
+    let config = source.state.config.as_ref();
     let mut checkpoint = ToolCheckpoint {
-        key_step: asked.step.map(|s| s + 1),
-        key_run: Some(source.run_id.clone()),
+        key_step,
+        key_run: Some(key_run),
         ..ToolCheckpoint::new(asked.message.tool_calls.clone())
     };
     let mut in_doubt = Vec::new();
@@ -292,10 +332,11 @@ fn pick_up_batch(
             progress.outcome = Some(outcome.clone());
             continue;
         }
+        let never = config.tool(&call.name).map(|t| t.replay) == Some(ReplayPolicy::Never);
         match source.started.get(&slot) {
             Some(Some(outcome)) => progress.outcome = Some(outcome.clone()),
-            Some(None)
-                if config.tool(&call.name).map(|t| t.replay) == Some(ReplayPolicy::Never) =>
+            Some(None) | None
+                if never && (source_runs_it || source.started.contains_key(&slot)) =>
             {
                 in_doubt.push(UnknownCall {
                     call_index: slot as usize,
@@ -418,6 +459,14 @@ mod tests {
         }
     }
 
+    /// The source as it stands after it completed.
+    fn ended() -> AgentState {
+        let session = SessionId::from_suffix("s").unwrap();
+        let mut state = AgentState::new(session, run(), config(), 0);
+        state.status = RunStatus::Completed;
+        state
+    }
+
     fn call(id: &str, name: &str) -> ToolCall {
         ToolCall {
             id: id.into(),
@@ -468,6 +517,17 @@ mod tests {
         started: &HashMap<u32, Option<ToolOutcome>>,
         edit: Option<&ForkEdit>,
     ) -> Result<ForkPlan, ForkError> {
+        plan_from(&ended(), history, steps, at_step, started, edit)
+    }
+
+    fn plan_from(
+        state: &AgentState,
+        history: &[SourceMessage],
+        steps: &[StepRecord],
+        at_step: u64,
+        started: &HashMap<u32, Option<ToolOutcome>>,
+        edit: Option<&ForkEdit>,
+    ) -> Result<ForkPlan, ForkError> {
         let through = history_through(history.to_vec(), at_step);
         let source = Source {
             run_id: &run(),
@@ -476,8 +536,9 @@ mod tests {
             step: steps.get((at_step as usize).wrapping_sub(1)),
             history: &through,
             started,
+            state,
         };
-        plan(&source, at_step, &config(), edit)
+        plan(&source, at_step, edit)
     }
 
     fn contents(plan: &ForkPlan) -> Vec<String> {
@@ -553,9 +614,10 @@ mod tests {
             step: steps.first(),
             history: &history,
             started: &none,
+            state: &ended(),
         };
         assert_eq!(
-            plan(&source, 1, &config(), None),
+            plan(&source, 1, None),
             Err(ForkError::Continuation { run_id: run() })
         );
     }
@@ -591,6 +653,135 @@ mod tests {
             checkpoint.idempotency_key(&fork, 1, 1),
             format!("{}#2#1", run()),
             "the source's key, so a keyed tool does the work once"
+        );
+    }
+
+    /// The source, `status`, holding the batch step 1 asked for.
+    fn holding(status: RunStatus, cut_off: bool) -> AgentState {
+        let mut state = ended();
+        state.status = status;
+        state.checkpoint = Some(ToolCheckpoint {
+            key_step: Some(2),
+            cut_off,
+            ..ToolCheckpoint::new(vec![call("a", "look"), call("b", "pay")])
+        });
+        state
+    }
+
+    /// The calls of the fork's batch in doubt, by id.
+    fn doubted(plan: &ForkPlan) -> Vec<&str> {
+        match &plan.start {
+            ForkStart::Reconcile(calls) => calls.iter().map(|c| c.call_id.as_str()).collect(),
+            ForkStart::Step(_) => Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_never_call_the_source_may_still_run_is_in_doubt_in_the_fork() {
+        let history = finished();
+        let steps = records(5);
+        let none = HashMap::new();
+        let live = [
+            (RunStatus::Running, false),
+            (RunStatus::Cancelling, false),
+            (RunStatus::WaitingHuman, false),
+            (RunStatus::Paused, false),
+            (RunStatus::Failed, true),
+        ];
+        for (status, cut_off) in live {
+            let source = holding(status, cut_off);
+            let plan = plan_from(&source, &history, &steps, 1, &none, None).unwrap();
+            assert_eq!(
+                doubted(&plan),
+                ["b"],
+                "{status}: `pay` may yet run in the source"
+            );
+            // The edit that gives its result settles it.
+            let edit = ForkEdit::ReplaceToolResult {
+                call_id: "b".into(),
+                result: "B'".into(),
+            };
+            let plan = plan_from(&source, &history, &steps, 1, &none, Some(&edit)).unwrap();
+            assert_eq!(plan.start, ForkStart::Step(Phase::LlmResult));
+        }
+        // Ended (or failed with nothing to carry on), the source runs nothing more of it.
+        for status in [
+            RunStatus::Cancelled,
+            RunStatus::Failed,
+            RunStatus::Completed,
+        ] {
+            let source = holding(status, false);
+            let plan = plan_from(&source, &history, &steps, 1, &none, None).unwrap();
+            assert!(doubted(&plan).is_empty(), "{status}");
+        }
+        // A later batch of a running source is not the one forked at.
+        let mut later = holding(RunStatus::Running, false);
+        later.checkpoint = Some(ToolCheckpoint::new(vec![call("c", "look")]));
+        let plan = plan_from(&later, &history, &steps, 1, &none, None).unwrap();
+        assert!(doubted(&plan).is_empty());
+        // The source's frozen configuration says what is `never`: where it calls `pay` safe,
+        // the fork runs it whatever the fork's own configuration would say.
+        let mut lenient = holding(RunStatus::Running, false);
+        let mut frozen = config();
+        frozen.tools[1].replay = ReplayPolicy::Safe;
+        lenient.config = std::sync::Arc::new(frozen);
+        let plan = plan_from(&lenient, &history, &steps, 1, &none, None).unwrap();
+        assert!(doubted(&plan).is_empty());
+    }
+
+    #[test]
+    fn a_fork_of_a_fork_keys_the_batch_it_took_up_by_the_first_run() {
+        // The fork's history starts with the batch it took up from its own source: the
+        // message was copied (no step of the fork wrote it) and the fork ran nothing yet.
+        let first = RunId::from_suffix("first").unwrap();
+        let history = vec![
+            at(None, Message::user("go")),
+            at(
+                None,
+                Message::assistant("", vec![call("a", "look"), call("b", "pay")]),
+            ),
+            at(Some(1), Message::tool_result("a", &ToolOutcome::ok("A"))),
+            at(Some(1), Message::tool_result("b", &ToolOutcome::ok("B"))),
+            at(Some(2), Message::assistant("done", vec![])),
+        ];
+        let mut source = ended();
+        source.checkpoint = Some(ToolCheckpoint {
+            key_step: Some(4),
+            key_run: Some(first.clone()),
+            calls: ToolCheckpoint::new(vec![call("a", "look"), call("b", "pay")])
+                .calls
+                .into_iter()
+                .map(|mut p| {
+                    p.outcome = Some(ToolOutcome::ok("done"));
+                    p
+                })
+                .collect(),
+            ..ToolCheckpoint::default()
+        });
+        let edit = ForkEdit::ReplaceToolResult {
+            call_id: "a".into(),
+            result: "A'".into(),
+        };
+        // Forked where the batch is still pending in the fork's history (step 0 is not a
+        // step, so through an edit of a result at step 1, which takes the batch up again).
+        let through = history_through(history.clone(), 0);
+        let steps = records(2);
+        let from = Source {
+            run_id: &run(),
+            committed: 2,
+            continuation: false,
+            step: steps.first(),
+            history: &through,
+            started: &HashMap::new(),
+            state: &source,
+        };
+        let plan = plan(&from, 1, Some(&edit)).unwrap();
+        let checkpoint = plan.checkpoint.unwrap();
+        let fork = RunId::from_suffix("fork2").unwrap();
+        assert_eq!(
+            checkpoint.idempotency_key(&fork, 1, 1),
+            format!("{first}#4#1"),
+            "the first run's key, not the intermediate fork's"
         );
     }
 

@@ -431,3 +431,39 @@ pub async fn a_fork_never_runs_a_never_call_in_doubt_again(store: &dyn Store) {
         "the source's effect happened: its outcome is kept, the call does not run again"
     );
 }
+
+/// A fork of a run that is still carrying out the batch forked at: the source has not started
+/// its `never` call yet, but may once the fork exists, so the fork does not run it without a
+/// human (under the source's key).
+pub async fn a_fork_of_a_live_batch_never_runs_its_never_call_without_a_human(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (source, _) = submit(store, &session, "pay the bill", paying(), T0).await;
+    let model = claim(store, OWNER_A, T0 + 1).await;
+    let reply = ratchet_core::ModelReply {
+        tool_calls: vec![ToolCall {
+            id: "pay-1".into(),
+            name: "pay".into(),
+            arguments: json!({"amount": 5}),
+        }],
+        ..text_reply("paying")
+    };
+    let asked = after_model(model.state, &model.job, reply, false, T0 + 1, T0 + 2);
+    let (_, tools, _) = commit(
+        store,
+        &model.claim,
+        asked,
+        Some(lease(OWNER_A, T0 + LEASE_MS)),
+        T0 + 2,
+    )
+    .await;
+    assert!(tools.is_some(), "the source holds its batch's step");
+    let (_, run, forked) = fork(store, &source, 1, None, T0 + 3).await;
+    assert_eq!(forked.status, RunStatus::WaitingHuman);
+    let state = load(store, &run).await;
+    let Some(HumanRequest::Reconciliation { calls }) = &state.pending_human else {
+        panic!("the fork waits for a human: {:?}", state.pending_human);
+    };
+    let doubted: Vec<&str> = calls.iter().map(|c| c.call_id.as_str()).collect();
+    assert_eq!(doubted, ["pay-1"]);
+    assert_eq!(calls[0].idempotency_key, format!("{source}#2#0"));
+}

@@ -130,6 +130,7 @@ macro_rules! store_conformance_tests {
             a_forks_edit_replaces_the_user_message_or_a_tool_result,
             a_fork_counts_against_the_run_quota,
             a_fork_never_runs_a_never_call_in_doubt_again,
+            a_fork_of_a_live_batch_never_runs_its_never_call_without_a_human,
             a_wait_parks_the_run_with_one_job_ready_at_its_due_time,
             input_for_its_session_ends_a_wait_early_once,
             a_waiting_run_is_paused_and_cancelled_at_once,

@@ -41,9 +41,9 @@ impl Tables {
                 step: records.iter().find(|r| r.index == new.at_step),
                 history: &history,
                 started: &started,
+                state: &source,
             },
             new.at_step,
-            &config,
             new.edit.as_ref(),
         )?;
         self.check_quota(&new.session_id, new.quota, 1)?;

@@ -51,9 +51,9 @@ pub(crate) fn fork_run(c: &dyn Db, new: NewFork, now: Millis) -> Result<Forked> 
             step: records.iter().find(|r| r.index == new.at_step),
             history: &history,
             started: &started,
+            state: &source,
         },
         new.at_step,
-        &config,
         new.edit.as_ref(),
     )?;
     check_quota(c, &new.session_id, new.quota, 1)?;
