@@ -10,7 +10,9 @@
 //! in its own session (the root run's lane shares its session with the session's other
 //! runs), and gains one whenever a run of the tree starts a child (`subagent.started`).
 //! Lanes are merged by the time their events were written, ties going to the lane that
-//! joined first, so a parent's `subagent.started` comes before its child's first events.
+//! joined first, so a parent's `subagent.started` comes before its child's first events. A
+//! tree stream also sends the events of a session's own that a run of the tree is the source
+//! of (its signals, the inbox reports of its background runs).
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -201,7 +203,7 @@ impl Feed {
                 self.quiet
                     .as_mut()
                     .reset(tokio::time::Instant::now() + QUIET);
-                if lane.includes(&event) {
+                if lane.includes(&event) || self.about_the_tree(&event) {
                     self.learn(index, &event);
                     return Some(self.to_sse(index, &event));
                 }
@@ -255,6 +257,19 @@ impl Feed {
                 }
             }
         }
+    }
+
+    /// On a tree stream, an event of a session's own (no run's: a signal, an inbox report)
+    /// that a run of the tree is the source of. Decided by the event alone, so a replay from
+    /// any cursor sends the same events.
+    fn about_the_tree(&self, event: &StoredEvent) -> bool {
+        let source = event.payload["source_run_id"].as_str();
+        self.tree
+            && event.run_id.is_none()
+            && source.is_some_and(|source| {
+                (self.lanes.iter())
+                    .any(|lane| lane.run.as_ref().is_some_and(|r| r.as_str() == source))
+            })
     }
 
     /// The lane whose next event was written first; ties go to the lane that joined first.

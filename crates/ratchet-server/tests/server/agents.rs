@@ -1441,3 +1441,61 @@ fn inbox_kinds(events: &[Ev]) -> Vec<&str> {
         .filter(|k| k.starts_with("inbox."))
         .collect()
 }
+
+/// `lead` starts `worker` in the background and answers at once: the worker's report to the
+/// session's inbox names it as its source.
+fn background_worker(template: &RunConfigSnapshot, dir: &Path) -> Vec<AgentProfile> {
+    let worker = agent("worker", template, dir, answer("worked"), Vec::new());
+    let delegate = json!({"replies": [
+        {"tool_calls": [{"name": "delegate", "arguments": {"mode": "background", "tasks": [
+            {"agent": "worker", "task": "t1"}
+        ]}}]},
+        {"text": "started it"},
+        {"text": "the worker reported"}
+    ]});
+    let lead = agent("lead", template, dir, delegate, vec![worker.clone()]);
+    vec![lead, worker]
+}
+
+/// The events of the root session's own that a run of the tree is the source of — the
+/// inbox report of a background child — are part of the tree stream, live and replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tree_stream_carries_the_inbox_reports_its_runs_are_the_source_of() {
+    let server = Server::start_with_agents(quick_script(), background_worker).await;
+    let created = create_session_with(&server, TOKEN_A, json!({"agent": "lead"})).await;
+    let session = created.body["id"].as_str().unwrap().to_owned();
+    let root = server.send(TOKEN_A, &session, "go").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let tree_path = format!("/v1/runs/{root}/tree/events");
+    let mut live = server.stream(&tree_path, None).await;
+    let followed = live.until(|e| e.kind == "inbox.pending").await;
+    drop(live);
+    let report = followed.last().unwrap();
+    assert_eq!(report.run_id, None, "{report:?}");
+    let child = report.data["payload"]["source_run_id"].as_str().unwrap();
+    let tree = server
+        .get_ok(TOKEN_A, &format!("/v1/runs/{root}/tree"))
+        .await;
+    let runs: Vec<&str> = (tree["nodes"].as_array().unwrap().iter())
+        .map(|n| n["run_id"].as_str().unwrap())
+        .collect();
+    assert!(runs.contains(&child), "{child} is of the tree {runs:?}");
+    let replay = server
+        .replay(&format!("{tree_path}?follow=false"), None)
+        .await;
+    let replayed: Vec<&Ev> = (replay.iter())
+        .filter(|e| e.kind == "inbox.pending")
+        .collect();
+    assert_eq!(replayed.len(), 1, "{replayed:?}");
+    assert_eq!(replayed[0].data["payload"], report.data["payload"]);
+    // The root run's own stream is its events alone.
+    let own = server
+        .replay(&format!("/v1/runs/{root}/events?follow=false"), None)
+        .await;
+    assert!(
+        own.iter()
+            .all(|e| e.run_id.as_deref() == Some(root.as_str()))
+    );
+}
