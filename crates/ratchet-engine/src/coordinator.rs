@@ -645,13 +645,14 @@ impl Coordinator {
     }
 
     /// Creates a schedule of `tenant`, its runs frozen with `config`, its first slot due at
-    /// `next_fire_at`.
+    /// `next_fire_at`; a keyed request's effect is recorded with its key.
     pub async fn create_schedule(
         &self,
         tenant: String,
         spec: ScheduleSpec,
         config: RunConfigSnapshot,
         next_fire_at: Millis,
+        request: Option<RequestMark>,
     ) -> Result<Schedule> {
         let id = ScheduleId::from_suffix(&fresh_suffix())
             .map_err(|e| crate::Error::Invalid(e.to_string()))?;
@@ -661,6 +662,7 @@ impl Coordinator {
             spec,
             config,
             next_fire_at,
+            request,
         };
         Ok(self.writes.create_schedule(new, self.now()).await?)
     }
@@ -711,10 +713,14 @@ impl Coordinator {
     }
 
     /// Fires a schedule now, as a manual slot (see `Writes::trigger_schedule`).
-    pub async fn trigger_schedule(&self, id: &ScheduleId) -> Result<Fired> {
+    pub async fn trigger_schedule(
+        &self,
+        id: &ScheduleId,
+        request: Option<RequestMark>,
+    ) -> Result<Fired> {
         let ids = self.fire_ids()?;
         let fired = (self.writes)
-            .trigger_schedule(id, ids, self.quota, self.now())
+            .trigger_schedule(id, ids, self.quota, request, self.now())
             .await?;
         Ok(self.after_firing(fired))
     }

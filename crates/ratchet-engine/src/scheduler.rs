@@ -122,7 +122,13 @@ mod tests {
                 paused: false,
             };
             let schedule = coordinator
-                .create_schedule(DEFAULT_TENANT.into(), spec, RunConfigSnapshot::default(), T)
+                .create_schedule(
+                    DEFAULT_TENANT.into(),
+                    spec,
+                    RunConfigSnapshot::default(),
+                    T,
+                    None,
+                )
                 .await
                 .unwrap();
             ids.push((catch_up, schedule.id));

@@ -58,7 +58,7 @@ impl ApiError {
         ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_request", message)
     }
 
-    fn internal(error: &dyn std::fmt::Display) -> ApiError {
+    pub(crate) fn internal(error: &dyn std::fmt::Display) -> ApiError {
         tracing::error!(%error, "request failed inside the server");
         ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,

@@ -4,7 +4,8 @@
 //! repeat while the first is still being carried out too (409).
 //!
 //! The key is taken before the handler runs and the response kept after it; the handlers
-//! whose effect is one transaction (a message, a new session, a fork) record the effect with the key
+//! whose effect is one transaction (a message, a new session, a fork, a new schedule, a
+//! schedule's manual slot) record the effect with the key
 //! in that transaction (`KeyedRequest` → `RequestMark` in the request's extensions), so that
 //! a process that dies between its commit and keeping the response leaves a key a repeat
 //! answers from (`RequestClaim::Recovered`). A response that did nothing and may come out
@@ -266,6 +267,38 @@ async fn answer_from(state: &AppState, effect: Effect) -> Response {
                 },
             };
             (StatusCode::CREATED, axum::Json(view)).into_response()
+        }
+        Effect::ScheduleCreated { schedule_id } => {
+            match state.coordinator.store().get_schedule(&schedule_id).await {
+                Ok(schedule) => {
+                    let view = crate::schedules::ScheduleView::from(schedule);
+                    (StatusCode::CREATED, axum::Json(view)).into_response()
+                }
+                Err(error) => return ApiError::from(error).into_response(),
+            }
+        }
+        Effect::ScheduleTriggered { schedule_id, slot } => {
+            let after = ratchet_store::SlotCursor {
+                slot: slot.saturating_add(1),
+                manual: false,
+            };
+            let store = state.coordinator.store();
+            let slots = match store.schedule_slots(&schedule_id, Some(after), 2).await {
+                Ok(slots) => slots,
+                Err(error) => return ApiError::from(error).into_response(),
+            };
+            match slots.into_iter().find(|s| s.slot == slot && s.manual) {
+                Some(fired) => {
+                    let view = crate::schedules::ScheduleRunView::from(fired);
+                    (StatusCode::ACCEPTED, axum::Json(view)).into_response()
+                }
+                None => {
+                    let missing = format!(
+                        "schedule {schedule_id} has no manual slot at {slot}, which a keyed trigger recorded"
+                    );
+                    return ApiError::internal(&missing).into_response();
+                }
+            }
         }
     };
     (response.headers_mut()).insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));

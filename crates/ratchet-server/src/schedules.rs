@@ -4,11 +4,14 @@
 //! time zone, the session, the agent — freeze the agent's configuration into it, and read back
 //! what each slot became.
 
+use axum::Extension;
 use axum::extract::State;
 use axum::http::StatusCode;
 use ratchet_core::{CatchUp, Millis, Overlap, ScheduleId, SessionId, SlotOutcome};
 use ratchet_engine::cadence::Cadence as Slots;
-use ratchet_store::{Cadence, Schedule, ScheduleChange, ScheduleSlot, ScheduleSpec, SlotCursor};
+use ratchet_store::{
+    Cadence, RequestMark, Schedule, ScheduleChange, ScheduleSlot, ScheduleSpec, SlotCursor,
+};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
@@ -411,6 +414,7 @@ async fn create_schedule(
     State(state): State<AppState>,
     tenant: Tenant,
     Current(active): Current,
+    request: Option<Extension<RequestMark>>,
     ApiJson(body): ApiJson<CreateSchedule>,
 ) -> Result<(StatusCode, axum::Json<ScheduleView>), ApiError> {
     let cadence = cadence_of(body.cron, body.every_ms, body.timezone)?;
@@ -428,7 +432,7 @@ async fn create_schedule(
     let (spec, config) = checked(&state, &tenant, &active, spec).await?;
     let schedule = state
         .coordinator
-        .create_schedule(tenant.0, spec, config, next_fire_at)
+        .create_schedule(tenant.0, spec, config, next_fire_at, request.map(|r| r.0))
         .await?;
     Ok((StatusCode::CREATED, axum::Json(schedule.into())))
 }
@@ -620,10 +624,13 @@ async fn trigger_schedule(
     State(state): State<AppState>,
     tenant: Tenant,
     ApiPath(id): ApiPath<String>,
+    request: Option<Extension<RequestMark>>,
 ) -> Result<(StatusCode, axum::Json<ScheduleRunView>), ApiError> {
     let id = parse_schedule_id(&id)?;
     tenant_schedule(&state, &tenant, &id).await?;
-    let fired = state.coordinator.trigger_schedule(&id).await?;
+    let fired = (state.coordinator)
+        .trigger_schedule(&id, request.map(|r| r.0))
+        .await?;
     // A trigger decides exactly one slot, whatever becomes of it.
     let slot = fired
         .slots

@@ -36,6 +36,7 @@ async fn create(store: &dyn Store, spec: ScheduleSpec, next_fire_at: Millis) -> 
         spec,
         config: config(),
         next_fire_at,
+        request: None,
     };
     store
         .create_schedule(new, T0)
@@ -186,7 +187,7 @@ pub async fn a_schedule_is_kept_changed_paused_and_deleted(store: &dyn Store) {
     assert!(gone.stale, "a deleted schedule fires nothing");
     assert!(matches!(
         store
-            .trigger_schedule(&created.id, ids(), RunQuota::default(), T0)
+            .trigger_schedule(&created.id, ids(), RunQuota::default(), None, T0)
             .await,
         Err(Error::NotFound { .. })
     ));
@@ -439,7 +440,7 @@ pub async fn a_trigger_fires_a_manual_slot_and_moves_nothing(store: &dyn Store) 
     let first = ids();
     let run = first.run_id.clone();
     let fired = store
-        .trigger_schedule(&schedule.id, first, RunQuota::default(), T0 + 10)
+        .trigger_schedule(&schedule.id, first, RunQuota::default(), None, T0 + 10)
         .await
         .unwrap();
     assert_eq!(outcomes(&fired), [(T0 + 10, SlotOutcome::Fired)]);
@@ -448,12 +449,12 @@ pub async fn a_trigger_fires_a_manual_slot_and_moves_nothing(store: &dyn Store) 
     assert!(origin.manual && origin.slot == T0 + 10);
     assert!(matches!(
         store
-            .trigger_schedule(&schedule.id, ids(), RunQuota::default(), T0 + 10)
+            .trigger_schedule(&schedule.id, ids(), RunQuota::default(), None, T0 + 10)
             .await,
         Err(Error::Conflict(_))
     ));
     let fired = store
-        .trigger_schedule(&schedule.id, ids(), RunQuota::default(), T0 + 11)
+        .trigger_schedule(&schedule.id, ids(), RunQuota::default(), None, T0 + 11)
         .await
         .unwrap();
     assert_eq!(

@@ -527,8 +527,16 @@ impl Writes for MemoryStore {
         self.write(|t| Ok(t.sweep_requests(now)))
     }
 
-    async fn create_schedule(&self, new: NewSchedule, now: Millis) -> Result<Schedule> {
-        self.write(|t| t.create_schedule(new, now))
+    async fn create_schedule(&self, mut new: NewSchedule, now: Millis) -> Result<Schedule> {
+        let request = new.request.take();
+        self.write(|t| {
+            let schedule_id = new.id.clone();
+            let schedule = t.create_schedule(new, now)?;
+            if let Some(mark) = &request {
+                t.record_effect(mark, Effect::ScheduleCreated { schedule_id })?;
+            }
+            Ok(schedule)
+        })
     }
 
     async fn update_schedule(
@@ -569,9 +577,23 @@ impl Writes for MemoryStore {
         id: &ScheduleId,
         ids: FireIds,
         quota: RunQuota,
+        request: Option<RequestMark>,
         now: Millis,
     ) -> Result<Fired> {
-        self.write(|t| t.trigger_schedule(id, ids, quota, now))
+        self.write(|t| {
+            let fired = t.trigger_schedule(id, ids, quota, now)?;
+            if let Some(mark) = &request {
+                let schedule_id = id.clone();
+                t.record_effect(
+                    mark,
+                    Effect::ScheduleTriggered {
+                        schedule_id,
+                        slot: now,
+                    },
+                )?;
+            }
+            Ok(fired)
+        })
     }
 }
 

@@ -338,8 +338,8 @@ forward! {
             = schedules::delete_schedule(&id, now);
         write fire_schedule(id: &ScheduleId => clone, pass: DuePass, quota: RunQuota, now: Millis)
             -> Result<Fired> = schedules::fire_schedule(&id, pass, quota, now);
-        write trigger_schedule(id: &ScheduleId => clone, ids: FireIds, quota: RunQuota, now: Millis)
-            -> Result<Fired> = schedules::trigger_schedule(&id, ids, quota, now);
+        write trigger_schedule(id: &ScheduleId => clone, ids: FireIds, quota: RunQuota, request: Option<RequestMark>, now: Millis)
+            -> Result<Fired> = schedules::trigger_schedule(&id, ids, quota, request.as_ref(), now);
     }
 
     // What a step's commit writes as JSON is encoded before its transaction (`EncodedStep`).

@@ -12,9 +12,9 @@ use ratchet_core::{
     SessionId, SlotOutcome,
 };
 use ratchet_store::{
-    Cadence, CancelOutcome, DuePass, Error, FireIds, Fired, NewRun, NewSchedule, RunQuota,
-    Schedule, ScheduleChange, ScheduleSlot, ScheduleSpec, SessionSpec, SlotCursor, WhenBusy,
-    catch_up_reason, overlap_reason,
+    Cadence, CancelOutcome, DuePass, Effect, Error, FireIds, Fired, NewRun, NewSchedule,
+    RequestMark, RunQuota, Schedule, ScheduleChange, ScheduleSlot, ScheduleSpec, SessionSpec,
+    SlotCursor, WhenBusy, catch_up_reason, overlap_reason,
 };
 use serde_json::json;
 
@@ -243,6 +243,12 @@ pub(crate) fn create_schedule(c: &dyn Db, new: NewSchedule, now: Millis) -> Resu
             new.id
         )));
     }
+    if let Some(mark) = &new.request {
+        let effect = Effect::ScheduleCreated {
+            schedule_id: new.id.clone(),
+        };
+        crate::requests::record_effect(c, mark, &effect)?;
+    }
     get_schedule(c, &new.id)
 }
 
@@ -395,6 +401,7 @@ pub(crate) fn trigger_schedule(
     id: &ScheduleId,
     ids: FireIds,
     quota: RunQuota,
+    request: Option<&RequestMark>,
     now: Millis,
 ) -> Result<Fired> {
     let schedule = lock_schedule(c, id)?.ok_or_else(|| not_found(id))?;
@@ -422,6 +429,13 @@ pub(crate) fn trigger_schedule(
         "UPDATE schedules SET last_run_id = ?2 WHERE id = ?1",
         &params![id.as_str(), firing.last_run.as_ref().map(RunId::as_str)],
     )?;
+    if let Some(mark) = request {
+        let effect = Effect::ScheduleTriggered {
+            schedule_id: id.clone(),
+            slot: now,
+        };
+        crate::requests::record_effect(c, mark, &effect)?;
+    }
     Ok(firing.fired)
 }
 

@@ -1468,12 +1468,14 @@ pub trait Writes: Send + Sync + 'static {
 
     /// Fires a schedule now, whatever its cadence and even paused: a manual slot at `now`,
     /// decided as a due slot is (`overlap`, the quota). Its `next_fire_at` does not move.
-    /// `Error::Conflict` when it was triggered at this same millisecond already.
+    /// `Error::Conflict` when it was triggered at this same millisecond already. A keyed
+    /// request's effect is recorded with its key in the same transaction.
     async fn trigger_schedule(
         &self,
         id: &ScheduleId,
         ids: FireIds,
         quota: RunQuota,
+        request: Option<RequestMark>,
         now: Millis,
     ) -> Result<Fired>;
 }

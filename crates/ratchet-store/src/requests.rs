@@ -5,10 +5,12 @@
 //! is carried out. A request whose effect is one transaction records that effect in the key's
 //! row within that same transaction (`NewRun::request`, `SessionSpec::request`), so that when
 //! its process dies between the commit and storing the response, a repeat answers from the
-//! recorded effect instead of doing it again. A fork (`NewFork::request`) does the same. Once answered, the response is kept
+//! recorded effect instead of doing it again. A fork (`NewFork::request`), a new schedule
+//! (`NewSchedule::request`) and a schedule's manual slot (`Writes::trigger_schedule`) do the
+//! same. Once answered, the response is kept
 //! (`Writes::finish_request`) and every repeat until the key expires gets it back.
 
-use ratchet_core::{MessageId, Millis, RunId, RunStatus, SessionId};
+use ratchet_core::{MessageId, Millis, RunId, RunStatus, ScheduleId, SessionId};
 use serde::{Deserialize, Serialize};
 
 /// The longest key a client may send, in characters.
@@ -97,6 +99,13 @@ pub enum Effect {
         session_id: SessionId,
         run_id: RunId,
         status: RunStatus,
+    },
+    /// A schedule was created (`Writes::create_schedule`).
+    ScheduleCreated { schedule_id: ScheduleId },
+    /// A schedule was fired by hand (`Writes::trigger_schedule`): its manual slot at `slot`.
+    ScheduleTriggered {
+        schedule_id: ScheduleId,
+        slot: Millis,
     },
 }
 

@@ -56,6 +56,9 @@ pub struct NewSchedule {
     pub spec: ScheduleSpec,
     pub config: RunConfigSnapshot,
     pub next_fire_at: Millis,
+    /// The keyed request creating it: its effect is recorded with the key, in the same
+    /// transaction.
+    pub request: Option<crate::RequestMark>,
 }
 
 /// A schedule's definition replaced whole (an update), with the configuration frozen again.

@@ -260,3 +260,92 @@ async fn a_keyed_message_whose_process_died_is_carried_out_once_on_postgres() {
     };
     deaths_around_a_keyed_message(database).await;
 }
+
+/// Sends `body` to `path` keyed, through a server that aborts right after the request's
+/// commit (before its answer is kept); then again through the next server, which answers
+/// from the committed effect. Returns the answer.
+#[cfg(feature = "failpoints")]
+async fn keyed_across_a_death(
+    dir: &std::path::Path,
+    database: &Database,
+    path: &str,
+    key: &str,
+    body: &Value,
+) -> (u16, Value, Server) {
+    let http = reqwest::Client::new();
+    let dying = Server::start(dir, &database.url, Some("request.before_response=return"));
+    let lost = post(&http, &format!("{}{path}", dying.base), key, body).await;
+    assert!(
+        lost.is_err(),
+        "{path}: the process died answering: {lost:?}"
+    );
+    let mut dying = dying;
+    assert!(!dying.child.wait().unwrap().success(), "{path}: it aborted");
+    let next = Server::start(dir, &database.url, None);
+    let (status, replayed, answer) =
+        settled(&http, &format!("{}{path}", next.base), key, body).await;
+    assert!(
+        replayed,
+        "{path}: answered from the recorded effect: {answer}"
+    );
+    (status, answer, next)
+}
+
+/// A keyed schedule creation and a keyed trigger whose process died between their commit and
+/// their answer are carried out once: one schedule, one manual slot.
+#[cfg(feature = "failpoints")]
+async fn keyed_schedules_across_deaths(database: Database) {
+    let dir = tempfile::tempdir().unwrap();
+    let http = reqwest::Client::new();
+    let body = json!({"message": "tick", "every_ms": 3_600_000, "session": "new",
+        "overlap": "enqueue", "catch_up": "skip", "paused": true});
+    let (status, created, server) =
+        keyed_across_a_death(dir.path(), &database, "/v1/schedules", "create-1", &body).await;
+    assert_eq!(status, 201, "{created}");
+    let listed: Value = (http
+        .get(format!("{}/v1/schedules", server.base))
+        .send()
+        .await)
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = (listed["items"].as_array().unwrap().iter())
+        .map(|s| s["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [created["id"].as_str().unwrap()], "one schedule");
+    server.kill();
+
+    let schedule = created["id"].as_str().unwrap();
+    let trigger = format!("/v1/schedules/{schedule}/trigger");
+    let (status, fired, server) =
+        keyed_across_a_death(dir.path(), &database, &trigger, "trigger-1", &json!({})).await;
+    assert_eq!(status, 202, "{fired}");
+    let slots: Value = (http.get(format!("{}/v1/schedules/{schedule}/runs", server.base)))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let slots = slots["items"].as_array().unwrap();
+    assert_eq!(slots.len(), 1, "one manual slot: {slots:?}");
+    assert_eq!(slots[0]["run_id"], fired["run_id"], "{slots:?}");
+    assert_eq!(slots[0]["manual"], true);
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_schedule_and_trigger_whose_process_died_are_carried_out_once_on_sqlite() {
+    keyed_schedules_across_deaths(sqlite().unwrap()).await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_schedule_and_trigger_whose_process_died_are_carried_out_once_on_postgres() {
+    let Some(database) = postgres() else {
+        eprintln!("skipped: RATCHET_TEST_POSTGRES_URL is not set");
+        return;
+    };
+    keyed_schedules_across_deaths(database).await;
+}
