@@ -2619,7 +2619,7 @@ pub async fn an_approval_of_a_run_that_ended_is_closed_with_it(store: &dyn Store
     let (run, _) = submit(store, &session, "look it up", limited, T0).await;
     let first = ask_approval_in(store, &run, T0).await;
     let timed_out = store.time_out_overdue(T0 + 2_000).await.unwrap();
-    assert_eq!(timed_out.ended, [run.clone()]);
+    assert_eq!(timed_out.ended, std::slice::from_ref(&run));
     let closed = store.get_approval(&first.id).await.unwrap();
     assert_eq!(
         (closed.status, closed.decided_at),
