@@ -929,11 +929,32 @@ pub fn cut_off_step(
     started_at: Millis,
     now: Millis,
 ) -> StepResult {
-    let Some(mut checkpoint) = state.checkpoint.take() else {
+    if state.checkpoint.is_none() {
         return finish_step(state, job, reason, started_at, now);
+    }
+    let (messages, events) = settle_batch(&mut state, job.step_index, reason, endings);
+    let mut result = finish_step(state, job, reason, started_at, now);
+    result.messages = messages;
+    result.events.splice(0..0, events);
+    result
+}
+
+/// Records how each call of the run's open batch ended as the run ends for `reason`: known
+/// outcomes go into the checkpoint, a `never` call cut off goes in doubt. A run that cannot go
+/// on (`cancelled`) closes the batch: the results returned answer every call with what became
+/// of it. Any other keeps the batch open (`ToolCheckpoint::cut_off`) for `continue`.
+/// `step_index` is the step the batch's keys name when the batch does not say (an older one).
+fn settle_batch(
+    state: &mut AgentState,
+    step_index: u64,
+    reason: StopReason,
+    endings: Vec<CallEnding>,
+) -> (Vec<Message>, Vec<EventDraft>) {
+    let Some(mut checkpoint) = state.checkpoint.take() else {
+        return (Vec::new(), Vec::new());
     };
     // The keys name the batch's first step whatever step carries the batch on.
-    checkpoint.key_step.get_or_insert(job.step_index);
+    checkpoint.key_step.get_or_insert(step_index);
     let closes = reason.terminal_status() == RunStatus::Cancelled;
     let cause = match reason {
         StopReason::Cancelled => "the run was cancelled",
@@ -943,7 +964,7 @@ pub fn cut_off_step(
     let mut messages = Vec::new();
     let mut events = Vec::new();
     for (slot, ending) in (0u32..).zip(endings) {
-        let key = checkpoint.idempotency_key(&job.run_id, job.step_index, slot);
+        let key = checkpoint.idempotency_key(&state.run_id, step_index, slot);
         let Some(progress) = checkpoint.calls.get_mut(slot as usize) else {
             continue;
         };
@@ -980,7 +1001,7 @@ pub fn cut_off_step(
             (None, _) => ToolOutcome::error(format!("not run: {cause} before this call started")),
         };
         let message = Message {
-            origin: agent_origin(&state),
+            origin: agent_origin(state),
             ..Message::tool_result(&progress.call.id, &told)
         };
         state.counters.context_tokens += message.estimated_tokens();
@@ -999,10 +1020,7 @@ pub fn cut_off_step(
     }
     checkpoint.cut_off = !closes;
     state.checkpoint = Some(checkpoint);
-    let mut result = finish_step(state, job, reason, started_at, now);
-    result.messages = messages;
-    result.events.splice(0..0, events);
-    result
+    (messages, events)
 }
 
 /// A step whose one instruction is to park the run on an approval for its batch.
@@ -1032,10 +1050,35 @@ pub fn ask_approval_step(
     }
 }
 
-/// Ends a run that has no step in flight (queued or waiting) at once, as a cancel does.
-pub fn cancel_idle(state: &mut AgentState, now: Millis) -> Vec<EventDraft> {
+/// Ends a run that has no step in flight (queued or waiting) at once, as a cancel does. A
+/// batch it held open is closed in its history: the results returned (to be stored after the
+/// run's last step) answer each call — its outcome, unknown for a call a human was asked
+/// about or a wait in progress, or not run.
+pub fn cancel_idle(state: &mut AgentState, now: Millis) -> (Vec<EventDraft>, Vec<Message>) {
     state.cancel_requested = true;
-    end_idle(state, StopReason::Cancelled, now)
+    // What a human was asked about, and a wait in progress, started: neither is "not run".
+    let mut started: Vec<String> = match &state.pending_human {
+        Some(HumanRequest::Reconciliation { calls }) => {
+            calls.iter().map(|c| c.call_id.clone()).collect()
+        }
+        _ => Vec::new(),
+    };
+    started.extend(state.timer.as_ref().map(|t| t.call_id.clone()));
+    let endings: Vec<CallEnding> = (state.checkpoint.iter().flat_map(|c| &c.calls))
+        .map(|p| match &p.outcome {
+            Some(outcome) => CallEnding::Known(outcome.clone()),
+            None if started.contains(&p.call.id) => CallEnding::CutOff,
+            None => CallEnding::NotStarted,
+        })
+        .collect();
+    let mut events = end_idle(state, StopReason::Cancelled, now);
+    if !state.checkpoint.as_ref().is_some_and(|c| c.has_pending()) {
+        return (events, Vec::new());
+    }
+    let step_index = state.step_index;
+    let (messages, results) = settle_batch(state, step_index, StopReason::Cancelled, endings);
+    events.splice(0..0, results);
+    (events, messages)
 }
 
 #[expect(

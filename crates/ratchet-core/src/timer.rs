@@ -855,9 +855,16 @@ mod tests {
     #[test]
     fn an_idle_end_drops_the_timer() {
         let mut s = parked(None);
-        crate::step::cancel_idle(&mut s, NOW + 1);
+        let (_, closing) = crate::step::cancel_idle(&mut s, NOW + 1);
         assert_eq!(s.status, RunStatus::Cancelled);
         assert_eq!(s.timer, None);
+        // The wait was under way: the model is never told it did not run.
+        let told: Vec<&str> = closing.iter().map(|m| m.content.as_str()).collect();
+        assert!(told.iter().all(|t| !t.starts_with("not run")), "{told:?}");
+        assert!(
+            told.iter().any(|t| t.starts_with("outcome unknown")),
+            "{told:?}"
+        );
         let mut s = parked(None);
         crate::step::time_out_idle(&mut s, NOW + 1);
         assert_eq!(s.stop_reason, Some(crate::StopReason::TimedOut));

@@ -76,6 +76,7 @@ macro_rules! store_conformance_tests {
             cancel_of_a_running_run_goes_through_cancelling,
             cancel_of_a_waiting_run_frees_the_session,
             a_run_waiting_past_its_deadline_times_out_and_frees_the_session,
+            a_run_cancelled_while_a_call_is_in_doubt_tells_the_truth_of_its_batch,
             retry_later_delays_the_next_claim,
             release_leases_frees_a_dead_owners_jobs,
             missing_and_duplicate_entities_are_errors,
@@ -2080,6 +2081,73 @@ pub async fn cancel_of_a_running_run_goes_through_cancelling(store: &dyn Store) 
         CancelOutcome::AlreadyTerminal(status) => assert_eq!(status, RunStatus::Cancelled),
         other => panic!("cancel of a cancelled run: expected AlreadyTerminal, got {other:?}"),
     }
+}
+
+/// A run cancelled while it waits for a human to reconcile a call of its batch closes the
+/// batch in its history: every call is answered, the one in doubt as unknown (and listed in
+/// doubt on the run), the others with their outcome or as not run — so the next run of the
+/// session is never told "not run" of a call that started.
+pub async fn a_run_cancelled_while_a_call_is_in_doubt_tells_the_truth_of_its_batch(
+    store: &dyn Store,
+) {
+    let session = new_session(store).await;
+    let (run, _) = submit(store, &session, "risky", config(), T0).await;
+    let model = claim(store, OWNER_A, T0 + 1).await;
+    let mut reply = tool_reply();
+    reply.tool_calls.push(ToolCall {
+        id: "call-2".into(),
+        name: "lookup".into(),
+        arguments: json!({"q": "more"}),
+    });
+    let asked = after_model(model.state, &model.job, reply, false, T0 + 1, T0 + 2);
+    commit(store, &model.claim, asked, None, T0 + 2).await;
+    let tools = claim(store, OWNER_A, T0 + 3).await;
+    let doubt = UnknownCall {
+        drift: None,
+        call_index: 0,
+        call_id: "call-1".into(),
+        tool: "lookup".into(),
+        arguments: json!({"q": "answer"}),
+        idempotency_key: format!("{run}#2#0"),
+    };
+    let request = HumanRequest::Reconciliation { calls: vec![doubt] };
+    let waiting = await_reconciliation(
+        tools.state,
+        &tools.job,
+        vec![None, None],
+        request,
+        T0 + 3,
+        T0 + 4,
+    );
+    commit(store, &tools.claim, waiting, None, T0 + 4).await;
+    match store.request_cancel(&run, T0 + 5).await.unwrap() {
+        CancelOutcome::Cancelled { events, .. } => {
+            let results: Vec<&str> = (events.iter())
+                .filter(|e| e.kind == "tool.result")
+                .map(|e| e.payload["call_id"].as_str().unwrap())
+                .collect();
+            assert_eq!(
+                results,
+                ["call-1", "call-2"],
+                "announced with the run's end"
+            );
+        }
+        other => panic!("cancel of a run waiting for a human: got {other:?}"),
+    }
+    let history = store.history(&session).await.unwrap();
+    let told: Vec<(&str, &str)> = (history.iter())
+        .filter(|m| m.role == Role::Tool)
+        .map(|m| (m.tool_call_id.as_deref().unwrap(), m.content.as_str()))
+        .collect();
+    assert_eq!(told.len(), 2, "{told:?}");
+    assert_eq!(told[0].0, "call-1");
+    assert!(told[0].1.starts_with("outcome unknown"), "{told:?}");
+    assert_eq!(told[1].0, "call-2");
+    assert!(told[1].1.starts_with("not run"), "{told:?}");
+    let state = load(store, &run).await;
+    assert_eq!(state.status, RunStatus::Cancelled);
+    let doubted: Vec<&str> = state.in_doubt.iter().map(|c| c.call_id.as_str()).collect();
+    assert_eq!(doubted, ["call-1"]);
 }
 
 /// A run waiting on a human past its deadline ends `timed_out` at the sweep, not before; the

@@ -14,7 +14,7 @@ use ratchet_core::{
 };
 use ratchet_store::{
     ApprovalStatus, CancelOutcome, Error, NewRun, PauseOutcome, Reconciled, Result, ResumeOutcome,
-    RunSummary, StoredEvent, Submitted, TimedOut, WhenBusy,
+    RunSummary, StoredEvent, Submitted, TimedOut, WhenBusy, step_message_id,
 };
 use serde_json::json;
 
@@ -369,9 +369,14 @@ impl Tables {
             | RunStatus::WaitingChildren
             | RunStatus::WaitingTimer
             | RunStatus::Paused => {
-                let drafts = cancel_idle(&mut state, now);
+                let (drafts, closing) = cancel_idle(&mut state, now);
                 self.run_mut(run_id)?.cancel_requested = true;
                 self.write_state(&state)?;
+                // The closed batch's results come after the run's last step.
+                for (slot, message) in closing.into_iter().enumerate() {
+                    let id = step_message_id(run_id, state.step_index + 1, slot);
+                    self.insert_message(&id, &state, message, now)?;
+                }
                 self.remove_jobs_of(run_id);
                 let mut events = self.insert_events(&session_id, Some(run_id), drafts, now)?;
                 let mut enqueued = false;

@@ -250,9 +250,14 @@ pub(crate) fn cancel_one(c: &dyn Db, run_id: &RunId, now: Millis) -> Result<Canc
         | RunStatus::WaitingTimer
         | RunStatus::Paused => {
             let held_session = stored.status != RunStatus::Queued;
-            let drafts = cancel_idle(&mut state, now);
+            let (drafts, closing) = cancel_idle(&mut state, now);
             mark_cancel_requested(c, run_id)?;
             write_state(c, &state)?;
+            // The closed batch's results come after the run's last step.
+            for (slot, message) in closing.iter().enumerate() {
+                let id = ratchet_store::step_message_id(run_id, state.step_index + 1, slot);
+                crate::sessions::insert_message(c, &id, &state, message, now)?;
+            }
             c.execute(
                 "DELETE FROM step_jobs WHERE run_id = ?1",
                 &params![run_id.as_str()],
