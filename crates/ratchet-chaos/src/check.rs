@@ -48,6 +48,13 @@ pub struct Tally {
     pub timers_woken_by_input: usize,
     /// Slots the chaos schedule fired, each one run.
     pub scheduled_slots: usize,
+    /// Runs whose batch a cancel cut off (their ending step closed it), and cancelled runs
+    /// whose ending step a `ratchet worker` process committed, the cancel having gone to the
+    /// API process.
+    pub cut_off_batches: usize,
+    pub cancels_across_processes: usize,
+    /// Results that told the model a call was not run (each of a call that never started).
+    pub told_not_run: usize,
 }
 
 /// The event kinds counted in the tally: each is a path the workload is meant to exercise.
@@ -66,6 +73,9 @@ pub struct Evidence<'a> {
     pub workspace: &'a Path,
     pub mcp_log: &'a Path,
     pub rounds_asked: &'a [RoundAsked],
+    /// The calls a model request's tool results said were not run, by id.
+    pub told_not_run: &'a [String],
+    pub worker_pids: &'a [u32],
 }
 
 pub async fn check(
@@ -77,7 +87,10 @@ pub async fn check(
         workspace,
         mcp_log,
         rounds_asked,
+        told_not_run,
+        worker_pids,
     } = *evidence;
+    let mut started_calls: HashMap<String, String> = HashMap::new();
     let rounds_asked = rounds_by_tag(rounds_asked);
     let mut tally = Tally::default();
     let mut violations = Vec::new();
@@ -98,6 +111,11 @@ pub async fn check(
         }
         check_event_log(log, &events, &mut violations);
         check_one_active_run(&log.session_id, &events, &mut violations);
+        for event in events.iter().filter(|e| e.kind == "tool.call") {
+            if let Some(call) = event.payload["call_id"].as_str() {
+                started_calls.insert(call.to_owned(), log.session_id.clone());
+            }
+        }
         let session = store.get_session(&session_id).await?;
         if let Some(active) = session.active_run_id {
             violations.push(format!(
@@ -180,6 +198,10 @@ pub async fn check(
                 ));
             }
 
+            if state.stop_reason == Some(ratchet_core::StopReason::Cancelled) {
+                count_cancel(&run_events, worker_pids, &mut tally);
+            }
+
             // 8: one stop reason and a finish time; one run.finished per start or resume.
             if state.status.is_terminal() {
                 match (state.stop_reason, state.finished_at) {
@@ -229,7 +251,51 @@ pub async fn check(
         ));
     }
     check_mcp_executions(&executions, &mut tally, &mut violations);
+    check_told_not_run(told_not_run, &started_calls, &mut tally, &mut violations);
     Ok((tally, violations))
+}
+
+/// Invariant 24: no call that started is told it was not run — neither in a model request
+/// (what the model was sent, dangling calls answered included) nor in the stored history.
+/// A call started when a `tool.call` event names it.
+fn check_told_not_run(
+    told_not_run: &[String],
+    started: &HashMap<String, String>,
+    tally: &mut Tally,
+    violations: &mut Vec<String>,
+) {
+    tally.told_not_run += told_not_run.len();
+    let mut reported = HashSet::new();
+    for call in told_not_run {
+        if let Some(session) = started.get(call)
+            && reported.insert(call)
+        {
+            violations.push(format!(
+                "invariant 24: session {session}: call {call} started (a tool.call names it), yet the model was told it was not run"
+            ));
+        }
+    }
+}
+
+/// What a cancelled run's end tells: whether a cancel cut a batch off (its ending step closed
+/// the batch, telling the model what became of each call), and whether that step ran in a
+/// `ratchet worker` process while the cancel went to the API process.
+fn count_cancel(run_events: &[&StoredEvent], worker_pids: &[u32], tally: &mut Tally) {
+    let closed = run_events.iter().any(|e| {
+        e.kind == "tool.result"
+            && e.payload["content"]
+                .as_str()
+                .is_some_and(|c| c.contains("the run was cancelled") || c == "cancelled")
+    });
+    tally.cut_off_batches += usize::from(closed);
+    let last_worker = (run_events.iter().rev())
+        .find(|e| e.kind == "step.committed")
+        .and_then(|e| e.payload["worker"].as_str())
+        .and_then(|owner| owner.split(':').nth(1))
+        .and_then(|pid| pid.parse::<u32>().ok());
+    if last_worker.is_some_and(|pid| worker_pids.contains(&pid)) {
+        tally.cancels_across_processes += 1;
+    }
 }
 
 /// Invariant 22: a timer set (`timer.set`) is woken exactly once (`timer.woke`) unless its
@@ -1137,5 +1203,41 @@ mod tests {
         check_effects(workspace.path(), &mut tally, &mut violations).unwrap();
         assert_eq!(violations.len(), 2, "{violations:?}");
         assert!(violations.iter().all(|v| v.starts_with("invariant 5")));
+    }
+
+    #[test]
+    fn a_started_call_told_it_was_not_run_is_a_violation_once() {
+        let started = HashMap::from([("c-t-0-0".to_owned(), "ses_a".to_owned())]);
+        let told = ["c-t-0-1".to_owned()];
+        let mut tally = Tally::default();
+        let mut violations = Vec::new();
+        check_told_not_run(&told, &started, &mut tally, &mut violations);
+        assert!(violations.is_empty(), "{violations:?}");
+        let told = [
+            "c-t-0-0".to_owned(),
+            "c-t-0-0".to_owned(),
+            "c-t-0-1".to_owned(),
+        ];
+        check_told_not_run(&told, &started, &mut tally, &mut violations);
+        assert_eq!(violations.len(), 1, "{violations:?}");
+        assert!(violations[0].starts_with("invariant 24"), "{violations:?}");
+        assert_eq!(tally.told_not_run, 4);
+    }
+
+    #[test]
+    fn a_cancel_that_closed_a_batch_in_a_worker_process_is_counted_as_both() {
+        let events = [
+            stored(1, "a", "step.committed", json!({"worker": "host:41:x"})),
+            stored(2, "a", "tool.result", json!({"content": "cancelled"})),
+            stored(3, "a", "step.committed", json!({"worker": "host:42:y"})),
+        ];
+        let events: Vec<&StoredEvent> = events.iter().collect();
+        let mut tally = Tally::default();
+        count_cancel(&events, &[42], &mut tally);
+        count_cancel(&events[..1], &[42], &mut tally);
+        assert_eq!(
+            (tally.cut_off_batches, tally.cancels_across_processes),
+            (1, 1)
+        );
     }
 }

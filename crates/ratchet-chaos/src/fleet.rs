@@ -94,6 +94,8 @@ pub struct Fleet {
     processes: Vec<Process>,
     generation: u64,
     http: reqwest::Client,
+    /// The pid of every `ratchet worker` process started, killed ones too.
+    worker_pids: Vec<u32>,
 }
 
 /// How long a process may take to answer `/readyz` after it starts.
@@ -111,6 +113,7 @@ impl Fleet {
             secrets_key: ratchet_store::Key::generate()?.to_hex(),
             processes: Vec::new(),
             generation: 0,
+            worker_pids: Vec::new(),
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(2))
                 .build()?,
@@ -127,6 +130,12 @@ impl Fleet {
 
     pub fn processes(&self) -> usize {
         self.processes.len()
+    }
+
+    /// The pid of every `ratchet worker` process it started: a step committed by one of them
+    /// ran in another process than the API that took the run's requests.
+    pub fn worker_pids(&self) -> &[u32] {
+        &self.worker_pids
     }
 
     /// SIGKILLs process `which` (no grace: whatever it was doing stops mid-instruction),
@@ -201,6 +210,9 @@ impl Fleet {
             .with_context(|| format!("starting {}", self.spec.ratchet.display()))?;
         if role == Role::Serve {
             self.wait_ready().await?;
+        }
+        if role == Role::Worker {
+            self.worker_pids.extend(child.id());
         }
         Ok(Process { role, index, child })
     }

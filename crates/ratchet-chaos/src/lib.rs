@@ -133,6 +133,13 @@ impl fmt::Display for Report {
             "durable timers: {} set, {} woken early by input; schedule: {} slots fired, one run each",
             self.tally.timers_set, self.tally.timers_woken_by_input, self.tally.scheduled_slots
         )?;
+        writeln!(
+            f,
+            "cancels: {} cut a batch off, {} ended a step a worker process ran; {} results told a call (never started) it was not run",
+            self.tally.cut_off_batches,
+            self.tally.cancels_across_processes,
+            self.tally.told_not_run
+        )?;
         writeln!(f, "stop reasons: {}", reasons.join(", "))?;
         let paths: Vec<String> = self
             .tally
@@ -245,11 +252,14 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
     fleet.stop().await?;
 
     let rounds_asked = model.rounds_asked();
+    let told_not_run = model.told_not_run();
     let evidence = check::Evidence {
         logs: &logs,
         workspace: &spec.workspace(),
         mcp_log: &spec.mcp_log(),
         rounds_asked: &rounds_asked,
+        told_not_run: &told_not_run,
+        worker_pids: fleet.worker_pids(),
     };
     let (mut tally, mut violations) = check::check(store.as_ref(), &evidence).await?;
     check::check_schedule(

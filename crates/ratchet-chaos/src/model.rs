@@ -45,6 +45,8 @@ struct Inner {
     violations: Vec<String>,
     calls: u64,
     summaries: u64,
+    /// The calls the model was told were not run, by id.
+    told_not_run: Vec<String>,
 }
 
 impl ModelState {
@@ -71,6 +73,11 @@ impl ModelState {
 
     pub fn summaries(&self) -> u64 {
         self.inner.lock().unwrap().summaries
+    }
+
+    /// Every call a request's tool result said was not run, by id.
+    pub fn told_not_run(&self) -> Vec<String> {
+        self.inner.lock().unwrap().told_not_run.clone()
     }
 
     fn violation(&self, text: String) {
@@ -124,9 +131,18 @@ async fn complete(State(state): State<ModelState>, Json(body): Json<Value>) -> R
             return (StatusCode::BAD_REQUEST, problem).into_response();
         }
     };
+    let not_run = (messages.iter())
+        .filter(|m| {
+            m["role"] == "tool"
+                && m["content"]
+                    .as_str()
+                    .is_some_and(|c| c.starts_with("not run"))
+        })
+        .filter_map(|m| m["tool_call_id"].as_str().map(str::to_owned));
     let (reply, delay) = {
         let mut inner = state.inner.lock().unwrap();
         inner.calls += 1;
+        inner.told_not_run.extend(not_run);
         match turn {
             Turn::Summary { at } => {
                 inner.summaries += 1;
