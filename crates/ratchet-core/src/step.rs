@@ -673,13 +673,15 @@ fn end_idle(state: &mut AgentState, reason: StopReason, now: Millis) -> Vec<Even
     let mut events = Vec::new();
     if let Some(HumanRequest::Reconciliation { calls }) = state.pending_human.take() {
         state.in_doubt.extend(calls);
-        // The batch's results were never handed to the model: a continued run carries it on
-        // once a human has recorded the calls in doubt.
-        if let Some(checkpoint) = state.checkpoint.as_mut()
-            && reason.terminal_status() == RunStatus::Failed
-        {
-            checkpoint.cut_off = true;
-        }
+    }
+    // The run waited in the middle of a batch (for a human, its children, a timer) whose
+    // results were never handed to the model: a continued run carries it on (once a human has
+    // recorded any call in doubt).
+    if let Some(checkpoint) = state.checkpoint.as_mut()
+        && checkpoint.has_pending()
+        && reason.terminal_status() == RunStatus::Failed
+    {
+        checkpoint.cut_off = true;
     }
     state.timer = None;
     finish_in_place(state, reason, now, &mut events);
@@ -921,22 +923,49 @@ pub enum CallEnding {
 /// started runs then, and the model is handed every result in order. A run that cannot go on
 /// (`cancelled`) closes the batch in its history now, each call told what became of it — a
 /// later run of the session reads the truth, never "not run" of a call that started.
+///
+/// `endings` is how each call of the batch the step ran stood; None for a step that ran no
+/// batch (one that ends at its start, or was cut off calling the model): a batch the model
+/// has not been handed yet is then settled from what the checkpoint knows (`untold_endings`).
 pub fn cut_off_step(
     mut state: AgentState,
     job: &StepJob,
     reason: StopReason,
-    endings: Vec<CallEnding>,
+    endings: Option<Vec<CallEnding>>,
     started_at: Millis,
     now: Millis,
 ) -> StepResult {
-    if state.checkpoint.is_none() {
+    let Some(endings) = endings.or_else(|| untold_endings(&state, job.phase)) else {
         return finish_step(state, job, reason, started_at, now);
-    }
+    };
     let (messages, events) = settle_batch(&mut state, job.step_index, reason, endings);
     let mut result = finish_step(state, job, reason, started_at, now);
     result.messages = messages;
     result.events.splice(0..0, events);
     result
+}
+
+/// How the calls of the batch the run holds stand, when the model has not been handed its
+/// results yet and the step of `phase` ends the run before running it: a model call asked for
+/// it (none ran), or a human, the children or a wait ended (the rest ran before). A call with
+/// an outcome is known; the wait or the delegation the run waited on ran, with no outcome
+/// recorded; any other call never started. None when the model was handed the batch's results
+/// (or the calls were never shown to it as made: a concluding call's).
+pub fn untold_endings(state: &AgentState, phase: Phase) -> Option<Vec<CallEnding>> {
+    let checkpoint = state.checkpoint.as_ref()?;
+    let waited = matches!(phase, Phase::ChildrenJoined | Phase::WaitEnded);
+    let untold = checkpoint.cut_off
+        || (matches!(phase, Phase::LlmResult | Phase::HumanDecided) || waited)
+            && !state.force_finish;
+    untold.then(|| {
+        (checkpoint.calls.iter())
+            .map(|p| match &p.outcome {
+                Some(outcome) => CallEnding::Known(outcome.clone()),
+                None if waited => CallEnding::CutOff,
+                None => CallEnding::NotStarted,
+            })
+            .collect()
+    })
 }
 
 /// Records how each call of the run's open batch ended as the run ends for `reason`: known
@@ -1064,10 +1093,12 @@ pub fn cancel_idle(state: &mut AgentState, now: Millis) -> (Vec<EventDraft>, Vec
         _ => Vec::new(),
     };
     started.extend(state.timer.as_ref().map(|t| t.call_id.clone()));
+    // A run waiting for its children started the delegations that have no outcome yet.
+    let delegated = state.status == RunStatus::WaitingChildren;
     let endings: Vec<CallEnding> = (state.checkpoint.iter().flat_map(|c| &c.calls))
         .map(|p| match &p.outcome {
             Some(outcome) => CallEnding::Known(outcome.clone()),
-            None if started.contains(&p.call.id) => CallEnding::CutOff,
+            None if delegated || started.contains(&p.call.id) => CallEnding::CutOff,
             None => CallEnding::NotStarted,
         })
         .collect();
@@ -1285,7 +1316,7 @@ mod tests {
                 state.clone(),
                 &job,
                 StopReason::Cancelled,
-                endings(first.clone()),
+                Some(endings(first.clone())),
                 10,
                 11,
             );
@@ -1333,13 +1364,45 @@ mod tests {
     }
 
     #[test]
+    fn a_run_that_ends_before_the_model_was_handed_its_batch_settles_it() {
+        let (mut state, mut job) = cut_batch();
+        // A human answered for every call; the run is cancelled before the step that hands
+        // the results to the model.
+        for progress in &mut state.checkpoint.as_mut().unwrap().calls {
+            progress.outcome = Some(ToolOutcome::ok(format!("{} done", progress.call.id)));
+        }
+        job.phase = Phase::HumanDecided;
+        let result = cut_off_step(state.clone(), &job, StopReason::Cancelled, None, 10, 11);
+        let told: Vec<&str> = results(&result).iter().map(|(_, c)| *c).collect();
+        assert_eq!(told, ["c0 done", "c1 done", "c2 done", "c3 done"]);
+        // Its deadline passes instead: the batch stays open for `continue`.
+        let result = cut_off_step(state.clone(), &job, StopReason::TimedOut, None, 10, 11);
+        assert!(result.messages.is_empty());
+        assert!(result.state.checkpoint.as_ref().unwrap().cut_off);
+        // A batch the model was handed is not told twice, and a concluding call's calls were
+        // never shown to it as made.
+        for (phase, force_finish) in [(Phase::ToolsBatchResult, false), (Phase::LlmResult, true)] {
+            job.phase = phase;
+            state.force_finish = force_finish;
+            let result = cut_off_step(state.clone(), &job, StopReason::Cancelled, None, 10, 11);
+            assert!(result.messages.is_empty(), "{phase:?}");
+            assert!(!result.state.checkpoint.as_ref().unwrap().cut_off, "{phase:?}");
+        }
+        // Asked for but never run: each call is told it did not run.
+        let (state, job) = cut_batch();
+        let result = cut_off_step(state, &job, StopReason::Cancelled, None, 10, 11);
+        let told = results(&result);
+        assert!(told.iter().all(|(_, c)| c.starts_with("not run")), "{told:?}");
+    }
+
+    #[test]
     fn a_deadline_keeps_the_cut_off_batch_open_and_continuing_carries_it_on() {
         let (state, job) = cut_batch();
         let result = cut_off_step(
             state,
             &job,
             StopReason::TimedOut,
-            endings(CallEnding::CutOff),
+            Some(endings(CallEnding::CutOff)),
             10,
             11,
         );

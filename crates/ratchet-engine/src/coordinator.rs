@@ -9,6 +9,7 @@
 //! this process's workers. It never writes.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use futures::StreamExt;
@@ -35,6 +36,8 @@ use crate::{Clock, Result};
 const EVENT_BUFFER: usize = 8192;
 /// Events of another process read back from the store per query.
 const RELAY_PAGE: i64 = 500;
+/// How often a process reads the database's clock again (`follow_database_clock`).
+const CLOCK_SYNC: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// What a message does when its session already has an active run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -85,6 +88,9 @@ pub struct Coordinator {
     activity: ActivityBus,
     /// What time it is for everything this process stamps and measures.
     clock: Clock,
+    /// Added to `clock`: how far the database's clock is ahead of it, where the database has a
+    /// clock of its own (`follow_database_clock`); 0 otherwise.
+    clock_offset: AtomicI64,
     /// Stored events sent on the observation bus so far; held while one is sent, so a
     /// subscriber knows exactly which ones it will receive.
     published: Mutex<u64>,
@@ -130,6 +136,7 @@ impl Coordinator {
             quota,
             activity: ActivityBus::new(),
             clock,
+            clock_offset: AtomicI64::new(0),
             published: Mutex::new(0),
         })
     }
@@ -138,9 +145,54 @@ impl Coordinator {
         self.quota
     }
 
-    /// Now, in milliseconds since the epoch, by this process's clock.
+    /// Now, in milliseconds since the epoch: by the database's clock where the database has
+    /// one (see `follow_database_clock`), by this process's otherwise.
     pub fn now(&self) -> Millis {
-        self.clock.now()
+        self.clock.now() + self.clock_offset.load(Ordering::Relaxed)
+    }
+
+    /// Reads the database's clock and sets this process's offset from it (half the query's
+    /// round trip counted as the way there); returns the offset, or None where the process's
+    /// own clock is the clock.
+    pub async fn sync_clock(&self) -> Result<Option<Millis>> {
+        let before = self.clock.now();
+        let Some(database) = self.reads.database_now().await? else {
+            return Ok(None);
+        };
+        let after = self.clock.now();
+        let offset = database - (before + after) / 2;
+        self.clock_offset.store(offset, Ordering::Relaxed);
+        Ok(Some(offset))
+    }
+
+    /// Keeps this process on the database's clock where processes on several machines share
+    /// it (PostgreSQL): an owned task reads it now and every `CLOCK_SYNC` (a clock stepped or
+    /// drifting is caught up with then), so due times, leases and deadlines set and judged by
+    /// any process agree whatever each machine's clock says. Ends at once where the process's
+    /// clock is the clock, and when the Coordinator is dropped.
+    pub fn follow_database_clock(self: &Arc<Self>) -> JoinHandle<()> {
+        let this = Arc::downgrade(self);
+        let dropped = self.dropped.clone();
+        tokio::spawn(async move {
+            let follow = async {
+                loop {
+                    let Some(coordinator) = this.upgrade() else {
+                        return;
+                    };
+                    match coordinator.sync_clock().await {
+                        Ok(None) => return,
+                        Ok(Some(_)) => {}
+                        Err(error) => tracing::warn!(%error, "reading the database's clock failed"),
+                    }
+                    drop(coordinator);
+                    tokio::time::sleep(CLOCK_SYNC).await;
+                }
+            };
+            tokio::select! {
+                () = follow => {}
+                () = dropped.cancelled() => {}
+            }
+        })
     }
 
     /// Relays what other processes sharing the database commit, when the store can tell

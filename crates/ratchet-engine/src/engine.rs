@@ -18,7 +18,7 @@ use ratchet_core::delegation::{
 };
 use ratchet_core::step::{
     CallEnding, Compaction, after_compaction, after_model, after_tools, ask_approval_step,
-    await_reconciliation, finish_step,
+    await_reconciliation, cut_off_step,
 };
 use ratchet_core::timer::{WAIT_TOOL, await_timer, plan_waits, wake_step};
 use ratchet_core::{
@@ -172,10 +172,12 @@ impl Engine {
             crate::delegation::within_tree_budget(&self.coordinator, &claimed.state, decided)
                 .await?;
         let result = match instruction {
-            Instruction::Finish(reason) => finish_step(
+            // A batch the model was not handed yet is settled as the run ends (invariant 24).
+            Instruction::Finish(reason) => cut_off_step(
                 claimed.state.clone(),
                 &claimed.job,
                 reason,
+                None,
                 started,
                 self.coordinator.now(),
             ),

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use opentelemetry::trace::FutureExt as _;
-use ratchet_core::step::{CallEnding, cut_off_step, finish_step};
+use ratchet_core::step::{CallEnding, cut_off_step, finish_step, untold_endings};
 use ratchet_core::{EventDraft, EventKind, Message, StopReason};
-use ratchet_store::{ClaimedStep, Commit, IntentKind, Lease};
+use ratchet_store::{ClaimedStep, Commit, IntentKind, IntentRecord, Lease};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -56,24 +56,37 @@ const CANCEL_WATCH: Duration = Duration::from_secs(1);
 
 /// How often every pool sweeps, however busy its workers are.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// Expired idempotency keys are swept on every this many sweeps.
+const KEYS_EVERY: u32 = 60;
 
 /// Sweeps on a cadence of its own until `shutdown`: ends runs that wait past their deadline
-/// and, unless the pool serves one run, starts due continuation turns and re-offers or
-/// expires released inbox reports. An idle worker sweeps too, at once when woken; this loop
-/// is what holds when every worker is busy. Every process races for the same rows freely:
-/// each sweep is one transaction per run or session, and a row another process swept first
+/// and, unless the pool serves one run, starts due continuation turns, re-offers or expires
+/// released inbox reports and (once a minute) forgets expired idempotency keys. An idle worker
+/// sweeps deadlines and inboxes too, at once when woken; this loop is what holds when every
+/// worker is busy. Every process races for the same rows freely: each sweep is one
+/// transaction per run or session (or one statement), and a row another process swept first
 /// is not there any more.
 async fn sweep(coordinator: Arc<Coordinator>, inboxes: bool, shutdown: CancellationToken) {
+    let mut sweeps: u32 = 0;
     loop {
         tokio::select! {
             () = tokio::time::sleep(SWEEP_EVERY) => {}
             () = shutdown.cancelled() => return,
         }
+        sweeps = sweeps.wrapping_add(1);
         if let Err(error) = coordinator.time_out_overdue().await {
             tracing::warn!(%error, "ending runs past their deadline failed");
         }
-        if inboxes && let Err(error) = coordinator.serve_inboxes().await {
+        if !inboxes {
+            continue;
+        }
+        if let Err(error) = coordinator.serve_inboxes().await {
             tracing::warn!(%error, "starting due continuation turns failed");
+        }
+        if sweeps.is_multiple_of(KEYS_EVERY)
+            && let Err(error) = coordinator.sweep_requests().await
+        {
+            tracing::warn!(%error, "sweeping expired idempotency keys failed");
         }
     }
 }
@@ -442,21 +455,11 @@ impl Worker {
                 return None;
             }
         };
-        let pending = state.checkpoint.as_ref().filter(|c| c.has_pending());
-        let (mut endings, call_events) = batch.unwrap_or_else(|| {
-            let calls = pending.map_or(0, |c| c.calls.len());
-            (vec![CallEnding::NotStarted; calls], Vec::new())
-        });
-        for intent in intents.iter().filter(|i| i.kind == IntentKind::Tool) {
-            let Some(ending) = endings.get_mut(intent.slot as usize) else {
-                continue;
-            };
-            *ending = match (&intent.outcome, &ending) {
-                (Some(outcome), _) => CallEnding::Known(outcome.clone()),
-                (None, CallEnding::Known(_)) => continue,
-                (None, _) => CallEnding::CutOff,
-            };
-        }
+        let (endings, call_events) = match batch {
+            Some((endings, events)) => (Some(endings), events),
+            None => (untold_endings(state, claimed.job.phase), Vec::new()),
+        };
+        let endings = endings.map(|endings| with_intents(endings, &intents));
         let mut result = cut_off_step(
             state.clone(),
             &claimed.job,
@@ -621,6 +624,22 @@ impl Worker {
             .saturating_mul(1 << attempt.saturating_sub(1).min(10));
         doubled.min(Duration::from_secs(30)).as_millis() as i64
     }
+}
+
+/// `endings` with what the step's intents recorded: an outcome is known whatever this attempt
+/// saw, and a `never` call with an intent and no outcome started.
+fn with_intents(mut endings: Vec<CallEnding>, intents: &[IntentRecord]) -> Vec<CallEnding> {
+    for intent in intents.iter().filter(|i| i.kind == IntentKind::Tool) {
+        let Some(ending) = endings.get_mut(intent.slot as usize) else {
+            continue;
+        };
+        *ending = match (&intent.outcome, &ending) {
+            (Some(outcome), _) => CallEnding::Known(outcome.clone()),
+            (None, CallEnding::Known(_)) => continue,
+            (None, _) => CallEnding::CutOff,
+        };
+    }
+    endings
 }
 
 /// What a failed model call reports: the provider's message, the attempt (when it was one of

@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use postgres::error::SqlState;
+use ratchet_core::Millis;
 use ratchet_store::{ChangeStream, Error, MessageHit, Migrated, SearchScope};
 use ratchet_store_sql::{Backend, Configs, Db, SqlStore};
 use tokio::sync::Semaphore;
@@ -452,6 +453,20 @@ impl Backend for PgBackend {
 
     fn changes(&self) -> Option<ChangeStream> {
         changes::follow(self.shared.connector.clone(), self.shared.origin.clone())
+    }
+
+    /// The server's clock as the statement runs (`clock_timestamp()`, not the transaction's
+    /// start).
+    fn database_now(&self) -> impl Future<Output = Result<Option<Millis>>> + Send {
+        self.run(Access::Read, |db| {
+            let mut row = db
+                .query_opt(
+                    "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+                    &[],
+                )?
+                .ok_or_else(|| Error::Backend("the clock query returned no row".into()))?;
+            Ok(Some(row.int(0)?))
+        })
     }
 }
 

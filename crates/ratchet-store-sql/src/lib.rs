@@ -89,6 +89,11 @@ pub trait Backend: Send + Sync + 'static {
     fn changes(&self) -> Option<ChangeStream> {
         None
     }
+
+    /// See `Reads::database_now`.
+    fn database_now(&self) -> impl Future<Output = Result<Option<Millis>>> + Send {
+        std::future::ready(Ok(None))
+    }
 }
 
 /// A `Store` over a SQL backend.
@@ -231,6 +236,10 @@ forward! {
         read next_schedule_fire() -> Result<Option<Millis>> = schedules::next_schedule_fire();
         read schedule_slots(id: &ScheduleId => clone, before: Option<SlotCursor>, limit: u32)
             -> Result<Vec<ScheduleSlot>> = schedules::schedule_slots(&id, before, limit);
+    }
+
+    async fn database_now(&self) -> Result<Option<Millis>> {
+        self.backend.database_now().await
     }
 
     // Search is the backend's own.

@@ -1023,6 +1023,14 @@ pub enum ResumeOutcome {
 /// write. Everyone who observes a run is handed this role alone.
 #[async_trait]
 pub trait Reads: Send + Sync + 'static {
+    /// The database's clock, in milliseconds since the epoch, where processes on several
+    /// machines share the database (PostgreSQL): the one clock their due times, leases and
+    /// deadlines are judged by. None where the process's own clock is that clock (SQLite: one
+    /// machine; the in-memory store).
+    async fn database_now(&self) -> Result<Option<Millis>> {
+        Ok(None)
+    }
+
     async fn get_session(&self, id: &SessionId) -> Result<Session>;
 
     /// A tenant's sessions that `query` selects, in its order, past its cursor. The sessions

@@ -459,6 +459,7 @@ impl Runtime {
         let (webhooks, deliveries) = (Arc::clone(&roles.webhooks), Arc::clone(&roles.deliveries));
         let coordinator = Coordinator::with_quota(roles, quota);
         let follower = coordinator.follow_others();
+        coordinator.follow_database_clock();
         let engine = Arc::new(
             Engine::new(Arc::clone(&coordinator), toolbox.models, toolbox.tools)
                 .with_permits(permits)
@@ -493,9 +494,18 @@ impl Runtime {
             })
     }
 
-    /// Takes over the steps of dead processes, then starts the workers.
+    /// Takes over the steps of dead processes, then starts the workers (on the database's
+    /// clock where it has one).
     pub async fn recover_and_start(&self, config: PoolConfig) -> Result<WorkerPool> {
         self.recover().await?;
+        // The first lease is stamped by the database's clock where it has one.
+        self.coordinator
+            .sync_clock()
+            .await
+            .map_err(|cause| Error::Runtime {
+                what: "reading the database's clock".to_owned(),
+                cause,
+            })?;
         Ok(self.start_workers(config))
     }
 

@@ -3,7 +3,9 @@
 //!   `ratchet runs continue` and `ratchet resume`, the model reads that call's real outcome
 //!   and the line is in the file once — the model is never told "not run" of it;
 //! - a cancel sent to an API process (`serve --workers 0`) reaches the step a `ratchet worker`
-//!   process runs, within the cancel grace and about a second, whatever its tool does.
+//!   process runs, within the cancel grace and about a second, whatever its tool does;
+//! - a process whose clock runs a minute ahead stamps and judges time by the database's clock
+//!   where the database has one (PostgreSQL), and by its own on SQLite (one machine).
 
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -29,6 +31,14 @@ macro_rules! scenarios {
                     return;
                 };
                 super::deadline_cut_off(&db.url).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_process_whose_clock_runs_ahead_keeps_the_databases_time() {
+                let Some(db) = crate::common::$backend() else {
+                    return;
+                };
+                super::clock_ahead(&db.url).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -244,4 +254,41 @@ async fn cancel_across_processes(url: &str) {
         process.kill().unwrap();
         process.wait().unwrap();
     }
+}
+
+async fn clock_ahead(url: &str) {
+    const AHEAD_MS: i64 = 60_000;
+    let store = open(url);
+    let wall = ratchet_engine::Clock::System.now();
+    let ahead = ratchet_engine::Clock::tokio_from(wall + AHEAD_MS);
+    let coordinator = ratchet_engine::Coordinator::with_clock(
+        Arc::clone(&store),
+        ratchet_store::RunQuota::default(),
+        ahead,
+    );
+    let synced = coordinator.sync_clock().await.unwrap();
+    let database = store.database_now().await.unwrap();
+    let now = coordinator.now();
+    if url.starts_with("sqlite:") {
+        assert_eq!(
+            (synced, database),
+            (None, None),
+            "one machine: its clock is the clock"
+        );
+        assert!(
+            now - wall >= AHEAD_MS,
+            "the process keeps its own time: {now} vs {wall}"
+        );
+        return;
+    }
+    let database = database.expect("PostgreSQL has a clock of its own");
+    let offset = synced.expect("an offset from the database's clock");
+    assert!(
+        (offset + AHEAD_MS).abs() < 1_000,
+        "the offset makes up the minute ahead: {offset}"
+    );
+    assert!(
+        (now - database).abs() < 1_000,
+        "the process's now ({now}) is the database's ({database}), not a minute ahead"
+    );
 }
