@@ -1386,13 +1386,19 @@ mod tests {
             state.force_finish = force_finish;
             let result = cut_off_step(state.clone(), &job, StopReason::Cancelled, None, 10, 11);
             assert!(result.messages.is_empty(), "{phase:?}");
-            assert!(!result.state.checkpoint.as_ref().unwrap().cut_off, "{phase:?}");
+            assert!(
+                !result.state.checkpoint.as_ref().unwrap().cut_off,
+                "{phase:?}"
+            );
         }
         // Asked for but never run: each call is told it did not run.
         let (state, job) = cut_batch();
         let result = cut_off_step(state, &job, StopReason::Cancelled, None, 10, 11);
         let told = results(&result);
-        assert!(told.iter().all(|(_, c)| c.starts_with("not run")), "{told:?}");
+        assert!(
+            told.iter().all(|(_, c)| c.starts_with("not run")),
+            "{told:?}"
+        );
     }
 
     #[test]

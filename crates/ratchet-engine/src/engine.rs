@@ -18,7 +18,7 @@ use ratchet_core::delegation::{
 };
 use ratchet_core::step::{
     CallEnding, Compaction, after_compaction, after_model, after_tools, ask_approval_step,
-    await_reconciliation, cut_off_step,
+    await_reconciliation, cut_off_step, untold_endings,
 };
 use ratchet_core::timer::{WAIT_TOOL, await_timer, plan_waits, wake_step};
 use ratchet_core::{
@@ -27,7 +27,7 @@ use ratchet_core::{
     ToolDelegation, ToolOutcome, UnknownCall, after_unknown, decide,
 };
 use ratchet_llm::ModelRequest;
-use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, StoredMessage};
+use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, IntentRecord, StoredMessage};
 use ratchet_telemetry::{Capture, ToolCallSpan};
 use ratchet_tools::{InputWatch, MemorySearch, Registry, Tool, ToolContext};
 use serde_json::json;
@@ -172,15 +172,28 @@ impl Engine {
             crate::delegation::within_tree_budget(&self.coordinator, &claimed.state, decided)
                 .await?;
         let result = match instruction {
-            // A batch the model was not handed yet is settled as the run ends (invariant 24).
-            Instruction::Finish(reason) => cut_off_step(
-                claimed.state.clone(),
-                &claimed.job,
-                reason,
-                None,
-                started,
-                self.coordinator.now(),
-            ),
+            // A batch the model was not handed yet is settled as the run ends (invariant 24),
+            // with what an earlier attempt of this step recorded of its `never` calls.
+            Instruction::Finish(reason) => {
+                let endings = untold_endings(&claimed.state, claimed.job.phase);
+                let endings = match endings {
+                    Some(endings) if claimed.job.attempt > 1 => {
+                        let state = &claimed.state;
+                        let store = self.coordinator.store();
+                        let intents = store.intents(&state.run_id, claimed.job.step_index).await?;
+                        Some(with_intents(endings, &intents))
+                    }
+                    endings => endings,
+                };
+                cut_off_step(
+                    claimed.state.clone(),
+                    &claimed.job,
+                    reason,
+                    endings,
+                    started,
+                    self.coordinator.now(),
+                )
+            }
             Instruction::CallLlm { conclude } => {
                 return self.call_model(claimed, conclude, started, cancel).await;
             }
@@ -984,6 +997,25 @@ fn cut_off_batch(known: Vec<Option<ToolOutcome>>, finished: Vec<CallRun>) -> Ste
         };
     }
     StepFailure::CutOff { endings, events }
+}
+
+/// `endings` with what the step's intents recorded: an outcome is known whatever this attempt
+/// saw, and a `never` call with an intent and no outcome started.
+pub(crate) fn with_intents(
+    mut endings: Vec<CallEnding>,
+    intents: &[IntentRecord],
+) -> Vec<CallEnding> {
+    for intent in intents.iter().filter(|i| i.kind == IntentKind::Tool) {
+        let Some(ending) = endings.get_mut(intent.slot as usize) else {
+            continue;
+        };
+        *ending = match (&intent.outcome, &ending) {
+            (Some(outcome), _) => CallEnding::Known(outcome.clone()),
+            (None, CallEnding::Known(_)) => continue,
+            (None, _) => CallEnding::CutOff,
+        };
+    }
+    endings
 }
 
 /// Puts the events the batch's calls left for the commit ahead of the step's own, so each

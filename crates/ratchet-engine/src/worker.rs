@@ -11,13 +11,13 @@ use std::time::Duration;
 use opentelemetry::trace::FutureExt as _;
 use ratchet_core::step::{CallEnding, cut_off_step, finish_step, untold_endings};
 use ratchet_core::{EventDraft, EventKind, Message, StopReason};
-use ratchet_store::{ClaimedStep, Commit, IntentKind, IntentRecord, Lease};
+use ratchet_store::{ClaimedStep, Commit, Lease};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use uuid::Uuid;
 
-use crate::engine::{Executed, context_after};
+use crate::engine::{Executed, context_after, with_intents};
 use crate::{Coordinator, Engine, PoolConfig, StepFailure};
 
 /// Names this process as a lease owner: `host:pid:instance`. Recovery on this host can tell
@@ -53,6 +53,9 @@ pub fn owner_is_dead_local_process(owner: &str) -> bool {
 
 /// How often a step that runs on reads whether a cancel of its run was accepted elsewhere.
 const CANCEL_WATCH: Duration = Duration::from_secs(1);
+/// How long a step cut off by a cancel waits for the cancel's transaction to commit before it
+/// takes the cancel for one the store refused and gives the step back.
+const CANCEL_RECORDED: Duration = Duration::from_secs(5);
 
 /// How often every pool sweeps, however busy its workers are.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
@@ -437,10 +440,10 @@ impl Worker {
         let store = self.coordinator.store();
         let read = async {
             let intents = store.intents(&state.run_id, claimed.job.step_index).await?;
-            // A cancel cuts the step off before the store records it; one the store failed
-            // to record leaves the run to go on, and the step is given back.
-            let recorded = reason != StopReason::Cancelled
-                || store.load_state(&state.run_id).await?.cancel_requested;
+            // A cancel cuts the step off before the store records it: its transaction may
+            // still be under way. One the store failed to record leaves the run to go on, and
+            // the step is given back.
+            let recorded = reason != StopReason::Cancelled || self.cancel_recorded(state).await?;
             Ok::<_, ratchet_store::Error>((intents, recorded))
         };
         let intents = match read.await {
@@ -472,6 +475,30 @@ impl Worker {
         self.commit(claimed, result, None)
             .await
             .map(|(next, _)| next)
+    }
+
+    /// Whether a cancel of the run is recorded, waiting up to `CANCEL_RECORDED` for the
+    /// transaction of one that cut this process's step off before it committed.
+    async fn cancel_recorded(
+        &self,
+        state: &ratchet_core::AgentState,
+    ) -> Result<bool, ratchet_store::Error> {
+        let until = tokio::time::Instant::now() + CANCEL_RECORDED;
+        loop {
+            if self
+                .coordinator
+                .store()
+                .load_state(&state.run_id)
+                .await?
+                .cancel_requested
+            {
+                return Ok(true);
+            }
+            if tokio::time::Instant::now() >= until {
+                return Ok(false);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Runs the step, renewing its lease, and cuts it off (cancelling its token: calls get
@@ -624,22 +651,6 @@ impl Worker {
             .saturating_mul(1 << attempt.saturating_sub(1).min(10));
         doubled.min(Duration::from_secs(30)).as_millis() as i64
     }
-}
-
-/// `endings` with what the step's intents recorded: an outcome is known whatever this attempt
-/// saw, and a `never` call with an intent and no outcome started.
-fn with_intents(mut endings: Vec<CallEnding>, intents: &[IntentRecord]) -> Vec<CallEnding> {
-    for intent in intents.iter().filter(|i| i.kind == IntentKind::Tool) {
-        let Some(ending) = endings.get_mut(intent.slot as usize) else {
-            continue;
-        };
-        *ending = match (&intent.outcome, &ending) {
-            (Some(outcome), _) => CallEnding::Known(outcome.clone()),
-            (None, CallEnding::Known(_)) => continue,
-            (None, _) => CallEnding::CutOff,
-        };
-    }
-    endings
 }
 
 /// What a failed model call reports: the provider's message, the attempt (when it was one of
