@@ -392,22 +392,9 @@ pub fn after_tools(
     let mut messages = Vec::with_capacity(outcomes.len());
     let mut events = Vec::with_capacity(outcomes.len());
     for (progress, outcome) in checkpoint.calls.iter_mut().zip(outcomes) {
-        let message = Message {
-            origin: agent_origin(&state),
-            ..Message::tool_result(&progress.call.id, &outcome)
-        };
-        state.counters.context_tokens += message.estimated_tokens();
+        let (message, event) = told_result(&mut state, &progress.call, &outcome);
         messages.push(message);
-        events.push(EventDraft::new(
-            EventKind::ToolResult,
-            json!({
-                "run_id": state.run_id,
-                "call_id": progress.call.id,
-                "tool": progress.call.name,
-                "content": outcome.content,
-                "is_error": outcome.is_error,
-            }),
-        ));
+        events.push(event);
         progress.outcome = Some(outcome);
     }
     crate::completion::record_tools(&mut state, &checkpoint);
@@ -434,6 +421,31 @@ pub fn after_tools(
         started_at,
         now,
     )
+}
+
+/// The result that hands `outcome` of `call` to the model, and its `tool.result` event; the
+/// run's context grows by it.
+fn told_result(
+    state: &mut AgentState,
+    call: &ToolCall,
+    outcome: &ToolOutcome,
+) -> (Message, EventDraft) {
+    let message = Message {
+        origin: agent_origin(state),
+        ..Message::tool_result(&call.id, outcome)
+    };
+    state.counters.context_tokens += message.estimated_tokens();
+    let event = EventDraft::new(
+        EventKind::ToolResult,
+        json!({
+            "run_id": state.run_id,
+            "call_id": call.id,
+            "tool": call.name,
+            "content": outcome.content,
+            "is_error": outcome.is_error,
+        }),
+    );
+    (message, event)
 }
 
 /// A `never`-replay call was started before a crash and its outcome is unknown. The outcomes
@@ -1029,22 +1041,9 @@ fn settle_batch(
             )),
             (None, _) => ToolOutcome::error(format!("not run: {cause} before this call started")),
         };
-        let message = Message {
-            origin: agent_origin(state),
-            ..Message::tool_result(&progress.call.id, &told)
-        };
-        state.counters.context_tokens += message.estimated_tokens();
+        let (message, event) = told_result(state, &progress.call, &told);
         messages.push(message);
-        events.push(EventDraft::new(
-            EventKind::ToolResult,
-            json!({
-                "run_id": state.run_id,
-                "call_id": progress.call.id,
-                "tool": progress.call.name,
-                "content": told.content,
-                "is_error": told.is_error,
-            }),
-        ));
+        events.push(event);
         progress.outcome = Some(told);
     }
     checkpoint.cut_off = !closes;

@@ -326,10 +326,9 @@ fn paying() -> RunConfigSnapshot {
     }
 }
 
-/// A `never` call the source started without an outcome is not run again by a fork: the fork
-/// waits for a human (a reconciliation of its own, under the source's idempotency key) unless
-/// the edit gives the call's result; one the source finished keeps its outcome.
-pub async fn a_fork_never_runs_a_never_call_in_doubt_again(store: &dyn Store) {
+/// A run of `paying()` whose model asked for `pay` (`never`) and whose worker holds the step
+/// that runs it, nothing of the call recorded yet: the source and the claimed tools step.
+async fn paying_in_flight(store: &dyn Store) -> (RunId, ratchet_store::ClaimedStep) {
     let session = new_session(store).await;
     let (source, _) = submit(store, &session, "pay the bill", paying(), T0).await;
     let model = claim(store, OWNER_A, T0 + 1).await;
@@ -350,7 +349,14 @@ pub async fn a_fork_never_runs_a_never_call_in_doubt_again(store: &dyn Store) {
         T0 + 2,
     )
     .await;
-    let tools = tools.expect("continued");
+    (source, tools.expect("the source holds its batch's step"))
+}
+
+/// A `never` call the source started without an outcome is not run again by a fork: the fork
+/// waits for a human (a reconciliation of its own, under the source's idempotency key) unless
+/// the edit gives the call's result; one the source finished keeps its outcome.
+pub async fn a_fork_never_runs_a_never_call_in_doubt_again(store: &dyn Store) {
+    let (source, tools) = paying_in_flight(store).await;
     let key = format!("{source}#2#0");
     store
         .record_intents(
@@ -436,27 +442,7 @@ pub async fn a_fork_never_runs_a_never_call_in_doubt_again(store: &dyn Store) {
 /// its `never` call yet, but may once the fork exists, so the fork does not run it without a
 /// human (under the source's key).
 pub async fn a_fork_of_a_live_batch_never_runs_its_never_call_without_a_human(store: &dyn Store) {
-    let session = new_session(store).await;
-    let (source, _) = submit(store, &session, "pay the bill", paying(), T0).await;
-    let model = claim(store, OWNER_A, T0 + 1).await;
-    let reply = ratchet_core::ModelReply {
-        tool_calls: vec![ToolCall {
-            id: "pay-1".into(),
-            name: "pay".into(),
-            arguments: json!({"amount": 5}),
-        }],
-        ..text_reply("paying")
-    };
-    let asked = after_model(model.state, &model.job, reply, false, T0 + 1, T0 + 2);
-    let (_, tools, _) = commit(
-        store,
-        &model.claim,
-        asked,
-        Some(lease(OWNER_A, T0 + LEASE_MS)),
-        T0 + 2,
-    )
-    .await;
-    assert!(tools.is_some(), "the source holds its batch's step");
+    let (source, _) = paying_in_flight(store).await;
     let (_, run, forked) = fork(store, &source, 1, None, T0 + 3).await;
     assert_eq!(forked.status, RunStatus::WaitingHuman);
     let state = load(store, &run).await;

@@ -12,9 +12,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::common::{DEADLINE, SECRETS_KEY, free_port, output_within_deadline, stderr_of};
+use crate::common::{
+    DEADLINE, SECRETS_KEY, free_port, open_store, output_within_deadline, stderr_of,
+};
 use ratchet_core::{Role, RunId, RunStatus, StopReason};
-use ratchet_store::Store;
 use serde_json::{Value, json};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ratchet");
@@ -55,13 +56,6 @@ macro_rules! scenarios {
 scenarios!(sqlite);
 scenarios!(postgres);
 
-fn open(url: &str) -> Arc<dyn Store> {
-    if url.starts_with("sqlite:") {
-        return Arc::new(ratchet_sqlite::open_url(url).unwrap());
-    }
-    Arc::new(ratchet_postgres::open_url(url).unwrap())
-}
-
 fn write_script(dir: &Path, replies: Value) -> std::path::PathBuf {
     let path = dir.join("script.json");
     std::fs::write(&path, json!({ "replies": replies }).to_string()).unwrap();
@@ -91,7 +85,7 @@ async fn deadline_cut_off(url: &str) {
         "",
     );
     assert_eq!(ran.status.code(), Some(1), "{}", stderr_of(&ran));
-    let store = open(url);
+    let store = open_store(url);
     let runs = store.list_runs().await.unwrap();
     let run_id: RunId = runs[0].run_id.clone();
     let ended = store.load_state(&run_id).await.unwrap();
@@ -203,7 +197,7 @@ async fn cancel_across_processes(url: &str) {
         .unwrap();
     let run_id = RunId::parse(sent["run_id"].as_str().unwrap()).unwrap();
     // The worker process is inside the minute-long call.
-    let store = open(url);
+    let store = open_store(url);
     let started = Instant::now();
     loop {
         let events = store.run_events_after(&run_id, 0, 1_000).await.unwrap();
@@ -258,7 +252,7 @@ async fn cancel_across_processes(url: &str) {
 
 async fn clock_ahead(url: &str) {
     const AHEAD_MS: i64 = 60_000;
-    let store = open(url);
+    let store = open_store(url);
     let wall = ratchet_engine::Clock::System.now();
     let ahead = ratchet_engine::Clock::tokio_from(wall + AHEAD_MS);
     let coordinator = ratchet_engine::Coordinator::with_clock(

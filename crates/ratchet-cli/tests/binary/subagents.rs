@@ -8,10 +8,11 @@
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::common::{SECRETS_KEY, free_port, output_within_deadline, postgres, sqlite, stderr_of};
+use crate::common::{
+    SECRETS_KEY, free_port, open_store, output_within_deadline, postgres, sqlite, stderr_of,
+};
 use ratchet_core::{InboxStatus, Origin, Role, RunId, RunStatus, SessionId, Visibility};
 use ratchet_store::Store;
 use serde_json::json;
@@ -59,13 +60,6 @@ macro_rules! scenarios {
 scenarios!(sqlite);
 scenarios!(postgres);
 
-fn open(url: &str) -> Arc<dyn Store> {
-    if url.starts_with("sqlite:") {
-        return Arc::new(ratchet_sqlite::open_url(url).unwrap());
-    }
-    Arc::new(ratchet_postgres::open_url(url).unwrap())
-}
-
 /// A catalog of two agents: `boss` hands three tasks to `worker`s and answers once they are
 /// done; a `worker` sleeps (long enough to be killed in the middle of) and answers.
 fn write_catalog(dir: &Path, sleep_ms: u64) {
@@ -109,7 +103,7 @@ async fn killed_while_children_run(url: &str) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let store = open(url);
+    let store = open_store(url);
     let started = Instant::now();
     // Kill it while every child sleeps in its tool call: each child has committed its model
     // step, and the job of its tool step is held under a worker's lease.
@@ -281,7 +275,7 @@ async fn killed_during_a_continuation(url: &str) {
     post(&http, &path, json!({"content": "start the work"})).await;
 
     // Kill it while the continuation turn sleeps in its tool call.
-    let store = open(url);
+    let store = open_store(url);
     let continuation = loop {
         let runs = store.session_runs(&session, None, 10).await.unwrap();
         let sleeping = runs
@@ -587,7 +581,7 @@ async fn run_leaves_background_work_to_resume(url: &str) {
         "resume failed: {}",
         stderr_of(&resumed)
     );
-    let store = open(url);
+    let store = open_store(url);
     let inbox = store.inbox(&session, None, 0, 10).await.unwrap();
     assert_eq!(
         inbox.iter().map(|e| e.status).collect::<Vec<_>>(),
@@ -610,7 +604,7 @@ async fn dead_letters_from_the_terminal(url: &str) {
     let ran = run_lead(url, dir.path());
     let report: serde_json::Value = serde_json::from_slice(&ran.stdout).unwrap();
     let session = SessionId::parse(report["session_id"].as_str().unwrap()).unwrap();
-    let store = open(url);
+    let store = open_store(url);
     store
         .close_session(&session, ratchet_store::Closing::Archive, 1)
         .await

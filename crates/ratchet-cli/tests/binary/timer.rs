@@ -8,11 +8,11 @@
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::common::{
-    DEADLINE, SECRETS_KEY, free_port, output_within_deadline, postgres, sqlite, stderr_of,
+    DEADLINE, SECRETS_KEY, free_port, open_store, output_within_deadline, postgres, sqlite,
+    stderr_of,
 };
 use ratchet_core::{Millis, RunId, RunStatus, SessionId};
 use ratchet_store::{Store, StoredEvent};
@@ -62,13 +62,6 @@ macro_rules! scenarios {
 
 scenarios!(sqlite);
 scenarios!(postgres);
-
-fn open(url: &str) -> Arc<dyn Store> {
-    if url.starts_with("sqlite:") {
-        return Arc::new(ratchet_sqlite::open_url(url).unwrap());
-    }
-    Arc::new(ratchet_postgres::open_url(url).unwrap())
-}
 
 fn now_ms() -> Millis {
     let since = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
@@ -134,7 +127,7 @@ async fn killed_at(url: &str, when: Kill) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let store = open(url);
+    let store = open_store(url);
     let (run_id, due) = parked(&*store, &mut run).await;
     let at = match when {
         Kill::AfterParking(ms) => now_ms() + ms as i64,
@@ -279,7 +272,7 @@ async fn woken_by_a_message(url: &str) {
         json!({"content": "wait for me"}),
     )
     .await;
-    let store = open(url);
+    let store = open_store(url);
     let (run_id, due) = parked(&*store, &mut first).await;
     let run: Value = http
         .get(format!("{base}/v1/runs/{run_id}"))

@@ -556,11 +556,11 @@ fn mixed_batch() -> Value {
 }
 
 impl Node {
-    /// Waits until the hanging call has started.
-    async fn hanging(&self) {
+    /// Waits until `calls` calls have started.
+    async fn started(&self, calls: usize) {
         let deadline = Instant::now() + Duration::from_secs(10);
-        while self.keys().len() < 3 {
-            assert!(Instant::now() < deadline, "the batch never started");
+        while self.keys().len() < calls {
+            assert!(Instant::now() < deadline, "{calls} calls never started");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
@@ -631,7 +631,7 @@ async fn a_deadline_cut_off_batch_keeps_its_outcomes_and_continue_carries_it_on(
 async fn a_cancelled_batch_tells_each_call_what_became_of_it() {
     let node = node(json!([mixed_batch(), answer()]));
     let run = node.start(node.config(Limits::default(), &[])).await;
-    node.hanging().await;
+    node.started(3).await;
     node.coordinator.request_cancel(&run).await.unwrap();
     let ended = node.settle(&run).await;
     assert_eq!(ended.status, RunStatus::Cancelled);
@@ -659,11 +659,7 @@ async fn a_cancelled_batch_tells_each_call_what_became_of_it() {
 async fn a_cancel_accepted_by_another_process_reaches_the_step_in_flight() {
     let node = node(json!([call("hang_never"), answer()]));
     let run = node.start(node.config(Limits::default(), &[])).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while node.keys().is_empty() {
-        assert!(Instant::now() < deadline, "the tool never started");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    node.started(1).await;
     let other = Coordinator::new(node.store.clone());
     let asked = Instant::now();
     other.request_cancel(&run).await.unwrap();
@@ -706,14 +702,7 @@ async fn a_waiting_run_ends_at_its_deadline_while_every_worker_is_busy() {
         };
         node.start(config).await;
     }
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while node.keys().len() < 3 {
-        assert!(
-            Instant::now() < deadline,
-            "the two long calls never started"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    node.started(3).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     let ended = loop {
         let state = node.coordinator.store().load_state(&waiting).await.unwrap();

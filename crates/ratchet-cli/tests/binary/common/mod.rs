@@ -173,3 +173,11 @@ pub fn postgres() -> Option<Database> {
         _server: Some(server),
     })
 }
+
+/// The store of a test database, as the processes under test share it.
+pub fn open_store(url: &str) -> std::sync::Arc<dyn ratchet_store::Store> {
+    if url.starts_with("sqlite:") {
+        return std::sync::Arc::new(ratchet_sqlite::open_url(url).unwrap());
+    }
+    std::sync::Arc::new(ratchet_postgres::open_url(url).unwrap())
+}
