@@ -287,6 +287,10 @@ pub struct ToolCheckpoint {
     /// batch on from here rather than calling the model.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub cut_off: bool,
+    /// When the model asked for the batch: the last time it looked at the conversation. None
+    /// for a batch from before this was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub asked_at: Option<crate::Millis>,
 }
 
 impl ToolCheckpoint {
@@ -303,6 +307,7 @@ impl ToolCheckpoint {
             key_step: None,
             key_run: None,
             cut_off: false,
+            asked_at: None,
             calls: calls
                 .into_iter()
                 .map(|call| CallProgress {

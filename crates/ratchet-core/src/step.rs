@@ -254,6 +254,7 @@ pub fn after_model(
     };
     state.checkpoint = (!reply.tool_calls.is_empty()).then(|| ToolCheckpoint {
         key_step: Some(job.step_index + 1),
+        asked_at: Some(now),
         ..ToolCheckpoint::new(reply.tool_calls)
     });
     state.final_answer = Some(reply.text.clone());

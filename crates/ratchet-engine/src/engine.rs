@@ -659,6 +659,7 @@ impl Engine {
                         Arc::new(SessionInput::new(
                             Arc::clone(&self.coordinator),
                             state.session_id.clone(),
+                            state.checkpoint.as_ref().and_then(|c| c.asked_at),
                         )) as Arc<dyn InputWatch>
                     }),
                     traceparent: ratchet_telemetry::traceparent(&span),

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use ratchet_core::SessionId;
+use ratchet_core::{Millis, SessionId};
 use ratchet_tools::InputWatch;
 use serde_json::Value;
 use tokio::sync::broadcast::error::RecvError;
@@ -20,13 +20,20 @@ const RECHECK: Duration = Duration::from_millis(250);
 pub(crate) struct SessionInput {
     coordinator: Arc<Coordinator>,
     session: SessionId,
+    /// When the model asked for the batch the `sleep` is in (see `PendingInput::wakes`).
+    asked_at: Option<Millis>,
 }
 
 impl SessionInput {
-    pub(crate) fn new(coordinator: Arc<Coordinator>, session: SessionId) -> SessionInput {
+    pub(crate) fn new(
+        coordinator: Arc<Coordinator>,
+        session: SessionId,
+        asked_at: Option<Millis>,
+    ) -> SessionInput {
         SessionInput {
             coordinator,
             session,
+            asked_at,
         }
     }
 }
@@ -51,7 +58,7 @@ impl InputWatch for SessionInput {
                 .pending_input(&self.session, self.coordinator.now())
                 .await
             {
-                Ok(waiting) if waiting.any() => {
+                Ok(waiting) if waiting.wakes(self.asked_at) => {
                     return serde_json::to_value(waiting).unwrap_or_default();
                 }
                 Ok(_) => {}

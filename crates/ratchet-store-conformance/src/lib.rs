@@ -134,6 +134,7 @@ macro_rules! store_conformance_tests {
             a_fork_of_a_live_batch_never_runs_its_never_call_without_a_human,
             a_wait_parks_the_run_with_one_job_ready_at_its_due_time,
             input_for_its_session_ends_a_wait_early_once,
+            a_queued_message_ends_one_wait_of_the_turn_not_the_next,
             a_waiting_run_is_paused_and_cancelled_at_once,
             a_run_waiting_on_a_timer_past_its_deadline_times_out,
             a_schedule_is_kept_changed_paused_and_deleted,

@@ -258,6 +258,64 @@ pub async fn input_for_its_session_ends_a_wait_early_once(store: &dyn Store) {
     );
 }
 
+/// A message queued behind a waiting run ends that wait, and the model is asked again; a wait
+/// it asks for then is not ended by the same message: the model cannot see a queued message
+/// before its turn ends, so waking every later wait for it would spin the turn.
+pub async fn a_queued_message_ends_one_wait_of_the_turn_not_the_next(store: &dyn Store) {
+    let session = new_session(store).await;
+    let (run, _) = parked_run(store, &session).await;
+    submit_as(
+        store,
+        &session,
+        "are you there?",
+        WhenBusy::Enqueue,
+        T0 + 10,
+    )
+    .await;
+    let woken = claim(store, OWNER_B, T0 + 12).await;
+    let result = wake_step(woken.state.clone(), &woken.job, T0 + 12, T0 + 13);
+    let held = Some(lease(OWNER_B, T0 + 13 + LEASE_MS));
+    let (_, model, _) = commit(store, &woken.claim, result, held, T0 + 13).await;
+    let model = model.expect("the model is asked next");
+    let reply = ModelReply {
+        tool_calls: vec![ToolCall {
+            id: "call-wait-again".into(),
+            name: "wait".into(),
+            arguments: json!({"ms": WAIT_MS}),
+        }],
+        ..ModelReply::default()
+    };
+    let asked = after_model(
+        model.state.clone(),
+        &model.job,
+        reply,
+        false,
+        T0 + 14,
+        T0 + 15,
+    );
+    let held = Some(lease(OWNER_B, T0 + 15 + LEASE_MS));
+    let (_, tools, _) = commit(store, &model.claim, asked, held, T0 + 15).await;
+    let tools = tools.expect("the wait's step");
+    let due = T0 + 16 + WAIT_MS;
+    let parks = await_timer(
+        tools.state.clone(),
+        &tools.job,
+        vec![None],
+        (0, due),
+        T0 + 16,
+        T0 + 17,
+    );
+    commit(store, &tools.claim, parks, None, T0 + 17).await;
+    let state = load(store, &run).await;
+    assert_eq!(state.status, RunStatus::WaitingTimer);
+    let timer = state.timer.expect("parked");
+    assert_eq!(
+        (timer.due_at, timer.woken_by_input),
+        (due, None),
+        "the message already ended a wait of this turn"
+    );
+}
+
 /// A pause takes a waiting run's job away at once (even from a worker holding it: that step
 /// has no effect outside the store, and its commit is refused) and keeps the due time; resumed
 /// before it, the run waits again for that same time, and after it, wakes at once. Input sent

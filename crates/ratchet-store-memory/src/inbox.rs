@@ -892,6 +892,17 @@ impl Tables {
                     .count(),
             ),
             inbox_events: count(self.due(session, now).count()),
+            newest_queued_at: (self.runs.values())
+                .filter(|run| {
+                    run.session_id == *session
+                        && run.status() == RunStatus::Queued
+                        && run.state.created_at <= now
+                })
+                .map(|run| run.state.created_at)
+                .max(),
+            newest_due_at: (self.due(session, now))
+                .filter_map(|(_, e)| e.available_at)
+                .max(),
         }
     }
 }

@@ -42,7 +42,8 @@ impl Tables {
         // Input that arrived while the step ran ends the wait it parks on at once.
         if result.state.status == RunStatus::WaitingTimer
             && result.state.lineage.is_none()
-            && self.pending_input(&session_id, now).any()
+            && (self.pending_input(&session_id, now))
+                .wakes(result.state.checkpoint.as_ref().and_then(|b| b.asked_at))
         {
             ratchet_core::timer::wake_by_input(&mut result.state, now);
         }

@@ -1050,5 +1050,24 @@ pub(crate) fn pending_input(
         inbox_events: counted(
             "SELECT count(*) FROM inbox WHERE session_id = ?1 AND status = 'pending' AND available_at <= ?2",
         )?,
+        newest_queued_at: newest(
+            c,
+            "SELECT max(created_at) FROM runs WHERE session_id = ?1 AND status = 'queued' AND created_at <= ?2",
+            session,
+            now,
+        )?,
+        newest_due_at: newest(
+            c,
+            "SELECT max(available_at) FROM inbox WHERE session_id = ?1 AND status = 'pending' AND available_at <= ?2",
+            session,
+            now,
+        )?,
     })
+}
+
+fn newest(c: &dyn Db, sql: &str, session: &SessionId, now: Millis) -> Result<Option<Millis>> {
+    match c.query_opt(sql, &params![session.as_str(), now])? {
+        Some(mut row) => row.opt_int(0),
+        None => Ok(None),
+    }
 }

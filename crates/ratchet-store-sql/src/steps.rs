@@ -346,7 +346,8 @@ pub(crate) fn commit_step(
     // arriving after the commit would (it finds the run waiting; see `timer::wake_on_input`).
     let woken = result.state.status == RunStatus::WaitingTimer
         && result.state.lineage.is_none()
-        && crate::inbox::pending_input(c, &stored.session_id, now)?.any()
+        && crate::inbox::pending_input(c, &stored.session_id, now)?
+            .wakes(result.state.checkpoint.as_ref().and_then(|b| b.asked_at))
         && ratchet_core::timer::wake_by_input(&mut result.state, now);
     // A cancel, a pause or input that arrived during the step changed the result it was
     // encoded from.

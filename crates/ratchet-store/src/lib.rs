@@ -385,11 +385,29 @@ pub struct PendingInput {
     pub steers: u64,
     /// Inbox events due (reports of background work, signals).
     pub inbox_events: u64,
+    /// When the latest queued message came, and when the latest due inbox event became due.
+    #[serde(skip)]
+    pub newest_queued_at: Option<Millis>,
+    #[serde(skip)]
+    pub newest_due_at: Option<Millis>,
 }
 
 impl PendingInput {
     pub fn any(&self) -> bool {
         self.queued_messages + self.steers + self.inbox_events > 0
+    }
+
+    /// Whether this input ends a wait of a run whose model last looked at the conversation at
+    /// `asked_at` (None: not known, any input does): a steer, which the model's next call
+    /// takes in, or a queued message or a report that came after it asked. One that came
+    /// before reaches the model only after its turn ends: a wait it woke once, telling the
+    /// model so, it never wakes again.
+    pub fn wakes(&self, asked_at: Option<Millis>) -> bool {
+        let Some(asked_at) = asked_at else {
+            return self.any();
+        };
+        let since = |newest: Option<Millis>| newest.is_some_and(|at| at >= asked_at);
+        self.steers > 0 || since(self.newest_queued_at) || since(self.newest_due_at)
     }
 }
 

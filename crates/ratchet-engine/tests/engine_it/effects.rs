@@ -718,3 +718,53 @@ async fn a_waiting_run_ends_at_its_deadline_while_every_worker_is_busy() {
     };
     assert_eq!(ended.stop_reason, Some(StopReason::TimedOut));
 }
+
+/// A message queued behind a sleeping run wakes its `sleep` once — the model is told input is
+/// waiting — and never again: the model cannot see a queued message before its turn ends, so a
+/// second `sleep` of the turn runs to its time instead of returning at once, forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_message_wakes_one_sleep_of_the_turn_and_not_the_next() {
+    let node = node(json!([
+        {"tool_calls": [{"name": "sleep", "arguments": {"ms": 20_000}}]},
+        {"tool_calls": [{"name": "sleep", "arguments": {"ms": 300}}]},
+        answer(),
+    ]));
+    let run = node.start(node.config(Limits::default(), &[])).await;
+    let session = node
+        .coordinator
+        .store()
+        .load_state(&run)
+        .await
+        .unwrap()
+        .session_id;
+    // Inside the first sleep.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let state = node.coordinator.store().load_state(&run).await.unwrap();
+        if state.step_index >= 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the model never asked to sleep");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let later = node.script.with_file_name("later.json");
+    std::fs::write(&later, json!({"replies": [answer()]}).to_string()).unwrap();
+    let queued = RunConfigSnapshot {
+        model: format!("scripted:{}", later.display()),
+        ..node.config(Limits::default(), &[])
+    };
+    node.coordinator
+        .submit(&session, "later".into(), queued, Multitask::Enqueue)
+        .await
+        .unwrap();
+    let done = node.settle(&run).await;
+    assert_eq!(done.status, RunStatus::Completed);
+    let results = node.tool_results(&run).await;
+    assert_eq!(results.len(), 2, "{results:?}");
+    assert!(results[0].0.contains(r#""woke":"input""#), "{results:?}");
+    assert!(
+        results[1].0.contains(r#""woke":"timer""#),
+        "the second sleep is not woken by the message the first was: {results:?}"
+    );
+}
