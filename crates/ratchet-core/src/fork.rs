@@ -68,16 +68,19 @@ pub struct Source<'a> {
 }
 
 impl Source<'_> {
+    /// The source's checkpoint when it is the batch `calls` asked for.
+    fn checkpoint_of(&self, calls: &[crate::ToolCall]) -> Option<&ToolCheckpoint> {
+        (self.state.checkpoint.as_ref())
+            .filter(|c| (c.calls.iter().map(|p| &p.call.id)).eq(calls.iter().map(|c| &c.id)))
+    }
+
     /// Whether the source holds open the batch `calls` asked for and may yet run calls of it:
     /// while it has not ended, or when it failed with the batch cut off (`continue` carries it
     /// on).
     fn still_runs(&self, calls: &[crate::ToolCall]) -> bool {
-        let Some(checkpoint) = &self.state.checkpoint else {
-            return false;
-        };
-        let live = !self.state.status.is_terminal() || checkpoint.cut_off;
-        let same = (checkpoint.calls.iter().map(|p| &p.call.id)).eq(calls.iter().map(|c| &c.id));
-        live && same && checkpoint.has_pending()
+        self.checkpoint_of(calls).is_some_and(|checkpoint| {
+            (!self.state.status.is_terminal() || checkpoint.cut_off) && checkpoint.has_pending()
+        })
     }
 }
 
@@ -301,14 +304,9 @@ fn pick_up_batch(
     let source_runs_it = source.still_runs(&asked.message.tool_calls);
     // A batch the source took up from its own source (a fork of a fork) keeps the keys it
     // has there: the first run's, so a `keyed` tool does the work once across all three.
-    let inherited = (source.state.checkpoint.as_ref()).filter(|c| {
-        asked.step.is_none()
-            && (c.calls.iter().map(|p| &p.call.id)).eq(asked
-                .message
-                .tool_calls
-                .iter()
-                .map(|c| &c.id))
-    });
+    let inherited = (asked.step.is_none())
+        .then(|| source.checkpoint_of(&asked.message.tool_calls))
+        .flatten();
     let (key_run, key_step) = match inherited {
         Some(checkpoint) => (
             checkpoint
