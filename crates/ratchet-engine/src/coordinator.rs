@@ -106,6 +106,12 @@ pub(crate) fn fresh_suffix() -> String {
     Uuid::now_v7().simple().to_string()
 }
 
+/// Whether `events` end `run`.
+fn finished_in(events: &[StoredEvent], run: &RunId) -> bool {
+    let finished = ratchet_core::EventKind::RunFinished.as_str();
+    (events.iter()).any(|e| e.kind == finished && e.run_id.as_ref() == Some(run))
+}
+
 impl Coordinator {
     pub fn new(store: impl Into<Roles>) -> Arc<Coordinator> {
         Coordinator::with_quota(store, RunQuota::default())
@@ -342,7 +348,30 @@ impl Coordinator {
             trace,
             request,
         };
-        let submitted = self.writes.submit_message(new, self.now()).await?;
+        // An interrupt cancels the session's active run. As in `request_cancel`, its step here
+        // is cancelled before the message is stamped, so no call of it starts later than the
+        // time its cancel is recorded at.
+        let interrupting = match multitask {
+            Multitask::Interrupt => self.reads.get_session(session_id).await?.active_run_id,
+            _ => None,
+        };
+        let registered_here = interrupting.as_ref().is_some_and(|run| {
+            let (token, registered_here) = self.cancel_token(run);
+            token.cancel();
+            registered_here
+        });
+        let submitted = self.writes.submit_message(new, self.now()).await;
+        // The token stays registered while the run winds down (a worker claiming it adopts
+        // it), as in `request_cancel`; otherwise no step of the run is left to cancel.
+        if let Some(run) = interrupting.as_ref().filter(|_| registered_here) {
+            let winding_down = submitted
+                .as_ref()
+                .is_ok_and(|s| s.interrupted.as_ref() == Some(run) && !finished_in(&s.events, run));
+            if !winding_down {
+                self.forget_token(run);
+            }
+        }
+        let submitted = submitted?;
         self.publish(submitted.events);
         if let Some(interrupted) = &submitted.interrupted {
             let token = self
