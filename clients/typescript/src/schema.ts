@@ -1391,6 +1391,12 @@ export interface components {
                 max_attempts: number;
                 /** @description The signing key: in the answer to the creation only. */
                 secret?: string | null;
+                /**
+                 * @description True only in the answer to a repeat of a keyed creation whose first answer was lost
+                 *     (its process died after the webhook was created): the store keeps no secret in clear,
+                 *     so the secret cannot be shown again. Rotate it if you did not choose it.
+                 */
+                secret_withheld?: boolean;
                 url: string;
             }[];
             /**
@@ -1464,8 +1470,14 @@ export interface components {
         };
         RotatedSecret: {
             id: components["schemas"]["WebhookId"];
-            /** @description The new signing key, shown this once. */
-            secret: string;
+            /** @description The new signing key, shown this once; absent when `secret_withheld`. */
+            secret?: string | null;
+            /**
+             * @description True only in the answer to a repeat of a keyed rotation whose first answer was lost
+             *     (its process died after the rotation committed): the store keeps no secret in clear,
+             *     so the secret cannot be shown again. Rotate again if you did not choose it.
+             */
+            secret_withheld?: boolean;
         };
         RunAgentView: {
             hash: string;
@@ -1800,6 +1812,12 @@ export interface components {
             max_attempts: number;
             /** @description The signing key: in the answer to the creation only. */
             secret?: string | null;
+            /**
+             * @description True only in the answer to a repeat of a keyed creation whose first answer was lost
+             *     (its process died after the webhook was created): the store keeps no secret in clear,
+             *     so the secret cannot be shown again. Rotate it if you did not choose it.
+             */
+            secret_withheld?: boolean;
             url: string;
         };
         /** Format: int64 */

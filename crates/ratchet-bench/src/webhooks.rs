@@ -122,6 +122,7 @@ pub async fn attach(
                 events: events.clone(),
                 secret: "a-benchmark-webhook-secret".to_owned(),
                 max_attempts: 10,
+                request: None,
             },
             now_ms(),
         )

@@ -233,7 +233,7 @@ pub async fn resume_failed(
     let run_id = RunId::parse(run_id)?;
     let coordinator = ratchet_engine::Coordinator::new(open_existing_store(db)?);
     coordinator
-        .resume_failed(&run_id, how)
+        .resume_failed(&run_id, how, None)
         .await
         .with_context(|| format!("cannot resume run {run_id}"))?;
     writeln!(

@@ -593,13 +593,17 @@ impl Coordinator {
         Ok(reconciled)
     }
 
-    /// Continues or retries a failed run; its next step is picked up by any worker.
+    /// Continues or retries a failed run; its next step is picked up by any worker. A keyed
+    /// request records it with its key (see `Writes::resume_failed`).
     pub async fn resume_failed(
         &self,
         run_id: &RunId,
         how: ratchet_core::step::Resumption,
+        request: Option<RequestMark>,
     ) -> Result<Vec<ratchet_store::StoredEvent>> {
-        let events = self.writes.resume_failed(run_id, how, self.now()).await?;
+        let events = (self.writes)
+            .resume_failed(run_id, how, request, self.now())
+            .await?;
         self.publish(events.clone());
         self.wake.notify_one();
         Ok(events)

@@ -1333,6 +1333,16 @@ pub struct ResumedView {
     pub status: String,
 }
 
+impl ResumedView {
+    /// The answer to a continue or retry that went through.
+    pub fn running(run_id: &ratchet_core::RunId) -> ResumedView {
+        ResumedView {
+            run_id: run_id.to_string(),
+            status: RunStatus::Running.to_string(),
+        }
+    }
+}
+
 #[derive(Debug, Serialize, ToSchema)]
 pub struct PauseView {
     #[schema(value_type = RunIdSchema)]

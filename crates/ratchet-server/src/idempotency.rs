@@ -300,6 +300,29 @@ async fn answer_from(state: &AppState, effect: Effect) -> Response {
                 }
             }
         }
+        Effect::Resumed { run_id } => {
+            axum::Json(crate::api::ResumedView::running(&run_id)).into_response()
+        }
+        Effect::WebhookCreated { webhook_id } => {
+            match state.webhooks.get_webhook(&webhook_id).await {
+                Ok(webhook) => {
+                    let view = crate::webhooks::WebhookView {
+                        secret_withheld: true,
+                        ..webhook.into()
+                    };
+                    (StatusCode::CREATED, axum::Json(view)).into_response()
+                }
+                Err(error) => return ApiError::from(error).into_response(),
+            }
+        }
+        Effect::SecretRotated { webhook_id } => {
+            let rotated = crate::webhooks::RotatedSecret {
+                id: webhook_id.to_string(),
+                secret: None,
+                secret_withheld: true,
+            };
+            axum::Json(rotated).into_response()
+        }
     };
     (response.headers_mut()).insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     response

@@ -675,8 +675,10 @@ async fn retry_run(
     State(state): State<AppState>,
     tenant: Tenant,
     ApiPath(id): ApiPath<String>,
+    request: Option<Extension<RequestMark>>,
 ) -> Result<axum::Json<ResumedView>, ApiError> {
-    resume(&state, &tenant, &id, ratchet_core::step::Resumption::Retry).await
+    let how = ratchet_core::step::Resumption::Retry;
+    resume(&state, &tenant, &id, how, request.map(|r| r.0)).await
 }
 
 #[utoipa::path(
@@ -694,11 +696,12 @@ async fn continue_run(
     State(state): State<AppState>,
     tenant: Tenant,
     ApiPath(id): ApiPath<String>,
+    request: Option<Extension<RequestMark>>,
     ApiJson(body): ApiJson<ContinueRequest>,
 ) -> Result<axum::Json<ResumedView>, ApiError> {
     let extension = body.extension()?;
     let how = ratchet_core::step::Resumption::Continue { extension };
-    resume(&state, &tenant, &id, how).await
+    resume(&state, &tenant, &id, how, request.map(|r| r.0)).await
 }
 
 async fn resume(
@@ -706,14 +709,12 @@ async fn resume(
     tenant: &Tenant,
     id: &str,
     how: ratchet_core::step::Resumption,
+    request: Option<RequestMark>,
 ) -> Result<axum::Json<ResumedView>, ApiError> {
     let id = parse_run_id(id)?;
     tenant_run(state, tenant, &id).await?;
-    state.coordinator.resume_failed(&id, how).await?;
-    Ok(axum::Json(ResumedView {
-        run_id: id.to_string(),
-        status: "running".to_owned(),
-    }))
+    state.coordinator.resume_failed(&id, how, request).await?;
+    Ok(axum::Json(ResumedView::running(&id)))
 }
 
 #[utoipa::path(

@@ -6,10 +6,11 @@
 //! tenant cannot point the server's requests inside (its loopback, the metadata service, the
 //! private network); the dispatcher checks the addresses again as it connects.
 
+use axum::Extension;
 use axum::extract::State;
 use axum::http::StatusCode;
 use ratchet_core::{EventKind, Millis, WebhookId};
-use ratchet_store::{NewWebhook, Webhook, WebhookDelivery};
+use ratchet_store::{NewWebhook, RequestMark, Webhook, WebhookDelivery};
 use ratchet_webhooks::WebhookPolicy;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -73,8 +74,14 @@ pub struct RotateSecret {
 pub struct RotatedSecret {
     #[schema(value_type = WebhookIdSchema)]
     pub id: String,
-    /// The new signing key, shown this once.
-    pub secret: String,
+    /// The new signing key, shown this once; absent when `secret_withheld`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+    /// True only in the answer to a repeat of a keyed rotation whose first answer was lost
+    /// (its process died after the rotation committed): the store keeps no secret in clear,
+    /// so the secret cannot be shown again. Rotate again if you did not choose it.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub secret_withheld: bool,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -90,6 +97,11 @@ pub struct WebhookView {
     /// The signing key: in the answer to the creation only.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secret: Option<String>,
+    /// True only in the answer to a repeat of a keyed creation whose first answer was lost
+    /// (its process died after the webhook was created): the store keeps no secret in clear,
+    /// so the secret cannot be shown again. Rotate it if you did not choose it.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub secret_withheld: bool,
 }
 
 impl From<Webhook> for WebhookView {
@@ -101,6 +113,7 @@ impl From<Webhook> for WebhookView {
             max_attempts: webhook.max_attempts,
             created_at: webhook.created_at,
             secret: None,
+            secret_withheld: false,
         }
     }
 }
@@ -251,6 +264,7 @@ async fn tenant_webhook(
 async fn create_webhook(
     State(state): State<AppState>,
     tenant: Tenant,
+    request: Option<Extension<RequestMark>>,
     ApiJson(body): ApiJson<CreateWebhook>,
 ) -> Result<(StatusCode, axum::Json<WebhookView>), ApiError> {
     let max_attempts = body.max_attempts.unwrap_or(DEFAULT_MAX_ATTEMPTS);
@@ -267,6 +281,7 @@ async fn create_webhook(
         events: checked_events(body.events)?,
         secret: checked_secret(body.secret)?,
         max_attempts,
+        request: request.map(|r| r.0),
     };
     let secret = new.secret.clone();
     let webhook = state.webhooks.create_webhook(new, now_ms()).await?;
@@ -343,18 +358,19 @@ async fn rotate_secret(
     State(state): State<AppState>,
     tenant: Tenant,
     ApiPath(id): ApiPath<String>,
+    request: Option<Extension<RequestMark>>,
     body: Option<ApiJson<RotateSecret>>,
 ) -> Result<axum::Json<RotatedSecret>, ApiError> {
     let id = parse_webhook_id(&id)?;
     let secret = checked_secret(body.and_then(|ApiJson(body)| body.secret))?;
     tenant_webhook(&state, &tenant, &id).await?;
-    state
-        .webhooks
-        .rotate_webhook_secret(&id, secret.clone())
+    (state.webhooks)
+        .rotate_webhook_secret(&id, secret.clone(), request.map(|r| r.0))
         .await?;
     Ok(axum::Json(RotatedSecret {
         id: id.to_string(),
-        secret,
+        secret: Some(secret),
+        secret_withheld: false,
     }))
 }
 

@@ -827,7 +827,12 @@ pub async fn a_delegated_run_is_not_continued_on_its_own(store: &dyn Store) {
         "joined with the failure"
     );
     let refused = store
-        .resume_failed(&children[0], ratchet_core::step::Resumption::Retry, T0 + 30)
+        .resume_failed(
+            &children[0],
+            ratchet_core::step::Resumption::Retry,
+            None,
+            T0 + 30,
+        )
         .await;
     let Err(Error::Conflict(message)) = refused else {
         panic!("continuing a delegated run is refused: {refused:?}");

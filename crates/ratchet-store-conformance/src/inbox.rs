@@ -490,7 +490,12 @@ pub async fn a_failing_continuation_is_retried_then_dead_lettered(store: &dyn St
     assert_eq!(store.serve_inboxes(T0 + 100_000).await.unwrap().started, []);
     assert_eq!(store.admission(&parent).await.unwrap().inbox_held, 0);
     let refused = store
-        .resume_failed(&second, ratchet_core::step::Resumption::Retry, T0 + 100_000)
+        .resume_failed(
+            &second,
+            ratchet_core::step::Resumption::Retry,
+            None,
+            T0 + 100_000,
+        )
         .await;
     assert!(
         matches!(refused, Err(Error::Conflict(_))),

@@ -127,6 +127,7 @@ macro_rules! store_conformance_tests {
             a_background_runs_steered_signals_past_the_agent_lane_are_refused,
             a_keyed_request_is_carried_out_once_and_its_response_replayed,
             a_keyed_effect_is_recorded_with_its_key_and_recovered_after_its_holder_died,
+            keyed_resumes_webhooks_and_rotations_record_their_effect,
             a_fork_at_each_step_holds_the_sources_history_through_it_and_leaves_it_alone,
             a_forks_edit_replaces_the_user_message_or_a_tool_result,
             a_fork_counts_against_the_run_quota,
@@ -2700,7 +2701,10 @@ pub async fn an_approval_of_a_run_that_ended_is_closed_with_it(store: &dyn Store
             ..Default::default()
         },
     };
-    store.resume_failed(&run, more, T0 + 3_000).await.unwrap();
+    store
+        .resume_failed(&run, more, None, T0 + 3_000)
+        .await
+        .unwrap();
     let second = ask_approval_in(store, &run, T0 + 3_000).await;
     assert_ne!(second.id, first.id);
     assert_eq!(second.status, ApprovalStatus::Pending);
@@ -2989,7 +2993,10 @@ pub async fn a_failed_run_is_retried_or_continued_once_its_session_is_free(store
     );
 
     let before = snapshot(store, &run, &session).await;
-    match store.resume_failed(&run, Resumption::Retry, T0 + 4).await {
+    match store
+        .resume_failed(&run, Resumption::Retry, None, T0 + 4)
+        .await
+    {
         Err(Error::Conflict(message)) => {
             assert!(message.contains("another active run"), "{message}")
         }
@@ -3018,7 +3025,7 @@ pub async fn a_failed_run_is_retried_or_continued_once_its_session_is_free(store
         ..BudgetExtension::default()
     };
     match store
-        .resume_failed(&next, Resumption::Continue { extension }, T0 + 7)
+        .resume_failed(&next, Resumption::Continue { extension }, None, T0 + 7)
         .await
     {
         Err(Error::Conflict(message)) => {
@@ -3027,7 +3034,7 @@ pub async fn a_failed_run_is_retried_or_continued_once_its_session_is_free(store
         other => panic!("continue of a completed run: expected Conflict, got {other:?}"),
     }
     let events = store
-        .resume_failed(&run, Resumption::Retry, T0 + 8)
+        .resume_failed(&run, Resumption::Retry, None, T0 + 8)
         .await
         .unwrap();
     assert_attributed(&events);
@@ -3052,7 +3059,10 @@ pub async fn a_failed_run_is_retried_or_continued_once_its_session_is_free(store
             attempt: 1
         }
     );
-    match store.resume_failed(&run, Resumption::Retry, T0 + 10).await {
+    match store
+        .resume_failed(&run, Resumption::Retry, None, T0 + 10)
+        .await
+    {
         Err(Error::Conflict(_)) => {}
         other => panic!("retry of a running run: expected Conflict, got {other:?}"),
     }

@@ -267,3 +267,99 @@ pub async fn concurrent_requests_with_one_key_have_one_holder(store: Arc<dyn Sto
     }
     assert_eq!(taken, 1, "exactly one racer may take the key");
 }
+
+/// A keyed retry, a keyed webhook and a keyed rotation of its secret record what they did with
+/// the key in their own transaction, the secret left out: a repeat after the holder died
+/// answers from that record. Under a mark that lost its key each is refused and changes
+/// nothing: the run that failed again stays failed, no webhook is created.
+pub async fn keyed_resumes_webhooks_and_rotations_record_their_effect(store: &dyn Store) {
+    let tenant = ratchet_store::DEFAULT_TENANT;
+    let after_hold = T0 + HOLD_MS;
+    let recovered = |claim: RequestClaim| match claim {
+        RequestClaim::Recovered { effect, .. } => effect,
+        other => panic!("expected a recorded effect, found {other:?}"),
+    };
+
+    let session = new_session(store).await;
+    let (run, _) = super::submit(store, &session, "flaky", config(), T0).await;
+    let fail = async |now: i64| {
+        let claimed = super::claim(store, super::OWNER_A, now).await;
+        let failed = ratchet_core::step::finish_step(
+            claimed.state,
+            &claimed.job,
+            ratchet_core::StopReason::LlmError,
+            now,
+            now + 1,
+        );
+        super::commit(store, &claimed.claim, failed, None, now + 1).await;
+    };
+    fail(T0 + 1).await;
+    let request = keyed(tenant, &unique(), &format!("/v1/runs/{run}/retry"), "", T0);
+    let mark = executes(begin(store, &request, T0).await);
+    let retry = ratchet_core::step::Resumption::Retry;
+    (store.resume_failed(&run, retry, Some(mark.clone()), T0 + 3))
+        .await
+        .unwrap();
+    let effect = recovered(begin(store, &request, after_hold).await);
+    assert_eq!(
+        effect,
+        Effect::Resumed {
+            run_id: run.clone()
+        }
+    );
+    fail(after_hold + 1).await;
+    let late = (store.resume_failed(&run, retry, Some(mark), after_hold + 3)).await;
+    assert!(matches!(late, Err(Error::Conflict(_))), "{late:?}");
+    assert_eq!(super::load(store, &run).await.status, RunStatus::Failed);
+
+    let request = keyed(tenant, &unique(), "/v1/webhooks", "{}", T0);
+    let mark = executes(begin(store, &request, T0).await);
+    let webhook = |suffix: &str, mark: &RequestMark| ratchet_store::NewWebhook {
+        id: ratchet_core::WebhookId::from_suffix(suffix).unwrap(),
+        tenant: tenant.to_owned(),
+        url: "http://127.0.0.1:9/hook".to_owned(),
+        events: None,
+        secret: "the-first-secret-of-it".to_owned(),
+        max_attempts: 3,
+        request: Some(mark.clone()),
+    };
+    let created = (store.create_webhook(webhook(&unique(), &mark), T0))
+        .await
+        .unwrap();
+    let effect = recovered(begin(store, &request, after_hold).await);
+    assert_eq!(
+        effect,
+        Effect::WebhookCreated {
+            webhook_id: created.id.clone()
+        }
+    );
+    let orphan = unique();
+    let refused = (store.create_webhook(webhook(&orphan, &mark), after_hold)).await;
+    assert!(matches!(refused, Err(Error::Conflict(_))), "{refused:?}");
+    let listed: Vec<_> = (store.webhooks(tenant).await.unwrap().into_iter())
+        .map(|w| w.id)
+        .collect();
+    assert!(listed.contains(&created.id));
+    assert!(
+        !listed.iter().any(|id| id.as_str().ends_with(&orphan)),
+        "a webhook refused under a lost mark is not written"
+    );
+
+    let path = format!("/v1/webhooks/{}/rotate-secret", created.id);
+    let request = keyed(tenant, &unique(), &path, "{}", T0);
+    let mark = executes(begin(store, &request, T0).await);
+    let rotated = "the-second-secret-of-it".to_owned();
+    (store.rotate_webhook_secret(&created.id, rotated, Some(mark.clone())))
+        .await
+        .unwrap();
+    let effect = recovered(begin(store, &request, after_hold).await);
+    assert_eq!(
+        effect,
+        Effect::SecretRotated {
+            webhook_id: created.id.clone()
+        }
+    );
+    let late =
+        (store.rotate_webhook_secret(&created.id, "a-third-secret-of-it".into(), Some(mark))).await;
+    assert!(matches!(late, Err(Error::Conflict(_))), "{late:?}");
+}

@@ -47,6 +47,7 @@ async fn webhook(
         events: events.map(|kinds| kinds.iter().map(|k| (*k).to_owned()).collect()),
         secret: SECRET.to_owned(),
         max_attempts,
+        request: None,
     };
     hooks
         .create_webhook(new, T0)
@@ -706,7 +707,7 @@ pub async fn a_rotated_secret_signs_the_attempts_claimed_after_it(
     );
 
     hooks
-        .rotate_webhook_secret(&hook.id, "the-new-secret-of-it".to_owned())
+        .rotate_webhook_secret(&hook.id, "the-new-secret-of-it".to_owned(), None)
         .await
         .unwrap();
     let again = claim_deliveries(hooks, DISPATCHER_A, T0 + 10).await;
@@ -734,7 +735,7 @@ pub async fn a_rotated_secret_signs_the_attempts_claimed_after_it(
     let unknown = WebhookId::from_suffix(&unique()).unwrap();
     assert!(matches!(
         hooks
-            .rotate_webhook_secret(&unknown, "whatever-whatever".to_owned())
+            .rotate_webhook_secret(&unknown, "whatever-whatever".to_owned(), None)
             .await,
         Err(Error::NotFound {
             kind: "webhook",

@@ -437,9 +437,17 @@ impl Writes for MemoryStore {
         &self,
         run_id: &RunId,
         how: Resumption,
+        request: Option<RequestMark>,
         now: Millis,
     ) -> Result<Vec<StoredEvent>> {
-        self.write(|t| t.resume_failed(run_id, how, now))
+        self.write(|t| {
+            let events = t.resume_failed(run_id, how, now)?;
+            if let Some(mark) = &request {
+                let run_id = run_id.clone();
+                t.record_effect(mark, Effect::Resumed { run_id })?;
+            }
+            Ok(events)
+        })
     }
 
     async fn answer_approval(
@@ -602,9 +610,17 @@ impl Changes for MemoryStore {}
 
 #[async_trait]
 impl WebhookAdmin for MemoryStore {
-    async fn create_webhook(&self, webhook: NewWebhook, now: Millis) -> Result<Webhook> {
+    async fn create_webhook(&self, mut webhook: NewWebhook, now: Millis) -> Result<Webhook> {
         let keyring = self.keyring()?;
-        self.write(|t| t.create_webhook(&keyring, webhook, now))
+        let request = webhook.request.take();
+        self.write(|t| {
+            let webhook_id = webhook.id.clone();
+            let created = t.create_webhook(&keyring, webhook, now)?;
+            if let Some(mark) = &request {
+                t.record_effect(mark, Effect::WebhookCreated { webhook_id })?;
+            }
+            Ok(created)
+        })
     }
 
     async fn get_webhook(&self, id: &WebhookId) -> Result<Webhook> {
@@ -619,9 +635,21 @@ impl WebhookAdmin for MemoryStore {
         self.write(|t| t.delete_webhook(id))
     }
 
-    async fn rotate_webhook_secret(&self, id: &WebhookId, secret: String) -> Result<()> {
+    async fn rotate_webhook_secret(
+        &self,
+        id: &WebhookId,
+        secret: String,
+        request: Option<RequestMark>,
+    ) -> Result<()> {
         let keyring = self.keyring()?;
-        self.write(|t| t.rotate_webhook_secret(&keyring, id, &secret))
+        self.write(|t| {
+            t.rotate_webhook_secret(&keyring, id, &secret)?;
+            if let Some(mark) = &request {
+                let webhook_id = id.clone();
+                t.record_effect(mark, Effect::SecretRotated { webhook_id })?;
+            }
+            Ok(())
+        })
     }
 
     async fn seal_webhook_secrets(&self) -> Result<u64> {

@@ -839,7 +839,7 @@ impl<'a> Harness<'a> {
                     }
                 };
                 self.same("resume_failed", async |s| {
-                    s.resume_failed(&run, how, now).await
+                    s.resume_failed(&run, how, None, now).await
                 })
                 .await?;
             }

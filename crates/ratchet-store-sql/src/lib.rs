@@ -303,8 +303,12 @@ forward! {
             result: Option<String>,
             now: Millis
         ) -> Result<Reconciled> = runs::reconcile(&run_id, &call_id, answer, result, now);
-        write resume_failed(run_id: &RunId => clone, how: Resumption, now: Millis)
-            -> Result<Vec<StoredEvent>> = runs::resume_failed(&run_id, how, now);
+        write resume_failed(
+            run_id: &RunId => clone,
+            how: Resumption,
+            request: Option<RequestMark>,
+            now: Millis
+        ) -> Result<Vec<StoredEvent>> = runs::resume_failed(&run_id, how, request, now);
         write answer_approval(
             id: &ApprovalId => clone,
             answer: ApprovalAnswer,
@@ -450,11 +454,16 @@ forward! {
             .await
     }
 
-    async fn rotate_webhook_secret(&self, id: &WebhookId, secret: String) -> Result<()> {
+    async fn rotate_webhook_secret(
+        &self,
+        id: &WebhookId,
+        secret: String,
+        request: Option<RequestMark>,
+    ) -> Result<()> {
         let keyring = self.keyring()?;
         let id = id.clone();
         self.backend
-            .write(move |c| webhooks::rotate_webhook_secret(c, &keyring, &id, &secret))
+            .write(move |c| webhooks::rotate_webhook_secret(c, &keyring, &id, &secret, request))
             .await
     }
 

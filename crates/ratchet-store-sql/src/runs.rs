@@ -9,8 +9,8 @@ use ratchet_core::{
     ScheduleId, SessionId, StopReason,
 };
 use ratchet_store::{
-    CancelOutcome, Error, PauseOutcome, Reconciled, ResumeOutcome, RunSummary, StoreStats,
-    StoredEvent, TimedOut,
+    CancelOutcome, Effect, Error, PauseOutcome, Reconciled, RequestMark, ResumeOutcome, RunSummary,
+    StoreStats, StoredEvent, TimedOut,
 };
 use serde_json::json;
 
@@ -559,6 +559,7 @@ pub(crate) fn resume_failed(
     c: &dyn Db,
     run_id: &RunId,
     how: Resumption,
+    request: Option<RequestMark>,
     now: Millis,
 ) -> Result<Vec<StoredEvent>> {
     lock_session_of_run(c, run_id)?;
@@ -582,5 +583,11 @@ pub(crate) fn resume_failed(
     }
     write_state(c, &state)?;
     insert_job(c, &job, now)?;
+    if let Some(mark) = &request {
+        let effect = Effect::Resumed {
+            run_id: run_id.clone(),
+        };
+        crate::requests::record_effect(c, mark, &effect)?;
+    }
     insert_events(c, &state.session_id, Some(run_id), &drafts, now)
 }

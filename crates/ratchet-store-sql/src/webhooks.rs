@@ -7,8 +7,8 @@
 
 use ratchet_core::{DeliveryStatus, Millis, WebhookId};
 use ratchet_store::{
-    AttemptOutcome, ClaimedDelivery, DeliveryBounds, DeliveryClaim, Error, Keyring, NewWebhook,
-    Webhook, WebhookDelivery,
+    AttemptOutcome, ClaimedDelivery, DeliveryBounds, DeliveryClaim, Effect, Error, Keyring,
+    NewWebhook, RequestMark, Webhook, WebhookDelivery,
 };
 
 use crate::db::{Db, Row};
@@ -78,6 +78,12 @@ pub(crate) fn create_webhook(
          SELECT ?1, id, last_seq FROM sessions WHERE tenant = ?2 AND last_seq > 0",
         &params![new.id.as_str(), &new.tenant],
     )?;
+    if let Some(mark) = &new.request {
+        let effect = Effect::WebhookCreated {
+            webhook_id: new.id.clone(),
+        };
+        crate::requests::record_effect(c, mark, &effect)?;
+    }
     get_webhook(c, &new.id)
 }
 
@@ -124,6 +130,7 @@ pub(crate) fn rotate_webhook_secret(
     keyring: &Keyring,
     id: &WebhookId,
     secret: &str,
+    request: Option<RequestMark>,
 ) -> Result<()> {
     let sealed = keyring.seal(id.as_str(), secret)?;
     let changed = c.execute(
@@ -132,6 +139,12 @@ pub(crate) fn rotate_webhook_secret(
     )?;
     if changed == 0 {
         return Err(not_found(id));
+    }
+    if let Some(mark) = &request {
+        let effect = Effect::SecretRotated {
+            webhook_id: id.clone(),
+        };
+        crate::requests::record_effect(c, mark, &effect)?;
     }
     Ok(())
 }

@@ -1365,12 +1365,14 @@ pub trait Writes: Send + Sync + 'static {
     ) -> Result<Reconciled>;
 
     /// Continues or retries a failed run (see `ratchet_core::step::resume_failed`): it becomes
-    /// its session's active run again, with its next job enqueued. `Error::Conflict` when the
-    /// run did not fail or its session has another active run now.
+    /// its session's active run again, with its next job enqueued, and `request`'s key records
+    /// `Effect::Resumed` in the same transaction. `Error::Conflict` when the run did not fail,
+    /// its session has another active run now, or `request` no longer holds its key.
     async fn resume_failed(
         &self,
         run_id: &RunId,
         how: Resumption,
+        request: Option<RequestMark>,
         now: Millis,
     ) -> Result<Vec<StoredEvent>>;
 

@@ -6,11 +6,12 @@
 //! row within that same transaction (`NewRun::request`, `SessionSpec::request`), so that when
 //! its process dies between the commit and storing the response, a repeat answers from the
 //! recorded effect instead of doing it again. A fork (`NewFork::request`), a new schedule
-//! (`NewSchedule::request`) and a schedule's manual slot (`Writes::trigger_schedule`) do the
-//! same. Once answered, the response is kept
+//! (`NewSchedule::request`), a schedule's manual slot (`Writes::trigger_schedule`), a continue
+//! or retry (`Writes::resume_failed`), a new webhook (`NewWebhook::request`) and a rotated
+//! secret (`WebhookAdmin::rotate_webhook_secret`) do the same. Once answered, the response is kept
 //! (`Writes::finish_request`) and every repeat until the key expires gets it back.
 
-use ratchet_core::{MessageId, Millis, RunId, RunStatus, ScheduleId, SessionId};
+use ratchet_core::{MessageId, Millis, RunId, RunStatus, ScheduleId, SessionId, WebhookId};
 use serde::{Deserialize, Serialize};
 
 /// The longest key a client may send, in characters.
@@ -107,6 +108,14 @@ pub enum Effect {
         schedule_id: ScheduleId,
         slot: Millis,
     },
+    /// A failed run was continued or retried (`Writes::resume_failed`).
+    Resumed { run_id: RunId },
+    /// A webhook was created (`WebhookAdmin::create_webhook`). Its secret is not recorded:
+    /// the store keeps no secret in clear.
+    WebhookCreated { webhook_id: WebhookId },
+    /// A webhook's secret was replaced (`WebhookAdmin::rotate_webhook_secret`); the secret is
+    /// not recorded.
+    SecretRotated { webhook_id: WebhookId },
 }
 
 impl Effect {

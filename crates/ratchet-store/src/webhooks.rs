@@ -27,6 +27,9 @@ pub struct NewWebhook {
     pub secret: String,
     /// Attempts of one delivery before it is dead-lettered.
     pub max_attempts: u32,
+    /// The keyed request creating it: `Effect::WebhookCreated` is recorded with the key in
+    /// the webhook's transaction (`Error::Conflict`, nothing created, if the key was lost).
+    pub request: Option<crate::RequestMark>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -132,8 +135,13 @@ pub trait WebhookAdmin: Send + Sync + 'static {
     async fn delete_webhook(&self, id: &WebhookId) -> Result<()>;
 
     /// Replaces a webhook's signing secret: the attempts claimed from now on are signed with
-    /// it.
-    async fn rotate_webhook_secret(&self, id: &WebhookId, secret: String) -> Result<()>;
+    /// it. `request`'s key records `Effect::SecretRotated` in the same transaction.
+    async fn rotate_webhook_secret(
+        &self,
+        id: &WebhookId,
+        secret: String,
+        request: Option<crate::RequestMark>,
+    ) -> Result<()>;
 
     /// Seals under the keyring's current key every secret that is not sealed with it yet: those
     /// written in clear before secrets were sealed, and those a previous key sealed. Returns how

@@ -351,9 +351,15 @@ class RotatedSecret(BaseModel):
     """
     A webhook id: `whk_` then 1 to 64 letters, digits or `-`.
     """
-    secret: str
+    secret: Optional[str] = None
     """
-    The new signing key, shown this once.
+    The new signing key, shown this once; absent when `secret_withheld`.
+    """
+    secret_withheld: Optional[bool] = None
+    """
+    True only in the answer to a repeat of a keyed rotation whose first answer was lost
+    (its process died after the rotation committed): the store keeps no secret in clear,
+    so the secret cannot be shown again. Rotate again if you did not choose it.
     """
 
 
@@ -1471,6 +1477,12 @@ class WebhookView(BaseModel):
     secret: Optional[str] = None
     """
     The signing key: in the answer to the creation only.
+    """
+    secret_withheld: Optional[bool] = None
+    """
+    True only in the answer to a repeat of a keyed creation whose first answer was lost
+    (its process died after the webhook was created): the store keeps no secret in clear,
+    so the secret cannot be shown again. Rotate it if you did not choose it.
     """
     url: str
 

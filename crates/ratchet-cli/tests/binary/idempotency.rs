@@ -349,3 +349,96 @@ async fn a_keyed_schedule_and_trigger_whose_process_died_are_carried_out_once_on
     };
     keyed_schedules_across_deaths(database).await;
 }
+
+/// A keyed continue, a keyed webhook and a keyed rotation of its secret whose process died
+/// between their commit and their answer are carried out once: the run's budget is extended
+/// once (a repeat does not continue it again when it has failed again), one webhook exists,
+/// and the repeats say that the secret is not shown again.
+#[cfg(feature = "failpoints")]
+async fn keyed_continue_and_webhooks_across_deaths(database: Database) {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("script.json");
+    let replies = json!({"replies": [
+        {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 1}}]},
+        {"tool_calls": [{"name": "sleep_ms", "arguments": {"ms": 1}}]},
+        {"text": "done"},
+    ]});
+    std::fs::write(&script, replies.to_string()).unwrap();
+    let ran = crate::common::output_within_deadline(
+        Command::new(BIN)
+            .args(["run", "--json", "--db", &database.url, "--max-steps", "1"])
+            .arg("--model")
+            .arg(format!("scripted:{}", script.display()))
+            .arg("--workspace")
+            .arg(dir.path())
+            .arg("spend the budget"),
+        "",
+    );
+    let ran: Value = serde_json::from_slice(&ran.stdout).unwrap();
+    assert_eq!(ran["stop_reason"], "budget_exhausted", "{ran}");
+    let run = ratchet_core::RunId::parse(ran["run_id"].as_str().unwrap()).unwrap();
+    let path = format!("/v1/runs/{run}/continue");
+    let (status, continued, server) = keyed_across_a_death(
+        dir.path(),
+        &database,
+        &path,
+        "continue-1",
+        &json!({"extra_steps": 1}),
+    )
+    .await;
+    assert_eq!(status, 200, "{continued}");
+    assert_eq!(continued["status"], "running");
+    let state = crate::common::open_store(&database.url)
+        .load_state(&run)
+        .await
+        .unwrap();
+    assert_eq!(state.extension.steps, 1, "continued once");
+    server.kill();
+
+    let http = reqwest::Client::new();
+    let body = json!({"url": "http://127.0.0.1:9/hook"});
+    let (status, created, server) =
+        keyed_across_a_death(dir.path(), &database, "/v1/webhooks", "webhook-1", &body).await;
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(created["secret_withheld"], true, "{created}");
+    assert!(created.get("secret").is_none(), "{created}");
+    let listed: Value = (http.get(format!("{}/v1/webhooks", server.base)))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = (listed["items"].as_array().unwrap().iter())
+        .map(|w| w["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [created["id"].as_str().unwrap()], "one webhook");
+    server.kill();
+
+    let rotate = format!(
+        "/v1/webhooks/{}/rotate-secret",
+        created["id"].as_str().unwrap()
+    );
+    let (status, rotated, _server) =
+        keyed_across_a_death(dir.path(), &database, &rotate, "rotate-1", &json!({})).await;
+    assert_eq!(status, 200, "{rotated}");
+    assert_eq!(rotated["secret_withheld"], true, "{rotated}");
+    assert!(rotated.get("secret").is_none(), "{rotated}");
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_continue_webhook_and_rotation_whose_process_died_are_carried_out_once_on_sqlite() {
+    keyed_continue_and_webhooks_across_deaths(sqlite().unwrap()).await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_continue_webhook_and_rotation_whose_process_died_are_carried_out_once_on_postgres()
+{
+    let Some(database) = postgres() else {
+        eprintln!("skipped: RATCHET_TEST_POSTGRES_URL is not set");
+        return;
+    };
+    keyed_continue_and_webhooks_across_deaths(database).await;
+}

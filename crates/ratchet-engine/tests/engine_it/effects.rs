@@ -601,7 +601,10 @@ async fn a_deadline_cut_off_batch_keeps_its_outcomes_and_continue_carries_it_on(
             ..Default::default()
         },
     };
-    node.coordinator.resume_failed(&run, more).await.unwrap();
+    node.coordinator
+        .resume_failed(&run, more, None)
+        .await
+        .unwrap();
     let done = node.settle(&run).await;
     assert_eq!(done.status, RunStatus::Completed);
     assert_eq!(

@@ -635,6 +635,7 @@ async fn stored_webhook(server: &Server, url: &str, max_attempts: u32) -> String
                 events: Some(vec!["run.finished".to_owned()]),
                 secret: "a-secret-of-sixteen".to_owned(),
                 max_attempts,
+                request: None,
             },
             0,
         )

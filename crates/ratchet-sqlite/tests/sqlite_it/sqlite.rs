@@ -131,6 +131,7 @@ fn new_webhook(id: &str, secret: &str) -> NewWebhook {
         events: None,
         secret: secret.to_owned(),
         max_attempts: 3,
+        request: None,
     }
 }
 
@@ -164,7 +165,7 @@ async fn webhook_secrets_never_reach_the_database_files_in_clear() {
         .unwrap();
     let id = WebhookId::from_suffix("w1").unwrap();
     store
-        .rotate_webhook_secret(&id, "whsec_the-rotated-secret".to_owned())
+        .rotate_webhook_secret(&id, "whsec_the-rotated-secret".to_owned(), None)
         .await
         .unwrap();
     let files = files_of(dir.path());
