@@ -292,15 +292,32 @@ pub fn delegate_tool(agents: &[AgentProfile]) -> ToolSpec {
 
 /// The `agent_task` tool: a run looks after the runs below it in its tree.
 pub fn agent_task_tool() -> ToolSpec {
+    agent_task_spec(
+        "Look after the runs you started (and theirs): `list` them, `get` one's status, `get_result` its final answer (a long one a page at a time: pass the `next_offset` it gives as `offset`), or `cancel` it.",
+        &["list", "get", "get_result", "cancel"],
+    )
+}
+
+/// The `agent_task` a continuation turn is given: it reads the runs whose reports it carries
+/// (any run started from its session's tree), and may neither list nor cancel.
+pub fn agent_task_for_reports_tool() -> ToolSpec {
+    agent_task_spec(
+        "Read a run a report names: `get` its status, or `get_result` its final answer (a long one a page at a time: pass the `next_offset` it gives as `offset`).",
+        &["get", "get_result"],
+    )
+}
+
+fn agent_task_spec(description: &str, actions: &[&str]) -> ToolSpec {
     ToolSpec {
         calls: Default::default(),
         name: AGENT_TASK_TOOL.to_owned(),
-        description: "Look after the runs you started (and theirs): `list` them, `get` one's status, `get_result` its final answer, or `cancel` it.".to_owned(),
+        description: description.to_owned(),
         parameters: json!({
             "type": "object",
             "properties": {
-                "action": {"type": "string", "enum": ["list", "get", "get_result", "cancel"]},
-                "run_id": {"type": "string"}
+                "action": {"type": "string", "enum": actions},
+                "run_id": {"type": "string"},
+                "offset": {"type": "integer", "minimum": 0}
             },
             "required": ["action"],
             "additionalProperties": false

@@ -180,10 +180,46 @@ pub(crate) fn children(
 }
 
 /// `agent_task`: get, list, get_result or cancel the runs below the caller in its tree —
-/// never the caller itself, its ancestors or another tree.
+/// never the caller itself, its ancestors or another tree. A continuation turn's reads the
+/// runs that report to its session instead (`TaskScope::Reports`).
 pub(crate) struct AgentTask {
     pub coordinator: Arc<Coordinator>,
     pub caller: RunId,
+    pub scope: TaskScope,
+    /// The most bytes of an answer one `get_result` returns.
+    pub page_bytes: u64,
+}
+
+/// Which runs an `agent_task` reaches.
+pub(crate) enum TaskScope {
+    /// The runs below the caller in its tree: every action.
+    Below,
+    /// Any run started from the trees of this root session (the runs its inbox reports
+    /// about), read only: `get` and `get_result`.
+    Reports(SessionId),
+}
+
+impl AgentTask {
+    pub(crate) fn for_run(coordinator: Arc<Coordinator>, state: &AgentState) -> AgentTask {
+        let scope = if state.config.continuation {
+            TaskScope::Reports(state.session_id.clone())
+        } else {
+            TaskScope::Below
+        };
+        AgentTask {
+            coordinator,
+            caller: state.run_id.clone(),
+            scope,
+            page_bytes: answer_page_bytes(state.config.limits.max_tool_result_bytes),
+        }
+    }
+}
+
+/// What one page of an answer may hold so that the tool result carrying it (escaped as JSON,
+/// which may double it, with the run's description) fits in `max_tool_result_bytes` and is
+/// never cut again on its way to the model.
+fn answer_page_bytes(max_tool_result_bytes: u64) -> u64 {
+    (max_tool_result_bytes / 2).saturating_sub(512).max(256)
 }
 
 #[derive(Debug, Deserialize)]
@@ -192,6 +228,9 @@ struct AgentTaskRequest {
     action: Action,
     #[serde(default)]
     run_id: Option<String>,
+    /// Where in the answer a `get_result` page starts, in bytes.
+    #[serde(default)]
+    offset: u64,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
@@ -226,7 +265,7 @@ impl Tool for AgentTask {
             Ok(request) => request,
             Err(e) => {
                 return ToolOutcome::error(format!(
-                    "invalid agent_task arguments: {e}; expected {{\"action\": \"list\" | \"get\" | \"get_result\" | \"cancel\", \"run_id\": ID}}"
+                    "invalid agent_task arguments: {e}; expected {{\"action\": \"list\" | \"get\" | \"get_result\" | \"cancel\", \"run_id\": ID, \"offset\": BYTES}}"
                 ));
             }
         };
@@ -240,20 +279,33 @@ impl Tool for AgentTask {
 impl AgentTask {
     async fn answer(&self, request: AgentTaskRequest) -> crate::Result<ToolOutcome> {
         let store = self.coordinator.store();
-        let tree = store.run_tree(&self.caller).await?;
-        let below: Vec<&TreeNode> = tree.iter().filter(|n| n.run_id != self.caller).collect();
-        let node = match request.action {
-            Action::List => {
-                let runs: Vec<Value> = below.iter().map(|n| node_json(n)).collect();
-                return Ok(ToolOutcome::ok(json!({"runs": runs}).to_string()));
+        let node = match (&self.scope, request.action) {
+            (TaskScope::Reports(_), Action::List | Action::Cancel) => {
+                return Ok(ToolOutcome::error(
+                    "a report's turn may only `get` a run or `get_result` its answer",
+                ));
             }
-            Action::Get | Action::GetResult | Action::Cancel => {
-                match pick(&below, request.run_id) {
+            (TaskScope::Reports(session), Action::Get | Action::GetResult) => {
+                match self.reported(session, request.run_id).await? {
                     Ok(node) => node,
                     Err(refusal) => return Ok(refusal),
                 }
             }
+            (TaskScope::Below, action) => {
+                let tree = store.run_tree(&self.caller).await?;
+                let below: Vec<&TreeNode> =
+                    tree.iter().filter(|n| n.run_id != self.caller).collect();
+                if action == Action::List {
+                    let runs: Vec<Value> = below.iter().map(|n| node_json(n)).collect();
+                    return Ok(ToolOutcome::ok(json!({"runs": runs}).to_string()));
+                }
+                match pick(&below, request.run_id) {
+                    Ok(node) => node.clone(),
+                    Err(refusal) => return Ok(refusal),
+                }
+            }
         };
+        let node = &node;
         match request.action {
             Action::List | Action::Get => Ok(ToolOutcome::ok(node_json(node).to_string())),
             Action::GetResult => {
@@ -264,8 +316,16 @@ impl AgentTask {
                     )));
                 }
                 let state = store.load_state(&node.run_id).await?;
+                let answer = state.final_answer.unwrap_or_default();
+                let page = match answer_page(&answer, request.offset, self.page_bytes) {
+                    Ok(page) => page,
+                    Err(refusal) => return Ok(ToolOutcome::error(refusal)),
+                };
                 let mut result = node_json(node);
-                result["answer"] = json!(state.final_answer);
+                result["answer"] = json!(page.text);
+                result["answer_bytes"] = json!(answer.len());
+                result["offset"] = json!(request.offset);
+                result["next_offset"] = json!(page.next_offset);
                 Ok(ToolOutcome::ok(result.to_string()))
             }
             Action::Cancel => {
@@ -281,6 +341,73 @@ impl AgentTask {
             }
         }
     }
+}
+
+impl AgentTask {
+    /// The run `wanted` names if it was started from `session`'s trees (and is not the
+    /// caller), or the refusal the model reads.
+    async fn reported(
+        &self,
+        session: &SessionId,
+        wanted: Option<String>,
+    ) -> crate::Result<Result<TreeNode, ToolOutcome>> {
+        let Some(wanted) = wanted else {
+            return Ok(Err(ToolOutcome::error(
+                "this action needs \"run_id\": a run a report names",
+            )));
+        };
+        let refusal = || {
+            ToolOutcome::error(format!(
+                "run {wanted:?} did not report to this session; only the runs the reports name can be read"
+            ))
+        };
+        let Ok(run_id) = RunId::parse(&wanted) else {
+            return Ok(Err(refusal()));
+        };
+        let store = self.coordinator.store();
+        let state = match store.load_state(&run_id).await {
+            Ok(state) => state,
+            Err(ratchet_store::Error::NotFound { .. }) => return Ok(Err(refusal())),
+            Err(error) => return Err(error.into()),
+        };
+        if run_id == self.caller || ratchet_core::delegation::tree_root(&state).1 != session {
+            return Ok(Err(refusal()));
+        }
+        let tree = store.run_tree(&run_id).await?;
+        Ok(tree
+            .into_iter()
+            .find(|n| n.run_id == run_id)
+            .ok_or_else(refusal))
+    }
+}
+
+/// One page of an answer.
+#[derive(Debug, PartialEq)]
+struct AnswerPage<'a> {
+    text: &'a str,
+    /// Where the next page starts; None on the last.
+    next_offset: Option<usize>,
+}
+
+/// The page of `answer` that starts at byte `offset` and holds at most `page_bytes` (ending on
+/// a character boundary), or what is wrong with `offset`.
+fn answer_page(answer: &str, offset: u64, page_bytes: u64) -> Result<AnswerPage<'_>, String> {
+    let start = usize::try_from(offset).unwrap_or(usize::MAX);
+    if start > answer.len() || !answer.is_char_boundary(start) {
+        return Err(format!(
+            "offset {offset} is not where a page of this {}-byte answer starts; pass 0 or a next_offset it gave",
+            answer.len()
+        ));
+    }
+    let page = usize::try_from(page_bytes).unwrap_or(usize::MAX);
+    let mut end = start.saturating_add(page).min(answer.len());
+    while !answer.is_char_boundary(end) {
+        end -= 1;
+    }
+    Ok(AnswerPage {
+        text: &answer[start..end],
+        next_offset: (end < answer.len()).then_some(end),
+    })
 }
 
 /// The run `wanted` names among those below the caller, or the refusal the model reads.
@@ -366,6 +493,45 @@ impl Tool for EmitSignal {
             ),
             Ok(SignalOutcome::Refused(why)) => ToolOutcome::error(why),
             Err(error) => ToolOutcome::error(format!("emit_signal failed: {error}")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_is_read_in_pages_that_end_on_characters_and_join_up_whole() {
+        let answer = "é".repeat(1_000) + "the end";
+        let mut offset = 0;
+        let mut read = String::new();
+        loop {
+            let page = answer_page(&answer, offset, 301).unwrap();
+            assert!(page.text.len() <= 301);
+            read.push_str(page.text);
+            match page.next_offset {
+                Some(next) => offset = next as u64,
+                None => break,
+            }
+        }
+        assert_eq!(read, answer);
+        assert_eq!(answer_page("short", 0, 301).unwrap().next_offset, None);
+        assert_eq!(answer_page("", 0, 301).unwrap().text, "");
+        for wrong in [1, 2_008, u64::MAX] {
+            let refused = answer_page(&answer, wrong, 301).unwrap_err();
+            assert!(refused.contains("pass 0 or a next_offset"), "{refused}");
+        }
+    }
+
+    #[test]
+    fn a_page_and_its_escapes_fit_in_one_tool_result() {
+        for max in [1_024, 8_192, 65_536] {
+            let page = answer_page_bytes(max);
+            assert!(
+                page >= 256 && 2 * page + 512 <= max.max(1_024),
+                "{max}: {page}"
+            );
         }
     }
 }

@@ -576,10 +576,10 @@ impl Engine {
                     }) as Arc<dyn Tool>),
                     None => Err("this run has no signal contract".to_owned()),
                 },
-                AGENT_TASK_TOOL if injected => Ok(Arc::new(AgentTask {
-                    coordinator: Arc::clone(&self.coordinator),
-                    caller: state.run_id.clone(),
-                }) as Arc<dyn Tool>),
+                AGENT_TASK_TOOL if injected => Ok(Arc::new(AgentTask::for_run(
+                    Arc::clone(&self.coordinator),
+                    &state,
+                )) as Arc<dyn Tool>),
                 _ => self.check_call(&state.config, call),
             };
             match checked {

@@ -9,7 +9,7 @@ use ratchet_core::inbox::{
     DueEvent, EXPIRED, EarlierSignal, InboxRoom, NextTurn, RUN_CANCELLED, SESSION_CLOSED,
     SignalAdmission, Waiting, admit_signal, continuation_config, continuation_ids,
     continuation_release_reason, continuation_trigger, dead_lettered, next_turn, places_to_reserve,
-    signal_not_sent, signal_to_closed, steered_signal,
+    signal_not_sent, signal_to_closed, steered_signal, trigger_budget,
 };
 use ratchet_core::{
     AgentState, CompletionPolicy, Delivery, EventDraft, EventKind, InboxKind, InboxPolicy,
@@ -347,7 +347,7 @@ impl Tables {
         let (run_id, message_id) = continuation_ids(now, first.id, i64::from(*attempts))
             .map_err(|e| Error::Corrupt(e.to_string()))?;
         let events: Vec<DueEvent> = due.into_iter().map(|(e, _)| e).collect();
-        let trigger = continuation_trigger(&events, config.limits.max_tool_result_bytes);
+        let trigger = continuation_trigger(&events, trigger_budget(&config.limits));
         let (state, created) = self.insert_queued_run(
             session,
             &run_id,

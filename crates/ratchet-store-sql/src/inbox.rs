@@ -11,7 +11,7 @@ use ratchet_core::inbox::{
     DueEvent, EXPIRED, EarlierSignal, InboxRoom, NextTurn, RUN_CANCELLED, SESSION_CLOSED,
     SignalAdmission, Waiting, admit_signal, continuation_config, continuation_ids,
     continuation_release_reason, continuation_trigger, dead_lettered, next_turn, places_to_reserve,
-    signal_not_sent, signal_to_closed, steered_signal,
+    signal_not_sent, signal_to_closed, steered_signal, trigger_budget,
 };
 use ratchet_core::{
     AgentState, CompletionPolicy, Delivery, EventDraft, EventKind, InboxKind, InboxPolicy,
@@ -390,7 +390,7 @@ pub(crate) fn start_continuation(
         session,
         &run_id,
         message_id.as_str(),
-        &continuation_trigger(&events, config.limits.max_tool_result_bytes),
+        &continuation_trigger(&events, trigger_budget(&config.limits)),
         config,
         None,
         now,

@@ -901,6 +901,143 @@ async fn background_work_reports_back_in_a_continuation_turn_and_an_archived_ses
     assert!(!ids(&listed["items"]).contains(&session), "{listed}");
 }
 
+/// A worker's answer larger than a continuation's trigger and than one tool result may be.
+fn long_answer() -> String {
+    (0..1_500)
+        .map(|i| format!("line {i:05} of the answer\n"))
+        .collect()
+}
+
+/// One model for a whole tree: a lead with `delegate` sends the work to the background and
+/// says "started"; a worker answers `long_answer()`; a continuation reads the reported run's
+/// answer with `agent_task get_result`, page after page, and tells whether it read it whole.
+struct PagingReader;
+
+#[async_trait::async_trait]
+impl ratchet_llm::Model for PagingReader {
+    async fn complete(
+        &self,
+        request: ratchet_llm::ModelRequest,
+        _deltas: tokio::sync::mpsc::UnboundedSender<String>,
+        _cancel: CancellationToken,
+    ) -> ratchet_llm::Result<ratchet_core::ModelReply> {
+        let text = |text: String| ratchet_core::ModelReply {
+            text,
+            ..Default::default()
+        };
+        let call = |name: &str, arguments: Value| ratchet_core::ModelReply {
+            tool_calls: vec![ratchet_core::ToolCall {
+                id: format!("c{}", request.call_index),
+                name: name.into(),
+                arguments,
+            }],
+            ..Default::default()
+        };
+        let trigger = (request.messages.iter())
+            .position(|m| m.role == ratchet_core::Role::User && m.content.starts_with("[runtime]"));
+        let Some(trigger) = trigger else {
+            let offered = |name: &str| request.tools.iter().any(|t| t.name == name);
+            return Ok(match (offered("delegate"), request.call_index) {
+                (true, 0) => call(
+                    "delegate",
+                    json!({"mode": "background", "tasks": [{"agent": "worker", "task": "write it"}]}),
+                ),
+                (true, _) => text("started".into()),
+                (false, _) => text(long_answer()),
+            });
+        };
+        let shown = &request.messages[trigger].content;
+        let reports: Value =
+            serde_json::from_str(&shown[shown.find("\n[").unwrap() + 1..]).unwrap();
+        let run = reports[0]["report"]["results"][0]["run_id"].clone();
+        let pages: Vec<Value> = (request.messages[trigger..].iter())
+            .filter(|m| m.role == ratchet_core::Role::Tool)
+            .map(|m| serde_json::from_str(&m.content).unwrap())
+            .collect();
+        let next = match pages.last() {
+            None => json!(0),
+            Some(page) => page["next_offset"].clone(),
+        };
+        if !next.is_null() {
+            let arguments = json!({"action": "get_result", "run_id": run, "offset": next});
+            return Ok(call("agent_task", arguments));
+        }
+        let read: String = pages
+            .iter()
+            .map(|p| p["answer"].as_str().unwrap())
+            .collect();
+        Ok(text(format!(
+            "read {} bytes in {} pages, whole: {}",
+            read.len(),
+            pages.len(),
+            read == long_answer()
+        )))
+    }
+}
+
+/// A report whose answer is longer than the trigger holds: the trigger carries a part and
+/// says where the rest is, and the continuation reads it whole through `agent_task
+/// get_result`, one page at a time, no page cut on its way to the model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continuation_reads_a_long_report_whole_a_page_at_a_time() {
+    let server = Server::launch(
+        quick_script(),
+        |_, models| models.register("reader", Arc::new(PagingReader)),
+        |template, dir| {
+            let mut template = template.clone();
+            template.model = "reader".into();
+            template.limits.max_tool_result_bytes = 8_192;
+            let mut worker = agent("worker", &template, dir, answer("unused"), Vec::new());
+            worker.config.model = "reader".into();
+            let mut lead = agent(
+                "lead",
+                &template,
+                dir,
+                answer("unused"),
+                vec![worker.clone()],
+            );
+            lead.config.model = "reader".into();
+            vec![lead, worker]
+        },
+    )
+    .await;
+    let created = create_session_with(&server, TOKEN_A, json!({"agent": "lead"})).await;
+    let session = created.body["id"].as_str().unwrap().to_owned();
+    let root = server.send(TOKEN_A, &session, "start the work").await["run_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(server.finish(&root).await["final_answer"], "started");
+    let settle = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    let continuation = loop {
+        let inbox = (server.get_ok(TOKEN_A, &format!("/v1/sessions/{session}/inbox"))).await;
+        if let Some(run) = inbox["items"][0]["lease_run_id"].as_str() {
+            break run.to_owned();
+        }
+        assert!(
+            tokio::time::Instant::now() < settle,
+            "no continuation: {inbox}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    let turn = server.finish(&continuation).await;
+    let whole = long_answer().len();
+    let pages = whole.div_ceil(8_192 / 2 - 512);
+    assert_eq!(
+        turn["final_answer"],
+        format!("read {whole} bytes in {pages} pages, whole: true"),
+        "{turn}"
+    );
+    let trigger = server
+        .get_ok(TOKEN_A, &format!("/v1/runs/{continuation}/steps/1"))
+        .await;
+    let shown = trigger.to_string();
+    assert!(
+        shown.contains(&format!("of {whole} bytes")) && !shown.contains(&long_answer()),
+        "the trigger carries a part of the answer and says how long it is: {shown}"
+    );
+}
+
 /// A continuation whose model call keeps failing: the failed turn gives its report back, a
 /// later turn tries again, and after the last attempt the report goes to the dead letter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

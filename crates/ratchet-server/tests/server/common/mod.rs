@@ -161,7 +161,7 @@ impl Server {
 
     /// Like `ratchet serve` listening on loopback (as this server does), webhooks may be
     /// created to loopback.
-    async fn launch(
+    pub async fn launch(
         script: Value,
         configure: impl FnOnce(&mut RunConfigSnapshot, &Models),
         catalog: impl FnOnce(&RunConfigSnapshot, &Path) -> Vec<AgentProfile>,
