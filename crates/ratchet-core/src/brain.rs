@@ -127,21 +127,49 @@ fn next_model_call(state: &AgentState) -> Instruction {
     if spent {
         return Instruction::Finish(StopReason::BudgetExhausted);
     }
-    if reached(
-        counters.context_tokens.saturating_add(1),
-        limits.max_prompt_tokens,
-    ) {
-        return if state.just_compacted {
-            Instruction::Finish(StopReason::BudgetExhausted)
-        } else {
-            Instruction::CompressContext
-        };
+    match prompt_fit(state, counters.context_tokens) {
+        PromptFit::Fits => {}
+        PromptFit::Compact => return Instruction::CompressContext,
+        PromptFit::TooLong => return Instruction::Finish(StopReason::BudgetExhausted),
     }
     let model_step = state.step_index + 1;
     let conclude = model_step + 2 > limits.max_steps
         || reached(counters.model_calls + 1, limits.max_model_calls)
         || reached(counters.tool_calls, limits.max_tool_calls);
     Instruction::CallLlm { conclude }
+}
+
+/// How a prompt of `tokens` stands against the run's prompt budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptFit {
+    Fits,
+    /// Over the budget: compact the context before the model is called.
+    Compact,
+    /// Still over right after a compaction: the run stops.
+    TooLong,
+}
+
+/// Judged before every model call: by the run's estimate of its prompt, or — before its first
+/// model call, when it has none yet — by the size of the context the call would send
+/// (`prompt_estimate`), so that a long history or a large trigger is compacted too.
+pub fn prompt_fit(state: &AgentState, tokens: u64) -> PromptFit {
+    let over =
+        (state.limits().max_prompt_tokens).is_some_and(|max| tokens.saturating_add(1) >= max);
+    match (over, state.just_compacted) {
+        (false, _) => PromptFit::Fits,
+        (true, false) => PromptFit::Compact,
+        (true, true) => PromptFit::TooLong,
+    }
+}
+
+/// The estimated tokens of a prompt: the system prompt and `messages`.
+pub fn prompt_estimate(system_prompt: &str, messages: &[crate::Message]) -> u64 {
+    let system = (system_prompt.len() as u64).div_ceil(4);
+    system
+        + messages
+            .iter()
+            .map(crate::Message::estimated_tokens)
+            .sum::<u64>()
 }
 
 fn completed_by_tool(state: &AgentState) -> bool {
@@ -215,6 +243,36 @@ mod tests {
 
     /// Every combination of the inputs the Brain looks at, with the expected instruction
     /// computed independently from the written rules.
+    #[test]
+    fn a_prompt_is_judged_against_its_budget_once_compacted_or_not() {
+        let mut s = state(50);
+        assert_eq!(
+            prompt_fit(&s, u64::MAX),
+            PromptFit::Fits,
+            "no budget, no limit"
+        );
+        let mut config = s.config.as_ref().clone();
+        config.limits.max_prompt_tokens = Some(100);
+        s.config = std::sync::Arc::new(config);
+        for (tokens, compacted, fit) in [
+            (0, false, PromptFit::Fits),
+            (98, false, PromptFit::Fits),
+            (99, false, PromptFit::Compact),
+            (5_000, false, PromptFit::Compact),
+            (98, true, PromptFit::Fits),
+            (99, true, PromptFit::TooLong),
+        ] {
+            s.just_compacted = compacted;
+            assert_eq!(
+                prompt_fit(&s, tokens),
+                fit,
+                "{tokens} tokens, compacted {compacted}"
+            );
+        }
+        let messages = [crate::Message::user("x".repeat(40))];
+        assert_eq!(prompt_estimate(&"y".repeat(8), &messages), 2 + 10 + 4);
+    }
+
     #[test]
     fn decision_table_is_exhaustive_over_its_inputs() {
         let phases = Phase::ALL;

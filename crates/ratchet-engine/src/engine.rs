@@ -12,19 +12,20 @@ use opentelemetry::Context;
 use opentelemetry::trace::FutureExt as _;
 use ratchet_core::batch::{SlotPlan, call_key, plan_batch, step_key, unknown_call};
 use ratchet_core::bounds::sent_to_model;
+use ratchet_core::brain::PromptFit;
 use ratchet_core::delegation::{
     AGENT_TASK_TOOL, ChildRun, DELEGATE_TOOL, DelegationMode, EMIT_SIGNAL_TOOL, await_children,
     background_started, start_in_background,
 };
 use ratchet_core::step::{
     CallEnding, Compaction, after_compaction, after_model, after_tools, ask_approval_step,
-    await_reconciliation, cut_off_step, untold_endings,
+    await_reconciliation, cut_off_step, finish_step, untold_endings,
 };
 use ratchet_core::timer::{WAIT_TOOL, await_timer, plan_waits, wake_step};
 use ratchet_core::{
     AfterUnknown, AgentState, CallLimits, EventDraft, EventKind, HumanRequest, Instruction,
-    Message, ReplayPolicy, RunConfigSnapshot, RunStatus, SessionId, StepJob, StepResult, ToolCall,
-    ToolDelegation, ToolOutcome, UnknownCall, after_unknown, decide,
+    Message, ReplayPolicy, RunConfigSnapshot, RunStatus, SessionId, StepJob, StepResult,
+    StopReason, ToolCall, ToolDelegation, ToolOutcome, UnknownCall, after_unknown, decide,
 };
 use ratchet_llm::ModelRequest;
 use ratchet_store::{Claim, ClaimedStep, Intent, IntentKind, IntentRecord, StoredMessage};
@@ -263,6 +264,32 @@ impl Engine {
         };
         let messages = sent_to_model(context.clone(), state.config.limits.max_tool_result_bytes);
         let system_prompt = state.config.system_prompt.clone();
+        // Before its first model call a run has no measure of its prompt: the context it
+        // would send is measured, and compacted first when it is over the budget.
+        if state.counters.context_tokens == 0 {
+            let tokens = ratchet_core::brain::prompt_estimate(&system_prompt, &messages);
+            match ratchet_core::brain::prompt_fit(state, tokens) {
+                PromptFit::Fits => {}
+                PromptFit::Compact => {
+                    let mut measured = claimed.clone();
+                    measured.state.counters.context_tokens = tokens;
+                    let result = self.compress(&measured, started, cancel).await?;
+                    return Ok(Executed {
+                        result,
+                        context: None,
+                    });
+                }
+                PromptFit::TooLong => {
+                    let reason = StopReason::BudgetExhausted;
+                    let now = self.coordinator.now();
+                    let result = finish_step(state.clone(), &claimed.job, reason, started, now);
+                    return Ok(Executed {
+                        result,
+                        context: Some(context),
+                    });
+                }
+            }
+        }
         let (reply, delta) = self
             .invoke_model(claimed, system_prompt, messages, tools, true, cancel)
             .await?;

@@ -710,6 +710,61 @@ impl ratchet_llm::Model for Recorder {
     }
 }
 
+/// A run has measured no prompt before its first model call: the history it would send is
+/// measured then, and compacted first when it is over the budget (a later run of a session
+/// here, whose history of earlier turns is over it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runs_first_model_call_is_compacted_when_its_history_is_over_the_budget() {
+    let recorder = Recorder::new(0);
+    let model = Arc::clone(&recorder);
+    let server = Server::start_with(quick_script(), move |template, models| {
+        template.model = "recorder".into();
+        template.limits.max_prompt_tokens = Some(120);
+        models.register("recorder", model);
+    })
+    .await;
+    let session = server.create_session(TOKEN_A).await;
+    let mut runs = Vec::new();
+    for turn in 0..4 {
+        let content = format!("turn {turn}: {}", "a long enough question ".repeat(6));
+        let accepted = server.send(TOKEN_A, &session, &content).await;
+        let run = accepted["run_id"].as_str().unwrap().to_owned();
+        let ended = server.finish(&run).await;
+        assert_eq!(ended["status"], "completed", "{ended}");
+        runs.push(run);
+    }
+    let first_steps = |run: &str| {
+        let path = format!("/v1/runs/{run}/steps?limit=10");
+        let server = &server;
+        async move {
+            let steps = server.get_ok(TOKEN_A, &path).await;
+            (steps["items"].as_array().unwrap().iter())
+                .map(|s| s["instruction"].as_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        }
+    };
+    let mut steps = Vec::new();
+    for run in &runs {
+        steps.push(first_steps(run).await);
+    }
+    assert_eq!(steps[0], ["call_llm"], "a short history fits");
+    assert!(
+        steps.contains(&vec!["compress_context".to_owned(), "call_llm".to_owned()]),
+        "a long history is compacted before the run's first model call: {steps:?}"
+    );
+    let requests = recorder.requests.lock().unwrap().clone();
+    for request in requests
+        .iter()
+        .filter(|r| !r.system_prompt.starts_with("You compress"))
+    {
+        let estimate: u64 = request.messages.iter().map(|m| m.estimated_tokens()).sum();
+        assert!(
+            estimate < 120,
+            "every prompt is within its budget: {estimate}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_over_its_budget_is_compacted_into_a_hidden_summary() {
     let recorder = Recorder::new(6);
