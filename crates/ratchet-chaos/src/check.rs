@@ -55,6 +55,10 @@ pub struct Tally {
     pub cancels_across_processes: usize,
     /// Results that told the model a call was not run (each of a call that never started).
     pub told_not_run: usize,
+    /// Schedules and webhooks created under a key during the kills, and how often one was
+    /// sent again after no answer came.
+    pub keyed_creations: usize,
+    pub keyed_creation_resends: usize,
 }
 
 /// The event kinds counted in the tally: each is a path the workload is meant to exercise.
@@ -346,6 +350,62 @@ fn check_timers(
             set.len()
         ));
     }
+}
+
+/// What was created under a key during the kills: each schedule's message and each webhook's
+/// URL, with the id its answer named.
+#[derive(Debug, Default)]
+pub struct KeyedCreations {
+    pub schedules: Vec<(String, String)>,
+    pub webhooks: Vec<(String, String)>,
+    pub resends: usize,
+}
+
+/// Invariant 23 across kills: each keyed creation, however often it was sent again, made one
+/// schedule or webhook — the one its answer named.
+pub async fn check_keyed_creations(
+    store: &dyn Reads,
+    created: &KeyedCreations,
+    webhooks: &[Value],
+    tally: &mut Tally,
+    violations: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    let mut schedules = Vec::new();
+    loop {
+        let after = schedules
+            .last()
+            .map(|s: &ratchet_store::Schedule| s.id.clone());
+        let page = (store.schedules(ratchet_store::DEFAULT_TENANT, after.as_ref(), 200)).await?;
+        if page.is_empty() {
+            break;
+        }
+        schedules.extend(page);
+    }
+    for (message, id) in &created.schedules {
+        let made: Vec<&str> = (schedules.iter())
+            .filter(|s| s.spec.message == *message)
+            .map(|s| s.id.as_str())
+            .collect();
+        if made != [id.as_str()] {
+            violations.push(format!(
+                "invariant 23: the keyed schedule {message:?} made {made:?}, expected only the one its answer named ({id})"
+            ));
+        }
+    }
+    for (url, id) in &created.webhooks {
+        let made: Vec<&str> = (webhooks.iter())
+            .filter(|w| w["url"] == url.as_str())
+            .filter_map(|w| w["id"].as_str())
+            .collect();
+        if made != [id.as_str()] {
+            violations.push(format!(
+                "invariant 23: the keyed webhook to {url} made {made:?}, expected only the one its answer named ({id})"
+            ));
+        }
+    }
+    tally.keyed_creations = created.schedules.len() + created.webhooks.len();
+    tally.keyed_creation_resends = created.resends;
+    Ok(())
 }
 
 /// The runs the chaos schedule fired (`RunSummary::schedule_id` is `schedule`): each slot

@@ -58,6 +58,16 @@ pub struct SessionLog {
     pub problems: Vec<String>,
 }
 
+/// A keyed POST's answer.
+#[derive(Debug)]
+pub struct Sent {
+    pub answer: Value,
+    /// How many times it was sent again after no answer came.
+    pub resends: usize,
+    /// Whether the answer was a kept response or a recorded effect's.
+    pub replayed: bool,
+}
+
 #[derive(Debug)]
 pub struct RunLog {
     pub run_id: String,
@@ -287,23 +297,43 @@ impl Clients {
     ) -> anyhow::Result<String> {
         let path = format!("/v1/sessions/{}/messages", log.session_id);
         let body = json!({"content": message, "multitask": multitask});
-        let key = format!("message-{}", plan.tag);
+        let sent = self
+            .keyed_post(&path, &format!("message-{}", plan.tag), &body)
+            .await?;
+        log.message_resends += sent.resends;
+        log.message_replays += usize::from(sent.replayed);
+        text(&sent.answer, "run_id")
+    }
+
+    /// POSTs `body` under `key`, and again under the same key until an answer comes back:
+    /// a connection lost with a killed process, or a key its dead holder still holds, is sent
+    /// again. A refusal is an error.
+    pub async fn keyed_post(&self, path: &str, key: &str, body: &Value) -> anyhow::Result<Sent> {
+        let mut resends = 0;
         loop {
             let request = (self.http.post(format!("{}{path}", self.api)))
-                .header("idempotency-key", &key)
-                .json(&body);
-            let Ok(response) = request.send().await else {
+                .header("idempotency-key", key)
+                .json(body);
+            let answered = match request.send().await {
+                Ok(response) => {
+                    let (status, replayed) = (
+                        response.status(),
+                        response.headers().contains_key("idempotent-replayed"),
+                    );
+                    response
+                        .bytes()
+                        .await
+                        .ok()
+                        .map(|bytes| (status, replayed, bytes))
+                }
+                Err(_) => None,
+            };
+            let Some((status, replayed, bytes)) = answered else {
                 if Instant::now() >= self.deadline {
                     bail!("POST {path} got no answer by the deadline");
                 }
-                log.message_resends += 1;
+                resends += 1;
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            };
-            let status = response.status();
-            let replayed = response.headers().contains_key("idempotent-replayed");
-            let Ok(bytes) = response.bytes().await else {
-                log.message_resends += 1;
                 continue;
             };
             let answer: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
@@ -315,9 +345,18 @@ impl Clients {
             if !status.is_success() {
                 bail!("POST {path}: {status} {answer}");
             }
-            log.message_replays += usize::from(replayed);
-            return text(&answer, "run_id");
+            return Ok(Sent {
+                answer,
+                resends,
+                replayed,
+            });
         }
+    }
+
+    /// Every webhook of the (default) tenant.
+    pub async fn webhooks(&self) -> anyhow::Result<Vec<Value>> {
+        let listed = self.retrying(Method::GET, "/v1/webhooks", None).await?;
+        Ok(listed["items"].as_array().cloned().unwrap_or_default())
     }
 
     /// Creates a schedule; its id.

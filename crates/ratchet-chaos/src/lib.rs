@@ -140,6 +140,11 @@ impl fmt::Display for Report {
             self.tally.cancels_across_processes,
             self.tally.told_not_run
         )?;
+        writeln!(
+            f,
+            "keyed schedules and webhooks: {} created across kills, {} sent again after no answer, one each",
+            self.tally.keyed_creations, self.tally.keyed_creation_resends
+        )?;
         writeln!(f, "stop reasons: {}", reasons.join(", "))?;
         let paths: Vec<String> = self
             .tally
@@ -157,6 +162,9 @@ impl fmt::Display for Report {
 
 /// How often the chaos schedule fires.
 const SCHEDULE_EVERY_MS: i64 = 1000;
+/// How often, all through the kills, a schedule and a webhook are created under keys of their
+/// own (each sent again across kills until it is answered).
+const KEYED_CREATION_EVERY: Duration = Duration::from_secs(4);
 
 pub async fn run(options: Options) -> anyhow::Result<Report> {
     let stop_model = CancellationToken::new();
@@ -222,6 +230,11 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
         })
     };
 
+    let creating = tokio::spawn(create_keyed(
+        Arc::clone(&schedule_client),
+        kills_over.clone(),
+    ));
+
     let started = Instant::now();
     let mut kills = 0;
     while started.elapsed() < options.duration && !clients_done.is_cancelled() {
@@ -249,6 +262,10 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
         .settle_schedule(&schedule)
         .await
         .context("pausing the chaos schedule")?;
+    let created = creating
+        .await?
+        .context("creating keyed schedules and webhooks")?;
+    let webhooks = schedule_client.webhooks().await?;
     fleet.stop().await?;
 
     let rounds_asked = model.rounds_asked();
@@ -270,6 +287,14 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
         &mut violations,
     )
     .await?;
+    check::check_keyed_creations(
+        store.as_ref(),
+        &created,
+        &webhooks,
+        &mut tally,
+        &mut violations,
+    )
+    .await?;
     violations.extend(model.violations());
     violations.extend(logs.iter().flat_map(|log| log.problems.iter().cloned()));
     Ok(Report {
@@ -281,6 +306,37 @@ pub async fn run(options: Options) -> anyhow::Result<Report> {
         chaos,
         violations,
     })
+}
+
+/// Creates a paused schedule and a webhook (sent only `session.closed`, which the chaos never
+/// writes) every `KEYED_CREATION_EVERY` until `stop`, each under a key of its own.
+async fn create_keyed(
+    clients: Arc<Clients>,
+    stop: CancellationToken,
+) -> anyhow::Result<check::KeyedCreations> {
+    let mut created = check::KeyedCreations::default();
+    for i in 1.. {
+        tokio::select! {
+            () = tokio::time::sleep(KEYED_CREATION_EVERY) => {}
+            () = stop.cancelled() => break,
+        }
+        let message = format!("keyed schedule {i}");
+        let body = json!({"message": message, "every_ms": 3_600_000, "session": "new",
+            "overlap": "enqueue", "catch_up": "skip", "paused": true});
+        let sent = (clients.keyed_post("/v1/schedules", &format!("schedule-{i}"), &body)).await?;
+        created.resends += sent.resends;
+        created.schedules.push((message, id_in(&sent.answer)?));
+        let url = format!("http://127.0.0.1:9/keyed-{i}");
+        let body = json!({"url": url, "events": ["session.closed"]});
+        let sent = (clients.keyed_post("/v1/webhooks", &format!("webhook-{i}"), &body)).await?;
+        created.resends += sent.resends;
+        created.webhooks.push((url, id_in(&sent.answer)?));
+    }
+    Ok(created)
+}
+
+fn id_in(answer: &serde_json::Value) -> anyhow::Result<String> {
+    (answer["id"].as_str().map(str::to_owned)).with_context(|| format!("no id in {answer}"))
 }
 
 /// `runs` plans in sessions of one to three runs; tags name the session and the run. One

@@ -408,7 +408,7 @@ mod tests {
                 payload: json!({"runs": []}),
             },
         ];
-        let trigger = ratchet_core::inbox::continuation_trigger(&reports, 1000);
+        let (trigger, _) = ratchet_core::inbox::continuation_trigger(&reports, 1000);
         assert_eq!(trigger_events(&trigger), [12, 40], "{trigger}");
         let messages = [
             json!({"role": "user", "content": "chaos d1r0"}),

@@ -347,7 +347,9 @@ impl Tables {
         let (run_id, message_id) = continuation_ids(now, first.id, i64::from(*attempts))
             .map_err(|e| Error::Corrupt(e.to_string()))?;
         let events: Vec<DueEvent> = due.into_iter().map(|(e, _)| e).collect();
-        let trigger = continuation_trigger(&events, trigger_budget(&config.limits));
+        // The turn takes the events its trigger carries; the rest wait for the next one.
+        let (trigger, carried) = continuation_trigger(&events, trigger_budget(&config.limits));
+        let events = &events[..carried];
         let (state, created) = self.insert_queued_run(
             session,
             &run_id,

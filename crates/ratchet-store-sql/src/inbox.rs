@@ -385,12 +385,15 @@ pub(crate) fn start_continuation(
     let (run_id, message_id) =
         continuation_ids(now, first.id, *attempts).map_err(|e| Error::Corrupt(e.to_string()))?;
     let events: Vec<DueEvent> = due.iter().map(|(e, _)| e.clone()).collect();
+    // The turn takes the events its trigger carries; the rest wait for the next one.
+    let (trigger, carried) = continuation_trigger(&events, trigger_budget(&config.limits));
+    let events = &events[..carried];
     let (state, created) = insert_queued_run(
         c,
         session,
         &run_id,
         message_id.as_str(),
-        &continuation_trigger(&events, trigger_budget(&config.limits)),
+        &trigger,
         config,
         None,
         now,
