@@ -241,8 +241,6 @@ mod tests {
         }
     }
 
-    /// Every combination of the inputs the Brain looks at, with the expected instruction
-    /// computed independently from the written rules.
     #[test]
     fn a_prompt_is_judged_against_its_budget_once_compacted_or_not() {
         let mut s = state(50);
@@ -273,6 +271,8 @@ mod tests {
         assert_eq!(prompt_estimate(&"y".repeat(8), &messages), 2 + 10 + 4);
     }
 
+    /// Every combination of the inputs the Brain looks at, with the expected instruction
+    /// computed independently from the written rules.
     #[test]
     fn decision_table_is_exhaustive_over_its_inputs() {
         let phases = Phase::ALL;

@@ -960,15 +960,20 @@ pub fn cut_off_step(
 
 /// How the calls of the batch the run holds stand, when the model has not been handed its
 /// results yet and the step of `phase` ends the run before running it: a model call asked for
-/// it (none ran), or a human, the children or a wait ended (the rest ran before). A call with
-/// an outcome is known; the wait or the delegation the run waited on ran, with no outcome
-/// recorded; any other call never started. None when the model was handed the batch's results
-/// (or the calls were never shown to it as made: a concluding call's).
+/// it (none ran), a human, the children or a wait ended (the rest ran before), or a cancel
+/// came while the step that parked the batch (for a human, a timer or children) was in
+/// flight. A call with an outcome is known; the wait or the delegation the run waited on ran,
+/// with no outcome recorded; any other call never started (a `never` call's intent says
+/// otherwise: the engine reads it). None when the model was handed the batch's results (or
+/// the calls were never shown to it as made: a concluding call's).
 pub fn untold_endings(state: &AgentState, phase: Phase) -> Option<Vec<CallEnding>> {
     let checkpoint = state.checkpoint.as_ref()?;
     let waited = matches!(phase, Phase::ChildrenJoined | Phase::WaitEnded);
     let untold = checkpoint.cut_off
-        || (matches!(phase, Phase::LlmResult | Phase::HumanDecided) || waited)
+        || (matches!(
+            phase,
+            Phase::LlmResult | Phase::HumanDecided | Phase::Cancel
+        ) || waited)
             && !state.force_finish;
     untold.then(|| {
         (checkpoint.calls.iter())
@@ -1391,6 +1396,25 @@ mod tests {
                 "{phase:?}"
             );
         }
+        // A cancel came while the step that parked the batch (for a human, a timer, children)
+        // was in flight: what ran is told, and the `never` call whose intent the engine found
+        // without an outcome is told that its outcome is unknown — never "not run".
+        let (mut state, mut job) = cut_batch();
+        state.checkpoint.as_mut().unwrap().calls[1].outcome = Some(ToolOutcome::ok("booked"));
+        job.phase = Phase::Cancel;
+        let mut endings = untold_endings(&state, job.phase).expect("the batch is untold");
+        assert_eq!(endings[1], CallEnding::Known(ToolOutcome::ok("booked")));
+        assert_eq!(
+            endings[0],
+            CallEnding::NotStarted,
+            "as far as the state knows"
+        );
+        endings[0] = CallEnding::CutOff;
+        let result = cut_off_step(state, &job, StopReason::Cancelled, Some(endings), 10, 11);
+        let told = results(&result);
+        assert!(told[0].1.starts_with("outcome unknown"), "{told:?}");
+        assert_eq!(told[1].1, "booked");
+        assert!(told[2].1.starts_with("not run"), "{told:?}");
         // Asked for but never run: each call is told it did not run.
         let (state, job) = cut_batch();
         let result = cut_off_step(state, &job, StopReason::Cancelled, None, 10, 11);

@@ -341,9 +341,7 @@ impl AgentTask {
             }
         }
     }
-}
 
-impl AgentTask {
     /// The run `wanted` names if it was started from `session`'s trees (and is not the
     /// caller), or the refusal the model reads.
     async fn reported(

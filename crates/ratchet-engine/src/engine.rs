@@ -174,14 +174,18 @@ impl Engine {
                 .await?;
         let result = match instruction {
             // A batch the model was not handed yet is settled as the run ends (invariant 24),
-            // with what an earlier attempt of this step recorded of its `never` calls.
+            // with what an earlier attempt recorded of its `never` calls: an earlier attempt
+            // of this step, or the step that parked the batch when a cancel came.
             Instruction::Finish(reason) => {
-                let endings = untold_endings(&claimed.state, claimed.job.phase);
+                let (state, job) = (&claimed.state, &claimed.job);
+                let endings = untold_endings(state, job.phase);
                 let endings = match endings {
-                    Some(endings) if claimed.job.attempt > 1 => {
-                        let state = &claimed.state;
+                    Some(endings) if job.attempt > 1 || job.phase == ratchet_core::Phase::Cancel => {
+                        let batch_step = (state.checkpoint.as_ref())
+                            .and_then(|c| c.key_step)
+                            .unwrap_or(job.step_index);
                         let store = self.coordinator.store();
-                        let intents = store.intents(&state.run_id, claimed.job.step_index).await?;
+                        let intents = store.intents(&state.run_id, batch_step).await?;
                         Some(with_intents(endings, &intents))
                     }
                     endings => endings,

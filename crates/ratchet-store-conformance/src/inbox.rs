@@ -409,6 +409,45 @@ pub async fn a_group_reports_once_when_its_last_run_ends(store: &dyn Store) {
     continuation_holding(store, &session, &[reported[0].id]).await;
 }
 
+/// A continuation takes only the due events its trigger can carry within its budget (here a
+/// prompt budget so small that one event's worth is all it shows); the others stay pending,
+/// and the next turn takes them once it has ended.
+pub async fn a_continuation_takes_only_the_reports_its_trigger_carries(store: &dyn Store) {
+    let session = new_session(store).await;
+    let mut config = inbox_config(InboxPolicy::default());
+    config.limits.max_prompt_tokens = Some(1);
+    let (parent, _) = submit(store, &session, "start work", config, T0).await;
+    let children = background(store, &parent, 2, CompletionPolicy::Each, T0 + 10)
+        .await
+        .unwrap();
+    end_child(store, &children[0], Ok("first"), T0 + 20).await;
+    end_child(store, &children[1], Ok("second"), T0 + 30).await;
+    let reported = inbox(store, &session).await;
+    assert_eq!(
+        statuses(&reported),
+        [InboxStatus::Pending, InboxStatus::Pending],
+        "the session is busy: both reports wait"
+    );
+    let step = claim_own(store, &parent, T0 + 40).await;
+    finish_claimed(store, &step, Ok("they ran"), T0 + 40).await;
+    let first = continuation_holding(store, &session, &[reported[0].id]).await;
+    let trigger = store.context(&session, &first).await.unwrap();
+    let shown = &trigger.last().unwrap().message.content;
+    assert!(
+        shown.contains(&format!("\"event\": {}", reported[0].id))
+            && !shown.contains(&format!("\"event\": {}", reported[1].id)),
+        "the trigger shows what the turn holds: {shown}"
+    );
+    assert_eq!(
+        inbox(store, &session).await[1].status,
+        InboxStatus::Pending,
+        "the report the trigger could not carry waits"
+    );
+    let turn = claim_own(store, &first, T0 + 50).await;
+    finish_claimed(store, &turn, Ok("told the first"), T0 + 50).await;
+    continuation_holding(store, &session, &[reported[1].id]).await;
+}
+
 /// A session whose first run started `tasks` background runs (`each`) and answered, the first
 /// of which has reported: a continuation turn holds its report. Returns the session, its first
 /// run and the report's event.

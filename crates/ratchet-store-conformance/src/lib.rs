@@ -111,6 +111,7 @@ macro_rules! store_conformance_tests {
             a_delegated_run_is_not_continued_on_its_own,
             a_full_inbox_refuses_background_work_and_never_loses_an_accepted_report,
             a_group_reports_once_when_its_last_run_ends,
+            a_continuation_takes_only_the_reports_its_trigger_carries,
             a_failing_continuation_is_retried_then_dead_lettered,
             a_stopped_continuation_gives_its_reports_back_for_after_the_next_user_turn,
             a_continuation_that_fails_after_answering_in_part_tells_its_report_once,

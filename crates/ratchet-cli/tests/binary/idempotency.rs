@@ -291,6 +291,15 @@ async fn keyed_across_a_death(
     (status, answer, next)
 }
 
+/// The ids of a list's `items`.
+#[cfg(feature = "failpoints")]
+async fn listed_ids(http: &reqwest::Client, url: &str) -> Vec<String> {
+    let listed: Value = http.get(url).send().await.unwrap().json().await.unwrap();
+    (listed["items"].as_array().unwrap().iter())
+        .map(|item| item["id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
 /// A keyed schedule creation and a keyed trigger whose process died between their commit and
 /// their answer are carried out once: one schedule, one manual slot.
 #[cfg(feature = "failpoints")]
@@ -302,17 +311,7 @@ async fn keyed_schedules_across_deaths(database: Database) {
     let (status, created, server) =
         keyed_across_a_death(dir.path(), &database, "/v1/schedules", "create-1", &body).await;
     assert_eq!(status, 201, "{created}");
-    let listed: Value = (http
-        .get(format!("{}/v1/schedules", server.base))
-        .send()
-        .await)
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let ids: Vec<&str> = (listed["items"].as_array().unwrap().iter())
-        .map(|s| s["id"].as_str().unwrap())
-        .collect();
+    let ids = listed_ids(&http, &format!("{}/v1/schedules", server.base)).await;
     assert_eq!(ids, [created["id"].as_str().unwrap()], "one schedule");
     server.kill();
 
@@ -402,16 +401,7 @@ async fn keyed_continue_and_webhooks_across_deaths(database: Database) {
     assert_eq!(status, 201, "{created}");
     assert_eq!(created["secret_withheld"], true, "{created}");
     assert!(created.get("secret").is_none(), "{created}");
-    let listed: Value = (http.get(format!("{}/v1/webhooks", server.base)))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let ids: Vec<&str> = (listed["items"].as_array().unwrap().iter())
-        .map(|w| w["id"].as_str().unwrap())
-        .collect();
+    let ids = listed_ids(&http, &format!("{}/v1/webhooks", server.base)).await;
     assert_eq!(ids, [created["id"].as_str().unwrap()], "one webhook");
     server.kill();
 
