@@ -969,11 +969,11 @@ pub fn cut_off_step(
 pub fn untold_endings(state: &AgentState, phase: Phase) -> Option<Vec<CallEnding>> {
     let checkpoint = state.checkpoint.as_ref()?;
     let waited = matches!(phase, Phase::ChildrenJoined | Phase::WaitEnded);
+    // A cancel's step follows any step: the batch is untold when that step parked it (a call
+    // still without an outcome), not when it handed every result to the model.
+    let parked = phase == Phase::Cancel && checkpoint.calls.iter().any(|c| c.outcome.is_none());
     let untold = checkpoint.cut_off
-        || (matches!(
-            phase,
-            Phase::LlmResult | Phase::HumanDecided | Phase::Cancel
-        ) || waited)
+        || (matches!(phase, Phase::LlmResult | Phase::HumanDecided) || waited || parked)
             && !state.force_finish;
     untold.then(|| {
         (checkpoint.calls.iter())
@@ -1410,11 +1410,23 @@ mod tests {
             "as far as the state knows"
         );
         endings[0] = CallEnding::CutOff;
-        let result = cut_off_step(state, &job, StopReason::Cancelled, Some(endings), 10, 11);
+        let result = cut_off_step(
+            state.clone(),
+            &job,
+            StopReason::Cancelled,
+            Some(endings),
+            10,
+            11,
+        );
         let told = results(&result);
         assert!(told[0].1.starts_with("outcome unknown"), "{told:?}");
         assert_eq!(told[1].1, "booked");
         assert!(told[2].1.starts_with("not run"), "{told:?}");
+        // A cancel after a step that handed every result to the model tells nothing again.
+        for progress in &mut state.checkpoint.as_mut().unwrap().calls {
+            progress.outcome = Some(ToolOutcome::ok("done"));
+        }
+        assert_eq!(untold_endings(&state, Phase::Cancel), None);
         // Asked for but never run: each call is told it did not run.
         let (state, job) = cut_batch();
         let result = cut_off_step(state, &job, StopReason::Cancelled, None, 10, 11);

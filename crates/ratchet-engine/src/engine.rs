@@ -180,7 +180,9 @@ impl Engine {
                 let (state, job) = (&claimed.state, &claimed.job);
                 let endings = untold_endings(state, job.phase);
                 let endings = match endings {
-                    Some(endings) if job.attempt > 1 || job.phase == ratchet_core::Phase::Cancel => {
+                    Some(endings)
+                        if job.attempt > 1 || job.phase == ratchet_core::Phase::Cancel =>
+                    {
                         let batch_step = (state.checkpoint.as_ref())
                             .and_then(|c| c.key_step)
                             .unwrap_or(job.step_index);
